@@ -1,0 +1,87 @@
+"""The backbone contract every algorithm relies on.
+
+A batch is ``(inputs, targets)``: ``inputs`` is a tensor or a dict of tensors (tokenized text) whose
+leading dimension is the batch (it may be 0 under Poisson sampling), ``targets`` a LongTensor.
+A backbone maps ``inputs`` to logits and gives one loss per example; ZO algorithms only ever need
+the per-example losses, evaluation needs the predictions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Union
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Inputs = Union[Tensor, Mapping[str, Tensor]]
+
+
+def batch_size_of(inputs: Inputs) -> int:
+    """Leading dimension of a tensor or of the first tensor of a dict."""
+    if isinstance(inputs, Tensor):
+        return inputs.shape[0]
+    return next(iter(inputs.values())).shape[0]
+
+
+class Backbone(nn.Module):
+    """Base class: subclasses implement ``forward(inputs) -> logits [B, num_classes]``.
+
+    Override :meth:`per_example_loss` or :meth:`predict` for heads that are not plain
+    classification (prompt-based scoring, for example).
+    """
+
+    num_classes: int
+
+    def per_example_loss(self, inputs: Inputs, targets: Tensor) -> Tensor:
+        """Cross-entropy of each example, shape ``[B]`` (no reduction)."""
+        return F.cross_entropy(self(inputs), targets, reduction="none")
+
+    def predict(self, inputs: Inputs) -> Tensor:
+        """Class scores ``[B, num_classes]`` used for accuracy."""
+        return self(inputs)
+
+
+def per_example_loss(model: nn.Module, inputs: Inputs, targets: Tensor) -> Tensor:
+    """Per-example losses of any module: its own rule if it is a :class:`Backbone`, else cross-entropy."""
+    if hasattr(model, "per_example_loss"):
+        return model.per_example_loss(inputs, targets)
+    return F.cross_entropy(call_model(model, inputs), targets, reduction="none")
+
+
+def predict(model: nn.Module, inputs: Inputs) -> Tensor:
+    if hasattr(model, "predict"):
+        return model.predict(inputs)
+    return call_model(model, inputs)
+
+
+def call_model(model: nn.Module, inputs: Inputs) -> Any:
+    """Call a plain module on a tensor, or with keyword arguments for a dict of tensors."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(inputs)
+
+
+def num_classes_of(model: nn.Module) -> int | None:
+    """The number of output classes a model declares, if any."""
+    for attr in ("num_classes", "num_labels"):
+        value = getattr(model, attr, None)
+        if isinstance(value, int):
+            return value
+    config = getattr(model, "config", None)
+    return getattr(config, "num_labels", None)
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+__all__ = [
+    "Backbone",
+    "Inputs",
+    "batch_size_of",
+    "call_model",
+    "count_parameters",
+    "num_classes_of",
+    "per_example_loss",
+    "predict",
+]

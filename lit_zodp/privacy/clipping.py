@@ -1,0 +1,47 @@
+"""Per-example clipping, the only operation that bounds a private example's influence.
+
+``clip_C(v) = v * min(1, C / ||v||)`` (DPZero Sec. 2). On scalars this clamps to ``[-C, C]`` keeping
+the sign; ``C = inf`` is the identity. Under add/remove-one neighbours the clipped *sum* then moves
+by at most ``C`` when one example is added or removed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lit_zodp.privacy.errors import check_positive, raise_if_any
+
+
+def check_clip(clip: float) -> None:
+    raise_if_any([check_positive("clip", clip, allow_inf=True)])
+
+
+def clip_scalars(values: Tensor, clip: float) -> Tensor:
+    """Clamp each per-example scalar to ``[-clip, clip]`` (DPZero Alg. 2, line 3)."""
+    if math.isinf(clip):
+        return values
+    return values.clamp(-clip, clip)
+
+
+def clip_factors(norms: Tensor, clip: float) -> Tensor:
+    """Scale factors ``min(1, C / ||v||)``; 0-norm rows get factor 1 (no NaN)."""
+    if math.isinf(clip):
+        return torch.ones_like(norms)
+    return (clip / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp(max=1.0)
+
+
+def clip_vectors(per_example: Tensor, clip: float) -> Tensor:
+    """Clip each row ``per_example[i]`` (any trailing shape) to L2 norm at most ``clip``."""
+    norms = per_example.flatten(1).norm(dim=1)
+    factors = clip_factors(norms, clip)
+    return per_example * factors.view(-1, *([1] * (per_example.dim() - 1)))
+
+
+def clipped_fraction(values_or_norms: Tensor, clip: float) -> float:
+    """Fraction of examples whose magnitude exceeded ``clip`` (a non-private diagnostic)."""
+    if values_or_norms.numel() == 0 or math.isinf(clip):
+        return 0.0
+    return (values_or_norms.abs() > clip).float().mean().item()

@@ -1,0 +1,63 @@
+"""Configuration errors and the validation helpers that build their messages.
+
+Validation collects every problem before raising, so a bad config is fixed in one round:
+each helper returns ``None`` when the value is fine, or a message naming the bad value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+
+class PrivacyConfigError(ValueError):
+    """A privacy or training setting that cannot give the claimed guarantee."""
+
+
+class AccountingError(RuntimeError):
+    """The accountant could not compute epsilon or calibrate sigma for these settings."""
+
+
+def raise_if_any(errors: Iterable[Optional[str]]) -> None:
+    """Raise one ``PrivacyConfigError`` listing every non-empty message."""
+    messages = [e for e in errors if e]
+    if messages:
+        raise PrivacyConfigError("Invalid configuration:\n  - " + "\n  - ".join(messages))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_positive(name: str, value, *, allow_inf: bool = False) -> Optional[str]:
+    kind = "a positive float" + (" (or inf)" if allow_inf else "")
+    if not _is_number(value) or math.isnan(value) or value <= 0:
+        return f"Expected `{name}` to be {kind}, but got {value!r}"
+    if math.isinf(value) and not allow_inf:
+        return f"Expected `{name}` to be finite, but got {value!r}"
+    return None
+
+
+def check_non_negative(name: str, value) -> Optional[str]:
+    if not _is_number(value) or math.isnan(value) or value < 0 or math.isinf(value):
+        return f"Expected `{name}` to be a finite float >= 0, but got {value!r}"
+    return None
+
+
+def check_positive_int(name: str, value) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return f"Expected `{name}` to be a positive int, but got {value!r}"
+    return None
+
+
+def check_probability(name: str, value) -> Optional[str]:
+    """A sampling rate: in (0, 1]."""
+    if not _is_number(value) or math.isnan(value) or not 0 < value <= 1:
+        return f"Expected `{name}` in (0, 1], but got {value!r}"
+    return None
+
+
+def check_delta(value) -> Optional[str]:
+    if not _is_number(value) or math.isnan(value) or not 0 < value < 1:
+        return f"Expected `delta` in (0, 1), but got {value!r}"
+    return None

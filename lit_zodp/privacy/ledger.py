@@ -1,0 +1,122 @@
+"""The privacy ledger: a run-length record of (mechanism, count), composed with the PRV accountant.
+
+Epsilon decisions use the accountant's UPPER bound (prv-accountant returns lower, estimate, upper).
+The discretised accountant is cached and rebuilt with doubled capacity when counts outgrow it, so
+asking for epsilon every step stays cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from prv_accountant import PRVAccountant
+
+from lit_zodp.privacy.errors import AccountingError, check_delta, check_positive, raise_if_any
+from lit_zodp.privacy.mechanisms import Mechanism, mechanism_from_dict, mechanism_to_dict
+
+
+@dataclass(frozen=True)
+class EpsilonBounds:
+    lower: float
+    estimate: float
+    upper: float
+
+
+class PrivacyLedger:
+    """Composes heterogeneous mechanisms; ``epsilon(delta)`` is their (epsilon, delta)-DP cost.
+
+    Args:
+        eps_error: the accountant's allowed error in epsilon (upper - estimate).
+        delta_error_ratio: the allowed error in delta, as a fraction of delta.
+    """
+
+    def __init__(self, *, eps_error: float = 0.05, delta_error_ratio: float = 1e-3) -> None:
+        raise_if_any([check_positive("eps_error", eps_error),
+                      check_positive("delta_error_ratio", delta_error_ratio)])
+        self.eps_error = eps_error
+        self.delta_error_ratio = delta_error_ratio
+        self.counts: dict[Mechanism, int] = {}
+        self._accountant: Optional[PRVAccountant] = None
+        self._accountant_key: Optional[tuple] = None
+
+    def record(self, mechanism: Mechanism, count: int = 1) -> None:
+        if count < 0:
+            raise ValueError(f"Expected a count >= 0, but got {count}")
+        if count:
+            self.counts[mechanism] = self.counts.get(mechanism, 0) + count
+
+    @property
+    def total_count(self) -> int:
+        return sum(self.counts.values())
+
+    def epsilon(self, delta: float, extra: Iterable[tuple[Mechanism, int]] = ()) -> EpsilonBounds:
+        """Bounds on epsilon(delta) of everything recorded, plus ``extra`` planned releases."""
+        raise_if_any([check_delta(delta)])
+        counts = dict(self.counts)
+        for mechanism, count in extra:
+            counts[mechanism] = counts.get(mechanism, 0) + count
+        counts = {m: c for m, c in counts.items() if c > 0}
+        if not counts:
+            return EpsilonBounds(0.0, 0.0, 0.0)
+        return compose(counts, delta, self._accountant_for(counts, delta), self)
+
+    def _accountant_for(self, counts: dict[Mechanism, int], delta: float) -> PRVAccountant:
+        mechanisms = tuple(counts)
+        delta_error = delta * self.delta_error_ratio
+        key = self._accountant_key
+        fits = (key is not None and key[0] == mechanisms and key[2] == delta_error
+                and all(c <= cap for c, cap in zip(counts.values(), key[1])))
+        if not fits:
+            capacities = tuple(_next_power_of_two(c) for c in counts.values())
+            self._accountant = _build_accountant(mechanisms, capacities, self.eps_error, delta_error)
+            self._accountant_key = (mechanisms, capacities, delta_error)
+        return self._accountant
+
+    def state_dict(self) -> dict:
+        return {
+            "eps_error": self.eps_error,
+            "delta_error_ratio": self.delta_error_ratio,
+            "entries": [{"mechanism": mechanism_to_dict(m), "count": c} for m, c in self.counts.items()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.eps_error = state["eps_error"]
+        self.delta_error_ratio = state["delta_error_ratio"]
+        self.counts = {}
+        for entry in state["entries"]:
+            self.record(mechanism_from_dict(entry["mechanism"]), int(entry["count"]))
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{m} x {c}" for m, c in self.counts.items())
+        return f"PrivacyLedger({items})"
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _build_accountant(mechanisms: Sequence[Mechanism], capacities: Sequence[int],
+                      eps_error: float, delta_error: float) -> PRVAccountant:
+    try:
+        return PRVAccountant(prvs=[m.to_prv() for m in mechanisms], max_self_compositions=list(capacities),
+                             eps_error=eps_error, delta_error=delta_error)
+    except (ValueError, RuntimeError, OverflowError, FloatingPointError) as err:
+        raise AccountingError(_extreme_message(mechanisms, capacities, err)) from err
+
+
+def compose(counts: dict[Mechanism, int], delta: float, accountant: PRVAccountant,
+            ledger: PrivacyLedger) -> EpsilonBounds:
+    try:
+        lower, estimate, upper = accountant.compute_epsilon(
+            delta=delta, num_self_compositions=list(counts.values()))
+    except (ValueError, RuntimeError, OverflowError, FloatingPointError) as err:
+        raise AccountingError(_extreme_message(list(counts), list(counts.values()), err)) from err
+    return EpsilonBounds(max(0.0, float(lower)), max(0.0, float(estimate)), float(upper))
+
+
+def _extreme_message(mechanisms, counts, err: Exception) -> str:
+    parts = ", ".join(f"{m} x {c}" for m, c in zip(mechanisms, counts))
+    return (f"The PRV accountant could not compute epsilon for [{parts}]: {err}. This happens at "
+            "extreme settings (very small noise multiplier, very small delta, or epsilon beyond "
+            "~100); use more noise, fewer steps or a larger delta.")

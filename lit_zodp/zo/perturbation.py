@@ -1,0 +1,117 @@
+"""The seeded in-place perturbation engine (the MeZO seed trick, DESIGN.md).
+
+Parameters move in place by multiples of a direction regenerated from its seed, tensor by tensor
+and chunk by chunk, under ``no_grad``: no parameter copy, no ``.grad``, no optimizer state. The
+engine remembers the perturbation it has applied (``pending``) so that the restore can be fused
+into the update: DPZero's ``+lam, -2lam, +lam, -lr*g`` costs three passes over the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from lit_zodp.zo.directions import DEFAULT_CHUNK, GaussianDirections, parameter_chunks
+
+
+class PerturbationEngine:
+    """Applies ``theta += s * u(seed)`` and fused restore-and-update passes.
+
+    Args:
+        params: the parameters, in a fixed order (the order defines the direction).
+        law: the direction law (Gaussian, sphere, ...).
+        chunk_numel: largest block generated at once; peak extra memory is one chunk.
+    """
+
+    def __init__(self, params: Sequence[Tensor], law: GaussianDirections | None = None,
+                 *, chunk_numel: int = DEFAULT_CHUNK) -> None:
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("The perturbation engine needs at least one trainable parameter")
+        self.law = law or GaussianDirections()
+        self.chunk_numel = chunk_numel
+        self.pending: dict[int, float] = {}
+        self._chunks = parameter_chunks(self.params, chunk_numel)
+        self._owner = _chunk_owners(self.params, chunk_numel)
+
+    @property
+    def dim(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @torch.no_grad()
+    def perturb_(self, seed: int, scale: float) -> None:
+        """``theta += scale * u(seed)`` in place."""
+        for chunk, u in zip(self._chunks, self.law.directions(self._chunks, seed)):
+            chunk.add_(u.to(chunk.dtype), alpha=scale)
+        self._track(seed, scale)
+
+    @torch.no_grad()
+    def restore_and_update_(self, coefficients: Mapping[int, float] | None = None,
+                            *, lr: Sequence[float] | float = 0.0,
+                            weight_decay: Sequence[float] | float = 0.0,
+                            gaussian_coefficients: Mapping[int, float] | None = None) -> None:
+        """One pass: remove every pending perturbation, then ``theta <- (1-lr*wd) theta - lr * sum_k c_k u_k``.
+
+        ``lr`` and ``weight_decay`` are scalars or one value per parameter (from param groups).
+        ``gaussian_coefficients`` add ``-lr * c * xi(seed)`` terms with ``xi ~ N(0, I)`` whatever the
+        law (vector noise). With no coefficients this is an exact restore.
+        """
+        lrs = _per_param(lr, len(self.params))
+        decays = _per_param(weight_decay, len(self.params))
+        terms = [(self.law, seed, self.pending.get(seed, 0.0), (coefficients or {}).get(seed, 0.0))
+                 for seed in sorted(set(self.pending) | set(coefficients or {}))]
+        terms += [(_GAUSSIAN, seed, 0.0, c) for seed, c in (gaussian_coefficients or {}).items()]
+        streams = [law.directions(self._chunks, seed) for law, seed, _, _ in terms]
+        for chunk, owner, *us in zip(self._chunks, self._owner, *streams):
+            shrink = 1.0 - lrs[owner] * decays[owner]
+            if shrink != 1.0:
+                chunk.mul_(shrink)
+            for (_, _, pending, coefficient), u in zip(terms, us):
+                alpha = -shrink * pending - lrs[owner] * coefficient
+                if alpha != 0.0:
+                    chunk.add_(u.to(chunk.dtype), alpha=alpha)
+        self.pending.clear()
+
+    def restore_(self) -> None:
+        """Undo every pending perturbation (exact up to floating point)."""
+        if self.pending:
+            self.restore_and_update_()
+
+    def direction_norm(self, seed: int) -> float:
+        """``||u(seed)||`` over all parameters (one generation pass, float64 accumulation)."""
+        squares = sum(float(u.double().pow(2).sum()) for u in self.law.directions(self._chunks, seed))
+        return math.sqrt(squares)
+
+    def direction(self, seed: int) -> list[Tensor]:
+        """The full direction as tensors shaped like the parameters (tests and references only)."""
+        flat = torch.cat([u.clone().float() for u in self.law.directions(self._chunks, seed)])
+        return [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in self.params]), self.params)]
+
+    def _track(self, seed: int, scale: float) -> None:
+        total = self.pending.get(seed, 0.0) + scale
+        if abs(total) <= 1e-12 * max(1.0, abs(scale)):
+            self.pending.pop(seed, None)
+        else:
+            self.pending[seed] = total
+
+
+_GAUSSIAN = GaussianDirections()
+
+
+def _chunk_owners(params: Sequence[Tensor], chunk_numel: int) -> list[int]:
+    owners = []
+    for index, p in enumerate(params):
+        owners.extend([index] * len(p.view(-1).split(chunk_numel)))
+    return owners
+
+
+def _per_param(value, count: int) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * count
+    values = [float(v) for v in value]
+    if len(values) != count:
+        raise ValueError(f"Expected {count} per-parameter values, but got {len(values)}")
+    return values
