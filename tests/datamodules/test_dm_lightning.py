@@ -1,0 +1,70 @@
+"""The data module inside a real Lightning Trainer: checkpoint resume and 2-process DDP (gloo, CPU)."""
+
+import json
+import warnings
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from dm_helpers import IndexedDataModule, Recorder
+
+DATA = dict(n=120, batch_size=12, public_fraction=0.1)  # 108 private, q = 1/9, 9 steps per epoch
+
+
+def trainer(root, **kwargs) -> Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    options.update(kwargs)
+    return Trainer(**options)
+
+
+@pytest.fixture(autouse=True)
+def quiet_lightning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|validation_step|ckpt_path|LeafSpec).*")
+        yield
+
+
+def test_resume_from_checkpoint_continues_the_sampling_stream(tmp_path):
+    straight = Recorder()
+    trainer(tmp_path / "a", max_epochs=2, enable_checkpointing=False).fit(straight, IndexedDataModule(**DATA, sampling_seed=7))
+    assert len(straight.batches) == 18
+
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    first = Recorder()
+    trainer(tmp_path / "b", max_epochs=1, callbacks=[checkpoint]).fit(first, IndexedDataModule(**DATA, sampling_seed=7))
+    assert first.batches == straight.batches[:9]
+
+    resumed = Recorder()
+    datamodule = IndexedDataModule(**DATA)  # no seed given: it must come from the checkpoint
+    trainer(tmp_path / "c", max_epochs=2, enable_checkpointing=False).fit(resumed, datamodule, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert datamodule.resolved_sampling_seed == 7
+    assert resumed.batches == straight.batches[9:]
+
+
+def test_ddp_two_processes_union_equals_single_process(tmp_path):
+    """Two gloo processes, no seed given: rank 0's entropy seed is broadcast, and with it the union of
+    the two ranks' batches is exactly the batch one process draws."""
+    ddp = trainer(
+        tmp_path, max_epochs=1, enable_checkpointing=False, strategy="ddp_spawn", devices=2, use_distributed_sampler=False
+    )
+    ddp.fit(Recorder(str(tmp_path)), IndexedDataModule(**DATA))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["seed"] == ranks[1]["seed"] is not None
+    assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) == 9
+    for part0, part1 in zip(ranks[0]["batches"], ranks[1]["batches"]):
+        assert not set(part0) & set(part1)
+
+    single = Recorder()
+    datamodule = IndexedDataModule(**DATA, sampling_seed=ranks[0]["seed"])
+    trainer(tmp_path / "single", max_epochs=1, enable_checkpointing=False).fit(single, datamodule)
+    assert [sorted(a + b) for a, b in zip(ranks[0]["batches"], ranks[1]["batches"])] == single.batches

@@ -1,0 +1,74 @@
+"""Movie reviews tokenized with the packaged MiniLM tokenizer (offline)."""
+
+import pandas as pd
+import pytest
+import torch
+
+from datamodules import MovieReviewsDataModule
+from datamodules.text import clip_words, load_tokenizer, movie_reviews_csv, tokenize
+from lit_zodp.privacy.errors import PrivacyConfigError
+
+QUICK = dict(max_private_samples=64, max_eval_samples=32, max_length=16, batch_size=8, sampling_seed=0)
+
+
+def check_text_batch(batch, max_length):
+    inputs, targets = batch
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    for value in inputs.values():
+        assert value.dtype == torch.long and tuple(value.shape) == (len(targets), max_length)
+    assert targets.dtype == torch.long and set(targets.tolist()) <= {0, 1}
+
+
+def test_csv_contents():
+    frame = pd.read_csv(movie_reviews_csv())
+    assert list(frame.columns) == ["text", "label", "source"]
+    assert frame["source"].value_counts().to_dict() == {"imdb": 25000, "rotten_tomatoes": 8530}
+    assert set(frame["label"]) == {0, 1}
+
+
+def test_imdb_quick_run_shapes_and_labels():
+    dm = MovieReviewsDataModule(source="imdb", public_fraction=0.01, **QUICK)
+    assert dm.num_classes == 2
+    dm.setup("fit")
+    assert dm.n_private == 64 and len(dm.test_dataset) == 32 and len(dm.public_dataset) > 0
+    check_text_batch(next(iter(dm.test_dataloader())), 16)
+    check_text_batch(next(iter(dm.public_dataloader())), 16)
+    check_text_batch(next(b for b in dm.train_dataloader() if len(b[1])), 16)
+    batch = next(iter(dm.test_dataloader()))
+    assert (batch[0]["input_ids"][:, 0] == dm.tokenizer.cls_token_id).all()
+    assert 13_000 < len(dm.pool_dataset) + len(dm.public_indices) < 25_000
+
+
+def test_separate_public_source():
+    dm = MovieReviewsDataModule(source="imdb", public_source="rotten_tomatoes", max_public_samples=40, **QUICK)
+    dm.setup()
+    assert dm.public_indices == [] and len(dm.public_dataset) == 40
+    check_text_batch(next(iter(dm.public_dataloader(batch_size=40))), 16)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"source": "both", "public_source": "imdb"}, {"source": "imdb", "public_source": "imdb"}, {"source": "x"}]
+)
+def test_invalid_sources_raise(kwargs):
+    with pytest.raises(PrivacyConfigError, match="source"):
+        MovieReviewsDataModule(**kwargs)
+
+
+def test_word_clipping_does_not_change_token_ids():
+    frame = pd.read_csv(movie_reviews_csv(), nrows=300)
+    texts, labels = frame["text"].tolist(), torch.as_tensor(frame["label"].to_numpy().copy())
+    tokenizer = load_tokenizer("minilm")
+    clipped = tokenize(tokenizer, texts, labels, 64)
+    full = tokenizer(texts, max_length=64, truncation=True, padding="max_length", return_tensors="pt")
+    assert torch.equal(clipped.inputs["input_ids"], full["input_ids"])
+    assert torch.equal(clipped.inputs["attention_mask"], full["attention_mask"])
+    assert clip_words("  a b\n c d ", 2) == "  a b" and clip_words("a b", 5) == "a b"
+
+
+def test_words_without_tokens_fall_back_to_the_full_text():
+    tokenizer = load_tokenizer("minilm")
+    text = " ".join(["\u00ad"] * 20) + " good movie really fine"  # soft hyphens: words with no token
+    ours = tokenize(tokenizer, [text], torch.tensor([1]), 8)
+    full = tokenizer([text], max_length=8, truncation=True, padding="max_length", return_tensors="pt")
+    assert torch.equal(ours.inputs["input_ids"], full["input_ids"])
+    assert int(ours.inputs["attention_mask"].sum()) == 6  # [CLS] good movie really fine [SEP]

@@ -1,0 +1,115 @@
+import math
+
+import pytest
+from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
+from scipy.stats import norm
+
+from lit_zodp.privacy import (
+    AccountingError,
+    Gaussian,
+    Laplace,
+    PrivacyConfigError,
+    PrivacyLedger,
+    SubsampledGaussian,
+    calibrate_noise_multiplier,
+)
+
+
+def test_ledger_agrees_with_prv_accountant_called_directly():
+    ledger = PrivacyLedger(eps_error=0.05)
+    ledger.record(SubsampledGaussian(1.1, 0.02), 300)
+    ledger.record(SubsampledGaussian(1.1, 0.02), 200)
+    direct = PRVAccountant(prvs=[PoissonSubsampledGaussianMechanism(0.02, 1.1)], max_self_compositions=[512],
+                           eps_error=0.05, delta_error=1e-8).compute_epsilon(1e-5, [500])
+    bounds = ledger.epsilon(1e-5)
+    assert bounds.upper == pytest.approx(direct[2], rel=1e-9)
+    assert bounds.lower <= bounds.estimate <= bounds.upper
+
+
+def test_ledger_agrees_with_opacus_prv_within_one_percent():
+    opacus = pytest.importorskip("opacus.accountants")
+    acc = opacus.PRVAccountant()
+    ledger = PrivacyLedger(eps_error=0.01)
+    for sigma, q, steps in [(1.0, 0.01, 400), (2.0, 0.05, 100)]:
+        acc.history.append((sigma, q, steps))
+        ledger.record(SubsampledGaussian(sigma, q), steps)
+    theirs = acc.get_epsilon(delta=1e-5, eps_error=0.01)
+    ours = ledger.epsilon(1e-5).upper
+    assert ours == pytest.approx(theirs, rel=0.01)
+
+
+def test_gaussian_mechanism_brackets_the_exact_closed_form():
+    """For the full-batch Gaussian mechanism, the exact delta(eps) (Balle & Wang) is known."""
+    sigma, steps, delta = 3.0, 16, 1e-5
+    ledger = PrivacyLedger(eps_error=0.01)
+    ledger.record(Gaussian(sigma), steps)
+    bounds = ledger.epsilon(delta)
+    mu = math.sqrt(steps) / sigma  # composition of Gaussians is a Gaussian with mu = sqrt(T)/sigma
+
+    def exact_delta(eps):
+        return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+
+    assert exact_delta(bounds.upper) <= delta <= exact_delta(bounds.lower)
+
+
+def test_heterogeneous_composition_is_monotone_and_laplace_works():
+    ledger = PrivacyLedger()
+    ledger.record(SubsampledGaussian(1.0, 0.01), 100)
+    first = ledger.epsilon(1e-5).upper
+    ledger.record(Gaussian(20.0), 10)
+    ledger.record(Laplace(0.01), 5)
+    assert ledger.epsilon(1e-5).upper > first
+    assert len(ledger.counts) == 3
+
+
+def test_state_dict_round_trip():
+    ledger = PrivacyLedger()
+    ledger.record(SubsampledGaussian(1.0, 0.01), 100)
+    ledger.record(Laplace(0.5), 2)
+    clone = PrivacyLedger()
+    clone.load_state_dict(ledger.state_dict())
+    assert clone.counts == ledger.counts
+    assert clone.epsilon(1e-5) == ledger.epsilon(1e-5)
+
+
+def test_empty_ledger_spends_nothing():
+    assert PrivacyLedger().epsilon(1e-5).upper == 0.0
+
+
+@pytest.mark.parametrize("target", [0.5, 2.0, 8.0])
+def test_calibrated_sigma_achieves_epsilon_at_most_target_and_is_tight(target):
+    sigma = calibrate_noise_multiplier(target_epsilon=target, delta=1e-5, sample_rate=0.02, steps=500)
+    ledger = PrivacyLedger()
+    ledger.record(SubsampledGaussian(sigma, 0.02), 500)
+    assert ledger.epsilon(1e-5).upper <= target
+    looser = PrivacyLedger()
+    looser.record(SubsampledGaussian(sigma * 0.98, 0.02), 500)
+    assert looser.epsilon(1e-5).upper > target
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(target_epsilon=0.0), "target_epsilon"),
+    (dict(target_epsilon=-1.0), "target_epsilon"),
+    (dict(delta=1.0), "delta"),
+    (dict(delta=0.0), "delta"),
+    (dict(sample_rate=1.5), "sample_rate"),
+    (dict(sample_rate=0.0), "sample_rate"),
+    (dict(steps=0), "steps"),
+])
+def test_bad_calibration_input_raises(kwargs, match):
+    args = dict(target_epsilon=1.0, delta=1e-5, sample_rate=0.01, steps=100) | kwargs
+    with pytest.raises(PrivacyConfigError, match=match):
+        calibrate_noise_multiplier(**args)
+
+
+def test_impossible_target_raises_clearly():
+    with pytest.raises(AccountingError, match="target is impossible|must be below"):
+        calibrate_noise_multiplier(target_epsilon=0.01, delta=1e-10, sample_rate=1.0, steps=100_000,
+                                   sigma_max=100.0)
+
+
+def test_mechanism_parameters_validated():
+    with pytest.raises(PrivacyConfigError, match="sample_rate"):
+        SubsampledGaussian(1.0, 1.2)
+    with pytest.raises(PrivacyConfigError, match="noise_multiplier"):
+        Gaussian(0.0)
