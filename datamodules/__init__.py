@@ -1,0 +1,28 @@
+"""LightningDataModules with a Poisson-sampled private split and a disjoint public split."""
+
+from datamodules.base import DataSplits, PublicPrivateDataModule, check_disjoint, fixed_test_split
+from datamodules.collate import EmptySafeCollate, empty_like_batch
+from datamodules.datasets import ImageTensorDataset, TensorPairDataset, TextDataset
+from datamodules.samplers import ShuffleBatchSampler
+from datamodules.synthetic import SyntheticClassificationDataModule
+from datamodules.text import MovieReviewsDataModule
+from datamodules.vision import CIFAR10DataModule, DigitsDataModule, MLXtendMNISTDataModule, MNISTDataModule
+
+__all__ = [
+    "CIFAR10DataModule",
+    "DataSplits",
+    "DigitsDataModule",
+    "EmptySafeCollate",
+    "ImageTensorDataset",
+    "MLXtendMNISTDataModule",
+    "MNISTDataModule",
+    "MovieReviewsDataModule",
+    "PublicPrivateDataModule",
+    "ShuffleBatchSampler",
+    "SyntheticClassificationDataModule",
+    "TensorPairDataset",
+    "TextDataset",
+    "check_disjoint",
+    "empty_like_batch",
+    "fixed_test_split",
+]

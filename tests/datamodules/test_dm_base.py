@@ -319,9 +319,8 @@ def test_subclass_mode_sees_base_arguments(name):
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(PublicPrivateDataModule, "data")
-    config = parser.parse_args(
-        [f"--data.class_path=datamodules.{name}", "--data.init_args.batch_size=3", "--data.init_args.public_fraction=0.1"]
-    )
+    arguments = ["--data.init_args.batch_size=3", "--data.init_args.public_fraction=0.1"]
+    config = parser.parse_args([f"--data.class_path=datamodules.{name}", *arguments])
     assert config.data.init_args.batch_size == 3 and config.data.init_args.public_fraction == 0.1
     assert config.data.init_args.sampling == "poisson" and config.data.init_args.sampling_seed is None
 

@@ -36,17 +36,20 @@ def quiet_lightning():
 
 def test_resume_from_checkpoint_continues_the_sampling_stream(tmp_path):
     straight = Recorder()
-    trainer(tmp_path / "a", max_epochs=2, enable_checkpointing=False).fit(straight, IndexedDataModule(**DATA, sampling_seed=7))
+    run = trainer(tmp_path / "a", max_epochs=2, enable_checkpointing=False)
+    run.fit(straight, IndexedDataModule(**DATA, sampling_seed=7))
     assert len(straight.batches) == 18
 
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
     first = Recorder()
-    trainer(tmp_path / "b", max_epochs=1, callbacks=[checkpoint]).fit(first, IndexedDataModule(**DATA, sampling_seed=7))
+    run = trainer(tmp_path / "b", max_epochs=1, callbacks=[checkpoint])
+    run.fit(first, IndexedDataModule(**DATA, sampling_seed=7))
     assert first.batches == straight.batches[:9]
 
     resumed = Recorder()
     datamodule = IndexedDataModule(**DATA)  # no seed given: it must come from the checkpoint
-    trainer(tmp_path / "c", max_epochs=2, enable_checkpointing=False).fit(resumed, datamodule, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    run = trainer(tmp_path / "c", max_epochs=2, enable_checkpointing=False)
+    run.fit(resumed, datamodule, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert datamodule.resolved_sampling_seed == 7
     assert resumed.batches == straight.batches[9:]
 
@@ -55,7 +58,12 @@ def test_ddp_two_processes_union_equals_single_process(tmp_path):
     """Two gloo processes, no seed given: rank 0's entropy seed is broadcast, and with it the union of
     the two ranks' batches is exactly the batch one process draws."""
     ddp = trainer(
-        tmp_path, max_epochs=1, enable_checkpointing=False, strategy="ddp_spawn", devices=2, use_distributed_sampler=False
+        tmp_path,
+        max_epochs=1,
+        enable_checkpointing=False,
+        strategy="ddp_spawn",
+        devices=2,
+        use_distributed_sampler=False,
     )
     ddp.fit(Recorder(str(tmp_path)), IndexedDataModule(**DATA))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

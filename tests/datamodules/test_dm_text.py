@@ -47,7 +47,8 @@ def test_separate_public_source():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"source": "both", "public_source": "imdb"}, {"source": "imdb", "public_source": "imdb"}, {"source": "x"}]
+    "kwargs",
+    [{"source": "both", "public_source": "imdb"}, {"source": "imdb", "public_source": "imdb"}, {"source": "x"}],
 )
 def test_invalid_sources_raise(kwargs):
     with pytest.raises(PrivacyConfigError, match="source"):

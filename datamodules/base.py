@@ -1,0 +1,549 @@
+"""``PublicPrivateDataModule``: private (Poisson-sampled) and public splits with the privacy checks.
+
+A subclass implements :meth:`PublicPrivateDataModule.load_splits` (the training *pool*, an optional
+separate public source, val/test sets and the number of classes). The base class carves the pool into
+disjoint public / validation / private parts with ``data_seed``, checks the parts are disjoint, and
+serves:
+
+* ``train_dataloader()``: the PRIVATE loader. With ``sampling="poisson"`` every example joins a batch
+  independently with probability ``q = batch_size / n_private`` (batches vary in size, may be empty),
+  which is what the accountant's Poisson-subsampled Gaussian assumes. Under DDP every rank uses the
+  same sampling seed (rank 0's, broadcast) and keeps its shard of each batch, so the union over ranks
+  is exactly the single-process batch. The sampler is built once and reused, so reloading the loader
+  never replays a mask.
+* ``public_dataloader()`` / ``public_batches()``: the public split (no privacy cost), the same stream
+  on every rank.
+* ``val_dataloader()`` / ``test_dataloader()``: plain sequential loaders. Under DDP every rank
+  evaluates the FULL set by default (identical metrics on each rank, no synchronization needed);
+  ``shard_eval=True`` shards with ``DistributedSampler(shuffle=False)`` instead (a few examples are
+  repeated when the size is not divisible by the world size, as with Lightning's own sampler).
+
+DDP requires ``Trainer(use_distributed_sampler=False)``: the data module does the distributed sampling.
+
+The sampling seed is drawn from OS entropy by default. Amplification by subsampling assumes the
+batches are secret: pass ``sampling_seed`` only for tests or debugging. It is kept out of
+``hparams`` (loggers) and saved, with the sampler's generator state, in checkpoints, so a resumed run
+continues the same sampling stream (a restored state never replays an already drawn mask; a mask
+drawn ahead by the prefetcher before a mid-epoch checkpoint is skipped, which costs nothing).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Subset
+
+from datamodules.collate import EmptySafeCollate
+from datamodules.samplers import ShuffleBatchSampler
+from lit_zodp.privacy.errors import PrivacyConfigError, check_positive_int, raise_if_any
+from lit_zodp.privacy.sampling import PoissonBatchSampler, entropy_seed
+
+SHUFFLE_WARNING = (
+    "sampling='shuffle' draws fixed-size shuffled batches, but the reported epsilon assumes Poisson "
+    "sampling (each example included independently with probability q = batch_size / n_private). "
+    "The privacy guarantee reported for this run does not hold for shuffled batches; use "
+    "sampling='poisson' for a valid epsilon."
+)
+
+PrivateBatchSampler = Union[PoissonBatchSampler, ShuffleBatchSampler]
+
+# Fixed seed for subsampling val/test sets (max_eval_samples): the same evaluation examples for every
+# data_seed, so runs stay comparable.
+EVAL_SUBSET_SEED = 0
+# Offset of the public shuffling generator's seed from data_seed (public order, not secret).
+PUBLIC_SEED_OFFSET = 1_000_003
+
+
+@dataclass
+class DataSplits:
+    """What :meth:`PublicPrivateDataModule.load_splits` returns.
+
+    Attributes:
+        train: the training pool; the private set (and the in-distribution public and validation
+            hold-outs) are carved out of it.
+        num_classes: number of classes of the labels.
+        test: test set, or ``None``.
+        val: a given validation set, or ``None`` (then ``val_fraction`` or the test set is used).
+        public: a separate public source (e.g. another corpus), or ``None``.
+        train_ids: one hashable identifier per pool example (e.g. the text), to check that the
+            private set and ``public`` share no example; ``None`` checks indices only.
+        public_ids: identifiers of the ``public`` examples, in the same space as ``train_ids``.
+    """
+
+    train: Dataset
+    num_classes: int
+    test: Optional[Dataset] = None
+    val: Optional[Dataset] = None
+    public: Optional[Dataset] = None
+    train_ids: Optional[Sequence[Hashable]] = None
+    public_ids: Optional[Sequence[Hashable]] = None
+
+
+def check_disjoint(private: Iterable[Hashable], public: Iterable[Hashable], *, what: str = "indices") -> None:
+    """Raise :class:`PrivacyConfigError` if the private and public collections share an element.
+
+    Args:
+        private: indices (or identifiers) of the private examples.
+        public: indices (or identifiers) of the public examples.
+        what: what the elements are, for the message ("indices", "texts", ...).
+    """
+    overlap = set(private) & set(public)
+    if not overlap:
+        return
+    shown = ""
+    if all(isinstance(item, int) for item in overlap):
+        shown = f" (e.g. {sorted(overlap)[:5]})"
+    raise PrivacyConfigError(
+        f"The public split shares {len(overlap)} {what} with the private split{shown}. Public data must "
+        "be disjoint from the private set, or its use is not free of privacy cost."
+    )
+
+
+def _check_fraction(name: str, value: Any) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0 <= value < 1:
+        return f"Expected `{name}` in [0, 1), but got {value!r}"
+    return None
+
+
+def _check_optional_positive_int(name: str, value: Any) -> Optional[str]:
+    return None if value is None else check_positive_int(name, value)
+
+
+def _check_int(name: str, value: Any, *, minimum: Optional[int] = None) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        return f"Expected `{name}` to be an int{bound}, but got {value!r}"
+    return None
+
+
+def _random_subset(dataset: Dataset, size: Optional[int], seed: int) -> Dataset:
+    """A seeded random subset of ``size`` examples (the dataset itself if it is not larger)."""
+    if size is None or len(dataset) <= size:
+        return dataset
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
+    return Subset(dataset, sorted(order[:size].tolist()))
+
+
+def fixed_test_split(size: int, test_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Sorted (train, test) indices of a seeded split that does not depend on ``data_seed``.
+
+    Args:
+        size: number of examples.
+        test_fraction: fraction held out for testing.
+        seed: seed of the permutation (fixed so the test set is the same for every run).
+    """
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_test = round(test_fraction * size)
+    return sorted(order[n_test:]), sorted(order[:n_test])
+
+
+def check_test_fraction(value: Any) -> Optional[str]:
+    """Message unless ``test_fraction`` is in (0, 1)."""
+    if _check_fraction("test_fraction", value) or value == 0:
+        return f"Expected `test_fraction` in (0, 1), but got {value!r}"
+    return None
+
+
+class PublicPrivateDataModule(LightningDataModule):
+    """Base data module with a Poisson-sampled private split and a disjoint public split.
+
+    Args:
+        batch_size: EXPECTED private batch size ``B``; the sample rate is ``q = B / n_private``.
+        eval_batch_size: batch size of the validation and test loaders.
+        sampling: ``"poisson"`` (what the accountant assumes) or ``"shuffle"`` (fixed-size shuffled
+            batches; warns, since the reported epsilon does not hold for it).
+        sampling_seed: seed of the private batch sampler; ``None`` draws it from OS entropy (rank 0's
+            is broadcast under DDP). A known seed voids amplification by subsampling: tests only.
+        public_fraction: fraction of the pool held out as in-distribution public data, in [0, 1).
+        public_batch_size: batch size of the public loader; ``None`` uses ``batch_size``.
+        max_public_samples: cap on the number of public examples (pool hold-out first, then the
+            separate public source).
+        val_fraction: fraction of the pool held out for validation, in [0, 1); ``0`` uses the given
+            validation set, else the test set.
+        data_seed: seed of the public / validation / private split of the pool.
+        num_workers: DataLoader workers.
+        max_private_samples: keep only this many private examples (quick runs).
+        max_eval_samples: keep only this many validation and test examples (quick runs).
+        shard_eval: under DDP, shard val/test over ranks instead of evaluating the full set on each.
+    """
+
+    #: number of classes when known without loading the data (e.g. for LightningCLI argument links)
+    known_num_classes: Optional[int] = None
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        eval_batch_size: int = 256,
+        sampling: Literal["poisson", "shuffle"] = "poisson",
+        sampling_seed: Optional[int] = None,
+        public_fraction: float = 0.0,
+        public_batch_size: Optional[int] = None,
+        max_public_samples: Optional[int] = None,
+        val_fraction: float = 0.0,
+        data_seed: int = 0,
+        num_workers: int = 0,
+        max_private_samples: Optional[int] = None,
+        max_eval_samples: Optional[int] = None,
+        shard_eval: bool = False,
+    ) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.sampling = sampling
+        self.sampling_seed = sampling_seed
+        self.public_fraction = public_fraction
+        self.public_batch_size = public_batch_size
+        self.max_public_samples = max_public_samples
+        self.val_fraction = val_fraction
+        self.data_seed = data_seed
+        self.num_workers = num_workers
+        self.max_private_samples = max_private_samples
+        self.max_eval_samples = max_eval_samples
+        self.shard_eval = shard_eval
+        raise_if_any(self.config_errors())
+        self.save_hyperparameters(ignore=["sampling_seed"])
+        if sampling == "shuffle":
+            warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
+        self._reset()
+
+    # ----------------------------------------------------------------------------------- hooks
+    def load_splits(self) -> Union[DataSplits, dict]:
+        """Load the pool and the other splits (subclasses). A dict takes :class:`DataSplits` fields."""
+        raise NotImplementedError
+
+    def download_data(self) -> None:
+        """Download files if needed; runs on one process per node (``prepare_data``)."""
+
+    def materialize(self, dataset: Dataset) -> Dataset:
+        """Turn a kept split into training-ready examples (e.g. tokenize texts); identity by default."""
+        return dataset
+
+    def config_errors(self) -> list[Optional[str]]:
+        """Messages for invalid constructor arguments; subclasses extend the list (``None`` = fine)."""
+        return [
+            check_positive_int("batch_size", self.batch_size),
+            check_positive_int("eval_batch_size", self.eval_batch_size),
+            None
+            if self.sampling in ("poisson", "shuffle")
+            else f"Expected `sampling` in ('poisson', 'shuffle'), but got {self.sampling!r}",
+            None if self.sampling_seed is None else _check_int("sampling_seed", self.sampling_seed, minimum=0),
+            _check_fraction("public_fraction", self.public_fraction),
+            _check_fraction("val_fraction", self.val_fraction),
+            self._fraction_sum_error(),
+            _check_optional_positive_int("public_batch_size", self.public_batch_size),
+            _check_optional_positive_int("max_public_samples", self.max_public_samples),
+            _check_int("data_seed", self.data_seed),
+            _check_int("num_workers", self.num_workers, minimum=0),
+            _check_optional_positive_int("max_private_samples", self.max_private_samples),
+            _check_optional_positive_int("max_eval_samples", self.max_eval_samples),
+        ]
+
+    def _fraction_sum_error(self) -> Optional[str]:
+        fractions = (self.public_fraction, self.val_fraction)
+        if _check_fraction("public_fraction", fractions[0]) or _check_fraction("val_fraction", fractions[1]):
+            return None
+        if self.public_fraction + self.val_fraction >= 1:
+            return (
+                f"Expected `public_fraction` + `val_fraction` < 1 (something must stay private), but got "
+                f"{self.public_fraction} + {self.val_fraction}"
+            )
+        return None
+
+    # ----------------------------------------------------------------------------------- setup
+    def _reset(self) -> None:
+        self._ready = False
+        self.pool_dataset: Optional[Dataset] = None
+        self.private_dataset: Optional[Dataset] = None
+        self.public_dataset: Optional[Dataset] = None
+        self.val_dataset: Optional[Dataset] = None
+        self.test_dataset: Optional[Dataset] = None
+        self.private_indices: list[int] = []
+        self.public_indices: list[int] = []
+        self.val_indices: list[int] = []
+        self._num_classes: Optional[int] = None
+        self._batch_sampler: Optional[PrivateBatchSampler] = None
+        self._sampler_place: Optional[tuple[int, int]] = None
+        self._resolved_seed: Optional[int] = None
+        self._pending_sampler_state: Optional[dict] = None
+
+    def prepare_data(self) -> None:
+        self.download_data()
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Load and split the data once (later calls for other stages are no-ops)."""
+        if self._ready:
+            return
+        splits = self.load_splits()
+        if isinstance(splits, dict):
+            splits = DataSplits(**splits)
+        self._build(splits)
+        self._ready = True
+
+    def _build(self, splits: DataSplits) -> None:
+        raise_if_any([check_positive_int("num_classes", splits.num_classes)])
+        pool_size = len(splits.train)
+        self._carve(pool_size)
+        self._check_separation(splits)
+        raise_if_any(self._size_errors(pool_size))
+        self.pool_dataset = splits.train
+        self._num_classes = splits.num_classes
+        self.private_dataset = self.materialize(Subset(splits.train, self.private_indices))
+        self.public_dataset = self._build_public(splits)
+        self.test_dataset = self._eval_split(splits.test)
+        if self.val_indices:
+            self.val_dataset = self._eval_split(Subset(splits.train, self.val_indices))
+        else:
+            self.val_dataset = self._eval_split(splits.val) if splits.val is not None else self.test_dataset
+
+    def _carve(self, pool_size: int) -> None:
+        """Split pool indices into public / validation / private parts with ``data_seed``."""
+        order = torch.randperm(pool_size, generator=torch.Generator().manual_seed(self.data_seed)).tolist()
+        n_public = round(self.public_fraction * pool_size)
+        if self.max_public_samples is not None:
+            n_public = min(n_public, self.max_public_samples)
+        n_val = round(self.val_fraction * pool_size)
+        private = order[n_public + n_val :]
+        if self.max_private_samples is not None:
+            private = private[: self.max_private_samples]
+        self.public_indices = sorted(order[:n_public])
+        self.val_indices = sorted(order[n_public : n_public + n_val])
+        self.private_indices = sorted(private)
+
+    def _check_separation(self, splits: DataSplits) -> None:
+        """Private examples must appear in no public (or validation) split, by index and by id."""
+        check_disjoint(self.private_indices, self.public_indices)
+        check_disjoint(self.private_indices, self.val_indices, what="indices (validation)")
+        if splits.train_ids is None:
+            return
+        if len(splits.train_ids) != len(splits.train):
+            raise ValueError(f"{len(splits.train_ids)} train_ids for a pool of {len(splits.train)} examples")
+        private_ids = [splits.train_ids[i] for i in self.private_indices]
+        check_disjoint(private_ids, [splits.train_ids[i] for i in self.public_indices], what="identifiers")
+        if splits.public is not None and splits.public_ids is not None:
+            if len(splits.public_ids) != len(splits.public):
+                raise ValueError(f"{len(splits.public_ids)} public_ids for {len(splits.public)} public examples")
+            check_disjoint(private_ids, splits.public_ids, what="identifiers (separate public source)")
+
+    def _size_errors(self, pool_size: int) -> list[Optional[str]]:
+        n_private = len(self.private_indices)
+        errors: list[Optional[str]] = []
+        if pool_size == 0 or n_private == 0:
+            errors.append(f"No private examples left (pool of {pool_size}); lower public_fraction/val_fraction")
+        elif self.batch_size > n_private:
+            errors.append(
+                f"`batch_size`={self.batch_size} (the expected Poisson batch size B) exceeds the number of "
+                f"private examples n_private={n_private}: the sample rate q = B / n_private = "
+                f"{self.batch_size / n_private:.4g} > 1. Lower batch_size or use more private data."
+            )
+        if self.public_fraction > 0 and not self.public_indices:
+            errors.append(f"`public_fraction`={self.public_fraction} of a pool of {pool_size} holds no example")
+        if self.val_fraction > 0 and not self.val_indices:
+            errors.append(f"`val_fraction`={self.val_fraction} of a pool of {pool_size} holds no example")
+        return errors
+
+    def _build_public(self, splits: DataSplits) -> Optional[Dataset]:
+        parts = []
+        if self.public_indices:
+            parts.append(self.materialize(Subset(splits.train, self.public_indices)))
+        if splits.public is not None:
+            room = None if self.max_public_samples is None else self.max_public_samples - len(self.public_indices)
+            if room is None or room > 0:
+                source = _random_subset(splits.public, room, self.data_seed + PUBLIC_SEED_OFFSET)
+                parts.append(self.materialize(source))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else ConcatDataset(parts)
+
+    def _eval_split(self, dataset: Optional[Dataset]) -> Optional[Dataset]:
+        if dataset is None:
+            return None
+        return self.materialize(_random_subset(dataset, self.max_eval_samples, EVAL_SUBSET_SEED))
+
+    def _require_setup(self) -> None:
+        if not self._ready:
+            raise RuntimeError(f"{type(self).__name__}.setup() must run before the data is used")
+
+    # ------------------------------------------------------------------------------ properties
+    @property
+    def n_private(self) -> int:
+        """Number of private examples ``n``."""
+        self._require_setup()
+        return len(self.private_indices)
+
+    @property
+    def sample_rate(self) -> float:
+        """Poisson sample rate ``q = batch_size / n_private``."""
+        return self.batch_size / self.n_private
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes (known before ``setup()`` when the subclass sets ``known_num_classes``)."""
+        if not self._ready and self.known_num_classes is not None:
+            return self.known_num_classes
+        self._require_setup()
+        return self._num_classes
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Private batches per epoch: ``round(1 / q)`` (Poisson) or ``n_private // batch_size`` (shuffle)."""
+        if self.sampling == "shuffle":
+            return self.n_private // self.batch_size
+        return max(1, round(1.0 / self.sample_rate))
+
+    @property
+    def resolved_sampling_seed(self) -> Optional[int]:
+        """The seed the private sampler uses (``None`` until the train loader is built or restored)."""
+        return self._resolved_seed
+
+    # ---------------------------------------------------------------------------- dataloaders
+    def train_dataloader(self) -> DataLoader:
+        """The PRIVATE loader (Poisson batches of expected size ``batch_size``, possibly empty)."""
+        self._require_setup()
+        rank, world_size = self._rank_and_world_size()
+        self._check_distributed_sampler_off(world_size)
+        sampler = self.private_batch_sampler(rank, world_size)
+        return DataLoader(
+            self.private_dataset,
+            batch_sampler=sampler,
+            collate_fn=EmptySafeCollate(self.private_dataset),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def private_batch_sampler(self, rank: int = 0, world_size: int = 1) -> PrivateBatchSampler:
+        """The private batch sampler for ``rank`` of ``world_size``, built once and then reused.
+
+        Rebuilding for another placement carries the generator state over, so no mask is replayed.
+        """
+        if self._batch_sampler is not None and self._sampler_place == (rank, world_size):
+            return self._batch_sampler
+        seed = self._sampling_seed(world_size)
+        if self.sampling == "shuffle":
+            sampler = ShuffleBatchSampler(self.n_private, self.batch_size, rank=rank, world_size=world_size, seed=seed)
+        else:
+            sampler = PoissonBatchSampler(
+                self.n_private, self.sample_rate, rank=rank, world_size=world_size, seed=seed
+            )
+        state = self._batch_sampler.state_dict() if self._batch_sampler is not None else self._pending_sampler_state
+        if state is not None:
+            sampler.load_state_dict(state)
+        self._batch_sampler, self._sampler_place, self._pending_sampler_state = sampler, (rank, world_size), None
+        return sampler
+
+    def public_dataloader(self, batch_size: Optional[int] = None, shuffle: bool = True) -> Optional[DataLoader]:
+        """Loader over the public split (``None`` if there is none); the same order on every rank.
+
+        Args:
+            batch_size: defaults to ``public_batch_size``, else ``batch_size``.
+            shuffle: reshuffle each pass with a generator seeded from ``data_seed`` (public, not secret).
+        """
+        self._require_setup()
+        if self.public_dataset is None:
+            return None
+        generator = torch.Generator().manual_seed(self.data_seed + PUBLIC_SEED_OFFSET) if shuffle else None
+        return DataLoader(
+            self.public_dataset,
+            batch_size=batch_size or self.public_batch_size or self.batch_size,
+            shuffle=shuffle,
+            generator=generator,
+            collate_fn=EmptySafeCollate(self.public_dataset),
+            num_workers=self.num_workers,
+        )
+
+    def public_batches(self, batch_size: Optional[int] = None) -> Iterator[Any]:
+        """Endless iterator over shuffled public batches (reshuffled each pass)."""
+        loader = self.public_dataloader(batch_size, shuffle=True)
+        if loader is None:
+            raise RuntimeError(f"{type(self).__name__} has no public split (set public_fraction > 0)")
+        while True:
+            yield from loader
+
+    def val_dataloader(self) -> Union[DataLoader, list]:
+        """Sequential loader over the validation set (the test set when none is held out)."""
+        self._require_setup()
+        return [] if self.val_dataset is None else self._eval_loader(self.val_dataset)
+
+    def test_dataloader(self) -> DataLoader:
+        """Sequential loader over the test set."""
+        self._require_setup()
+        if self.test_dataset is None:
+            raise RuntimeError(f"{type(self).__name__} has no test split")
+        return self._eval_loader(self.test_dataset)
+
+    def _eval_loader(self, dataset: Dataset) -> DataLoader:
+        rank, world_size = self._rank_and_world_size()
+        sampler = None
+        if self.shard_eval and world_size > 1:
+            sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+        return DataLoader(
+            dataset,
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            sampler=sampler,
+            collate_fn=EmptySafeCollate(dataset),
+            num_workers=self.num_workers,
+        )
+
+    # ----------------------------------------------------------------------------- distributed
+    def _rank_and_world_size(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        return int(trainer.global_rank), int(trainer.world_size)
+
+    def _check_distributed_sampler_off(self, world_size: int) -> None:
+        connector = getattr(self.trainer, "_accelerator_connector", None)
+        if world_size > 1 and getattr(connector, "use_distributed_sampler", False):
+            raise PrivacyConfigError(
+                "Under DDP the data module shards the Poisson-sampled private batches itself: create the "
+                "Trainer with use_distributed_sampler=False (Lightning's sampler would break the sampling "
+                "the accountant assumes)."
+            )
+
+    def _sampling_seed(self, world_size: int) -> int:
+        """The sampler seed: restored, given, or OS entropy; rank 0's is broadcast under DDP."""
+        if self._resolved_seed is None:
+            seed = self.sampling_seed if self.sampling_seed is not None else entropy_seed()
+            if world_size > 1 and self.trainer is not None:
+                seed = self.trainer.strategy.broadcast(seed, src=0)
+            self._resolved_seed = int(seed)
+        return self._resolved_seed
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Sampling seed and sampler generator state (Lightning stores it in checkpoints)."""
+        state: dict[str, Any] = {"sampling_seed": self._resolved_seed, "sampling": self.sampling}
+        sampler_state = self._pending_sampler_state
+        if self._batch_sampler is not None:
+            sampler_state = self._batch_sampler.state_dict()
+        if sampler_state is not None:
+            state["sampler"] = sampler_state
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the sampling stream; it continues where the checkpoint left it."""
+        if state_dict.get("sampling_seed") is not None:
+            self._resolved_seed = int(state_dict["sampling_seed"])
+        sampler_state = state_dict.get("sampler")
+        if sampler_state is None:
+            return
+        if self._batch_sampler is not None:
+            self._batch_sampler.load_state_dict(sampler_state)
+        else:
+            self._pending_sampler_state = sampler_state
+
+
+__all__ = [
+    "DataSplits",
+    "PublicPrivateDataModule",
+    "SHUFFLE_WARNING",
+    "check_disjoint",
+    "check_test_fraction",
+    "fixed_test_split",
+]
