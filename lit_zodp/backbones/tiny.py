@@ -1,0 +1,121 @@
+"""Tiny from-scratch backbones for quick runs and tests: an MLP and a small CNN.
+
+Neither uses batch normalisation, so every example's loss depends on that example alone in train
+mode as well as in eval mode (what per-example clipping assumes).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor, nn
+
+from lit_zodp.backbones._utils import as_float_input, check_non_negative_int, check_positive_int
+from lit_zodp.backbones.base import Backbone
+
+_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
+
+
+def make_activation(name: str) -> nn.Module:
+    """Activation module by name (``relu``, ``gelu``, ``tanh``, ``silu``)."""
+    try:
+        return _ACTIVATIONS[name.lower()]()
+    except (KeyError, AttributeError):
+        raise ValueError(f"unknown activation {name!r}; choose from {sorted(_ACTIVATIONS)}") from None
+
+
+class TinyMLP(Backbone):
+    """Multi-layer perceptron on flattened inputs.
+
+    Args:
+        in_features: Number of input features after flattening (64 for 8x8 digits).
+        num_classes: Number of output classes.
+        hidden: Width of each hidden layer.
+        depth: Number of hidden layers; 0 gives multinomial logistic regression.
+        activation: ``relu``, ``gelu``, ``tanh`` or ``silu``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        hidden: int = 64,
+        depth: int = 2,
+        activation: str = "relu",
+    ) -> None:
+        super().__init__()
+        self.in_features = check_positive_int("in_features", in_features)
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        check_positive_int("hidden", hidden)
+        check_non_negative_int("depth", depth)
+        layers: list[nn.Module] = []
+        width = in_features
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), make_activation(activation)]
+            width = hidden
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """Logits ``[B, num_classes]`` of inputs of any shape ``[B, ...]``."""
+        x = as_float_input(inputs, self.net[0].weight).flatten(1)
+        if x.shape[1] != self.in_features:
+            raise ValueError(
+                f"TinyMLP expects {self.in_features} features per example, got {x.shape[1]} "
+                f"(input shape {tuple(inputs.shape)})"
+            )
+        return self.net(x)
+
+
+class TinyCNN(Backbone):
+    """Three 3x3 convolutions (two with stride 2), adaptive 2x2 average pooling, a linear head.
+
+    Works for any image of side >= 2 (8x8 digits, 28x28 MNIST, 32x32 CIFAR). Accepts ``[B, C, H, W]``,
+    ``[B, H, W]`` when ``in_channels == 1``, or flat square images ``[B, C*S*S]``.
+
+    Args:
+        in_channels: Image channels (1 for grey scale, 3 for RGB).
+        num_classes: Number of output classes.
+        width: Channels of the first convolution (the next two have ``2 * width``).
+    """
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 16) -> None:
+        super().__init__()
+        self.in_channels = check_positive_int("in_channels", in_channels)
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        check_positive_int("width", width)
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+        )
+        self.head = nn.Linear(8 * width, num_classes)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """Logits ``[B, num_classes]``."""
+        x = self._as_images(as_float_input(inputs, self.head.weight))
+        return self.head(self.features(x).flatten(1))
+
+    def _as_images(self, x: Tensor) -> Tensor:
+        """Reshape ``[B, H, W]`` or flat ``[B, C*S*S]`` inputs to ``[B, C, H, W]``."""
+        if x.dim() == 3 and self.in_channels == 1:
+            x = x.unsqueeze(1)
+        elif x.dim() == 2:
+            side = math.isqrt(x.shape[1] // self.in_channels)
+            if self.in_channels * side * side != x.shape[1]:
+                raise ValueError(
+                    f"cannot read {x.shape[1]} features as square images with {self.in_channels} channel(s)"
+                )
+            x = x.reshape(x.shape[0], self.in_channels, side, side)
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"TinyCNN expects images [B, {self.in_channels}, H, W], got shape {tuple(x.shape)}"
+            )
+        return x
+
+
+__all__ = ["TinyCNN", "TinyMLP", "make_activation"]

@@ -1,0 +1,92 @@
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_zodp.algorithms import DPZero
+from lit_zodp.callbacks import PrivacySpendCallback, steps_within_budget
+from lit_zodp.privacy import PrivacyConfigError, PrivacyLedger, SubsampledGaussian
+from tests.conftest import blobs, mlp, poisson_loader, quiet_trainer
+
+
+def test_module_brings_its_own_privacy_callback():
+    module = DPZero(mlp(), target_epsilon=1.0)
+    assert any(isinstance(c, PrivacySpendCallback) for c in module.configure_callbacks())
+
+
+def test_epsilon_is_logged_every_step_and_matches_the_ledger():
+    data = blobs()
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    logged = []
+
+    from lightning.pytorch.callbacks import Callback
+
+    class Spy(Callback):  # runs before the module's own callbacks: reads the previous step's value
+        def on_train_batch_start(self, trainer, m, batch, batch_idx):
+            if batch_idx:
+                logged.append(float(trainer.callback_metrics["epsilon"]))
+
+        def on_train_end(self, trainer, m):
+            logged.append(float(trainer.callback_metrics["epsilon"]))
+
+    trainer = quiet_trainer(max_steps=6, callbacks=[Spy(), PrivacySpendCallback(log_every_n_steps=1)])
+    trainer.fit(module, poisson_loader(data, 0.1, steps_per_epoch=10))
+    assert len(logged) == 6
+    assert all(a < b for a, b in zip(logged, logged[1:])) and logged[0] > 0
+    reference = PrivacyLedger()
+    reference.record(SubsampledGaussian(1.0, 0.1), 6)
+    assert logged[-1] == pytest.approx(reference.epsilon(1e-5).upper)
+
+
+def test_budget_stops_training_before_epsilon_is_exceeded():
+    data = blobs()
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=3.0, delta=1e-5, max_epsilon=1.0)
+    trainer = quiet_trainer(max_steps=500)
+    trainer.fit(module, poisson_loader(data, 0.1))
+    steps = trainer.global_step
+    assert 0 < steps < 500
+    assert module.ledger.total_count == steps
+    assert module.ledger.epsilon(1e-5).upper <= 1.0
+    one_more = module.ledger.epsilon(1e-5, extra=module.step_mechanisms()).upper
+    assert one_more > 1.0
+
+
+def test_steps_within_budget_is_the_largest_feasible_count():
+    ledger = PrivacyLedger()
+    per_step = [(SubsampledGaussian(1.0, 0.05), 1)]
+    k = steps_within_budget(ledger, per_step, max_epsilon=1.0, delta=1e-5, limit=10_000)
+    assert ledger.epsilon(1e-5, extra=[(per_step[0][0], k)]).upper <= 1.0
+    assert ledger.epsilon(1e-5, extra=[(per_step[0][0], k + 1)]).upper > 1.0
+
+
+def test_epsilon_after_resume_continues_from_the_checkpoint(tmp_path):
+    data = blobs()
+    kwargs = dict(lr=0.01, clip=1.0, target_epsilon=2.0, delta=1e-5, seed=1, noise_seed=2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=5)
+    first = DPZero(mlp(), **kwargs)
+    quiet_trainer(max_steps=5, enable_checkpointing=True, callbacks=[checkpoint]).fit(
+        first, poisson_loader(data, 0.1, seed=3))
+    spent_at_5 = first.ledger.epsilon(1e-5).upper
+    sigma = first.noise_multiplier
+
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved[PrivacySpendCallback.CHECKPOINT_KEY]["entries"][0]["count"] == 5
+
+    resumed = DPZero(mlp(), **kwargs)
+    trainer = quiet_trainer(max_steps=10)
+    trainer.fit(resumed, poisson_loader(data, 0.1, seed=3), ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.noise_multiplier == sigma  # not recalibrated from scratch
+    assert resumed.ledger.total_count == 10
+    spent_at_10 = resumed.ledger.epsilon(1e-5).upper
+    assert spent_at_10 > spent_at_5
+    uninterrupted = PrivacyLedger()
+    uninterrupted.record(SubsampledGaussian(sigma, 0.1), 10)
+    assert spent_at_10 == pytest.approx(uninterrupted.epsilon(1e-5).upper, rel=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_epsilon=0.0), "max_epsilon"),
+    (dict(log_every_n_steps=0), "log_every_n_steps"),
+])
+def test_bad_callback_arguments(kwargs, match):
+    with pytest.raises(PrivacyConfigError, match=match):
+        PrivacySpendCallback(**kwargs)
