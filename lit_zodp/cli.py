@@ -64,8 +64,8 @@ def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: fl
     return "RESULT " + " ".join(f"{k}={v}" for k, v in fields.items())
 
 
-def cli_main(args=None) -> LitZODPCLI:
-    """Entry point of the ``lightning`` and ``lit-zodp`` console scripts (``args`` for tests)."""
+def build_cli(args=None) -> LitZODPCLI:
+    """Parse ``args`` (``None``: ``sys.argv``) and run the subcommand; returns the CLI (tests use it)."""
     return LitZODPCLI(
         LightningModule,
         LightningDataModule,
@@ -75,6 +75,11 @@ def cli_main(args=None) -> LitZODPCLI:
         save_config_kwargs={"overwrite": True},
         args=args,
     )
+
+
+def cli_main(args=None) -> None:
+    """Entry point of the ``lightning`` and ``lit-zodp`` console scripts."""
+    build_cli(args)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,10 @@ def assert_batch_independent(model, inputs, targets, atol=1e-5):
     with torch.no_grad():
         together = model.per_example_loss(inputs, targets)
         alone = torch.cat(
-            [model.per_example_loss(take(inputs, slice(i, i + 1)), targets[i : i + 1]) for i in range(targets.shape[0])]
+            [
+                model.per_example_loss(take(inputs, slice(i, i + 1)), targets[i : i + 1])
+                for i in range(targets.shape[0])
+            ]
         )
     torch.testing.assert_close(together, alone, atol=atol, rtol=1e-5)
 

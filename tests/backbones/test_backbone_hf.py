@@ -9,6 +9,7 @@ import torch
 
 from lit_zodp.backbones import (
     SENTIMENT_LABEL_DESCRIPTIONS,
+    HFPromptClassifier,
     HFSequenceClassifier,
     SentenceEncoderClassifier,
     resolve_model_path,
@@ -30,7 +31,8 @@ TINY_OPT = dict(
 
 @pytest.fixture(scope="module")
 def minilm(minilm_path):
-    return SentenceEncoderClassifier("minilm", num_classes=2, label_descriptions=SENTIMENT_LABEL_DESCRIPTIONS).eval()
+    model = SentenceEncoderClassifier(num_classes=2, label_descriptions=SENTIMENT_LABEL_DESCRIPTIONS)
+    return model.eval()
 
 
 # ----------------------------------------------------------------------------- paths
@@ -86,7 +88,8 @@ def test_extra_keys_are_ignored_and_bad_inputs_rejected(text_batch):
 
 
 def test_from_config_with_overrides(minilm_path):
-    model = HFSequenceClassifier("minilm", num_classes=4, from_config=True, config_overrides={"num_hidden_layers": 1})
+    overrides = {"num_hidden_layers": 1}
+    model = HFSequenceClassifier("minilm", num_classes=4, from_config=True, config_overrides=overrides)
     assert model.model.config.num_hidden_layers == 1 and model.num_classes == 4
 
 
@@ -134,11 +137,13 @@ def test_minilm_has_no_pooler_and_zero_shot_head_is_cosine(minilm, tokenizer):
 
 
 def test_minilm_padding_does_not_change_losses(minilm, tokenizer):
-    texts, targets = ["a short one", "a considerably longer review that needs much more padding room"], torch.tensor([1, 0])
+    texts = ["a short one", "a considerably longer review that needs much more padding room"]
+    targets = torch.tensor([1, 0])
     padded = dict(tokenizer(texts, padding="max_length", max_length=48, return_tensors="pt"))
     with torch.no_grad():
         together = minilm.per_example_loss(padded, targets)
-        alone = torch.cat([minilm.per_example_loss(dict(tokenizer([t], return_tensors="pt")), y[None]) for t, y in zip(texts, targets)])
+        singles = [dict(tokenizer([text], return_tensors="pt")) for text in texts]
+        alone = torch.cat([minilm.per_example_loss(one, y[None]) for one, y in zip(singles, targets)])
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
 
 
@@ -154,18 +159,21 @@ def test_zero_shot_accuracy_on_movie_reviews(minilm, tokenizer):
     correct = 0
     with torch.no_grad():
         for i in range(0, len(texts), 50):
-            batch = dict(tokenizer(texts[i : i + 50], padding=True, truncation=True, max_length=128, return_tensors="pt"))
+            chunk = texts[i : i + 50]
+            batch = dict(tokenizer(chunk, padding=True, truncation=True, max_length=128, return_tensors="pt"))
             correct += (minilm.predict(batch).argmax(1) == labels[i : i + 50]).sum().item()
     accuracy = correct / len(texts)
     assert accuracy > 0.6, accuracy
 
 
 def test_head_initialisers(minilm_path):
-    model = SentenceEncoderClassifier("minilm", num_classes=2, label_descriptions=["a negative movie review", "a positive movie review"])
+    descriptions = ["a negative movie review", "a positive movie review"]
+    model = SentenceEncoderClassifier("minilm", num_classes=2, label_descriptions=descriptions)
     embeddings = torch.nn.functional.normalize(torch.randn(6, model.embedding_dim), dim=1)
     targets = torch.tensor([0, 1, 0, 1, 1, 0])
     model.init_head_from_class_means(embeddings, targets)
-    expected = torch.nn.functional.normalize(torch.stack([embeddings[targets == c].mean(0) for c in (0, 1)]), dim=1)
+    means = torch.stack([embeddings[targets == c].mean(0) for c in (0, 1)])
+    expected = torch.nn.functional.normalize(means, dim=1)
     torch.testing.assert_close(model.head.weight, expected)
     with pytest.raises(ValueError, match="every class"):
         model.init_head_from_class_means(embeddings, torch.zeros(6, dtype=torch.long))
@@ -177,7 +185,9 @@ def test_head_initialisers(minilm_path):
 
 def test_tiny_random_sentence_encoder(contract, text_batch):
     torch.manual_seed(0)
-    model = SentenceEncoderClassifier(config=tiny_bert_config(), tokenizer_name_or_path="minilm", label_descriptions=["bad", "good"])
+    model = SentenceEncoderClassifier(
+        config=tiny_bert_config(), tokenizer_name_or_path="minilm", label_descriptions=["bad", "good"]
+    )
     assert model.training  # encode_texts restored the mode
     contract(model, *text_batch)
     assert model.embed({k: v[:0] for k, v in text_batch[0].items()}).shape == (0, 32)
@@ -185,7 +195,11 @@ def test_tiny_random_sentence_encoder(contract, text_batch):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"pooling": "max"}, "pooling"), ({"logit_scale": 0.0}, "logit_scale"), ({"num_classes": -1}, "num_classes")],
+    [
+        ({"pooling": "max"}, "pooling"),
+        ({"logit_scale": 0.0}, "logit_scale"),
+        ({"num_classes": -1}, "num_classes"),
+    ],
 )
 def test_sentence_encoder_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -209,3 +223,54 @@ def movie_review_sample(per_source: int, seed: int = 0) -> tuple[list[str], torc
             group = [r for r in rows if r["source"] == source and r["label"] == label]
             sample += rng.sample(group, per_source // 2)
     return [r["text"] for r in sample], torch.tensor([int(r["label"]) for r in sample])
+
+
+# ----------------------------------------------------------------------------- prompt classifier
+
+
+def _prompts(tokenizer, texts):
+    return dict(tokenizer(texts, padding=True, return_tensors="pt"))
+
+
+def test_masked_lm_prompt_scores_label_words_at_the_mask(contract, tokenizer):
+    torch.manual_seed(0)
+    words = ["terrible", "great"]
+    model = HFPromptClassifier(config=tiny_bert_config(), label_words=words, tokenizer_name_or_path="minilm")
+    assert model.lm_type == "mlm" and model.num_classes == 2
+    texts = ["fun film. It was [MASK] .", "a slog. It was [MASK] .", "meh. It was [MASK]."]
+    batch = _prompts(tokenizer, texts)
+    contract(model.eval(), batch, torch.tensor([1, 0, 0]))
+    with torch.no_grad():
+        full = model.model(**batch).logits
+        expected = full[batch["input_ids"] == model.mask_token_id][:, model.label_word_ids]
+        torch.testing.assert_close(model(batch), expected)
+
+
+def test_causal_lm_prompt_scores_label_words_after_the_last_token(contract, tokenizer):
+    torch.manual_seed(0)
+    words = ["terrible", "great"]
+    model = HFPromptClassifier(config=TINY_OPT, label_words=words, tokenizer_name_or_path="minilm").eval()
+    assert model.lm_type == "causal"
+    batch = _prompts(tokenizer, ["fun film. It was", "boring and long, a real slog. It was"])
+    contract(model, batch, torch.tensor([1, 0]))
+    inputs = {k: v for k, v in batch.items() if k != "token_type_ids"}
+    last = batch["attention_mask"].sum(1) - 1
+    with torch.no_grad():
+        full = model.model(**inputs).logits
+        torch.testing.assert_close(model(batch), full[torch.arange(2), last][:, model.label_word_ids])
+
+
+def test_prompt_classifier_errors(tokenizer):
+    model = HFPromptClassifier(config=tiny_bert_config(), label_word_ids=[10, 11], mask_token_id=103).eval()
+    with pytest.raises(ValueError, match="exactly one mask"):
+        model(_prompts(tokenizer, ["no mask here"]))
+    with pytest.raises(ValueError, match="single-token"):
+        words = ["bad", "supercalifragilistic"]
+        HFPromptClassifier(config=tiny_bert_config(), label_words=words, tokenizer_name_or_path="minilm")
+    with pytest.raises(ValueError, match="lm_type"):
+        HFPromptClassifier(config=tiny_bert_config(), label_word_ids=[1, 2], lm_type="seq2seq")
+
+
+def test_new_backbones_start_in_train_mode_throughout(minilm_path):
+    for model in (HFSequenceClassifier("minilm"), SentenceEncoderClassifier("minilm")):
+        assert all(module.training for module in model.modules())

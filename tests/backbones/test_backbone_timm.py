@@ -33,12 +33,26 @@ def test_efficientnet_lite_keeps_batchnorm_frozen_in_train_mode(independent):
     torch.testing.assert_close(bn.running_mean, stats)
 
 
+@pytest.mark.parametrize("name", ["test_efficientnet", "test_resnet"])
+def test_small_batchnorm_models_contract_in_both_modes(contract, independent, name):
+    torch.manual_seed(0)
+    model = TimmClassifier(name, num_classes=5)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 5, (4,))
+    contract(model, x, y)
+    independent(model.train(), x, y)
+    assert model.train().per_example_loss(x[:0], y[:0]).shape == (0,)
+
+
 def test_batchnorm_trains_when_not_frozen():
     model = TimmClassifier("test_resnet", num_classes=2, freeze_batchnorm=False).train()
     assert all(m.training for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
 
 
-@pytest.mark.parametrize("wrap", [lambda s: s, lambda s: {"state_dict": {f"module.{k}": v for k, v in s.items()}}])
+def _lightning_style(state):
+    return {"state_dict": {f"module.{k}": v for k, v in state.items()}, "epoch": 3}
+
+
+@pytest.mark.parametrize("wrap", [lambda s: s, _lightning_style])
 def test_checkpoint_by_name_skips_a_head_of_another_size(tmp_path, wrap):
     source = TimmClassifier("test_resnet", num_classes=1000)
     path = tmp_path / "weights.pth"
@@ -51,7 +65,8 @@ def test_checkpoint_by_name_skips_a_head_of_another_size(tmp_path, wrap):
 def test_checkpoint_with_other_names_loads_by_position(tmp_path):
     """Files in another layout (e.g. efficientnet_lite_pytorch's ``_conv_stem``) load by position."""
     source = TimmClassifier("tf_efficientnet_lite0", num_classes=1000)
-    renamed = {f"_renamed_{i}.{k.rsplit('.', 1)[-1]}": v for i, (k, v) in enumerate(source.model.state_dict().items())}
+    state = source.model.state_dict()
+    renamed = {f"_renamed_{i}.{k.rsplit('.', 1)[-1]}": v for i, (k, v) in enumerate(state.items())}
     path = tmp_path / "lite0.pth"
     torch.save(renamed, path)
     model = TimmClassifier("tf_efficientnet_lite0", num_classes=10, checkpoint_path=str(path))
@@ -71,9 +86,10 @@ def test_safetensors_checkpoint(tmp_path):
 
 
 def test_checkpoint_of_another_model_is_rejected(tmp_path):
-    torch.save(TimmClassifier("test_resnet", num_classes=3).model.state_dict(), tmp_path / "w.pth")
+    path = str(tmp_path / "w.pth")
+    torch.save(TimmClassifier("test_resnet", num_classes=3).model.state_dict(), path)
     with pytest.raises(ValueError, match="does not fit|cannot be matched|do not match"):
-        TimmClassifier("vit_tiny_patch16_224", img_size=32, patch_size=4, checkpoint_path=str(tmp_path / "w.pth"))
+        TimmClassifier("vit_tiny_patch16_224", img_size=32, patch_size=4, checkpoint_path=path)
 
 
 def test_load_state_dict_file_errors(tmp_path):
