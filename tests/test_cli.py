@@ -1,0 +1,83 @@
+"""The CLI as a user runs it: `lightning fit --config ...` end to end, in process and as a console script."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit_zodp.cli import build_cli, result_line
+
+TINY = {
+    "seed_everything": 0,
+    "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 30, "logger": False,
+                "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False},
+    "model": {"class_path": "lit_zodp.algorithms.DPZero", "init_args": {
+        "backbone": {"class_path": "lit_zodp.backbones.TinyMLP",
+                     "init_args": {"in_features": 16, "num_classes": 2, "hidden": 8}},
+        "lr": 0.05, "clip": 1.0, "target_epsilon": 3.0}},
+    "data": {"class_path": "datamodules.SyntheticClassificationDataModule",
+             "init_args": {"batch_size": 32, "n_samples": 512, "n_features": 16, "num_classes": 2}},
+}
+
+
+def write_config(tmp_path, config=TINY):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_fit_config_end_to_end_in_process(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["fit", "--config", str(write_config(tmp_path))])
+    model = cli.model
+    assert cli.trainer.global_step == 30
+    assert model.ledger.total_count == 30
+    spent = model.ledger.epsilon(model.delta).upper
+    assert 2.5 < spent <= 3.0
+    assert cli.trainer.callback_metrics["test_acc"] > 0.5  # test set evaluated after fit
+    line = result_line(model, cli.datamodule, cli.trainer, {"test_acc": 0.9}, 1.0)
+    assert line.startswith("RESULT task=SyntheticClassificationDataModule algorithm=DPZero epsilon=")
+
+
+def test_bad_config_fails_before_training(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load(yaml.safe_dump(TINY))
+    config["model"]["init_args"]["target_epsilon"] = -1.0
+    with pytest.raises(Exception, match="target_epsilon"):
+        build_cli(["fit", "--config", str(write_config(tmp_path, config))])
+
+
+def test_sample_rate_above_one_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load(yaml.safe_dump(TINY))
+    config["data"]["init_args"]["batch_size"] = 5000
+    with pytest.raises(Exception, match="sample"):
+        build_cli(["fit", "--config", str(write_config(tmp_path, config))])
+
+
+@pytest.mark.parametrize("script", ["lightning", "lit-zodp"])
+def test_console_scripts(tmp_path, script):
+    executable = shutil.which(script) or str(Path(sys.executable).parent / script)
+    if not Path(executable).exists():
+        pytest.skip(f"{script} console script not installed (pip install -e .)")
+    result = subprocess.run([executable, "fit", "--config", str(write_config(tmp_path))], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "RESULT task=SyntheticClassificationDataModule algorithm=DPZero" in output
+    assert "Privacy spent: epsilon" in output
+
+
+def test_quickstart_config_runs_a_few_steps(tmp_path, monkeypatch):
+    """The README's quickstart config, shortened: real digits, DPZero, epsilon spent <= its target."""
+    monkeypatch.chdir(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    cli = build_cli(["fit", "--config", str(root / "configs" / "quickstart.yaml"),
+                     "--trainer.max_steps", "20", "--trainer.enable_progress_bar", "false"])
+    target = cli.model.target_epsilon
+    assert cli.trainer.global_step == 20
+    assert 0 < cli.model.ledger.epsilon(cli.model.delta).upper <= target
+    assert "test_acc" in cli.trainer.callback_metrics
