@@ -15,6 +15,7 @@ import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.cli import LRSchedulerCallable
 import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
@@ -53,6 +54,8 @@ class ZerothOrderModule(pl.LightningModule):
         seed: run seed of the public perturbation directions; ``None`` takes ``torch.initial_seed()``
             (so ``seed_everything`` fixes it). Under DDP rank 0's value is used everywhere.
         num_classes: classes for accuracy; ``None`` reads it from the backbone or DataModule.
+        lr_scheduler: a callable ``optimizer -> LRScheduler`` (a ``class_path`` in YAML), stepped
+            once per training step.
     """
 
     private: bool = False
@@ -68,6 +71,7 @@ class ZerothOrderModule(pl.LightningModule):
         directions: str = "gaussian",
         seed: Optional[int] = None,
         num_classes: Optional[int] = None,
+        lr_scheduler: Optional[LRSchedulerCallable] = None,
     ) -> None:
         super().__init__()
         raise_if_any([
@@ -78,7 +82,8 @@ class ZerothOrderModule(pl.LightningModule):
             None if directions in ("gaussian", "sphere")
             else f"Expected `directions` in ['gaussian', 'sphere'], but got {directions!r}",
         ])
-        self.save_hyperparameters(ignore=["backbone"])
+        self.save_hyperparameters(ignore=["backbone", "lr_scheduler"])
+        self.lr_scheduler_factory = lr_scheduler
         self.automatic_optimization = False
         self.backbone = backbone
         self.lr = lr
@@ -120,7 +125,10 @@ class ZerothOrderModule(pl.LightningModule):
         groups = [{"params": decay, "weight_decay": self.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        return ZOSGD(groups, lr=self.lr, law=make_direction_law(self.directions))
+        optimizer = ZOSGD(groups, lr=self.lr, law=make_direction_law(self.directions))
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
 
     @property
     def zo_optimizer(self) -> ZOSGD:
@@ -158,7 +166,14 @@ class ZerothOrderModule(pl.LightningModule):
     def apply_update(self, coefficients: dict[int, float], **noise) -> None:
         """``x <- x - lr * sum_k c_k u_k`` through the registered optimizer (Lightning counts it)."""
         self.zo_optimizer.set_coefficients(coefficients, **noise)
+        self.step_optimizer()
+
+    def step_optimizer(self) -> None:
+        """Step the ZO optimizer (Lightning counts it) and the LR scheduler, if any."""
         self.optimizers().step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
 
     # ----------------------------------------------------------- evaluation
     def validation_step(self, batch, batch_idx: int) -> None:

@@ -137,7 +137,7 @@ class DPGD0th(DPZero):
         self.zo_optimizer.set_coefficients(
             {seed: clipped_sum.item() / B},
             noise_coefficients={noise_seed: self.noise_multiplier * self.clip / B} if self.noise_multiplier else {})
-        self.optimizers().step()                                                  # line 3
+        self.step_optimizer()                                                     # line 3
         self.record_step()
         self._log_step(size, clipped_fraction(differences, scalar_clip))
 

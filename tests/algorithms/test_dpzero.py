@@ -285,3 +285,16 @@ def test_multiple_directions_accounting_uses_sqrt_q_scaling(dataset):
     delta = trace.after[0] - trace.before[0]
     residual = delta - U @ torch.linalg.lstsq(U, delta).solution
     assert residual.norm() <= 1e-4 * delta.norm()  # float32 parameters
+
+
+def test_lr_scheduler_is_stepped_with_the_zo_optimizer(dataset):
+    from functools import partial
+
+    trace = ParameterTrace()
+    schedule = partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda step: 0.5 ** step)
+    module = DPZero(mlp(), lr=0.08, clip=1.0, noise_multiplier=1.0, seed=3, noise_seed=0, lr_scheduler=schedule)
+    fit(module, poisson_loader(dataset, 0.25), 3, [trace])
+    assert module.zo_optimizer.param_groups[0]["lr"] == pytest.approx(0.08 * 0.5 ** 3)
+    # each step moves along u by lr_t * g_t: recover lr_t from the privatized g_t of a replay
+    sizes = [(a - b).norm().item() for b, a in zip(trace.before, trace.after)]
+    assert all(s > 0 for s in sizes)
