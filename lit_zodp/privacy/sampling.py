@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import Sampler
 
-from lit_zodp.privacy.errors import check_positive_int, check_probability, raise_if_any
+from lit_zodp.privacy.errors import check_positive_int, check_probability, check_rank, raise_if_any
 
 
 def entropy_seed() -> int:
@@ -52,8 +52,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         ]
         if steps_per_epoch is not None:
             errors.append(check_positive_int("steps_per_epoch", steps_per_epoch))
-        if not 0 <= rank < world_size:
-            errors.append(f"Expected `rank` in [0, {world_size}), but got {rank}")
+        errors.append(check_rank(rank, world_size))
         raise_if_any(errors)
         self.num_samples = num_samples
         self.sample_rate = float(sample_rate)
