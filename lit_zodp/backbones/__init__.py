@@ -24,6 +24,7 @@ from lit_zodp.backbones.tiny import TinyCNN, TinyMLP
 if TYPE_CHECKING:  # pragma: no cover
     from lit_zodp.backbones.huggingface import (
         SENTIMENT_LABEL_DESCRIPTIONS,
+        HFCandidateScorer,
         HFPromptClassifier,
         HFSequenceClassifier,
         SentenceEncoderClassifier,
@@ -32,9 +33,11 @@ if TYPE_CHECKING:  # pragma: no cover
         tiny_bert_config,
     )
     from lit_zodp.backbones.timm_models import TimmClassifier
+    from lit_zodp.backbones.tiny_hf import save_tiny_pretrained
 
 _LAZY = {
     "TimmClassifier": "lit_zodp.backbones.timm_models",
+    "HFCandidateScorer": "lit_zodp.backbones.huggingface",
     "HFPromptClassifier": "lit_zodp.backbones.huggingface",
     "HFSequenceClassifier": "lit_zodp.backbones.huggingface",
     "SentenceEncoderClassifier": "lit_zodp.backbones.huggingface",
@@ -42,6 +45,7 @@ _LAZY = {
     "load_tokenizer": "lit_zodp.backbones.huggingface",
     "resolve_model_path": "lit_zodp.backbones.huggingface",
     "tiny_bert_config": "lit_zodp.backbones.huggingface",
+    "save_tiny_pretrained": "lit_zodp.backbones.tiny_hf",
 }
 
 
@@ -60,6 +64,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Backbone",
+    "HFCandidateScorer",
     "HFPromptClassifier",
     "HFSequenceClassifier",
     "Inputs",
@@ -76,5 +81,6 @@ __all__ = [
     "per_example_loss",
     "predict",
     "resolve_model_path",
+    "save_tiny_pretrained",
     "tiny_bert_config",
 ]

@@ -14,7 +14,7 @@ import contextlib
 import inspect
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -460,6 +460,11 @@ class HFPromptClassifier(Backbone):
     e.g. OPT), and the logits of class ``k`` are the LM logits of label word ``k`` at the mask (MLM) or
     at the last non-padding token (causal LM). No new parameters: zero-shot accuracy is the start.
 
+    Only the positions that are scored go through the LM head: the base model's final hidden states
+    are gathered at the mask (or last token) first, so no ``[B, L, vocab]`` logits are built (see
+    :func:`lm_head_name`; models whose head is not a plain module fall back to the full forward).
+    Multi-token answers of a causal LM (MeZO's OPT setting) are scored by :class:`HFCandidateScorer`.
+
     Args:
         model_name_or_path: Hub id or local directory of the LM (also the default tokenizer).
         label_words: One single-token word per class (``["terrible", "great"]``); encoded with a
@@ -510,6 +515,8 @@ class HFPromptClassifier(Backbone):
         self.mask_token_id = mask_token_id
         if self.lm_type == "mlm" and mask_token_id is None:
             raise ValueError("a masked-LM prompt needs a mask token: give mask_token_id or a tokenizer")
+        self.head_name = lm_head_name(self.model, self.lm_type)
+        self.no_cache = no_cache_kwargs(self.model)
         self.train()
 
     def forward(self, inputs: Mapping[str, Tensor]) -> Tensor:
@@ -528,27 +535,298 @@ class HFPromptClassifier(Backbone):
             raise ValueError(
                 f"every prompt needs exactly one mask token (id {self.mask_token_id}); got {counts.tolist()}"
             )
-        logits = self.model(**batch).logits
-        return logits[is_mask][:, self.label_word_ids]
+        rows, positions = is_mask.nonzero(as_tuple=True)  # one mask per row, rows in order
+        return self._logits_at(batch, rows, positions)
 
     def _causal_logits(self, batch: dict[str, Tensor]) -> Tensor:
-        hidden = self.model.base_model(**batch).last_hidden_state
+        ids = batch["input_ids"]
         mask = batch.get("attention_mask")
-        length = hidden.shape[1]
+        length = ids.shape[1]
         if mask is None:
-            last = torch.full((hidden.shape[0],), length - 1, device=hidden.device)
+            last = torch.full((ids.shape[0],), length - 1, device=ids.device)
         else:  # last real token, for right or left padding
             last = length - 1 - mask.flip(1).to(torch.long).argmax(1)
-        states = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-        head = self.model.get_output_embeddings()
-        logits = states @ head.weight[self.label_word_ids].T
-        if getattr(head, "bias", None) is not None:
-            logits = logits + head.bias[self.label_word_ids]
-        return logits
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        return self._logits_at(batch, rows, last)
+
+    def _logits_at(self, batch: dict[str, Tensor], rows: Tensor, positions: Tensor) -> Tensor:
+        """Label-word logits ``[N, K]`` at ``(rows[i], positions[i])``: the head on gathered states."""
+        return lm_logits_at(self.model, self.head_name, batch, rows, positions,
+                            vocab_ids=self.label_word_ids, model_kwargs=self.no_cache)
 
     def load_tokenizer(self, **kwargs: Any) -> Any:
         """The tokenizer matching this model."""
         return load_tokenizer(_require_tokenizer_path(self.tokenizer_path), **kwargs)
+
+
+class HFCandidateScorer(Backbone):
+    """Causal-LM candidate scoring: MeZO's classification setting for OPT (and any decoder-only LM).
+
+    Each example comes with ``K`` candidate continuations (label words, answer options); row ``k``
+    of example ``b`` is the prompt followed by candidate ``k``. The score of a candidate is its
+    log-likelihood under the LM,
+
+    .. math:: s_{bk} = \\sum_{t \\in \\mathrm{cand}(b,k)} \\log p(x_t \\mid x_{<t})
+
+    (or the mean over its tokens with ``length_normalize``), and the logits are ``s`` ``[B, K]``.
+
+    Input (a data module produces exactly this): a dict with
+
+    * ``input_ids`` ``[B, K, L]``: prompt + candidate ``k``, right-padded (left padding also works);
+    * ``attention_mask`` ``[B, K, L]``: 1 on real tokens;
+    * ``candidate_mask`` ``[B, K, L]``: 1 exactly on candidate ``k``'s tokens (never position 0: a
+      candidate is predicted from the prompt before it); every row needs at least one.
+
+    Other keys the model takes (``position_ids``...) may be given with the same shape; the rest are
+    ignored. Losses:
+
+    * ``classification`` (default; MeZO's ``--train_as_classification``): cross-entropy of the
+      logits ``s_b`` with the target candidate, one value per example;
+    * ``lm``: the negative log-likelihood of the target candidate's tokens only, ``-s_{b, y_b}``
+      (summed, or averaged with ``length_normalize``); only the target rows are run through the model.
+
+    MeZO's code (``forward_wrap_with_option_len``) averages over the candidate's tokens both to train
+    as classification and to predict: set ``length_normalize=True`` to reproduce it.
+
+    Memory: the final hidden states are gathered at the ``N`` positions that predict candidate
+    tokens and only those go through the LM head (in chunks of :data:`HEAD_CHUNK` positions), with a
+    log-sum-exp per position; no ``[B*K, L, vocab]`` logits or log-softmax exist. Rows go through the
+    transformer ``max_rows_per_forward`` at a time. LMs whose logits are transformed after the head
+    (soft-capping, scaling: see :func:`lm_head_name`) use their full forward instead.
+
+    Args:
+        model_name_or_path: Hub id or local directory of a causal LM (also the default tokenizer).
+        num_classes: Number of candidates ``K`` every example has (checked against the inputs; used for
+            accuracy). ``None`` accepts any ``K``: the algorithm or data module then names the classes.
+        loss: ``classification`` or ``lm`` (see above).
+        length_normalize: Average the candidate's token log-probabilities instead of summing them.
+        max_rows_per_forward: Largest number of rows (example-candidate pairs) in one transformer
+            forward; ``None`` runs the whole batch at once. Scores do not depend on it (up to
+            floating-point rounding).
+        from_config: Randomly initialise from the config at ``model_name_or_path``.
+        config: A full config dict to build a random LM (``model_type="opt"``...).
+        config_overrides: Config attributes to change.
+        tokenizer_name_or_path: Tokenizer for :meth:`load_tokenizer`; defaults to the model's.
+        dtype: ``float32``, ``float16`` or ``bfloat16``; ``None`` keeps the checkpoint's. Log-probs
+            are computed in float32 (float64 for a float64 model).
+        model_kwargs: Extra keyword arguments for ``from_pretrained``.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: Optional[str] = None,
+        num_classes: Optional[int] = None,
+        loss: Literal["classification", "lm"] = "classification",
+        length_normalize: bool = False,
+        max_rows_per_forward: Optional[int] = None,
+        from_config: bool = False,
+        config: Optional[dict[str, Any]] = None,
+        config_overrides: Optional[dict[str, Any]] = None,
+        tokenizer_name_or_path: Optional[str] = None,
+        dtype: Optional[str] = None,
+        model_kwargs: Optional[dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        if loss not in ("classification", "lm"):
+            raise ValueError(f"loss must be 'classification' or 'lm', got {loss!r}")
+        if num_classes is not None:
+            check_positive_int("num_classes", num_classes)
+        if max_rows_per_forward is not None:
+            check_positive_int("max_rows_per_forward", max_rows_per_forward)
+        self.num_classes = num_classes
+        self.loss = loss
+        self.length_normalize = bool(length_normalize)
+        self.max_rows_per_forward = max_rows_per_forward
+        self.tokenizer_path = _tokenizer_path(tokenizer_name_or_path, model_name_or_path)
+        self.model = build_hf_model(
+            AutoModelForCausalLM,
+            model_name_or_path,
+            config=config,
+            from_config=from_config,
+            config_overrides=config_overrides,
+            dtype=dtype,
+            model_kwargs=model_kwargs,
+        )
+        _ensure_pad_token_id(self.model.config)
+        self.input_keys = tuple(k for k in accepted_input_keys(self.model) if k != "inputs_embeds")
+        self.head_name = lm_head_name(self.model, "causal")
+        self.no_cache = no_cache_kwargs(self.model)
+        self.train()  # from_pretrained leaves the inner model in eval mode
+
+    def forward(self, inputs: Mapping[str, Tensor]) -> Tensor:
+        """Candidate scores ``[B, K]`` (at least float32): summed or mean token log-likelihoods."""
+        batch, candidates, (size, k) = self._flatten(inputs)
+        if size == 0:
+            return empty_logits(self, k)
+        return self._row_scores(batch, candidates).view(size, k)
+
+    def per_example_loss(self, inputs: Mapping[str, Tensor], targets: Tensor) -> Tensor:
+        """``classification``: cross-entropy of the scores; ``lm``: NLL of the target candidate. ``[B]``."""
+        if self.loss == "classification":
+            return F.cross_entropy(self(inputs), targets.to(self.model.device), reduction="none")
+        batch, candidates, (size, k) = self._flatten(inputs)
+        if size == 0:
+            return empty_logits(self, k).sum(1)
+        targets = targets.to(candidates.device)
+        if targets.shape != (size,) or bool(((targets < 0) | (targets >= k)).any()):
+            raise ValueError(f"targets must be {size} candidate indices in [0, {k}), got {targets.tolist()}")
+        rows = torch.arange(size, device=targets.device) * k + targets  # the target rows only
+        return -self._row_scores({key: v[rows] for key, v in batch.items()}, candidates[rows])
+
+    def _flatten(self, inputs: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], Tensor, tuple[int, int]]:
+        """``[B, K, L]`` inputs as ``[B*K, L]`` model inputs and candidate mask, on the model's device."""
+        if not isinstance(inputs, Mapping) or "input_ids" not in inputs or "candidate_mask" not in inputs:
+            got = sorted(inputs) if isinstance(inputs, Mapping) else type(inputs).__name__
+            raise ValueError(
+                f"candidate scoring takes a dict with input_ids and candidate_mask [B, K, L]; got {got}"
+            )
+        ids, candidates = inputs["input_ids"], inputs["candidate_mask"]
+        if ids.dim() != 3 or tuple(candidates.shape) != tuple(ids.shape):
+            raise ValueError(
+                "input_ids and candidate_mask must both have shape [B, K, L]; got "
+                f"{tuple(ids.shape)} and {tuple(candidates.shape)}"
+            )
+        size, k, length = ids.shape
+        if self.num_classes is not None and k != self.num_classes:
+            raise ValueError(f"expected {self.num_classes} candidates per example, got {k}")
+        device = self.model.device
+        batch = {}
+        for key in self.input_keys:
+            if key in inputs:
+                value = inputs[key]
+                if tuple(value.shape[:2]) != (size, k):
+                    raise ValueError(
+                        f"{key} must have shape [B, K, ...] = [{size}, {k}, ...], got {tuple(value.shape)}"
+                    )
+                batch[key] = value.to(device).reshape(size * k, *value.shape[2:])
+        return batch, candidates.to(device).reshape(size * k, length).bool(), (size, k)
+
+    def _row_scores(self, batch: dict[str, Tensor], candidates: Tensor) -> Tensor:
+        """Score ``[R]`` of each row: the (mean) log-likelihood of its candidate tokens."""
+        _check_candidates(candidates, batch.get("attention_mask"))
+        rows = candidates.shape[0]
+        step = self.max_rows_per_forward or rows
+        scores = torch.cat([
+            self._chunk_scores({k: v[i : i + step] for k, v in batch.items()}, candidates[i : i + step])
+            for i in range(0, rows, step)
+        ])
+        if self.length_normalize:
+            scores = scores / candidates.sum(1).to(scores.dtype)
+        return scores
+
+    def _chunk_scores(self, batch: dict[str, Tensor], candidates: Tensor) -> Tensor:
+        # the state at position t predicts token t + 1: gather the states before each candidate token
+        rows, positions = candidates[:, 1:].nonzero(as_tuple=True)
+        tokens = batch["input_ids"][rows, positions + 1]
+        if self.head_name is None:  # the model's own forward (logit soft-capping or scaling after the head)
+            logits = self.model(**batch, **self.no_cache).logits[rows, positions]
+            log_probs = token_log_probs(logits, tokens)
+        else:
+            states = self.model.base_model(**batch, **self.no_cache).last_hidden_state[rows, positions]
+            head = self.model.get_submodule(self.head_name)
+            log_probs = torch.cat([
+                token_log_probs(head(part), part_tokens)
+                for part, part_tokens in zip(states.split(HEAD_CHUNK), tokens.split(HEAD_CHUNK))
+            ])
+        return log_probs.new_zeros(candidates.shape[0]).index_add(0, rows, log_probs)
+
+    def load_tokenizer(self, **kwargs: Any) -> Any:
+        """The tokenizer matching this model."""
+        return load_tokenizer(_require_tokenizer_path(self.tokenizer_path), **kwargs)
+
+
+#: Positions sent through the LM head at once when scoring candidates (``HEAD_CHUNK x vocab`` logits).
+HEAD_CHUNK = 512
+
+#: Masked-LM families whose ``ForMaskedLM`` forward is ``head(base_model(...).last_hidden_state)``
+#: with one head module (DistilBERT, ELECTRA, DeBERTa-v2, ModernBERT... are not: full forward).
+_GATHER_SAFE_MLM = frozenset({
+    "albert", "bert", "camembert", "data2vec-text", "ernie", "megatron-bert", "roberta",
+    "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl",
+})
+#: Config attributes of causal LMs that change the logits after the output embeddings.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def lm_head_name(model: nn.Module, lm_type: str) -> Optional[str]:
+    """Name (in ``model``) of the LM head that may be applied to gathered final hidden states.
+
+    Applying the head to the base model's final states at a few positions gives exactly the full
+    forward's logits there, without ``[B, L, vocab]`` logits. For causal LMs that is the output
+    embedding, unless the config post-processes logits (soft-capping, scaling); for masked LMs the
+    single head module of the families in :data:`_GATHER_SAFE_MLM`. ``None``: use the full forward.
+    """
+    config = model.config
+    if lm_type == "causal":
+        if any(getattr(config, attr, None) is not None for attr in _LOGIT_TRANSFORMS):
+            return None
+        head = model.get_output_embeddings()
+    else:
+        if getattr(config, "model_type", None) not in _GATHER_SAFE_MLM:
+            return None
+        base = model.base_model
+        heads = [m for m in model.children() if m is not base and next(m.parameters(), None) is not None]
+        head = heads[0] if len(heads) == 1 else None
+    if head is None:
+        return None
+    return next((name for name, module in model.named_modules() if module is head and name), None)
+
+
+def lm_logits_at(
+    model: nn.Module,
+    head_name: Optional[str],
+    batch: Mapping[str, Tensor],
+    rows: Tensor,
+    positions: Tensor,
+    *,
+    vocab_ids: Optional[Tensor] = None,
+    model_kwargs: Optional[Mapping[str, Any]] = None,
+) -> Tensor:
+    """LM logits ``[N, V]`` (or ``[N, len(vocab_ids)]``) at the positions ``(rows[i], positions[i])``.
+
+    With a ``head_name`` (see :func:`lm_head_name`) only the gathered states go through the head, and
+    a linear head (causal LMs) only computes the ``vocab_ids`` columns; else the full forward's logits
+    are indexed.
+    """
+    kwargs = dict(model_kwargs or {})
+    if head_name is None:
+        logits = model(**batch, **kwargs).logits[rows, positions]
+        return logits if vocab_ids is None else logits[:, vocab_ids]
+    states = model.base_model(**batch, **kwargs).last_hidden_state[rows, positions]
+    head = model.get_submodule(head_name)
+    if vocab_ids is None:
+        return head(states)
+    if type(head) is nn.Linear:
+        bias = None if head.bias is None else head.bias[vocab_ids]
+        return F.linear(states, head.weight[vocab_ids], bias)
+    return head(states)[:, vocab_ids]
+
+
+def token_log_probs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """``log_softmax(logits)[i, tokens[i]]`` (at least float32), without a log-softmax of the rows."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=1)
+
+
+def no_cache_kwargs(model: nn.Module) -> dict[str, Any]:
+    """``{"use_cache": False}`` where the model takes it: scoring needs no key/value cache."""
+    takes = all("use_cache" in inspect.signature(m.forward).parameters for m in (model, model.base_model))
+    return {"use_cache": False} if takes else {}
+
+
+def _check_candidates(candidates: Tensor, attention_mask: Optional[Tensor]) -> None:
+    if bool(candidates[:, 0].any()):
+        raise ValueError("a candidate cannot start at position 0: the prompt (or a BOS token) comes first")
+    counts = candidates.sum(1)
+    if bool((counts == 0).any()):
+        empty = (counts == 0).nonzero().flatten().tolist()
+        raise ValueError(f"every row needs at least one candidate token; rows {empty} have none")
+    if attention_mask is not None and bool((candidates & (attention_mask == 0)).any()):
+        raise ValueError(
+            "candidate tokens must be attended to (attention_mask 1 wherever candidate_mask is 1)"
+        )
 
 
 def _lm_type(
@@ -642,6 +920,8 @@ def _ensure_pad_token_id(config: Any) -> None:
 
 
 __all__ = [
+    "HEAD_CHUNK",
+    "HFCandidateScorer",
     "HFPromptClassifier",
     "HFSequenceClassifier",
     "MINILM_ALIASES",
@@ -649,10 +929,14 @@ __all__ = [
     "SentenceEncoderClassifier",
     "accepted_input_keys",
     "build_hf_model",
+    "lm_head_name",
+    "lm_logits_at",
     "load_tokenizer",
     "mean_pool",
     "model_inputs",
+    "no_cache_kwargs",
     "packaged_minilm_path",
     "resolve_model_path",
     "tiny_bert_config",
+    "token_log_probs",
 ]
