@@ -3,9 +3,11 @@
 from datamodules.base import DataSplits, PublicPrivateDataModule, check_disjoint, fixed_test_split
 from datamodules.collate import EmptySafeCollate, empty_like_batch
 from datamodules.datasets import ImageTensorDataset, TensorPairDataset, TextDataset
+from datamodules.prompt_text import PromptRecords, PromptTextDataModule
 from datamodules.samplers import ShuffleBatchSampler
 from datamodules.synthetic import SyntheticClassificationDataModule
 from datamodules.text import MovieReviewsDataModule
+from datamodules.text_tasks import TASK_NAMES, TaskSpec, get_task, load_task, template_table
 from datamodules.vision import CIFAR10DataModule, DigitsDataModule, MLXtendMNISTDataModule, MNISTDataModule
 
 __all__ = [
@@ -17,12 +19,19 @@ __all__ = [
     "MLXtendMNISTDataModule",
     "MNISTDataModule",
     "MovieReviewsDataModule",
+    "PromptRecords",
+    "PromptTextDataModule",
     "PublicPrivateDataModule",
     "ShuffleBatchSampler",
     "SyntheticClassificationDataModule",
+    "TASK_NAMES",
+    "TaskSpec",
     "TensorPairDataset",
     "TextDataset",
     "check_disjoint",
     "empty_like_batch",
     "fixed_test_split",
+    "get_task",
+    "load_task",
+    "template_table",
 ]
