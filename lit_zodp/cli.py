@@ -39,6 +39,16 @@ class LitZODPCLI(LightningCLI):
         rank_zero_info(result_line(self.model, self.datamodule, self.trainer, test_metrics, wall))
 
 
+    def before_test(self) -> None:
+        self._test_started = time.perf_counter()
+
+    def after_test(self) -> None:
+        """After ``lightning test`` (e.g. zero-shot accuracy of an untrained prompt model)."""
+        wall = time.perf_counter() - getattr(self, "_test_started", time.perf_counter())
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+        rank_zero_info(result_line(self.model, self.datamodule, self.trainer, metrics, wall))
+
+
 def _has_test_data(datamodule: Optional[LightningDataModule]) -> bool:
     if datamodule is None:
         return False

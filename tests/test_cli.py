@@ -81,3 +81,26 @@ def test_quickstart_config_runs_a_few_steps(tmp_path, monkeypatch):
     assert cli.trainer.global_step == 20
     assert 0 < cli.model.ledger.epsilon(cli.model.delta).upper <= target
     assert "test_acc" in cli.trainer.callback_metrics
+
+
+def test_test_subcommand_prints_a_result_line_for_the_untrained_model(tmp_path, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO):
+        cli = build_cli(["test", "--config", str(write_config(tmp_path))])
+    assert cli.trainer.global_step == 0
+    assert any("RESULT task=SyntheticClassificationDataModule" in r.getMessage() and "steps=0" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_movie_review_example_config_runs_two_steps(tmp_path, monkeypatch):
+    """The offline MiniLM example (real Rotten Tomatoes reviews), shortened to two steps."""
+    monkeypatch.chdir(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    cli = build_cli(["fit", "--config", str(root / "configs" / "movie_reviews" / "dpzero_eps2.yaml"),
+                     "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
+                     "--trainer.accelerator", "cpu", "--test_after_fit", "false",
+                     "--data.init_args.max_private_samples", "320"])
+    assert cli.trainer.global_step == 2
+    assert cli.model.ledger.total_count == 2
