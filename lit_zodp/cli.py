@@ -58,9 +58,7 @@ def _has_test_data(datamodule: Optional[LightningDataModule]) -> bool:
 
 def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: float) -> str:
     """``RESULT task=... algorithm=... epsilon=... delta=... accuracy=... steps=... wall_s=...``."""
-    epsilon = math.inf
-    if getattr(model, "private", False) and model.is_private:
-        epsilon = model.ledger.epsilon(model.delta).upper
+    epsilon = spent_epsilon(model)
     accuracy = test_metrics.get("test_acc")
     fields = {
         "task": type(datamodule).__name__ if datamodule is not None else "-",
@@ -85,6 +83,15 @@ def build_cli(args=None) -> LitZODPCLI:
         save_config_kwargs={"overwrite": True},
         args=args,
     )
+
+
+def spent_epsilon(model) -> float:
+    """Epsilon spent so far: inf without noise, 0 before any private step, else the ledger's bound."""
+    if not getattr(model, "private", False) or model.noise_multiplier == 0:
+        return math.inf
+    if model.ledger.total_count == 0:
+        return 0.0
+    return model.ledger.epsilon(model.delta).upper
 
 
 def cli_main(args=None) -> None:

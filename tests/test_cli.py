@@ -90,7 +90,7 @@ def test_test_subcommand_prints_a_result_line_for_the_untrained_model(tmp_path, 
     with caplog.at_level(logging.INFO):
         cli = build_cli(["test", "--config", str(write_config(tmp_path))])
     assert cli.trainer.global_step == 0
-    assert any("RESULT task=SyntheticClassificationDataModule" in r.getMessage() and "steps=0" in r.getMessage()
+    assert any("RESULT task=SyntheticClassificationDataModule" in r.getMessage() and "steps=0" in r.getMessage() and "epsilon=0.000" in r.getMessage()
                for r in caplog.records)
 
 
