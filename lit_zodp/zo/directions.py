@@ -4,17 +4,37 @@ A law turns a seed into the direction ``u`` as a stream of chunks aligned with t
 full vector never exists in memory. ``GaussianDirections``: ``u ~ N(0, I_d)`` (DPZero's experiments,
 MeZO). ``SphereDirections``: ``u`` uniform on the sphere of radius ``sqrt(d)`` (DPZero Alg. 1-2,
 Sec. 3), i.e. ``sqrt(d) z / ||z||`` with one global norm across all tensors.
+
+Chunk ``i`` of ``z(seed)`` is a ``randn`` draw of a generator seeded with ``chunk_seed(seed, i)``: it
+depends on ``(seed, i)`` and the chunk layout only, so chunks can be generated in any order and on
+several threads (:mod:`lit_zodp.zo.parallel`) with bitwise the same direction, on every process.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-DEFAULT_CHUNK = 1 << 20
+from lit_zodp.zo.parallel import Scratch, for_each_chunk
+
+#: Chunk size on CPU: a chunk of ``z`` (128 KiB) stays in cache between its generation and its use,
+#: each op on it runs single-threaded inside torch, and chunks are spread over the intra-op threads.
+DEFAULT_CHUNK = 1 << 15
+#: Chunk size on accelerators, where each chunk costs kernel launches (16 MiB of scratch).
+DEFAULT_ACCELERATOR_CHUNK = 1 << 22
+
+_MASK64 = (1 << 64) - 1
+
+
+def default_chunk_numel(params: Sequence[Tensor]) -> int:
+    """``DEFAULT_CHUNK`` for CPU parameters, ``DEFAULT_ACCELERATOR_CHUNK`` if any lives on a GPU."""
+    if any(p.device.type != "cpu" for p in params):
+        return DEFAULT_ACCELERATOR_CHUNK
+    return DEFAULT_CHUNK
 
 
 def parameter_chunks(params: Sequence[Tensor], chunk_numel: int = DEFAULT_CHUNK) -> list[Tensor]:
@@ -25,32 +45,66 @@ def parameter_chunks(params: Sequence[Tensor], chunk_numel: int = DEFAULT_CHUNK)
     return chunks
 
 
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers with good avalanche."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+@functools.lru_cache(maxsize=64)
+def _seed_base(seed: int) -> int:
+    return _mix64(int(seed) & _MASK64)
+
+
+def chunk_seed(seed: int, index: int) -> int:
+    """Seed of chunk ``index`` of the direction ``seed``: a hash of ``seed`` plus ``index``.
+
+    Consecutive offsets keep the chunks of one direction on distinct generator seeds, also where
+    the generator keeps only the low 32 bits of its seed (torch's CPU Mersenne Twister).
+    """
+    return (_seed_base(seed) + index) & _MASK64
+
+
 class GaussianDirections:
-    """``u ~ N(0, I_d)``: each chunk is a fresh ``randn`` draw of the seeded generator."""
+    """``u ~ N(0, I_d)``: chunk ``i`` is a ``randn`` draw of a generator seeded by ``chunk_seed(seed, i)``."""
 
     name = "gaussian"
+    #: Chunk ``i`` of ``u`` is ``scale * fill_chunk_(i)``: the engine may generate chunks in any order
+    #: and on several threads. Laws built otherwise set this to ``False`` (serial streams).
+    independent_chunks = True
 
     def chunk_scale(self, chunks: Sequence[Tensor], seed: int) -> float:
         return 1.0
 
+    def fill_chunk_(self, out: Tensor, seed: int, index: int, generator: torch.Generator) -> Tensor:
+        """Standard normal draw (float32) of chunk ``index`` into ``out`` (on ``generator``'s device)."""
+        generator.manual_seed(chunk_seed(seed, index))
+        return torch.randn(out.shape, generator=generator, out=out)
+
     def raw_chunks(self, chunks: Sequence[Tensor], seed: int) -> Iterator[Tensor]:
-        """Standard normal draws (float32) shaped like each chunk, from a generator seeded by ``seed``."""
-        generators: dict[torch.device, torch.Generator] = {}
-        buffers: dict[torch.device, Tensor] = {}
-        for chunk in chunks:
-            device = chunk.device
-            if device not in generators:
-                generators[device] = torch.Generator(device=device).manual_seed(seed)
-                buffers[device] = torch.empty(max(c.numel() for c in chunks), device=device)
-            out = buffers[device][: chunk.numel()]
-            torch.randn(chunk.numel(), generator=generators[device], out=out)
-            yield out
+        """Standard normal draws (float32) shaped like each chunk. One buffer, reused: consume each first."""
+        scratch = Scratch(max((c.numel() for c in chunks), default=0))
+        for index, chunk in enumerate(chunks):
+            out = scratch.buffer(chunk.device, chunk.numel())
+            yield self.fill_chunk_(out, seed, index, scratch.generator(chunk.device))
 
     def directions(self, chunks: Sequence[Tensor], seed: int) -> Iterator[Tensor]:
         """The direction ``u`` chunk by chunk. Buffers are reused: consume each before the next."""
         scale = self.chunk_scale(chunks, seed)
         for z in self.raw_chunks(chunks, seed):
             yield z if scale == 1.0 else z.mul_(scale)
+
+    def sum_of_squares(self, chunks: Sequence[Tensor], seed: int) -> float:
+        """``||z(seed)||^2`` of the raw draws, accumulated in float64 chunk by chunk, in order."""
+
+        def square(index: int, scratch: Scratch) -> float:
+            chunk = chunks[index]
+            z = self.fill_chunk_(scratch.buffer(chunk.device, chunk.numel()), seed, index,
+                                 scratch.generator(chunk.device))
+            return float(z.double().pow(2).sum())
+
+        return math.fsum(for_each_chunk(chunks, square))
 
 
 class SphereDirections(GaussianDirections):
@@ -74,8 +128,7 @@ class SphereDirections(GaussianDirections):
         if key not in self._norms:
             if len(self._norms) >= self.cache_size:
                 self._norms.pop(next(iter(self._norms)))
-            squares = sum(float(z.double().pow(2).sum()) for z in self.raw_chunks(chunks, seed))
-            self._norms[key] = math.sqrt(squares)
+            self._norms[key] = math.sqrt(self.sum_of_squares(chunks, seed))
         return self.radius(dim) / self._norms[key]
 
 

@@ -15,7 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from lit_zodp.privacy.errors import check_non_negative, raise_if_any
-from lit_zodp.zo.directions import DEFAULT_CHUNK, GaussianDirections
+from lit_zodp.zo.directions import GaussianDirections
 from lit_zodp.zo.perturbation import PerturbationEngine
 
 
@@ -27,7 +27,7 @@ class ZOSGD(Optimizer):
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-6, weight_decay: float = 0.0,
-                 *, law: GaussianDirections | None = None, chunk_numel: int = DEFAULT_CHUNK) -> None:
+                 *, law: GaussianDirections | None = None, chunk_numel: int | None = None) -> None:
         raise_if_any([check_non_negative("lr", lr), check_non_negative("weight_decay", weight_decay)])
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         ordered = [p for group in self.param_groups for p in group["params"]]

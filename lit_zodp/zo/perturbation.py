@@ -4,6 +4,9 @@ Parameters move in place by multiples of a direction regenerated from its seed, 
 and chunk by chunk, under ``no_grad``: no parameter copy, no ``.grad``, no optimizer state. The
 engine remembers the perturbation it has applied (``pending``) so that the restore can be fused
 into the update: DPZero's ``+lam, -2lam, +lam, -lr*g`` costs three passes over the parameters.
+
+On CPU the passes run chunk-parallel over torch's intra-op threads (:mod:`lit_zodp.zo.parallel`):
+each chunk of ``u`` is drawn from its own seed, so the result is bitwise that of one thread.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lit_zodp.zo.directions import DEFAULT_CHUNK, GaussianDirections, parameter_chunks
+from lit_zodp.zo.directions import GaussianDirections, default_chunk_numel, parameter_chunks
+from lit_zodp.zo.parallel import Scratch, for_each_chunk
 
 
 class PerturbationEngine:
@@ -23,19 +27,21 @@ class PerturbationEngine:
     Args:
         params: the parameters, in a fixed order (the order defines the direction).
         law: the direction law (Gaussian, sphere, ...).
-        chunk_numel: largest block generated at once; peak extra memory is one chunk.
+        chunk_numel: largest block generated at once; peak extra memory is one chunk per thread.
+            ``None``: ``DEFAULT_CHUNK`` (32768) on CPU, ``DEFAULT_ACCELERATOR_CHUNK`` on GPUs. The
+            direction of a seed depends on the chunk layout.
     """
 
     def __init__(self, params: Sequence[Tensor], law: GaussianDirections | None = None,
-                 *, chunk_numel: int = DEFAULT_CHUNK) -> None:
+                 *, chunk_numel: int | None = None) -> None:
         self.params = list(params)
         if not self.params:
             raise ValueError("The perturbation engine needs at least one trainable parameter")
         self.law = law or GaussianDirections()
-        self.chunk_numel = chunk_numel
+        self.chunk_numel = chunk_numel or default_chunk_numel(self.params)
         self.pending: dict[int, float] = {}
-        self._chunks = parameter_chunks(self.params, chunk_numel)
-        self._owner = _chunk_owners(self.params, chunk_numel)
+        self._chunks = parameter_chunks(self.params, self.chunk_numel)
+        self._owner = _chunk_owners(self.params, self.chunk_numel)
 
     @property
     def dim(self) -> int:
@@ -44,8 +50,19 @@ class PerturbationEngine:
     @torch.no_grad()
     def perturb_(self, seed: int, scale: float) -> None:
         """``theta += scale * u(seed)`` in place."""
-        for chunk, u in zip(self._chunks, self.law.directions(self._chunks, seed)):
-            chunk.add_(u.to(chunk.dtype), alpha=scale)
+        if _chunkwise(self.law):
+            law, chunks = self.law, self._chunks
+            factor = law.chunk_scale(chunks, seed)
+
+            def work(index: int, scratch: Scratch) -> None:
+                chunk = chunks[index]
+                chunk.add_(_as_dtype(_direction_chunk(law, chunk, seed, index, factor, scratch), chunk),
+                           alpha=scale)
+
+            for_each_chunk(chunks, work)
+        else:
+            for chunk, u in zip(self._chunks, self.law.directions(self._chunks, seed)):
+                chunk.add_(u.to(chunk.dtype), alpha=scale)
         self._track(seed, scale)
 
     @torch.no_grad()
@@ -64,6 +81,10 @@ class PerturbationEngine:
         terms = [(self.law, seed, self.pending.get(seed, 0.0), (coefficients or {}).get(seed, 0.0))
                  for seed in sorted(set(self.pending) | set(coefficients or {}))]
         terms += [(_GAUSSIAN, seed, 0.0, c) for seed, c in (gaussian_coefficients or {}).items()]
+        if all(_chunkwise(law) for law, _, _, _ in terms):
+            self._restore_and_update_chunkwise(terms, lrs, decays)
+            self.pending.clear()
+            return
         streams = [law.directions(self._chunks, seed) for law, seed, _, _ in terms]
         for chunk, owner, *us in zip(self._chunks, self._owner, *streams):
             shrink = 1.0 - lrs[owner] * decays[owner]
@@ -75,6 +96,24 @@ class PerturbationEngine:
                     chunk.add_(u.to(chunk.dtype), alpha=alpha)
         self.pending.clear()
 
+    def _restore_and_update_chunkwise(self, terms: list, lrs: list[float], decays: list[float]) -> None:
+        """The fused pass chunk by chunk (chunk-parallel on CPU), same arithmetic as the serial pass."""
+        chunks, owners = self._chunks, self._owner
+        factors = [law.chunk_scale(chunks, seed) for law, seed, _, _ in terms]
+
+        def work(index: int, scratch: Scratch) -> None:
+            chunk, owner = chunks[index], owners[index]
+            shrink = 1.0 - lrs[owner] * decays[owner]
+            if shrink != 1.0:
+                chunk.mul_(shrink)
+            for (law, seed, pending, coefficient), factor in zip(terms, factors):
+                alpha = -shrink * pending - lrs[owner] * coefficient
+                if alpha != 0.0:
+                    u = _direction_chunk(law, chunk, seed, index, factor, scratch)
+                    chunk.add_(_as_dtype(u, chunk), alpha=alpha)
+
+        for_each_chunk(chunks, work)
+
     def restore_(self) -> None:
         """Undo every pending perturbation (exact up to floating point)."""
         if self.pending:
@@ -82,6 +121,15 @@ class PerturbationEngine:
 
     def direction_norm(self, seed: int) -> float:
         """``||u(seed)||`` over all parameters (one generation pass, float64 accumulation)."""
+        if _chunkwise(self.law):
+            law, chunks = self.law, self._chunks
+            factor = law.chunk_scale(chunks, seed)
+
+            def square(index: int, scratch: Scratch) -> float:
+                u = _direction_chunk(law, chunks[index], seed, index, factor, scratch)
+                return float(u.double().pow(2).sum())
+
+            return math.sqrt(math.fsum(for_each_chunk(chunks, square)))
         squares = sum(float(u.double().pow(2).sum()) for u in self.law.directions(self._chunks, seed))
         return math.sqrt(squares)
 
@@ -99,6 +147,21 @@ class PerturbationEngine:
 
 
 _GAUSSIAN = GaussianDirections()
+
+
+def _chunkwise(law) -> bool:
+    return bool(getattr(law, "independent_chunks", False))
+
+
+def _as_dtype(u: Tensor, chunk: Tensor) -> Tensor:
+    return u if u.dtype == chunk.dtype else u.to(chunk.dtype)
+
+
+def _direction_chunk(law, chunk: Tensor, seed: int, index: int, factor: float, scratch: Scratch) -> Tensor:
+    """Chunk ``index`` of ``u(seed)`` (float32, in ``scratch``'s buffer): ``factor * z_index``."""
+    out = scratch.buffer(chunk.device, chunk.numel())
+    z = law.fill_chunk_(out, seed, index, scratch.generator(chunk.device))
+    return z if factor == 1.0 else z.mul_(factor)
 
 
 def _chunk_owners(params: Sequence[Tensor], chunk_numel: int) -> list[int]:
