@@ -763,7 +763,10 @@ def main(argv=None) -> None:
                     memory[method] = spawn(args, "memory", model, batch, method)
             row = summarize(model, batch, timing, memory)
             row["breakdown"] = timing.get("breakdown")
-            notes = list(dict.fromkeys(timing.get("opacus_notes", []) + memory.get("opacus", {}).get("opacus_notes", [])))
+            notes = []
+            for note in timing.get("opacus_notes", []) + memory.get("opacus", {}).get("opacus_notes", []):
+                if not any(n[:40] == note[:40] for n in notes):  # same note from both workers
+                    notes.append(note)
             for where, res in [("timing", timing)] + list(memory.items()):
                 for key in ("error", "opacus_error"):
                     if res.get(key):
