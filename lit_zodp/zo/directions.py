@@ -70,8 +70,8 @@ class GaussianDirections:
     """``u ~ N(0, I_d)``: chunk ``i`` is a ``randn`` draw of a generator seeded by ``chunk_seed(seed, i)``."""
 
     name = "gaussian"
-    #: Chunk ``i`` of ``u`` is ``scale * fill_chunk_(i)``: the engine may generate chunks in any order
-    #: and on several threads. Laws built otherwise set this to ``False`` (serial streams).
+    #: Chunk ``i`` of ``u`` is ``scale * fill_chunk_(i)``: the engine generates chunks in any order and
+    #: on several threads. The engine refuses laws without this property.
     independent_chunks = True
 
     def chunk_scale(self, chunks: Sequence[Tensor], seed: int) -> float:

@@ -38,6 +38,9 @@ class PerturbationEngine:
         if not self.params:
             raise ValueError("The perturbation engine needs at least one trainable parameter")
         self.law = law or GaussianDirections()
+        if not _chunkwise(self.law):
+            raise ValueError(f"{type(self.law).__name__} must draw each chunk independently "
+                             "(`independent_chunks = True` and `fill_chunk_`), as the engine's passes need")
         self.chunk_numel = chunk_numel or default_chunk_numel(self.params)
         self.pending: dict[int, float] = {}
         self._chunks = parameter_chunks(self.params, self.chunk_numel)
@@ -50,19 +53,14 @@ class PerturbationEngine:
     @torch.no_grad()
     def perturb_(self, seed: int, scale: float) -> None:
         """``theta += scale * u(seed)`` in place."""
-        if _chunkwise(self.law):
-            law, chunks = self.law, self._chunks
-            factor = law.chunk_scale(chunks, seed)
+        law, chunks = self.law, self._chunks
+        factor = law.chunk_scale(chunks, seed)
 
-            def work(index: int, scratch: Scratch) -> None:
-                chunk = chunks[index]
-                chunk.add_(_as_dtype(_direction_chunk(law, chunk, seed, index, factor, scratch), chunk),
-                           alpha=scale)
+        def work(index: int, scratch: Scratch) -> None:
+            chunk = chunks[index]
+            chunk.add_(_as_dtype(_direction_chunk(law, chunk, seed, index, factor, scratch), chunk), alpha=scale)
 
-            for_each_chunk(chunks, work)
-        else:
-            for chunk, u in zip(self._chunks, self.law.directions(self._chunks, seed)):
-                chunk.add_(u.to(chunk.dtype), alpha=scale)
+        for_each_chunk(chunks, work)
         self._track(seed, scale)
 
     @torch.no_grad()
@@ -81,23 +79,11 @@ class PerturbationEngine:
         terms = [(self.law, seed, self.pending.get(seed, 0.0), (coefficients or {}).get(seed, 0.0))
                  for seed in sorted(set(self.pending) | set(coefficients or {}))]
         terms += [(_GAUSSIAN, seed, 0.0, c) for seed, c in (gaussian_coefficients or {}).items()]
-        if all(_chunkwise(law) for law, _, _, _ in terms):
-            self._restore_and_update_chunkwise(terms, lrs, decays)
-            self.pending.clear()
-            return
-        streams = [law.directions(self._chunks, seed) for law, seed, _, _ in terms]
-        for chunk, owner, *us in zip(self._chunks, self._owner, *streams):
-            shrink = 1.0 - lrs[owner] * decays[owner]
-            if shrink != 1.0:
-                chunk.mul_(shrink)
-            for (_, _, pending, coefficient), u in zip(terms, us):
-                alpha = -shrink * pending - lrs[owner] * coefficient
-                if alpha != 0.0:
-                    chunk.add_(u.to(chunk.dtype), alpha=alpha)
+        self._restore_and_update_chunkwise(terms, lrs, decays)
         self.pending.clear()
 
     def _restore_and_update_chunkwise(self, terms: list, lrs: list[float], decays: list[float]) -> None:
-        """The fused pass chunk by chunk (chunk-parallel on CPU), same arithmetic as the serial pass."""
+        """The fused pass chunk by chunk (chunk-parallel on CPU threads)."""
         chunks, owners = self._chunks, self._owner
         factors = [law.chunk_scale(chunks, seed) for law, seed, _, _ in terms]
 
@@ -121,17 +107,14 @@ class PerturbationEngine:
 
     def direction_norm(self, seed: int) -> float:
         """``||u(seed)||`` over all parameters (one generation pass, float64 accumulation)."""
-        if _chunkwise(self.law):
-            law, chunks = self.law, self._chunks
-            factor = law.chunk_scale(chunks, seed)
+        law, chunks = self.law, self._chunks
+        factor = law.chunk_scale(chunks, seed)
 
-            def square(index: int, scratch: Scratch) -> float:
-                u = _direction_chunk(law, chunks[index], seed, index, factor, scratch)
-                return float(u.double().pow(2).sum())
+        def square(index: int, scratch: Scratch) -> float:
+            u = _direction_chunk(law, chunks[index], seed, index, factor, scratch)
+            return float(u.double().pow(2).sum())
 
-            return math.sqrt(math.fsum(for_each_chunk(chunks, square)))
-        squares = sum(float(u.double().pow(2).sum()) for u in self.law.directions(self._chunks, seed))
-        return math.sqrt(squares)
+        return math.sqrt(math.fsum(for_each_chunk(chunks, square)))
 
     def direction(self, seed: int) -> list[Tensor]:
         """The full direction as tensors shaped like the parameters (tests and references only)."""
