@@ -106,3 +106,11 @@ def test_seeds_are_deterministic_and_distinct():
     seeds = {derive_seed(1, step, k) for step in range(100) for k in range(3)}
     assert len(seeds) == 300
     assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_engine_refuses_a_law_without_independent_chunks():
+    class SerialLaw(GaussianDirections):
+        independent_chunks = False
+
+    with pytest.raises(ValueError, match="independent"):
+        PerturbationEngine(list(make_model().parameters()), SerialLaw())
