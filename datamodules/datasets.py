@@ -118,15 +118,20 @@ class TextDataset(Dataset):
         return self.texts[index], self.labels[index]
 
 
+def items_and_labels(dataset: Dataset, leaf_type: type, attribute: str) -> tuple[list, Tensor]:
+    """``getattr(leaf, attribute)`` and labels of a ``leaf_type`` dataset or of (nested) subsets of one."""
+    if isinstance(dataset, leaf_type):
+        return getattr(dataset, attribute), dataset.labels
+    if isinstance(dataset, Subset):
+        items, labels = items_and_labels(dataset.dataset, leaf_type, attribute)
+        indices = list(dataset.indices)
+        return [items[i] for i in indices], labels[torch.as_tensor(indices, dtype=torch.long)]
+    raise TypeError(f"Expected a {leaf_type.__name__} or a Subset of one, got {type(dataset).__name__}")
+
+
 def texts_and_labels(dataset: Dataset) -> tuple[list[str], Tensor]:
     """Texts and labels of a :class:`TextDataset` or of (nested) subsets of one."""
-    if isinstance(dataset, TextDataset):
-        return dataset.texts, dataset.labels
-    if isinstance(dataset, Subset):
-        texts, labels = texts_and_labels(dataset.dataset)
-        indices = list(dataset.indices)
-        return [texts[i] for i in indices], labels[torch.as_tensor(indices, dtype=torch.long)]
-    raise TypeError(f"Expected a TextDataset or a Subset of one, got {type(dataset).__name__}")
+    return items_and_labels(dataset, TextDataset, "texts")
 
 
 __all__ = [
@@ -134,5 +139,6 @@ __all__ = [
     "TensorPairDataset",
     "TextDataset",
     "resize_image",
+    "items_and_labels",
     "texts_and_labels",
 ]

@@ -58,10 +58,10 @@ from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset
 
 from datamodules.base import PUBLIC_SEED_OFFSET, DataSplits, PublicPrivateDataModule
-from datamodules.datasets import TensorPairDataset
+from datamodules.datasets import TensorPairDataset, items_and_labels
 from datamodules.text_tasks import (
     DATA_FORMATS,
     MASK,
@@ -106,13 +106,7 @@ class PromptRecords(Dataset):
 
 def records_and_labels(dataset: Dataset) -> tuple[list[dict[str, str]], Tensor]:
     """Records and labels of a :class:`PromptRecords` or of (nested) subsets of one."""
-    if isinstance(dataset, PromptRecords):
-        return dataset.records, dataset.labels
-    if isinstance(dataset, Subset):
-        records, labels = records_and_labels(dataset.dataset)
-        indices = list(dataset.indices)
-        return [records[i] for i in indices], labels[torch.as_tensor(indices, dtype=torch.long)]
-    raise TypeError(f"Expected PromptRecords or a Subset of them, got {type(dataset).__name__}")
+    return items_and_labels(dataset, PromptRecords, "records")
 
 
 def record_key(spec: TaskSpec, record: Mapping[str, str]) -> tuple[str, ...]:
