@@ -9,13 +9,12 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 import torch
-from torch.utils.data import Sampler
 
 from lit_zodp.privacy.errors import check_positive_int, check_rank, raise_if_any
-from lit_zodp.privacy.sampling import entropy_seed
+from lit_zodp.privacy.sampling import SeededShardSampler
 
 
-class ShuffleBatchSampler(Sampler[list[int]]):
+class ShuffleBatchSampler(SeededShardSampler):
     """Batches of exactly ``batch_size`` indices from a fresh permutation each epoch (drop last).
 
     Like :class:`~lit_zodp.privacy.sampling.PoissonBatchSampler` under DDP, every rank draws the same
@@ -47,11 +46,8 @@ class ShuffleBatchSampler(Sampler[list[int]]):
             errors.append(f"Expected `batch_size` <= num_samples={num_samples}, but got {batch_size}")
         errors.append(check_rank(rank, world_size))
         raise_if_any(errors)
-        self.num_samples = num_samples
+        super().__init__(num_samples, rank=rank, world_size=world_size, seed=seed)
         self.batch_size = batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.generator = torch.Generator().manual_seed(entropy_seed() if seed is None else seed)
 
     def __len__(self) -> int:
         return self.num_samples // self.batch_size
@@ -61,12 +57,6 @@ class ShuffleBatchSampler(Sampler[list[int]]):
         for step in range(len(self)):
             batch = order[step * self.batch_size : (step + 1) * self.batch_size]
             yield batch[self.rank :: self.world_size].tolist()
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
 
 
 __all__ = ["ShuffleBatchSampler"]

@@ -23,7 +23,27 @@ def entropy_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 
-class PoissonBatchSampler(Sampler[list[int]]):
+class SeededShardSampler(Sampler[list[int]]):
+    """Base of batch samplers that draw global batches from one seeded generator and yield a rank's shard.
+
+    Every rank seeds the same generator, so the shards of one step partition the global batch.
+    The generator state is the sampler's whole state (``state_dict`` for checkpoints).
+    """
+
+    def __init__(self, num_samples: int, *, rank: int, world_size: int, seed: Optional[int]) -> None:
+        self.num_samples = num_samples
+        self.rank = rank
+        self.world_size = world_size
+        self.generator = torch.Generator().manual_seed(entropy_seed() if seed is None else seed)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+class PoissonBatchSampler(SeededShardSampler):
     """Batch sampler that yields Poisson-subsampled index lists (possibly empty).
 
     Args:
@@ -54,12 +74,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
             errors.append(check_positive_int("steps_per_epoch", steps_per_epoch))
         errors.append(check_rank(rank, world_size))
         raise_if_any(errors)
-        self.num_samples = num_samples
+        super().__init__(num_samples, rank=rank, world_size=world_size, seed=seed)
         self.sample_rate = float(sample_rate)
         self.steps_per_epoch = steps_per_epoch or max(1, round(1.0 / sample_rate))
-        self.rank = rank
-        self.world_size = world_size
-        self.generator = torch.Generator().manual_seed(entropy_seed() if seed is None else seed)
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -69,9 +86,3 @@ class PoissonBatchSampler(Sampler[list[int]]):
             mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
             selected = mask.nonzero().flatten()
             yield selected[selected % self.world_size == self.rank].tolist()
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
