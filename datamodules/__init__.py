@@ -4,7 +4,6 @@ from datamodules.base import DataSplits, PublicPrivateDataModule, check_disjoint
 from datamodules.collate import EmptySafeCollate, empty_like_batch
 from datamodules.datasets import ImageTensorDataset, TensorPairDataset, TextDataset
 from datamodules.prompt_text import PromptRecords, PromptTextDataModule
-from datamodules.samplers import ShuffleBatchSampler
 from datamodules.synthetic import SyntheticClassificationDataModule
 from datamodules.text import MovieReviewsDataModule
 from datamodules.text_tasks import TASK_NAMES, TaskSpec, get_task, load_task, template_table
@@ -22,7 +21,6 @@ __all__ = [
     "PromptRecords",
     "PromptTextDataModule",
     "PublicPrivateDataModule",
-    "ShuffleBatchSampler",
     "SyntheticClassificationDataModule",
     "TASK_NAMES",
     "TaskSpec",

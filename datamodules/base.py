@@ -5,12 +5,14 @@ separate public source, val/test sets and the number of classes). The base class
 disjoint public / validation / private parts with ``data_seed``, checks the parts are disjoint, and
 serves:
 
-* ``train_dataloader()``: the PRIVATE loader. With ``sampling="poisson"`` every example joins a batch
-  independently with probability ``q = batch_size / n_private`` (batches vary in size, may be empty),
-  which is what the accountant's Poisson-subsampled Gaussian assumes. Under DDP every rank uses the
-  same sampling seed (rank 0's, broadcast) and keeps its shard of each batch, so the union over ranks
-  is exactly the single-process batch. The sampler is built once and reused, so reloading the loader
-  never replays a mask.
+* ``train_dataloader()``: the PRIVATE loader, sampled as ``sampling`` says (its description is what
+  the privacy component accounts, read from the loader's batch sampler):
+  ``"poisson"`` (default): every example joins a batch independently with probability
+  ``q = batch_size / n_private`` (batches vary in size, may be empty); ``"full_batch"``: every example
+  every step; ``"single_pass"``: each example in exactly one step of the run; ``"shuffle"``:
+  fixed-size shuffled batches, an opt-in that warns (the accountant assumes Poisson). Under DDP
+  every rank draws the same global batch (rank 0's secret, broadcast) and keeps its shard, so the
+  union over ranks is exactly the single-process batch.
 * ``public_dataloader()`` / ``public_batches()``: the public split (no privacy cost), the same stream
   on every rank.
 * ``val_dataloader()`` / ``test_dataloader()``: plain sequential loaders. Under DDP every rank
@@ -20,11 +22,10 @@ serves:
 
 DDP requires ``Trainer(use_distributed_sampler=False)``: the data module does the distributed sampling.
 
-The sampling seed is drawn from OS entropy by default. Amplification by subsampling assumes the
-batches are secret: pass ``sampling_seed`` only for tests or debugging. It is kept out of
-``hparams`` (loggers) and saved, with the sampler's generator state, in checkpoints, so a resumed run
-continues the same sampling stream (a restored state never replays an already drawn mask; a mask
-drawn ahead by the prefetcher before a mid-epoch checkpoint is skipped, which costs nothing).
+The Poisson and shuffle streams are secret (amplification by subsampling assumes the batches are):
+a fresh 256-bit OS-entropy secret at every fit start, never written to a checkpoint, so a resumed run
+or two continuations of one checkpoint never share a mask. ``sampling_seed`` makes them
+reproducible for tests only (it warns, and is kept out of ``hparams``).
 """
 
 from __future__ import annotations
@@ -40,18 +41,18 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Subset
 
 from datamodules.collate import EmptySafeCollate
-from datamodules.samplers import ShuffleBatchSampler
-from lit_zodp.privacy.errors import PrivacyConfigError, check_positive_int, raise_if_any
-from lit_zodp.privacy.sampling import PoissonBatchSampler, entropy_seed
-
-SHUFFLE_WARNING = (
-    "sampling='shuffle' draws fixed-size shuffled batches, but the reported epsilon assumes Poisson "
-    "sampling (each example included independently with probability q = batch_size / n_private). "
-    "The privacy guarantee reported for this run does not hold for shuffled batches; use "
-    "sampling='poisson' for a valid epsilon."
+from lit_zodp.errors import PrivacyConfigError, check_positive_int, raise_if_any
+from lit_zodp.privacy.noise import secret_seed, warn_test_seed
+from lit_zodp.privacy.sampling import (
+    SHUFFLE_WARNING,
+    FullBatchSampler,
+    PoissonBatchSampler,
+    PrivateBatchSampler,
+    ShuffleBatchSampler,
+    SinglePassBatchSampler,
 )
 
-PrivateBatchSampler = Union[PoissonBatchSampler, ShuffleBatchSampler]
+SAMPLINGS = ("poisson", "full_batch", "single_pass", "shuffle")
 
 # Fixed seed for subsampling val/test sets (max_eval_samples): the same evaluation examples for every
 # data_seed, so runs stay comparable.
@@ -156,10 +157,10 @@ class PublicPrivateDataModule(LightningDataModule):
     Args:
         batch_size: EXPECTED private batch size ``B``; the sample rate is ``q = B / n_private``.
         eval_batch_size: batch size of the validation and test loaders.
-        sampling: ``"poisson"`` (what the accountant assumes) or ``"shuffle"`` (fixed-size shuffled
-            batches; warns, since the reported epsilon does not hold for it).
-        sampling_seed: seed of the private batch sampler; ``None`` draws it from OS entropy (rank 0's
-            is broadcast under DDP). A known seed voids amplification by subsampling: tests only.
+        sampling: ``"poisson"`` (default), ``"full_batch"``, ``"single_pass"`` or ``"shuffle"``
+            (fixed-size shuffled batches; warns, since the reported epsilon does not hold for it).
+        sampling_seed: TEST ONLY (warns): a known seed of the Poisson/shuffle stream voids
+            amplification by subsampling. ``None`` draws a fresh OS secret at every fit start.
         public_fraction: fraction of the pool held out as in-distribution public data, in [0, 1).
         public_batch_size: batch size of the public loader; ``None`` uses ``batch_size``.
         max_public_samples: cap on the number of public examples (pool hold-out first, then the
@@ -180,7 +181,7 @@ class PublicPrivateDataModule(LightningDataModule):
         self,
         batch_size: int = 64,
         eval_batch_size: int = 256,
-        sampling: Literal["poisson", "shuffle"] = "poisson",
+        sampling: Literal["poisson", "full_batch", "single_pass", "shuffle"] = "poisson",
         sampling_seed: Optional[int] = None,
         public_fraction: float = 0.0,
         public_batch_size: Optional[int] = None,
@@ -210,6 +211,8 @@ class PublicPrivateDataModule(LightningDataModule):
         self.save_hyperparameters(ignore=["sampling_seed"])
         if sampling == "shuffle":
             warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
+        if sampling_seed is not None:
+            warn_test_seed("sampling_seed", "private batch sampling")
         self._reset()
 
     # ----------------------------------------------------------------------------------- hooks
@@ -230,8 +233,8 @@ class PublicPrivateDataModule(LightningDataModule):
             check_positive_int("batch_size", self.batch_size),
             check_positive_int("eval_batch_size", self.eval_batch_size),
             None
-            if self.sampling in ("poisson", "shuffle")
-            else f"Expected `sampling` in ('poisson', 'shuffle'), but got {self.sampling!r}",
+            if self.sampling in SAMPLINGS
+            else f"Expected `sampling` in {SAMPLINGS}, but got {self.sampling!r}",
             None if self.sampling_seed is None else _check_int("sampling_seed", self.sampling_seed, minimum=0),
             _check_fraction("public_fraction", self.public_fraction),
             _check_fraction("val_fraction", self.val_fraction),
@@ -268,9 +271,7 @@ class PublicPrivateDataModule(LightningDataModule):
         self.val_indices: list[int] = []
         self._num_classes: Optional[int] = None
         self._batch_sampler: Optional[PrivateBatchSampler] = None
-        self._sampler_place: Optional[tuple[int, int]] = None
-        self._resolved_seed: Optional[int] = None
-        self._pending_sampler_state: Optional[dict] = None
+        self._pending_pass_state: Optional[dict] = None
 
     def prepare_data(self) -> None:
         self.download_data()
@@ -391,15 +392,13 @@ class PublicPrivateDataModule(LightningDataModule):
 
     @property
     def steps_per_epoch(self) -> int:
-        """Private batches per epoch: ``round(1 / q)`` (Poisson) or ``n_private // batch_size`` (shuffle)."""
+        """Private batches per epoch: ``round(1/q)`` (Poisson), ``n // B`` (shuffle), 1 (full batch),
+        ``round(n / B)`` (single pass: the whole run)."""
         if self.sampling == "shuffle":
             return self.n_private // self.batch_size
+        if self.sampling == "full_batch":
+            return 1
         return max(1, round(1.0 / self.sample_rate))
-
-    @property
-    def resolved_sampling_seed(self) -> Optional[int]:
-        """The seed the private sampler uses (``None`` until the train loader is built or restored)."""
-        return self._resolved_seed
 
     # ---------------------------------------------------------------------------- dataloaders
     def train_dataloader(self) -> DataLoader:
@@ -417,23 +416,30 @@ class PublicPrivateDataModule(LightningDataModule):
         )
 
     def private_batch_sampler(self, rank: int = 0, world_size: int = 1) -> PrivateBatchSampler:
-        """The private batch sampler for ``rank`` of ``world_size``, built once and then reused.
+        """A new private batch sampler for ``rank`` of ``world_size``, as ``sampling`` describes.
 
-        Rebuilding for another placement carries the generator state over, so no mask is replayed.
+        Built anew at every fit start (``train_dataloader``): a Poisson or shuffled sampler draws a
+        fresh OS-entropy secret (rank 0's, broadcast under DDP) unless a test ``sampling_seed`` is
+        given; a single-pass sampler continues its (public) pass where the checkpoint left it.
         """
-        if self._batch_sampler is not None and self._sampler_place == (rank, world_size):
-            return self._batch_sampler
-        seed = self._sampling_seed(world_size)
-        if self.sampling == "shuffle":
-            sampler = ShuffleBatchSampler(self.n_private, self.batch_size, rank=rank, world_size=world_size, seed=seed)
+        place = dict(rank=rank, world_size=world_size)
+        if self.sampling == "single_pass":
+            sampler = SinglePassBatchSampler(self.n_private, self.batch_size, seed=self.data_seed, **place)
+            if self._pending_pass_state is not None:
+                sampler.load_state_dict(self._pending_pass_state)
+                self._pending_pass_state = None
+        elif self.sampling == "full_batch":
+            sampler = FullBatchSampler(self.n_private, **place)
         else:
-            sampler = PoissonBatchSampler(
-                self.n_private, self.sample_rate, rank=rank, world_size=world_size, seed=seed
-            )
-        state = self._batch_sampler.state_dict() if self._batch_sampler is not None else self._pending_sampler_state
-        if state is not None:
-            sampler.load_state_dict(state)
-        self._batch_sampler, self._sampler_place, self._pending_sampler_state = sampler, (rank, world_size), None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the test-seed and shuffle warnings were given at __init__
+                if self.sampling == "shuffle":
+                    sampler = ShuffleBatchSampler(self.n_private, self.batch_size, seed=self.sampling_seed, **place)
+                else:
+                    sampler = PoissonBatchSampler(self.n_private, self.sample_rate, seed=self.sampling_seed, **place)
+            if self.sampling_seed is None:
+                sampler.reseed(self._broadcast_secret(world_size))
+        self._batch_sampler = sampler
         return sampler
 
     def public_dataloader(self, batch_size: Optional[int] = None, shuffle: bool = True) -> Optional[DataLoader]:
@@ -506,37 +512,27 @@ class PublicPrivateDataModule(LightningDataModule):
                 "the accountant assumes)."
             )
 
-    def _sampling_seed(self, world_size: int) -> int:
-        """The sampler seed: restored, given, or OS entropy; rank 0's is broadcast under DDP."""
-        if self._resolved_seed is None:
-            seed = self.sampling_seed if self.sampling_seed is not None else entropy_seed()
-            if world_size > 1 and self.trainer is not None:
-                seed = self.trainer.strategy.broadcast(seed, src=0)
-            self._resolved_seed = int(seed)
-        return self._resolved_seed
+    def _broadcast_secret(self, world_size: int) -> int:
+        """A fresh sampling secret; rank 0's under DDP, so every rank draws the same global batch."""
+        secret = secret_seed()
+        if world_size > 1 and self.trainer is not None:
+            secret = self.trainer.strategy.broadcast(secret, src=0)
+        return int(secret)
 
     # ---------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Sampling seed and sampler generator state (Lightning stores it in checkpoints)."""
-        state: dict[str, Any] = {"sampling_seed": self._resolved_seed, "sampling": self.sampling}
-        sampler_state = self._pending_sampler_state
-        if self._batch_sampler is not None:
-            sampler_state = self._batch_sampler.state_dict()
-        if sampler_state is not None:
-            state["sampler"] = sampler_state
+        """Public sampling state only: the kind of sampling and a single pass's position.
+
+        The Poisson or shuffle stream is secret and never saved; a resumed run draws a fresh one.
+        """
+        state: dict[str, Any] = {"sampling": self.sampling}
+        if isinstance(self._batch_sampler, SinglePassBatchSampler):
+            state["single_pass"] = self._batch_sampler.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the sampling stream; it continues where the checkpoint left it."""
-        if state_dict.get("sampling_seed") is not None:
-            self._resolved_seed = int(state_dict["sampling_seed"])
-        sampler_state = state_dict.get("sampler")
-        if sampler_state is None:
-            return
-        if self._batch_sampler is not None:
-            self._batch_sampler.load_state_dict(sampler_state)
-        else:
-            self._pending_sampler_state = sampler_state
+        """Continue a single pass where the checkpoint left it (nothing else is restored)."""
+        self._pending_pass_state = state_dict.get("single_pass")
 
 
 __all__ = [

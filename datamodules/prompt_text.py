@@ -75,7 +75,7 @@ from datamodules.text_tasks import (
     load_task,
     render_text,
 )
-from lit_zodp.privacy.errors import check_positive_int
+from lit_zodp.errors import check_positive_int
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -8,7 +8,7 @@ import torch
 
 from datamodules.base import DataSplits, PublicPrivateDataModule
 from datamodules.datasets import TensorPairDataset
-from lit_zodp.privacy.errors import check_positive, check_positive_int
+from lit_zodp.errors import check_positive, check_positive_int
 
 
 def gaussian_blobs(n: int, centers: torch.Tensor, generator: torch.Generator) -> TensorPairDataset:

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from datamodules.base import DataSplits, PublicPrivateDataModule, check_test_fraction, fixed_test_split
 from datamodules.datasets import TensorPairDataset, TextDataset, texts_and_labels
-from lit_zodp.privacy.errors import check_positive_int
+from lit_zodp.errors import check_positive_int
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -15,7 +15,7 @@ import torch
 
 from datamodules.base import DataSplits, PublicPrivateDataModule, check_test_fraction, fixed_test_split
 from datamodules.datasets import ImageTensorDataset, TensorPairDataset, resize_image
-from lit_zodp.privacy.errors import check_positive_int
+from lit_zodp.errors import check_positive_int
 
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)

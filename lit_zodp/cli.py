@@ -8,14 +8,16 @@ set is evaluated and a one-line result is printed (``--test_after_fit false`` sk
 
 from __future__ import annotations
 
-import math
 import os
+import sys
 import time
 from typing import Optional
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
+
+from lit_zodp.errors import PrivacyConfigError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,6 +28,21 @@ class LitZODPCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--test_after_fit", type=bool, default=True,
                             help="After fit, evaluate the test set and print a one-line result.")
+
+    def _parse_ckpt_path(self) -> None:
+        """Resuming: LightningCLI replaces the model arguments by the checkpoint's saved hyperparameters.
+
+        A privacy budget given on the command line must still bind: keep the smaller of the
+        command line's and the checkpoint's ``target_epsilon`` and ``max_epsilon``. (The checkpoint's
+        privacy state keeps its own budget binding too, whatever these arguments say.)
+        """
+        given = _budget_arguments(self.config)
+        super()._parse_ckpt_path()
+        restored = _budget_arguments(self.config)
+        for key, value in given.items():
+            if value is not None:
+                smaller = value if restored.get(key) is None else min(value, restored[key])
+                self.config[self.config.subcommand].model.init_args[key] = smaller
 
     def before_fit(self) -> None:
         self._fit_started = time.perf_counter()
@@ -49,6 +66,15 @@ class LitZODPCLI(LightningCLI):
         rank_zero_info(result_line(self.model, self.datamodule, self.trainer, metrics, wall))
 
 
+BUDGET_ARGUMENTS = ("target_epsilon", "max_epsilon")
+
+
+def _budget_arguments(config) -> dict:
+    subcommand = config.get("subcommand")
+    init_args = config.get(subcommand, {}).get("model", {}).get("init_args", {}) if subcommand else {}
+    return {key: init_args.get(key) for key in BUDGET_ARGUMENTS if key in init_args}
+
+
 def _has_test_data(datamodule: Optional[LightningDataModule]) -> bool:
     if datamodule is None:
         return False
@@ -58,13 +84,13 @@ def _has_test_data(datamodule: Optional[LightningDataModule]) -> bool:
 
 def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: float) -> str:
     """``RESULT task=... algorithm=... epsilon=... delta=... accuracy=... steps=... wall_s=...``."""
-    epsilon = spent_epsilon(model)
+    privacy = getattr(model, "privacy", None)
     accuracy = test_metrics.get("test_acc")
     fields = {
         "task": type(datamodule).__name__ if datamodule is not None else "-",
         "algorithm": type(model).__name__,
-        "epsilon": f"{epsilon:.3f}" if getattr(model, "private", False) else "non-private",
-        "delta": f"{model.delta:.3g}" if getattr(model, "delta", None) else "-",
+        "epsilon": f"{privacy.epsilon():.3f}" if getattr(privacy, "private", False) else "non-private",
+        "delta": f"{privacy.delta:.3g}" if getattr(privacy, "delta", None) else "-",
         "accuracy": f"{accuracy:.4f}" if accuracy is not None else "-",
         "steps": trainer.global_step,
         "wall_s": f"{wall_seconds:.1f}",
@@ -85,18 +111,27 @@ def build_cli(args=None) -> LitZODPCLI:
     )
 
 
-def spent_epsilon(model) -> float:
-    """Epsilon spent so far: inf without noise, 0 before any private step, else the ledger's bound."""
-    if not getattr(model, "private", False) or model.noise_multiplier == 0:
-        return math.inf
-    if model.ledger.total_count == 0:
-        return 0.0
-    return model.ledger.epsilon(model.delta).upper
-
-
 def cli_main(args=None) -> None:
-    """Entry point of the ``lightning`` and ``lit-zodp`` console scripts."""
-    build_cli(args)
+    """Entry point of the ``lightning`` and ``lit-zodp`` console scripts.
+
+    A configuration error (bad privacy setting, model/data mismatch, impossible budget) ends in
+    one readable line on stderr and exit code 2, not a traceback or a dump of the namespace.
+    """
+    try:
+        build_cli(args)
+    except PrivacyConfigError as err:
+        sys.stderr.write(f"lit-zodp: error: {one_line(err)}\n")
+        raise SystemExit(2) from None
+
+
+def one_line(err: BaseException) -> str:
+    """The configuration error without the wrapping jsonargparse adds (the innermost message)."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        inner = err.__cause__ or err.__context__
+        if not isinstance(inner, PrivacyConfigError):
+            break
+        err = inner
+    return " ".join(str(err).split())
 
 
 if __name__ == "__main__":

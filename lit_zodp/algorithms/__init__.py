@@ -1,6 +1,12 @@
-"""One module per paper family; each ``training_step`` reads like the paper's pseudo-code."""
+"""One module per paper family; each ``training_step`` reads like the paper's pseudo-code.
 
-from lit_zodp.algorithms.base import PrivateZerothOrderModule, ZerothOrderModule
+``AlgorithmModule`` is the one base (backbone, privacy component, metrics, seeds, DDP reduction);
+``ZerothOrderModule`` the ZO family base (perturbation engine). ``ALGORITHMS`` lists every
+concrete algorithm; the privacy contract test suite runs over its private ones.
+"""
+
+from lit_zodp.algorithms.base import ALGORITHMS, AlgorithmModule
 from lit_zodp.algorithms.dpzero import DPGD0th, DPZero, MeZO
+from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 
-__all__ = ["DPGD0th", "DPZero", "MeZO", "PrivateZerothOrderModule", "ZerothOrderModule"]
+__all__ = ["ALGORITHMS", "AlgorithmModule", "DPGD0th", "DPZero", "MeZO", "ZerothOrderModule"]

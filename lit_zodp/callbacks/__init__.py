@@ -1,5 +1,5 @@
-"""Callbacks: privacy spend tracking and the budget stop."""
+"""Callbacks: privacy spend logging."""
 
-from lit_zodp.callbacks.privacy import PrivacySpendCallback, steps_within_budget
+from lit_zodp.callbacks.privacy import PrivacySpendCallback
 
-__all__ = ["PrivacySpendCallback", "steps_within_budget"]
+__all__ = ["PrivacySpendCallback"]

@@ -1,23 +1,59 @@
-"""Pure, separately tested privacy pieces: clipping, noise, mechanisms, ledger, calibration, sampling."""
+"""Privacy: the component every private module composes, and the pure pieces it is built from.
 
-from lit_zodp.privacy.calibration import bisect_sigma, calibrate_noise_multiplier, dpzero_theory_sigma
+clipping, noise (secret, OS entropy), mechanisms, ledger (PRV accountant), calibration, step plans,
+sampling descriptions and samplers.
+"""
+
+from lit_zodp.errors import AccountingError, PrivacyConfigError
+from lit_zodp.privacy.calibration import (
+    bisect_sigma,
+    calibrate_noise_multiplier,
+    dpzero_theory_sigma,
+    steps_within_budget,
+)
 from lit_zodp.privacy.clipping import clip_factors, clip_scalars, clip_vectors, clipped_fraction
-from lit_zodp.privacy.errors import AccountingError, PrivacyConfigError
+from lit_zodp.privacy.component import DirectionRelease, NonPrivate, PrivacyComponent
 from lit_zodp.privacy.ledger import EpsilonBounds, PrivacyLedger
-from lit_zodp.privacy.mechanisms import Gaussian, Laplace, Mechanism, SubsampledGaussian
-from lit_zodp.privacy.noise import NoiseSource, noised_sum, noisy_mean
-from lit_zodp.privacy.sampling import PoissonBatchSampler, entropy_seed
+from lit_zodp.privacy.mechanisms import Gaussian, Laplace, Mechanism, SinglePassGaussian, SubsampledGaussian
+from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
+from lit_zodp.privacy.plan import GaussianRelease, StepPlan, composed_multiplier
+from lit_zodp.privacy.sampling import (
+    FullBatchSampler,
+    FullBatchSampling,
+    PoissonBatchSampler,
+    PoissonSampling,
+    PrivateBatchSampler,
+    ShuffleBatchSampler,
+    ShuffledSampling,
+    SinglePassBatchSampler,
+    SinglePassSampling,
+)
 
 __all__ = [
     "AccountingError",
+    "DirectionRelease",
     "EpsilonBounds",
+    "FullBatchSampler",
+    "FullBatchSampling",
     "Gaussian",
+    "GaussianRelease",
     "Laplace",
     "Mechanism",
     "NoiseSource",
+    "NonPrivate",
     "PoissonBatchSampler",
+    "PoissonSampling",
+    "PrivacyComponent",
     "PrivacyConfigError",
     "PrivacyLedger",
+    "PrivateBatchSampler",
+    "SecretGaussianVector",
+    "ShuffleBatchSampler",
+    "ShuffledSampling",
+    "SinglePassBatchSampler",
+    "SinglePassGaussian",
+    "SinglePassSampling",
+    "StepPlan",
     "SubsampledGaussian",
     "bisect_sigma",
     "calibrate_noise_multiplier",
@@ -25,8 +61,8 @@ __all__ = [
     "clip_scalars",
     "clip_vectors",
     "clipped_fraction",
+    "composed_multiplier",
     "dpzero_theory_sigma",
-    "entropy_seed",
-    "noised_sum",
-    "noisy_mean",
+    "secret_seed",
+    "steps_within_budget",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable
 
-from lit_zodp.privacy.errors import (
+from lit_zodp.errors import (
     AccountingError,
     check_delta,
     check_positive,
@@ -99,3 +99,24 @@ def dpzero_theory_sigma(*, clip: float, steps: int, n: int, epsilon: float, delt
     raise_if_any([check_positive("clip", clip), check_positive_int("steps", steps),
                   check_positive_int("n", n), check_positive("epsilon", epsilon), check_delta(delta)])
     return 4 * clip * math.sqrt(2 * steps * math.log(math.e + epsilon / delta)) / (n * epsilon)
+
+
+def steps_within_budget(ledger: PrivacyLedger, per_step: list, *, max_epsilon: float, delta: float,
+                        limit: int) -> int:
+    """Largest ``k <= limit`` such that ``k`` more steps keep epsilon's upper bound <= ``max_epsilon``.
+
+    Epsilon grows with ``k``, so bisection over ``k`` is exact (``O(log limit)`` accountant calls).
+    """
+    def fits(k: int) -> bool:
+        extra = [(mechanism, count * k) for mechanism, count in per_step]
+        return ledger.epsilon(delta, extra=extra).upper <= max_epsilon
+
+    if fits(limit):
+        return limit
+    if not fits(0):
+        return 0
+    low, high = 0, limit  # fits(low), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

@@ -12,15 +12,22 @@ import math
 import torch
 from torch import Tensor
 
-from lit_zodp.privacy.errors import check_positive, raise_if_any
+from lit_zodp.errors import check_positive, raise_if_any
 
 
 def check_clip(clip: float) -> None:
     raise_if_any([check_positive("clip", clip, allow_inf=True)])
 
 
+def finite_or_zero(values: Tensor) -> Tensor:
+    """Non-finite per-example values (NaN, +-inf) contribute zero: a crafted record that makes its
+    loss NaN or infinite must not get unbounded influence on the released sum."""
+    return torch.where(torch.isfinite(values), values, torch.zeros_like(values))
+
+
 def clip_scalars(values: Tensor, clip: float) -> Tensor:
-    """Clamp each per-example scalar to ``[-clip, clip]`` (DPZero Alg. 2, line 3)."""
+    """Clamp each per-example scalar to ``[-clip, clip]`` (DPZero Alg. 2, line 3); non-finite -> 0."""
+    values = finite_or_zero(values)
     if math.isinf(clip):
         return values
     return values.clamp(-clip, clip)
@@ -35,6 +42,9 @@ def clip_factors(norms: Tensor, clip: float) -> Tensor:
 
 def clip_vectors(per_example: Tensor, clip: float) -> Tensor:
     """Clip each row ``per_example[i]`` (any trailing shape) to L2 norm at most ``clip``."""
+    finite_rows = torch.isfinite(per_example.flatten(1)).all(dim=1)
+    per_example = torch.where(finite_rows.view(-1, *([1] * (per_example.dim() - 1))), per_example,
+                              torch.zeros_like(per_example))  # a non-finite row contributes zero
     norms = per_example.flatten(1).norm(dim=1)
     factors = clip_factors(norms, clip)
     return per_example * factors.view(-1, *([1] * (per_example.dim() - 1)))

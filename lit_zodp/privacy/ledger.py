@@ -12,8 +12,8 @@ from typing import Iterable, Optional, Sequence
 
 from prv_accountant import PRVAccountant
 
-from lit_zodp.privacy.errors import AccountingError, check_delta, check_positive, raise_if_any
-from lit_zodp.privacy.mechanisms import Mechanism, mechanism_from_dict, mechanism_to_dict
+from lit_zodp.errors import AccountingError, check_delta, check_positive, raise_if_any
+from lit_zodp.privacy.mechanisms import Mechanism, accounted_count, mechanism_from_dict, mechanism_to_dict
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class PrivacyLedger:
         counts = dict(self.counts)
         for mechanism, count in extra:
             counts[mechanism] = counts.get(mechanism, 0) + count
-        counts = {m: c for m, c in counts.items() if c > 0}
+        counts = {m: accounted_count(m, c) for m, c in counts.items() if c > 0}
         if not counts:
             return EpsilonBounds(0.0, 0.0, 0.0)
         return compose(counts, delta, self._accountant_for(counts, delta), self)
@@ -101,7 +101,7 @@ def _build_accountant(mechanisms: Sequence[Mechanism], capacities: Sequence[int]
     try:
         return PRVAccountant(prvs=[m.to_prv() for m in mechanisms], max_self_compositions=list(capacities),
                              eps_error=eps_error, delta_error=delta_error)
-    except (ValueError, RuntimeError, OverflowError, FloatingPointError) as err:
+    except (ValueError, RuntimeError, OverflowError, FloatingPointError, MemoryError) as err:
         raise AccountingError(_extreme_message(mechanisms, capacities, err)) from err
 
 
@@ -110,7 +110,7 @@ def compose(counts: dict[Mechanism, int], delta: float, accountant: PRVAccountan
     try:
         lower, estimate, upper = accountant.compute_epsilon(
             delta=delta, num_self_compositions=list(counts.values()))
-    except (ValueError, RuntimeError, OverflowError, FloatingPointError) as err:
+    except (ValueError, RuntimeError, OverflowError, FloatingPointError, MemoryError) as err:
         raise AccountingError(_extreme_message(list(counts), list(counts.values()), err)) from err
     return EpsilonBounds(max(0.0, float(lower)), max(0.0, float(estimate)), float(upper))
 

@@ -12,7 +12,7 @@ from typing import ClassVar, Union
 
 from prv_accountant import GaussianMechanism, LaplaceMechanism, PoissonSubsampledGaussianMechanism
 
-from lit_zodp.privacy.errors import check_positive, check_probability, raise_if_any
+from lit_zodp.errors import check_positive, check_probability, raise_if_any
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,25 @@ class Gaussian:
 
 
 @dataclass(frozen=True)
+class SinglePassGaussian:
+    """Gaussian noise on a sum over a batch of a single pass: each example is in one step only.
+
+    The steps touch disjoint data, so they compose in parallel (the maximum, not the sum): the
+    ledger counts this mechanism once however many steps record it.
+    """
+
+    noise_multiplier: float
+    kind: ClassVar[str] = "single_pass_gaussian"
+    composes_in_parallel: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        raise_if_any([check_positive("noise_multiplier", self.noise_multiplier)])
+
+    def to_prv(self):
+        return GaussianMechanism(noise_multiplier=self.noise_multiplier)
+
+
+@dataclass(frozen=True)
 class Laplace:
     """Laplace noise of scale ``b`` on a quantity of L1 sensitivity ``Delta``: ``mu = Delta / b``."""
 
@@ -62,8 +81,13 @@ class Laplace:
         return LaplaceMechanism(mu=self.mu)
 
 
-Mechanism = Union[SubsampledGaussian, Gaussian, Laplace]
-MECHANISMS = {cls.kind: cls for cls in (SubsampledGaussian, Gaussian, Laplace)}
+Mechanism = Union[SubsampledGaussian, Gaussian, SinglePassGaussian, Laplace]
+MECHANISMS = {cls.kind: cls for cls in (SubsampledGaussian, Gaussian, SinglePassGaussian, Laplace)}
+
+
+def accounted_count(mechanism: Mechanism, count: int) -> int:
+    """How many self-compositions ``count`` recorded steps cost: 1 for parallel (single-pass) steps."""
+    return min(count, 1) if getattr(mechanism, "composes_in_parallel", False) else count
 
 
 def mechanism_to_dict(mechanism: Mechanism) -> dict:

@@ -1,94 +1,116 @@
-"""Gaussian noise from its own secret generator, and the privatized mean it produces.
+"""Secret randomness: the DP noise, drawn from at least 128 bits of OS entropy and never checkpointed.
 
-The noise generator is seeded from OS entropy unless a test passes ``seed``; it is never derived
-from the run seed (the perturbation directions are public, the noise is secret). Under DDP only
-rank 0 draws noise, so the all-reduced sum carries exactly one draw.
+Threat model (DESIGN.md): the attacker has the code, the config, the run seed and every
+checkpoint. So the noise is never derived from the run seed, and its generator state is never
+saved. torch's CPU generator keeps only 32 bits of its seed (a space searched in hours), so the
+noise is drawn with NumPy's bit generators instead, keyed by the whole secret:
 
-Note: torch's generators are Mersenne-Twister/Philox, not cryptographically secure PRNGs; the
-secrecy here is that of the seed.
+* scalar and small releases: a PCG64DXSM stream whose 128-bit state is derived by ``SeedSequence``
+  from a 256-bit OS-entropy secret (every bit of the secret changes the stream);
+* d-dimensional noise vectors (DPGD-0th): a Philox-4x64 key of 128 bits, fresh from the stream for
+  each release, with the chunk index in the counter, so the perturbation engine generates the
+  vector chunk by chunk, in any order and on any device, without storing it.
+
+Under DDP rank 0's secret is broadcast once at fit start and every rank adds the same draw after
+the all-reduce (the secret is shared inside the training job, never outside it). NumPy's
+generators are not cryptographically secure PRNGs: the secrecy is that of the 256-bit seed.
 """
 
 from __future__ import annotations
 
-import math
+import os
+import warnings
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from lit_zodp.privacy.errors import (
-    PrivacyConfigError,
-    check_non_negative,
-    check_positive,
-    raise_if_any,
-)
-from lit_zodp.privacy.sampling import entropy_seed
+from lit_zodp.errors import check_non_negative, raise_if_any
+
+#: Bits of OS entropy behind every secret stream (noise and Poisson sampling).
+SECRET_BITS = 256
+
+TEST_SEED_WARNING = (
+    "`{name}` is set: the {what} is reproducible from it, so the run is NOT differentially private. "
+    "Use it only in tests; leave it unset (None) to draw {bits} bits from the OS.")
+
+
+def secret_seed() -> int:
+    """A fresh ``SECRET_BITS``-bit secret from the operating system's entropy pool."""
+    return int.from_bytes(os.urandom(SECRET_BITS // 8), "little")
+
+
+def secret_generator(seed: int) -> np.random.Generator:
+    """A NumPy generator whose state depends on every bit of ``seed`` (``SeedSequence`` hashing)."""
+    return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(int(seed))))
+
+
+def warn_test_seed(name: str, what: str) -> None:
+    warnings.warn(TEST_SEED_WARNING.format(name=name, what=what, bits=SECRET_BITS), UserWarning, stacklevel=3)
 
 
 class NoiseSource:
-    """A dedicated generator of DP noise, one per device, seeded once."""
+    """The secret Gaussian noise of one training run.
+
+    Args:
+        seed: a test-only seed (warns: the noise is then reproducible). ``None`` (default) draws
+            ``SECRET_BITS`` bits from the OS.
+
+    There is deliberately no ``state_dict``: the noise state never enters a checkpoint, and a
+    resumed run draws from a fresh secret.
+    """
 
     def __init__(self, seed: Optional[int] = None) -> None:
         self.seeded_by_user = seed is not None
-        self.seed = entropy_seed() if seed is None else int(seed)
-        self._generators: dict[str, torch.Generator] = {}
-        self._pending_states: dict[str, Tensor] = {}
+        if self.seeded_by_user:
+            warn_test_seed("noise_seed", "DP noise")
+        self._rng = secret_generator(secret_seed() if seed is None else int(seed))
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        key = str(torch.device(device))
-        if key not in self._generators:
-            gen = torch.Generator(device=key).manual_seed(self.seed + len(self._generators))
-            if key in self._pending_states:
-                gen.set_state(self._pending_states.pop(key))
-            self._generators[key] = gen
-        return self._generators[key]
+    @classmethod
+    def from_secret(cls, secret: int) -> "NoiseSource":
+        """A source keyed by a secret drawn from the OS elsewhere (rank 0's, broadcast under DDP)."""
+        source = cls.__new__(cls)
+        source.seeded_by_user = False
+        source._rng = secret_generator(secret)
+        return source
 
     def gaussian(self, shape, std: float, *, device="cpu", dtype=torch.float32) -> Tensor:
-        """A draw of ``N(0, std^2)`` with the given shape."""
+        """A draw of ``N(0, std^2)`` with the given shape, on ``device``."""
         raise_if_any([check_non_negative("noise std", std)])
-        noise = torch.randn(shape, generator=self.generator(device), device=device, dtype=dtype)
-        return noise * std
+        draw = torch.from_numpy(self._rng.standard_normal(tuple(shape)) * std)
+        return draw.to(device=device, dtype=dtype)
 
-    def state_dict(self) -> dict:
-        states = {k: g.get_state() for k, g in self._generators.items()}
-        return {"seed": self.seed, "states": {**self._pending_states, **states}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seed = int(state["seed"])
-        self._generators.clear()
-        self._pending_states = dict(state["states"])
+    def vector_key(self) -> "SecretGaussianVector":
+        """A fresh 128-bit key of a d-dimensional standard normal vector, generated lazily by chunk."""
+        return SecretGaussianVector(tuple(int(k) for k in self._rng.integers(0, 2**64, size=2, dtype=np.uint64)))
 
 
-def noised_sum(
-    clipped_sum: Tensor,
-    *,
-    noise_multiplier: float,
-    clip: float,
-    noise: Optional[NoiseSource],
-    add_noise: bool = True,
-) -> Tensor:
-    """``sum_i clip(v_i) + N(0, (sigma C)^2 I)``: the Gaussian mechanism on a sum of sensitivity C.
+class SecretGaussianVector:
+    """``xi ~ N(0, I_d)`` keyed by 128 secret bits; chunk ``i`` is drawn from Philox(key, counter=i).
 
-    ``add_noise=False`` is for DDP ranks other than 0: rank 0 adds the single draw before the
-    all-reduce, so the reduced sum carries exactly one.
+    A direction law for the perturbation engine (``independent_chunks``, ``fill_chunk_``): the
+    engine adds ``c * xi`` chunk by chunk without ever storing ``xi``. Chunk ``i`` uses the Philox
+    counter block ``i * 2**192``, so no two chunks share a counter.
     """
-    raise_if_any([check_non_negative("noise_multiplier", noise_multiplier)])
-    if not add_noise or noise_multiplier == 0:
-        return clipped_sum
-    if math.isinf(clip):
-        raise PrivacyConfigError("Noise needs a finite `clip`; got clip=inf with noise_multiplier > 0")
-    if noise is None:
-        raise ValueError("A NoiseSource is required when noise_multiplier > 0")
-    std = noise_multiplier * clip
-    return clipped_sum + noise.gaussian(clipped_sum.shape, std, device=clipped_sum.device,
-                                        dtype=clipped_sum.dtype)
+
+    name = "secret_gaussian"
+    independent_chunks = True
+
+    def __init__(self, key: tuple[int, int]) -> None:
+        self.key = np.array(key, dtype=np.uint64)
+
+    def chunk_scale(self, chunks, seed) -> float:
+        return 1.0
+
+    def fill_chunk_(self, out: Tensor, seed: int, index: int, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Chunk ``index`` (float32) into ``out``; ``seed`` and ``generator`` are unused (the key is the seed)."""
+        rng = np.random.Generator(np.random.Philox(key=self.key, counter=[0, 0, 0, index]))
+        host = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=torch.float32)
+        rng.standard_normal(out=host.numpy(), dtype=np.float32)
+        if host is not out:
+            out.copy_(host)
+        return out
 
 
-def noisy_mean(clipped_sum: Tensor, *, expected_batch_size: float, **noise_kwargs) -> Tensor:
-    """``(sum_i clip(v_i) + N(0, (sigma C)^2 I)) / B`` with ``B`` the EXPECTED batch size.
-
-    Dividing by the expected size, not the realized one, is what the Poisson-subsampled Gaussian
-    accountant assumes (DESIGN.md); dividing by the realized size would leak it.
-    """
-    raise_if_any([check_positive("expected_batch_size", expected_batch_size)])
-    return noised_sum(clipped_sum, **noise_kwargs) / expected_batch_size
+__all__ = ["NoiseSource", "SECRET_BITS", "SecretGaussianVector", "secret_generator", "secret_seed"]

@@ -1,88 +1,299 @@
-"""Poisson subsampling of the private set, the sampling the accountant assumes.
+"""How the private examples enter the steps: sampling descriptions and the samplers that realize them.
 
-Every example joins a batch independently with probability ``q``; batch sizes vary and may be zero.
-For DDP each rank draws the *same* Bernoulli mask over all ``n`` examples (a sampling generator
-seeded identically on every rank) and keeps the selected indices of its own shard
-(``index % world_size == rank``). The union over ranks is then exactly the batch one process would
-draw, so N ranks give the same update as one process (DESIGN.md, "Distributed").
+A *sampling description* is what the accountant needs: the size ``n`` of the private set, the
+expected batch size ``B`` that a release divides by, and the mechanism one step's Gaussian release
+of multiplier ``z`` costs:
+
+* :class:`PoissonSampling` (default): each example joins a batch independently with probability
+  ``q = B / n``; a step costs a Poisson-subsampled Gaussian.
+* :class:`FullBatchSampling`: every example in every step (``q = 1``); a step costs a Gaussian.
+* :class:`SinglePassSampling`: each example is used in exactly one step of the whole run; steps
+  touch disjoint data and compose in parallel (one Gaussian in total).
+* :class:`ShuffledSampling`: fixed-size shuffled batches, an explicit opt-in that warns: it is
+  accounted as Poisson sampling at ``q = B / n``, which it is not.
+
+The samplers are batch samplers for a ``DataLoader``. Under DDP every rank draws the same global
+batch (same stream) and keeps its shard (``index % world_size == rank``), so N ranks give the update
+of one process. Which examples a Poisson or shuffled batch holds is secret (amplification by
+subsampling needs it): those streams come from ``SECRET_BITS`` bits of OS entropy, are reseeded at
+every fit start by the DataModule, and are never checkpointed.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Iterator, Optional
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar, Iterator, Optional
 
-import torch
+import numpy as np
 from torch.utils.data import Sampler
 
-from lit_zodp.privacy.errors import check_positive_int, check_probability, check_rank, raise_if_any
+from lit_zodp.errors import (
+    PrivacyConfigError,
+    check_positive_int,
+    check_probability,
+    check_rank,
+    raise_if_any,
+)
+from lit_zodp.privacy.mechanisms import Gaussian, Mechanism, SinglePassGaussian, SubsampledGaussian
+from lit_zodp.privacy.noise import secret_generator, secret_seed, warn_test_seed
+
+SHUFFLE_WARNING = (
+    "sampling='shuffle' draws fixed-size shuffled batches, but the reported epsilon assumes Poisson "
+    "sampling (each example included independently with probability q = batch_size / n_private). "
+    "The true epsilon of shuffled batches is not what is reported; use sampling='poisson' for a "
+    "guarantee that holds.")
 
 
-def entropy_seed() -> int:
-    """A 63-bit seed from the operating system's entropy pool (never from the run seed)."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
+# ------------------------------------------------------------------------------ descriptions
+@dataclass(frozen=True)
+class PoissonSampling:
+    """Poisson subsampling of rate ``sample_rate`` from ``n`` private examples."""
+
+    n: int
+    sample_rate: float
+    name: ClassVar[str] = "poisson"
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sample_rate * self.n
+
+    def mechanism(self, noise_multiplier: float) -> Mechanism:
+        return SubsampledGaussian(noise_multiplier, self.sample_rate)
 
 
-class SeededShardSampler(Sampler[list[int]]):
-    """Base of batch samplers that draw global batches from one seeded generator and yield a rank's shard.
+@dataclass(frozen=True)
+class FullBatchSampling:
+    """Every private example in every step."""
 
-    Every rank seeds the same generator, so the shards of one step partition the global batch.
-    The generator state is the sampler's whole state (``state_dict`` for checkpoints).
-    """
+    n: int
+    name: ClassVar[str] = "full_batch"
+    sample_rate: ClassVar[float] = 1.0
 
-    def __init__(self, num_samples: int, *, rank: int, world_size: int, seed: Optional[int]) -> None:
-        self.num_samples = num_samples
-        self.rank = rank
-        self.world_size = world_size
-        self.generator = torch.Generator().manual_seed(entropy_seed() if seed is None else seed)
+    @property
+    def expected_batch_size(self) -> float:
+        return float(self.n)
 
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+    def mechanism(self, noise_multiplier: float) -> Mechanism:
+        return Gaussian(noise_multiplier)
 
 
-class PoissonBatchSampler(SeededShardSampler):
-    """Batch sampler that yields Poisson-subsampled index lists (possibly empty).
+@dataclass(frozen=True)
+class SinglePassSampling:
+    """Each of the ``n`` examples used in exactly one of ``steps`` steps (one pass)."""
+
+    n: int
+    steps: int
+    name: ClassVar[str] = "single_pass"
+
+    @property
+    def sample_rate(self) -> float:
+        return 1.0 / self.steps
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.n / self.steps
+
+    def mechanism(self, noise_multiplier: float) -> Mechanism:
+        return SinglePassGaussian(noise_multiplier)
+
+
+@dataclass(frozen=True)
+class ShuffledSampling(PoissonSampling):
+    """Fixed-size shuffled batches, accounted (wrongly, and with a warning) as Poisson at ``B / n``."""
+
+    name: ClassVar[str] = "shuffle"
+
+
+SamplingDescription = PoissonSampling | FullBatchSampling | SinglePassSampling
+
+
+# ---------------------------------------------------------------------------------- samplers
+class PrivateBatchSampler(Sampler[list[int]]):
+    """Base of the private batch samplers: one global stream, this rank's shard, a description.
+
+    The privacy component trusts only instances of this class (never a duck-typed attribute), and
+    checks ``rank``/``world_size`` against the trainer's.
 
     Args:
         num_samples: size ``n`` of the private set.
-        sample_rate: inclusion probability ``q`` of each example, in ``(0, 1]``.
-        steps_per_epoch: batches per epoch; defaults to ``round(1 / q)``.
-        rank, world_size: this process's shard of the indices (DDP); ``(0, 1)`` for one process.
-        seed: seed of the sampling generator; ``None`` draws it from OS entropy. Under DDP all ranks
-            must pass the same seed (the DataModule broadcasts rank 0's).
+        rank, world_size: this process's shard (DDP); ``(0, 1)`` for one process.
+        seed: a test-only seed (warns: the batches are then predictable). ``None`` draws a secret.
     """
 
-    def __init__(
-        self,
-        num_samples: int,
-        sample_rate: float,
-        *,
-        steps_per_epoch: Optional[int] = None,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: Optional[int] = None,
-    ) -> None:
-        errors = [
-            check_positive_int("num_samples", num_samples),
-            check_probability("sample_rate", sample_rate),
-            check_positive_int("world_size", world_size),
-        ]
+    secret_stream: ClassVar[bool] = True
+
+    def __init__(self, num_samples: int, *, rank: int = 0, world_size: int = 1,
+                 seed: Optional[int] = None) -> None:
+        raise_if_any([check_positive_int("num_samples", num_samples),
+                      check_positive_int("world_size", world_size),
+                      check_rank(rank, world_size)])
+        self.num_samples = num_samples
+        self.rank = rank
+        self.world_size = world_size
+        self.seeded_by_user = seed is not None
+        if self.seeded_by_user and self.secret_stream:
+            warn_test_seed("sampling_seed", "private batch sampling")
+        self.reseed(seed)
+
+    @property
+    def description(self) -> SamplingDescription:
+        raise NotImplementedError
+
+    def reseed(self, seed: Optional[int] = None) -> None:
+        """Restart the stream from ``seed`` (``None``: a fresh OS-entropy secret)."""
+        self.generator = secret_generator(secret_seed() if seed is None else seed)
+
+    def check_placement(self, rank: int, world_size: int) -> None:
+        """Refuse a sampler built for another rank or world size than the trainer's."""
+        if (self.rank, self.world_size) != (rank, world_size):
+            raise PrivacyConfigError(
+                f"The private batch sampler shards for rank {self.rank} of world_size {self.world_size}, "
+                f"but this process is rank {rank} of {world_size}: every rank would sample the wrong share "
+                "of the private set. Build it with rank=trainer.global_rank, world_size=trainer.world_size "
+                "(a PublicPrivateDataModule does this).")
+
+    def shard(self, selected: np.ndarray) -> list[int]:
+        return selected[selected % self.world_size == self.rank].tolist()
+
+
+class PoissonBatchSampler(PrivateBatchSampler):
+    """Poisson-subsampled index lists (possibly empty): each example independently with rate ``q``.
+
+    Args:
+        sample_rate: inclusion probability ``q`` in ``(0, 1]``.
+        steps_per_epoch: batches per epoch; defaults to ``round(1 / q)``.
+    """
+
+    def __init__(self, num_samples: int, sample_rate: float, *, steps_per_epoch: Optional[int] = None,
+                 rank: int = 0, world_size: int = 1, seed: Optional[int] = None) -> None:
+        errors = [check_probability("sample_rate", sample_rate)]
         if steps_per_epoch is not None:
             errors.append(check_positive_int("steps_per_epoch", steps_per_epoch))
-        errors.append(check_rank(rank, world_size))
         raise_if_any(errors)
         super().__init__(num_samples, rank=rank, world_size=world_size, seed=seed)
         self.sample_rate = float(sample_rate)
         self.steps_per_epoch = steps_per_epoch or max(1, round(1.0 / sample_rate))
+
+    @property
+    def description(self) -> PoissonSampling:
+        return PoissonSampling(self.num_samples, self.sample_rate)
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps_per_epoch):
-            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-            selected = mask.nonzero().flatten()
-            yield selected[selected % self.world_size == self.rank].tolist()
+            yield self.shard(np.flatnonzero(self.generator.random(self.num_samples) < self.sample_rate))
+
+
+class FullBatchSampler(PrivateBatchSampler):
+    """Every example in every step (full-batch, multi-pass); ``steps_per_epoch`` batches per epoch."""
+
+    secret_stream = False  # nothing random
+
+    def __init__(self, num_samples: int, *, steps_per_epoch: int = 1, rank: int = 0, world_size: int = 1) -> None:
+        raise_if_any([check_positive_int("steps_per_epoch", steps_per_epoch)])
+        super().__init__(num_samples, rank=rank, world_size=world_size)
+        self.steps_per_epoch = steps_per_epoch
+
+    @property
+    def description(self) -> FullBatchSampling:
+        return FullBatchSampling(self.num_samples)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        everyone = np.arange(self.num_samples)
+        for _ in range(self.steps_per_epoch):
+            yield self.shard(everyone)
+
+
+class SinglePassBatchSampler(PrivateBatchSampler):
+    """One pass: each example is assigned to one of ``steps = round(n / batch_size)`` steps, once.
+
+    The assignment is i.i.d. uniform per example, so adding or removing one example changes one
+    step's batch only (parallel composition needs this; a permutation cut into fixed-size batches
+    would shift every later batch). It is public randomness (parallel composition does not rely on
+    its secrecy): ``seed`` is the public assignment seed and the position in the pass is
+    checkpointed, so a resumed run continues the pass. A second pass raises.
+    """
+
+    secret_stream = False
+
+    def __init__(self, num_samples: int, batch_size: int, *, seed: int = 0, rank: int = 0,
+                 world_size: int = 1) -> None:
+        raise_if_any([check_positive_int("batch_size", batch_size)])
+        super().__init__(num_samples, rank=rank, world_size=world_size, seed=seed)
+        self.steps = max(1, round(num_samples / batch_size))
+        self.assignment = self.generator.integers(0, self.steps, size=num_samples)
+        self.next_step = 0
+
+    @property
+    def description(self) -> SinglePassSampling:
+        return SinglePassSampling(self.num_samples, self.steps)
+
+    def __len__(self) -> int:
+        return self.steps - self.next_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.next_step >= self.steps:
+            raise PrivacyConfigError(
+                f"Single-pass sampling uses each private example once: the pass of {self.steps} steps is "
+                "spent. Set max_epochs=1 (or max_steps <= the pass length) for single-pass runs.")
+        while self.next_step < self.steps:
+            step = self.next_step
+            self.next_step += 1
+            yield self.shard(np.flatnonzero(self.assignment == step))
+
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_step = int(state["next_step"])
+
+
+class ShuffleBatchSampler(PrivateBatchSampler):
+    """Batches of exactly ``batch_size`` indices from a fresh permutation each epoch (drop last).
+
+    An explicit opt-in (warns): the accountant's guarantee assumes Poisson sampling, not this.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 seed: Optional[int] = None) -> None:
+        errors = [check_positive_int("batch_size", batch_size)]
+        if not errors[0] and isinstance(num_samples, int) and batch_size > num_samples:
+            errors.append(f"Expected `batch_size` <= num_samples={num_samples}, but got {batch_size}")
+        raise_if_any(errors)
+        warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
+        super().__init__(num_samples, rank=rank, world_size=world_size, seed=seed)
+        self.batch_size = batch_size
+
+    @property
+    def description(self) -> ShuffledSampling:
+        return ShuffledSampling(self.num_samples, self.batch_size / self.num_samples)
+
+    def __len__(self) -> int:
+        return self.num_samples // self.batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.generator.permutation(self.num_samples)
+        for step in range(len(self)):
+            batch = order[step * self.batch_size:(step + 1) * self.batch_size]
+            yield batch[self.rank::self.world_size].tolist()
+
+
+__all__ = [
+    "FullBatchSampler",
+    "FullBatchSampling",
+    "PoissonBatchSampler",
+    "PoissonSampling",
+    "PrivateBatchSampler",
+    "SHUFFLE_WARNING",
+    "SamplingDescription",
+    "ShuffleBatchSampler",
+    "ShuffledSampling",
+    "SinglePassBatchSampler",
+    "SinglePassSampling",
+]

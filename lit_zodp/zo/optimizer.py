@@ -9,41 +9,45 @@ pending perturbation.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch.optim import Optimizer
 
-from lit_zodp.privacy.errors import check_non_negative, raise_if_any
-from lit_zodp.zo.directions import GaussianDirections
+from lit_zodp.errors import check_non_negative, raise_if_any
 from lit_zodp.zo.perturbation import PerturbationEngine
 
 
 class ZOSGD(Optimizer):
-    """Zeroth-order SGD over seeded directions.
+    """Zeroth-order SGD over seeded directions: applies what it is handed through ``engine``.
 
-    Usage per step: perturb through ``self.engine``, then ``set_coefficients({seed: c})`` with the
-    (privatized) directional derivative of each direction, then ``step()``.
+    Usage per step: the module perturbs through the engine, then ``set_coefficients({seed: c})``
+    with the (privatized) directional derivative of each direction, then ``step()``.
+
+    Args:
+        params: parameters or param groups, in the engine's order.
+        engine: the module's perturbation engine over exactly these parameters (``None``: build one).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-6, weight_decay: float = 0.0,
-                 *, law: GaussianDirections | None = None, chunk_numel: int | None = None) -> None:
+                 *, engine: Optional[PerturbationEngine] = None) -> None:
         raise_if_any([check_non_negative("lr", lr), check_non_negative("weight_decay", weight_decay)])
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         ordered = [p for group in self.param_groups for p in group["params"]]
-        self.engine = PerturbationEngine(ordered, law, chunk_numel=chunk_numel)
+        self.engine = engine or PerturbationEngine(ordered)
+        if [id(p) for p in self.engine.params] != [id(p) for p in ordered]:
+            raise ValueError("The engine must perturb exactly the optimizer's parameters, in param-group order")
         self._coefficients: dict[int, float] = {}
-        self._noise: dict[int, float] = {}
+        self._extra: list[tuple] = []
 
-    def set_coefficients(self, coefficients: Mapping[int, float],
-                         noise_coefficients: Mapping[int, float] | None = None) -> None:
+    def set_coefficients(self, coefficients: Mapping[int, float], extra_terms: Sequence[tuple] = ()) -> None:
         """Directional derivatives ``{seed: c}`` that the next ``step()`` applies.
 
-        ``noise_coefficients`` adds ``-lr * c * xi(seed)`` with ``xi ~ N(0, I_d)`` drawn from a
-        (secret) seed: the d-dimensional noise of DPGD-0th, generated chunk by chunk.
+        ``extra_terms`` are ``(law, c)`` pairs adding ``-lr * c * xi`` (the secret noise vector of
+        DPGD-0th, generated chunk by chunk from its 128-bit key).
         """
         self._coefficients = {int(k): float(v) for k, v in coefficients.items()}
-        self._noise = {int(k): float(v) for k, v in (noise_coefficients or {}).items()}
+        self._extra = [(law, float(c)) for law, c in extra_terms]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -56,8 +60,8 @@ class ZOSGD(Optimizer):
             lrs += [group["lr"]] * len(group["params"])
             decays += [group["weight_decay"]] * len(group["params"])
         self.engine.restore_and_update_(self._coefficients, lr=lrs, weight_decay=decays,
-                                        gaussian_coefficients=self._noise)
-        self._coefficients, self._noise = {}, {}
+                                        extra_terms=self._extra)
+        self._coefficients, self._extra = {}, []
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

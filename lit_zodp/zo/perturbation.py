@@ -67,18 +67,18 @@ class PerturbationEngine:
     def restore_and_update_(self, coefficients: Mapping[int, float] | None = None,
                             *, lr: Sequence[float] | float = 0.0,
                             weight_decay: Sequence[float] | float = 0.0,
-                            gaussian_coefficients: Mapping[int, float] | None = None) -> None:
+                            extra_terms: Sequence[tuple] = ()) -> None:
         """One pass: remove every pending perturbation, then ``theta <- (1-lr*wd) theta - lr * sum_k c_k u_k``.
 
         ``lr`` and ``weight_decay`` are scalars or one value per parameter (from param groups).
-        ``gaussian_coefficients`` add ``-lr * c * xi(seed)`` terms with ``xi ~ N(0, I)`` whatever the
-        law (vector noise). With no coefficients this is an exact restore.
+        ``extra_terms`` are ``(law, c)`` pairs adding ``-lr * c * xi`` for vectors ``xi`` of their own
+        law (the secret d-dimensional noise of DPGD-0th). With no coefficients this is an exact restore.
         """
         lrs = _per_param(lr, len(self.params))
         decays = _per_param(weight_decay, len(self.params))
         terms = [(self.law, seed, self.pending.get(seed, 0.0), (coefficients or {}).get(seed, 0.0))
                  for seed in sorted(set(self.pending) | set(coefficients or {}))]
-        terms += [(_GAUSSIAN, seed, 0.0, c) for seed, c in (gaussian_coefficients or {}).items()]
+        terms += [(law, 0, 0.0, c) for law, c in extra_terms]
         self._restore_and_update_chunkwise(terms, lrs, decays)
         self.pending.clear()
 
@@ -127,9 +127,6 @@ class PerturbationEngine:
             self.pending.pop(seed, None)
         else:
             self.pending[seed] = total
-
-
-_GAUSSIAN = GaussianDirections()
 
 
 def _chunkwise(law) -> bool:

@@ -9,7 +9,7 @@ import torch
 from datamodules import PublicPrivateDataModule, SyntheticClassificationDataModule, check_disjoint
 from datamodules.base import SHUFFLE_WARNING
 from dm_helpers import IndexedDataModule, fake_trainer, pool_indices
-from lit_zodp.privacy.errors import PrivacyConfigError
+from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.privacy.sampling import PoissonBatchSampler
 
 

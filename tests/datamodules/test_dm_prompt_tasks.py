@@ -27,7 +27,7 @@ from datamodules.prompt_text import (
 )
 from datamodules.testing import build_tiny_bpe_tokenizer, synthetic_examples, write_task_files
 from datamodules.text_tasks import parse_hf_name, render_text
-from lit_zodp.privacy.errors import PrivacyConfigError
+from lit_zodp.errors import PrivacyConfigError
 
 GLUE_TASKS = ("SST-2", "SST-5", "SNLI", "MNLI", "RTE", "TREC")
 SUPERGLUE_TASKS = ("BoolQ", "CB", "RTE", "WIC", "WSC", "COPA", "MultiRC")

@@ -6,7 +6,7 @@ import torch
 
 from datamodules import MovieReviewsDataModule
 from datamodules.text import clip_words, load_tokenizer, movie_reviews_csv, tokenize
-from lit_zodp.privacy.errors import PrivacyConfigError
+from lit_zodp.errors import PrivacyConfigError
 
 QUICK = dict(max_private_samples=64, max_eval_samples=32, max_length=16, batch_size=8, sampling_seed=0)
 

@@ -9,7 +9,7 @@ import torch
 
 from datamodules import CIFAR10DataModule, DigitsDataModule, MLXtendMNISTDataModule, MNISTDataModule
 from datamodules.vision import CIFAR10_MEAN, CIFAR10_STD, MNIST_MEAN, MNIST_STD
-from lit_zodp.privacy.errors import PrivacyConfigError
+from lit_zodp.errors import PrivacyConfigError
 
 
 def check_batch(batch, shape, num_classes=10):

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from lit_zodp.privacy import clip_scalars, clip_vectors, clipped_fraction
 from lit_zodp.privacy.clipping import check_clip
-from lit_zodp.privacy.errors import PrivacyConfigError
+from lit_zodp.errors import PrivacyConfigError
 
 floats = st.floats(-1e6, 1e6, allow_nan=False)
 

@@ -1,7 +1,8 @@
-"""Configuration errors and the validation helpers that build their messages.
+"""The package's error classes and the validation vocabulary that builds their messages.
 
 Validation collects every problem before raising, so a bad config is fixed in one round:
-each helper returns ``None`` when the value is fine, or a message naming the bad value.
+each helper returns ``None`` when the value is fine, or a message naming the bad value. One
+problem gives a one-line message; several give one line each.
 """
 
 from __future__ import annotations
@@ -14,13 +15,19 @@ class PrivacyConfigError(ValueError):
     """A privacy or training setting that cannot give the claimed guarantee."""
 
 
-class AccountingError(RuntimeError):
-    """The accountant could not compute epsilon or calibrate sigma for these settings."""
+class AccountingError(PrivacyConfigError):
+    """The accountant could not compute epsilon or calibrate sigma for these settings.
+
+    A configuration error too: raised before the first step, it means the requested privacy
+    (sigma or epsilon) is outside what the accountant can certify.
+    """
 
 
 def raise_if_any(errors: Iterable[Optional[str]]) -> None:
     """Raise one ``PrivacyConfigError`` listing every non-empty message."""
     messages = [e for e in errors if e]
+    if len(messages) == 1:
+        raise PrivacyConfigError(f"Invalid configuration: {messages[0]}")
     if messages:
         raise PrivacyConfigError("Invalid configuration:\n  - " + "\n  - ".join(messages))
 

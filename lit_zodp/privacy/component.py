@@ -1,0 +1,360 @@
+"""The privacy component: everything a private algorithm needs, owned in one place (DESIGN.md).
+
+Used by composition: a module holds a :class:`PrivacyComponent` (or its non-private twin
+:class:`NonPrivate`, same API) and calls
+
+* ``plan(...)`` at every fit start: reads the sampling description from the real batch sampler,
+  fixes delta and sigma (calibrated to ``target_epsilon`` over the planned steps from the
+  algorithm's step plan), binds the budget, draws a fresh secret noise source from the OS;
+* ``release(clipped_sum, name)`` per release: all-reduce across ranks, add the noise once,
+  divide by the EXPECTED batch size;
+* nothing for accounting: ``attach(optimizer)`` hooks ``commit_step`` on the optimizer's step, so
+  the ledger records exactly the optimizer steps and no algorithm can forget it.
+
+``state_dict()`` holds the ledger and the plan (sigma, delta, budget, sampling), never the noise
+or sampling state; it travels in every checkpoint, and on load the budget stays binding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lit_zodp.errors import (
+    AccountingError,
+    PrivacyConfigError,
+    check_delta,
+    check_non_negative,
+    check_positive,
+    raise_if_any,
+)
+from lit_zodp.privacy.calibration import bisect_sigma, steps_within_budget
+from lit_zodp.privacy.clipping import check_clip
+from lit_zodp.privacy.ledger import PrivacyLedger
+from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
+from lit_zodp.privacy.plan import StepPlan, composed_multiplier
+from lit_zodp.privacy.sampling import SamplingDescription
+
+#: Epsilon above this is refused: the PRV accountant cannot certify it, and it promises nothing.
+MAX_EPSILON = 100.0
+
+ReduceSum = Callable[[Tensor], Tensor]
+
+
+def _identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+@dataclass
+class DirectionRelease:
+    """A released vector ``(S u + xi) / B`` applied lazily: ``coefficient * u - noise_coefficient * xi``."""
+
+    coefficient: Tensor
+    noise: Optional[SecretGaussianVector]
+    noise_coefficient: float
+
+
+class PrivacyComponent:
+    """Privacy configuration, plan, secret noise, release, ledger, epsilon and budget of one module.
+
+    Args (keyword-only):
+        clip: per-example clipping threshold ``C``.
+        target_epsilon: calibrate sigma at the first fit start so the planned run spends at most
+            this (PRV upper bound); also a budget. Exclusive with ``noise_multiplier``.
+        noise_multiplier: a fixed sigma; ``0`` is a noiseless ablation (epsilon = inf).
+        delta: target delta; ``None`` means ``1 / n_private``.
+        max_epsilon: a budget: training stops before a step would exceed it.
+        noise_seed: TEST ONLY (warns): makes the noise reproducible, so the run is not private.
+        eps_error: accountant precision (epsilon upper bound minus estimate).
+    """
+
+    private = True
+
+    def __init__(self, *, clip: float = 1.0, target_epsilon: Optional[float] = None,
+                 noise_multiplier: Optional[float] = None, delta: Optional[float] = None,
+                 max_epsilon: Optional[float] = None, noise_seed: Optional[int] = None,
+                 eps_error: float = 0.05) -> None:
+        raise_if_any(config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, eps_error))
+        self.clip = float(clip)
+        self.target_epsilon = target_epsilon
+        self.configured_noise_multiplier = noise_multiplier
+        self.noise_multiplier: Optional[float] = noise_multiplier
+        self.delta = delta
+        self.max_epsilon = max_epsilon
+        self.noise_seed = noise_seed
+        self.ledger = PrivacyLedger(eps_error=eps_error)
+        self.noise: Optional[NoiseSource] = None
+        self.sampling: Optional[SamplingDescription] = None
+        self.step_plan: StepPlan = ()
+        self.planned_steps: Optional[int] = None
+        self.budget: Optional[float] = None
+        self.steps_allowed: Optional[int] = None
+        self._restored_plan: Optional[dict] = None
+        self._reduce_sum: ReduceSum = _identity
+        self._released: list[str] = []
+
+    # ------------------------------------------------------------------------------ plan
+    def plan(self, *, step_plan: StepPlan, sampling: SamplingDescription, planned_steps: int,
+             reduce_sum: ReduceSum = _identity, broadcast: Callable[[Any], Any] = _identity) -> None:
+        """Fix sigma, delta and the budget for this fit, and draw a fresh secret noise source.
+
+        ``broadcast`` shares rank 0's value (DDP); the secret noise seed is shared this way once
+        per fit start, so every rank adds the same draw after the all-reduce.
+        """
+        self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
+        self._reduce_sum = reduce_sum
+        self._released = []
+        restored = self._restored_plan or {}
+        self.delta = self._resolve_delta(restored.get("delta"))
+        self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
+        self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
+        self._check_accountable()
+        self.steps_allowed = self._steps_allowed()
+        self.noise = None
+        if self.is_private:
+            self.noise = (NoiseSource(self.noise_seed) if self.noise_seed is not None
+                          else NoiseSource.from_secret(broadcast(secret_seed())))
+
+    def _resolve_delta(self, restored: Optional[float]) -> float:
+        delta = self.delta if self.delta is not None else restored
+        if restored is not None and delta != restored:
+            raise PrivacyConfigError(
+                f"`delta`={delta} differs from the checkpoint's delta={restored}: a run's budget is stated "
+                "at one delta. Resume with the same delta.")
+        delta = delta if delta is not None else 1.0 / self.sampling.n
+        raise_if_any([check_delta(delta)])
+        return delta
+
+    def _resolve_sigma(self, restored: Optional[float]) -> float:
+        if self.configured_noise_multiplier is not None:
+            return float(self.configured_noise_multiplier)
+        if restored is not None:
+            return float(restored)  # the first fit's calibration; the budget stops an extended run
+        return self._calibrate()
+
+    def _calibrate(self) -> float:
+        """Smallest sigma whose PRV epsilon upper bound over the planned steps is <= target."""
+        return bisect_sigma(lambda sigma: self._steps_cost(self.planned_steps, sigma),
+                            target_epsilon=self.target_epsilon, delta=self.delta,
+                            eps_error=self.ledger.eps_error)
+
+    def _steps_cost(self, steps: int, sigma: float) -> list:
+        return [(self.sampling.mechanism(composed_multiplier(self.step_plan, sigma)), steps)]
+
+    def _check_accountable(self) -> None:
+        """Refuse, before the first step, a sigma the accountant cannot certify for the planned run."""
+        if not self.is_private:
+            return
+        try:
+            self.ledger.epsilon(self.delta, extra=self._steps_cost(self.planned_steps, self.noise_multiplier))
+        except AccountingError as err:
+            raise AccountingError(
+                f"`noise_multiplier`={self.noise_multiplier:.4g} over {self.planned_steps} steps cannot be "
+                f"accounted ({err}). Use more noise (or a smaller target_epsilon) or fewer steps.") from None
+
+    def _steps_allowed(self) -> Optional[int]:
+        if self.budget is None or not self.is_private:
+            return None
+        return steps_within_budget(self.ledger, self._steps_cost(1, self.noise_multiplier),
+                                   max_epsilon=self.budget, delta=self.delta, limit=self.planned_steps)
+
+    # --------------------------------------------------------------------------- release
+    @property
+    def is_private(self) -> bool:
+        """False for a noiseless ablation (sigma = 0): its epsilon is infinite."""
+        return bool(self.noise_multiplier)
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sampling.expected_batch_size
+
+    def release(self, clipped_sum: Tensor, name: str, *, batch_size: Optional[int] = None) -> Tensor:
+        """``(sum over ranks of the clipped sum + N(0, (noise sigma C)^2 I)) / B``, B the EXPECTED size.
+
+        ``batch_size`` (the realized size) is ignored: dividing by it would leak it. Every rank
+        adds the same draw after the all-reduce (shared secret), so all ranks hold the same value.
+        """
+        release = self._declared(name)
+        total = self._reduce_sum(clipped_sum)
+        if self.is_private:
+            std = release.noise * self.noise_multiplier * self.clip
+            total = total + self.noise.gaussian(total.shape, std, device=total.device, dtype=total.dtype)
+        return total / self.expected_batch_size
+
+    def release_along(self, clipped_sum: Tensor, name: str, *, batch_size: Optional[int] = None) -> DirectionRelease:
+        """A vector release ``(S u + xi) / B`` with ``xi ~ N(0, (noise sigma C)^2 I_d)`` (DPGD-0th).
+
+        ``S`` is the clipped sum of the scalars along ``u``; ``xi`` is generated lazily by the
+        perturbation engine from a fresh 128-bit secret key, chunk by chunk.
+        """
+        release = self._declared(name)
+        B = self.expected_batch_size
+        coefficient = self._reduce_sum(clipped_sum) / B
+        if not self.is_private:
+            return DirectionRelease(coefficient, None, 0.0)
+        return DirectionRelease(coefficient, self.noise.vector_key(),
+                                release.noise * self.noise_multiplier * self.clip / B)
+
+    def _declared(self, name: str):
+        if self.sampling is None:
+            raise AccountingError("release() before plan(): the module must plan at fit start")
+        for release in self.step_plan:
+            if release.name == name:
+                self._released.append(name)
+                return release
+        raise AccountingError(f"Release {name!r} is not in the step plan {[r.name for r in self.step_plan]}")
+
+    # ------------------------------------------------------------------------ accounting
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Commit the step plan to the ledger after every ``optimizer.step()``."""
+        optimizer.register_step_post_hook(lambda *_: self.commit_step())
+
+    def commit_step(self) -> None:
+        """Record one step: the releases made must be exactly the step plan's."""
+        released, planned = sorted(self._released), sorted(r.name for r in self.step_plan)
+        self._released = []
+        if released != planned:
+            raise AccountingError(f"This step released {released}, but the step plan declares {planned}")
+        if self.is_private:
+            for mechanism, count in self._steps_cost(1, self.noise_multiplier):
+                self.ledger.record(mechanism, count)
+        if self.steps_allowed is not None:
+            self.steps_allowed -= 1
+
+    @property
+    def budget_exhausted(self) -> bool:
+        """True when one more step would spend past the budget."""
+        return self.steps_allowed is not None and self.steps_allowed <= 0
+
+    @property
+    def steps(self) -> int:
+        return self.ledger.total_count
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far (PRV upper bound); 0 before any step, inf without noise."""
+        if self.ledger.total_count == 0:
+            return 0.0 if self.noise_multiplier != 0 else math.inf
+        if not self.is_private:
+            return math.inf
+        return self.ledger.epsilon(self.delta).upper
+
+    def summary(self) -> str:
+        sampling = f"{self.sampling.name}, q = {self.sampling.sample_rate:.4g}" if self.sampling else "-"
+        return (f"epsilon = {self.epsilon():.4g} at delta = {self.delta:.3g} after {self.steps} steps "
+                f"(PRV accountant, upper bound; sigma = {self.noise_multiplier:.4g}, {sampling})")
+
+    # ----------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """The ledger and the plan. Never the noise or sampling state: those are secret."""
+        plan = None
+        if self.sampling is not None:
+            plan = {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget,
+                    "clip": self.clip, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
+                    "sample_rate": self.sampling.sample_rate, "n": self.sampling.n}
+        elif self._restored_plan is not None:
+            plan = dict(self._restored_plan)
+        return {"ledger": self.ledger.state_dict(), "plan": plan}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the ledger; the checkpoint's budget binds together with the configured one."""
+        self.ledger.load_state_dict(state["ledger"])
+        self._restored_plan = state.get("plan")
+        if self._restored_plan is not None:
+            self.delta = self.delta if self.delta is not None else self._restored_plan.get("delta")
+            self.noise_multiplier = self._resolve_restored_sigma()
+
+    def _resolve_restored_sigma(self) -> Optional[float]:
+        if self.configured_noise_multiplier is not None:
+            return self.configured_noise_multiplier
+        return self._restored_plan.get("noise_multiplier")
+
+
+class NonPrivate:
+    """The non-private twin of :class:`PrivacyComponent` (same API): mean over the realized batch.
+
+    MeZO, SGD and Adam are their private algorithms with this component: ``release`` all-reduces
+    the clipped sum and the realized batch size and divides, with no noise and no accounting.
+    """
+
+    private = False
+    is_private = False
+    budget_exhausted = False
+    noise_multiplier = 0.0
+    delta = None
+    budget = None
+    steps_allowed = None
+
+    def __init__(self, *, clip: float = math.inf) -> None:
+        check_clip(clip)
+        self.clip = float(clip)
+        self.sampling = None
+        self.step_plan: StepPlan = ()
+        self._reduce_sum: ReduceSum = _identity
+        self.steps = 0
+
+    def plan(self, *, step_plan: StepPlan, sampling=None, planned_steps=None,
+             reduce_sum: ReduceSum = _identity, broadcast=_identity) -> None:
+        self.step_plan, self.sampling, self._reduce_sum = tuple(step_plan), sampling, reduce_sum
+
+    def release(self, clipped_sum: Tensor, name: str, *, batch_size: int) -> Tensor:
+        size = torch.full((1,), float(batch_size), device=clipped_sum.device, dtype=clipped_sum.dtype)
+        reduced = self._reduce_sum(torch.cat([clipped_sum.reshape(-1), size]))
+        return (reduced[:-1] / reduced[-1].clamp_min(1.0)).reshape(clipped_sum.shape)
+
+    def release_along(self, clipped_sum: Tensor, name: str, *, batch_size: int) -> DirectionRelease:
+        return DirectionRelease(self.release(clipped_sum, name, batch_size=batch_size), None, 0.0)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.register_step_post_hook(lambda *_: self.commit_step())
+
+    def commit_step(self) -> None:
+        self.steps += 1
+
+    def epsilon(self) -> float:
+        return math.inf
+
+    def summary(self) -> str:
+        return f"non-private (no noise) after {self.steps} steps"
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, eps_error) -> list:
+    """Every problem of a privacy configuration, as messages naming the option."""
+    errors = [check_positive("clip", clip, allow_inf=True), check_positive("eps_error", eps_error)]
+    if isinstance(clip, (int, float)) and math.isinf(clip) and (target_epsilon is not None or noise_multiplier):
+        errors.append("Expected a finite `clip` for a private run (noise std is sigma * clip), but got inf")
+    if (target_epsilon is None) == (noise_multiplier is None):
+        errors.append("Give exactly one of `target_epsilon` and `noise_multiplier` "
+                      f"(got target_epsilon={target_epsilon}, noise_multiplier={noise_multiplier})")
+    for name, value in (("target_epsilon", target_epsilon), ("max_epsilon", max_epsilon)):
+        if value is not None:
+            errors.append(check_positive(name, value) or _accountable_epsilon(name, value))
+    if noise_multiplier is not None:
+        errors.append(check_non_negative("noise_multiplier", noise_multiplier))
+    if delta is not None:
+        errors.append(check_delta(delta))
+    return errors
+
+
+def _accountable_epsilon(name: str, value: float) -> Optional[str]:
+    if value > MAX_EPSILON:
+        return (f"Expected `{name}` <= {MAX_EPSILON:g} (the PRV accountant cannot certify more, and such "
+                f"an epsilon promises nothing), but got {value!r}")
+    return None
+
+
+def _smallest(*values: Optional[float]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+__all__ = ["DirectionRelease", "MAX_EPSILON", "NonPrivate", "PrivacyComponent", "config_errors"]
