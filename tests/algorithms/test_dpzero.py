@@ -110,7 +110,7 @@ def test_sigma_zero_and_infinite_clip_reduce_dpzero_to_mezo(dataset):
     fit(mezo, poisson_loader(dataset, 1.0), 5)
     fit(dpzero, poisson_loader(dataset, 1.0), 5)
     torch.testing.assert_close(flat(mezo.backbone), flat(dpzero.backbone), rtol=0, atol=1e-10)
-    assert not dpzero.is_private
+    assert not dpzero.privacy.is_private
 
 
 class ReferenceDPZero:
@@ -166,7 +166,7 @@ def test_empty_batches_do_not_crash_and_still_add_noise():
     assert empty_steps, "expected some empty Poisson batches at q = 0.02, n = 20"
     for t in empty_steps:
         assert not torch.equal(trace.before[t], trace.after[t])
-    assert module.ledger.total_count == 10
+    assert module.privacy.ledger.total_count == 10
 
 
 def test_dpgd0th_clips_the_vector_estimate_and_adds_vector_noise(dataset):
@@ -268,8 +268,8 @@ def test_non_poisson_loader_is_refused_for_private_training(dataset):
 def test_calibrated_run_spends_at_most_target(dataset):
     module = DPZero(mlp(), lr=0.01, clip=1.0, target_epsilon=1.5, delta=1e-5)
     fit(module, poisson_loader(dataset, 0.1), 50)
-    assert module.ledger.total_count == 50
-    spent = module.ledger.epsilon(1e-5).upper
+    assert module.privacy.ledger.total_count == 50
+    spent = module.privacy.ledger.epsilon(1e-5).upper
     assert 1.3 < spent <= 1.5
 
 
@@ -277,8 +277,8 @@ def test_multiple_directions_accounting_uses_sqrt_q_scaling(dataset):
     module = DPZero(mlp(), lr=0.01, clip=1.0, target_epsilon=2.0, num_directions=4)
     trace = ParameterTrace()
     fit(module, poisson_loader(dataset, 0.1), 5, [trace])
-    (mechanism, count), = module.ledger.counts.items()
-    assert mechanism.noise_multiplier == pytest.approx(module.noise_multiplier / 2)
+    (mechanism, count), = module.privacy.ledger.counts.items()
+    assert mechanism.noise_multiplier == pytest.approx(module.privacy.noise_multiplier / 2)
     assert count == 5
     # the step lies in the span of the 4 directions
     U = torch.stack([direction(module, 0, k) for k in range(4)], 1)

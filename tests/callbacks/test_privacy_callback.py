@@ -3,8 +3,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_zodp.algorithms import DPZero
-from lit_zodp.callbacks import PrivacySpendCallback, steps_within_budget
-from lit_zodp.privacy import PrivacyConfigError, PrivacyLedger, SubsampledGaussian
+from lit_zodp.callbacks import PrivacySpendCallback
+from lit_zodp.privacy import PrivacyConfigError, PrivacyLedger, SubsampledGaussian, steps_within_budget
 from tests.conftest import blobs, mlp, poisson_loader, quiet_trainer
 
 
@@ -44,9 +44,9 @@ def test_budget_stops_training_before_epsilon_is_exceeded():
     trainer.fit(module, poisson_loader(data, 0.1))
     steps = trainer.global_step
     assert 0 < steps < 500
-    assert module.ledger.total_count == steps
-    assert module.ledger.epsilon(1e-5).upper <= 1.0
-    one_more = module.ledger.epsilon(1e-5, extra=module.step_mechanisms()).upper
+    assert module.privacy.ledger.total_count == steps
+    assert module.privacy.ledger.epsilon(1e-5).upper <= 1.0
+    one_more = module.privacy.ledger.epsilon(1e-5, extra=[(SubsampledGaussian(3.0, 0.1), 1)]).upper
     assert one_more > 1.0
 
 
@@ -60,23 +60,23 @@ def test_steps_within_budget_is_the_largest_feasible_count():
 
 def test_epsilon_after_resume_continues_from_the_checkpoint(tmp_path):
     data = blobs()
-    kwargs = dict(lr=0.01, clip=1.0, target_epsilon=2.0, delta=1e-5, seed=1, noise_seed=2)
+    kwargs = dict(lr=0.01, clip=1.0, noise_multiplier=1.1, delta=1e-5, seed=1)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=5)
     first = DPZero(mlp(), **kwargs)
     quiet_trainer(max_steps=5, enable_checkpointing=True, callbacks=[checkpoint]).fit(
         first, poisson_loader(data, 0.1, seed=3))
-    spent_at_5 = first.ledger.epsilon(1e-5).upper
-    sigma = first.noise_multiplier
+    spent_at_5 = first.privacy.ledger.epsilon(1e-5).upper
+    sigma = first.privacy.noise_multiplier
 
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    assert saved[PrivacySpendCallback.CHECKPOINT_KEY]["entries"][0]["count"] == 5
+    assert saved["privacy"]["ledger"]["entries"][0]["count"] == 5
 
     resumed = DPZero(mlp(), **kwargs)
     trainer = quiet_trainer(max_steps=10)
     trainer.fit(resumed, poisson_loader(data, 0.1, seed=3), ckpt_path=tmp_path / "last.ckpt")
-    assert resumed.noise_multiplier == sigma  # not recalibrated from scratch
-    assert resumed.ledger.total_count == 10
-    spent_at_10 = resumed.ledger.epsilon(1e-5).upper
+    assert resumed.privacy.noise_multiplier == sigma
+    assert resumed.privacy.ledger.total_count == 10
+    spent_at_10 = resumed.privacy.ledger.epsilon(1e-5).upper
     assert spent_at_10 > spent_at_5
     uninterrupted = PrivacyLedger()
     uninterrupted.record(SubsampledGaussian(sigma, 0.1), 10)
@@ -84,8 +84,8 @@ def test_epsilon_after_resume_continues_from_the_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(max_epsilon=0.0), "max_epsilon"),
     (dict(log_every_n_steps=0), "log_every_n_steps"),
+    (dict(log_every_n_steps=-3), "log_every_n_steps"),
 ])
 def test_bad_callback_arguments(kwargs, match):
     with pytest.raises(PrivacyConfigError, match=match):

@@ -1,47 +1,74 @@
-import math
+"""The secret noise: its law, its entropy (every bit of a >= 128-bit secret matters), no checkpoint state."""
 
+import math
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
-from lit_zodp.privacy import NoiseSource, PrivacyConfigError, noisy_mean
+from lit_zodp.privacy import NoiseSource, SecretGaussianVector
+from lit_zodp.privacy.noise import SECRET_BITS, secret_seed
+
+pytestmark = pytest.mark.filterwarnings("ignore:`noise_seed` is set")
 
 
-def test_empirical_noise_std_matches_sigma_clip_over_batch():
-    """std of (0 + N(0, (sigma C)^2)) / B is sigma C / B; tolerance from the chi-square law."""
-    sigma, clip, batch, n = 1.7, 3.0, 64.0, 40_000
+def test_empirical_std_of_the_noise_is_the_requested_std():
+    """Tolerance from the chi-square law: the sample std has relative standard error 1/sqrt(2N)."""
     source = NoiseSource(seed=0)
-    scalars = [noisy_mean(torch.zeros(()), expected_batch_size=batch, noise_multiplier=sigma, clip=clip,
-                          noise=source) for _ in range(2000)]
-    vectors = noisy_mean(torch.zeros(n), expected_batch_size=batch, noise_multiplier=sigma, clip=clip,
-                         noise=source)
-    values = torch.cat([torch.stack(scalars), vectors]).double()
-    expected = sigma * clip / batch
-    # the sample std has relative standard error ~ 1/sqrt(2 N); allow 5 of them
-    tolerance = 5 / math.sqrt(2 * values.numel())
-    assert values.std().item() == pytest.approx(expected, rel=tolerance)
-    assert abs(values.mean().item()) < 5 * expected / math.sqrt(values.numel())
+    values = torch.cat([source.gaussian((1,), 2.5) for _ in range(2000)] + [source.gaussian((40_000,), 2.5)]).double()
+    assert values.std().item() == pytest.approx(2.5, rel=5 / math.sqrt(2 * values.numel()))
+    assert abs(values.mean().item()) < 5 * 2.5 / math.sqrt(values.numel())
 
 
-def test_seeded_noise_reproducible_and_entropy_seeds_differ():
-    a = NoiseSource(seed=3).gaussian((5,), 1.0)
-    b = NoiseSource(seed=3).gaussian((5,), 1.0)
-    assert torch.equal(a, b)
-    assert NoiseSource().seed != NoiseSource().seed
-    assert not NoiseSource().seeded_by_user
+@pytest.mark.parametrize("bit", [32, 40, 64, 100, SECRET_BITS - 1])
+def test_seeds_differing_only_above_bit_32_and_64_draw_different_noise(bit):
+    """torch's CPU generator ignores seed bits above 32: a searchable 2**32 space. Ours keeps them all."""
+    seed = 0x1234_5678
+    low = NoiseSource(seed).gaussian((8,), 1.0)
+    high = NoiseSource(seed + (1 << bit)).gaussian((8,), 1.0)
+    assert not torch.equal(low, high)
+    assert torch.equal(low, NoiseSource(seed).gaussian((8,), 1.0))  # a test seed is reproducible
 
 
-def test_noise_state_round_trip_continues_stream():
-    source = NoiseSource(seed=1)
-    source.gaussian((3,), 1.0)
-    state = source.state_dict()
-    expected = source.gaussian((4,), 1.0)
-    restored = NoiseSource(seed=99)
-    restored.load_state_dict(state)
-    assert torch.equal(restored.gaussian((4,), 1.0), expected)
+def test_the_default_source_draws_a_fresh_secret_of_at_least_128_bits():
+    assert SECRET_BITS >= 128
+    secrets = {secret_seed() for _ in range(4)}
+    assert len(secrets) == 4 and max(secrets).bit_length() > 128
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no test-seed warning without a seed
+        a, b = NoiseSource(), NoiseSource()
+    assert not torch.equal(a.gaussian((4,), 1.0), b.gaussian((4,), 1.0))
 
 
-def test_sigma_zero_adds_nothing_and_infinite_clip_with_noise_raises():
-    s = torch.tensor(6.0)
-    assert noisy_mean(s, expected_batch_size=3, noise_multiplier=0.0, clip=math.inf, noise=None) == 2.0
-    with pytest.raises(PrivacyConfigError, match="finite `clip`"):
-        noisy_mean(s, expected_batch_size=3, noise_multiplier=1.0, clip=math.inf, noise=NoiseSource(0))
+def test_a_test_seed_warns_loudly():
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        NoiseSource(seed=1)
+
+
+def test_the_noise_source_has_no_checkpointable_state():
+    source = NoiseSource()
+    assert not hasattr(source, "state_dict") and not hasattr(source, "seed")
+
+
+def test_noise_lands_on_the_requested_device_and_dtype():
+    draw = NoiseSource(0).gaussian((3,), 1.0, device="cpu", dtype=torch.float64)
+    assert draw.dtype == torch.float64 and draw.device.type == "cpu"
+
+
+def test_secret_vector_chunks_are_standard_normal_independent_and_keyed_by_128_bits():
+    vector = SecretGaussianVector((7, 11))
+    a = vector.fill_chunk_(torch.empty(50_000), 0, 0)
+    again = vector.fill_chunk_(torch.empty(50_000), 0, 0)
+    other_chunk = vector.fill_chunk_(torch.empty(50_000), 0, 1)
+    high_word = SecretGaussianVector((7, 12)).fill_chunk_(torch.empty(50_000), 0, 0)
+    assert torch.equal(a, again)
+    assert not torch.equal(a, other_chunk) and not torch.equal(a, high_word)
+    tolerance = 5 / math.sqrt(2 * a.numel())
+    assert a.double().std().item() == pytest.approx(1.0, rel=tolerance)
+    assert abs(np.corrcoef(a.numpy(), other_chunk.numpy())[0, 1]) < 5 / math.sqrt(a.numel())
+
+
+def test_vector_keys_are_fresh_per_release():
+    source = NoiseSource(seed=5)
+    assert not np.array_equal(source.vector_key().key, source.vector_key().key)

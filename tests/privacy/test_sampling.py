@@ -1,27 +1,34 @@
+"""Samplers and sampling descriptions: the law of each, DDP shards, the secret stream's entropy."""
+
 import math
 
+import numpy as np
 import pytest
 
-from lit_zodp.privacy import PoissonBatchSampler, PrivacyConfigError
+from lit_zodp.privacy import (
+    FullBatchSampler,
+    PoissonBatchSampler,
+    PrivacyConfigError,
+    ShuffleBatchSampler,
+    SinglePassBatchSampler,
+    SinglePassGaussian,
+    SubsampledGaussian,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:`sampling_seed` is set", "ignore:sampling='shuffle'")
 
 
 def test_mean_batch_size_is_q_n():
-    n, q, steps = 2000, 0.03, 400
-    sampler = PoissonBatchSampler(n, q, steps_per_epoch=steps, seed=0)
-    sizes = [len(b) for b in sampler]
-    mean = sum(sizes) / steps
-    # the mean of `steps` Binomial(n, q) draws has std sqrt(n q (1-q) / steps); allow 5 of them
-    assert abs(mean - n * q) < 5 * math.sqrt(n * q * (1 - q) / steps)
-    variance = sum((s - mean) ** 2 for s in sizes) / (steps - 1)
-    assert variance == pytest.approx(n * q * (1 - q), rel=0.3)
-    assert all(len(set(b)) == len(b) for b in sampler)
+    n, q, steps = 400, 0.05, 2000
+    sizes = [len(b) for b in PoissonBatchSampler(n, q, steps_per_epoch=steps, seed=0)]
+    # mean of `steps` Binomial(n, q) draws: standard error sqrt(n q (1-q) / steps)
+    assert abs(np.mean(sizes) - n * q) < 5 * math.sqrt(n * q * (1 - q) / steps)
+    assert np.var(sizes) == pytest.approx(n * q * (1 - q), rel=0.2)
 
 
 def test_empty_batches_are_yielded():
-    sampler = PoissonBatchSampler(10, 0.01, steps_per_epoch=50, seed=0)
-    batches = list(sampler)
-    assert len(batches) == 50
-    assert sum(1 for b in batches if not b) > 30  # P(empty) = 0.99^10 ~ 0.9
+    batches = list(PoissonBatchSampler(10, 0.01, steps_per_epoch=50, seed=0))
+    assert len(batches) == 50 and any(len(b) == 0 for b in batches)
 
 
 def test_ranks_partition_the_single_process_batch():
@@ -29,18 +36,76 @@ def test_ranks_partition_the_single_process_batch():
     r0 = list(PoissonBatchSampler(101, 0.2, steps_per_epoch=5, seed=7, rank=0, world_size=2))
     r1 = list(PoissonBatchSampler(101, 0.2, steps_per_epoch=5, seed=7, rank=1, world_size=2))
     for s, a, b in zip(single, r0, r1):
-        assert sorted(a + b) == s
-        assert not set(a) & set(b)
+        assert sorted(a + b) == s and not set(a) & set(b)
 
 
-def test_state_round_trip():
-    a = PoissonBatchSampler(50, 0.2, steps_per_epoch=3, seed=1)
-    list(a)
-    state = a.state_dict()
-    expected = list(a)
-    b = PoissonBatchSampler(50, 0.2, steps_per_epoch=3, seed=2)
-    b.load_state_dict(state)
-    assert list(b) == expected
+@pytest.mark.parametrize("bit", [32, 64, 200])
+def test_sampling_seeds_differing_only_above_bit_32_and_64_draw_different_masks(bit):
+    a = list(PoissonBatchSampler(500, 0.1, steps_per_epoch=3, seed=99))
+    b = list(PoissonBatchSampler(500, 0.1, steps_per_epoch=3, seed=99 + (1 << bit)))
+    assert a != b
+
+
+def test_fresh_samplers_draw_fresh_secret_masks_and_have_no_state_to_checkpoint():
+    a, b = PoissonBatchSampler(500, 0.1, steps_per_epoch=3), PoissonBatchSampler(500, 0.1, steps_per_epoch=3)
+    assert list(a) != list(b)
+    assert not hasattr(a, "state_dict")
+
+
+def test_reseed_restarts_from_a_fresh_secret():
+    sampler = PoissonBatchSampler(500, 0.1, steps_per_epoch=3, seed=1)
+    first = list(sampler)
+    sampler.reseed()
+    assert list(sampler) != first
+
+
+def test_descriptions_give_the_mechanism_and_the_expected_batch():
+    poisson = PoissonBatchSampler(200, 0.1, seed=0).description
+    assert poisson.expected_batch_size == pytest.approx(20) and poisson.mechanism(2.0) == SubsampledGaussian(2.0, 0.1)
+    full = FullBatchSampler(200).description
+    assert full.expected_batch_size == 200 and full.mechanism(2.0).kind == "gaussian"
+    single = SinglePassBatchSampler(200, 20).description
+    assert single.expected_batch_size == pytest.approx(20) and single.mechanism(2.0) == SinglePassGaussian(2.0)
+
+
+def test_full_batch_yields_every_example_every_step():
+    assert list(FullBatchSampler(7, steps_per_epoch=3)) == [list(range(7))] * 3
+    r1 = list(FullBatchSampler(7, rank=1, world_size=2))
+    assert r1 == [[1, 3, 5]]
+
+
+def test_single_pass_uses_each_example_exactly_once_and_refuses_a_second_pass():
+    sampler = SinglePassBatchSampler(1000, 50, seed=3)
+    batches = list(sampler)
+    assert len(batches) == 20
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+    with pytest.raises(PrivacyConfigError, match="each private example once"):
+        list(sampler)
+
+
+def test_single_pass_resumes_where_it_stopped():
+    first = SinglePassBatchSampler(300, 30, seed=3)
+    iterator = iter(first)
+    seen = [next(iterator) for _ in range(4)]
+    resumed = SinglePassBatchSampler(300, 30, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    rest = list(resumed)
+    assert sorted(i for b in seen + rest for i in b) == list(range(300))
+
+
+def test_shuffle_warns_and_yields_fixed_size_batches():
+    with pytest.warns(UserWarning, match="assumes Poisson"):
+        sampler = ShuffleBatchSampler(100, 10, seed=0)
+    batches = list(sampler)
+    assert len(batches) == 10 and all(len(b) == 10 for b in batches)
+    assert sorted(i for b in batches for i in b) == list(range(100))
+
+
+def test_placement_is_checked_against_the_trainer():
+    sampler = PoissonBatchSampler(100, 0.1)
+    sampler.check_placement(0, 1)
+    with pytest.raises(PrivacyConfigError, match="rank 0 of world_size 1"):
+        sampler.check_placement(1, 2)
 
 
 @pytest.mark.parametrize("kwargs,match", [
