@@ -272,6 +272,7 @@ class PublicPrivateDataModule(LightningDataModule):
         self._num_classes: Optional[int] = None
         self._batch_sampler: Optional[PrivateBatchSampler] = None
         self._pending_pass_state: Optional[dict] = None
+        self._builds = 0
 
     def prepare_data(self) -> None:
         self.download_data()
@@ -431,13 +432,14 @@ class PublicPrivateDataModule(LightningDataModule):
         elif self.sampling == "full_batch":
             sampler = FullBatchSampler(self.n_private, **place)
         else:
+            seed = self._test_seed_for_this_build()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the test-seed and shuffle warnings were given at __init__
                 if self.sampling == "shuffle":
-                    sampler = ShuffleBatchSampler(self.n_private, self.batch_size, seed=self.sampling_seed, **place)
+                    sampler = ShuffleBatchSampler(self.n_private, self.batch_size, seed=seed, **place)
                 else:
-                    sampler = PoissonBatchSampler(self.n_private, self.sample_rate, seed=self.sampling_seed, **place)
-            if self.sampling_seed is None:
+                    sampler = PoissonBatchSampler(self.n_private, self.sample_rate, seed=seed, **place)
+            if seed is None:
                 sampler.reseed(self._broadcast_secret(world_size))
         self._batch_sampler = sampler
         return sampler
@@ -511,6 +513,13 @@ class PublicPrivateDataModule(LightningDataModule):
                 "Trainer with use_distributed_sampler=False (Lightning's sampler would break the sampling "
                 "the accountant assumes)."
             )
+
+    def _test_seed_for_this_build(self) -> Optional[int]:
+        """The test ``sampling_seed`` for the first loader, a distinct stream for each later one (no replay)."""
+        self._builds += 1
+        if self.sampling_seed is None:
+            return None
+        return self.sampling_seed + ((self._builds - 1) << 256)
 
     def _broadcast_secret(self, world_size: int) -> int:
         """A fresh sampling secret; rank 0's under DDP, so every rank draws the same global batch."""

@@ -95,6 +95,8 @@ class Recorder(LightningModule):
         """Under DDP each rank writes what it saw (spawned processes cannot return it)."""
         if self.out_dir is None:
             return
-        record = {"seed": self.trainer.datamodule.resolved_sampling_seed, "batches": self.batches}
+        # an in-memory fingerprint of the secret stream (never saved by the library): equal across ranks
+        sampler = self.trainer.datamodule._batch_sampler
+        record = {"stream": str(sampler.generator.bit_generator.state["state"]), "batches": self.batches}
         with open(os.path.join(self.out_dir, f"rank{self.global_rank}.json"), "w") as handle:
             json.dump(record, handle)

@@ -4,6 +4,7 @@ import json
 import warnings
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -34,29 +35,26 @@ def quiet_lightning():
         yield
 
 
-def test_resume_from_checkpoint_continues_the_sampling_stream(tmp_path):
-    straight = Recorder()
-    run = trainer(tmp_path / "a", max_epochs=2, enable_checkpointing=False)
-    run.fit(straight, IndexedDataModule(**DATA, sampling_seed=7))
-    assert len(straight.batches) == 18
-
+def test_resume_from_one_checkpoint_twice_draws_fresh_masks(tmp_path):
+    """The sampling stream is reseeded from OS entropy at every fit start, resumed or not."""
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
     first = Recorder()
-    run = trainer(tmp_path / "b", max_epochs=1, callbacks=[checkpoint])
-    run.fit(first, IndexedDataModule(**DATA, sampling_seed=7))
-    assert first.batches == straight.batches[:9]
-
-    resumed = Recorder()
-    datamodule = IndexedDataModule(**DATA)  # no seed given: it must come from the checkpoint
-    run = trainer(tmp_path / "c", max_epochs=2, enable_checkpointing=False)
-    run.fit(resumed, datamodule, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert datamodule.resolved_sampling_seed == 7
-    assert resumed.batches == straight.batches[9:]
+    trainer(tmp_path / "b", max_epochs=1, callbacks=[checkpoint]).fit(first, IndexedDataModule(**DATA))
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert saved["IndexedDataModule"] == {"sampling": "poisson"}
+    continuations = []
+    for name in ("c", "d"):
+        resumed = Recorder()
+        run = trainer(tmp_path / name, max_epochs=2, enable_checkpointing=False)
+        run.fit(resumed, IndexedDataModule(**DATA), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+        assert len(resumed.batches) == 9
+        continuations.append(resumed.batches)
+    assert continuations[0] != continuations[1]
 
 
 def test_ddp_two_processes_union_equals_single_process(tmp_path):
-    """Two gloo processes, no seed given: rank 0's entropy seed is broadcast, and with it the union of
-    the two ranks' batches is exactly the batch one process draws."""
+    """Two gloo processes: with no seed, rank 0's secret is broadcast (both ranks hold the same stream);
+    with a test seed, the union of the two ranks' batches is exactly the batch one process draws."""
     ddp = trainer(
         tmp_path,
         max_epochs=1,
@@ -67,12 +65,16 @@ def test_ddp_two_processes_union_equals_single_process(tmp_path):
     )
     ddp.fit(Recorder(str(tmp_path)), IndexedDataModule(**DATA))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["seed"] == ranks[1]["seed"] is not None
+    assert ranks[0]["stream"] == ranks[1]["stream"]
+    seeded = trainer(tmp_path, max_epochs=1, enable_checkpointing=False, strategy="ddp_spawn", devices=2,
+                     use_distributed_sampler=False)
+    seeded.fit(Recorder(str(tmp_path)), IndexedDataModule(**DATA, sampling_seed=7))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) == 9
     for part0, part1 in zip(ranks[0]["batches"], ranks[1]["batches"]):
         assert not set(part0) & set(part1)
 
     single = Recorder()
-    datamodule = IndexedDataModule(**DATA, sampling_seed=ranks[0]["seed"])
+    datamodule = IndexedDataModule(**DATA, sampling_seed=7)
     trainer(tmp_path / "single", max_epochs=1, enable_checkpointing=False).fit(single, datamodule)
     assert [sorted(a + b) for a, b in zip(ranks[0]["batches"], ranks[1]["batches"])] == single.batches
