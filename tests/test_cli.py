@@ -34,8 +34,8 @@ def test_fit_config_end_to_end_in_process(tmp_path, monkeypatch, caplog):
     cli = build_cli(["fit", "--config", str(write_config(tmp_path))])
     model = cli.model
     assert cli.trainer.global_step == 30
-    assert model.ledger.total_count == 30
-    spent = model.ledger.epsilon(model.delta).upper
+    assert model.privacy.ledger.total_count == 30
+    spent = model.privacy.ledger.epsilon(model.privacy.delta).upper
     assert 2.5 < spent <= 3.0
     assert cli.trainer.callback_metrics["test_acc"] > 0.5  # test set evaluated after fit
     line = result_line(model, cli.datamodule, cli.trainer, {"test_acc": 0.9}, 1.0)
@@ -77,9 +77,9 @@ def test_quickstart_config_runs_a_few_steps(tmp_path, monkeypatch):
     root = Path(__file__).resolve().parents[1]
     cli = build_cli(["fit", "--config", str(root / "configs" / "quickstart.yaml"),
                      "--trainer.max_steps", "20", "--trainer.enable_progress_bar", "false"])
-    target = cli.model.target_epsilon
+    target = cli.model.privacy.target_epsilon
     assert cli.trainer.global_step == 20
-    assert 0 < cli.model.ledger.epsilon(cli.model.delta).upper <= target
+    assert 0 < cli.model.privacy.ledger.epsilon(cli.model.privacy.delta).upper <= target
     assert "test_acc" in cli.trainer.callback_metrics
 
 
@@ -103,4 +103,4 @@ def test_movie_review_example_config_runs_two_steps(tmp_path, monkeypatch):
                      "--trainer.accelerator", "cpu", "--test_after_fit", "false",
                      "--data.init_args.max_private_samples", "320"])
     assert cli.trainer.global_step == 2
-    assert cli.model.ledger.total_count == 2
+    assert cli.model.privacy.ledger.total_count == 2

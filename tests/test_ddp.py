@@ -54,8 +54,8 @@ def test_two_ranks_equal_one_process(tmp_path, algorithm):
         torch.testing.assert_close(ddp["state_dict"][key], value, rtol=0, atol=2e-5)
         moved |= not torch.equal(value, start[key])
     assert moved, "training did not change the parameters"
-    ledger_single = single["privacy_ledger"]["entries"]
-    assert ledger_single == ddp["privacy_ledger"]["entries"]
+    ledger_single = single["privacy"]["ledger"]["entries"]
+    assert ledger_single == ddp["privacy"]["ledger"]["entries"]
     assert ledger_single[0]["count"] == 16
 
 

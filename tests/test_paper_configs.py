@@ -76,7 +76,7 @@ def test_paper_config_runs_with_a_tiny_model_of_the_same_family(path, tiny_world
     assert cli.trainer.global_step == 2
     model = cli.model
     if config["model"]["class_path"].endswith("DPZero"):
-        assert model.target_epsilon == config["model"]["init_args"]["target_epsilon"]
-        assert model.delta == 1e-5
-        assert 0 < model.ledger.epsilon(model.delta).upper <= model.target_epsilon
+        assert model.privacy.target_epsilon == config["model"]["init_args"]["target_epsilon"]
+        assert model.privacy.delta == 1e-5
+        assert 0 < model.privacy.ledger.epsilon(model.privacy.delta).upper <= model.privacy.target_epsilon
     assert "test_acc" in cli.trainer.callback_metrics
