@@ -50,6 +50,8 @@ class AlgorithmModule(pl.LightningModule):
 
     #: False for the non-private twin of an algorithm (MeZO for DPZero).
     private: ClassVar[bool] = True
+    #: The algorithm a private one equals at sigma = 0 and clip = inf (checked by the contract suite).
+    non_private_twin: ClassVar[Optional[str]] = None
     #: Registered for the contract suite unless abstract.
     abstract: ClassVar[bool] = True
 

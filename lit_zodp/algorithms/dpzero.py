@@ -45,6 +45,8 @@ class DPZero(ZerothOrderModule):
                x_{t+1} = x_t - alpha * g * u_t   (the restore x_t - lam u_t -> x_t is fused in).
     """
 
+    non_private_twin = "MeZO"
+
     def step_plan(self) -> StepPlan:
         """One release of the k clipped sums (k = num_directions): sensitivity sqrt(k) C."""
         return (GaussianRelease(DERIVATIVES, sensitivity=math.sqrt(self.num_directions)),)
@@ -87,6 +89,8 @@ class DPGD0th(ZerothOrderModule):
     ``||s_i u|| = |s_i| ||u||``, the vector clip is the scalar clip of ``s_i`` at ``C / ||u||``;
     the noise vector is generated chunk by chunk from a 128-bit secret key.
     """
+
+    non_private_twin = "MeZO"
 
     def __init__(self, backbone: nn.Module, **kwargs: Any) -> None:
         super().__init__(backbone, **kwargs)

@@ -1,0 +1,306 @@
+"""The privacy contract: every registered algorithm, today's and every later one, must pass these.
+
+Parametrized over ``lit_zodp.algorithms.ALGORITHMS`` (filled as algorithm classes are defined), so a
+new private module is checked the moment it exists. Each check fails if the noise, the clipping,
+the sampling or the accounting were wrong. DDP (2 gloo processes == 1 process) is in test_ddp.py,
+parametrized over the same registry.
+"""
+
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lit_zodp.algorithms import ALGORITHMS, ZerothOrderModule
+from lit_zodp.errors import AccountingError, PrivacyConfigError
+from lit_zodp.privacy import FullBatchSampler, NoiseSource, PrivacyComponent, PrivacyLedger
+from tests.conftest import blobs, collate_tensors, mlp, poisson_loader, quiet_trainer
+
+PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)
+EVERY = sorted(ALGORITHMS)
+
+pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set", "ignore:.*ckpt_path.*",
+                                        "ignore:.*dataloader is not resumable.*", "ignore:.*pre-optimization.*")
+
+
+def test_the_registry_holds_todays_algorithms():
+    assert {"DPZero", "DPGD0th"} <= set(PRIVATE) and "MeZO" in EVERY and "MeZO" not in PRIVATE
+
+
+def build(name, backbone=None, **overrides):
+    cls = ALGORITHMS[name]
+    kwargs = dict(lr=0.05, seed=3)
+    if cls.private:
+        kwargs |= dict(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    return cls(backbone if backbone is not None else mlp(seed=1), **(kwargs | overrides))
+
+
+def flat(module):
+    return torch.cat([p.detach().flatten().double() for p in module.backbone.parameters()]).clone()
+
+
+class Trace(Callback):
+    def __init__(self):
+        self.before, self.after, self.sizes = [], [], []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.before.append(flat(module))
+        self.sizes.append(len(batch[1]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.after.append(flat(module))
+
+
+def fit(module, loader, steps, callbacks=(), **trainer_kwargs):
+    trainer = quiet_trainer(max_steps=steps, callbacks=list(callbacks), **trainer_kwargs)
+    trainer.fit(module, loader)
+    return trainer
+
+
+def full_batch_loader(dataset, steps):
+    return DataLoader(dataset, batch_sampler=FullBatchSampler(len(dataset), steps_per_epoch=steps),
+                      collate_fn=collate_tensors)
+
+
+# --------------------------------------------------------------------------------- graph
+@pytest.mark.parametrize("name", EVERY)
+def test_a_private_batch_never_enters_an_autograd_graph(name):
+    if not issubclass(ALGORITHMS[name], ZerothOrderModule):
+        pytest.skip("first-order algorithms backprop through clipped per-example gradients")
+    seen = []
+    backbone = mlp(seed=1)
+    for layer in backbone.modules():
+        layer.register_forward_hook(lambda m, i, out: seen.append((torch.is_grad_enabled(), out.requires_grad)))
+    module = build(name, backbone)
+    fit(module, poisson_loader(blobs(), 0.25), 3)
+    assert seen and all(state == (False, False) for state in seen)
+    assert all(p.grad is None for p in backbone.parameters())
+
+
+# ------------------------------------------------------------------------------ release
+@pytest.mark.parametrize("name", PRIVATE)
+def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatch):
+    """released * B == all-reduced clipped sum + the one noise draw, with B = q n, whatever the realized size."""
+    calls, draws = [], []
+    original_release, original_along = PrivacyComponent.release, PrivacyComponent.release_along
+    original_gaussian = NoiseSource.gaussian
+
+    def gaussian(self, *args, **kwargs):
+        draws.append(original_gaussian(self, *args, **kwargs))
+        return draws[-1]
+
+    def release(self, clipped_sum, *args, **kwargs):
+        out = original_release(self, clipped_sum, *args, **kwargs)
+        calls.append(("scalar", clipped_sum.detach().clone(), out.detach().clone(), draws[-1]))
+        return out
+
+    def along(self, clipped_sum, *args, **kwargs):
+        out = original_along(self, clipped_sum, *args, **kwargs)
+        calls.append(("vector", clipped_sum.detach().clone(), out, None))
+        return out
+
+    monkeypatch.setattr(NoiseSource, "gaussian", gaussian)
+    monkeypatch.setattr(PrivacyComponent, "release", release)
+    monkeypatch.setattr(PrivacyComponent, "release_along", along)
+    dataset, q = blobs(n=256), 0.25
+    sigma, clip, B = 1.3, 0.7, 0.25 * 256
+    trace = Trace()
+    fit(build(name, noise_multiplier=sigma, clip=clip), poisson_loader(dataset, q, seed=2), 6, [trace])
+    assert len(calls) == 6 and any(size != B for size in trace.sizes)
+    for kind, clipped_sum, out, noise in calls:
+        if kind == "scalar":
+            assert noise.std() > 0 or noise.numel() == 1
+            torch.testing.assert_close(out * B, clipped_sum + noise, rtol=1e-6, atol=1e-6)
+        else:
+            torch.testing.assert_close(out.coefficient * B, clipped_sum, rtol=1e-6, atol=1e-6)
+            assert out.noise_coefficient == pytest.approx(sigma * clip / B)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_an_empty_poisson_batch_still_adds_noise_and_counts_a_step(name):
+    trace = Trace()
+    module = build(name)
+    fit(module, poisson_loader(blobs(n=20), 0.02, seed=1), 10, [trace])
+    empty = [t for t, size in enumerate(trace.sizes) if size == 0]
+    assert empty, "expected empty Poisson batches at q = 0.02, n = 20"
+    assert all(not torch.equal(trace.before[t], trace.after[t]) for t in empty)
+    assert module.privacy.ledger.total_count == 10
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_the_noise_cannot_be_reproduced_from_the_run_seed(name):
+    """Same run seed, same data, same (test) sampling seed: only the secret noise differs."""
+    def run(**overrides):
+        pl.seed_everything(0)
+        module = build(name, **overrides)
+        fit(module, poisson_loader(blobs(), 0.25, seed=5), 4)
+        return flat(module)
+
+    assert not torch.equal(run(), run())
+    assert torch.equal(run(noise_multiplier=0.0), run(noise_multiplier=0.0))  # control: no noise, no difference
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_sigma_zero_and_infinite_clip_equal_the_non_private_method(name):
+    """Full batch: the realized batch is the expected one, so dividing by either gives the same update."""
+    twin_name = ALGORITHMS[name].non_private_twin
+    assert twin_name is not None, f"{name} must name its non-private twin"
+    private = build(name, noise_multiplier=0.0, clip=math.inf)
+    twin = build(twin_name)
+    fit(private, full_batch_loader(blobs(), 5), 5)
+    fit(twin, full_batch_loader(blobs(), 5), 5)
+    assert not torch.equal(flat(private), flat(build(name)))  # it trained
+    torch.testing.assert_close(flat(private), flat(twin), rtol=0, atol=1e-10)
+    assert not private.privacy.is_private and private.privacy.epsilon() == math.inf
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_non_finite_per_example_values_contribute_zero(name):
+    """A crafted record with a NaN loss must not make the released parameters NaN (unbounded influence)."""
+    class Poisoned(nn.Module):
+        num_classes = 3
+
+        def __init__(self):
+            super().__init__()
+            self.body = mlp(seed=1)
+
+        def forward(self, x):
+            logits = self.body(x)
+            return torch.where(x[:, :1] > 2.0, torch.full_like(logits, float("nan")), logits)
+
+    dataset = blobs(n=64)
+    dataset.tensors[0][:8, 0] = 5.0  # eight crafted records
+    module = build(name, Poisoned())
+    fit(module, poisson_loader(dataset, 0.5, seed=0), 5)
+    assert torch.isfinite(flat(module)).all()
+
+
+# ---------------------------------------------------------------------------- accounting
+@pytest.mark.parametrize("name", EVERY)
+def test_ledger_steps_equal_optimizer_steps(name):
+    module = build(name)
+    trainer = fit(module, poisson_loader(blobs(), 0.1), 7)
+    assert trainer.global_step == module.privacy.steps == 7
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_epsilon_continues_after_a_trainer_resume_and_after_load_from_checkpoint(name, tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    first = build(name)
+    fit(first, poisson_loader(blobs(), 0.1), 4, [checkpoint], enable_checkpointing=True)
+    spent_at_4 = first.privacy.epsilon()
+    loaded = ALGORITHMS[name].load_from_checkpoint(tmp_path / "last.ckpt", backbone=mlp(seed=1))
+    assert loaded.privacy.ledger.total_count == 4 and loaded.privacy.epsilon() == pytest.approx(spent_at_4)
+
+    resumed = build(name)
+    quiet_trainer(max_steps=9).fit(resumed, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.privacy.ledger.total_count == 9
+    reference = PrivacyLedger()
+    (mechanism, _), = first.privacy.ledger.counts.items()
+    reference.record(mechanism, 9)
+    assert resumed.privacy.epsilon() == pytest.approx(reference.epsilon(1e-5).upper, rel=1e-9)
+    assert resumed.privacy.epsilon() > spent_at_4
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_the_budget_stop_never_overspends(name):
+    module = build(name, noise_multiplier=2.0, max_epsilon=0.5)
+    trainer = fit(module, poisson_loader(blobs(), 0.1), 500)
+    steps = trainer.global_step
+    assert 0 < steps < 500 and module.privacy.ledger.total_count == steps
+    assert module.privacy.epsilon() <= 0.5
+    (mechanism, _), = module.privacy.ledger.counts.items()
+    assert module.privacy.ledger.epsilon(1e-5, extra=[(mechanism, 1)]).upper > 0.5
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_the_budget_binds_across_a_resume_with_more_steps(name, tmp_path):
+    """The audit's case: planned for epsilon 1 over 20 steps, resumed to 40 steps: it must stop at the budget."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    first = build(name, noise_multiplier=None, target_epsilon=1.0)
+    fit(first, poisson_loader(blobs(), 0.1), 20, [checkpoint], enable_checkpointing=True)
+    resumed = build(name, noise_multiplier=None, target_epsilon=1.0)
+    trainer = quiet_trainer(max_steps=40)
+    trainer.fit(resumed, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.privacy.noise_multiplier == first.privacy.noise_multiplier
+    assert resumed.privacy.epsilon() <= 1.0 and trainer.global_step < 40
+    stricter = build(name, noise_multiplier=None, target_epsilon=1.0, max_epsilon=0.5)
+    quiet_trainer(max_steps=40).fit(stricter, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+    assert stricter.privacy.ledger.total_count == 20  # already past 0.5: not one more step
+
+
+# ----------------------------------------------------------------------------- secrets
+def _secrets_in(obj, path="checkpoint"):
+    """Paths of anything in a checkpoint that looks like generator state or a large secret."""
+    found = []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == "state_dict":
+                continue  # the model's weights
+            if any(word in str(key).lower() for word in ("generator", "rng", "bit_generator", "secret")):
+                found.append(f"{path}.{key}")
+            found += _secrets_in(value, f"{path}.{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            found += _secrets_in(value, f"{path}[{i}]")
+    elif isinstance(obj, torch.Tensor) and obj.dtype == torch.uint8:
+        found.append(path)
+    elif isinstance(obj, int) and not isinstance(obj, bool) and abs(obj) >= 2**63:
+        found.append(path)
+    return found
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_checkpoints_hold_no_secret_and_two_continuations_draw_fresh_noise(name, tmp_path):
+    """The audit's attack: continuing one checkpoint twice must not reuse the noise (or the masks)."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(build(name), poisson_loader(blobs(), 0.25), 3, [checkpoint], enable_checkpointing=True)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert _secrets_in(saved) == []
+    assert set(saved["privacy"]) == {"ledger", "plan"}
+    continuations = []
+    for _ in range(2):
+        module = build(name)
+        quiet_trainer(max_steps=5).fit(module, poisson_loader(blobs(), 0.25, seed=9), ckpt_path=tmp_path / "last.ckpt")
+        continuations.append(flat(module))
+    assert not torch.equal(*continuations)
+
+
+# -------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_loader_without_a_private_sampler_is_refused_even_with_a_sample_rate_attribute(name):
+    loader = DataLoader(blobs(), batch_size=32, shuffle=True)
+    loader.sample_rate, loader.n_private = 0.125, 256  # duck typing must not be trusted
+    with pytest.raises(PrivacyConfigError, match="PrivateBatchSampler"):
+        fit(build(name), loader, 2)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+@pytest.mark.parametrize("sigma", [1e-3, 1e-4])
+def test_an_unaccountable_sigma_is_refused_before_the_first_step(name, sigma):
+    module = build(name, noise_multiplier=sigma)
+    before = flat(module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(AccountingError, match="noise_multiplier"):
+            fit(module, poisson_loader(blobs(), 0.1), 100)
+    assert torch.equal(flat(module), before)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(noise_multiplier=None, target_epsilon=1e9), "target_epsilon"),
+    (dict(max_epsilon=1e9), "max_epsilon"),
+    (dict(lr=0.0), "lr"),
+    (dict(clip=0.0), "clip"),
+    (dict(delta=1.5), "delta"),
+])
+def test_impossible_settings_are_refused_at_construction_in_one_line(name, kwargs, match):
+    with pytest.raises(PrivacyConfigError, match=match) as info:
+        build(name, **kwargs)
+    assert "\n" not in str(info.value)
