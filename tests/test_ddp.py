@@ -1,6 +1,7 @@
 """`--trainer.strategy ddp --trainer.devices 2` (CPU, gloo) gives the update of one process.
 
-Same run seed (directions), same secret noise seed, same Poisson sampling seed: the two ranks sample
+Parametrized over every registered private algorithm (part of the privacy contract). With test-only
+seeds (run seed for directions, noise_seed, sampling_seed): the two ranks sample
 disjoint shards of the same mask, all-reduce their clipped sums and add the same noise, so after N
 steps the parameters equal those of one process with the same global batch.
 """
@@ -14,7 +15,10 @@ import pytest
 import torch
 import yaml
 
+from lit_zodp.algorithms import ALGORITHMS
 from tests.test_cli import TINY
+
+PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)  # the privacy contract's DDP check
 
 
 def run(tmp_path, name, algorithm, devices):
@@ -40,7 +44,7 @@ def run(tmp_path, name, algorithm, devices):
     return checkpoint
 
 
-@pytest.mark.parametrize("algorithm", ["DPZero", "DPGD0th"])
+@pytest.mark.parametrize("algorithm", PRIVATE)
 def test_two_ranks_equal_one_process(tmp_path, algorithm):
     single = run(tmp_path, "single", algorithm, devices=1)
     ddp = run(tmp_path, "ddp", algorithm, devices=2)

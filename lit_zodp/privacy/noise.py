@@ -78,7 +78,7 @@ class NoiseSource:
     def gaussian(self, shape, std: float, *, device="cpu", dtype=torch.float32) -> Tensor:
         """A draw of ``N(0, std^2)`` with the given shape, on ``device``."""
         raise_if_any([check_non_negative("noise std", std)])
-        draw = torch.from_numpy(self._rng.standard_normal(tuple(shape)) * std)
+        draw = torch.from_numpy(np.asarray(self._rng.standard_normal(tuple(shape)) * std))
         return draw.to(device=device, dtype=dtype)
 
     def vector_key(self) -> "SecretGaussianVector":

@@ -1,0 +1,159 @@
+"""The privacy component alone: plan, release, commit, budget and its checkpointed state."""
+
+import math
+
+import pytest
+import torch
+
+from lit_zodp.errors import AccountingError, PrivacyConfigError
+from lit_zodp.privacy import (
+    FullBatchSampling,
+    GaussianRelease,
+    NoiseSource,
+    NonPrivate,
+    PoissonSampling,
+    PrivacyComponent,
+    PrivacyLedger,
+    SinglePassSampling,
+    SubsampledGaussian,
+    composed_multiplier,
+)
+
+PLAN = (GaussianRelease("g"),)
+POISSON = PoissonSampling(n=1000, sample_rate=0.05)
+
+
+def planned(steps=100, sampling=POISSON, plan=PLAN, **kwargs):
+    component = PrivacyComponent(**({"clip": 1.0, "delta": 1e-5} | kwargs))
+    component.plan(step_plan=plan, sampling=sampling, planned_steps=steps)
+    return component
+
+
+def test_releases_on_one_batch_compose_into_one_gaussian():
+    assert composed_multiplier((GaussianRelease("a", sensitivity=2.0),), 3.0) == pytest.approx(1.5)
+    two = (GaussianRelease("a"), GaussianRelease("b"))
+    assert composed_multiplier(two, 1.0) == pytest.approx(1 / math.sqrt(2))
+    assert composed_multiplier(two, 1.0) == composed_multiplier((GaussianRelease("ab", sensitivity=math.sqrt(2)),), 1.0)
+
+
+def test_a_step_commits_the_declared_mechanism_at_the_composed_multiplier():
+    component = planned(noise_multiplier=2.0, plan=(GaussianRelease("g", sensitivity=2.0),))
+    component.release(torch.zeros(4), "g")
+    component.commit_step()
+    assert component.ledger.counts == {SubsampledGaussian(1.0, 0.05): 1}
+
+
+def test_calibration_spends_at_most_the_target_and_sets_it_as_budget():
+    component = planned(steps=300, target_epsilon=2.0)
+    assert component.budget == 2.0 and component.steps_allowed == 300
+    for _ in range(300):
+        component.release(torch.zeros(()), "g")
+        component.commit_step()
+    assert 1.8 < component.epsilon() <= 2.0 and component.budget_exhausted
+
+
+def test_release_divides_by_the_expected_batch_size_and_adds_noise_of_sigma_clip():
+    component = planned(noise_multiplier=1.5, clip=2.0, noise_seed=7)
+    reference = NoiseSource(7)
+    out = component.release(torch.tensor([10.0, 20.0]), "g", batch_size=3)
+    expected = (torch.tensor([10.0, 20.0]) + reference.gaussian((2,), 3.0)) / 50.0
+    torch.testing.assert_close(out, expected)
+
+
+def test_release_all_reduces_then_adds_one_draw():
+    component = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5, noise_seed=1)
+    component.plan(step_plan=PLAN, sampling=FullBatchSampling(10), planned_steps=5, reduce_sum=lambda t: t * 2)
+    out = component.release(torch.tensor([1.0]), "g")
+    torch.testing.assert_close(out * 10, torch.tensor([2.0]) + NoiseSource(1).gaussian((1,), 1.0))
+
+
+def test_the_noise_secret_is_rank_zeros_broadcast_and_fresh_at_every_plan():
+    component = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=5, broadcast=lambda secret: 42)
+    torch.testing.assert_close(component.noise.gaussian((3,), 1.0), NoiseSource.from_secret(42).gaussian((3,), 1.0))
+    first = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    first.plan(step_plan=PLAN, sampling=POISSON, planned_steps=5)
+    draw = first.noise.gaussian((3,), 1.0)
+    first.plan(step_plan=PLAN, sampling=POISSON, planned_steps=5)
+    assert not torch.equal(first.noise.gaussian((3,), 1.0), draw)
+
+
+def test_a_step_must_release_exactly_its_plan():
+    component = planned(noise_multiplier=1.0)
+    with pytest.raises(AccountingError, match="not in the step plan"):
+        component.release(torch.zeros(()), "other")
+    component._released.clear()
+    with pytest.raises(AccountingError, match="declares"):
+        component.commit_step()  # nothing was released
+    component.release(torch.zeros(()), "g")
+    component.release(torch.zeros(()), "g")
+    with pytest.raises(AccountingError, match="declares"):
+        component.commit_step()  # released twice
+
+
+def test_the_audit_resume_cannot_overspend_whatever_the_configuration_says():
+    """Planned for epsilon 4 over 300 steps, resumed to 600: the budget of the first plan binds."""
+    first = planned(steps=300, target_epsilon=4.0)
+    for _ in range(300):
+        first.release(torch.zeros(()), "g")
+        first.commit_step()
+    state = first.state_dict()
+    resumed = PrivacyComponent(clip=1.0, noise_multiplier=first.noise_multiplier, delta=1e-5)  # no budget given
+    resumed.load_state_dict(state)
+    resumed.plan(step_plan=PLAN, sampling=POISSON, planned_steps=300)
+    assert resumed.budget == 4.0 and resumed.budget_exhausted
+    looser = PrivacyComponent(clip=1.0, target_epsilon=8.0, delta=1e-5)
+    looser.load_state_dict(state)
+    looser.plan(step_plan=PLAN, sampling=POISSON, planned_steps=300)
+    assert looser.budget == 4.0 and looser.noise_multiplier == first.noise_multiplier
+
+
+def test_state_dict_holds_the_ledger_and_the_plan_and_nothing_secret():
+    component = planned(noise_multiplier=1.0, noise_seed=3)
+    component.release(torch.zeros(()), "g")
+    component.commit_step()
+    state = component.state_dict()
+    assert set(state) == {"ledger", "plan"}
+    assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "planned_steps", "sampling",
+                                  "sample_rate", "n"}
+    restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    restored.load_state_dict(state)
+    assert restored.epsilon() == pytest.approx(component.epsilon(), rel=1e-3) and restored.delta == 1e-5
+
+
+def test_a_changed_delta_on_resume_is_refused():
+    state = planned(noise_multiplier=1.0).state_dict()
+    other = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-3)
+    other.load_state_dict(state)
+    with pytest.raises(PrivacyConfigError, match="delta"):
+        other.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
+
+
+def test_single_pass_steps_compose_in_parallel():
+    component = planned(noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50))
+    for _ in range(50):
+        component.release(torch.zeros(()), "g")
+        component.commit_step()
+    one_gaussian = PrivacyLedger()
+    one_gaussian.record(SubsampledGaussian(1.0, 1.0), 1)
+    assert component.epsilon() == pytest.approx(one_gaussian.epsilon(1e-5).upper)
+
+
+def test_unaccountable_sigma_is_refused_at_plan_time():
+    with pytest.raises(AccountingError, match="cannot be accounted"):
+        planned(noise_multiplier=1e-4, steps=1000)
+
+
+def test_delta_defaults_to_one_over_n():
+    component = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
+    assert component.delta == pytest.approx(1e-3)
+
+
+def test_the_non_private_twin_has_the_same_api_and_divides_by_the_realized_size():
+    twin = NonPrivate(clip=math.inf)
+    twin.plan(step_plan=PLAN)
+    out = twin.release(torch.tensor([6.0, 3.0]), "g", batch_size=3)
+    torch.testing.assert_close(out, torch.tensor([2.0, 1.0]))
+    assert twin.release(torch.tensor(5.0), "g", batch_size=0) == 5.0  # empty batch: no division by 0
+    assert twin.epsilon() == math.inf and twin.state_dict() == {} and not twin.budget_exhausted
