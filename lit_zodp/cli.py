@@ -115,23 +115,28 @@ def cli_main(args=None) -> None:
     """Entry point of the ``lightning`` and ``lit-zodp`` console scripts.
 
     A configuration error (bad privacy setting, model/data mismatch, impossible budget) ends in
-    one readable line on stderr and exit code 2, not a traceback or a dump of the namespace.
+    one readable line on stderr and exit code 2, not a traceback or a dump of the namespace
+    (jsonargparse wraps errors raised while instantiating classes; the cause is found in the chain).
     """
     try:
         build_cli(args)
-    except PrivacyConfigError as err:
-        sys.stderr.write(f"lit-zodp: error: {one_line(err)}\n")
+    except Exception as err:
+        cause = configuration_error(err)
+        if cause is None:
+            raise
+        sys.stderr.write(f"lit-zodp: error: {' '.join(str(cause).split())}\n")
         raise SystemExit(2) from None
 
 
-def one_line(err: BaseException) -> str:
-    """The configuration error without the wrapping jsonargparse adds (the innermost message)."""
-    while err.__cause__ is not None or err.__context__ is not None:
-        inner = err.__cause__ or err.__context__
-        if not isinstance(inner, PrivacyConfigError):
-            break
-        err = inner
-    return " ".join(str(err).split())
+def configuration_error(err: BaseException) -> Optional[PrivacyConfigError]:
+    """The :class:`PrivacyConfigError` behind ``err`` (itself or in its cause/context chain), if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, PrivacyConfigError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 if __name__ == "__main__":

@@ -104,3 +104,38 @@ def test_movie_review_example_config_runs_two_steps(tmp_path, monkeypatch):
                      "--data.init_args.max_private_samples", "320"])
     assert cli.trainer.global_step == 2
     assert cli.model.privacy.ledger.total_count == 2
+
+
+def test_a_configuration_error_ends_in_one_line_and_exit_code_2(tmp_path):
+    executable = shutil.which("lit-zodp") or str(Path(sys.executable).parent / "lit-zodp")
+    if not Path(executable).exists():
+        pytest.skip("lit-zodp console script not installed (pip install -e .)")
+    result = subprocess.run([executable, "fit", "--config", str(write_config(tmp_path)), "--model.init_args.clip", "0"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == ["lit-zodp: error: Invalid configuration: Expected `clip` to be a positive float (or inf), "
+                      "but got 0.0"]
+    assert "Traceback" not in result.stderr and "Namespace(" not in result.stderr
+
+
+def _fit_with_checkpoint(tmp_path, *extra):
+    config = yaml.safe_load(yaml.safe_dump(TINY))
+    config["trainer"].update(enable_checkpointing=True, callbacks=[{
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True}}])
+    return build_cli(["fit", "--config", str(write_config(tmp_path, config)), "--test_after_fit", "false", *extra])
+
+
+def test_a_resume_through_the_cli_never_spends_past_the_budget(tmp_path, monkeypatch):
+    """The audit's case through the CLI: planned for epsilon 3 over 30 steps, resumed to 60 steps."""
+    monkeypatch.chdir(tmp_path)
+    first = _fit_with_checkpoint(tmp_path)
+    assert first.trainer.global_step == 30
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    resumed = _fit_with_checkpoint(tmp_path, "--trainer.max_steps", "60", "--ckpt_path", last)
+    assert resumed.trainer.global_step < 60 and resumed.model.privacy.epsilon() <= 3.0
+    stricter = _fit_with_checkpoint(tmp_path, "--trainer.max_steps", "60", "--ckpt_path", last,
+                                    "--model.init_args.max_epsilon", "2.0")
+    assert stricter.model.privacy.budget == 2.0
+    assert stricter.model.privacy.ledger.total_count == 30  # 3 > 2 already: not one more step
