@@ -7,7 +7,7 @@ size, in ONE run:
 1. time: the DPZero step (``DPZero.training_step`` driven by a real Lightning ``Trainer``; the timer
    wraps ``training_step`` itself: two perturbed forward passes, the three seeded passes of the
    perturbation engine, clipping, noise and the optimizer step) against two no-grad, eval-mode
-   forward passes computing per-example losses of the same batch (``per_example_losses``, the very
+   forward passes computing per-example losses of the same batch (``private_losses``, the very
    function the step calls), and against one Opacus DP-SGD step (forward, backward with per-sample
    gradients, clipping, noise, SGD step). The three are interleaved inside one process, the order
    rotating every repetition; the median over repetitions is reported.
@@ -212,21 +212,23 @@ def make_dpzero(backbone):
 def dpzero_fit(module, dataset, steps: int, device) -> None:
     """``steps`` DPZero steps through a fresh Trainer; the batch is the whole ``dataset``.
 
-    The loader is the library's Poisson batch sampler with rate q = 1 over the fixed batch, so every
-    step sees exactly the same examples as the forward and Opacus baselines.
+    The loader is the library's full-batch sampler over the fixed batch, so every step sees exactly
+    the same examples as the forward and Opacus baselines. Lightning's teardown moves the module back
+    to the CPU after ``fit``: it is moved back to ``device`` for the timings that follow.
     """
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    from lit_zodp.privacy import PoissonBatchSampler
+    from lit_zodp.privacy import FullBatchSampler
 
-    sampler = PoissonBatchSampler(len(dataset), 1.0, steps_per_epoch=steps, seed=0)
+    sampler = FullBatchSampler(len(dataset), steps_per_epoch=steps)
     loader = DataLoader(dataset, batch_sampler=sampler)
     trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
                          max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(module, loader)
+    module.to(device)
 
 
 def make_opacus(backbone, dataset, batch: int, model_name: str, mode: str):
@@ -326,8 +328,8 @@ def _reset_peak_rss() -> bool:
 def two_forwards(module, inputs, targets):
     """Two no-grad, eval-mode passes of per-example losses (exactly what the DPZero step calls)."""
     module.backbone.eval()
-    module.per_example_losses(inputs, targets)
-    module.per_example_losses(inputs, targets)
+    module.private_losses(inputs, targets)
+    module.private_losses(inputs, targets)
 
 
 def worker_time(args) -> dict:
@@ -490,7 +492,7 @@ def worker_memory(args) -> dict:
     k = args.steps_per_repeat
     result = {"method": args.method, "peak_reset": reset_ok}
     if args.method == "inference":
-        module = make_dpzero(backbone).to(device)  # only for per_example_losses; no step is taken
+        module = make_dpzero(backbone).to(device)  # only for private_losses; no step is taken
         for _ in range(k):
             two_forwards(module, inputs, targets)
     elif args.method == "dpzero":

@@ -57,3 +57,13 @@ def quiet_trainer(**kwargs):
 @pytest.fixture
 def dataset():
     return blobs()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests skip where there is no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,50 @@
+"""GPU checks (marked `gpu`, skipped without CUDA): every module runs a step on CUDA, the secret
+noise lands on the device with the same law, and the benchmark's CUDA path runs.
+
+Run them on a GPU machine with `python -m pytest -m gpu tests/test_gpu.py`.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_zodp.algorithms import ALGORITHMS
+from lit_zodp.privacy import NoiseSource, SecretGaussianVector
+from tests.conftest import blobs, mlp, poisson_loader, quiet_trainer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set")]
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_module_takes_steps_on_cuda(name):
+    cls = ALGORITHMS[name]
+    kwargs = dict(lr=0.05, seed=3) | (dict(clip=1.0, noise_multiplier=1.0, delta=1e-5) if cls.private else {})
+    module = cls(mlp(seed=1), **kwargs)
+    before = torch.cat([p.detach().flatten() for p in module.backbone.parameters()]).clone()
+    trainer = quiet_trainer(max_steps=3, accelerator="gpu", devices=1)
+    trainer.fit(module, poisson_loader(blobs(), 0.25))
+    after = torch.cat([p.detach().flatten().cpu() for p in module.backbone.parameters()])
+    assert trainer.global_step == module.privacy.steps == 3
+    assert torch.isfinite(after).all() and not torch.equal(after, before)
+
+
+def test_noise_and_secret_vectors_on_cuda_follow_the_cpu_law():
+    on_gpu = NoiseSource(3).gaussian((4,), 2.0, device="cuda")
+    assert on_gpu.device.type == "cuda"
+    torch.testing.assert_close(on_gpu.cpu(), NoiseSource(3).gaussian((4,), 2.0))
+    vector = SecretGaussianVector((5, 6))
+    gpu_chunk = vector.fill_chunk_(torch.empty(1000, device="cuda"), 0, 2)
+    torch.testing.assert_close(gpu_chunk.cpu(), vector.fill_chunk_(torch.empty(1000), 0, 2))
+
+
+@pytest.mark.slow
+def test_the_benchmark_cuda_path_runs(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dpzero.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--device", "cuda", "--models", "vit_tiny",
+                             "--no-opacus", "--out", str(tmp_path / "bench")],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "vit_tiny" in (tmp_path / "bench.md").read_text()
