@@ -304,3 +304,9 @@ def test_impossible_settings_are_refused_at_construction_in_one_line(name, kwarg
     with pytest.raises(PrivacyConfigError, match=match) as info:
         build(name, **kwargs)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(set(EVERY) - set(PRIVATE)))
+def test_a_non_private_module_refuses_privacy_settings_it_would_ignore(name):
+    with pytest.raises(PrivacyConfigError, match="not private"):
+        build(name, target_epsilon=2.0)

@@ -92,6 +92,10 @@ class AlgorithmModule(pl.LightningModule):
                                             noise_multiplier=noise_multiplier, delta=delta,
                                             max_epsilon=max_epsilon, noise_seed=noise_seed, eps_error=eps_error)
         else:
+            given = {"target_epsilon": target_epsilon, "noise_multiplier": noise_multiplier, "delta": delta,
+                     "max_epsilon": max_epsilon, "noise_seed": noise_seed}
+            raise_if_any([f"`{name}` has no effect: {type(self).__name__} is not private (use its private "
+                          "version)" for name, value in given.items() if value is not None])
             self.privacy = NonPrivate(clip=clip)
         self.num_classes = num_classes or num_classes_of(backbone)
         self.val_accuracy: Optional[MulticlassAccuracy] = None

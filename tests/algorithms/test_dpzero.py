@@ -298,3 +298,24 @@ def test_lr_scheduler_is_stepped_with_the_zo_optimizer(dataset):
     # each step moves along u by lr_t * g_t: recover lr_t from the privatized g_t of a replay
     sizes = [(a - b).norm().item() for b, a in zip(trace.before, trace.after)]
     assert all(s > 0 for s in sizes)
+
+
+@pytest.mark.parametrize("sampling,expected_kind,expected_count", [
+    ("full_batch", "gaussian", 6), ("single_pass", "single_pass_gaussian", 6)])
+def test_the_datamodule_sampling_description_drives_the_accounting(sampling, expected_kind, expected_count):
+    from datamodules import SyntheticClassificationDataModule
+    from lit_zodp.privacy import PrivacyLedger
+
+    data = SyntheticClassificationDataModule(batch_size=32, n_samples=192, n_features=10, num_classes=3,
+                                             sampling=sampling)
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=2.0, delta=1e-5, seed=0)
+    trainer = quiet_trainer(max_steps=6, max_epochs=None if sampling == "single_pass" else 6)
+    trainer.fit(module, datamodule=data)
+    (mechanism, count), = module.privacy.ledger.counts.items()
+    assert (mechanism.kind, count) == (expected_kind, expected_count)
+    assert module.privacy.expected_batch_size == pytest.approx(data.n_private / trainer.global_step
+                                                               if sampling == "single_pass" else data.n_private)
+    once = PrivacyLedger()
+    once.record(mechanism, 1)
+    spent_once = once.epsilon(1e-5).upper
+    assert (module.privacy.epsilon() == pytest.approx(spent_once)) == (sampling == "single_pass")
