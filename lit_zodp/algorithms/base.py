@@ -131,9 +131,11 @@ class AlgorithmModule(pl.LightningModule):
         self.run_seed = int(self.trainer.strategy.broadcast(self.run_seed, src=0))
 
     def configure_callbacks(self):
-        """The privacy callback, unless the Trainer already has one (a user-configured instance)."""
+        """The privacy callback of a private module, unless the Trainer already has one (a user's instance)."""
         from lit_zodp.callbacks import PrivacySpendCallback
 
+        if not self.private:
+            return []
         if self._trainer is not None and any(isinstance(c, PrivacySpendCallback) for c in self.trainer.callbacks):
             return []
         return [PrivacySpendCallback()]
@@ -144,7 +146,8 @@ class AlgorithmModule(pl.LightningModule):
             _require_no_distributed_sampler(self.trainer)
         sampling = read_sampling(self.trainer) if self.private else None
         self.privacy.plan(step_plan=self.step_plan(), sampling=sampling,
-                          planned_steps=_planned_steps(self.trainer), reduce_sum=self.reduce_sum,
+                          planned_steps=_planned_steps(self.trainer) if self.private else None,
+                          reduce_sum=self.reduce_sum,
                           broadcast=lambda value: self.trainer.strategy.broadcast(value, src=0))
 
     def attach_privacy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
