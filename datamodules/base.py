@@ -38,7 +38,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 from datamodules.collate import EmptySafeCollate
 from lit_zodp.errors import PrivacyConfigError, check_positive_int, raise_if_any
@@ -151,6 +151,40 @@ def check_test_fraction(value: Any) -> Optional[str]:
     return None
 
 
+class PublicBatchSampler(Sampler[list[int]]):
+    """Fixed-size batches of the PUBLIC split: an endless stream of seeded permutations, ``steps`` per pass of
+    the loader. Batch ``k`` depends only on ``(seed, k)``, so every DDP rank draws the same batches and
+    ``position`` (batches drawn so far) is the whole state. Public randomness: no privacy cost."""
+
+    def __init__(self, num_samples: int, batch_size: int, *, steps: int, seed: int) -> None:
+        self.num_samples, self.batch_size, self.steps, self.seed = num_samples, batch_size, steps, seed
+        self.position = 0
+        self._permutation: tuple[int, Optional[list[int]]] = (-1, None)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            self.position += 1
+            yield self.batch(self.position - 1)
+
+    def batch(self, k: int) -> list[int]:
+        indices: list[int] = []
+        start = k * self.batch_size
+        while len(indices) < self.batch_size:
+            epoch, offset = divmod(start + len(indices), self.num_samples)
+            take = min(self.batch_size - len(indices), self.num_samples - offset)
+            indices += self._order(epoch)[offset:offset + take]
+        return indices
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._permutation[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._permutation = (epoch, torch.randperm(self.num_samples, generator=generator).tolist())
+        return self._permutation[1]
+
+
 class PublicPrivateDataModule(LightningDataModule):
     """Base data module with a Poisson-sampled private split and a disjoint public split.
 
@@ -163,6 +197,9 @@ class PublicPrivateDataModule(LightningDataModule):
             amplification by subsampling. ``None`` draws a fresh OS secret at every fit start.
         public_fraction: fraction of the pool held out as in-distribution public data, in [0, 1).
         public_batch_size: batch size of the public loader; ``None`` uses ``batch_size``.
+        public_in_step: hand every training step a public batch with its private one
+            (``{"private": ..., "public": ...}``): fixed-size public batches, reshuffled each pass from
+            ``data_seed``, identical on every DDP rank, position saved in checkpoints.
         max_public_samples: cap on the number of public examples (pool hold-out first, then the
             separate public source).
         val_fraction: fraction of the pool held out for validation, in [0, 1); ``0`` uses the given
@@ -185,6 +222,7 @@ class PublicPrivateDataModule(LightningDataModule):
         sampling_seed: Optional[int] = None,
         public_fraction: float = 0.0,
         public_batch_size: Optional[int] = None,
+        public_in_step: bool = False,
         max_public_samples: Optional[int] = None,
         val_fraction: float = 0.0,
         data_seed: int = 0,
@@ -200,6 +238,7 @@ class PublicPrivateDataModule(LightningDataModule):
         self.sampling_seed = sampling_seed
         self.public_fraction = public_fraction
         self.public_batch_size = public_batch_size
+        self.public_in_step = public_in_step
         self.max_public_samples = max_public_samples
         self.val_fraction = val_fraction
         self.data_seed = data_seed
@@ -273,6 +312,8 @@ class PublicPrivateDataModule(LightningDataModule):
         self._batch_sampler: Optional[PrivateBatchSampler] = None
         self._pending_pass_state: Optional[dict] = None
         self._builds = 0
+        self._public_sampler: Optional[PublicBatchSampler] = None
+        self._pending_public_position: Optional[int] = None
 
     def prepare_data(self) -> None:
         self.download_data()
@@ -408,13 +449,29 @@ class PublicPrivateDataModule(LightningDataModule):
         rank, world_size = self._rank_and_world_size()
         self._check_distributed_sampler_off(world_size)
         sampler = self.private_batch_sampler(rank, world_size)
-        return DataLoader(
+        private = DataLoader(
             self.private_dataset,
             batch_sampler=sampler,
             collate_fn=EmptySafeCollate(self.private_dataset),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+        if not self.public_in_step:
+            return private
+        return {"private": private, "public": self._public_step_loader(len(sampler))}
+
+    def _public_step_loader(self, steps: int) -> DataLoader:
+        """One public batch per private step, the same stream on every rank (not sharded)."""
+        if self.public_dataset is None:
+            raise PrivacyConfigError("`public_in_step` needs a public split: set public_fraction > 0 (or give "
+                                     "the data module a public source)")
+        size = min(self.public_batch_size or self.batch_size, len(self.public_dataset))
+        self._public_sampler = PublicBatchSampler(len(self.public_dataset), size, steps=steps,
+                                                  seed=self.data_seed + PUBLIC_SEED_OFFSET)
+        if self._pending_public_position is not None:
+            self._public_sampler.position, self._pending_public_position = self._pending_public_position, None
+        return DataLoader(self.public_dataset, batch_sampler=self._public_sampler,
+                          collate_fn=EmptySafeCollate(self.public_dataset), num_workers=self.num_workers)
 
     def private_batch_sampler(self, rank: int = 0, world_size: int = 1) -> PrivateBatchSampler:
         """A new private batch sampler for ``rank`` of ``world_size``, as ``sampling`` describes.
@@ -530,22 +587,26 @@ class PublicPrivateDataModule(LightningDataModule):
 
     # ---------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Public sampling state only: the kind of sampling and a single pass's position.
+        """Public sampling state only: the kind of sampling, a single pass's and the public stream's position.
 
         The Poisson or shuffle stream is secret and never saved; a resumed run draws a fresh one.
         """
         state: dict[str, Any] = {"sampling": self.sampling}
         if isinstance(self._batch_sampler, SinglePassBatchSampler):
             state["single_pass"] = self._batch_sampler.state_dict()
+        if self._public_sampler is not None:
+            state["public_position"] = self._public_sampler.position
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue a single pass where the checkpoint left it (nothing else is restored)."""
+        """Continue a single pass and the public stream where the checkpoint left them (nothing secret)."""
         self._pending_pass_state = state_dict.get("single_pass")
+        self._pending_public_position = state_dict.get("public_position")
 
 
 __all__ = [
     "DataSplits",
+    "PublicBatchSampler",
     "PublicPrivateDataModule",
     "SHUFFLE_WARNING",
     "check_disjoint",

@@ -310,3 +310,22 @@ def test_impossible_settings_are_refused_at_construction_in_one_line(name, kwarg
 def test_a_non_private_module_refuses_privacy_settings_it_would_ignore(name):
     with pytest.raises(PrivacyConfigError, match="not private"):
         build(name, target_epsilon=2.0)
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_the_public_gradient_backprops_through_the_public_batch_only(name):
+    module = build(name)
+    public_x, public_y = blobs(n=16, seed=1).tensors
+    private_x = blobs(n=16, seed=2).tensors[0]
+    seen = []
+    first = next(m for m in module.backbone.modules() if isinstance(m, nn.Linear))
+    first.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        grads = module.public_gradient((public_x, public_y))
+    assert len(seen) == 1 and seen[0] is public_x
+    assert not any(t.data_ptr() == private_x.data_ptr() for t in saved)
+    params = [p for p in module.backbone.parameters() if p.requires_grad]
+    reference = torch.autograd.grad(nn.functional.cross_entropy(module.backbone(public_x), public_y), params)
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want)

@@ -171,6 +171,25 @@ class AlgorithmModule(pl.LightningModule):
             return torch.zeros(0, device=targets.device)
         return per_example_loss(self.backbone, inputs, targets).float()
 
+    def split_batch(self, batch) -> tuple[Any, Optional[Any]]:
+        """``(private, public)``: a DataModule with ``public_in_step`` hands both; otherwise public is None."""
+        if isinstance(batch, dict) and "private" in batch:
+            return batch["private"], batch.get("public")
+        return batch, None
+
+    def public_gradient(self, public_batch, params: Optional[list[Tensor]] = None) -> list[Tensor]:
+        """Gradient of the mean loss on a PUBLIC batch at the current parameters (no privacy cost).
+
+        Backprop on the public batch only: no private tensor enters this graph. ``params``
+        defaults to the trainable parameters; unused ones get zeros.
+        """
+        inputs, targets = public_batch
+        params = params if params is not None else [p for p in self.backbone.parameters() if p.requires_grad]
+        with torch.enable_grad():
+            loss = per_example_loss(self.backbone, inputs, targets).float().mean()
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+
     def reduce_sum(self, tensor: Tensor) -> Tensor:
         """All-reduce SUM across DDP ranks (identity on one process)."""
         if self._trainer is None or self.trainer.world_size == 1:

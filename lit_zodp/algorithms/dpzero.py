@@ -52,7 +52,7 @@ class DPZero(ZerothOrderModule):
         return (GaussianRelease(DERIVATIVES, sensitivity=math.sqrt(self.num_directions)),)
 
     def training_step(self, batch, batch_idx: int) -> None:
-        inputs, targets = batch
+        (inputs, targets), _ = self.split_batch(batch)
         size = batch_size_of(inputs)
         seeds = self.direction_seeds()                                                  # line 2
         clipped_sums, fractions = [], []
@@ -103,7 +103,7 @@ class DPGD0th(ZerothOrderModule):
         return (GaussianRelease(GRADIENT),)
 
     def training_step(self, batch, batch_idx: int) -> None:
-        inputs, targets = batch
+        (inputs, targets), _ = self.split_batch(batch)
         size = batch_size_of(inputs)
         (seed,) = self.direction_seeds()                                                # line 2
         scalar_clip = self.clip / self.engine.direction_norm(seed)                      # ||clip(s_i u)|| <= C

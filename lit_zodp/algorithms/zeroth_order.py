@@ -79,6 +79,12 @@ class ZerothOrderModule(AlgorithmModule):
         """Per-example ``(f(x + lam u; xi_i) - f(x - lam u; xi_i)) / (2 lam)``; leaves ``x - lam u`` pending."""
         return central_differences(self.engine, seed, self.lam, lambda: self.private_losses(inputs, targets))
 
+    def public_gradient(self, public_batch, params=None):
+        """The public gradient at the UNPERTURBED point: call it before perturbing or after the update."""
+        if self.engine is not None and self.engine.pending:
+            raise RuntimeError("public_gradient() while a perturbation is pending: restore the parameters first")
+        return super().public_gradient(public_batch, params)
+
     def restore(self) -> None:
         """Undo the pending perturbation (when the next direction is probed before the update)."""
         self.engine.restore_()

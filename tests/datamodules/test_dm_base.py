@@ -325,3 +325,40 @@ def test_hparams_exclude_the_sampling_seed():
     dm = SyntheticClassificationDataModule(batch_size=8, sampling_seed=77, n_features=5)
     assert dm.hparams["batch_size"] == 8 and dm.hparams["n_features"] == 5
     assert "sampling_seed" not in dm.hparams
+
+
+# ------------------------------------------------------------------------ public batches in the step
+def test_public_in_step_hands_each_private_batch_a_public_one_the_same_on_every_rank():
+    kwargs = dict(n=400, batch_size=20, public_fraction=0.25, public_batch_size=16, public_in_step=True,
+                  sampling_seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        single, rank1 = make(**kwargs), make(**kwargs)
+    rank1.trainer = fake_trainer(1, 2)
+    loaders = [single.train_dataloader(), rank1.train_dataloader()]
+    assert set(loaders[0]) == {"private", "public"}
+    assert len(loaders[0]["public"]) == len(loaders[0]["private"])
+    public = [pool_indices(b) for b in loaders[0]["public"]]
+    assert public == [pool_indices(b) for b in loaders[1]["public"]]  # identical on every rank, not sharded
+    assert all(len(b) == 16 for b in public)
+    assert not set(sum(public, [])) & set(single.private_indices)  # public examples never private
+    assert single.n_private == len(single.private_indices) == 300
+
+
+def test_the_public_stream_position_is_checkpointed():
+    dm = make(n=400, batch_size=20, public_fraction=0.25, public_in_step=True)
+    stream = iter(dm.train_dataloader()["public"])
+    [next(stream) for _ in range(3)]
+    state = dm.state_dict()
+    assert state["public_position"] == 3
+    expected = [pool_indices(next(stream)) for _ in range(4)]
+    resumed = make(n=400, batch_size=20, public_fraction=0.25, public_in_step=True)
+    resumed.load_state_dict(state)
+    got = [pool_indices(b) for _, b in zip(range(4), resumed.train_dataloader()["public"])]
+    assert got == expected
+
+
+def test_public_in_step_without_a_public_split_is_refused():
+    dm = make(n=100, batch_size=10, public_in_step=True)
+    with pytest.raises(PrivacyConfigError, match="public_fraction"):
+        dm.train_dataloader()
