@@ -114,7 +114,7 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
     assert len(calls) == 6 and any(size != B for size in trace.sizes)
     for kind, clipped_sum, out, noise in calls:
         if kind == "scalar":
-            assert noise.std() > 0 or noise.numel() == 1
+            assert noise.abs().sum() > 0  # a real draw was added
             torch.testing.assert_close(out * B, clipped_sum + noise, rtol=1e-6, atol=1e-6)
         else:
             torch.testing.assert_close(out.coefficient * B, clipped_sum, rtol=1e-6, atol=1e-6)
