@@ -44,7 +44,8 @@ class AlgorithmModule(pl.LightningModule):
             once per training step.
 
     Privacy args (keyword-only, private algorithms; see :class:`~lit_zodp.privacy.PrivacyComponent`):
-        clip, target_epsilon, noise_multiplier, delta, max_epsilon, noise_seed (TEST ONLY), eps_error;
+        clip, target_epsilon, noise_multiplier, delta, max_epsilon, noise_seed (TEST ONLY), eps_error,
+        neighbours (``add_remove`` or the papers' ``replace_one``), accountant (``prv`` or ``rdp``);
         log_private_stats: log the clip fraction, a non-privatized diagnostic of the private batch.
     """
 
@@ -76,6 +77,8 @@ class AlgorithmModule(pl.LightningModule):
         max_epsilon: Optional[float] = None,
         noise_seed: Optional[int] = None,
         eps_error: float = 0.05,
+        neighbours: str = "add_remove",
+        accountant: str = "prv",
         log_private_stats: bool = True,
     ) -> None:
         super().__init__()
@@ -90,7 +93,8 @@ class AlgorithmModule(pl.LightningModule):
         if self.private:
             self.privacy = PrivacyComponent(clip=clip, target_epsilon=target_epsilon,
                                             noise_multiplier=noise_multiplier, delta=delta,
-                                            max_epsilon=max_epsilon, noise_seed=noise_seed, eps_error=eps_error)
+                                            max_epsilon=max_epsilon, noise_seed=noise_seed, eps_error=eps_error,
+                                            neighbours=neighbours, accountant=accountant)
         else:
             given = {"target_epsilon": target_epsilon, "noise_multiplier": noise_multiplier, "delta": delta,
                      "max_epsilon": max_epsilon, "noise_seed": noise_seed}

@@ -70,6 +70,13 @@ class PrivacyComponent:
         max_epsilon: a budget: training stops before a step would exceed it.
         noise_seed: TEST ONLY (warns): makes the noise reproducible, so the run is not private.
         eps_error: accountant precision (epsilon upper bound minus estimate).
+        neighbours: ``"add_remove"`` (default: one example added or removed, a clipped sum moves by
+            ``C``) or ``"replace_one"`` (one example replaced: it moves by ``2C``, so the noise std
+            doubles to ``2 sigma C`` and the same sigma is accounted; the DPZero reference's
+            ``std = 2 sigma C / B``). Under Poisson subsampling, replacing x by x' is the subsampled
+            Gaussian of sensitivity ``2C``, so its epsilon is the add/remove epsilon at multiplier sigma.
+        accountant: ``"prv"`` (default, tight) or ``"rdp"`` (Opacus's RDP accountant and noise
+            calibration: what the papers' reference code uses; for reproducing their runs).
     """
 
     private = True
@@ -77,16 +84,19 @@ class PrivacyComponent:
     def __init__(self, *, clip: float = 1.0, target_epsilon: Optional[float] = None,
                  noise_multiplier: Optional[float] = None, delta: Optional[float] = None,
                  max_epsilon: Optional[float] = None, noise_seed: Optional[int] = None,
-                 eps_error: float = 0.05) -> None:
-        raise_if_any(config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, eps_error))
+                 eps_error: float = 0.05, neighbours: str = "add_remove", accountant: str = "prv") -> None:
+        raise_if_any(config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, eps_error)
+                     + [_choice("neighbours", neighbours, NEIGHBOURS), _choice("accountant", accountant, ACCOUNTANTS)])
         self.clip = float(clip)
+        self.neighbours = neighbours
+        self.sensitivity_factor = NEIGHBOURS[neighbours]
         self.target_epsilon = target_epsilon
         self.configured_noise_multiplier = noise_multiplier
         self.noise_multiplier: Optional[float] = noise_multiplier
         self.delta = delta
         self.max_epsilon = max_epsilon
         self.noise_seed = noise_seed
-        self.ledger = PrivacyLedger(eps_error=eps_error)
+        self.ledger = PrivacyLedger(eps_error=eps_error, accountant=accountant)
         self.noise: Optional[NoiseSource] = None
         self.sampling: Optional[SamplingDescription] = None
         self.step_plan: StepPlan = ()
@@ -137,7 +147,18 @@ class PrivacyComponent:
         return self._calibrate()
 
     def _calibrate(self) -> float:
-        """Smallest sigma whose PRV epsilon upper bound over the planned steps is <= target."""
+        """Smallest sigma whose epsilon (PRV upper bound) over the planned steps is <= target.
+
+        With ``accountant="rdp"``, Opacus's ``get_noise_multiplier`` (RDP, tolerance 0.01), exactly as
+        the DPZero reference code calibrates, divided by the step plan's composition factor.
+        """
+        if self.ledger.accountant == "rdp":
+            from opacus.accountants.utils import get_noise_multiplier
+
+            steps = 1 if getattr(self.sampling.mechanism(1.0), "composes_in_parallel", False) else self.planned_steps
+            multiplier = get_noise_multiplier(target_epsilon=self.target_epsilon, target_delta=self.delta,
+                                              sample_rate=self.sampling.sample_rate, steps=steps, accountant="rdp")
+            return multiplier / composed_multiplier(self.step_plan, 1.0)
         return bisect_sigma(lambda sigma: self._steps_cost(self.planned_steps, sigma),
                             target_epsilon=self.target_epsilon, delta=self.delta,
                             eps_error=self.ledger.eps_error)
@@ -181,9 +202,13 @@ class PrivacyComponent:
         release = self._declared(name)
         total = self._reduce_sum(clipped_sum)
         if self.is_private:
-            std = release.noise * self.noise_multiplier * self.clip
-            total = total + self.noise.gaussian(total.shape, std, device=total.device, dtype=total.dtype)
+            total = total + self.noise.gaussian(total.shape, self._noise_std(release), device=total.device,
+                                                dtype=total.dtype)
         return total / self.expected_batch_size
+
+    def _noise_std(self, release) -> float:
+        """``noise * sigma * C``, doubled for replace-one neighbours (sensitivity 2C)."""
+        return release.noise * self.sensitivity_factor * self.noise_multiplier * self.clip
 
     def release_along(self, clipped_sum: Tensor, name: str, *, batch_size: Optional[int] = None) -> DirectionRelease:
         """A vector release ``(S u + xi) / B`` with ``xi ~ N(0, (noise sigma C)^2 I_d)`` (DPGD-0th).
@@ -196,8 +221,7 @@ class PrivacyComponent:
         coefficient = self._reduce_sum(clipped_sum) / B
         if not self.is_private:
             return DirectionRelease(coefficient, None, 0.0)
-        return DirectionRelease(coefficient, self.noise.vector_key(),
-                                release.noise * self.noise_multiplier * self.clip / B)
+        return DirectionRelease(coefficient, self.noise.vector_key(), self._noise_std(release) / B)
 
     def _declared(self, name: str):
         if self.sampling is None:
@@ -253,7 +277,7 @@ class PrivacyComponent:
         plan = None
         if self.sampling is not None:
             plan = {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget,
-                    "clip": self.clip, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
+                    "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
                     "sample_rate": self.sampling.sample_rate, "n": self.sampling.n}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
@@ -261,6 +285,13 @@ class PrivacyComponent:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the ledger; the checkpoint's budget binds together with the configured one."""
+        accountant = state["ledger"].get("accountant", "prv")
+        neighbours = (state.get("plan") or {}).get("neighbours", "add_remove")
+        if (accountant, neighbours) != (self.ledger.accountant, self.neighbours):
+            raise PrivacyConfigError(
+                f"The checkpoint was accounted with accountant={accountant!r}, neighbours={neighbours!r}; this "
+                f"run is configured with accountant={self.ledger.accountant!r}, neighbours={self.neighbours!r}. "
+                "Resume with the checkpoint's.")
         self.ledger.load_state_dict(state["ledger"])
         self._restored_plan = state.get("plan")
         if self._restored_plan is not None:
@@ -343,6 +374,14 @@ def config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, ep
     if delta is not None:
         errors.append(check_delta(delta))
     return errors
+
+
+NEIGHBOURS = {"add_remove": 1.0, "replace_one": 2.0}
+ACCOUNTANTS = ("prv", "rdp")
+
+
+def _choice(name: str, value, choices) -> Optional[str]:
+    return None if value in choices else f"Expected `{name}` in {list(choices)}, but got {value!r}"
 
 
 def _accountable_epsilon(name: str, value: float) -> Optional[str]:

@@ -114,8 +114,8 @@ def test_state_dict_holds_the_ledger_and_the_plan_and_nothing_secret():
     component.commit_step()
     state = component.state_dict()
     assert set(state) == {"ledger", "plan"}
-    assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "planned_steps", "sampling",
-                                  "sample_rate", "n"}
+    assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "neighbours", "planned_steps",
+                                  "sampling", "sample_rate", "n"}
     restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
     restored.load_state_dict(state)
     assert restored.epsilon() == pytest.approx(component.epsilon(), rel=1e-3) and restored.delta == 1e-5
@@ -157,3 +157,34 @@ def test_the_non_private_twin_has_the_same_api_and_divides_by_the_realized_size(
     torch.testing.assert_close(out, torch.tensor([2.0, 1.0]))
     assert twin.release(torch.tensor(5.0), "g", batch_size=0) == 5.0  # empty batch: no division by 0
     assert twin.epsilon() == math.inf and twin.state_dict() == {} and not twin.budget_exhausted
+
+
+def test_replace_one_neighbours_double_the_noise_and_account_the_same_sigma():
+    add_remove = planned(noise_multiplier=1.5, clip=2.0, noise_seed=7)
+    replace_one = planned(noise_multiplier=1.5, clip=2.0, noise_seed=7, neighbours="replace_one")
+    zero = torch.zeros(3)
+    torch.testing.assert_close(replace_one.release(zero, "g") * 50, 2 * add_remove.release(zero, "g") * 50)
+    for component in (add_remove, replace_one):
+        component.commit_step()
+    assert replace_one.ledger.counts == add_remove.ledger.counts == {SubsampledGaussian(1.5, 0.05): 1}
+
+
+def test_the_rdp_accountant_reproduces_opacus_calibration_and_epsilon():
+    opacus = pytest.importorskip("opacus")
+    from opacus.accountants.utils import get_noise_multiplier
+
+    component = planned(steps=1000, target_epsilon=2.0, accountant="rdp", neighbours="replace_one")
+    expected = get_noise_multiplier(target_epsilon=2.0, target_delta=1e-5, sample_rate=0.05, steps=1000)
+    assert component.noise_multiplier == expected
+    for _ in range(10):
+        component.release(torch.zeros(()), "g")
+        component.commit_step()
+    accountant = opacus.accountants.RDPAccountant()
+    accountant.history = [(expected, 0.05, 10)]
+    assert component.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+
+
+def test_a_checkpoint_resumes_only_under_its_own_accounting_convention():
+    state = planned(noise_multiplier=1.0, accountant="rdp").state_dict()
+    with pytest.raises(PrivacyConfigError, match="accountant='rdp'"):
+        PrivacyComponent(clip=1.0, noise_multiplier=1.0).load_state_dict(state)
