@@ -1,12 +1,16 @@
 """One module per paper family; each ``training_step`` reads like the paper's pseudo-code.
 
 ``AlgorithmModule`` is the one base (backbone, privacy component, metrics, seeds, DDP reduction);
-``ZerothOrderModule`` the ZO family base (perturbation engine). ``ALGORITHMS`` lists every
+``ZerothOrderModule`` the ZO family base (perturbation engine); ``FirstOrderModule`` the first-order
+private family base (per-example gradient engine, a torch optimizer). ``ALGORITHMS`` lists every
 concrete algorithm; the privacy contract test suite runs over its private ones.
 """
 
 from lit_zodp.algorithms.base import ALGORITHMS, AlgorithmModule
+from lit_zodp.algorithms.dpsgd import SGD, Adam, DPAdam, DPSGD
 from lit_zodp.algorithms.dpzero import DPGD0th, DPZero, MeZO
+from lit_zodp.algorithms.first_order import FirstOrderModule
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 
-__all__ = ["ALGORITHMS", "AlgorithmModule", "DPGD0th", "DPZero", "MeZO", "ZerothOrderModule"]
+__all__ = ["ALGORITHMS", "Adam", "AlgorithmModule", "DPAdam", "DPGD0th", "DPSGD", "DPZero", "FirstOrderModule",
+           "MeZO", "SGD", "ZerothOrderModule"]

@@ -1,0 +1,124 @@
+"""The first-order private family base: per-example gradients through backprop, one flat clip, a torch optimizer.
+
+The module owns the :class:`~lit_zodp.per_example.PerExampleGradientEngine` and a torch optimizer
+(built by the algorithm). A step reads like DP-SGD's pseudo-code (Abadi et al. 2016, Alg. 1;
+DP-GRAPE paper Alg. 3): per-example gradients of the private batch, flat-clipped across ALL
+parameters and summed (``private_gradient``); one Gaussian release of the flat sum, divided by the
+expected batch size (``release_gradient``); the optimizer's step on it (``apply_gradient``). The
+ledger commits on that step.
+
+Under DDP the per-example backward runs under ``no_sync``: Lightning's DistributedDataParallel
+must not average ``.grad`` across ranks, since the privacy component's release all-reduces the
+clipped SUM itself, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lit_zodp.algorithms.base import AlgorithmModule
+from lit_zodp.backbones.base import batch_size_of, per_example_loss
+from lit_zodp.errors import check_non_negative, check_positive_int, raise_if_any
+from lit_zodp.per_example import ClippedSum, PerExampleGradientEngine
+from lit_zodp.privacy import GaussianRelease, StepPlan
+
+GRADIENT = "gradient"
+GRAD_MODES = ("hooks", "ghost", "vmap")
+
+
+class FirstOrderModule(AlgorithmModule):
+    """Base of the first-order algorithms (DP-SGD, DP-Adam and their non-private twins).
+
+    Args (besides :class:`AlgorithmModule`'s):
+        weight_decay: decoupled weight decay of the optimizer (post-processing: no privacy cost).
+        grad_mode: ``"hooks"`` (per-example gradients per layer), ``"ghost"`` (per-example norms
+            only, then a reweighted backward: the memory of non-private training on large models),
+            or ``"vmap"`` (torch.func; slow, any model).
+        micro_batch_size: split one logical (Poisson) batch into micro-batches of at most this many
+            examples; their clipped sums accumulate and the noise is added once. ``None``: one pass.
+    """
+
+    abstract = True
+
+    def __init__(self, backbone: nn.Module, *, weight_decay: float = 0.0, grad_mode: str = "hooks",
+                 micro_batch_size: Optional[int] = None, **kwargs: Any) -> None:
+        raise_if_any([
+            check_non_negative("weight_decay", weight_decay),
+            None if grad_mode in GRAD_MODES else f"Expected `grad_mode` in {list(GRAD_MODES)}, but got {grad_mode!r}",
+            None if micro_batch_size is None else check_positive_int("micro_batch_size", micro_batch_size),
+        ])
+        super().__init__(backbone, **kwargs)
+        self.weight_decay = weight_decay
+        self.grad_mode = grad_mode
+        self.micro_batch_size = micro_batch_size
+        self.engine = PerExampleGradientEngine(self.backbone, mode=grad_mode)  # refuses BatchNorm now
+
+    def step_plan(self) -> StepPlan:
+        """One Gaussian release of the flat clipped gradient sum: sensitivity C (flat clip)."""
+        return (GaussianRelease(GRADIENT),)
+
+    def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def configure_optimizers(self):
+        return self.with_scheduler(self.attach_privacy(self.make_optimizer(self.engine.params)))
+
+    # ------------------------------------------------------------------------------ verbs
+    def private_gradient(self, inputs, targets) -> ClippedSum:
+        """``sum_i clip_C(grad f(x; xi_i))``, flat over all parameters, micro-batch by micro-batch."""
+        loss_fns = [lambda x=x, y=y: per_example_loss(self.backbone, x, y).float()
+                    for x, y in _micro_batches(inputs, targets, self.micro_batch_size)]
+        with self._no_ddp_grad_sync(), torch.enable_grad():
+            return self.engine.clipped_sum_microbatched(loss_fns, self.clip)
+
+    def release_gradient(self, clipped: ClippedSum) -> list[Tensor]:
+        """``(sum_i clip_C(g_i) + N(0, sigma^2 C^2 I_d)) / B``, one release, split back per parameter."""
+        flat = torch.cat([g.reshape(-1) for g in clipped.grads])
+        released = self.privacy.release(flat, GRADIENT, batch_size=clipped.batch_size)
+        return [part.view_as(g) for part, g in zip(released.split([g.numel() for g in clipped.grads]),
+                                                    clipped.grads)]
+
+    def apply_gradient(self, gradient: list[Tensor]) -> None:
+        """Hand the released gradient to the optimizer and step it (the ledger commits)."""
+        for param, grad in zip(self.engine.params, gradient):
+            param.grad = grad.to(param.dtype)
+        self.step_optimizer()
+        self.optimizers().zero_grad(set_to_none=True)
+
+    def _no_ddp_grad_sync(self):
+        model = getattr(self.trainer.strategy, "model", None) if self._trainer is not None else None
+        return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------------------ step
+    def training_step(self, batch, batch_idx: int) -> None:
+        private, _ = self.split_batch(batch)
+        inputs, targets = private
+        size = batch_size_of(inputs)
+        clipped = self.private_gradient(inputs, targets)          # sum_i clip_C(g_i), flat clip
+        gradient = self.release_gradient(clipped)                 # (. + N(0, sigma^2 C^2 I)) / B
+        self.apply_gradient(gradient)                             # optimizer step
+        self.log_step(size, _clipped_fraction(clipped.norms, self.clip))
+
+
+def _micro_batches(inputs, targets, size: Optional[int]) -> Iterator[tuple]:
+    total = len(targets)
+    if size is None or total <= size:
+        yield inputs, targets
+        return
+    for start in range(0, total, size):
+        part = slice(start, start + size)
+        chunk = {k: v[part] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[part]
+        yield chunk, targets[part]
+
+
+def _clipped_fraction(norms: Tensor, clip: float) -> float:
+    if norms.numel() == 0:
+        return 0.0
+    return (norms > clip).float().mean().item()
+
+
+__all__ = ["FirstOrderModule"]

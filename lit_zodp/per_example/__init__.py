@@ -1,0 +1,22 @@
+"""Per-example gradients, one flat clip, one sum: the engine shared by the DP-SGD-style algorithms.
+
+* :class:`PerExampleGradientEngine` and :class:`ClippedSum` (:mod:`.engine`): modes "hooks",
+  "ghost" and "vmap", the transform slot, micro-batching;
+* per-layer rules registered by layer type, :func:`register_sampler` / :func:`sampler_for`
+  (:mod:`.samplers`: Linear, Embedding, LayerNorm, GroupNorm, RMSNorm; :mod:`.conv`: Conv1d/2d);
+* ghost norms (:mod:`.ghost`), the recording hooks (:mod:`.tape`), the coverage check
+  (:mod:`.coverage`), refusals (:mod:`.checks`);
+* the torch.func reference :func:`per_example_gradients_vmap` and the fallback (:mod:`.reference`).
+"""
+
+from lit_zodp.per_example.engine import ClippedSum, PerExampleGradientEngine
+from lit_zodp.per_example.reference import per_example_gradients_vmap
+from lit_zodp.per_example.samplers import register_sampler, sampler_for
+
+__all__ = [
+    "ClippedSum",
+    "PerExampleGradientEngine",
+    "per_example_gradients_vmap",
+    "register_sampler",
+    "sampler_for",
+]

@@ -1,0 +1,55 @@
+"""Validation for the per-example engine: the messages name the bad value and the fix."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from lit_zodp.errors import raise_if_any
+
+MODES = ("hooks", "ghost", "vmap")
+
+
+def check_mode(mode: Any) -> Optional[str]:
+    if mode not in MODES:
+        return f"Expected `mode` to be one of {MODES}, but got {mode!r}"
+    return None
+
+
+def check_transform(transform: Any, mode: Any) -> Optional[str]:
+    """The transform rewrites materialised per-example gradients, which only "hooks" mode has."""
+    if transform is None:
+        return None
+    if not callable(transform):
+        return f"Expected `transform` to be callable(name, param, per_example_grad), but got {transform!r}"
+    if mode != "hooks":
+        return (f"`transform` needs mode='hooks' (it rewrites materialised per-example gradients), "
+                f"but got mode={mode!r}")
+    return None
+
+
+def batchnorm_layers(module: nn.Module) -> list[str]:
+    """Qualified names of the BatchNorm layers (incl. ``SyncBatchNorm``) in ``module``."""
+    return [name or "<root>" for name, m in module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def refuse_batchnorm(module: nn.Module) -> None:
+    """BatchNorm normalises with statistics of the whole batch, so each output mixes examples:
+    per-example gradients, and with them the clipping sensitivity, are undefined."""
+    names = batchnorm_layers(module)
+    raise_if_any([
+        f"BatchNorm layer `{name}` mixes the examples of a batch, so per-example gradients (and DP) "
+        f"are undefined; replace it with nn.GroupNorm (or LayerNorm)" for name in names
+    ])
+
+
+def check_losses(losses: Any) -> None:
+    """``loss_fn`` must return the per-example losses, a 1-D tensor ``[B]``."""
+    if not isinstance(losses, Tensor) or losses.dim() != 1:
+        shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise_if_any([f"Expected `loss_fn` to return per-example losses of shape [B], but got {shape}"])
+    if losses.numel() and not losses.requires_grad:
+        raise_if_any(["Expected the per-example losses to depend on trainable parameters, but they do "
+                      "not require grad (was `loss_fn` run under torch.no_grad, or is everything frozen?)"])

@@ -1,0 +1,53 @@
+"""The coverage check: do the per-example gradients add up to the batch gradient?
+
+A layer rule sees only the calls of its layer. A parameter also used elsewhere (a weight reused
+through ``F.linear``, ``nn.MultiheadAttention``'s ``out_proj`` that is never called) would get
+per-example gradients missing those uses. Since ``sum_i g_{i,p}`` must equal the gradient of
+``sum_i loss_i``, which the engine's backward computes anyway, comparing the two finds them.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+def working_eps(device_type: str, *dtypes: torch.dtype) -> float:
+    """Machine epsilon of the least precise dtype involved, autocast's included."""
+    if torch.is_autocast_enabled(device_type):
+        dtypes = (*dtypes, torch.get_autocast_dtype(device_type))
+    return max(torch.finfo(d).eps for d in dtypes)
+
+
+def uncovered(sums: Sequence[Optional[Tensor]], norms: Sequence[Optional[Tensor]],
+              batch_grads: Sequence[Optional[Tensor]], device: torch.device) -> List[int]:
+    """Indices ``p`` with ``||sum_i g_{i,p} - g_p|| > sqrt(eps) (sum_i ||g_{i,p}|| + ||g||)``.
+
+    Args:
+        sums: ``sum_i g_{i,p}`` per parameter (``None``: not checked).
+        norms: Per-example norms ``||g_{i,p}||`` ``[B]`` per parameter.
+        batch_grads: The batch gradient ``g_p`` (``None``: unused parameter, not checked).
+
+    ``g`` is the whole batch gradient: the tolerance covers rounding of a sum of ``B`` terms with
+    cancellation, and parameters whose exact gradient is 0 (an attention key bias) but whose
+    computed one is rounding noise at the scale of the others. Parameters with a non-finite batch
+    gradient are skipped. One host synchronisation for all parameters.
+    """
+    checked = [i for i, (s, g) in enumerate(zip(sums, batch_grads)) if s is not None and g is not None]
+    if not checked:
+        return []
+    diffs, scales, fulls, eps = [], [], [], []
+    for i in checked:
+        total, full = sums[i], batch_grads[i]
+        diffs.append((total.to(full.dtype) - full).norm().double().to(device))
+        scales.append(norms[i].double().sum().to(device))
+        fulls.append(full.norm().double().to(device))
+        eps.append(working_eps(device.type, total.dtype, full.dtype) ** 0.5)
+    diffs, scales, fulls = torch.stack(diffs), torch.stack(scales), torch.stack(fulls)
+    finite = torch.isfinite(fulls)
+    whole = torch.where(finite, fulls, 0).pow(2).sum().sqrt()
+    tolerance = torch.tensor(eps, dtype=torch.float64, device=device) * (scales + whole)
+    failed = finite & ~(diffs <= tolerance)
+    return [checked[k] for k in failed.nonzero().flatten().tolist()]

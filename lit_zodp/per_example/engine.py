@@ -1,0 +1,427 @@
+"""One per-example gradient engine: per-example gradients (or norms), one flat clip, one sum.
+
+For a batch with per-example losses ``loss_i`` the engine returns
+
+    ``sum_i min(1, C / ||g_i||) g_i``,   ``||g_i||^2 = sum_p ||T_p(g_{i,p})||^2``,
+
+the flat clipping of DP-SGD (Abadi et al. 2016, Alg. 1) over every trainable parameter ``p``, with
+``T_p`` the optional transform. An example whose loss or gradient is not finite gets factor 0.
+
+How ``g_{i,p}`` is obtained, per batch and parameter:
+
+1. One forward (``loss_fn()``) and one backward of ``sum_i loss_i`` with :class:`~.tape.Tape` hooks
+   recording each layer call's input and output gradient.
+2. Parameters of layers with a rule (:mod:`.samplers`, :mod:`.conv`) get the rule's per-example
+   gradients, summed over all calls of all layers sharing the parameter (tied weights).
+3. Parameters without a rule (timm's ``cls_token``/``pos_embed``, custom modules) are recomputed by
+   :func:`.reference.call_gradients` on the module owning them, or on the engine's module when the
+   owner's calls are not batch-first or the parameter is shared. Cost: one extra vmapped forward
+   and backward of that module.
+4. Coverage check: while every example is finite, ``sum_i g_{i,p}`` must equal the batch gradient
+   from step 1 (to ``sqrt(eps)`` relative). A parameter that fails (used outside its layer's
+   forward, e.g. a weight also used through ``F.linear``) is recomputed as in 3 on the engine's
+   module; failing again raises.
+
+Modes: ``"hooks"`` materialises every ``g_{i,p}``; ``"ghost"`` leaves the gradients of single-use
+layers implicit, takes their norms with the ghost norm (Li et al. 2022; Bu et al. 2022 mixed) and
+forms their clipped sums from the recorded rows scaled by the clip factors (the book-keeping of Bu
+et al. 2023, "Differentially private optimization on large model at small cost") instead of a second
+backward of ``sum_i f_i loss_i``: the same sum, one backward, and a non-finite example cannot reach
+the others through ``0 * nan`` in a shared backward; ``"vmap"`` recomputes every parameter as in 3
+on the engine's module (the reference path).
+
+Assumptions (as in Opacus): every recorded layer and module call is batch-first, row ``i`` being
+example ``i``; the forward is deterministic where it is recomputed; no BatchNorm; no activation
+checkpointing. A layer output broadcast over the batch is only detected when its leading dim is
+not ``B`` (shared ``[1, T]`` embedding indices are expanded to ``[B, T]`` while recording).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from lit_zodp.errors import PrivacyConfigError, raise_if_any
+from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
+from lit_zodp.per_example.checks import check_losses, check_mode, check_transform, refuse_batchnorm
+from lit_zodp.per_example.coverage import uncovered
+from lit_zodp.per_example.reference import call_gradients
+from lit_zodp.per_example.samplers import Sampler, _row_norm_sq, sampler_for
+from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape
+from lit_zodp.privacy.clipping import check_clip, clip_factors
+
+Transform = Callable[[str, Tensor, Tensor], Tensor]
+
+
+@dataclass
+class ClippedSum:
+    """Sum over examples of the clipped per-example gradients, aligned with ``engine.params``.
+
+    Attributes:
+        grads: One tensor per parameter (its dtype; the transformed shape if a transform is set).
+        norms: Unclipped per-example norms ``[B]`` (float32; nan/inf for non-finite examples).
+        batch_size: Number of examples summed.
+    """
+
+    grads: List[Tensor]
+    norms: Tensor
+    batch_size: int
+
+    def add_(self, other: "ClippedSum") -> "ClippedSum":
+        """Accumulate a micro-batch: sums add, norms concatenate, batch sizes add."""
+        raise_if_any([None if len(self.grads) == len(other.grads) else
+                      f"Expected a ClippedSum over {len(self.grads)} parameters, but got {len(other.grads)}"])
+        for mine, theirs in zip(self.grads, other.grads):
+            mine.add_(theirs)
+        self.norms = torch.cat([self.norms, other.norms.to(self.norms.device)])
+        self.batch_size += other.batch_size
+        return self
+
+
+@dataclass
+class _Batch:
+    """Per-example gradients of one batch: ``dense`` ``[B, ...]`` by parameter index, and ghost
+    layer calls whose gradients stay implicit (their squared norms in ``ghost_norm_sq``)."""
+
+    dense: Dict[int, Tensor] = field(default_factory=dict)
+    ghost: List[Tuple[LayerCall, Sampler, Dict[str, int]]] = field(default_factory=list)
+    ghost_norm_sq: Dict[int, Tensor] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _FromLayers:
+    """A parameter's per-example gradient from the layer rules, summed over these calls."""
+
+    calls: List[LayerCall]
+
+
+@dataclass(eq=False)
+class _Recompute:
+    """A parameter's per-example gradient recomputed on ``module``, where it is called ``name``."""
+
+    module: nn.Module
+    name: str
+
+
+def _trainable_parameters(module: nn.Module) -> Tuple[List[str], List[nn.Parameter]]:
+    """Trainable parameters in ``named_parameters`` order; a tied parameter appears once."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [n for n, _ in named], [p for _, p in named]
+
+
+def _rows_view(mask: Tensor, like: Tensor) -> Tensor:
+    return mask.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _zero_rows(x: Tensor, ok: Optional[Tensor]) -> Tensor:
+    """Rows of non-finite examples (``ok`` false; ``None``: none) set to 0 with ``where``, since
+    multiplying by a zero factor would keep ``0 * nan = nan``."""
+    if ok is None or not x.is_floating_point():
+        return x
+    return torch.where(_rows_view(ok, x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _by_module(calls: list) -> Dict[int, list]:
+    grouped: Dict[int, list] = {}
+    for call in calls:
+        grouped.setdefault(id(call.module), []).append(call)
+    return grouped
+
+
+def _aligned_layer(call: LayerCall, batch_size: int) -> bool:
+    a, g = call.activation, call.grad
+    return a.dim() >= 2 and a.shape[0] == batch_size and (g is None or g.shape[0] == batch_size)
+
+
+def _aligned_module(call: ModuleCall, batch_size: int) -> bool:
+    return all(g.dim() >= 1 and g.shape[0] == batch_size for g in call.grads.values())
+
+
+class PerExampleGradientEngine:
+    """Clipped sums of per-example gradients for a module's trainable parameters.
+
+    Args:
+        module: The model. Trainable parameters are those with ``requires_grad`` at construction.
+        mode: ``"hooks"`` (layer rules, materialised), ``"ghost"`` (layer rules, norms without
+            materialising where cheaper), or ``"vmap"`` (torch.func recomputation of everything).
+        transform: ``(name, param, per_example_grad [B, *shape]) -> [B, *any]`` applied to each
+            parameter's per-example gradient before norms and clipping ("hooks" mode only).
+
+    Attributes:
+        params, names: The trainable parameters (tied ones once) and their qualified names.
+        last_recomputed: For the last batch, ``{parameter name: module name}`` of the parameters
+            whose per-example gradients came from the vmap fallback (``""``: the whole module), a
+            diagnostic of the slow path.
+
+    Raises:
+        PrivacyConfigError: Bad ``mode``/``transform``, or a BatchNorm layer in ``module``.
+    """
+
+    def __init__(self, module: nn.Module, *, mode: str = "hooks", transform: Optional[Transform] = None):
+        raise_if_any([check_mode(mode), check_transform(transform, mode)])
+        refuse_batchnorm(module)
+        self.module, self.mode, self.transform = module, mode, transform
+        self.names, self.params = _trainable_parameters(module)
+        raise_if_any([None if self.params else "Expected `module` to have trainable parameters, but it has none"])
+        self._owners = self._find_owners()
+        owners = {id(m): m for owned in self._owners for m, _ in owned}.values()
+        with_rule = [m for m in owners if sampler_for(m) is not None]
+        without_rule = [m for m in owners if m is not module and sampler_for(m) is None]
+        self._layers = with_rule if mode != "vmap" else []
+        self._recomputed = (without_rule if mode != "vmap" else []) + [module]
+        self._module_names = {id(m): name for name, m in module.named_modules()}
+        self.last_recomputed: Dict[str, str] = {}
+
+    def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
+        """For each parameter, the ``(module, local name)`` pairs holding it directly."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        owners: List[List[Tuple[nn.Module, str]]] = [[] for _ in self.params]
+        for module in self.module.modules():
+            for local, param in module.named_parameters(recurse=False, remove_duplicate=False):
+                if id(param) in index:
+                    owners[index[id(param)]].append((module, local))
+        return owners
+
+    # ------------------------------------------------------------------------------ public API
+
+    def clipped_sum(self, loss_fn: Callable[[], Tensor], clip: float) -> ClippedSum:
+        """Run ``loss_fn`` once (forward), back-propagate once, and return the clipped sum.
+
+        Every mode calls ``loss_fn`` once and runs one backward; "ghost" forms its sums from the
+        recorded rows instead of a second backward, and the vmap fallback recomputes only the
+        forward of the modules it needs.
+
+        Args:
+            loss_fn: Zero-argument callable running ``module`` on one batch and returning the
+                per-example losses ``[B]``; ``B = 0`` gives zero sums without a backward.
+            clip: The flat clipping norm ``C > 0`` (``math.inf``: no clipping).
+        """
+        check_clip(clip)
+        try:
+            losses, batch = self._per_example(loss_fn, ghost=self.mode == "ghost")
+            if losses.numel() == 0:
+                return self._empty()
+            return self._clip_and_sum(losses, batch, clip)
+        finally:
+            for param in self.params:
+                param.grad = None
+
+    def clipped_sum_microbatched(self, loss_fns: Iterable[Callable[[], Tensor]], clip: float) -> ClippedSum:
+        """The clipped sum of one logical batch given as micro-batches (equal to one call on all)."""
+        check_clip(clip)
+        total = None
+        for loss_fn in loss_fns:
+            part = self.clipped_sum(loss_fn, clip)
+            total = part if total is None else total.add_(part)
+        return total if total is not None else self._empty()
+
+    def per_example_gradients(self, loss_fn: Callable[[], Tensor]) -> List[Tensor]:
+        """Unclipped per-example gradients ``[B, ...]`` (after the transform), aligned with ``params``."""
+        try:
+            losses, batch = self._per_example(loss_fn, ghost=False)
+            return [self._transformed(i, batch.dense[i]) for i in range(len(self.params))]
+        finally:
+            for param in self.params:
+                param.grad = None
+
+    # ------------------------------------------------------------------------- one batch
+
+    def _per_example(self, loss_fn: Callable[[], Tensor], *, ghost: bool) -> Tuple[Tensor, _Batch]:
+        """Record, back-propagate, compute the per-example gradients and check their coverage."""
+        self.last_recomputed = {}
+        tape = Tape(self.module, self._layers, self._recomputed)
+        with tape:
+            tape.recording = True
+            losses = loss_fn()
+            check_losses(losses)
+            if losses.numel() == 0:
+                return losses.detach(), _Batch()
+            batch_grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)
+            tape.recording = False
+        losses = losses.detach()
+        plan = self._plan(tape, len(losses))
+        batch = self._compute(plan, tape, len(losses), ghost=ghost)
+        failed = self._uncovered(batch, batch_grads, losses)
+        if failed:
+            self._recover(plan, batch, failed, tape, batch_grads, losses)
+        self.last_recomputed = {self.names[i]: self._module_names[id(source.module)]
+                                for i, source in plan.items() if isinstance(source, _Recompute)}
+        tape.clear()
+        return losses, batch
+
+    def _whole(self, i: int) -> _Recompute:
+        return _Recompute(self.module, self.names[i])
+
+    def _plan(self, tape: Tape, size: int) -> Dict[int, object]:
+        """Where each parameter's per-example gradient comes from: the layer rules when all its
+        owners have one and all their calls are batch-first, else a recomputation on its single
+        owner (batch-first calls) or on the whole module."""
+        plan: Dict[int, object] = {}
+        layers = set(map(id, self._layers))
+        layer_calls, module_calls = _by_module(tape.layer_calls), _by_module(tape.module_calls)
+        for i, owned in enumerate(self._owners):
+            modules = list(dict.fromkeys(id(m) for m, _ in owned))
+            plan[i] = self._whole(i)
+            if self.mode == "vmap":
+                continue
+            if all(m in layers for m in modules):
+                calls = [c for m in modules for c in layer_calls.get(m, [])]
+                if all(_aligned_layer(c, size) for c in calls):
+                    plan[i] = _FromLayers(calls)
+            elif len(owned) == 1 and owned[0][0] is not self.module:
+                module, local = owned[0]
+                if all(_aligned_module(c, size) for c in module_calls.get(id(module), [])):
+                    plan[i] = _Recompute(module, local)
+        return plan
+
+    def _recover(self, plan: Dict[int, object], batch: _Batch, failed: List[int], tape: Tape,
+                 batch_grads: Tuple[Optional[Tensor], ...], losses: Tensor) -> None:
+        """Parameters used outside the calls their source saw: recompute them on the whole module,
+        which sees every use inside its forward; raise if that does not add up either."""
+        seen_everything = [i for i in failed if isinstance(plan[i], _Recompute) and plan[i].module is self.module]
+        self._raise_uncovered(seen_everything)
+        plan.update({i: self._whole(i) for i in failed})
+        redo = self._compute({i: plan[i] for i in failed}, tape, len(losses), ghost=False)
+        self._drop(batch, failed)
+        batch.dense.update(redo.dense)
+        self._raise_uncovered([i for i in self._uncovered(batch, batch_grads, losses) if i in failed])
+
+    def _compute(self, plan: Dict[int, object], tape: Tape, size: int, *, ghost: bool) -> _Batch:
+        batch = _Batch()
+        self._from_layers(plan, tape, ghost, batch)
+        self._from_modules(plan, tape, size, batch)
+        for i in plan:
+            if i not in batch.dense and i not in batch.ghost_norm_sq:  # no call reached it: zero
+                batch.dense[i] = self.params[i].new_zeros(size, *self.params[i].shape)
+        return batch
+
+    def _from_layers(self, plan: Dict[int, object], tape: Tape, ghost: bool, batch: _Batch) -> None:
+        """Layer rules, call by call; in ghost mode a call whose parameters no other call uses
+        keeps its gradients implicit (norms now, sums after clipping)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for call in tape.layer_calls:
+            mine = {local: index[id(p)] for local, p in call.module.named_parameters(recurse=False)
+                    if isinstance(plan.get(index.get(id(p))), _FromLayers)}
+            if call.grad is None or not mine:
+                continue
+            sampler = sampler_for(call.module)
+            if ghost and all(plan[i].calls == [call] for i in mine.values()):
+                batch.ghost.append((call, sampler, mine))
+                norms = sampler.norms_sq(call.module, call.activation, call.grad)
+                batch.ghost_norm_sq.update({i: norms[local] for local, i in mine.items()})
+                continue
+            grads = sampler.grads(call.module, call.activation, call.grad)
+            for local, i in mine.items():
+                batch.dense[i] = grads[local] if i not in batch.dense else batch.dense[i] + grads[local]
+
+    def _from_modules(self, plan: Dict[int, object], tape: Tape, size: int, batch: _Batch) -> None:
+        """The vmap fallback: one recomputation per recorded call of each module, for all the
+        parameters planned on it."""
+        requests: Dict[int, Tuple[nn.Module, List[Tuple[int, str]]]] = {}
+        for i, source in plan.items():
+            if isinstance(source, _Recompute):
+                requests.setdefault(id(source.module), (source.module, []))[1].append((i, source.name))
+        for module, wanted in requests.values():
+            for call in tape.module_calls:
+                if call.module is not module or not call.grads:
+                    continue
+                self._check_recomputable(call, size)
+                grads = self._recompute(call, [name for _, name in wanted], size)
+                for i, name in wanted:
+                    batch.dense[i] = grads[name] if i not in batch.dense else batch.dense[i] + grads[name]
+
+    def _where(self, module: nn.Module) -> str:
+        return "the engine's module" if module is self.module else f"`{self._module_names[id(module)]}`"
+
+    def _recompute(self, call: ModuleCall, names: List[str], size: int) -> Dict[str, Tensor]:
+        try:
+            return call_gradients(call.module, names, call.inputs, call.spec, call.grads, size)
+        except RuntimeError as error:  # vmap refuses random ops, .item() and data-dependent branches
+            raise PrivacyConfigError(
+                f"Invalid configuration: no layer rule covers {', '.join(names)}, and recomputing them "
+                f"on {self._where(call.module)} with torch.func failed ({error}). The fallback needs a "
+                f"deterministic, batch-first, vmap-able forward: disable dropout there (eval mode or p=0), "
+                f"freeze these parameters, or register a rule with `register_sampler`.") from error
+
+    def _check_recomputable(self, call: ModuleCall, size: int) -> None:
+        where = self._where(call.module)
+        raise_if_any([
+            None if _aligned_module(call, size) else
+            f"The outputs of {where} are not batch-first ([B={size}, ...]), so its per-example "
+            f"gradients cannot be recomputed",
+            None if call.inputs_unchanged() else
+            f"An input of {where} was modified in place after the call, so it cannot be recomputed",
+        ])
+
+    def _uncovered(self, batch: _Batch, batch_grads: Tuple[Optional[Tensor], ...], losses: Tensor) -> List[int]:
+        """Parameters failing the coverage check; not checked while an example is non-finite."""
+        if not bool(torch.isfinite(losses).all()):
+            return []
+        summed = self._ghost_sums(batch, factors=None, ok=None)
+        sums = [batch.dense[i].sum(0) if i in batch.dense else summed[i] for i in range(len(self.params))]
+        norms = [_row_norm_sq(batch.dense[i]).sqrt() if i in batch.dense else batch.ghost_norm_sq[i].sqrt()
+                 for i in range(len(self.params))]
+        return uncovered(sums, norms, batch_grads, losses.device)
+
+    def _drop(self, batch: _Batch, indices: List[int]) -> None:
+        for i in indices:
+            batch.dense.pop(i, None)
+            batch.ghost_norm_sq.pop(i, None)
+        batch.ghost = [(c, s, {k: i for k, i in mine.items() if i not in indices})
+                       for c, s, mine in batch.ghost]
+        batch.ghost = [entry for entry in batch.ghost if entry[2]]
+
+    def _raise_uncovered(self, indices: List[int]) -> None:
+        if not indices:
+            return
+        names = ", ".join(self.names[i] for i in indices)
+        raise_if_any([f"The per-example gradients of {names} do not add up to the batch gradient: "
+                      f"they are used outside the calls of the engine's module (e.g. directly in "
+                      f"`loss_fn`), or a layer is not batch-first, or the forward is random"])
+
+    # --------------------------------------------------------------------- clip and sum
+
+    def _transformed(self, i: int, grads: Tensor) -> Tensor:
+        if self.transform is None:
+            return grads
+        return self.transform(self.names[i], self.params[i], grads)
+
+    def _clip_and_sum(self, losses: Tensor, batch: _Batch, clip: float) -> ClippedSum:
+        """Flat clip across all parameters (Abadi et al. 2016), non-finite examples at factor 0."""
+        count = len(self.params)
+        dense = {i: self._transformed(i, batch.dense[i]) for i in range(count) if i in batch.dense}
+        norm_sq = [_row_norm_sq(dense[i]) if i in dense else batch.ghost_norm_sq[i] for i in range(count)]
+        dtype = torch.float64 if any(n.dtype == torch.float64 for n in norm_sq) else torch.float32
+        norms = torch.stack([n.to(dtype) for n in norm_sq]).sum(0).sqrt()
+        ok = torch.isfinite(losses) & torch.isfinite(norms)
+        factors = torch.where(ok, clip_factors(norms, clip), torch.zeros_like(norms))
+        ok = None if bool(ok.all()) else ok
+        sums = self._ghost_sums(batch, factors, ok)
+        for i, grads in dense.items():
+            sums[i] = torch.tensordot(factors.to(grads.dtype), _zero_rows(grads, ok), dims=1)
+        out = [sums[i].to(p.dtype) for i, p in enumerate(self.params)]
+        return ClippedSum(out, norms.float(), len(losses))
+
+    def _ghost_sums(self, batch: _Batch, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:
+        """``sum_i f_i G_i`` of the ghost calls from their recorded rows, the output gradient rows
+        scaled by ``f_i`` (Bu et al. 2023 book-keeping); ``factors=None`` means ``f_i = 1``."""
+        sums: Dict[int, Tensor] = {}
+        for call, sampler, mine in batch.ghost:
+            a, g = _zero_rows(call.activation, ok), _zero_rows(call.grad, ok)
+            if factors is not None:
+                g = g * _rows_view(factors, g).to(g.dtype)
+            total = sampler.sum_over_examples(call.module, a, g)
+            sums.update({i: total[local] for local, i in mine.items()})
+        return sums
+
+    def _empty(self) -> ClippedSum:
+        """Zero sums for an empty batch, in the transformed shapes."""
+        grads = []
+        for i, p in enumerate(self.params):
+            shape = self._transformed(i, p.new_zeros(0, *p.shape)).shape[1:] if self.transform else p.shape
+            grads.append(p.new_zeros(shape))
+        device = self.params[0].device if self.params else None
+        return ClippedSum(grads, torch.zeros(0, dtype=torch.float32, device=device), 0)

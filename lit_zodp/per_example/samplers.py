@@ -1,0 +1,271 @@
+"""Per-layer rules for per-example gradients, registered by layer type.
+
+A rule receives a layer, the input ``a`` of one call and the gradient ``g`` of the *summed* loss
+with respect to that call's output, both batch-first. Example ``i`` only reaches row ``i``, so row
+``i`` of ``g`` is ``d loss_i / d out_i`` and each example's parameter gradient can be formed from
+its own rows: the per-example gradient trick of Goodfellow (2015), "Efficient per-example gradient
+computations", applied layer by layer as in Opacus' ``GradSampleModule``.
+
+Each rule returns a dict keyed by the layer's *direct* parameter names (``"weight"``, ``"bias"``)
+and skips frozen parameters. Besides ``grads`` (``[B, *param.shape]``) a rule may provide
+``norms`` (squared per-example norms ``[B]`` without materialising the gradients, for "ghost"
+clipping) and ``summed`` (the sum over examples, given rows of ``g`` already scaled by the clip
+factors: the book-keeping step of Bu et al. 2023).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lit_zodp.errors import raise_if_any
+from lit_zodp.per_example.ghost import embedding_norm_sq, gram_norm_sq, prefer_ghost
+
+LayerRule = Callable[[nn.Module, Tensor, Tensor], Dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """The rules for one layer type; ``supports`` rejects configurations the rules do not cover."""
+
+    grads: LayerRule
+    norms: Optional[LayerRule] = None
+    summed: Optional[LayerRule] = None
+    supports: Optional[Callable[[nn.Module], bool]] = None
+
+    def sum_over_examples(self, layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+        """``sum_i G_i``; without a ``summed`` rule, materialise and reduce."""
+        if self.summed is not None:
+            return self.summed(layer, a, g)
+        return {name: grad.sum(0) for name, grad in self.grads(layer, a, g).items()}
+
+    def norms_sq(self, layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+        """Squared per-example norms; without a ``norms`` rule, materialise and reduce."""
+        if self.norms is not None:
+            return self.norms(layer, a, g)
+        return {name: _row_norm_sq(grad) for name, grad in self.grads(layer, a, g).items()}
+
+
+_SAMPLERS: Dict[type, Sampler] = {}
+
+
+def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
+                     summed: Optional[LayerRule] = None,
+                     supports: Optional[Callable[[nn.Module], bool]] = None):
+    """Decorator registering ``fn(layer, a, g) -> {name: [B, *shape]}`` for ``layer_types``.
+
+    ``register_sampler(nn.Linear)(fn)`` replaces any earlier rule for ``nn.Linear``.
+    """
+    raise_if_any([None if layer_types else "Expected at least one layer type in `register_sampler`"]
+                 + [None if isinstance(t, type) and issubclass(t, nn.Module)
+                    else f"Expected `layer_types` to be nn.Module subclasses, but got {t!r}"
+                    for t in layer_types])
+
+    def decorator(fn: LayerRule) -> LayerRule:
+        for layer_type in layer_types:
+            _SAMPLERS[layer_type] = Sampler(fn, norms, summed, supports)
+        return fn
+
+    return decorator
+
+
+def sampler_for(layer: nn.Module) -> Optional[Sampler]:
+    """The rule for ``layer``: its own type's, else the nearest registered base class whose
+    ``forward`` it inherits unchanged (a subclass with its own ``forward`` gets none)."""
+    _register_timm_norms()
+    for cls in type(layer).__mro__:
+        sampler = _SAMPLERS.get(cls)
+        if sampler is None:
+            continue
+        if type(layer).forward is not cls.forward:
+            return None
+        return sampler if sampler.supports is None or sampler.supports(layer) else None
+    return None
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _row_norm_sq(per_example: Tensor) -> Tensor:
+    """``||G_i||^2`` per row, accumulated in at least float32."""
+    low = per_example.dtype in (torch.float16, torch.bfloat16)
+    return torch.linalg.vector_norm(per_example.flatten(1), dim=1, dtype=torch.float32 if low else None).pow(2)
+
+
+def _trainable(layer: nn.Module, name: str) -> bool:
+    param = getattr(layer, name, None)
+    return isinstance(param, Tensor) and param.requires_grad
+
+
+def _common_dtype(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """Autocast may leave the input and the output gradient in different dtypes."""
+    dtype = torch.promote_types(a.dtype, g.dtype)
+    return a.to(dtype), g.to(dtype)
+
+
+def _sum_over(x: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """``x.sum(dims)`` that is the identity for ``dims == ()`` (``sum(())`` would reduce all)."""
+    return x.sum(dims) if dims else x
+
+
+def _as_sequences(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``[B, T..., d]`` -> ``[B, T, d]``: the positions of one example are a sequence of length T."""
+    a, g = _common_dtype(a, g)
+    return a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------ Linear
+
+
+def _linear_grads(layer: nn.Linear, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """``G_i = sum_t g_{i,t} a_{i,t}^T`` (Goodfellow 2015); the bias gets ``sum_t g_{i,t}``."""
+    a, g = _as_sequences(a, g)
+    out = {}
+    if _trainable(layer, "weight"):
+        out["weight"] = torch.bmm(g.transpose(1, 2), a)
+    if _trainable(layer, "bias"):
+        out["bias"] = g.sum(1)
+    return out
+
+
+def _linear_norms(layer: nn.Linear, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """Ghost norm of the weight where cheaper (Li et al. 2022; Bu et al. 2022 mixed rule)."""
+    a, g = _as_sequences(a, g)
+    out = {}
+    if _trainable(layer, "weight"):
+        if prefer_ghost(a.shape[1], layer.weight.numel()):
+            out["weight"] = gram_norm_sq(a, g)
+        else:
+            out["weight"] = _row_norm_sq(torch.bmm(g.transpose(1, 2), a))
+    if _trainable(layer, "bias"):
+        out["bias"] = _row_norm_sq(g.sum(1))
+    return out
+
+
+def _linear_summed(layer: nn.Linear, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """``sum_i G_i = sum_{i,t} g_{i,t} a_{i,t}^T``: one matmul over all rows."""
+    a, g = _as_sequences(a, g)
+    out = {}
+    if _trainable(layer, "weight"):
+        out["weight"] = g.flatten(0, 1).T @ a.flatten(0, 1)
+    if _trainable(layer, "bias"):
+        out["bias"] = g.sum((0, 1))
+    return out
+
+
+register_sampler(nn.Linear, norms=_linear_norms, summed=_linear_summed)(_linear_grads)
+
+
+# --------------------------------------------------------------------------------------- Embedding
+
+
+def _embedding_supported(layer: nn.Embedding) -> bool:
+    """``max_norm`` rewrites the weight in forward; ``scale_grad_by_freq`` couples examples."""
+    return layer.max_norm is None and not layer.scale_grad_by_freq and not layer.sparse
+
+
+def _embedding_rows(layer: nn.Embedding, idx: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``[B, T...]`` indices and ``[B, T..., D]`` gradients -> ``[B, T]`` and ``[B, T, D]``."""
+    return idx.reshape(idx.shape[0], -1), g.reshape(g.shape[0], -1, layer.embedding_dim)
+
+
+def _embedding_grads(layer: nn.Embedding, idx: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """Row ``v`` of ``G_i`` is the sum of ``g_{i,t}`` over positions with ``x_{i,t} = v``
+    (a per-example scatter-add); the ``padding_idx`` row stays zero as in ``nn.Embedding``."""
+    if not _trainable(layer, "weight"):
+        return {}
+    idx, g = _embedding_rows(layer, idx, g)
+    grads = g.new_zeros(idx.shape[0], layer.num_embeddings, layer.embedding_dim)
+    grads.scatter_add_(1, idx.unsqueeze(-1).expand_as(g), g)
+    if layer.padding_idx is not None:
+        grads[:, layer.padding_idx] = 0
+    return {"weight": grads}
+
+
+def _embedding_norms(layer: nn.Embedding, idx: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """Ghost norm with a one-hot Gram matrix where cheaper than the ``[B, V, D]`` scatter."""
+    if not _trainable(layer, "weight"):
+        return {}
+    rows, grads = _embedding_rows(layer, idx, g)
+    if not prefer_ghost(rows.shape[1], layer.weight.numel()):
+        return {"weight": _row_norm_sq(_embedding_grads(layer, idx, g)["weight"])}
+    return {"weight": embedding_norm_sq(rows, grads, layer.padding_idx)}
+
+
+def _embedding_summed(layer: nn.Embedding, idx: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """``sum_i G_i``: one ``index_add`` of all rows into ``[V, D]``."""
+    if not _trainable(layer, "weight"):
+        return {}
+    idx, g = _embedding_rows(layer, idx, g)
+    total = g.new_zeros(layer.num_embeddings, layer.embedding_dim)
+    total.index_add_(0, idx.flatten(), g.flatten(0, 1))
+    if layer.padding_idx is not None:
+        total[layer.padding_idx] = 0
+    return {"weight": total}
+
+
+register_sampler(nn.Embedding, norms=_embedding_norms, summed=_embedding_summed,
+                 supports=_embedding_supported)(_embedding_grads)
+
+
+# ----------------------------------------------------------------------------------- Normalisation
+
+
+def _affine_grads(layer: nn.Module, normalised: Tensor, g: Tensor, dims: tuple[int, ...],
+                  shape: tuple[int, ...]) -> Dict[str, Tensor]:
+    """``y = w * x_hat + b``: ``dw_i = sum g * x_hat`` and ``db_i = sum g`` over the ``dims`` of
+    one example that the affine parameters are shared across."""
+    normalised, g = _common_dtype(normalised, g)
+    out = {}
+    if _trainable(layer, "weight"):
+        out["weight"] = _sum_over(g * normalised, dims).reshape(-1, *shape)
+    if _trainable(layer, "bias"):
+        out["bias"] = _sum_over(g, dims).reshape(-1, *shape)
+    return out
+
+
+def _layer_norm_grads(layer: nn.LayerNorm, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """LayerNorm normalises the last ``len(normalized_shape)`` dims; the dims between the batch
+    and those are positions of one example and are summed."""
+    shape = tuple(layer.normalized_shape)
+    normalised = F.layer_norm(a, shape, eps=layer.eps)
+    return _affine_grads(layer, normalised, g, tuple(range(1, a.dim() - len(shape))), shape)
+
+
+def _group_norm_grads(layer: nn.GroupNorm, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """GroupNorm on ``[B, C, *]`` normalises each example's channel groups; the affine
+    parameters are per channel, summed over the spatial dims."""
+    normalised = F.group_norm(a, layer.num_groups, eps=layer.eps)
+    return _affine_grads(layer, normalised, g, tuple(range(2, a.dim())), (layer.num_channels,))
+
+
+def _rms_norm_grads(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """RMSNorm, ``y = w * x / sqrt(mean(x^2) + eps)``: the weight-only case of the affine rule
+    (``eps=None`` is the dtype's machine epsilon, as in ``nn.RMSNorm``)."""
+    shape = tuple(layer.normalized_shape)
+    dims = tuple(range(a.dim() - len(shape), a.dim()))
+    eps = torch.finfo(a.dtype).eps if layer.eps is None else layer.eps
+    normalised = a * torch.rsqrt(a.pow(2).mean(dims, keepdim=True) + eps)
+    return _affine_grads(layer, normalised, g, tuple(range(1, a.dim() - len(shape))), shape)
+
+
+register_sampler(nn.LayerNorm)(_layer_norm_grads)
+register_sampler(nn.GroupNorm)(_group_norm_grads)
+if hasattr(nn, "RMSNorm"):
+    register_sampler(nn.RMSNorm)(_rms_norm_grads)
+
+
+def _register_timm_norms() -> None:
+    """timm's ``LayerNorm`` and ``RmsNorm`` re-implement ``forward`` (optionally fused) with the
+    maths of the rules above; registered once timm is imported, so it stays optional."""
+    norm = sys.modules.get("timm.layers.norm")
+    if norm is None or getattr(norm, "LayerNorm", None) in _SAMPLERS:
+        return
+    register_sampler(norm.LayerNorm)(_layer_norm_grads)
+    if hasattr(norm, "RmsNorm"):
+        register_sampler(norm.RmsNorm)(_rms_norm_grads)

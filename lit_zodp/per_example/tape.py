@@ -1,0 +1,151 @@
+"""Hooks that record, for one batch, what the per-example rules need.
+
+* For each call of a layer with a rule (:mod:`~lit_zodp.per_example.samplers`): its input and,
+  through a tensor hook on its output, the gradient of the summed loss with respect to that
+  output (Opacus records the same pair with module hooks).
+* For each call of a module recomputed by the vmap fallback (the engine's root module and modules
+  owning parameters no rule covers): its flattened arguments and its output gradients.
+
+Tensor hooks are registered in the forward hook, before any later in-place update of the output,
+so they see the gradient of the value the layer produced. Hooks only record while
+:attr:`Tape.recording` is set, so the fallback's recomputation leaves the tape untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional
+
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass(eq=False)
+class LayerCall:
+    """One call of a layer with a rule: its input ``activation`` and output gradient ``grad``."""
+
+    module: nn.Module
+    activation: Tensor
+    grad: Optional[Tensor] = None
+
+
+@dataclass(eq=False)
+class ModuleCall:
+    """One call of a module, for recomputation: flattened ``(args, kwargs)`` and output gradients."""
+
+    module: nn.Module
+    inputs: List[Any]
+    spec: Any
+    versions: List[Optional[int]]
+    grads: Dict[int, Tensor] = field(default_factory=dict)
+
+    def inputs_unchanged(self) -> bool:
+        """False if an input tensor was modified in place after the call (recomputation would differ)."""
+        return all(v is None or leaf._version == v for leaf, v in zip(self.inputs, self.versions))
+
+
+def _first_input(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else next(iter(kwargs.values()), None)
+
+
+def _leading_dim(args: tuple, kwargs: dict) -> Optional[int]:
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, Tensor) and leaf.dim() >= 1:
+            return leaf.shape[0]
+    return None
+
+
+class Tape:
+    """Records :class:`LayerCall` s and :class:`ModuleCall` s while :attr:`recording` is set.
+
+    Args:
+        root: The engine's module; the leading dim of its first tensor argument is the batch hint.
+        layers: Modules with a rule and trainable parameters.
+        modules: Modules whose calls the fallback may recompute.
+    """
+
+    def __init__(self, root: nn.Module, layers: Iterable[nn.Module], modules: Iterable[nn.Module]):
+        self.root, self.layers, self.modules = root, list(layers), list(modules)
+        self.recording = False
+        self.batch_hint: Optional[int] = None
+        self.layer_calls: List[LayerCall] = []
+        self.module_calls: List[ModuleCall] = []
+        self._handles: list = []
+
+    def __enter__(self) -> "Tape":
+        register = self._handles.append
+        register(self.root.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
+        for layer in self.layers:
+            if isinstance(layer, nn.Embedding):
+                register(layer.register_forward_pre_hook(self._broadcast_embedding_hook, with_kwargs=True))
+            register(layer.register_forward_hook(self._layer_hook, with_kwargs=True))
+        for module in self.modules:
+            register(module.register_forward_hook(self._module_hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.recording = False
+
+    def clear(self) -> None:
+        """Drop the recorded activations and gradients."""
+        self.layer_calls.clear()
+        self.module_calls.clear()
+
+    # --------------------------------------------------------------------------------- hooks
+
+    def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.recording:
+            self.batch_hint = _leading_dim(args, kwargs)
+
+    def _broadcast_embedding_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        """Shared index rows ``[1, T]`` (e.g. BERT's and GPT-2's position ids) are expanded to the
+        batch, so each example's output rows, and hence its gradient, are its own; the values
+        downstream are unchanged since the ``[1, T, D]`` output would broadcast the same way."""
+        idx = _first_input(args, kwargs)
+        hint = self.batch_hint
+        if not (self.recording and hint and hint > 1 and isinstance(idx, Tensor)
+                and idx.dim() >= 2 and idx.shape[0] == 1):
+            return None
+        expanded = idx.expand(hint, *idx.shape[1:])
+        if args:
+            return (expanded, *args[1:]), kwargs
+        key = next(iter(kwargs))
+        return args, {**kwargs, key: expanded}
+
+    def _layer_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        activation = _first_input(args, kwargs)
+        if not (self.recording and isinstance(output, Tensor) and output.requires_grad
+                and isinstance(activation, Tensor)):
+            return
+        call = LayerCall(module, activation.detach())
+        self.layer_calls.append(call)
+        output.register_hook(self._store_layer_grad(call))
+
+    def _module_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.recording:
+            return
+        inputs, spec = tree_flatten((args, kwargs))
+        versions = [leaf._version if isinstance(leaf, Tensor) and not leaf.is_inference() else None
+                    for leaf in inputs]
+        call = ModuleCall(module, inputs, spec, versions)
+        self.module_calls.append(call)
+        seen = set()
+        for j, leaf in enumerate(tree_flatten(output)[0]):
+            if isinstance(leaf, Tensor) and leaf.requires_grad and id(leaf) not in seen:
+                seen.add(id(leaf))  # an output returned twice must get its gradient once
+                leaf.register_hook(self._store_module_grad(call, j))
+
+    def _store_layer_grad(self, call: LayerCall):
+        def hook(grad: Tensor) -> None:
+            if self.recording:
+                call.grad = grad
+        return hook
+
+    def _store_module_grad(self, call: ModuleCall, index: int):
+        def hook(grad: Tensor) -> None:
+            if self.recording:
+                call.grads[index] = grad
+        return hook

@@ -1,0 +1,155 @@
+"""DP-SGD and DP-Adam: against Opacus on the same model and batch, against Alg. 3 written naively,
+their noise law, micro-batching, the norm-only path and the refusal of BatchNorm."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lit_zodp.algorithms import DPAdam, DPSGD
+from lit_zodp.errors import PrivacyConfigError
+from lit_zodp.privacy import FullBatchSampler, NoiseSource, PrivacyLedger
+from tests.conftest import blobs, collate_tensors, mlp, poisson_loader, quiet_trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set", "ignore:.*Secure RNG.*",
+                                        "ignore:.*Optimal order.*", "ignore:.*non-full backward hook.*")
+
+
+def flat(model):
+    return torch.cat([p.detach().flatten().double() for p in model.parameters()]).clone()
+
+
+def full_batch(dataset, steps):
+    return DataLoader(dataset, batch_sampler=FullBatchSampler(len(dataset), steps_per_epoch=steps),
+                      collate_fn=collate_tensors)
+
+
+def per_example_clipped_sum(model, x, y, clip):
+    """The slow reference: one backward per example, flat clip over all parameters, sum."""
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for xi, yi in zip(x, y):
+        grads = torch.autograd.grad(nn.functional.cross_entropy(model(xi[None]), yi[None]), list(model.parameters()))
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = min(1.0, clip / max(norm.item(), 1e-30))
+        total = [t + factor * g for t, g in zip(total, grads)]
+    return total
+
+
+def test_a_dpsgd_step_equals_opacus_dp_optimizer_on_the_same_model_and_batch():
+    opacus = pytest.importorskip("opacus")
+    dataset = blobs(n=48)
+    ours = DPSGD(mlp(seed=4), lr=0.3, clip=0.2, noise_multiplier=0.0, seed=0)
+    quiet_trainer(max_steps=1).fit(ours, full_batch(dataset, 1))
+
+    model = mlp(seed=4)
+    engine = opacus.PrivacyEngine()
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.3),
+        data_loader=DataLoader(dataset, batch_size=48), noise_multiplier=0.0, max_grad_norm=0.2,
+        poisson_sampling=False)
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    torch.testing.assert_close(flat(ours.backbone), flat(model._module), rtol=1e-6, atol=1e-7)
+
+
+def test_the_clipped_sum_equals_a_one_example_at_a_time_reference():
+    dataset = blobs(n=20)
+    x, y = dataset.tensors
+    module = DPSGD(mlp(seed=2), lr=1.0, clip=0.3, noise_multiplier=0.0, seed=0)
+    clipped = module.private_gradient(x, y)
+    reference = per_example_clipped_sum(mlp(seed=2), x, y, 0.3)
+    for got, want in zip(clipped.grads, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_dpadam_matches_algorithm_3_written_naively():
+    """G~ = (sum_i clip(G_i) + N(0, C^2 sigma^2 I)) / B, then bias-corrected Adam (DP-GRAPE Alg. 2-3)."""
+    dataset = blobs(n=40)
+    lr, clip, sigma, betas, eps, steps = 0.01, 0.5, 0.8, (0.9, 0.999), 1e-8, 3
+    module = DPAdam(mlp(seed=3), lr=lr, clip=clip, noise_multiplier=sigma, noise_seed=11, seed=0)
+    quiet_trainer(max_steps=steps).fit(module, full_batch(dataset, steps))
+
+    reference = mlp(seed=3)
+    noise = NoiseSource(11)
+    params = list(reference.parameters())
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    x, y = dataset.tensors
+    for t in range(1, steps + 1):
+        summed = per_example_clipped_sum(reference, x, y, clip)
+        flat_noise = noise.gaussian((sum(p.numel() for p in params),), sigma * clip)
+        noises = flat_noise.split([p.numel() for p in params])
+        with torch.no_grad():
+            alpha = lr * math.sqrt(1 - betas[1] ** t) / (1 - betas[0] ** t)
+            for p, g, z, mi, vi in zip(params, summed, noises, m, v):
+                released = (g + z.view_as(g)) / len(dataset)
+                mi.mul_(betas[0]).add_(released, alpha=1 - betas[0])
+                vi.mul_(betas[1]).addcmul_(released, released, value=1 - betas[1])
+                p.sub_(alpha * mi / (vi.sqrt() + eps * math.sqrt(1 - betas[1] ** t)))
+    torch.testing.assert_close(flat(module.backbone), flat(reference), rtol=1e-5, atol=1e-6)
+
+
+class Flat(nn.Module):
+    """Logits that do not depend on the parameters: every per-example gradient is exactly 0."""
+
+    num_classes = 3
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(1000, 1)
+
+    def forward(self, x):
+        return torch.zeros(x.shape[0], 3) + 0.0 * self.w(torch.zeros(x.shape[0], 1000)).sum()
+
+
+def test_the_noise_of_a_dpsgd_step_has_std_lr_sigma_clip_over_b():
+    sigma, clip, lr, q = 2.0, 0.5, 0.1, 0.1
+    dataset = blobs(n=80)
+    module = DPSGD(Flat(), lr=lr, clip=clip, noise_multiplier=sigma, seed=0)
+    before = flat(module.backbone)
+    quiet_trainer(max_steps=1).fit(module, poisson_loader(dataset, q))
+    step = (flat(module.backbone) - before).numpy()
+    expected = lr * sigma * clip / (q * 80)
+    assert step.std() == pytest.approx(expected, rel=5 / math.sqrt(2 * step.size))
+    assert abs(step.mean()) < 5 * expected / math.sqrt(step.size)
+
+
+def test_epsilon_matches_opacus_prv_accountant_within_one_percent():
+    opacus = pytest.importorskip("opacus")
+    module = DPSGD(mlp(), lr=0.1, clip=1.0, noise_multiplier=1.1, delta=1e-5, seed=0)
+    quiet_trainer(max_steps=40).fit(module, poisson_loader(blobs(), 0.1))
+    accountant = opacus.accountants.PRVAccountant()
+    accountant.history = [(1.1, 0.1, 40)]
+    bounds = module.privacy.ledger.epsilon(1e-5)
+    assert bounds.estimate == pytest.approx(accountant.get_epsilon(1e-5), rel=0.01)
+    assert module.privacy.epsilon() == bounds.upper >= bounds.estimate  # what we report: the upper bound
+
+
+@pytest.mark.parametrize("kwargs", [dict(micro_batch_size=7), dict(grad_mode="ghost")])
+def test_micro_batches_and_the_norm_only_path_give_the_same_step(kwargs):
+    dataset = blobs(n=40)
+
+    def run(**extra):
+        module = DPSGD(mlp(seed=5), lr=0.2, clip=0.3, noise_multiplier=1.0, noise_seed=3, seed=0, **extra)
+        quiet_trainer(max_steps=3).fit(module, full_batch(dataset, 3))
+        return flat(module.backbone)
+
+    torch.testing.assert_close(run(**kwargs), run(), rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_is_refused_with_the_layer_name_and_a_suggestion():
+    model = nn.Sequential(nn.Linear(10, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    with pytest.raises(PrivacyConfigError, match=r"(?s)1.*GroupNorm"):
+        DPSGD(model, lr=0.1, clip=1.0, noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(grad_mode="other"), "grad_mode"),
+                                          (dict(micro_batch_size=0), "micro_batch_size"),
+                                          (dict(momentum=-1.0), "momentum")])
+def test_bad_first_order_settings_are_refused(kwargs, match):
+    with pytest.raises(PrivacyConfigError, match=match):
+        DPSGD(mlp(), lr=0.1, clip=1.0, noise_multiplier=1.0, **kwargs)

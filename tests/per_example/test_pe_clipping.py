@@ -1,0 +1,194 @@
+"""Flat clipping, non-finite examples, empty batches, micro-batching and leftover state."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lit_zodp.per_example import ClippedSum, PerExampleGradientEngine
+from tests.per_example.helpers import (
+    assert_rel_close,
+    ce,
+    flat_clipped_sum,
+    mlp,
+    opacus_per_example,
+    reference,
+    tiny_bert,
+    tiny_vit,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+MODES = ["hooks", "ghost", "vmap"]
+
+
+def _mlp_batch(n=6, seed=0):
+    torch.manual_seed(seed)
+    return torch.randn(n, 6) * torch.linspace(0.1, 5, n).unsqueeze(1), torch.randint(0, 3, (n,))
+
+
+def _assert_sums(result, expected_sums, names, rtol=1e-6):
+    for name, got in zip(names, result.grads):
+        assert_rel_close(got, expected_sums[name], rtol, name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("clip", [0.05, 1.0, math.inf])
+def test_mlp_clipped_sum_equals_reference_and_opacus(mode, clip):
+    model, (x, y) = mlp(), _mlp_batch()
+    engine = PerExampleGradientEngine(model, mode=mode)
+    result = engine.clipped_sum(lambda: ce(model(x), y), clip)
+    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    sums, norms = flat_clipped_sum(expected, engine.names, clip)
+    _assert_sums(result, sums, engine.names)
+    assert_rel_close(result.norms, norms)
+    assert result.norms.dtype == torch.float32 and result.batch_size == len(x)
+    theirs, their_norms = flat_clipped_sum(opacus_per_example(model, lambda m: ce(m(x), y)), engine.names, clip)
+    _assert_sums(result, theirs, engine.names)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_vit_clipped_sum_equals_reference_and_clipped_norms_are_bounded(mode):
+    model = tiny_vit()
+    torch.manual_seed(0)
+    x, y, clip = torch.randn(3, 3, 16, 16), torch.tensor([0, 2, 1]), 0.5
+    engine = PerExampleGradientEngine(model, mode=mode)
+    result = engine.clipped_sum(lambda: ce(model(x), y), clip)
+    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    sums, norms = flat_clipped_sum(expected, engine.names, clip)
+    _assert_sums(result, sums, engine.names)
+    assert (norms > clip).all()  # every example is clipped
+    for i in range(len(x)):  # each example's clipped contribution has norm <= C
+        one = engine.clipped_sum(lambda i=i: ce(model(x[i:i + 1]), y[i:i + 1]), clip)
+        assert torch.cat([g.flatten() for g in one.grads]).norm() <= clip * (1 + 1e-9)
+
+
+def test_bert_clipped_sum_equals_opacus():
+    model = tiny_bert()
+    torch.manual_seed(1)
+    ids, y, clip = torch.randint(1, 50, (4, 5)), torch.tensor([0, 1, 1, 0]), 0.1
+    engine = PerExampleGradientEngine(model, mode="ghost")
+    result = engine.clipped_sum(lambda: ce(model(input_ids=ids).logits, y), clip)
+    positions = torch.arange(5).expand(4, 5)
+    theirs = opacus_per_example(model, lambda m: ce(m(input_ids=ids, position_ids=positions).logits, y))
+    sums, _ = flat_clipped_sum(theirs, engine.names, clip)
+    _assert_sums(result, sums, engine.names)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_example_contributes_zero_and_others_are_unaffected(mode, bad):
+    """A crafted record (nan/inf features -> non-finite loss and gradient) gets factor 0."""
+    model, (x, y) = mlp(), _mlp_batch()
+    poisoned = x.clone()
+    poisoned[2, 0] = bad
+    engine = PerExampleGradientEngine(model, mode=mode)
+    result = engine.clipped_sum(lambda: ce(model(poisoned), y), 0.5)
+    keep = torch.tensor([i != 2 for i in range(len(x))])
+    clean = engine.clipped_sum(lambda: ce(model(x[keep]), y[keep]), 0.5)
+    for got, want in zip(result.grads, clean.grads):
+        assert torch.isfinite(got).all()
+        assert_rel_close(got, want, 1e-12)
+    assert not torch.isfinite(result.norms[2])
+    assert_rel_close(result.norms[keep], clean.norms)
+
+
+def test_non_finite_example_in_a_vit_with_fallback_parameters():
+    """The vmap fallback (cls_token, pos_embed) is per example, so nan cannot leak across rows."""
+    model = tiny_vit()
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 3, 16, 16), torch.tensor([0, 2, 1])
+    poisoned = x.clone()
+    poisoned[1, 0, 0, 0] = math.nan
+    for mode in ("hooks", "ghost"):
+        engine = PerExampleGradientEngine(model, mode=mode)
+        result = engine.clipped_sum(lambda: ce(model(poisoned), y), 1.0)
+        clean = engine.clipped_sum(lambda: ce(model(x[[0, 2]]), y[[0, 2]]), 1.0)
+        for got, want in zip(result.grads, clean.grads):
+            assert_rel_close(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_batch_gives_zero_sums_without_backward(mode):
+    model, (x, y) = mlp(), _mlp_batch()
+    engine = PerExampleGradientEngine(model, mode=mode)
+    result = engine.clipped_sum(lambda: ce(model(x[:0]), y[:0]), 1.0)
+    assert result.batch_size == 0 and result.norms.shape == (0,)
+    for g, p in zip(result.grads, engine.params):
+        assert g.shape == p.shape and g.dtype == p.dtype and not g.any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_micro_batches_accumulate_to_one_call(mode):
+    model, (x, y) = mlp(), _mlp_batch(7)
+    engine = PerExampleGradientEngine(model, mode=mode)
+    whole = engine.clipped_sum(lambda: ce(model(x), y), 0.3)
+    parts = [lambda: ce(model(x[:3]), y[:3]), lambda: ce(model(x[3:3]), y[3:3]), lambda: ce(model(x[3:]), y[3:])]
+    micro = engine.clipped_sum_microbatched(parts, 0.3)
+    assert micro.batch_size == 7
+    torch.testing.assert_close(micro.norms, whole.norms)
+    for a, b in zip(micro.grads, whole.grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert engine.clipped_sum_microbatched([], 0.3).batch_size == 0
+
+
+def test_clipped_sum_add_checks_lengths():
+    from lit_zodp.errors import PrivacyConfigError
+
+    one = ClippedSum([torch.ones(2)], torch.ones(1), 1)
+    with pytest.raises(PrivacyConfigError, match="1 parameters"):
+        one.add_(ClippedSum([torch.ones(2), torch.ones(1)], torch.ones(1), 1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_grad_or_activations_left_behind(mode):
+    model, (x, y) = mlp(), _mlp_batch()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    engine = PerExampleGradientEngine(model, mode=mode)
+    engine.clipped_sum(lambda: ce(model(x), y), 1.0)
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    # outside the engine the model runs as before
+    torch.testing.assert_close(model(x), nn.Sequential(*model)(x))
+
+
+def test_frozen_parameters_are_not_in_the_engine():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    engine = PerExampleGradientEngine(model)
+    assert engine.names == ["0.bias", "2.weight", "2.bias"]
+    x, y = _mlp_batch()
+    result = engine.clipped_sum(lambda: ce(model(x), y), math.inf)
+    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    _assert_sums(result, {n: g.sum(0) for n, g in expected.items()}, engine.names)
+
+
+def test_no_recorded_calls_survive_the_call():
+    """Activations and output gradients live in the per-call tape only."""
+    import gc
+
+    from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape
+
+    model, (x, y) = mlp(), _mlp_batch()
+    for mode in MODES:
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(lambda: ce(model(x), y), 1.0)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) in (LayerCall, ModuleCall, Tape)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bfloat16_autocast_is_close_to_float32(mode):
+    """Mixed dtypes (fp32 inputs, bf16 output gradients) are promoted; the coverage check uses
+    autocast's precision, so nothing falls back to recomputation in "hooks"/"ghost" modes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3)).float()
+    ids, y = torch.randint(0, 20, (5, 7)), torch.randint(0, 3, (5,))
+    engine = PerExampleGradientEngine(model, mode=mode)
+    exact = engine.clipped_sum(lambda: ce(model(ids).float().mean(1), y), 0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = engine.clipped_sum(lambda: ce(model(ids).float().mean(1), y), 0.5)
+    assert len(engine.last_recomputed) == (len(engine.names) if mode == "vmap" else 0)
+    for a, b in zip(mixed.grads, exact.grads):
+        assert a.dtype == torch.float32
+        assert_rel_close(a, b, 3e-2)

@@ -1,0 +1,260 @@
+"""Engine contract: refusals and bad arguments, tied weights, uses outside a layer, the transform slot."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_zodp.errors import PrivacyConfigError
+from lit_zodp.per_example import PerExampleGradientEngine
+from tests.per_example.helpers import (
+    assert_grads_match,
+    assert_rel_close,
+    ce,
+    engine_per_example,
+    flat_clipped_sum,
+    mlp,
+    reference,
+)
+
+
+# ------------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.SyncBatchNorm(4)])
+def test_batchnorm_is_refused_naming_the_layer(norm):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Identity(), norm))
+    with pytest.raises(PrivacyConfigError, match=r"`1\.1`.*GroupNorm"):
+        PerExampleGradientEngine(model)
+
+
+def test_bad_arguments_are_collected():
+    with pytest.raises(PrivacyConfigError, match="mode") as info:
+        PerExampleGradientEngine(mlp(), mode="fast", transform=3)
+    assert "transform" in str(info.value)
+    with pytest.raises(PrivacyConfigError, match="mode='hooks'"):
+        PerExampleGradientEngine(mlp(), mode="ghost", transform=lambda n, p, g: g)
+    with pytest.raises(PrivacyConfigError, match="mode='hooks'"):
+        PerExampleGradientEngine(mlp(), mode="vmap", transform=lambda n, p, g: g)
+    frozen = mlp().requires_grad_(False)
+    with pytest.raises(PrivacyConfigError, match="trainable"):
+        PerExampleGradientEngine(frozen)
+
+
+@pytest.mark.parametrize("clip", [0.0, -1.0, math.nan, "1"])
+def test_bad_clip_is_refused(clip):
+    model = mlp()
+    with pytest.raises(PrivacyConfigError, match="clip"):
+        PerExampleGradientEngine(model).clipped_sum(lambda: model(torch.randn(2, 6)).sum(1), clip)
+
+
+def test_loss_fn_must_return_per_example_losses():
+    model, x = mlp(), torch.randn(3, 6)
+    engine = PerExampleGradientEngine(model)
+    with pytest.raises(PrivacyConfigError, match=r"shape \[B\]"):
+        engine.clipped_sum(lambda: model(x).sum(), 1.0)
+    with pytest.raises(PrivacyConfigError, match="no_grad"):
+        with torch.no_grad():
+            engine.clipped_sum(lambda: model(x).sum(1), 1.0)
+
+
+def test_parameter_used_in_loss_fn_is_refused():
+    """A use outside the module's calls cannot be attributed to examples by any recorded call."""
+    model, x = mlp(), torch.randn(3, 6)
+    with pytest.raises(PrivacyConfigError, match="2.weight do not add up"):
+        PerExampleGradientEngine(model).clipped_sum(lambda: (model(x) + x[:, :3] @ model[2].weight[:, :3]).sum(1),
+                                                    1.0)
+
+
+# ---------------------------------------------------------------------------- tied weights
+
+
+class TinyLM(nn.Module):
+    """Embedding tied to the output layer (``head.weight is embed.weight``), called as modules or
+    through ``F.linear`` (a use the layer rules cannot see)."""
+
+    def __init__(self, functional_head=False, vocab=11, dim=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.functional_head = functional_head
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.embed(ids)))
+        return F.linear(h, self.embed.weight) if self.functional_head else self.head(h)
+
+
+def _lm_batch():
+    torch.manual_seed(0)
+    ids = torch.randint(1, 11, (4, 5))
+    ids[0, 3:] = 0
+    return ids
+
+
+def _lm_loss_of_one(model):
+    return lambda i: F.cross_entropy(model(i)[:, :-1].flatten(0, 1), i[:, 1:].flatten()).sum()
+
+
+def _lm_loss_fn(model, ids):
+    return lambda: F.cross_entropy(model(ids)[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
+def test_tied_weight_appears_once_and_sums_both_uses():
+    torch.manual_seed(0)
+    model, ids = TinyLM().double(), _lm_batch()
+    engine = PerExampleGradientEngine(model)
+    assert engine.names == ["embed.weight", "mix.weight", "mix.bias"]
+    expected = reference(model, _lm_loss_of_one(model), ids)
+    assert_grads_match(engine_per_example(model, _lm_loss_fn(model, ids)), expected)
+    hooks = engine.clipped_sum(_lm_loss_fn(model, ids), 0.2)
+    ghost = PerExampleGradientEngine(model, mode="ghost").clipped_sum(_lm_loss_fn(model, ids), 0.2)
+    sums, norms = flat_clipped_sum(expected, engine.names, 0.2)
+    for name, h, g in zip(engine.names, hooks.grads, ghost.grads):
+        assert_rel_close(h, sums[name], name=name)
+        assert_rel_close(g, sums[name], name=name)
+    assert_rel_close(ghost.norms, norms)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_weight_also_used_through_f_linear_is_recomputed(mode):
+    """The coverage check catches the unseen use and recomputes the weight on the whole module."""
+    torch.manual_seed(0)
+    model, ids = TinyLM(functional_head=True).double(), _lm_batch()
+    expected = reference(model, _lm_loss_of_one(model), ids)
+    engine = PerExampleGradientEngine(model, mode=mode)
+    result = engine.clipped_sum(_lm_loss_fn(model, ids), 0.2)
+    assert engine.last_recomputed == {"embed.weight": ""}
+    sums, _ = flat_clipped_sum(expected, engine.names, 0.2)
+    for name, got in zip(engine.names, result.grads):
+        assert_rel_close(got, sums[name], name=name)
+
+
+# ------------------------------------------------------------------------------ transform
+
+
+def test_transform_projects_per_example_gradients_before_the_norm():
+    """A fixed projection ``P [r, out]`` of a Linear weight's per-example gradients
+    ``[B, out, in] -> [B, r, in]``: norms are taken after it, and the sum is ``P @ sum_i f_i G_i``."""
+    model = mlp()
+    torch.manual_seed(3)
+    x, y, clip = torch.randn(5, 6), torch.randint(0, 3, (5,)), 0.4
+    proj = torch.randn(2, 8)
+    seen = {}
+
+    def transform(name, param, grads):
+        seen[name] = grads.shape
+        return torch.einsum("ro,bo...->br...", proj, grads) if name == "0.weight" else grads
+
+    engine = PerExampleGradientEngine(model, transform=transform)
+    result = engine.clipped_sum(lambda: ce(model(x), y), clip)
+    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    assert seen["0.weight"] == (5, 8, 6)
+    transformed = dict(expected, **{"0.weight": torch.einsum("ro,boi->bri", proj, expected["0.weight"])})
+    flat = torch.cat([transformed[n].flatten(1) for n in engine.names], 1)
+    factors = (clip / flat.norm(dim=1)).clamp(max=1)
+    assert result.grads[0].shape == (2, 6)
+    assert_rel_close(result.grads[0], proj @ torch.einsum("b,boi->oi", factors, expected["0.weight"]))
+    for name, got in list(zip(engine.names, result.grads))[1:]:
+        assert_rel_close(got, torch.einsum("b,b...->...", factors, expected[name]), name=name)
+    assert_rel_close(result.norms, flat.norm(dim=1))
+    empty = engine.clipped_sum(lambda: ce(model(x[:0]), y[:0]), clip)
+    assert empty.grads[0].shape == (2, 6) and not empty.grads[0].any()
+
+
+def test_transform_sees_fallback_parameters_and_identity_is_a_no_op():
+    from tests.per_example.helpers import tiny_vit
+
+    model = tiny_vit()
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 3, 16, 16), torch.tensor([0, 1])
+    names = []
+    plain = PerExampleGradientEngine(model).clipped_sum(lambda: ce(model(x), y), 1.0)
+    engine = PerExampleGradientEngine(model, transform=lambda n, p, g: names.append(n) or g)
+    result = engine.clipped_sum(lambda: ce(model(x), y), 1.0)
+    assert names == engine.names
+    for a, b in zip(result.grads, plain.grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fallback_with_active_dropout_is_refused_with_guidance():
+    """The vmap recomputation cannot replay dropout masks; layer rules can (they use the recorded rows)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, depth=1,
+                              num_classes=3, embed_dim=24, num_heads=2, proj_drop_rate=0.2).double().train()
+    x, y = torch.randn(3, 3, 16, 16), torch.tensor([0, 1, 2])
+    with pytest.raises(PrivacyConfigError, match="cls_token, pos_embed.*disable dropout"):
+        PerExampleGradientEngine(model).clipped_sum(lambda: ce(model(x), y), 1.0)
+    model.cls_token.requires_grad_(False)
+    model.pos_embed.requires_grad_(False)
+    engine = PerExampleGradientEngine(model)
+    assert engine.clipped_sum(lambda: ce(model(x), y), 1.0).batch_size == 3 and not engine.last_recomputed
+
+
+class _Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.gamma)
+
+
+class _GatedNet(nn.Module):
+    """``gate.gamma`` has no rule (recomputed on ``gate``) but is also used by the parent itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.gate = nn.Linear(3, 4), _Gate()
+
+    def forward(self, x):
+        return self.gate(self.lin(x)) + self.gate.gamma.tanh()
+
+
+def test_owner_recomputation_missing_a_use_falls_back_to_the_whole_module():
+    torch.manual_seed(0)
+    model, x, w = _GatedNet().double(), torch.randn(5, 2, 3), torch.randn(2, 4)
+    expected = reference(model, lambda xi: (model(xi) * w).sum(), x)
+    got = engine_per_example(model, lambda: (model(x) * w).sum((1, 2)), recomputed={"gate.gamma": ""})
+    assert_grads_match(got, expected)
+
+
+def test_recomputation_needs_batch_first_outputs_and_unchanged_inputs():
+    torch.manual_seed(0)
+    model, x = _GatedNet().double(), torch.randn(5, 3)
+
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, inputs):
+            return self.net(inputs).T  # [4, B]
+
+    transposed = Transposed()
+    with pytest.raises(PrivacyConfigError, match="not batch-first"):
+        PerExampleGradientEngine(transposed, mode="vmap").clipped_sum(lambda: transposed(x).sum(0), 1.0)
+
+    class Shift(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = nn.Parameter(torch.zeros(3))
+
+        def forward(self, inputs):
+            return inputs + self.b  # saves nothing for backward: autograd allows the later update
+
+    shift = Shift()
+
+    def modifies_input():
+        inputs = x.clone()
+        out = shift(inputs)
+        inputs.add_(1)
+        return out.pow(2).sum(1)
+
+    with pytest.raises(PrivacyConfigError, match="modified in place"):
+        PerExampleGradientEngine(shift).clipped_sum(modifies_input, 1.0)

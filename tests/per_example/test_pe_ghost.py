@@ -1,0 +1,76 @@
+"""Ghost norms (Li et al. 2022) equal the norms of the materialised per-example gradients."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lit_zodp.per_example import PerExampleGradientEngine, samplers
+from lit_zodp.per_example.ghost import embedding_norm_sq, gram_norm_sq, prefer_ghost
+from tests.per_example.helpers import assert_rel_close
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.integers(1, 5), st.integers(1, 5))
+def test_gram_norm_equals_materialised_norm(batch, positions, d_in, d_out):
+    torch.manual_seed(batch * 100 + positions)
+    a, g = torch.randn(batch, positions, d_in), torch.randn(batch, positions, d_out)
+    materialised = torch.einsum("bto,bti->boi", g, a).flatten(1).pow(2).sum(1)
+    assert_rel_close(gram_norm_sq(a, g), materialised, 1e-10)
+
+
+def test_embedding_norm_equals_materialised_norm_with_padding():
+    torch.manual_seed(0)
+    idx, g = torch.randint(0, 4, (5, 7)), torch.randn(5, 7, 3)
+    layer = nn.Embedding(4, 3, padding_idx=1)
+    materialised = samplers._embedding_grads(layer, idx, g)["weight"].flatten(1).pow(2).sum(1)
+    assert_rel_close(embedding_norm_sq(idx, g, 1), materialised, 1e-10)
+
+
+def test_mixed_rule_prefers_the_cheaper_computation():
+    assert prefer_ghost(1, 4) and prefer_ghost(10, 201)
+    assert prefer_ghost(512, 768 * 768) and not prefer_ghost(10, 200) and not prefer_ghost(1024, 768 * 768)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (nn.Conv2d(2, 5, 3, padding=1), torch.randn(3, 2, 4, 4)),
+    lambda: (nn.Conv1d(2, 8, 3, stride=2), torch.randn(3, 2, 9)),
+    lambda: (nn.Conv1d(2, 2, 3), torch.randn(3, 2, 40)),  # 2 L^2 > weight size: materialised
+    lambda: (nn.Embedding(30, 4), torch.randint(0, 30, (3, 4))),
+    lambda: (nn.Linear(3, 4), torch.randn(3, 2, 3)),
+])
+def test_layer_norm_rules_equal_materialised_norms(make):
+    torch.manual_seed(0)
+    layer, x = make()
+    out = layer(x)
+    g = torch.randn_like(out)
+    sampler = samplers.sampler_for(layer)
+    ghost = sampler.norms_sq(layer, x, g)
+    materialised = {n: t.flatten(1).pow(2).sum(1) for n, t in sampler.grads(layer, x, g).items()}
+    assert set(ghost) == set(materialised)
+    for name in ghost:
+        assert_rel_close(ghost[name], materialised[name], 1e-10, name)
+    summed = sampler.sum_over_examples(layer, x, g)
+    for name, t in sampler.grads(layer, x, g).items():
+        assert_rel_close(summed[name], t.sum(0), 1e-10, name)
+
+
+def test_ghost_mode_never_materialises_linear_weights(monkeypatch):
+    """Ghost mode only asks single-use Linear layers for norms and sums."""
+    table = dict(samplers._SAMPLERS)
+
+    def forbidden(layer, a, g):
+        raise AssertionError("materialised")
+
+    table[nn.Linear] = dataclasses.replace(table[nn.Linear], grads=forbidden)
+    monkeypatch.setattr(samplers, "_SAMPLERS", table)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(4, 3, 8)
+    result = PerExampleGradientEngine(model, mode="ghost").clipped_sum(lambda: model(x).pow(2).sum((1, 2)), 0.1)
+    assert result.norms.shape == (4,)
+    with pytest.raises(AssertionError, match="materialised"):
+        PerExampleGradientEngine(model).clipped_sum(lambda: model(x).pow(2).sum((1, 2)), 0.1)

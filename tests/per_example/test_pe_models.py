@@ -1,0 +1,108 @@
+"""Whole models: a timm ViT block and tiny ViT, a tiny Hugging Face BERT, against the torch.func
+reference and Opacus; "ghost" and "vmap" modes against "hooks"."""
+
+import pytest
+import torch
+
+from lit_zodp.per_example import PerExampleGradientEngine
+from tests.per_example.helpers import (
+    assert_grads_match,
+    assert_rel_close,
+    ce,
+    engine_per_example,
+    loop_reference,
+    mlp,
+    opacus_per_example,
+    reference,
+    tiny_bert,
+    tiny_vit,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture
+def vit_batch():
+    torch.manual_seed(0)
+    return torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 1])
+
+
+@pytest.fixture
+def bert_batch():
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (3, 6))
+    mask = torch.ones_like(ids)
+    ids[0, 4:], mask[0, 4:] = 0, 0  # padding
+    return ids, mask, torch.tensor([0, 1, 1])
+
+
+def test_timm_vit_block_matches_reference_and_opacus():
+    from timm.models.vision_transformer import Block
+
+    torch.manual_seed(0)
+    block = Block(dim=8, num_heads=2, mlp_ratio=2.0).double()
+    x, w = torch.randn(3, 5, 8), torch.randn(5, 8)
+    expected = reference(block, lambda xi: (block(xi) * w).sum(), x)
+    assert_grads_match(engine_per_example(block, lambda: (block(x) * w).sum((1, 2))), expected)
+    assert_grads_match(opacus_per_example(block, lambda m: (m(x) * w).sum((1, 2))), expected)
+
+
+def test_tiny_vit_matches_reference_and_opacus(vit_batch):
+    """``cls_token`` and ``pos_embed`` belong to the ViT itself: the vmap fallback on the whole model."""
+    model, (x, y) = tiny_vit(), vit_batch
+    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    got = engine_per_example(model, lambda: ce(model(x), y), recomputed={"cls_token": "", "pos_embed": ""})
+    assert_grads_match(got, expected)
+    assert_grads_match(opacus_per_example(model, lambda m: ce(m(x), y)), expected)
+    assert_grads_match(engine_per_example(model, lambda: ce(model(x), y), "vmap"), expected)
+
+
+def test_tiny_bert_matches_reference_and_opacus():
+    """Shared position ids ``[1, T]`` are expanded per example; Opacus needs them passed as ``[B, T]``."""
+    model = tiny_bert()
+    torch.manual_seed(0)
+    ids, y = torch.randint(1, 50, (3, 6)), torch.tensor([0, 1, 1])
+    expected = reference(model, lambda i, yi: ce(model(input_ids=i).logits, yi).sum(), ids, y)
+    got = engine_per_example(model, lambda: ce(model(input_ids=ids).logits, y))
+    assert_grads_match(got, expected)
+    positions = torch.arange(6).expand(3, 6)
+    theirs = opacus_per_example(model, lambda m: ce(m(input_ids=ids, position_ids=positions).logits, y))
+    assert_grads_match(theirs, expected)
+
+
+def test_tiny_bert_with_padding_mask_matches_per_example_backward(bert_batch):
+    """With an attention mask HF's mask code is not vmap-able; the reference is one backward per example."""
+    model, (ids, mask, y) = tiny_bert(), bert_batch
+    expected = loop_reference(model, lambda i, m, yi: ce(model(input_ids=i, attention_mask=m).logits, yi).sum(),
+                              ids, mask, y)
+    got = engine_per_example(model, lambda: ce(model(input_ids=ids, attention_mask=mask).logits, y))
+    assert_grads_match(got, expected)
+    assert torch.count_nonzero(got["bert.embeddings.word_embeddings.weight"][:, 0]) == 0  # padding_idx
+
+
+def _assert_same_clipped_sum(model, loss_fn, clip, modes=("ghost",)):
+    hooks = PerExampleGradientEngine(model).clipped_sum(loss_fn, clip)
+    for mode in modes:
+        other = PerExampleGradientEngine(model, mode=mode).clipped_sum(loss_fn, clip)
+        assert_rel_close(other.norms, hooks.norms, name=f"{mode} norms")
+        for g, h in zip(other.grads, hooks.grads):
+            assert_rel_close(g, h, name=mode)
+
+
+@pytest.mark.parametrize("clip", [0.3, float("inf")])
+def test_ghost_and_vmap_modes_equal_hooks_on_mlp_vit_bert(clip, vit_batch, bert_batch):
+    torch.manual_seed(0)
+    model, x, y = mlp(), torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0])
+    _assert_same_clipped_sum(model, lambda: ce(model(x), y), clip, modes=("ghost", "vmap"))
+    vit, (images, labels) = tiny_vit(), vit_batch
+    _assert_same_clipped_sum(vit, lambda: ce(vit(images), labels), clip, modes=("ghost", "vmap"))
+    bert, (ids, mask, yb) = tiny_bert(), bert_batch
+    _assert_same_clipped_sum(bert, lambda: ce(bert(input_ids=ids, attention_mask=mask).logits, yb), clip)
+
+
+def test_ghost_on_sequence_mlp_uses_ghost_norm_and_book_keeping():
+    """Long enough sequences for both branches of the mixed rule (2 T^2 vs in * out)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    x, w = torch.randn(4, 9, 16), torch.randn(9, 2)
+    _assert_same_clipped_sum(model, lambda: (model(x) * w).sum((1, 2)), 0.5)
