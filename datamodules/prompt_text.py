@@ -3,35 +3,46 @@
 The task suite, file layouts and templates are in :mod:`datamodules.text_tasks`. This module samples the
 training pool, renders the examples and builds the tensors of three prompt modes.
 
-Sampling (all seeded by ``data_seed``; the same seed gives the same sets)
--------------------------------------------------------------------------
-* ``k_shot``: ``k`` examples per class from the training file (LM-BFF / MeZO's RoBERTa setting, e.g.
-  ``k_shot=512`` with seeds 13, 21, 42, 87, 100): the file is permuted once with ``data_seed`` and the
-  first ``k`` examples of each class are kept (LM-BFF's ``generate_k_shot_data.py`` does the same with
-  NumPy). A class with fewer examples keeps all of them (with a warning). With the ``lm-bff`` layout the
-  folder ``<k_shot>-<data_seed>`` is already sampled and is read as is.
-* ``num_train``: a random subset of that size (MeZO's OPT setting: 1,000).
-* ``k_dev`` / ``num_dev``: a validation set drawn from the *remaining* training examples, disjoint from
-  the training pool (MeZO appends ``num_dev`` = 500 examples to its training sample; LM-BFF draws ``k``
-  per class). With the ``lm-bff`` layout the folder's ``dev`` file is the validation set (``num_dev`` /
-  ``k_dev`` subsample it). Without any, the base class uses ``val_fraction`` or the test set.
-* ``num_test``: a random subset of the test set, drawn with ``test_seed`` (``data_seed`` when
-  ``None``; MeZO samples its 1,000 evaluation examples with the training seed). The test set is the
-  original dev/validation file (see :mod:`datamodules.text_tasks`), as in LM-BFF and MeZO.
+Sampling: the references' NumPy draws, reproduced row for row
+-------------------------------------------------------------
+Every draw permutes the *rows* of a file with ``np.random.RandomState(seed).permutation`` (what
+``np.random.seed(seed); np.random.shuffle(lines)`` and MeZO's ``np.random.permutation`` under
+``temp_seed(seed)`` do), rows that hold no example included, so each example lands where the
+reference puts it (:func:`numpy_permutation`, :func:`shuffled_examples`).
 
-Duplicate training examples (same text fields) are dropped before sampling, keeping the first, so no
-example can sit on both sides of the private/public split.
+* ``k_shot`` (LM-BFF's ``tools/generate_k_shot_data.py``, used unchanged by MeZO and DPZero for
+  RoBERTa with ``k = 512`` and seeds 13, 21, 42, 87, 100): the training file's rows are shuffled with
+  ``data_seed`` and grouped by label, the groups in the order their first example appears; the first
+  ``k`` of each group are the training pool, the next ``k_dev`` (LM-BFF: ``k``) the dev set
+  (:func:`k_shot_draw`). The same procedure for every task (SNLI, MNLI, SST-5, TREC included; only the
+  file reader differs). A class with fewer examples keeps all of them (with a warning). With the
+  ``lm-bff`` layout the folder ``<k_shot>-<data_seed>`` is already sampled and is read as is.
+* ``num_train`` / ``num_dev`` (MeZO's ``sample_train_sets`` for OPT: 1,000 / 500): the first
+  ``num_train + num_dev`` examples of the shuffled file, the last ``num_dev`` of them for dev.
+* ``num_test``: the examples on the first ``num_test`` rows of the test file shuffled with the test
+  seed (all of them, in file order, when the file is not longer) (:func:`row_subset`). With
+  ``k_shot`` the seed is 42 for every data seed, as in MeZO/DPZero's ``k-shot-1k-test`` generator
+  (``np.random.seed(42)`` before shuffling a GLUE dev file, ``DataFrame.sample(n=1000,
+  random_state=42)`` for SST-5/TREC: the same rows); otherwise ``data_seed`` (MeZO's ``num_eval``).
+  The test set is the original dev/validation file (see :mod:`datamodules.text_tasks`).
+
+The references keep repeated examples (GLUE's SST-2, for one, repeats phrases); so does the
+default here. ``dedupe=True`` skips the repeats of an earlier row (they stay in the permutation, so the
+other examples keep their places); set it when part of the pool becomes public (``public_fraction``),
+where a repeat could otherwise sit on both sides. A separate public source (``public_task``) always
+drops its repeats and the examples equal to a pool example.
 
 Prompt modes and batches
 ------------------------
 ``prompt="mlm"`` (masked LM, e.g. RoBERTa with :class:`lit_zodp.backbones.HFPromptClassifier`): inputs
-``{input_ids [L], attention_mask [L]}`` of ``special prefix + template + special suffix``
-(``<s> ... </s>`` for RoBERTa, ``[CLS] ... [SEP]`` for BERT), right-padded to ``L = max_length``, with
-exactly one ``tokenizer.mask_token_id``. The template's parts are tokenized separately and concatenated
-(LM-BFF); when too long, the text fields are cut from their end, longest first, never the template's
-own words or the mask (a template that cannot fit raises). A mask token written inside the data
-becomes ``unk``. ``datamodule.label_words`` lists the label word of each class (read with a leading
-space: pass it to ``HFPromptClassifier(label_words=...)``).
+``{input_ids [L], attention_mask [L]}`` of ``special prefix + template + special suffix`` (``<s> ...
+</s>`` for RoBERTa, ``[CLS] ... [SEP]`` for BERT), right-padded to ``L = max_length``, with exactly one
+``tokenizer.mask_token_id``. The template's parts are tokenized separately and concatenated (LM-BFF);
+when too long, the text fields are cut from their end, longest first, never the template's own words or
+the mask (a template that cannot fit raises); ``truncation="tail"`` instead cuts the whole sequence at
+``max_length`` as LM-BFF does, after ``first_sent_limit`` (LM-BFF's option) has cut the first text
+field. A mask token written inside the data becomes ``unk``. ``datamodule.label_words`` lists the label
+word of each class (read with a leading space: pass it to ``HFPromptClassifier(label_words=...)``).
 
 ``prompt="causal"`` (candidate scoring, e.g. OPT): inputs ``{input_ids [K, L], attention_mask [K, L],
 candidate_mask [K, L]}`` (``torch.long``; batches ``[B, K, L]``), row ``k`` being the special prefix
@@ -53,9 +64,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
@@ -74,10 +86,14 @@ from datamodules.text_tasks import (
     get_task,
     load_task,
     render_text,
+    source_warning,
 )
 from lit_zodp.errors import check_positive_int
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: The seed of the 1,000-example test subsets of MeZO/DPZero's ``k-shot-1k-test`` data (any data seed).
+LMBFF_TEST_SEED = 42
 
 
 # ----------------------------------------------------------------------------------- records
@@ -110,46 +126,65 @@ def records_and_labels(dataset: Dataset) -> tuple[list[dict[str, str]], Tensor]:
 
 
 def record_key(spec: TaskSpec, record: Mapping[str, str]) -> tuple[str, ...]:
-    """Identity of an example: its text fields in the task's order."""
-    return tuple(record[name] for name in spec.fields)
+    """Identity of an example: its text fields in the task's order (surrounding whitespace ignored)."""
+    return tuple(record[name].strip() for name in spec.fields)
 
 
-def dedupe(spec: TaskSpec, split: TaskSplit) -> TaskSplit:
-    """Drop repeated examples (same text fields), keeping the first."""
-    seen: set = set()
-    keep = []
+def repeated_examples(spec: TaskSpec, split: TaskSplit, seen: Iterable[tuple[str, ...]] = ()) -> set[int]:
+    """Indices of the examples whose text repeats an earlier example of the split (or one of ``seen``)."""
+    known = set(seen)
+    repeats = set()
     for i, record in enumerate(split.records):
         key = record_key(spec, record)
-        if key not in seen:
-            seen.add(key)
-            keep.append(i)
-    if len(keep) == len(split):
-        return split
-    return TaskSplit([split.records[i] for i in keep], [split.labels[i] for i in keep], split.path)
+        if key in known:
+            repeats.add(i)
+        known.add(key)
+    return repeats
 
 
 # ---------------------------------------------------------------------------------- sampling
 
 
-def per_class_first(labels: Sequence[int], order: Sequence[int], k: int, num_classes: int, what: str = "") -> list[int]:
-    """The first ``k`` indices of each class along ``order`` (warns for a class with fewer)."""
-    counts = [0] * num_classes
-    chosen = []
+def numpy_permutation(n: int, seed: int) -> list[int]:
+    """``np.random.RandomState(seed).permutation(n)``: where the seeded NumPy draws of the references put
+    ``n`` rows. LM-BFF's generator (``np.random.seed(seed); np.random.shuffle(lines)``), MeZO's
+    ``sample_subset`` (``np.random.permutation`` under ``temp_seed``) and pandas'
+    ``sample(n, random_state=seed)`` all draw this order (position ``j`` holds row ``perm[j]``)."""
+    return np.random.RandomState(seed).permutation(n).tolist()
+
+
+def shuffled_examples(split: TaskSplit, seed: int, exclude: Collection[int] = ()) -> list[int]:
+    """Example indices in the order of the split's *rows* shuffled with ``seed`` (:func:`numpy_permutation`).
+
+    Rows that hold no example (a ``.tsv``'s blank or unlabelled lines, which LM-BFF shuffles too) and
+    the ``exclude``d examples are skipped, so every other example lands where the reference puts it.
+    """
+    where = split.row_to_example()
+    order = (where.get(row) for row in numpy_permutation(split.row_count, seed))
+    return [i for i in order if i is not None and i not in exclude]
+
+
+def k_shot_draw(
+    labels: Sequence[int], order: Sequence[int], k: int, k_dev: Optional[int] = None, what: str = ""
+) -> tuple[list[int], list[int]]:
+    """LM-BFF's ``generate_k_shot_data.py``: ``order`` grouped by label, the groups in the order their
+    first example appears; train = the first ``k`` of each group, dev = the next ``k_dev`` (LM-BFF:
+    ``k``). Both lists in the order LM-BFF writes its ``train``/``dev`` files (warns for short groups)."""
+    groups: dict[int, list[int]] = {}
     for index in order:
-        label = labels[index]
-        if counts[label] < k:
-            counts[label] += 1
-            chosen.append(index)
-    short = {c: n for c, n in enumerate(counts) if n < k}
+        groups.setdefault(labels[index], []).append(index)
+    train = [i for group in groups.values() for i in group[:k]]
+    dev = [i for group in groups.values() for i in group[k : k + (k_dev or 0)]]
+    short = {c: len(g) for c, g in sorted(groups.items()) if len(g) < k + (k_dev or 0)}
     if short:
-        warnings.warn(f"{what}: fewer than {k} examples for classes {short} (class: count); kept all of them")
-    return chosen
+        need = k if not k_dev else f"{k} + {k_dev} (dev)"
+        warnings.warn(f"{what}: fewer than {need} examples for classes {short} (class: count); kept all of them")
+    return train, dev
 
 
 def sample_pool(
     labels: Sequence[int],
-    num_classes: int,
-    seed: int,
+    order: Sequence[int],
     *,
     k_shot: Optional[int] = None,
     num_train: Optional[int] = None,
@@ -157,47 +192,51 @@ def sample_pool(
     num_dev: Optional[int] = None,
     what: str = "",
 ) -> tuple[list[int], list[int]]:
-    """Sorted (train, dev) indices of a training file (see the module docs); disjoint by construction.
+    """(train, dev) indices of a training file, drawn from its shuffled ``order`` (see the module docs).
 
     Args:
         labels: label of each example of the file.
-        num_classes: number of classes.
-        seed: seed of the one permutation every draw reads.
-        k_shot: examples per class of the training pool; or ``num_train`` examples; else all the
-            examples not taken for dev.
-        k_dev: examples per class of the dev set, or ``num_dev`` examples, from the examples not in the
-            training pool.
+        order: the eligible examples in shuffled order (:func:`shuffled_examples`).
+        k_shot: ``k`` examples per class (LM-BFF, with ``k_dev`` the next examples of each class);
+            else ``num_train`` examples followed by ``num_dev`` (MeZO: the first ``num_train +
+            num_dev`` of the order, dev last); else all examples of ``order`` not taken for dev.
+    Returns:
+        Disjoint lists, in the references' order (the file order when all examples are kept).
     """
-    n = len(labels)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    train: Optional[list[int]] = None
     if k_shot is not None:
-        train = per_class_first(labels, order, k_shot, num_classes, what)
-    elif num_train is not None:
-        if num_train > n:
-            warnings.warn(f"{what}: num_train={num_train} but the file holds {n} examples; kept all of them")
-        train = order[:num_train]
-    taken = set(train or ())
-    rest = [i for i in order if i not in taken]
+        if num_dev is not None:
+            train, _ = k_shot_draw(labels, order, k_shot, None, what)
+            taken = set(train)
+            return train, [i for i in order if i not in taken][:num_dev]
+        return k_shot_draw(labels, order, k_shot, k_dev, what)
+    if num_train is not None:
+        if num_train > len(order):
+            warnings.warn(f"{what}: num_train={num_train} but the file holds {len(order)} examples; kept all of them")
+        train, rest = list(order[:num_train]), list(order[num_train:])
+    else:
+        train, rest = None, list(order)
     dev: list[int] = []
     if k_dev is not None:
-        dev = per_class_first(labels, rest, k_dev, num_classes, f"{what} (dev)")
+        _, dev = k_shot_draw(labels, rest, 0, k_dev, f"{what} (dev)")
     elif num_dev is not None:
         if num_dev > len(rest):
             warnings.warn(f"{what}: num_dev={num_dev} but only {len(rest)} examples are left for dev")
         dev = rest[:num_dev]
     if train is None:
-        dev_set = set(dev)
-        train = [i for i in range(n) if i not in dev_set]
-    return sorted(train), sorted(dev)
+        taken = set(dev)
+        train = sorted(i for i in order if i not in taken)
+    return train, dev
 
 
-def random_indices(size: int, num: Optional[int], seed: int) -> list[int]:
-    """Sorted indices of a seeded random subset of ``num`` out of ``size`` (all when ``num`` is None)."""
-    if num is None or num >= size:
-        return list(range(size))
-    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
-    return sorted(order[:num].tolist())
+def row_subset(split: TaskSplit, num: Optional[int], seed: int) -> list[int]:
+    """Examples on the first ``num`` rows of the split's rows shuffled with ``seed``; all examples, in
+    file order, when ``num`` is ``None`` or covers the file (LM-BFF's 1,000-example test files; MeZO's
+    ``num_eval`` subset; pandas' ``sample(n=num, random_state=seed)``)."""
+    if num is None or num >= split.row_count:
+        return list(range(len(split)))
+    where = split.row_to_example()
+    rows = numpy_permutation(split.row_count, seed)[:num]
+    return [where[row] for row in rows if row in where]
 
 
 # --------------------------------------------------------------------------------- tokenizing
@@ -255,10 +294,29 @@ def fit_lengths(lengths: Sequence[int], budget: int) -> list[int]:
     return new
 
 
+TRUNCATIONS = ("fields", "tail")
+
+
 def encode_mlm(
-    tokenizer: Any, spec: TaskSpec, records: Sequence[Mapping[str, str]], max_length: int
+    tokenizer: Any,
+    spec: TaskSpec,
+    records: Sequence[Mapping[str, str]],
+    max_length: int,
+    *,
+    first_sent_limit: Optional[int] = None,
+    truncation: str = "fields",
 ) -> dict[str, Tensor]:
-    """Masked-LM prompts ``{input_ids, attention_mask}`` ``[N, max_length]`` (see the module docs)."""
+    """Masked-LM prompts ``{input_ids, attention_mask}`` ``[N, max_length]`` (see the module docs).
+
+    Args:
+        first_sent_limit: LM-BFF's ``--first_sent_limit``: the tokens of the task's first text field
+            (``spec.fields[0]``) are cut to this many before anything else.
+        truncation: ``"fields"`` (text fields cut from their end, longest first, the template kept) or
+            ``"tail"`` (LM-BFF: the whole sequence cut at ``max_length``, end-of-sequence token
+            included; raises if the mask is cut).
+    """
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"Unknown truncation {truncation!r}; expected one of {list(TRUNCATIONS)}")
     if spec.mlm is None:
         raise ValueError(f"{spec.name} has no masked-LM template; prompt modes: {list(spec.prompt_modes)}")
     mask_id = getattr(tokenizer, "mask_token_id", None)
@@ -276,6 +334,8 @@ def encode_mlm(
         elif isinstance(part, Field):
             ids = _token_ids(tokenizer, [part.render(r) for r in records])
             ids = [[unk_id if t == mask_id else t for t in row] for row in ids]
+            if first_sent_limit is not None and part.name == spec.fields[0]:
+                ids = [row[:first_sent_limit] for row in ids]
             pieces.append(("fixed_each" if part.fixed else "text", ids))
         else:
             pieces.append(("fixed", _token_ids(tokenizer, [part])[0]))
@@ -286,25 +346,38 @@ def encode_mlm(
         spans = [
             [mask_id] if kind == "mask" else (ids if kind == "fixed" else ids[i]) for kind, ids in pieces
         ]
-        cut = [kind == "text" for kind, _ in pieces]
-        fixed_len = len(prefix) + len(suffix) + sum(len(s) for s, c in zip(spans, cut) if not c)
-        if fixed_len > max_length:
-            raise ValueError(
-                f"{spec.name}: the masked-LM template needs {fixed_len} tokens without its text fields, "
-                f"more than max_length={max_length}: the mask would be lost; raise max_length"
-            )
-        lengths = fit_lengths([len(s) for s, c in zip(spans, cut) if c], max_length - fixed_len)
-        it = iter(lengths)
-        row = list(prefix)
-        for span, c in zip(spans, cut):
-            row.extend(span[: next(it)] if c else span)
-        row.extend(suffix)
+        if truncation == "tail":
+            row = [*prefix, *(t for span in spans for t in span), *suffix][:max_length]
+            if mask_id not in row:
+                raise ValueError(
+                    f"{spec.name}: example {i} is longer than max_length={max_length} and tail truncation cut its "
+                    "mask (LM-BFF asserts here); raise max_length, set first_sent_limit or use truncation='fields'"
+                )
+        else:
+            row = _fit_fields(spec, spans, [kind == "text" for kind, _ in pieces], prefix, suffix, max_length)
         input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         attention[i, : len(row)] = 1
     counts = (input_ids == mask_id).sum(1)
     if n and not bool((counts == 1).all()):
         raise ValueError(f"{spec.name}: a prompt lost its mask or has several: counts {counts.tolist()}")
     return {"input_ids": input_ids, "attention_mask": attention}
+
+
+def _fit_fields(
+    spec: TaskSpec, spans: list[list[int]], cut: list[bool], prefix: list[int], suffix: list[int], max_length: int
+) -> list[int]:
+    """``prefix + spans + suffix`` with the ``cut`` spans shortened (:func:`fit_lengths`) to fit ``max_length``."""
+    fixed_len = len(prefix) + len(suffix) + sum(len(s) for s, c in zip(spans, cut) if not c)
+    if fixed_len > max_length:
+        raise ValueError(
+            f"{spec.name}: the masked-LM template needs {fixed_len} tokens without its text fields, "
+            f"more than max_length={max_length}: the mask would be lost; raise max_length"
+        )
+    lengths = iter(fit_lengths([len(s) for s, c in zip(spans, cut) if c], max_length - fixed_len))
+    row = list(prefix)
+    for span, c in zip(spans, cut):
+        row.extend(span[: next(lengths)] if c else span)
+    return row + list(suffix)
 
 
 def candidate_texts(spec: TaskSpec, record: Mapping[str, str]) -> list[str]:
@@ -380,11 +453,19 @@ ENCODERS = {"mlm": encode_mlm, "causal": encode_causal, "none": encode_plain}
 
 
 def encode_records(
-    tokenizer: Any, spec: TaskSpec, records: Sequence[Mapping[str, str]], prompt: str, max_length: int
+    tokenizer: Any,
+    spec: TaskSpec,
+    records: Sequence[Mapping[str, str]],
+    prompt: str,
+    max_length: int,
+    **mlm_options: Any,
 ) -> dict[str, Tensor]:
-    """Tensors of ``records`` in a prompt mode (``"mlm"``, ``"causal"`` or ``"none"``)."""
+    """Tensors of ``records`` in a prompt mode (``"mlm"``, ``"causal"`` or ``"none"``); ``mlm_options``
+    (``first_sent_limit``, ``truncation``) go to :func:`encode_mlm`."""
     if prompt not in ENCODERS:
         raise ValueError(f"Unknown prompt mode {prompt!r}; expected one of {list(ENCODERS)}")
+    if prompt == "mlm":
+        return encode_mlm(tokenizer, spec, records, max_length, **mlm_options)
     return ENCODERS[prompt](tokenizer, spec, records, max_length)
 
 
@@ -398,14 +479,16 @@ def _check_optional_positive(name: str, value: Any) -> Optional[str]:
 class PromptTextDataModule(PublicPrivateDataModule):
     """One of the papers' language-model tasks, sampled as the papers do and rendered as prompts.
 
-    Example (DPZero Table 2, RoBERTa-large on SST-2, seed 42)::
+    Example (DPZero Table 2, RoBERTa-large on SST-2, seed 42; ``data/original`` is LM-BFF's, whose
+    ``GLUE-SST-2`` folder is read for SST-2)::
 
         dm = PromptTextDataModule("SST-2", "data/original", k_shot=512, num_test=1000, data_seed=42,
-                                  prompt="mlm", tokenizer="roberta-large", batch_size=64)
+                                  prompt="mlm", tokenizer="roberta-large", max_length=128, batch_size=64)
         model = HFPromptClassifier("roberta-large", label_words=dm.label_words)
 
-    and DPZero Table 4 (OPT on BoolQ): ``PromptTextDataModule("BoolQ", "data/superglue",
-    num_train=1000, num_dev=500, num_test=1000, prompt="causal", tokenizer="facebook/opt-1.3b")``.
+    and DPZero Table 4 (OPT on BoolQ, Google's original ``train.jsonl``/``dev.jsonl`` in ``data/boolq``):
+    ``PromptTextDataModule("BoolQ", "data/boolq", num_train=1000, num_dev=500, num_test=1000,
+    prompt="causal", tokenizer="facebook/opt-1.3b", max_length=2048)``.
 
     Args:
         task: one of ``SST-2, SST-5, SNLI, MNLI, RTE, TREC, BoolQ, CB, WIC, WSC, COPA, MultiRC`` (any case).
@@ -422,8 +505,18 @@ class PromptTextDataModule(PublicPrivateDataModule):
         k_dev: validation examples per class, drawn from the training examples not kept for training.
         num_dev: validation examples (random; MeZO/OPT: 500), from the same remainder. Exclusive with
             ``k_dev``.
-        num_test: test examples (random subset of the test file; the papers: 1000).
-        test_seed: seed of the ``num_test`` subset; ``None`` uses ``data_seed``.
+        num_test: test examples (random subset of the test file's rows; the papers: 1000).
+        test_seed: seed of the ``num_test`` subset. ``None``: 42 with ``k_shot`` (LM-BFF's generator in
+            MeZO/DPZero's ``k-shot-1k-test`` mode draws one test subset with seed 42 for every data
+            seed), else ``data_seed`` (MeZO's OPT runs draw ``num_eval`` with the training seed).
+        dedupe: skip repeated training examples (same text fields, the first kept) before drawing.
+            ``False`` (default) draws exactly as LM-BFF and MeZO, which keep repeats (GLUE's SST-2
+            repeats phrases), so a repeat can then sit in the pool twice, or in the pool and in
+            ``k_dev``/``num_dev``. Set it with ``public_fraction`` (repeats would sit on both sides).
+        first_sent_limit: ``prompt="mlm"``: LM-BFF's ``--first_sent_limit`` (the first text field keeps
+            at most this many tokens; DPZero: 110 for SST-5/TREC, 240 for MNLI/RTE).
+        truncation: ``prompt="mlm"``: ``"fields"`` (text fields cut longest first, template and
+            ``</s>`` kept) or ``"tail"`` (LM-BFF: the sequence cut at ``max_length``).
         public_task: a task whose training file is a separate public source (PAZO: SNLI for MNLI); it
             must have the same classes and fields. Examples equal to a pool example are dropped.
         public_data_dir: folder of ``public_task`` (``data_dir`` when ``None``).
@@ -459,6 +552,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
         public_data_dir: Optional[str] = None,
         public_data_format: Literal["auto", "glue", "lm-bff", "superglue", "hf"] = "auto",
         public_k_shot: Optional[int] = None,
+        dedupe: bool = False,
+        first_sent_limit: Optional[int] = None,
+        truncation: Literal["fields", "tail"] = "fields",
         **kwargs: Any,
     ) -> None:
         self.task = task
@@ -477,6 +573,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
         self.public_data_dir = public_data_dir
         self.public_data_format = public_data_format
         self.public_k_shot = public_k_shot
+        self.dedupe = dedupe
+        self.first_sent_limit = first_sent_limit
+        self.truncation = truncation
         self.spec: Optional[TaskSpec] = _try_task(task)
         self.public_spec: Optional[TaskSpec] = _try_task(public_task) if public_task is not None else None
         self.known_num_classes = self.spec.num_classes if self.spec is not None else None
@@ -490,9 +589,15 @@ class PromptTextDataModule(PublicPrivateDataModule):
             check_positive_int("max_length", self.max_length),
             *(
                 _check_optional_positive(name, getattr(self, name))
-                for name in ("k_shot", "num_train", "k_dev", "num_dev", "num_test", "public_k_shot")
+                for name in ("k_shot", "num_train", "k_dev", "num_dev", "num_test", "public_k_shot", "first_sent_limit")
             ),
         ]
+        if not isinstance(self.dedupe, bool):
+            errors.append(f"Expected `dedupe` to be a bool, but got {self.dedupe!r}")
+        if self.truncation not in TRUNCATIONS:
+            errors.append(f"Expected `truncation` in {TRUNCATIONS}, but got {self.truncation!r}")
+        if self.prompt != "mlm" and (self.first_sent_limit is not None or self.truncation != "fields"):
+            errors.append("`first_sent_limit` and `truncation` apply to prompt='mlm' only")
         if self.spec is None:
             errors.append(f"Unknown task {self.task!r}; expected one of {list(TASK_NAMES)}")
         for name in ("data_format", "public_data_format"):
@@ -584,26 +689,26 @@ class PromptTextDataModule(PublicPrivateDataModule):
         spec = self.spec
         data = load_task(spec, self.data_dir, self.data_format, self.k_shot, self.data_seed)
         self.task_data = data
-        train = dedupe(spec, data.train)
-        presampled = data.data_format == "lm-bff"
-        what = f"{spec.name} ({data.train.path})"
-        if presampled:  # the k-shot folder is the sample; num_train / num_dev may subsample it
-            pool_idx = random_indices(len(train), self.num_train, self.data_seed)
+        note = source_warning(data)
+        if note is not None:
+            warnings.warn(note)
+        train = data.train
+        what = f"{spec.name} ({train.path})"
+        repeats = repeated_examples(spec, train) if self.dedupe else set()
+        if data.data_format == "lm-bff":  # the k-shot folder is the sample; num_train / num_dev may subsample it
+            pool_idx = [i for i in row_subset(train, self.num_train, self.data_seed) if i not in repeats]
             dev = None
             if data.dev is not None:
-                dev_split = data.dev
                 if self.k_dev is not None:
-                    generator = torch.Generator().manual_seed(self.data_seed)
-                    order = torch.randperm(len(dev_split), generator=generator).tolist()
-                    dev_idx = sorted(per_class_first(dev_split.labels, order, self.k_dev, spec.num_classes, what))
+                    order = shuffled_examples(data.dev, self.data_seed)
+                    _, dev_idx = k_shot_draw(data.dev.labels, order, 0, self.k_dev, f"{what} (dev)")
                 else:
-                    dev_idx = random_indices(len(dev_split), self.num_dev, self.data_seed)
-                dev = PromptRecords.from_split(dev_split, dev_idx)
+                    dev_idx = row_subset(data.dev, self.num_dev, self.data_seed)
+                dev = PromptRecords.from_split(data.dev, dev_idx)
         else:
             pool_idx, dev_idx = sample_pool(
                 train.labels,
-                spec.num_classes,
-                self.data_seed,
+                shuffled_examples(train, self.data_seed, exclude=repeats),
                 k_shot=self.k_shot,
                 num_train=self.num_train,
                 k_dev=self.k_dev,
@@ -612,34 +717,40 @@ class PromptTextDataModule(PublicPrivateDataModule):
             )
             dev = PromptRecords.from_split(train, dev_idx) if dev_idx else None
         pool = PromptRecords.from_split(train, pool_idx)
-        test_seed = self.data_seed if self.test_seed is None else self.test_seed
-        test = PromptRecords.from_split(data.test, random_indices(len(data.test), self.num_test, test_seed))
+        test = PromptRecords.from_split(data.test, row_subset(data.test, self.num_test, self.resolved_test_seed))
         pool_ids = [record_key(spec, r) for r in pool.records]
         splits = DataSplits(train=pool, val=dev, test=test, num_classes=spec.num_classes, train_ids=pool_ids)
         if self.public_task is not None:
             splits.public, splits.public_ids = self._load_public(set(pool_ids))
         return splits
 
+    @property
+    def resolved_test_seed(self) -> int:
+        """Seed of the ``num_test`` subset: ``test_seed``, else LM-BFF's 42 with ``k_shot``, else ``data_seed``."""
+        if self.test_seed is not None:
+            return self.test_seed
+        return LMBFF_TEST_SEED if self.k_shot is not None else self.data_seed
+
     def _load_public(self, pool_ids: set) -> tuple[PromptRecords, list[Hashable]]:
+        """The separate public source (PAZO): repeats and examples equal to a pool example are dropped."""
         spec = self.public_spec
-        seed = self.data_seed + PUBLIC_SEED_OFFSET
         folder = self.public_data_dir or self.data_dir
         data = load_task(spec, folder, self.public_data_format, self.public_k_shot, self.data_seed)
-        train = dedupe(spec, data.train)
-        keep = [i for i, r in enumerate(train.records) if record_key(self.spec, r) not in pool_ids]
-        train = TaskSplit([train.records[i] for i in keep], [train.labels[i] for i in keep], train.path)
+        train = data.train
+        drop = repeated_examples(self.spec, train, seen=pool_ids)
         if self.public_k_shot is not None and data.data_format != "lm-bff":
-            what = f"public {spec.name}"
-            index, _ = sample_pool(train.labels, spec.num_classes, seed, k_shot=self.public_k_shot, what=what)
+            order = shuffled_examples(train, self.data_seed + PUBLIC_SEED_OFFSET, exclude=drop)
+            index, _ = k_shot_draw(train.labels, order, self.public_k_shot, what=f"public {spec.name}")
         else:
-            index = list(range(len(train)))
+            index = [i for i in range(len(train)) if i not in drop]
         public = PromptRecords.from_split(train, index)
         return public, [record_key(self.spec, r) for r in public.records]
 
     def materialize(self, dataset: Dataset) -> TensorPairDataset:
         """Render and tokenize a kept split in the chosen prompt mode."""
         records, labels = records_and_labels(dataset)
-        inputs = encode_records(self.tokenizer, self.spec, records, self.prompt, self.max_length)
+        options = {"first_sent_limit": self.first_sent_limit, "truncation": self.truncation}
+        inputs = encode_records(self.tokenizer, self.spec, records, self.prompt, self.max_length, **options)
         return TensorPairDataset(inputs, labels)
 
 
@@ -651,20 +762,24 @@ def _try_task(name: Optional[str]) -> Optional[TaskSpec]:
 
 
 __all__ = [
+    "LMBFF_TEST_SEED",
     "PromptRecords",
     "PromptTextDataModule",
+    "TRUNCATIONS",
     "candidate_texts",
-    "dedupe",
     "encode_causal",
     "encode_mlm",
     "encode_plain",
     "encode_records",
     "fit_lengths",
-    "per_class_first",
+    "k_shot_draw",
+    "numpy_permutation",
     "prepare_tokenizer",
-    "random_indices",
     "record_key",
     "records_and_labels",
+    "repeated_examples",
+    "row_subset",
     "sample_pool",
+    "shuffled_examples",
     "special_affixes",
 ]

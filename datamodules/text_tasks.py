@@ -28,6 +28,22 @@ The test set is the original *dev* set for the GLUE tasks (their test labels are
 are detected (a first row naming known columns); without one the LM-BFF processors' column positions
 are used (SST-2 0/1, MNLI 8/9/last, SNLI 7/8/last, RTE 1/2/last). A ``.tsv`` may replace a ``.csv``
 (read by header) and vice versa. SNLI/MNLI rows whose gold label is ``-`` (no consensus) are dropped.
+Each record remembers its row in the file (:attr:`TaskSplit.rows`), so that the data module can draw
+from the file's rows exactly as LM-BFF's generator does (it shuffles the file's lines).
+
+SST-2 (Table 2 of DPZero): LM-BFF's ``datasets.tar`` ships two SST-2 folders, ``original/SST-2``
+(LM-BFF's own sentence-level SST-2: 6,920 training sentences) and ``original/GLUE-SST-2`` (GLUE's
+SST-2: 67,349 training phrases; the same 872-sentence dev set). MeZO's and DPZero's data scripts
+(``medium_models/data/download_dataset.sh``, ``roberta/data/prepare_datasets.sh``) rename
+``GLUE-SST-2`` to ``SST-2`` before sampling, so their RoBERTa runs train on GLUE's SST-2. Under a
+``data_dir`` such as ``data/original`` the SST-2 task therefore reads ``GLUE-SST-2`` when that folder
+exists (the tarball as extracted), else ``SST-2`` (the renamed layout); :func:`source_warning`
+flags LM-BFF's own SST-2 when it is read instead (pass its folder as ``data_dir`` to use it).
+
+BoolQ (Table 4): MeZO reads Hugging Face's ``boolq`` (Google's original ``train.jsonl`` /
+``dev.jsonl``: ``question, title, answer, passage``), not SuperGLUE's copy, whose passages begin
+with ``"<title> -- "``. Both are read (``answer`` is the label of the original files); use the
+original files to reproduce MeZO's prompts (:func:`source_warning` flags SuperGLUE's passages).
 
 ``"lm-bff"``: LM-BFF's sampled k-shot folders ``<root>/<TASK>/<k>-<seed>/{train,dev,test}.{tsv,csv}``
 (MNLI's test file is ``test_matched.tsv``) with the per-task formats above; ``k_shot`` and the seed
@@ -35,12 +51,14 @@ select the folder.
 
 ``"superglue"``: ``<root>/<TASK>/{train,val}.jsonl`` as distributed by SuperGLUE (one JSON object per
 line). ``val.jsonl`` is the test set (the SuperGLUE test labels are hidden; MeZO evaluates on the
-validation set too). Fields: BoolQ ``passage, question, label (bool)``; CB/RTE ``premise, hypothesis,
-label (str)``; WiC ``word, sentence1, sentence2, label (bool)``; WSC ``text, target{span1_text,
-span2_text}, label (bool)``; COPA ``premise, choice1, choice2, question (cause|effect), label (0|1)``;
-MultiRC ``passage{text, questions[{question, answers[{text, label}]}]}``, flattened to one example per
-(paragraph, question, answer). The Hugging Face flat variants (``span1_text`` at the top level,
-``paragraph/question/answer``, integer labels) are read too, and every task accepts this layout.
+validation set too; ``dev.jsonl`` is accepted in its place). Fields: BoolQ ``passage, question, label
+(bool)`` (Google's original BoolQ, ``train.jsonl`` + ``dev.jsonl``, names it ``answer`` and adds an
+unread ``title``); CB/RTE ``premise, hypothesis, label (str)``; WiC ``word, sentence1, sentence2, label
+(bool)``; WSC ``text, target{span1_text, span2_text}, label (bool)``; COPA ``premise, choice1, choice2,
+question (cause|effect), label (0|1)``; MultiRC ``passage{text, questions[{question, answers[{text,
+label}]}]}``, flattened to one example per (paragraph, question, answer). The Hugging Face flat variants
+(``span1_text`` at the top level, ``paragraph/question/answer``, integer labels) are read too, and every
+task accepts this layout.
 
 ``"hf"``: a Hugging Face ``datasets`` name (``"glue/sst2"``, ``"super_glue:boolq"``,
 ``"SetFit/sst5"``...; empty for the task's default), loaded with ``datasets.load_dataset`` when the
@@ -56,8 +74,12 @@ RoBERTa), with their label words. The parts of a template are tokenized separate
 (as LM-BFF does); label words are single tokens read *with* a leading space (``"Ġgreat"``), as
 :class:`lit_zodp.backbones.HFPromptClassifier` encodes them. Causal-LM templates of SST-2, RTE, BoolQ,
 CB, WIC, WSC, MultiRC and COPA are MeZO's (``large_models/templates.py``); the others (SST-5, SNLI,
-MNLI, TREC causal; all SuperGLUE masked-LM templates) are ours, built the same way. Field values are
-stripped of surrounding whitespace (GLUE SST-2 sentences end in a space; MeZO strips them too).
+MNLI, TREC causal; all SuperGLUE masked-LM templates) are ours, built the same way.
+
+Records keep the text exactly as read. LM-BFF's masked-LM templates use it as is (GLUE's SST-2
+sentences end in a space, which LM-BFF's tokenizer call turns into a ``"Ġ"`` token before
+``" It was"``; its ``*sent-_0*`` deletes the premise's last character whatever it is); every other
+template strips the value first (MeZO strips SST-2's sentence; ``Field(strip=True)``, the default).
 """
 
 from __future__ import annotations
@@ -98,15 +120,20 @@ class Field:
             byte-level BPE tokenizer gives ``"Ġword"``).
         transform: names of :data:`TRANSFORMS` applied to the value in order.
         fixed: never truncated (short fields such as WiC's word); other fields are cut to fit.
+        strip: strip surrounding whitespace from the value before the transforms; LM-BFF's templates
+            read the value as is (``strip=False``).
     """
 
     name: str
     before: str = ""
     transform: tuple[str, ...] = ()
     fixed: bool = False
+    strip: bool = True
 
     def render(self, record: Mapping[str, str]) -> str:
         value = record[self.name]
+        if self.strip:
+            value = value.strip()
         for name in self.transform:
             value = TRANSFORMS[name](value)
         return self.before + value
@@ -115,10 +142,19 @@ class Field:
 Part = Union[str, Field, _Mask]
 
 
-def _strip_punct(text: str) -> str:
-    """LM-BFF's ``*sent-_0*`` deletes the last character (the final period); we delete it only when
-    it is sentence punctuation, so an unpunctuated sentence keeps its last letter."""
-    return text[:-1] if text[-1:] in ".?!" else text
+def _drop_last(text: str) -> str:
+    """LM-BFF's ``*sent-_0*``: delete the last character, whatever it is (usually the final period)."""
+    return text[:-1]
+
+
+def _question_mark(text: str) -> str:
+    """MeZO's BoolQ: append ``?`` unless the question already ends with one."""
+    return text if text.endswith("?") else text + "?"
+
+
+def _upper_first(text: str) -> str:
+    """MeZO's BoolQ: upper-case the first character."""
+    return text[:1].upper() + text[1:]
 
 
 def _strip_period(text: str) -> str:
@@ -149,7 +185,9 @@ def _copa_connective(question: str) -> str:
 
 
 TRANSFORMS: dict[str, Callable[[str], str]] = {
-    "strip_punct": _strip_punct,
+    "drop_last": _drop_last,
+    "question_mark": _question_mark,
+    "upper_first": _upper_first,
     "strip_period": _strip_period,
     "lower_first": _lower_first,
     "lower_first_word": _lower_first_word,
@@ -205,6 +243,8 @@ class TaskSpec:
         pair: text(s) of ``prompt="none"``: one or two part tuples (sentence, optional second sentence).
         hf: default Hugging Face ``(path, config)`` and split names ``{"train": ..., "test": ...}``.
         source: where the templates come from.
+        flatten: turns one raw row into the rows of its examples (MultiRC) or renames keys (BoolQ).
+        folder_names: sub-folders of ``data_dir`` tried first for the task (SST-2: ``GLUE-SST-2``).
     """
 
     name: str
@@ -223,6 +263,7 @@ class TaskSpec:
     hf: tuple[str, Optional[str], Mapping[str, str]] = ("", None, {})
     source: str = ""
     flatten: Optional[Callable[[Mapping[str, Any]], list[dict[str, Any]]]] = None
+    folder_names: tuple[str, ...] = ()
 
     @property
     def num_classes(self) -> int:
@@ -266,7 +307,9 @@ def normalize_label(raw: Any) -> str:
     return str(raw).strip().lower()
 
 
-def _sentence_task(name, labels, words, mlm, causal, candidates, positions, glue_files, hf, source, aliases=None):
+def _sentence_task(
+    name, labels, words, mlm, causal, candidates, positions, glue_files, hf, source, aliases=None, folders=()
+):
     return TaskSpec(
         name=name,
         labels=labels,
@@ -282,12 +325,19 @@ def _sentence_task(name, labels, words, mlm, causal, candidates, positions, glue
         glue_files=glue_files,
         hf=hf,
         source=source,
+        folder_names=folders,
     )
 
 
 _NLI_FIELDS = {"premise": ("premise", "sentence1"), "hypothesis": ("hypothesis", "sentence2")}
-#: LM-BFF's NLI template ``*cls**sent-_0*?*mask*,*+sentl_1**sep+*``
-_LMBFF_NLI = (Field("premise", transform=("strip_punct",)), "?", MASK, ",", Field("hypothesis", " ", ("lower_first",)))
+#: LM-BFF's NLI template ``*cls**sent-_0*?*mask*,*+sentl_1**sep+*`` (texts as read, not stripped)
+_LMBFF_NLI = (
+    Field("premise", transform=("drop_last",), strip=False),
+    "?",
+    MASK,
+    ",",
+    Field("hypothesis", " ", ("lower_first",), strip=False),
+)
 #: MeZO's CB template (PromptSource), reused for SNLI/MNLI causal prompts
 _SUPPOSE = ("Suppose", Field("premise", " "), ' Can we infer that "', Field("hypothesis"), '"? Yes, No, or Maybe?\n')
 _NLI_PAIR = ((Field("premise"),), (Field("hypothesis"),))
@@ -295,7 +345,9 @@ _BOOL = ("false", "true")
 _BOOL_ALIASES = {"no": 0, "yes": 1}
 _SENTIMENT_CSV = {"csv": {"label": 0, "sentence": 1}, "tsv": {"sentence": 0, "label": -1}}
 _CSV_FILES = {"train": ("train.csv", "train.tsv"), "test": ("test.csv", "test.tsv")}
-_SST_MLM = (Field("sentence"), " It was", MASK, ".")
+#: LM-BFF's ``*cls**sent_0*_It_was*mask*.*sep+*`` (the sentence as read: GLUE's trailing space kept)
+_SST_MLM = (Field("sentence", strip=False), " It was", MASK, ".")
+#: MeZO's ``SST2Template``: ``f"{sentence.strip()} It was"`` + ``" " + word``
 _SST_CAUSAL = (Field("sentence"), " It was")
 
 
@@ -327,6 +379,13 @@ def _flatten_wsc(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [flat]
 
 
+def _flatten_boolq(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Google's original BoolQ files (and Hugging Face's ``boolq``) name the label ``answer``."""
+    if record.get("label") is None and "answer" in record:
+        return [{**record, "label": record["answer"]}]
+    return [dict(record)]
+
+
 _SUPERGLUE = ("super_glue", {"train": "train", "test": "validation"})
 
 TASKS: dict[str, TaskSpec] = {}
@@ -353,6 +412,7 @@ _register(
         {"train": ("train.tsv",), "test": ("dev.tsv",)},
         ("glue", "sst2", {"train": "train", "test": "validation"}),
         "mlm: LM-BFF; causal: MeZO",
+        folders=("GLUE-SST-2",),
     )
 )
 _register(
@@ -375,7 +435,7 @@ _register(
         # LM-BFF's label order (its CSV labels 0-5 map to these words)
         ("description", "entity", "abbreviation", "human", "location", "number"),
         ("Description", "Entity", "Expression", "Human", "Location", "Number"),
-        (MASK, ":", Field("sentence", " ")),
+        (MASK, ":", Field("sentence", " ", strip=False)),  # LM-BFF's *cls**mask*:*+sent_0**sep+*
         (Field("sentence"), " Answer type:"),
         (" Description", " Entity", " Expression", " Human", " Location", " Number"),
         _SENTIMENT_CSV,
@@ -445,20 +505,24 @@ _register(
         source="mlm: ours (LM-BFF's NLI prompt); causal: MeZO",
     )
 )
+#: MeZO's BoolQ question: ``?`` appended when missing, first letter upper-cased
+_BOOLQ_QUESTION = Field("question", " ", ("question_mark", "upper_first"))
 _register(
     TaskSpec(
         name="BoolQ",
         labels=_BOOL,
         fields=("passage", "question"),
         field_aliases={"passage": ("passage",), "question": ("question",)},
-        mlm=(Field("passage"), Field("question", " "), "?", MASK, "."),
+        mlm=(Field("passage"), _BOOLQ_QUESTION, MASK, "."),
         label_words=("No", "Yes"),
-        causal=(Field("passage"), Field("question", " "), "?"),
-        candidates=(" No", " Yes"),
+        # MeZO's default BoolQTemplateV3: f"{passage} {question}\n" + candidate, no space before it
+        causal=(Field("passage"), _BOOLQ_QUESTION, "\n"),
+        candidates=("No", "Yes"),
         pair=((Field("question"),), (Field("passage"),)),
         label_aliases=_BOOL_ALIASES,
-        hf=("super_glue", "boolq", _SUPERGLUE[1]),
-        source="mlm: ours; causal: MeZO",
+        hf=("boolq", None, _SUPERGLUE[1]),
+        source="mlm: ours; causal: MeZO (BoolQTemplateV3)",
+        flatten=_flatten_boolq,
     )
 )
 _register(
@@ -608,14 +672,36 @@ def template_table() -> str:
 
 @dataclass
 class TaskSplit:
-    """Normalized examples of one split: canonical text fields and integer labels."""
+    """Normalized examples of one split: canonical text fields and integer labels.
+
+    Attributes:
+        records: the text fields of each example, as read.
+        labels: the label index of each example.
+        path: the file (or dataset) read.
+        rows: for a ``.tsv``/``.csv`` file, the row of each example among the file's data rows (0 =
+            the first line after the header; a ``.tsv``'s blank lines and unlabelled rows count, as
+            they do for LM-BFF's ``readlines()``); ``None`` when every row is one example, in order.
+        num_rows: the number of data rows (``None`` when ``rows`` is).
+    """
 
     records: list[dict[str, str]]
     labels: list[int]
     path: str = ""
+    rows: Optional[list[int]] = None
+    num_rows: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    @property
+    def row_count(self) -> int:
+        """Rows a file-level draw permutes: ``num_rows``, or the number of examples."""
+        return len(self) if self.num_rows is None else self.num_rows
+
+    def row_to_example(self) -> dict[int, int]:
+        """``{row: example index}`` for the rows that hold an example."""
+        rows = range(len(self)) if self.rows is None else self.rows
+        return {row: i for i, row in enumerate(rows)}
 
 
 @dataclass
@@ -639,9 +725,19 @@ class TaskData:
     task_dir: str
 
 
-def normalize_records(spec: TaskSpec, raw_rows: Iterable[Mapping[str, Any]], where: str = "") -> TaskSplit:
-    """Raw rows (dicts with raw keys) -> canonical records and label indices; unlabelled rows dropped."""
-    records, labels = [], []
+def normalize_records(
+    spec: TaskSpec,
+    raw_rows: Iterable[Mapping[str, Any]],
+    where: str = "",
+    positions: Optional[Sequence[int]] = None,
+    num_rows: Optional[int] = None,
+) -> TaskSplit:
+    """Raw rows (dicts with raw keys) -> canonical records and label indices; unlabelled rows dropped.
+
+    Text values are kept as read (templates strip them, see :class:`Field`). ``positions`` gives each raw
+    row's position in its file (see :attr:`TaskSplit.rows`); ``num_rows`` the file's number of rows.
+    """
+    records, labels, rows = [], [], []
     for number, raw in enumerate(raw_rows, start=1):
         for row in spec.flatten(raw) if spec.flatten is not None else (raw,):
             label_key = next((k for k in LABEL_KEYS if k in row and row[k] is not None), None)
@@ -658,10 +754,15 @@ def normalize_records(spec: TaskSpec, raw_rows: Iterable[Mapping[str, Any]], whe
                         f"{where}: example {number} lacks the field {name!r} (looked for "
                         f"{list(spec.field_aliases[name])}): {_short(row)}"
                     )
-                record[name] = str(row[key]).strip()
+                record[name] = str(row[key])
             records.append(record)
             labels.append(label)
-    return TaskSplit(records, labels, where)
+            if positions is not None:
+                rows.append(positions[number - 1])
+    if positions is None:
+        return TaskSplit(records, labels, where)
+    total = len(positions) if num_rows is None else num_rows
+    return TaskSplit(records, labels, where, rows, total)
 
 
 def _short(row: Mapping[str, Any], limit: int = 200) -> str:
@@ -673,14 +774,18 @@ def read_delimited(spec: TaskSpec, path: Union[str, Path]) -> TaskSplit:
     """A GLUE ``.tsv`` (header detected) or an LM-BFF ``.csv`` (``label,sentence``, no header)."""
     path = Path(path)
     ext = path.suffix.lower().lstrip(".")
-    with open(path, encoding="utf-8", newline="") as handle:
-        if ext == "tsv":
-            # GLUE TSVs are not quoted (quotes are literal text): split on tabs only
-            rows = [line.rstrip("\r\n").split("\t") for line in handle if line.strip()]
-        else:
-            rows = [row for row in csv.reader(handle) if row]
-    if not rows:
+    if ext == "tsv":
+        # GLUE TSVs are not quoted (quotes are literal text): split on tabs only. LM-BFF's generator
+        # shuffles open(path).readlines(), blank lines included: every line keeps its number.
+        with open(path, encoding="utf-8") as handle:
+            lines = [line.rstrip("\n") for line in handle.readlines()]
+        numbered = [(i, line.split("\t")) for i, line in enumerate(lines) if line.strip()]
+    else:  # pandas.read_csv (LM-BFF's generator) skips blank lines: number the non-blank rows
+        with open(path, encoding="utf-8", newline="") as handle:
+            numbered = list(enumerate(row for row in csv.reader(handle) if row))
+    if not numbered:
         return TaskSplit([], [], str(path))
+    rows = [row for _, row in numbered]
     known = {k.lower() for k in LABEL_KEYS}
     known |= {alias.lower() for aliases in spec.field_aliases.values() for alias in aliases}
     header = [cell.strip().lower() for cell in rows[0]]
@@ -701,12 +806,15 @@ def read_delimited(spec: TaskSpec, path: Union[str, Path]) -> TaskSplit:
                 f"({', '.join(spec.fields)}, label)"
             )
     width = max(-i if i < 0 else i + 1 for i in columns.values())
-    raw_rows = []
-    for number, row in enumerate(rows[1:] if has_header else rows, start=2 if has_header else 1):
+    first = numbered[0][0] + 1 if has_header else 0  # row 0 = the first line after the header
+    total = (len(lines) if ext == "tsv" else len(numbered)) - first
+    raw_rows, positions = [], []
+    for line, row in numbered[1:] if has_header else numbered:
         if len(row) < width:
-            raise ValueError(f"{path}: row {number} has {len(row)} columns, expected at least {width}: {row}")
+            raise ValueError(f"{path}: row {line + 1} has {len(row)} columns, expected at least {width}: {row}")
         raw_rows.append({name: row[index] for name, index in columns.items()})
-    return normalize_records(spec, raw_rows, str(path))
+        positions.append(line - first)
+    return normalize_records(spec, raw_rows, str(path), positions, total)
 
 
 #: label columns of a header, by preference (GLUE SNLI/MNLI have ``label1`` ... and ``gold_label``)
@@ -782,13 +890,17 @@ def kshot_folders(task_dir: Path) -> list[str]:
 
 
 def find_task_dir(spec: TaskSpec, data_dir: Union[str, Path]) -> Path:
-    """The task's folder: ``data_dir`` itself if it holds the task's files, else the sub-folder whose
-    name matches the task (any case, ``SST-2``/``sst2``/``sst-2``, ``WiC``/``WIC``...)."""
+    """The task's folder: ``data_dir`` itself if it holds the task's files, else the first of the task's
+    ``folder_names`` found in it (SST-2: ``GLUE-SST-2``), else the sub-folder whose name matches the
+    task (any case, ``SST-2``/``sst2``/``sst-2``, ``WiC``/``WIC``...)."""
     root = Path(os.path.expanduser(str(data_dir)))
     if not root.is_dir():
         raise FileNotFoundError(f"{spec.name}: data_dir {str(root)!r} is not a folder")
     if _holds_task_files(spec, root):
         return root
+    for name in spec.folder_names:  # SST-2: LM-BFF's tarball names GLUE's SST-2 "GLUE-SST-2"
+        if (root / name).is_dir() and _holds_task_files(spec, root / name):
+            return root / name
     key = task_key(spec.name)
     matches = [p for p in sorted(root.iterdir()) if p.is_dir() and task_key(p.name) == key]
     if matches:
@@ -896,6 +1008,43 @@ def load_task(
     return TaskData(spec, train, test, dev, fmt, str(task_dir))
 
 
+#: Training rows of LM-BFF's own SST-2 (``original/SST-2`` of its ``datasets.tar``); GLUE's has 67,349.
+LMBFF_SST2_TRAIN_ROWS = 6920
+_BOOLQ_TITLE = re.compile(r"^[^\n]{1,120}? -- ")
+
+
+def source_warning(data: TaskData) -> Optional[str]:
+    """One line when ``data`` is not the copy of the task that MeZO/DPZero read (else ``None``).
+
+    * SST-2 read from LM-BFF's own ``original/SST-2`` (sentence level, 6,920 training sentences): the
+      Table 2 runs use GLUE's SST-2 (``original/GLUE-SST-2``, renamed ``SST-2`` by their scripts).
+      Recognised by the folder name ``SST-2-original``, a ``GLUE-SST-2`` folder beside it, or 6,920
+      training rows.
+    * BoolQ from SuperGLUE (passages ``"<title> -- ..."``): MeZO's Table 4 prompts use the original
+      BoolQ passages, without titles.
+    """
+    spec, train = data.spec, data.train
+    if spec.name == "SST-2" and data.data_format == "glue":
+        folder = Path(data.task_dir)
+        beside_glue = folder.name != "GLUE-SST-2" and (folder.parent / "GLUE-SST-2").is_dir()
+        if folder.name.lower() == "sst-2-original" or beside_glue or train.row_count == LMBFF_SST2_TRAIN_ROWS:
+            return (
+                f"SST-2: {train.path} looks like LM-BFF's own SST-2 ({LMBFF_SST2_TRAIN_ROWS:,} sentences), not "
+                "GLUE's SST-2 (67,349 phrases) that MeZO/DPZero's Table 2 trains on: point data_dir at LM-BFF's "
+                "data/original (which holds GLUE-SST-2) or at the GLUE-SST-2 folder"
+            )
+    if spec.name == "BoolQ":
+        sample = train.records[:200]
+        titled = sum(bool(_BOOLQ_TITLE.match(r["passage"])) for r in sample)
+        if sample and titled >= 0.9 * len(sample):
+            return (
+                f"BoolQ: the passages of {train.path} start with '<title> -- ' (SuperGLUE's copy); MeZO/DPZero's "
+                "Table 4 prompts use the original BoolQ (Hugging Face `boolq`, Google's train.jsonl/dev.jsonl), "
+                "whose passages have no title"
+            )
+    return None
+
+
 def parse_hf_name(name: str, spec: TaskSpec) -> tuple[str, Optional[str]]:
     """``"glue/sst2"`` / ``"super_glue:boolq"`` / ``"SetFit/sst5"`` / ``""`` -> ``(path, config)``."""
     name = name.strip()
@@ -979,6 +1128,7 @@ __all__ = [
     "read_jsonl",
     "read_split",
     "render_text",
+    "source_warning",
     "task_key",
     "template_table",
 ]

@@ -44,8 +44,8 @@ def tiny_world(tmp_path_factory):
         write_task_files(root / "original", task, "glue")
     data["original"] = root / "original"
     write_task_files(root / "glue", "SST-2", "glue")
-    write_task_files(root / "SuperGLUE", "BoolQ", "superglue")
-    data["glue"], data["SuperGLUE"] = root / "glue", root / "SuperGLUE"
+    write_task_files(root / "boolq", "BoolQ", "superglue")  # the original BoolQ's jsonl files (MeZO's)
+    data["glue"], data["boolq"] = root / "glue", root / "boolq"
     return models, data
 
 

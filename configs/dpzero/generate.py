@@ -6,6 +6,19 @@ The YAML files are committed; ``tests/test_paper_configs.py`` checks they match 
 here and regenerate. Hyper-parameters: DPZero paper, App. B.2 Table 8 (RoBERTa) and App. B.3
 Table 10 (OPT). The paper searched the clip C per task over a grid and does not report the chosen
 value; we set the grid's middle and name the grid in each file.
+
+Data, as the authors' code prepares it (github.com/Liang137/DPZero, built on MeZO and LM-BFF):
+
+* Table 2 (``roberta/``): LM-BFF's ``data/original`` with GLUE's SST-2 in place of LM-BFF's own
+  (``roberta/data/prepare_datasets.sh`` renames ``GLUE-SST-2``; our loader reads ``GLUE-SST-2``
+  itself), k = 512 per class drawn by ``tools/generate_k_shot_data.py --mode k-shot-1k-test`` (NumPy,
+  seed = data seed; the 1,000 test examples drawn once with seed 42: ``test_seed: 42``), LM-BFF's
+  templates, and ``examples/run_fewshot.sh``'s lengths: ``--max_seq_length 128`` (256 for MNLI, SNLI,
+  RTE) and ``--first_sent_limit`` 110 (SST-5, TREC) or 240 (MNLI, RTE), LM-BFF's tail truncation.
+* Table 4 (``opt/``): MeZO's ``tasks.py``: GLUE's SST-2 and the original BoolQ (Hugging Face
+  ``boolq``: Google's ``train.jsonl`` / ``dev.jsonl``, no titles in the passages), 1,000 train + 500
+  dev drawn with ``np.random.permutation`` under the seed, 1,000 test examples with the same seed;
+  ``max_length`` 2048 (``run.py``'s default; prompts cut from the left).
 """
 
 from __future__ import annotations
@@ -20,7 +33,12 @@ ROOT = Path(__file__).resolve().parent
 
 ROBERTA_TASKS = ["SST-2", "SST-5", "SNLI", "MNLI", "RTE", "TREC"]
 OPT_MODELS = {"1.3b": "facebook/opt-1.3b", "2.7b": "facebook/opt-2.7b", "6.7b": "facebook/opt-6.7b"}
-OPT_TASKS = {"SST-2": ("glue", "data/glue"), "BoolQ": ("superglue", "data/SuperGLUE")}
+OPT_TASKS = {"SST-2": ("glue", "data/glue"), "BoolQ": ("superglue", "data/boolq")}
+#: run_fewshot.sh: (--max_seq_length, --first_sent_limit) per task
+ROBERTA_LENGTHS = {"SST-2": (128, None), "SST-5": (128, 110), "SNLI": (256, None), "MNLI": (256, 240),
+                   "RTE": (256, 240), "TREC": (128, 110)}
+#: MeZO's run.py: max_length 2048 (BoolQ passages can be long); SST-2 sentences fit in 128
+OPT_LENGTHS = {"SST-2": 128, "BoolQ": 2048}
 METHODS = {"mezo": None, "dpzero_eps2": 2.0, "dpzero_eps6": 6.0}
 
 
@@ -41,16 +59,25 @@ def roberta_config(task: str, method: str) -> tuple[str, dict]:
     spec = get_task(task)
     backbone = {"class_path": "lit_zodp.backbones.HFPromptClassifier",
                 "init_args": {"model_name_or_path": "roberta-large", "label_words": list(spec.label_words)}}
+    max_length, first_sent_limit = ROBERTA_LENGTHS[task]
+    lengths = {"max_length": max_length, "truncation": "tail"}
+    if first_sent_limit is not None:
+        lengths["first_sent_limit"] = first_sent_limit
     data = {"class_path": "datamodules.PromptTextDataModule", "init_args": {
-        "task": task, "data_dir": "data/original", "prompt": "mlm", "tokenizer": "roberta-large",
-        "max_length": 256, "k_shot": 512, "num_test": 1000, "batch_size": 64, "data_seed": 42}}
+        "task": task, "data_dir": "data/original", "prompt": "mlm", "tokenizer": "roberta-large", **lengths,
+        "k_shot": 512, "num_test": 1000, "test_seed": 42, "batch_size": 64, "data_seed": 42}}
     config = {"seed_everything": 42, "trainer": trainer(10_000, 1000),
               "model": algorithm(method, backbone, lr=1.0e-6, clip=200.0, seed=42), "data": data}
     row = "MeZO" if METHODS[method] is None else f"DPZero eps={METHODS[method]:g}"
     header = (f"DPZero paper, Table 2, row '{row}', column {task}: RoBERTa-large (355M), prompt-based\n"
               "fine-tuning (LM-BFF template, label words at <mask>), k = 512 per class, 1000 test examples,\n"
               "T = 10000, B = 64, lambda = 1e-3, lr = 1e-6 (App. B.2, Table 8). Paper: mean over data seeds\n"
-              "{42, 13, 21} (set data.init_args.data_seed and seed_everything).")
+              "{42, 13, 21} (set data.init_args.data_seed and seed_everything).\n"
+              "data: LM-BFF's k-shot draw of data/original (NumPy, seed = data_seed), the 1000 test examples\n"
+              "drawn once with seed 42, lengths of DPZero's run_fewshot.sh.")
+    if task == "SST-2":
+        header += ("\nSST-2 is GLUE's (LM-BFF's data/original/GLUE-SST-2, read automatically), as in MeZO's and\n"
+                   "DPZero's data scripts, not LM-BFF's own sentence-level SST-2.")
     if METHODS[method] is not None:
         header += "\nclip: the paper grid-searches C in {50, 100, 150, 200, 250, 300, 400} per task."
     return header, config
@@ -63,7 +90,7 @@ def opt_config(size: str, task: str, method: str) -> tuple[str, dict]:
                               "dtype": "float16"}}
     data = {"class_path": "datamodules.PromptTextDataModule", "init_args": {
         "task": task, "data_dir": data_dir, "data_format": data_format, "prompt": "causal",
-        "tokenizer": OPT_MODELS[size], "max_length": 512 if task == "BoolQ" else 128,
+        "tokenizer": OPT_MODELS[size], "max_length": OPT_LENGTHS[task],
         "num_train": 1000, "num_dev": 500, "num_test": 1000, "batch_size": 8, "data_seed": 0}}
     config = {"seed_everything": 0, "trainer": trainer(20_000, 4000),
               "model": algorithm(method, backbone, lr=1.0e-6, clip=50.0, seed=0), "data": data}
@@ -72,6 +99,10 @@ def opt_config(size: str, task: str, method: str) -> tuple[str, dict]:
               "scored by their (length-averaged) log-likelihood, 1000 train / 500 dev / 1000 test,\n"
               "T = 20000, B = 8, lambda = 1e-3, fp16 weights (App. B.3, Table 10). Paper: mean over seeds\n"
               "{0, 29, 83}. lr: the paper grid-searches {1e-6, 1e-7}.")
+    if task == "BoolQ":
+        header += ("\ndata: the original BoolQ (Google's train.jsonl/dev.jsonl, Hugging Face `boolq`), as MeZO;\n"
+                   "SuperGLUE's copy prefixes every passage with its title. Prompt '<passage> <Question>?\\n' +\n"
+                   "'Yes'/'No', up to 2048 tokens (MeZO's max_length), the prompt cut from the left.")
     if METHODS[method] is not None:
         header += "\nclip: the paper grid-searches C in {10, 50, 100, 200}."
     return header, config
@@ -79,7 +110,7 @@ def opt_config(size: str, task: str, method: str) -> tuple[str, dict]:
 
 def render(header: str, config: dict) -> str:
     comment = "\n".join(f"# {line}" if line else "#" for line in header.splitlines())
-    usage = "# Run: lightning fit --config <this file>   (data layout: see README, 'Paper experiments')"
+    usage = "# Run: lightning fit --config <this file>   (data layout: see README, 'Paper configs')"
     return f"{comment}\n{usage}\n" + yaml.safe_dump(config, sort_keys=False)
 
 

@@ -74,7 +74,7 @@ def test_registry_covers_the_papers_tasks():
     assert get_task("MNLI").label_words == ("Yes", "Maybe", "No")
     assert get_task("RTE").label_words == ("Yes", "No")
     assert get_task("TREC").label_words == ("Description", "Entity", "Expression", "Human", "Location", "Number")
-    assert get_task("BoolQ").candidates == (" No", " Yes")
+    assert get_task("BoolQ").candidates == ("No", "Yes")  # MeZO: after "\n", no space
     assert "It was<mask>." in template_table()
     with pytest.raises(ValueError, match="SST-2"):
         get_task("squad")
@@ -95,8 +95,8 @@ def test_every_task_parses_in_its_layouts(tmp_path, task, fmt):
     assert data.data_format == fmt
     written = synthetic_examples(spec, 2, offset=42_000) if fmt == "lm-bff" else synthetic_examples(spec, 3)
     assert data.train.labels == [label for _, label in written]
-    for record, (fields, _) in zip(data.train.records, written):
-        assert record == {name: str(fields[name]).strip() for name in spec.fields}
+    for record, (fields, _) in zip(data.train.records, written):  # as written (SST-2: GLUE's trailing space)
+        assert {k: v.strip() for k, v in record.items()} == {name: str(fields[name]) for name in spec.fields}
     assert Counter(data.test.labels) == {c: 2 for c in range(spec.num_classes)}  # SNLI/MNLI "-" rows dropped
     assert (data.dev is not None) == (fmt == "lm-bff")
 
@@ -219,7 +219,7 @@ def test_hf_format_with_a_stub_datasets_module(monkeypatch):
     assert parse_hf_name("super_glue/boolq", spec) == ("super_glue", "boolq")
     assert parse_hf_name("aps/super_glue:boolq", spec) == ("aps/super_glue", "boolq")
     assert parse_hf_name("SetFit/sst5", spec) == ("SetFit/sst5", None)
-    assert parse_hf_name("", spec) == ("super_glue", "boolq")
+    assert parse_hf_name("", spec) == ("boolq", None)  # MeZO's BoolQ: the original, not SuperGLUE's copy
 
 
 # ----------------------------------------------------------------------------------- sampling
@@ -262,8 +262,8 @@ def test_num_train_dev_test_subsets(tmp_path, tokenizers):
     fixed_test.setup()
     assert torch.equal(fixed_test.test_dataset.inputs["input_ids"], dm.test_dataset.inputs["input_ids"])
     # train and dev are disjoint draws of the training file
-    train, dev = sample_pool([i % 2 for i in range(30)], 2, seed=0, num_train=12, num_dev=5)
-    assert len(train) == 12 and len(dev) == 5 and not set(train) & set(dev)
+    train, dev = sample_pool([i % 2 for i in range(30)], list(range(30))[::-1], num_train=12, num_dev=5)
+    assert train == list(range(29, 17, -1)) and dev == [17, 16, 15, 14, 13]
 
 
 def test_lm_bff_folders_are_picked_by_k_and_seed(tmp_path, tokenizers):
@@ -333,7 +333,8 @@ def test_mlm_datamodule_matches_lm_bff_and_the_prompt_backbone(tmp_path, tokeniz
     assert dm.label_words == ["terrible", "great"] and dm.num_classes == 2
     inputs, target = dm.test_dataset[0]
     text = tok.decode(inputs["input_ids"][inputs["attention_mask"].bool()])
-    assert text == "<s>A bad movie, number 10000 of class 0. It was<mask>.</s>"  # GLUE's trailing space stripped
+    # LM-BFF tokenizes GLUE's trailing space ("Ġ") before " It was"
+    assert text == "<s>A bad movie, number 10000 of class 0.  It was<mask>.</s>"
     assert dm.template == "<sentence> It was<mask>." and dm.labels == ["negative", "positive"]
     from lit_zodp.backbones import HFPromptClassifier
 
@@ -409,7 +410,7 @@ def test_causal_truncation_cuts_the_prompt_from_the_left(tokenizers):
         ids = out["input_ids"][0, j]
         assert ids[0] == tokenizer.bos_token_id
         assert tokenizer.decode(ids[out["candidate_mask"][0, j].bool()]) == cand
-        assert tokenizer.decode(ids[out["attention_mask"][0, j].bool()]).endswith("w299 is it true?" + cand)
+        assert tokenizer.decode(ids[out["attention_mask"][0, j].bool()]).endswith("w299 Is it true?\n" + cand)
     with pytest.raises(ValueError, match="does not fit"):
         encode_causal(tokenizer, get_task("COPA"), [{"premise": "p", "choice1": "a " * 20, "choice2": "b",
                                                    "question": "cause"}], 8)
