@@ -3,7 +3,9 @@
 ``lightning fit --config configs/quickstart.yaml`` works for any LightningModule and
 LightningDataModule. Two additions for private training: Lightning's distributed sampler is off
 by default (the DataModule Poisson-samples each rank's shard itself), and after ``fit`` the test
-set is evaluated and a one-line result is printed (``--test_after_fit false`` skips it).
+set is evaluated and a one-line result is printed (``--test_after_fit false`` skips it;
+``--test_ckpt best`` tests the best checkpoint of a monitored ModelCheckpoint instead of the last
+iterate, as the papers' reference code does with ``load_best_model_at_end``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class LitZODPCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--test_after_fit", type=bool, default=True,
                             help="After fit, evaluate the test set and print a one-line result.")
+        parser.add_argument("--test_ckpt", type=str, default="last",
+                            help="Which model the test after fit evaluates: 'last' (the final iterate) or 'best' "
+                                 "(the best checkpoint of a ModelCheckpoint with a `monitor`, e.g. val_acc).")
 
     def _parse_ckpt_path(self) -> None:
         """Resuming: LightningCLI replaces the model arguments by the checkpoint's saved hyperparameters.
@@ -51,10 +56,23 @@ class LitZODPCLI(LightningCLI):
         wall = time.perf_counter() - getattr(self, "_fit_started", time.perf_counter())
         test_metrics = {}
         if self.config[self.subcommand].get("test_after_fit") and _has_test_data(self.datamodule):
-            results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
+            ckpt_path = self._test_checkpoint(self.config[self.subcommand].get("test_ckpt", "last"))
+            results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=ckpt_path, verbose=False)
             test_metrics = results[0] if results else {}
         rank_zero_info(result_line(self.model, self.datamodule, self.trainer, test_metrics, wall))
 
+
+    def _test_checkpoint(self, which: str) -> Optional[str]:
+        """``None`` for the last iterate; the best monitored checkpoint's path for ``'best'``."""
+        if which == "last":
+            return None
+        if which != "best":
+            raise PrivacyConfigError(f"Expected `test_ckpt` in ['last', 'best'], but got {which!r}")
+        callback = self.trainer.checkpoint_callback
+        if callback is None or callback.monitor is None:
+            raise PrivacyConfigError("`test_ckpt: best` needs a ModelCheckpoint with a `monitor` (e.g. val_acc) "
+                                     "in trainer.callbacks")
+        return callback.best_model_path or None
 
     def before_test(self) -> None:
         self._test_started = time.perf_counter()

@@ -58,7 +58,7 @@ def overrides(config: dict, models: dict, data: dict) -> list[str]:
             "--data.init_args.batch_size", "2", "--data.init_args.num_test", "2",
             "--data.init_args.max_length", "64",
             "--trainer.accelerator", "cpu", "--trainer.max_steps", "2", "--trainer.logger", "false",
-            "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+            "--trainer.val_check_interval", "1", "--trainer.enable_progress_bar", "false",
             "--trainer.enable_model_summary", "false"]
     if config["data"]["init_args"].get("k_shot"):
         args += ["--data.init_args.k_shot", "4"]
@@ -80,3 +80,28 @@ def test_paper_config_runs_with_a_tiny_model_of_the_same_family(path, tiny_world
         assert model.privacy.delta == 1e-5
         assert 0 < model.privacy.ledger.epsilon(model.privacy.delta).upper <= model.privacy.target_epsilon
     assert "test_acc" in cli.trainer.callback_metrics
+    if config.get("test_ckpt") == "best":  # Table 4: the best dev checkpoint is the one tested
+        assert cli.trainer.checkpoint_callback.monitor == "val_acc"
+        assert cli.trainer.checkpoint_callback.best_model_path
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "dpzero_eps" in p.stem], ids=lambda p: p.stem)
+def test_paper_config_injects_the_reference_noise(path):
+    """std = 2 sigma C / B, sigma = Opacus get_noise_multiplier(eps, delta, q = B / n, T) (DPZero's trainers)."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from lit_zodp.algorithms import DPZero
+    from lit_zodp.privacy import PoissonSampling
+    from tests.conftest import mlp
+
+    config = yaml.safe_load(path.read_text())
+    model, data = config["model"]["init_args"], config["data"]["init_args"]
+    n = data["k_shot"] * len(get_task(data["task"]).label_words) if data.get("k_shot") else data["num_train"]
+    B, steps = data["batch_size"], config["trainer"]["max_steps"]
+    module = DPZero(mlp(), **{k: v for k, v in model.items() if k != "backbone"})
+    module.privacy.plan(step_plan=module.step_plan(), sampling=PoissonSampling(n, B / n), planned_steps=steps)
+    (release,) = module.step_plan()
+    injected = module.privacy._noise_std(release) / module.privacy.expected_batch_size
+    sigma = get_noise_multiplier(target_epsilon=model["target_epsilon"], target_delta=model["delta"],
+                                 sample_rate=B / n, steps=steps)
+    assert injected == pytest.approx(2 * sigma * model["clip"] / B, rel=1e-12)
