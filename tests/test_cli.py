@@ -139,3 +139,13 @@ def test_a_resume_through_the_cli_never_spends_past_the_budget(tmp_path, monkeyp
                                     "--model.init_args.max_epsilon", "2.0")
     assert stricter.model.privacy.budget == 2.0
     assert stricter.model.privacy.ledger.total_count == 30  # 3 > 2 already: not one more step
+
+
+@pytest.mark.parametrize("name", ["quickstart_dpsgd", "quickstart_dpadam", "vit_mnist_dpadam"])
+def test_first_order_configs_run_a_few_steps(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[1] / "configs" / "first_order" / f"{name}.yaml"
+    cli = build_cli(["fit", "--config", str(config), "--trainer.max_steps", "3", "--trainer.accelerator", "cpu",
+                     "--trainer.enable_progress_bar", "false", "--test_after_fit", "false"])
+    assert cli.trainer.global_step == cli.model.privacy.steps == 3
+    assert 0 < cli.model.privacy.epsilon() <= cli.model.privacy.target_epsilon
