@@ -78,8 +78,10 @@ class NoiseSource:
     def gaussian(self, shape, std: float, *, device="cpu", dtype=torch.float32) -> Tensor:
         """A draw of ``N(0, std^2)`` with the given shape, on ``device``."""
         raise_if_any([check_non_negative("noise std", std)])
-        draw = torch.from_numpy(np.asarray(self._rng.standard_normal(tuple(shape)) * std))
-        return draw.to(device=device, dtype=dtype)
+        precision = np.float64 if dtype == torch.float64 else np.float32  # float32 for fp32/bf16/fp16
+        draw = np.asarray(self._rng.standard_normal(tuple(shape), dtype=precision))
+        draw *= precision(std)
+        return torch.from_numpy(draw).to(device=device, dtype=dtype)
 
     def vector_key(self) -> "SecretGaussianVector":
         """A fresh 128-bit key of a d-dimensional standard normal vector, generated lazily by chunk."""
