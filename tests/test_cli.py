@@ -146,6 +146,7 @@ def test_first_order_configs_run_a_few_steps(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).resolve().parents[1] / "configs" / "first_order" / f"{name}.yaml"
     cli = build_cli(["fit", "--config", str(config), "--trainer.max_steps", "3", "--trainer.accelerator", "cpu",
-                     "--trainer.enable_progress_bar", "false", "--test_after_fit", "false"])
+                     "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
+                     "--data.init_args.batch_size", "16", "--data.init_args.max_private_samples", "800"])
     assert cli.trainer.global_step == cli.model.privacy.steps == 3
     assert 0 < cli.model.privacy.epsilon() <= cli.model.privacy.target_epsilon
