@@ -1,0 +1,806 @@
+#!/usr/bin/env python
+"""DPSGD and DPAdam (lit_zodp's per-example gradient engine) against Opacus DP-SGD, side by side.
+
+For each model and batch size, in ONE run, with the same model, batch, clip (1.0) and sigma (1.0):
+
+* ``dpsgd_hooks`` / ``dpsgd_ghost`` / ``dpadam_hooks``: ``DPSGD`` / ``DPAdam`` with
+  ``grad_mode="hooks"`` (every per-example gradient materialised) or ``"ghost"`` (per-example norms
+  only, book-keeping sums). The timer wraps the LightningModule's ``training_step`` itself, driven by
+  a real Lightning ``Trainer`` over the library's ``FullBatchSampler`` on a dataset that is exactly the
+  batch (per-example gradients, flat clip, sum, one Gaussian release, optimizer step, ledger, logs);
+  the engine's share (``private_gradient``: forward, backward, per-example gradients or norms, clip,
+  sum) is timed inside it.
+* ``opacus_hooks`` / ``opacus_ghost``: ``PrivacyEngine.make_private`` (SGD, ``poisson_sampling=False``),
+  hooks mode or ghost clipping (``grad_sample_mode="ghost"``, with the criterion it returns): forward,
+  backward, clip, noise, SGD step, ``zero_grad``.
+* ``nonprivate``: forward, backward of the mean loss and an SGD step: the floor.
+
+Time: all methods in one worker process, interleaved, their order rotating each repetition; the
+median over repetitions is reported, and ratios are medians of per-repetition (paired) ratios.
+Memory: one fresh worker process per (model, batch, method): peak RSS on CPU (``VmHWM`` after a
+reset of the kernel's counter), ``torch.cuda.max_memory_allocated`` on GPU.
+
+The model builders, the Trainer driver, the Opacus setup, the load probe and the RSS helpers come from
+``bench_dpzero.py`` (imported, not copied). See benchmarks/README.md.
+
+Usage::
+
+    python benchmarks/bench_first_order.py                 # ViT-tiny b64, b256 and MiniLM b32 (+ RoBERTa-large b16 on GPU)
+    python benchmarks/bench_first_order.py --quick         # smoke run: batch 16, 32 tokens, 2 repeats
+    python benchmarks/bench_first_order.py --device cuda --models roberta_large
+    python benchmarks/bench_first_order.py --models roberta_large --roberta-layers 1 --batches 2 --seq-len 16 \\
+        --repeats 1 --out /tmp/roberta_smoke                # CPU smoke test of the RoBERTa builder
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import copy
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import bench_dpzero as bd  # noqa: E402  (light at import: heavy imports happen in its functions)
+
+MODELS = ("vit_tiny", "minilm", "roberta_large")
+DEFAULT_BATCHES = {"vit_tiny": [64, 256], "minilm": [32], "roberta_large": [16]}
+METHODS = ("nonprivate", "dpsgd_hooks", "dpsgd_ghost", "dpadam_hooks", "opacus_hooks", "opacus_ghost")
+#: Optional: ViT with cls_token/pos_embed trainable for OUR engine only (Opacus has no rule for them and
+#: freezes them in every default method): the engine's torch.func fallback over the whole VisionTransformer.
+EXTRA_METHODS = ("dpsgd_hooks_allparams", "dpsgd_ghost_allparams")
+OURS = {"dpsgd_hooks": ("dpsgd", "hooks"), "dpsgd_ghost": ("dpsgd", "ghost"), "dpadam_hooks": ("dpadam", "hooks"),
+        "dpsgd_hooks_allparams": ("dpsgd", "hooks"), "dpsgd_ghost_allparams": ("dpsgd", "ghost")}
+OPACUS = {"opacus_hooks": "hooks", "opacus_ghost": "ghost"}
+MATERIALISING = {"dpsgd_hooks", "dpadam_hooks", "opacus_hooks", "dpsgd_hooks_allparams"}
+
+CLIP = bd.CLIP      # 1.0
+SIGMA = bd.SIGMA    # 1.0
+LR = bd.LR          # 1e-6 (the step size does not change the cost of a step)
+DELTA = 1e-5
+
+#: RoBERTa-large (``roberta-large``'s config.json) built from ``RobertaConfig`` with random weights.
+ROBERTA_LARGE = dict(vocab_size=50265, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                     intermediate_size=4096, max_position_embeddings=514, type_vocab_size=1,
+                     layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+
+
+# =====================================================================================
+# Worker side
+# =====================================================================================
+
+def build(args, model: str, batch: int, device):
+    """``bd.build_model`` plus RoBERTa-large from its configuration: ``(backbone, inputs, targets, dataset)``."""
+    if model != "roberta_large":
+        return bd.build_model(model, batch, args.seq_len, device)
+    import torch
+
+    from lit_zodp.backbones import HFSequenceClassifier
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    overrides = dict(ROBERTA_LARGE)
+    if args.roberta_layers:
+        overrides["num_hidden_layers"] = args.roberta_layers
+    # AutoConfig.for_model("roberta", **overrides): RobertaConfig's defaults with roberta-large's sizes.
+    backbone = HFSequenceClassifier(config={"model_type": "roberta", **overrides}, num_classes=2)
+    ids = torch.randint(3, overrides["vocab_size"], (batch, args.seq_len), generator=g)
+    ids[:, 0], ids[:, -1] = overrides["bos_token_id"], overrides["eos_token_id"]
+    # No position_ids: RoBERTa derives them per example ([B, T]) from input_ids (padding offset).
+    inputs = {"input_ids": ids, "attention_mask": torch.ones(batch, args.seq_len, dtype=torch.long),
+              "token_type_ids": torch.zeros(batch, args.seq_len, dtype=torch.long)}
+    targets = torch.randint(0, 2, (batch,), generator=g)
+    backbone = backbone.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    targets = targets.to(device)
+    return backbone, inputs, targets, bd.FixedBatch(inputs, targets)
+
+
+def prepare(backbone, model: str, method: str):
+    """The same function and trainable set for every method: dropout off (Opacus' setup in
+    ``bd.make_opacus`` does the same), and on ViT cls_token/pos_embed frozen (no Opacus rule covers
+    them) except for the ``*_allparams`` variants of our engine."""
+    from torch import nn
+
+    for m in backbone.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0  # HF attention reads its dropout probability from this module too
+    if model == "vit_tiny" and not method.endswith("_allparams"):
+        backbone.model.cls_token.requires_grad_(False)
+        backbone.model.pos_embed.requires_grad_(False)
+    backbone.train()
+    return backbone
+
+
+PHASES = ("engine", "release", "apply")
+
+
+def _read_peak(device) -> int | None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return bd._proc_status("VmHWM")
+
+
+def _reset_peak(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        bd._reset_peak_rss()
+
+
+def make_ours(backbone, algo: str, grad_mode: str, track_memory: bool = False):
+    """DPSGD / DPAdam whose ``training_step`` is timed, and its three verbs inside it: ``engine``
+    (``private_gradient``: forward, backward, per-example gradients or norms, clip, sum), ``release``
+    (``release_gradient``: flatten, Gaussian noise, divide) and ``apply`` (``apply_gradient``: the
+    optimizer step, ledger). With ``track_memory`` each verb's peak memory is recorded too (the peak
+    counter is read, then reset, around each verb: the overall peak is the max of all readings)."""
+    from lit_zodp.algorithms import DPAdam, DPSGD
+
+    base = {"dpsgd": DPSGD, "dpadam": DPAdam}[algo]
+
+    class Timed(base):
+        abstract = True  # not registered in lit_zodp.algorithms.ALGORITHMS
+
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.step_times: list[float] = []
+            self.step_loads: list = []
+            self.phase_times: dict[str, list[float]] = {p: [] for p in PHASES}
+            self.phase_peaks: list[tuple[str, int | None]] = []
+            self.track_memory = track_memory
+
+        def _phase(self, name, fn, *a):
+            device = self.device
+            if self.track_memory:
+                self.phase_peaks.append((f"before {name}", _read_peak(device)))
+                _reset_peak(device)
+            bd._sync(device)
+            start = time.perf_counter()
+            out = fn(*a)
+            bd._sync(device)
+            self.phase_times[name].append(time.perf_counter() - start)
+            if self.track_memory:
+                self.phase_peaks.append((name, _read_peak(device)))
+                _reset_peak(device)
+            return out
+
+        def private_gradient(self, inputs, targets):
+            return self._phase("engine", super().private_gradient, inputs, targets)
+
+        def release_gradient(self, clipped):
+            return self._phase("release", super().release_gradient, clipped)
+
+        def apply_gradient(self, gradient):
+            return self._phase("apply", super().apply_gradient, gradient)
+
+        def training_step(self, batch, batch_idx):
+            bd._sync(self.device)
+            bd.PROBE.start()
+            out = super().training_step(batch, batch_idx)
+            bd._sync(self.device)
+            wall, load = bd.PROBE.stop()
+            self.step_times.append(wall)
+            self.step_loads.append(load)
+            return out
+
+    Timed.__name__ = Timed.__qualname__ = f"Timed{base.__name__}"
+    return Timed(backbone, lr=LR, clip=CLIP, noise_multiplier=SIGMA, delta=DELTA, seed=0, grad_mode=grad_mode)
+
+
+def make_nonprivate(backbone, inputs, targets):
+    """Plain training step: forward, backward of the mean loss, SGD step, zero_grad."""
+    import torch
+
+    from lit_zodp.backbones.base import per_example_loss
+
+    params = [p for p in backbone.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=LR)
+
+    def step() -> None:
+        per_example_loss(backbone, inputs, targets).float().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def per_sample_bytes(backbone) -> int:
+    return bd.opacus_hooks_bytes(backbone, 1)
+
+
+def memory_budget(args, device) -> float:
+    """Bytes allowed for B x d per-sample gradients (hooks modes): ``--mem-budget-gb`` or 60% of free."""
+    if args.mem_budget_gb:
+        return args.mem_budget_gb * 2**30
+    if device.type == "cuda":
+        import torch
+
+        return 0.6 * torch.cuda.mem_get_info(device)[0]
+    return 0.6 * bd._mem_available()
+
+
+def skip_reason(args, method: str, backbone, batch: int, device) -> str | None:
+    if method not in MATERIALISING:
+        return None
+    need = per_sample_bytes(backbone) * batch
+    budget = memory_budget(args, device)
+    if need <= budget:
+        return None
+    return (f"{method} skipped: B x d per-sample gradients need {need / 2**30:.1f} GiB "
+            f"(> budget {budget / 2**30:.1f} GiB, --mem-budget-gb)")
+
+
+class Runner:
+    """One method on its own prepared copy of the model: ``run(k)`` takes ``k`` steps and returns
+    ``[(wall, load, engine_or_None), ...]``."""
+
+    def __init__(self, method: str, backbone, inputs, targets, dataset, model: str, batch: int, device,
+                 track_memory: bool = False):
+        self.method, self.device = method, device
+        self.notes: list[str] = []
+        self.backbone = prepare(backbone, model, method)
+        if method in OURS:
+            algo, mode = OURS[method]
+            self.module = make_ours(self.backbone, algo, mode, track_memory).to(device)
+            self.dataset = dataset
+        elif method in OPACUS:
+            self.step, notes = bd.make_opacus(self.backbone, dataset, batch, model, OPACUS[method])
+            self.notes += [n for n in notes if not n.startswith("cls_token")]
+        elif method == "nonprivate":
+            self.step = make_nonprivate(self.backbone, inputs, targets)
+        else:
+            raise ValueError(f"unknown method {method!r}")
+
+    def run(self, k: int) -> list[tuple]:
+        if self.method in OURS:
+            m = self.module
+            before = len(m.step_times)
+            bd.dpzero_fit(m, self.dataset, k, self.device)  # fresh Trainer; moves the module back to device
+            phases = [{p: m.phase_times[p][i] for p in PHASES} for i in range(before, len(m.step_times))]
+            return list(zip(m.step_times[before:], m.step_loads[before:], phases))
+        out = []
+        for _ in range(k):
+            bd._sync(self.device)
+            bd.PROBE.start()
+            self.step()
+            bd._sync(self.device)
+            wall, load = bd.PROBE.stop()
+            out.append((wall, load, None))
+        return out
+
+
+def worker_time(args) -> dict:
+    """Every method interleaved in this process, the order rotating each repetition."""
+    import torch
+
+    device = bd._device(args.device)
+    base, inputs, targets, dataset = build(args, args.model, args.batch, device)
+    methods = [m for m in args.methods.split(",") if m]
+    result = {"notes": [], "skipped": {}, "errors": {}, "times": {}, "phases": {}, "loads": {}, "rep_of": {}}
+    runners = {}
+    for method in methods:
+        why = skip_reason(args, method, base, args.batch, device)
+        if why:
+            result["skipped"][method] = why
+            continue
+        try:
+            runners[method] = Runner(method, copy.deepcopy(base), inputs, targets, dataset, args.model,
+                                     args.batch, device)
+            result["notes"] += [f"{method}: {n}" for n in runners[method].notes]
+        except Exception as err:  # record why this method cannot run this configuration
+            result["errors"][method] = f"{type(err).__name__}: {err}"[:600]
+    if args.model == "vit_tiny" and any(not m.endswith("_allparams") for m in runners):
+        result["notes"].append("cls_token+pos_embed (12,672 params) frozen for every method except *_allparams "
+                               "(no Opacus grad sampler covers them)")
+    del base
+    order = list(runners)
+    for method in order:
+        result["times"][method], result["phases"][method], result["loads"][method], result["rep_of"][method] = [], [], [], []
+    for rep in range(-args.warmup, args.repeats):
+        live = [m for m in order if m in runners]
+        if not live:
+            break
+        shift = rep % len(live)
+        for method in live[shift:] + live[:shift]:
+            try:
+                samples = runners[method].run(args.steps_per_repeat if rep >= 0 else 1)
+            except Exception as err:
+                result["errors"][method] = f"{type(err).__name__}: {err}"[:600]
+                del runners[method]
+                continue
+            if rep >= 0:
+                for wall, load, phases in samples:
+                    result["times"][method].append(wall)
+                    result["loads"][method].append(load)
+                    result["phases"][method].append(phases)
+                    result["rep_of"][method].append(rep)
+    for method, runner in runners.items():
+        if method in OURS:
+            recomputed = runner.module.engine.last_recomputed
+            if recomputed:
+                result["notes"].append(f"{method}: engine recomputed by the torch.func fallback: "
+                                       f"{sorted(recomputed)} (on {sorted(set(recomputed.values()))})")
+    if args.profile:
+        result["profile"] = profile_methods(runners, device, args.profile_rows)
+    result.update(device=str(device), threads=torch.get_num_threads(),
+                  cuda_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                  n_params={m: sum(p.numel() for p in r.backbone.parameters()) for m, r in runners.items()},
+                  n_trainable={m: sum(p.numel() for p in r.backbone.parameters() if p.requires_grad)
+                               for m, r in runners.items()})
+    return result
+
+
+def profile_methods(runners: dict, device, rows: int) -> dict:
+    """torch.profiler over one step of each method: the top ops by self time (CPU, or CUDA on GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out = {}
+    for method, runner in runners.items():
+        with profile(activities=activities) as prof:
+            runner.run(1)
+        events = prof.key_averages()
+        total = sum(getattr(e, key, 0) or 0 for e in events)
+        top = sorted(events, key=lambda e: getattr(e, key, 0) or 0, reverse=True)[:rows]
+        out[method] = {"total_self_ms": total / 1e3,
+                       "top": [{"op": e.key, "self_ms": (getattr(e, key, 0) or 0) / 1e3, "calls": e.count}
+                               for e in top]}
+    return out
+
+
+def worker_memory(args) -> dict:
+    """Peak memory of ONE method in this fresh process, above the model+batch baseline."""
+    import gc
+    import resource
+
+    import torch
+
+    device = bd._device(args.device)
+    method = args.method
+    backbone, inputs, targets, dataset = build(args, args.model, args.batch, device)
+    backbone = prepare(backbone, args.model, method)
+    cuda = device.type == "cuda"
+    tensors = list(backbone.parameters()) + (list(inputs.values()) if isinstance(inputs, dict) else [inputs])
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors + [targets])
+    result = {"method": method, "model_bytes": model_bytes}
+    why = skip_reason(args, method, backbone, args.batch, device)
+    if why:
+        result["skipped"] = why
+        return result
+    one = bd.FixedBatch({k: v[:1] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[:1],
+                        targets[:1])
+    # Warm-up on ONE example (lazy imports, kernels' one-time state, Lightning's): not per-step memory.
+    if method in OURS:
+        warm = make_ours(backbone, *OURS[method]).to(device)
+        bd.dpzero_fit(warm, one, 1, device)
+        del warm
+    else:
+        from lit_zodp.backbones.base import per_example_loss
+
+        per_example_loss(backbone, one.inputs, one.targets).float().mean().backward()
+        for p in backbone.parameters():
+            p.grad = None
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    baseline = bd._proc_status("VmRSS")
+    reset_ok = bd._reset_peak_rss()
+    if cuda:
+        cuda_baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    result["peak_reset"] = reset_ok
+    phase_peaks = []
+    try:
+        runner = Runner(method, backbone, inputs, targets, dataset, args.model, args.batch, device,
+                        track_memory=reset_ok or cuda)
+        result["notes"] = runner.notes
+        runner.run(args.memory_steps)
+        if method in OURS:
+            phase_peaks = runner.module.phase_peaks
+    except Exception as err:
+        result["error"] = f"{type(err).__name__}: {err}"[:600]
+    # Our modules reset the peak counter around each verb (after reading it): the overall peak is the
+    # max of those readings and the final one.
+    readings = [v for _, v in phase_peaks if v is not None]
+    if cuda:
+        torch.cuda.synchronize(device)
+        result.update(cuda_baseline=cuda_baseline,
+                      cuda_peak=max([torch.cuda.max_memory_allocated(device)] + readings))
+    final = bd._proc_status("VmHWM")
+    result.update(rss_baseline=baseline, rss_peak=final if cuda else max([final or 0] + readings),
+                  rss_after=bd._proc_status("VmRSS"),
+                  ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    base = cuda_baseline if cuda else baseline
+    if phase_peaks and base is not None:  # max over steps of each verb's peak above the baseline
+        extra = {}
+        for name, value in phase_peaks:
+            if value is not None:
+                extra[name] = max(extra.get(name, 0), value - base)
+        result["phase_extra"] = extra
+    if not reset_ok:  # VmHWM then covers the whole process life, like ru_maxrss
+        result["rss_peak"] = max(result["rss_peak"] or 0, result["ru_maxrss"])
+    return result
+
+
+def run_worker(args) -> None:
+    bd._setup_worker(args.threads)
+    result = worker_time(args) if args.worker == "time" else worker_memory(args)
+    result.update(model=args.model, batch=args.batch)
+    Path(args.result_file).write_text(json.dumps(result))
+
+
+# =====================================================================================
+# Orchestrator side (light imports only)
+# =====================================================================================
+
+def spawn(args, worker: str, model: str, batch: int, method: str | None = None) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_file = f.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--model", model,
+           "--batch", str(batch), "--result-file", result_file, "--threads", str(args.threads),
+           "--seq-len", str(args.seq_len), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+           "--steps-per-repeat", str(args.steps_per_repeat), "--memory-steps", str(args.memory_steps),
+           "--device", args.device, "--methods", args.methods, "--profile-rows", str(args.profile_rows)]
+    if args.mem_budget_gb:
+        cmd += ["--mem-budget-gb", str(args.mem_budget_gb)]
+    if args.roberta_layers:
+        cmd += ["--roberta-layers", str(args.roberta_layers)]
+    if args.profile:
+        cmd.append("--profile")
+    if method:
+        cmd += ["--method", method]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(args.threads),
+               MKL_NUM_THREADS=str(args.threads), PYTHONPATH=os.pathsep.join(
+                   [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    if args.omp_wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    if worker == "memory":  # freed tensors go back to the OS: the peak RSS tracks live memory (see bd.spawn)
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(ROOT))
+    wall = time.perf_counter() - start
+    try:
+        result = json.loads(Path(result_file).read_text()) if proc.returncode == 0 else {}
+    except (OSError, json.JSONDecodeError):
+        result = {}
+    finally:
+        Path(result_file).unlink(missing_ok=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout)[-1500:]
+        result = {"error": f"worker exited with {proc.returncode}" + (" (killed: out of memory?)"
+                                                                       if proc.returncode in (-9, 137) else ""),
+                  "stderr_tail": tail}
+    result["worker_wall_s"] = round(wall, 1)
+    return result
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+#: A repetition is "quiet" when every sample in it saw less than this much CPU use by other processes
+#: (cores). On a shared 2-core machine a busy neighbour slows 2-thread steps down 10x or more, so
+#: medians and ratios use the quiet repetitions when there are any (all repetitions otherwise).
+QUIET_LOAD = 0.3
+
+
+def quiet_reps(timing: dict) -> tuple[set, set]:
+    """``(quiet repetitions, all repetitions)`` of a timing worker's samples."""
+    worst: dict = {}
+    for method, reps in timing.get("rep_of", {}).items():
+        for rep, load in zip(reps, timing.get("loads", {}).get(method, [])):
+            worst[rep] = max(worst.get(rep, 0.0), 1e9 if load is None else load)
+    return {rep for rep, w in worst.items() if w < QUIET_LOAD}, set(worst)
+
+
+def _used_reps(timing: dict) -> set:
+    quiet, everything = quiet_reps(timing)
+    return quiet or everything
+
+
+def _samples(timing: dict, method: str, key: str = "times") -> list:
+    use = _used_reps(timing)
+    return [x for x, rep in zip(timing.get(key, {}).get(method, []), timing.get("rep_of", {}).get(method, []))
+            if rep in use]
+
+
+def _per_rep(timing: dict, method: str) -> dict:
+    """Mean step time of ``method`` in each (used) repetition, for paired ratios."""
+    use = _used_reps(timing)
+    reps: dict = {}
+    for t, rep in zip(timing.get("times", {}).get(method, []), timing.get("rep_of", {}).get(method, [])):
+        if rep in use:
+            reps.setdefault(rep, []).append(t)
+    return {rep: sum(ts) / len(ts) for rep, ts in reps.items()}
+
+
+def _paired(timing: dict, num: list[str], den: list[str]):
+    """Median over repetitions of ``min(num methods) / min(den methods)`` within the repetition."""
+    a = [_per_rep(timing, m) for m in num]
+    b = [_per_rep(timing, m) for m in den]
+    ratios = []
+    for rep in sorted(set().union(*[set(x) for x in a + b])):
+        na = [x[rep] for x in a if rep in x]
+        nb = [x[rep] for x in b if rep in x]
+        if len(na) == len(a) and len(nb) == len(b) and na and nb:
+            ratios.append(min(na) / min(nb))
+    return _median(ratios)
+
+
+def summarize(model: str, batch: int, methods: list[str], timing: dict, memory: dict) -> dict:
+    row = {"model": model, "batch": batch, "methods": {}}
+    cuda = any("cuda_peak" in m for m in memory.values())
+    row["memory_kind"] = "cuda" if cuda else "rss"
+    quiet, everything = quiet_reps(timing)
+    row["quiet_reps"], row["reps"] = len(quiet), len(everything)
+    for method in methods:
+        all_times = timing.get("times", {}).get(method, [])
+        times = _samples(timing, method)
+        mem = memory.get(method, {})
+        phases = [p for p in _samples(timing, method, "phases") if p]
+        r = {"s": _median(times), "s_min": min(all_times) if all_times else None, "n": len(times),
+             "s_all_median": _median(all_times), "load": _median(_samples(timing, method, "loads"))}
+        for p in PHASES:
+            r[f"{p}_s"] = _median([x[p] for x in phases]) if phases else None
+        pe = mem.get("phase_extra") or {}
+        for p in PHASES:
+            r[f"{p}_extra_mb"] = pe[p] / 2**20 if p in pe else None
+        if cuda:
+            peak, base = mem.get("cuda_peak"), mem.get("cuda_baseline")
+            r["peak_mb"] = peak / 2**20 if peak else None
+            r["model_extra_mb"] = r["peak_mb"]
+        else:
+            peak, base = mem.get("rss_peak"), mem.get("rss_baseline")
+            r["peak_mb"] = peak / 2**20 if peak else None
+            r["model_extra_mb"] = ((peak - base + mem["model_bytes"]) / 2**20
+                                   if peak and base and mem.get("model_bytes") else None)
+        r["extra_mb"] = (peak - base) / 2**20 if peak and base else None
+        if mem.get("error") or mem.get("skipped"):
+            r["peak_mb"] = r["model_extra_mb"] = r["extra_mb"] = None
+        for ref in ("nonprivate", "opacus_hooks", "opacus_ghost"):
+            if ref != method:
+                r[f"time_vs_{ref}"] = _paired(timing, [method], [ref])
+        row["methods"][method] = r
+    for method, r in row["methods"].items():  # memory ratios once every method's numbers are known
+        for ref in ("opacus_hooks", "opacus_ghost"):
+            o = row["methods"].get(ref)
+            if ref == method or o is None:
+                continue
+            for k in ("peak_mb", "model_extra_mb", "extra_mb"):
+                r[f"{k}_vs_{ref}"] = _ratio(r.get(k), o.get(k))
+    ours = [m for m in ("dpsgd_hooks", "dpsgd_ghost") if m in methods and timing.get("times", {}).get(m)]
+    theirs = [m for m in ("opacus_hooks", "opacus_ghost") if m in methods and timing.get("times", {}).get(m)]
+    row["best_ours_vs_best_opacus"] = _paired(timing, ours, theirs) if ours and theirs else None
+    row["other_load"] = _median([x for xs in timing.get("loads", {}).values() for x in xs])
+    row["other_load_used"] = _median([x for m in timing.get("loads", {}) for x in _samples(timing, m, "loads")])
+    return row
+
+
+def _fmt(x, spec=".3f", none="n/a"):
+    return none if x is None else format(x, spec)
+
+
+LABELS = {"nonprivate": "non-private SGD", "dpsgd_hooks": "DPSGD hooks", "dpsgd_ghost": "DPSGD ghost",
+          "dpadam_hooks": "DPAdam hooks", "opacus_hooks": "Opacus hooks", "opacus_ghost": "Opacus ghost",
+          "dpsgd_hooks_allparams": "DPSGD hooks (ViT all params)",
+          "dpsgd_ghost_allparams": "DPSGD ghost (ViT all params)"}
+
+
+def render(rows: list[dict], cuda: bool) -> str:
+    mem3 = "peak / extra" if cuda else "peak / model+extra / extra"
+
+    def mem_ratio(r, ref):
+        keys = ("peak_mb", "extra_mb") if cuda else ("peak_mb", "model_extra_mb", "extra_mb")
+        return " / ".join(_fmt(r.get(f"{k}_vs_{ref}")) for k in keys)
+
+    lines = ["**Targets** (time ratios: median over repetitions of the paired per-repetition ratio, over the "
+             f"quiet repetitions (other processes' load < {QUIET_LOAD} cores in every sample) when there are any; "
+             "memory ratios from separate processes)", "",
+             f"| model | batch | best ours / best Opacus time (<=1) | DPSGD hooks / Opacus hooks time | "
+             f"DPSGD ghost / Opacus ghost time | DPAdam hooks / Opacus hooks time | "
+             f"DPSGD ghost / Opacus ghost mem: {mem3} (<=1) | DPSGD hooks / Opacus hooks mem: {mem3} | "
+             f"quiet reps used / all | other load (cores): used / all |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        m = row["methods"]
+        g = lambda meth, key: (m.get(meth) or {}).get(key)  # noqa: E731
+        lines.append(
+            f"| {row['model']} | {row['batch']} | {_fmt(row['best_ours_vs_best_opacus'])} | "
+            f"{_fmt(g('dpsgd_hooks', 'time_vs_opacus_hooks'))} | {_fmt(g('dpsgd_ghost', 'time_vs_opacus_ghost'))} | "
+            f"{_fmt(g('dpadam_hooks', 'time_vs_opacus_hooks'))} | "
+            f"{mem_ratio(m.get('dpsgd_ghost') or {}, 'opacus_ghost')} | "
+            f"{mem_ratio(m.get('dpsgd_hooks') or {}, 'opacus_hooks')} | {row['quiet_reps']} / {row['reps']} | "
+            f"{_fmt(row['other_load_used'], '.2f')} / {_fmt(row['other_load'], '.2f')} |")
+    mem_cols = "peak MiB | extra MiB" if cuda else "peak RSS MiB | model+extra MiB | extra MiB"
+    lines += ["", "**Per method** (s/step: median over the repetitions used above, min over all in brackets. Ours, inside the step: engine = "
+              "`private_gradient` (forward, backward, per-example gradients or norms, clip, sum), release = "
+              "`release_gradient` (flatten, Gaussian noise, divide), apply = `apply_gradient` (optimizer step, "
+              "ledger); extra MiB by verb = each verb's peak above the baseline)", "",
+              f"| model | batch | method | s/step | engine / release / apply s | / non-private | / Opacus hooks | "
+              f"/ Opacus ghost | {mem_cols} | extra MiB by verb: engine / release / apply | peak / Opacus hooks | "
+              f"peak / Opacus ghost | extra / Opacus ghost |",
+              "|---|---:|---|---:|---:|---:|---:|---:|" + "---:|" * (2 if cuda else 3) + "---:|---:|---:|---:|"]
+    for row in rows:
+        for method, r in row["methods"].items():
+            mems = [_fmt(r.get("peak_mb"), ".0f")] + ([] if cuda else [_fmt(r.get("model_extra_mb"), ".0f")]) \
+                + [_fmt(r.get("extra_mb"), ".0f")]
+            verbs = (" / ".join(_fmt(r.get(f"{p}_s")) for p in PHASES) if r.get("engine_s") is not None else "")
+            verb_mem = (" / ".join(_fmt(r.get(f"{p}_extra_mb"), ".0f") for p in PHASES)
+                        if r.get("engine_extra_mb") is not None else "")
+            lines.append(
+                f"| {row['model']} | {row['batch']} | {LABELS.get(method, method)} | {_fmt(r['s'])} "
+                f"({_fmt(r['s_min'])}) | {verbs} | {_fmt(r.get('time_vs_nonprivate'), '.2f')} | "
+                f"{_fmt(r.get('time_vs_opacus_hooks'))} | {_fmt(r.get('time_vs_opacus_ghost'))} | "
+                + " | ".join(mems) + f" | {verb_mem} | {_fmt(r.get('peak_mb_vs_opacus_hooks'))} | "
+                f"{_fmt(r.get('peak_mb_vs_opacus_ghost'))} | {_fmt(r.get('extra_mb_vs_opacus_ghost'))} |")
+    notes = [f"- {r['model']} b{r['batch']}: {n}" for r in rows for n in r.get("notes", [])]
+    if notes:
+        lines += ["", "Notes:"] + notes
+    profiles = [(r, r["profile"]) for r in rows if r.get("profile")]
+    for r, prof in profiles:
+        lines += ["", f"<details><summary>profile {r['model']} b{r['batch']} (top ops by self time, one step)"
+                      f"</summary>", ""]
+        for method, p in prof.items():
+            ops = "; ".join(f"{o['op']} {o['self_ms']:.0f} ms x{o['calls']}" for o in p["top"])
+            lines.append(f"- **{LABELS.get(method, method)}** (total {p['total_self_ms']:.0f} ms): {ops}")
+        lines += ["", "</details>"]
+    return "\n".join(lines)
+
+
+def cuda_available() -> bool:
+    """Without importing torch in this process (children start from a small parent)."""
+    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() == "True"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=None,
+                        help=f"comma list from {MODELS} (default: vit_tiny,minilm, plus roberta_large on CUDA)")
+    parser.add_argument("--batches", default=None,
+                        help="comma list of batch sizes for every model (default: vit_tiny 64,256; minilm 32; "
+                             "roberta_large 16)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma list from {METHODS + EXTRA_METHODS}")
+    parser.add_argument("--repeats", type=int, default=3, help="measured repetitions (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first (one step each)")
+    parser.add_argument("--steps-per-repeat", type=int, default=1, help="steps of each method per repetition")
+    parser.add_argument("--memory-steps", type=int, default=1, help="steps in each memory worker")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per example (MiniLM, RoBERTa)")
+    parser.add_argument("--omp-wait-policy", default="default", choices=["default", "passive", "active"],
+                        help="OMP_WAIT_POLICY of the workers (default: unset). When another process holds a "
+                             "core, 2 spinning intra-op threads can slow small ops down 10x or more; "
+                             "'passive' makes waiting threads sleep")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--roberta-layers", type=int, default=None,
+                        help="override RoBERTa-large's 24 layers (smoke tests on CPU)")
+    parser.add_argument("--mem-budget-gb", type=float, default=None,
+                        help="budget for B x d per-sample gradients of the hooks modes (default 60%% of "
+                             "free memory); a method above it is skipped")
+    parser.add_argument("--memory-jobs", type=int, default=None,
+                        help="memory workers run at once (default 2 on CPU when small, else 1)")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler over one step of each method")
+    parser.add_argument("--profile-rows", type=int, default=8)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: batch 16, 32 tokens, 2 repeats")
+    parser.add_argument("--out", default=None, help="results file stem (default results/bench_first_order[_quick])")
+    # worker-only
+    parser.add_argument("--worker", choices=["time", "memory"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+
+    raw_argv = argv if argv is not None else sys.argv[1:]
+    explicit = set(a.split("=")[0] for a in raw_argv)
+    if args.quick:
+        if "--batches" not in explicit:
+            args.batches = "16"
+        if "--seq-len" not in explicit:
+            args.seq_len = 32
+        if "--repeats" not in explicit:
+            args.repeats = 2
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS + EXTRA_METHODS:
+            parser.error(f"unknown method {m!r}; choose from {METHODS + EXTRA_METHODS}")
+    args.methods = ",".join(methods)
+    on_cuda = args.device == "cuda" or (args.device == "auto" and cuda_available())
+    models = ([m.strip() for m in args.models.split(",") if m.strip()] if args.models
+              else ["vit_tiny", "minilm"] + (["roberta_large"] if on_cuda else []))
+    for m in models:
+        if m not in MODELS:
+            parser.error(f"unknown model {m!r}; choose from {MODELS}")
+    plan = [(m, b) for m in models
+            for b in ([int(x) for x in args.batches.split(",") if x.strip()] if args.batches else DEFAULT_BATCHES[m])]
+    command = " ".join(["python", "benchmarks/bench_first_order.py"] + [shlex.quote(a) for a in raw_argv])
+    meta = bd.machine_info()
+    meta.update(command=command, device_requested=args.device, on_cuda=on_cuda,
+                args={k: v for k, v in vars(args).items() if k not in ("worker", "model", "batch", "method",
+                                                                       "result_file")})
+    started = time.perf_counter()
+    stamp = lambda: f"[{time.perf_counter() - started:6.0f}s]"  # noqa: E731
+    rows, raw = [], []
+    for model, batch in plan:
+        print(f"{stamp()} {model} batch {batch}: timing {args.methods} ...", flush=True)
+        timing = spawn(args, "time", model, batch)
+        memory = {}
+        if not args.no_memory:
+            jobs = args.memory_jobs or (1 if on_cuda or batch * {"vit_tiny": 5.4e6, "minilm": 22.7e6}.get(
+                model, 3.6e8) * 4 > 1.5 * 2**30 else 2)
+            print(f"{stamp()} {model} batch {batch}: memory, one process per method ({jobs} at a time) ...",
+                  flush=True)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+                futures = {m: pool.submit(spawn, args, "memory", model, batch, m) for m in methods}
+                memory = {m: f.result() for m, f in futures.items()}
+        row = summarize(model, batch, methods, timing, memory)
+        notes = list(timing.get("notes", []))
+        for m in methods:
+            mem = memory.get(m, {})
+            notes += [f"{m}: {n}" for n in mem.get("notes", []) if f"{m}: {n}" not in notes]
+        notes += list(timing.get("skipped", {}).values())
+        notes += [f"timing {m}: {e}" for m, e in timing.get("errors", {}).items()]
+        if timing.get("error"):
+            notes.append(f"timing worker: {timing['error']} -- {timing.get('stderr_tail', '')[-400:]}")
+        for m, mem in memory.items():
+            if mem.get("error"):
+                notes.append(f"memory {m}: {mem['error']}" + (f" -- {mem['stderr_tail'][-300:]}"
+                                                              if mem.get("stderr_tail") else ""))
+        row["notes"] = notes
+        row["profile"] = timing.get("profile")
+        row["n_trainable"] = timing.get("n_trainable")
+        meta["cuda"] = meta.get("cuda") or timing.get("cuda_name")
+        rows.append(row)
+        raw.append({"model": model, "batch": batch, "timing": timing, "memory": memory})
+        print(render([row], on_cuda).split("\n\n")[1], flush=True)
+    meta["loadavg_end"] = os.getloadavg()
+    meta["total_wall_s"] = round(time.perf_counter() - started, 1)
+    table = render(rows, on_cuda)
+    header = (f"# First-order benchmark: DPSGD / DPAdam vs Opacus\n\n`{command}`  \n"
+              f"{meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']}, opacus {meta['opacus']}, "
+              f"threads {args.threads}, OMP_WAIT_POLICY {args.omp_wait_policy}, device {args.device}{' (' + meta['cuda'] + ')' if meta.get('cuda') else ''}; "
+              f"clip {CLIP}, sigma {SIGMA}; sequence length {args.seq_len}; repeats {args.repeats} "
+              f"(+{args.warmup} warm-up), {args.steps_per_repeat} step(s) per repeat; "
+              f"load average {meta['loadavg_start'][0]:.2f} -> {meta['loadavg_end'][0]:.2f}; "
+              f"total {meta['total_wall_s']:.0f} s\n\n")
+    print("\n" + table)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = Path(args.out) if args.out else RESULTS / ("bench_first_order_quick" if args.quick else "bench_first_order")
+    stem.with_suffix(".md").write_text(header + table + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
+    print(f"\nwrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
