@@ -249,7 +249,7 @@ def skip_reason(args, method: str, backbone, batch: int, device) -> str | None:
 
 class Runner:
     """One method on its own prepared copy of the model: ``run(k)`` takes ``k`` steps and returns
-    ``[(wall, load, engine_or_None), ...]``."""
+    ``[(wall, load, verb times or None), ...]``."""
 
     def __init__(self, method: str, backbone, inputs, targets, dataset, model: str, batch: int, device,
                  track_memory: bool = False):
