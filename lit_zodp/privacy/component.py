@@ -294,14 +294,10 @@ class PrivacyComponent:
                 "Resume with the checkpoint's.")
         self.ledger.load_state_dict(state["ledger"])
         self._restored_plan = state.get("plan")
-        if self._restored_plan is not None:
+        if self._restored_plan is not None:  # for epsilon after load_from_checkpoint; plan() resolves again
             self.delta = self.delta if self.delta is not None else self._restored_plan.get("delta")
-            self.noise_multiplier = self._resolve_restored_sigma()
-
-    def _resolve_restored_sigma(self) -> Optional[float]:
-        if self.configured_noise_multiplier is not None:
-            return self.configured_noise_multiplier
-        return self._restored_plan.get("noise_multiplier")
+            if self.configured_noise_multiplier is None:
+                self.noise_multiplier = self._restored_plan.get("noise_multiplier")
 
 
 class NonPrivate:
