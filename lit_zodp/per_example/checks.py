@@ -18,14 +18,19 @@ def check_mode(mode: Any) -> Optional[str]:
 
 
 def check_transform(transform: Any, mode: Any) -> Optional[str]:
-    """The transform rewrites materialised per-example gradients, which only "hooks" mode has."""
+    """Projections work in every mode; a generic rewrite (a callable, or a transform overriding
+    ``apply``) needs materialised per-example gradients, which "ghost" mode does not form."""
+    from lit_zodp.per_example.transforms import GradientTransform
+
     if transform is None:
         return None
-    if not callable(transform):
-        return f"Expected `transform` to be callable(name, param, per_example_grad), but got {transform!r}"
-    if mode != "hooks":
-        return (f"`transform` needs mode='hooks' (it rewrites materialised per-example gradients), "
-                f"but got mode={mode!r}")
+    if not (isinstance(transform, GradientTransform) or callable(transform)):
+        return (f"Expected `transform` to be a GradientTransform or callable(name, param, per_example_grad), "
+                f"but got {transform!r}")
+    rewrites = not isinstance(transform, GradientTransform) or transform.rewrites
+    if rewrites and mode == "ghost":
+        return (f"A `transform` that rewrites materialised per-example gradients needs mode='hooks' or "
+                f"'vmap', but got mode={mode!r} (projections alone work in every mode)")
     return None
 
 

@@ -5,7 +5,9 @@ For a batch with per-example losses ``loss_i`` the engine returns
     ``sum_i min(1, C / ||g_i||) g_i``,   ``||g_i||^2 = sum_p ||T_p(g_{i,p})||^2``,
 
 the flat clipping of DP-SGD (Abadi et al. 2016, Alg. 1) over every trainable parameter ``p``, with
-``T_p`` the optional transform. An example whose loss or gradient is not finite gets factor 0.
+``T_p`` the optional transform (:mod:`.transforms`: projections formed from projected rows, so
+``B x out x in`` never exists for a projected Linear weight; generic rewrites of materialised
+gradients). An example whose loss or gradient is not finite gets factor 0.
 
 How ``g_{i,p}`` is obtained, per batch and parameter:
 
@@ -39,7 +41,7 @@ not ``B`` (shared ``[1, T]`` embedding indices are expanded to ``[B, T]`` while 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -49,11 +51,18 @@ from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Con
 from lit_zodp.per_example.checks import check_losses, check_mode, check_transform, refuse_batchnorm
 from lit_zodp.per_example.coverage import uncovered
 from lit_zodp.per_example.reference import call_gradients
-from lit_zodp.per_example.samplers import Sampler, _row_norm_sq, sampler_for
+from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
+                                           sampler_for)
 from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape
+from lit_zodp.per_example.transforms import GradientTransform, Projection, as_transform
 from lit_zodp.privacy.clipping import check_clip, clip_factors
 
-Transform = Callable[[str, Tensor, Tensor], Tensor]
+Transform = Union[GradientTransform, Callable[[str, Tensor, Tensor], Tensor]]
+
+#: The rule of a projected weight: the outer-product rules on the projected rows.
+_OUTER_WEIGHT = Sampler(grads=lambda _, a, g: {"weight": outer_grads(a, g)},
+                        norms=lambda _, a, g: {"weight": outer_norms_sq(a, g)},
+                        summed=lambda _, a, g: {"weight": outer_summed(a, g)})
 
 
 @dataclass
@@ -81,14 +90,56 @@ class ClippedSum:
         return self
 
 
+class _Hidden:
+    """A view of ``layer`` whose ``names`` parameters read as frozen, so its rule skips them."""
+
+    def __init__(self, layer: nn.Module, names: Set[str]) -> None:
+        self._layer, self._names = layer, names
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self._layer, attr)
+        return value.detach() if attr in self._names else value
+
+
+@dataclass(eq=False)
+class _Part:
+    """What one layer call gives some parameters: the rows ``a``, ``g`` and the rule forming their
+    per-example gradients, norms and sums; ``mine`` maps the rule's local names to parameter indices."""
+
+    layer: Any
+    sampler: Sampler
+    a: Tensor
+    g: Tensor
+    mine: Dict[str, int]
+
+    def grads(self) -> Dict[int, Tensor]:
+        out = self.sampler.grads(self.layer, self.a, self.g)
+        return {i: out[local] for local, i in self.mine.items()}
+
+    def norms_sq(self) -> Dict[int, Tensor]:
+        out = self.sampler.norms_sq(self.layer, self.a, self.g)
+        return {i: out[local] for local, i in self.mine.items()}
+
+    def summed(self, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:
+        """``sum_i f_i G_i`` with the output-gradient rows scaled by ``f_i`` (Bu et al. 2023
+        book-keeping); ``factors=None`` means ``f_i = 1``; rows of non-finite examples are zeroed."""
+        a, g = _zero_rows(self.a, ok), _zero_rows(self.g, ok)
+        if factors is not None:
+            g = g * _rows_view(factors, g).to(g.dtype)
+        out = self.sampler.sum_over_examples(self.layer, a, g)
+        return {i: out[local] for local, i in self.mine.items()}
+
+
 @dataclass
 class _Batch:
     """Per-example gradients of one batch: ``dense`` ``[B, ...]`` by parameter index, and ghost
-    layer calls whose gradients stay implicit (their squared norms in ``ghost_norm_sq``)."""
+    parts whose gradients stay implicit (their squared norms in ``ghost_norm_sq``). ``projected``:
+    parameters whose values are already projected (formed from projected rows)."""
 
     dense: Dict[int, Tensor] = field(default_factory=dict)
-    ghost: List[Tuple[LayerCall, Sampler, Dict[str, int]]] = field(default_factory=list)
+    ghost: List[_Part] = field(default_factory=list)
     ghost_norm_sq: Dict[int, Tensor] = field(default_factory=dict)
+    projected: Set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -147,8 +198,9 @@ class PerExampleGradientEngine:
         module: The model. Trainable parameters are those with ``requires_grad`` at construction.
         mode: ``"hooks"`` (layer rules, materialised), ``"ghost"`` (layer rules, norms without
             materialising where cheaper), or ``"vmap"`` (torch.func recomputation of everything).
-        transform: ``(name, param, per_example_grad [B, *shape]) -> [B, *any]`` applied to each
-            parameter's per-example gradient before norms and clipping ("hooks" mode only).
+        transform: A :class:`~.transforms.GradientTransform` (projections in every mode, projected
+            rows for Linear weights; a generic ``apply`` needs "hooks" or "vmap"), or a callable
+            ``(name, param, per_example_grad [B, *shape]) -> [B, *any]`` (a generic rewrite).
 
     Attributes:
         params, names: The trainable parameters (tied ones once) and their qualified names.
@@ -163,7 +215,7 @@ class PerExampleGradientEngine:
     def __init__(self, module: nn.Module, *, mode: str = "hooks", transform: Optional[Transform] = None):
         raise_if_any([check_mode(mode), check_transform(transform, mode)])
         refuse_batchnorm(module)
-        self.module, self.mode, self.transform = module, mode, transform
+        self.module, self.mode, self.transform = module, mode, as_transform(transform)
         self.names, self.params = _trainable_parameters(module)
         raise_if_any([None if self.params else "Expected `module` to have trainable parameters, but it has none"])
         self._owners = self._find_owners()
@@ -174,6 +226,7 @@ class PerExampleGradientEngine:
         self._recomputed = (without_rule if mode != "vmap" else []) + [module]
         self._module_names = {id(m): name for name, m in module.named_modules()}
         self.last_recomputed: Dict[str, str] = {}
+        self._projections: Dict[int, Projection] = {}
 
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
         """For each parameter, the ``(module, local name)`` pairs holding it directly."""
@@ -222,7 +275,7 @@ class PerExampleGradientEngine:
         """Unclipped per-example gradients ``[B, ...]`` (after the transform), aligned with ``params``."""
         try:
             losses, batch = self._per_example(loss_fn, ghost=False)
-            return [self._transformed(i, batch.dense[i]) for i in range(len(self.params))]
+            return [self._transformed(i, batch.dense[i], batch) for i in range(len(self.params))]
         finally:
             for param in self.params:
                 param.grad = None
@@ -242,6 +295,7 @@ class PerExampleGradientEngine:
             batch_grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)
             tape.recording = False
         losses = losses.detach()
+        self._projections = self._projections_now()
         plan = self._plan(tape, len(losses))
         batch = self._compute(plan, tape, len(losses), ghost=ghost)
         failed = self._uncovered(batch, batch_grads, losses)
@@ -251,6 +305,18 @@ class PerExampleGradientEngine:
                                 for i, source in plan.items() if isinstance(source, _Recompute)}
         tape.clear()
         return losses, batch
+
+    def _projections_now(self) -> Dict[int, Projection]:
+        """The transform's projections for this batch, checked against the parameters' shapes."""
+        if self.transform is None:
+            return {}
+        projections = {}
+        for i, (name, param) in enumerate(zip(self.names, self.params)):
+            projection = self.transform.projection(name, param)
+            if projection is not None:
+                projection.check(name, param)
+                projections[i] = projection
+        return projections
 
     def _whole(self, i: int) -> _Recompute:
         return _Recompute(self.module, self.names[i])
@@ -287,6 +353,7 @@ class PerExampleGradientEngine:
         redo = self._compute({i: plan[i] for i in failed}, tape, len(losses), ghost=False)
         self._drop(batch, failed)
         batch.dense.update(redo.dense)
+        batch.projected -= set(failed)
         self._raise_uncovered([i for i in self._uncovered(batch, batch_grads, losses) if i in failed])
 
     def _compute(self, plan: Dict[int, object], tape: Tape, size: int, *, ghost: bool) -> _Batch:
@@ -307,15 +374,30 @@ class PerExampleGradientEngine:
                     if isinstance(plan.get(index.get(id(p))), _FromLayers)}
             if call.grad is None or not mine:
                 continue
-            sampler = sampler_for(call.module)
-            if ghost and all(plan[i].calls == [call] for i in mine.values()):
-                batch.ghost.append((call, sampler, mine))
-                norms = sampler.norms_sq(call.module, call.activation, call.grad)
-                batch.ghost_norm_sq.update({i: norms[local] for local, i in mine.items()})
-                continue
-            grads = sampler.grads(call.module, call.activation, call.grad)
-            for local, i in mine.items():
-                batch.dense[i] = grads[local] if i not in batch.dense else batch.dense[i] + grads[local]
+            single_use = ghost and all(plan[i].calls == [call] for i in mine.values())
+            for part in self._parts(call, mine, batch):
+                if single_use:
+                    batch.ghost.append(part)
+                    batch.ghost_norm_sq.update(part.norms_sq())
+                    continue
+                for i, grads in part.grads().items():
+                    batch.dense[i] = grads if i not in batch.dense else batch.dense[i] + grads
+
+    def _parts(self, call: LayerCall, mine: Dict[str, int], batch: _Batch) -> List[_Part]:
+        """The call as one part, or, when its weight is projected and its rule gives the weight's
+        rows, a part of projected rows for the weight (never ``B x out x in``) and one for the rest."""
+        sampler = sampler_for(call.module)
+        weight = mine.get("weight")
+        projection = self._projections.get(weight)
+        if projection is None or sampler.weight_rows is None:
+            return [_Part(call.module, sampler, call.activation, call.grad, mine)]
+        a, g = projection.of_rows(*sampler.weight_rows(call.module, call.activation, call.grad))
+        batch.projected.add(weight)
+        parts = [_Part(None, _OUTER_WEIGHT, a, g, {"weight": weight})]
+        rest = {local: i for local, i in mine.items() if local != "weight"}
+        if rest:
+            parts.append(_Part(_Hidden(call.module, {"weight"}), sampler, call.activation, call.grad, rest))
+        return parts
 
     def _from_modules(self, plan: Dict[int, object], tape: Tape, size: int, batch: _Batch) -> None:
         """The vmap fallback: one recomputation per recorded call of each module, for all the
@@ -364,15 +446,17 @@ class PerExampleGradientEngine:
         sums = [batch.dense[i].sum(0) if i in batch.dense else summed[i] for i in range(len(self.params))]
         norms = [_row_norm_sq(batch.dense[i]).sqrt() if i in batch.dense else batch.ghost_norm_sq[i].sqrt()
                  for i in range(len(self.params))]
-        return uncovered(sums, norms, batch_grads, losses.device)
+        expected = [self._projections[i].of_gradients(g) if i in batch.projected and g is not None else g
+                    for i, g in enumerate(batch_grads)]
+        return uncovered(sums, norms, expected, losses.device)
 
     def _drop(self, batch: _Batch, indices: List[int]) -> None:
         for i in indices:
             batch.dense.pop(i, None)
             batch.ghost_norm_sq.pop(i, None)
-        batch.ghost = [(c, s, {k: i for k, i in mine.items() if i not in indices})
-                       for c, s, mine in batch.ghost]
-        batch.ghost = [entry for entry in batch.ghost if entry[2]]
+        for part in batch.ghost:
+            part.mine = {local: i for local, i in part.mine.items() if i not in indices}
+        batch.ghost = [part for part in batch.ghost if part.mine]
 
     def _raise_uncovered(self, indices: List[int]) -> None:
         if not indices:
@@ -384,15 +468,18 @@ class PerExampleGradientEngine:
 
     # --------------------------------------------------------------------- clip and sum
 
-    def _transformed(self, i: int, grads: Tensor) -> Tensor:
+    def _transformed(self, i: int, grads: Tensor, batch: Optional[_Batch] = None) -> Tensor:
+        """Project (unless formed from projected rows), then the generic rewrite."""
         if self.transform is None:
             return grads
-        return self.transform(self.names[i], self.params[i], grads)
+        if i in self._projections and not (batch is not None and i in batch.projected):
+            grads = self._projections[i].of_gradients(grads)
+        return self.transform.apply(self.names[i], self.params[i], grads)
 
     def _clip_and_sum(self, losses: Tensor, batch: _Batch, clip: float) -> ClippedSum:
         """Flat clip across all parameters (Abadi et al. 2016), non-finite examples at factor 0."""
         count = len(self.params)
-        dense = {i: self._transformed(i, batch.dense[i]) for i in range(count) if i in batch.dense}
+        dense = {i: self._transformed(i, batch.dense[i], batch) for i in range(count) if i in batch.dense}
         norm_sq = [_row_norm_sq(dense[i]) if i in dense else batch.ghost_norm_sq[i] for i in range(count)]
         dtype = torch.float64 if any(n.dtype == torch.float64 for n in norm_sq) else torch.float32
         norms = torch.stack([n.to(dtype) for n in norm_sq]).sum(0).sqrt()
@@ -406,19 +493,15 @@ class PerExampleGradientEngine:
         return ClippedSum(out, norms.float(), len(losses))
 
     def _ghost_sums(self, batch: _Batch, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:
-        """``sum_i f_i G_i`` of the ghost calls from their recorded rows, the output gradient rows
-        scaled by ``f_i`` (Bu et al. 2023 book-keeping); ``factors=None`` means ``f_i = 1``."""
+        """``sum_i f_i G_i`` of the ghost parts from their recorded rows (``factors=None``: ``f_i = 1``)."""
         sums: Dict[int, Tensor] = {}
-        for call, sampler, mine in batch.ghost:
-            a, g = _zero_rows(call.activation, ok), _zero_rows(call.grad, ok)
-            if factors is not None:
-                g = g * _rows_view(factors, g).to(g.dtype)
-            total = sampler.sum_over_examples(call.module, a, g)
-            sums.update({i: total[local] for local, i in mine.items()})
+        for part in batch.ghost:
+            sums.update(part.summed(factors, ok))
         return sums
 
     def _empty(self) -> ClippedSum:
         """Zero sums for an empty batch, in the transformed shapes."""
+        self._projections = self._projections_now()
         grads = []
         for i, p in enumerate(self.params):
             shape = self._transformed(i, p.new_zeros(0, *p.shape)).shape[1:] if self.transform else p.shape

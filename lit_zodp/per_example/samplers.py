@@ -10,14 +10,18 @@ Each rule returns a dict keyed by the layer's *direct* parameter names (``"weigh
 and skips frozen parameters. Besides ``grads`` (``[B, *param.shape]``) a rule may provide
 ``norms`` (squared per-example norms ``[B]`` without materialising the gradients, for "ghost"
 clipping) and ``summed`` (the sum over examples, given rows of ``g`` already scaled by the clip
-factors: the book-keeping step of Bu et al. 2023).
+factors: the book-keeping step of Bu et al. 2023). Rules decide which parameters to return from
+their ``requires_grad`` (the engine hides a parameter from a rule by passing a view of the layer
+where it reads as frozen). A layer whose weight gradient is a sum of outer products,
+``G_i = sum_t g_{i,t} a_{i,t}^T``, may also give ``weight_rows`` (the rows ``a``, ``g`` as
+``[B, T, in]``, ``[B, T, out]``), which lets the engine project them before forming ``G_i``.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +41,7 @@ class Sampler:
     norms: Optional[LayerRule] = None
     summed: Optional[LayerRule] = None
     supports: Optional[Callable[[nn.Module], bool]] = None
+    weight_rows: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None
 
     def sum_over_examples(self, layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
         """``sum_i G_i``; without a ``summed`` rule, materialise and reduce."""
@@ -56,7 +61,8 @@ _SAMPLERS: Dict[type, Sampler] = {}
 
 def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
                      summed: Optional[LayerRule] = None,
-                     supports: Optional[Callable[[nn.Module], bool]] = None):
+                     supports: Optional[Callable[[nn.Module], bool]] = None,
+                     weight_rows: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None):
     """Decorator registering ``fn(layer, a, g) -> {name: [B, *shape]}`` for ``layer_types``.
 
     ``register_sampler(nn.Linear)(fn)`` replaces any earlier rule for ``nn.Linear``.
@@ -68,7 +74,7 @@ def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
 
     def decorator(fn: LayerRule) -> LayerRule:
         for layer_type in layer_types:
-            _SAMPLERS[layer_type] = Sampler(fn, norms, summed, supports)
+            _SAMPLERS[layer_type] = Sampler(fn, norms, summed, supports, weight_rows)
         return fn
 
     return decorator
@@ -122,43 +128,60 @@ def _as_sequences(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
 # ------------------------------------------------------------------------------------------ Linear
 
 
+def outer_grads(a: Tensor, g: Tensor) -> Tensor:
+    """``G_i = sum_t g_{i,t} a_{i,t}^T`` ``[B, out, in]`` from ``a [B, T, in]``, ``g [B, T, out]``
+    (Goodfellow 2015)."""
+    return torch.bmm(g.transpose(1, 2), a)
+
+
+def outer_norms_sq(a: Tensor, g: Tensor) -> Tensor:
+    """``||G_i||^2``: the ghost norm where cheaper (Li et al. 2022; Bu et al. 2022 mixed rule)."""
+    if prefer_ghost(a.shape[1], a.shape[-1] * g.shape[-1]):
+        return gram_norm_sq(a, g)
+    return _row_norm_sq(outer_grads(a, g))
+
+
+def outer_summed(a: Tensor, g: Tensor) -> Tensor:
+    """``sum_i G_i = sum_{i,t} g_{i,t} a_{i,t}^T``: one matmul over all rows."""
+    return g.flatten(0, 1).T @ a.flatten(0, 1)
+
+
 def _linear_grads(layer: nn.Linear, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
-    """``G_i = sum_t g_{i,t} a_{i,t}^T`` (Goodfellow 2015); the bias gets ``sum_t g_{i,t}``."""
+    """The weight's outer products; the bias gets ``sum_t g_{i,t}``."""
     a, g = _as_sequences(a, g)
     out = {}
     if _trainable(layer, "weight"):
-        out["weight"] = torch.bmm(g.transpose(1, 2), a)
+        out["weight"] = outer_grads(a, g)
     if _trainable(layer, "bias"):
         out["bias"] = g.sum(1)
     return out
 
 
 def _linear_norms(layer: nn.Linear, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
-    """Ghost norm of the weight where cheaper (Li et al. 2022; Bu et al. 2022 mixed rule)."""
     a, g = _as_sequences(a, g)
     out = {}
     if _trainable(layer, "weight"):
-        if prefer_ghost(a.shape[1], layer.weight.numel()):
-            out["weight"] = gram_norm_sq(a, g)
-        else:
-            out["weight"] = _row_norm_sq(torch.bmm(g.transpose(1, 2), a))
+        out["weight"] = outer_norms_sq(a, g)
     if _trainable(layer, "bias"):
         out["bias"] = _row_norm_sq(g.sum(1))
     return out
 
 
 def _linear_summed(layer: nn.Linear, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
-    """``sum_i G_i = sum_{i,t} g_{i,t} a_{i,t}^T``: one matmul over all rows."""
     a, g = _as_sequences(a, g)
     out = {}
     if _trainable(layer, "weight"):
-        out["weight"] = g.flatten(0, 1).T @ a.flatten(0, 1)
+        out["weight"] = outer_summed(a, g)
     if _trainable(layer, "bias"):
         out["bias"] = g.sum((0, 1))
     return out
 
 
-register_sampler(nn.Linear, norms=_linear_norms, summed=_linear_summed)(_linear_grads)
+def _linear_rows(layer: nn.Linear, a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
+    return _as_sequences(a, g)
+
+
+register_sampler(nn.Linear, norms=_linear_norms, summed=_linear_summed, weight_rows=_linear_rows)(_linear_grads)
 
 
 # --------------------------------------------------------------------------------------- Embedding

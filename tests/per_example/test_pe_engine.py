@@ -36,8 +36,6 @@ def test_bad_arguments_are_collected():
     assert "transform" in str(info.value)
     with pytest.raises(PrivacyConfigError, match="mode='hooks'"):
         PerExampleGradientEngine(mlp(), mode="ghost", transform=lambda n, p, g: g)
-    with pytest.raises(PrivacyConfigError, match="mode='hooks'"):
-        PerExampleGradientEngine(mlp(), mode="vmap", transform=lambda n, p, g: g)
     frozen = mlp().requires_grad_(False)
     with pytest.raises(PrivacyConfigError, match="trainable"):
         PerExampleGradientEngine(frozen)
