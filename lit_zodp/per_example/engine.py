@@ -12,17 +12,20 @@ gradients). An example whose loss or gradient is not finite gets factor 0.
 How ``g_{i,p}`` is obtained, per batch and parameter:
 
 1. One forward (``loss_fn()``) and one backward of ``sum_i loss_i`` with :class:`~.tape.Tape` hooks
-   recording each layer call's input and output gradient.
+   recording each layer call's input and output gradient. The backward stops at the recorded
+   outputs: the batch gradient of the weights is not needed (except on a checked batch, 4).
 2. Parameters of layers with a rule (:mod:`.samplers`, :mod:`.conv`) get the rule's per-example
    gradients, summed over all calls of all layers sharing the parameter (tied weights).
 3. Parameters without a rule (timm's ``cls_token``/``pos_embed``, custom modules) are recomputed by
    :func:`.reference.call_gradients` on the module owning them, or on the engine's module when the
    owner's calls are not batch-first or the parameter is shared. Cost: one extra vmapped forward
    and backward of that module.
-4. Coverage check: while every example is finite, ``sum_i g_{i,p}`` must equal the batch gradient
-   from step 1 (to ``sqrt(eps)`` relative). A parameter that fails (used outside its layer's
-   forward, e.g. a weight also used through ``F.linear``) is recomputed as in 3 on the engine's
-   module; failing again raises.
+4. Coverage: every use of a parameter in the forward must lie inside a call of the source forming
+   its per-example gradients (:mod:`.uses`, every batch). On the first batch and whenever the
+   recorded calls or the uses differ from every batch checked before, also, while every example is
+   finite, ``sum_i g_{i,p}`` must equal the batch gradient (to ``sqrt(eps)`` relative;
+   :mod:`.coverage`). A parameter that fails (e.g. a weight also used through ``F.linear``) is
+   recomputed as in 3 on the engine's module; failing again raises.
 
 Modes: ``"hooks"`` materialises every ``g_{i,p}``; ``"ghost"`` leaves the gradients of single-use
 layers implicit, takes their norms with the ghost norm (Li et al. 2022; Bu et al. 2022 mixed) and
@@ -55,6 +58,7 @@ from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, o
                                            sampler_for)
 from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape
 from lit_zodp.per_example.transforms import GradientTransform, Projection, as_transform
+from lit_zodp.per_example.uses import ParameterUses
 from lit_zodp.privacy.clipping import check_clip, clip_factors
 
 Transform = Union[GradientTransform, Callable[[str, Tensor, Tensor], Tensor]]
@@ -227,6 +231,7 @@ class PerExampleGradientEngine:
         self._module_names = {id(m): name for name, m in module.named_modules()}
         self.last_recomputed: Dict[str, str] = {}
         self._projections: Dict[int, Projection] = {}
+        self._checked: Set[int] = set()  # hashes of the call/use structures checked numerically
 
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
         """For each parameter, the ``(module, local name)`` pairs holding it directly."""
@@ -286,25 +291,52 @@ class PerExampleGradientEngine:
         """Record, back-propagate, compute the per-example gradients and check their coverage."""
         self.last_recomputed = {}
         tape = Tape(self.module, self._layers, self._recomputed)
+        uses = ParameterUses(self.params, tape.stack)
         with tape:
             tape.recording = True
-            losses = loss_fn()
+            with uses:
+                losses = loss_fn()
             check_losses(losses)
             if losses.numel() == 0:
                 return losses.detach(), _Batch()
-            batch_grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)
+            structure = hash((tuple(id(c.module) for c in tape.layer_calls),
+                              tuple(id(c.module) for c in tape.module_calls), uses.signature()))
+            batch_grads = self._backward(losses, tape, check=structure not in self._checked)
             tape.recording = False
         losses = losses.detach()
         self._projections = self._projections_now()
         plan = self._plan(tape, len(losses))
         batch = self._compute(plan, tape, len(losses), ghost=ghost)
-        failed = self._uncovered(batch, batch_grads, losses)
+        numeric = self._uncovered(batch, batch_grads, losses)
+        failed = sorted(set(self._unseen_uses(plan, uses)) | set(numeric or ()))
         if failed:
-            self._recover(plan, batch, failed, tape, batch_grads, losses)
+            self._recover(plan, batch, failed, tape, uses, batch_grads, losses)
+        if numeric is not None:
+            self._checked.add(structure)
         self.last_recomputed = {self.names[i]: self._module_names[id(source.module)]
                                 for i, source in plan.items() if isinstance(source, _Recompute)}
         tape.clear()
         return losses, batch
+
+    def _backward(self, losses: Tensor, tape: Tape, *, check: bool) -> Optional[Tuple[Optional[Tensor], ...]]:
+        """One backward of ``sum_i loss_i`` to the recorded outputs (the hooks take ``g``); with
+        ``check``, to the parameters too, returning the batch gradient for the numeric check."""
+        targets = tape.gradient_targets()
+        if not check and targets:
+            torch.autograd.grad(losses.sum(), targets, allow_unused=True)
+            return None
+        grads = torch.autograd.grad(losses.sum(), targets + list(self.params), allow_unused=True)
+        return tuple(grads[len(targets):])
+
+    def _unseen_uses(self, plan: Dict[int, object], uses: ParameterUses) -> List[int]:
+        """Parameters used outside every call of the source that forms their per-example gradients."""
+        sources = {}
+        for i, source in plan.items():
+            if isinstance(source, _Recompute):
+                sources[i] = [id(source.module)]
+            else:
+                sources[i] = [id(m) for m, _ in self._owners[i]]
+        return uses.uncovered(sources)
 
     def _projections_now(self) -> Dict[int, Projection]:
         """The transform's projections for this batch, checked against the parameters' shapes."""
@@ -343,8 +375,8 @@ class PerExampleGradientEngine:
                     plan[i] = _Recompute(module, local)
         return plan
 
-    def _recover(self, plan: Dict[int, object], batch: _Batch, failed: List[int], tape: Tape,
-                 batch_grads: Tuple[Optional[Tensor], ...], losses: Tensor) -> None:
+    def _recover(self, plan: Dict[int, object], batch: _Batch, failed: List[int], tape: Tape, uses: ParameterUses,
+                 batch_grads: Optional[Tuple[Optional[Tensor], ...]], losses: Tensor) -> None:
         """Parameters used outside the calls their source saw: recompute them on the whole module,
         which sees every use inside its forward; raise if that does not add up either."""
         seen_everything = [i for i in failed if isinstance(plan[i], _Recompute) and plan[i].module is self.module]
@@ -354,7 +386,8 @@ class PerExampleGradientEngine:
         self._drop(batch, failed)
         batch.dense.update(redo.dense)
         batch.projected -= set(failed)
-        self._raise_uncovered([i for i in self._uncovered(batch, batch_grads, losses) if i in failed])
+        again = set(self._unseen_uses(plan, uses)) | set(self._uncovered(batch, batch_grads, losses) or ())
+        self._raise_uncovered(sorted(i for i in again if i in failed))
 
     def _compute(self, plan: Dict[int, object], tape: Tape, size: int, *, ghost: bool) -> _Batch:
         batch = _Batch()
@@ -438,10 +471,12 @@ class PerExampleGradientEngine:
             f"An input of {where} was modified in place after the call, so it cannot be recomputed",
         ])
 
-    def _uncovered(self, batch: _Batch, batch_grads: Tuple[Optional[Tensor], ...], losses: Tensor) -> List[int]:
-        """Parameters failing the coverage check; not checked while an example is non-finite."""
-        if not bool(torch.isfinite(losses).all()):
-            return []
+    def _uncovered(self, batch: _Batch, batch_grads: Optional[Tuple[Optional[Tensor], ...]],
+                   losses: Tensor) -> Optional[List[int]]:
+        """Parameters failing the numeric coverage check; ``None``: not checked (no batch gradient,
+        or an example is non-finite)."""
+        if batch_grads is None or not bool(torch.isfinite(losses).all()):
+            return None
         summed = self._ghost_sums(batch, factors=None, ok=None)
         sums = [batch.dense[i].sum(0) if i in batch.dense else summed[i] for i in range(len(self.params))]
         norms = [_row_norm_sq(batch.dense[i]).sqrt() if i in batch.dense else batch.ghost_norm_sq[i].sqrt()

@@ -9,6 +9,12 @@
 Tensor hooks are registered in the forward hook, before any later in-place update of the output,
 so they see the gradient of the value the layer produced. Hooks only record while
 :attr:`Tape.recording` is set, so the fallback's recomputation leaves the tape untouched.
+
+While recording, :attr:`Tape.stack` holds the recorded modules whose calls are running (for the
+parameter-use check of :mod:`.uses`), and each call keeps the autograd edges of its outputs (not
+the tensors: no memory, and an edge still names the value the layer produced after an in-place
+update), so the backward can ask for the output gradients only (:meth:`Tape.gradient_targets`):
+the per-example rules need ``g``, not the batch gradient of the weights.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional
 
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 
@@ -27,6 +34,7 @@ class LayerCall:
     module: nn.Module
     activation: Tensor
     grad: Optional[Tensor] = None
+    edge: Optional[GradientEdge] = None
 
 
 @dataclass(eq=False)
@@ -38,6 +46,7 @@ class ModuleCall:
     spec: Any
     versions: List[Optional[int]]
     grads: Dict[int, Tensor] = field(default_factory=dict)
+    edges: List[GradientEdge] = field(default_factory=list)
 
     def inputs_unchanged(self) -> bool:
         """False if an input tensor was modified in place after the call (recomputation would differ)."""
@@ -70,17 +79,22 @@ class Tape:
         self.batch_hint: Optional[int] = None
         self.layer_calls: List[LayerCall] = []
         self.module_calls: List[ModuleCall] = []
+        self.stack: List[nn.Module] = []
         self._handles: list = []
 
     def __enter__(self) -> "Tape":
         register = self._handles.append
         register(self.root.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
         for layer in self.layers:
+            register(layer.register_forward_pre_hook(self._enter))
             if isinstance(layer, nn.Embedding):
                 register(layer.register_forward_pre_hook(self._broadcast_embedding_hook, with_kwargs=True))
             register(layer.register_forward_hook(self._layer_hook, with_kwargs=True))
+            register(layer.register_forward_hook(self._leave, always_call=True))
         for module in self.modules:
+            register(module.register_forward_pre_hook(self._enter))
             register(module.register_forward_hook(self._module_hook, with_kwargs=True))
+            register(module.register_forward_hook(self._leave, always_call=True))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -88,13 +102,32 @@ class Tape:
             handle.remove()
         self._handles.clear()
         self.recording = False
+        self.stack.clear()
+        for call in self.layer_calls:  # an edge's node holds the grad hook holding the call: a cycle
+            call.edge = None           # through C++ objects that the garbage collector cannot free
+        for call in self.module_calls:
+            call.edges = []
 
     def clear(self) -> None:
         """Drop the recorded activations and gradients."""
         self.layer_calls.clear()
         self.module_calls.clear()
+        self.stack.clear()
+
+    def gradient_targets(self) -> List[GradientEdge]:
+        """The output edges of every recorded call: a backward to them fires every hook."""
+        edges = [call.edge for call in self.layer_calls if call.edge is not None]
+        return edges + [edge for call in self.module_calls for edge in call.edges]
 
     # --------------------------------------------------------------------------------- hooks
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        if self.recording:
+            self.stack.append(module)
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
 
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.recording:
@@ -120,7 +153,7 @@ class Tape:
         if not (self.recording and isinstance(output, Tensor) and output.requires_grad
                 and isinstance(activation, Tensor)):
             return
-        call = LayerCall(module, activation.detach())
+        call = LayerCall(module, activation.detach(), edge=get_gradient_edge(output))
         self.layer_calls.append(call)
         output.register_hook(self._store_layer_grad(call))
 
@@ -137,6 +170,7 @@ class Tape:
             if isinstance(leaf, Tensor) and leaf.requires_grad and id(leaf) not in seen:
                 seen.add(id(leaf))  # an output returned twice must get its gradient once
                 leaf.register_hook(self._store_module_grad(call, j))
+                call.edges.append(get_gradient_edge(leaf))
 
     def _store_layer_grad(self, call: LayerCall):
         def hook(grad: Tensor) -> None:

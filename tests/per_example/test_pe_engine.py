@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine
@@ -256,3 +257,78 @@ def test_recomputation_needs_batch_first_outputs_and_unchanged_inputs():
 
     with pytest.raises(PrivacyConfigError, match="modified in place"):
         PerExampleGradientEngine(shift).clipped_sum(modifies_input, 1.0)
+
+
+# ------------------------------------------------------------------- coverage on every batch
+
+
+class _SometimesFunctional(nn.Module):
+    """Uses ``fc.weight`` through ``F.linear`` only when ``functional`` is set: the same layer calls
+    either way, so only the parameter-use check can tell the batches apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.functional = False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.functional:
+            h = h + F.linear(x, self.fc.weight)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_use_appearing_on_a_later_batch_is_caught_on_that_batch(mode):
+    torch.manual_seed(0)
+    model, x, y = _SometimesFunctional().double(), torch.randn(4, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    engine = PerExampleGradientEngine(model, mode=mode)
+    for _ in range(2):
+        engine.clipped_sum(lambda: ce(model(x), y), 0.3)
+        assert engine.last_recomputed == {}
+    model.functional = True
+    result = engine.clipped_sum(lambda: ce(model(x), y), 0.3)
+    assert engine.last_recomputed == {"fc.weight": ""}
+    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    sums, _ = flat_clipped_sum(expected, engine.names, 0.3)
+    for name, got in zip(engine.names, result.grads):
+        assert_rel_close(got, sums[name], name=name)
+
+
+def test_the_numeric_check_catches_a_use_the_use_tracker_misses(monkeypatch):
+    """Defence in depth: with the tracker blinded, the first batch's numeric check still finds it."""
+    from lit_zodp.per_example import uses
+
+    monkeypatch.setattr(uses.ParameterUses, "_tracked", lambda self, value: [])
+    model = _SometimesFunctional().double()
+    model.functional = True
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    engine = PerExampleGradientEngine(model)
+    engine.clipped_sum(lambda: ce(model(x), y), 0.3)
+    assert engine.last_recomputed == {"fc.weight": ""}
+
+
+class _MatmulCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+            self.flops += out.numel() * args[-1].shape[-2]
+        return out
+
+
+def test_backward_skips_the_weight_gradients_once_the_structure_is_checked():
+    """The rules need ``g``, not ``d sum_i loss_i / dW``: after the first (checked) batch the
+    backward stops at the layer outputs, so fewer matmul FLOPs run for the same result."""
+    model, (x, y) = mlp(), (torch.randn(64, 6, dtype=torch.float64), torch.randint(0, 3, (64,)))
+    engine = PerExampleGradientEngine(model, mode="ghost")
+    with _MatmulCount() as first:
+        checked = engine.clipped_sum(lambda: ce(model(x), y), 0.5)
+    with _MatmulCount() as second:
+        again = engine.clipped_sum(lambda: ce(model(x), y), 0.5)
+    assert second.flops < first.flops
+    for a, b in zip(checked.grads, again.grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
