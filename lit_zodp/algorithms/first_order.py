@@ -27,7 +27,7 @@ from lit_zodp.per_example import ClippedSum, PerExampleGradientEngine
 from lit_zodp.privacy import GaussianRelease, StepPlan
 
 GRADIENT = "gradient"
-GRAD_MODES = ("hooks", "ghost", "vmap")
+GRAD_MODES = ("hooks", "ghost", "bookkeeping", "vmap")
 
 
 class FirstOrderModule(AlgorithmModule):
@@ -36,8 +36,11 @@ class FirstOrderModule(AlgorithmModule):
     Args (besides :class:`AlgorithmModule`'s):
         weight_decay: decoupled weight decay of the optimizer (post-processing: no privacy cost).
         grad_mode: ``"hooks"`` (per-example gradients per layer), ``"ghost"`` (per-example norms
-            only, then a reweighted backward: the memory of non-private training on large models),
-            or ``"vmap"`` (torch.func; slow, any model).
+            without per-example gradients, taken in the backward, then a second backward of the
+            clip-weighted loss: Li et al. 2022 ghost clipping, the memory of Opacus' ghost mode; for
+            large models), ``"bookkeeping"`` (the same norms, the sums from the kept output
+            gradients: Bu et al. 2023, one backward, faster, more memory), or ``"vmap"``
+            (torch.func; slow, any model).
         micro_batch_size: split one logical (Poisson) batch into micro-batches of at most this many
             examples; their clipped sums accumulate and the noise is added once. ``None``: one pass.
     """

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from lit_zodp.errors import raise_if_any
 
-MODES = ("hooks", "ghost", "vmap")
+MODES = ("hooks", "ghost", "bookkeeping", "vmap")
 
 
 def check_mode(mode: Any) -> Optional[str]:
@@ -19,7 +19,7 @@ def check_mode(mode: Any) -> Optional[str]:
 
 def check_transform(transform: Any, mode: Any) -> Optional[str]:
     """Projections work in every mode; a generic rewrite (a callable, or a transform overriding
-    ``apply``) needs materialised per-example gradients, which "ghost" mode does not form."""
+    ``apply``) needs materialised per-example gradients, which "ghost"/"bookkeeping" do not form."""
     from lit_zodp.per_example.transforms import GradientTransform
 
     if transform is None:
@@ -28,7 +28,7 @@ def check_transform(transform: Any, mode: Any) -> Optional[str]:
         return (f"Expected `transform` to be a GradientTransform or callable(name, param, per_example_grad), "
                 f"but got {transform!r}")
     rewrites = not isinstance(transform, GradientTransform) or transform.rewrites
-    if rewrites and mode == "ghost":
+    if rewrites and mode in ("ghost", "bookkeeping"):
         return (f"A `transform` that rewrites materialised per-example gradients needs mode='hooks' or "
                 f"'vmap', but got mode={mode!r} (projections alone work in every mode)")
     return None

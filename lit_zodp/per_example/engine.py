@@ -27,13 +27,22 @@ How ``g_{i,p}`` is obtained, per batch and parameter:
    :mod:`.coverage`). A parameter that fails (e.g. a weight also used through ``F.linear``) is
    recomputed as in 3 on the engine's module; failing again raises.
 
-Modes: ``"hooks"`` materialises every ``g_{i,p}``; ``"ghost"`` leaves the gradients of single-use
-layers implicit, takes their norms with the ghost norm (Li et al. 2022; Bu et al. 2022 mixed) and
-forms their clipped sums from the recorded rows scaled by the clip factors (the book-keeping of Bu
-et al. 2023, "Differentially private optimization on large model at small cost") instead of a second
-backward of ``sum_i f_i loss_i``: the same sum, one backward, and a non-finite example cannot reach
-the others through ``0 * nan`` in a shared backward; ``"vmap"`` recomputes every parameter as in 3
-on the engine's module (the reference path).
+Modes: ``"hooks"`` materialises every ``g_{i,p}``. ``"ghost"`` and ``"bookkeeping"`` leave the
+gradients of single-use layers implicit and take their norms with the ghost norm (Li et al. 2022;
+Bu et al. 2022 mixed); they differ in how the clipped sums of those layers are formed:
+
+* ``"ghost"`` (ghost clipping, Li et al. 2022 Sec. 4; Opacus' fast gradient clipping): the norms
+  are taken inside the backward as each output gradient arrives, which is then dropped; a second
+  backward of ``sum_i f_i loss_i`` (on the retained graph, to the layer outputs only) gives rows
+  scaled by ``f_i``, summed layer by layer as they arrive. Peak memory: the retained graph, no
+  output gradient beyond the layer at hand.
+* ``"bookkeeping"`` (Bu et al. 2023, "Differentially private optimization on large model at small
+  cost"): one backward, the output gradients of every layer are kept, and the sums are formed from
+  them scaled by the clip factors. Faster (no second backward), more memory.
+
+A non-finite example gets factor 0 and its rows are zeroed (``where``) before any sum, so it cannot
+reach the others through ``0 * nan``. ``"vmap"`` recomputes every parameter as in 3 on the engine's
+module (the reference path).
 
 Assumptions (as in Opacus): every recorded layer and module call is batch-first, row ``i`` being
 example ``i``; the forward is deterministic where it is recomputed; no BatchNorm; no activation
@@ -134,6 +143,15 @@ class _Part:
         return {i: out[local] for local, i in self.mine.items()}
 
 
+@dataclass(eq=False)
+class _SecondPass:
+    """What ``"ghost"`` mode needs for its second backward: the losses with their graph and the
+    single-use layer calls (with their parameters) whose sums it forms."""
+
+    losses: Tensor
+    calls: List[Tuple[LayerCall, Dict[str, int]]] = field(default_factory=list)
+
+
 @dataclass
 class _Batch:
     """Per-example gradients of one batch: ``dense`` ``[B, ...]`` by parameter index, and ghost
@@ -144,6 +162,8 @@ class _Batch:
     ghost: List[_Part] = field(default_factory=list)
     ghost_norm_sq: Dict[int, Tensor] = field(default_factory=dict)
     projected: Set[int] = field(default_factory=set)
+    unit_sums: Dict[int, Tensor] = field(default_factory=dict)
+    second_pass: Optional[_SecondPass] = None
 
 
 @dataclass(eq=False)
@@ -187,12 +207,12 @@ def _by_module(calls: list) -> Dict[int, list]:
 
 
 def _aligned_layer(call: LayerCall, batch_size: int) -> bool:
-    a, g = call.activation, call.grad
-    return a.dim() >= 2 and a.shape[0] == batch_size and (g is None or g.shape[0] == batch_size)
+    a, out = call.activation, call.out_shape
+    return a.dim() >= 2 and a.shape[0] == batch_size and len(out) >= 1 and out[0] == batch_size
 
 
 def _aligned_module(call: ModuleCall, batch_size: int) -> bool:
-    return all(g.dim() >= 1 and g.shape[0] == batch_size for g in call.grads.values())
+    return all(len(shape) >= 1 and shape[0] == batch_size for shape in call.out_shapes)
 
 
 class PerExampleGradientEngine:
@@ -200,7 +220,7 @@ class PerExampleGradientEngine:
 
     Args:
         module: The model. Trainable parameters are those with ``requires_grad`` at construction.
-        mode: ``"hooks"`` (layer rules, materialised), ``"ghost"`` (layer rules, norms without
+        mode: ``"hooks"`` (layer rules, materialised), ``"ghost"`` or ``"bookkeeping"`` (layer rules, norms without
             materialising where cheaper), or ``"vmap"`` (torch.func recomputation of everything).
         transform: A :class:`~.transforms.GradientTransform` (projections in every mode, projected
             rows for Linear weights; a generic ``apply`` needs "hooks" or "vmap"), or a callable
@@ -223,6 +243,7 @@ class PerExampleGradientEngine:
         self.names, self.params = _trainable_parameters(module)
         raise_if_any([None if self.params else "Expected `module` to have trainable parameters, but it has none"])
         self._owners = self._find_owners()
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         owners = {id(m): m for owned in self._owners for m, _ in owned}.values()
         with_rule = [m for m in owners if sampler_for(m) is not None]
         without_rule = [m for m in owners if m is not module and sampler_for(m) is None]
@@ -246,11 +267,10 @@ class PerExampleGradientEngine:
     # ------------------------------------------------------------------------------ public API
 
     def clipped_sum(self, loss_fn: Callable[[], Tensor], clip: float) -> ClippedSum:
-        """Run ``loss_fn`` once (forward), back-propagate once, and return the clipped sum.
+        """Run ``loss_fn`` once (forward), back-propagate, and return the clipped sum.
 
-        Every mode calls ``loss_fn`` once and runs one backward; "ghost" forms its sums from the
-        recorded rows instead of a second backward, and the vmap fallback recomputes only the
-        forward of the modules it needs.
+        Every mode calls ``loss_fn`` once; "ghost" runs two backwards, the others one (the vmap
+        fallback recomputes only the forward of the modules it needs).
 
         Args:
             loss_fn: Zero-argument callable running ``module`` on one batch and returning the
@@ -258,12 +278,15 @@ class PerExampleGradientEngine:
             clip: The flat clipping norm ``C > 0`` (``math.inf``: no clipping).
         """
         check_clip(clip)
+        tape = self._tape()
         try:
-            losses, batch = self._per_example(loss_fn, ghost=self.mode == "ghost")
-            if losses.numel() == 0:
-                return self._empty()
-            return self._clip_and_sum(losses, batch, clip)
+            with tape:
+                losses, batch = self._per_example(loss_fn, tape, mode=self.mode)
+                if losses.numel() == 0:
+                    return self._empty()
+                return self._clip_and_sum(losses, batch, clip, tape)
         finally:
+            tape.clear()
             for param in self.params:
                 param.grad = None
 
@@ -278,35 +301,44 @@ class PerExampleGradientEngine:
 
     def per_example_gradients(self, loss_fn: Callable[[], Tensor]) -> List[Tensor]:
         """Unclipped per-example gradients ``[B, ...]`` (after the transform), aligned with ``params``."""
+        tape = self._tape()
         try:
-            losses, batch = self._per_example(loss_fn, ghost=False)
+            with tape:
+                losses, batch = self._per_example(loss_fn, tape, mode="hooks")
             return [self._transformed(i, batch.dense[i], batch) for i in range(len(self.params))]
         finally:
+            tape.clear()
             for param in self.params:
                 param.grad = None
 
     # ------------------------------------------------------------------------- one batch
 
-    def _per_example(self, loss_fn: Callable[[], Tensor], *, ghost: bool) -> Tuple[Tensor, _Batch]:
-        """Record, back-propagate, compute the per-example gradients and check their coverage."""
+    def _tape(self) -> Tape:
+        return Tape(self.module, self._layers, self._recomputed)
+
+    def _per_example(self, loss_fn: Callable[[], Tensor], tape: Tape, *, mode: str) -> Tuple[Tensor, _Batch]:
+        """Record, back-propagate, compute the per-example gradients (or norms) and check coverage."""
         self.last_recomputed = {}
-        tape = Tape(self.module, self._layers, self._recomputed)
         uses = ParameterUses(self.params, tape.stack)
-        with tape:
-            tape.recording = True
-            with uses:
-                losses = loss_fn()
-            check_losses(losses)
-            if losses.numel() == 0:
-                return losses.detach(), _Batch()
-            structure = hash((tuple(id(c.module) for c in tape.layer_calls),
-                              tuple(id(c.module) for c in tape.module_calls), uses.signature()))
-            batch_grads = self._backward(losses, tape, check=structure not in self._checked)
-            tape.recording = False
-        losses = losses.detach()
+        tape.recording = True
+        with uses:
+            losses = loss_fn()
+        check_losses(losses)
+        if losses.numel() == 0:
+            return losses.detach(), _Batch()
+        structure = hash((tuple(id(c.module) for c in tape.layer_calls),
+                          tuple(id(c.module) for c in tape.module_calls), uses.signature()))
+        check = structure not in self._checked
+        size = len(losses)
         self._projections = self._projections_now()
-        plan = self._plan(tape, len(losses))
-        batch = self._compute(plan, tape, len(losses), ghost=ghost)
+        plan = self._plan(tape, size)
+        batch = _Batch()
+        if mode == "ghost":
+            batch.second_pass = self._norms_in_backward(plan, tape, batch, losses, unit_sums=check)
+        batch_grads = self._backward(losses, tape, check=check, retain=mode == "ghost")
+        tape.recording = False
+        self._compute(plan, tape, size, ghost=mode == "bookkeeping", batch=batch)
+        losses = losses.detach()
         numeric = self._uncovered(batch, batch_grads, losses)
         failed = sorted(set(self._unseen_uses(plan, uses)) | set(numeric or ()))
         if failed:
@@ -315,18 +347,39 @@ class PerExampleGradientEngine:
             self._checked.add(structure)
         self.last_recomputed = {self.names[i]: self._module_names[id(source.module)]
                                 for i, source in plan.items() if isinstance(source, _Recompute)}
-        tape.clear()
         return losses, batch
 
-    def _backward(self, losses: Tensor, tape: Tape, *, check: bool) -> Optional[Tuple[Optional[Tensor], ...]]:
+    def _backward(self, losses: Tensor, tape: Tape, *, check: bool,
+                  retain: bool) -> Optional[Tuple[Optional[Tensor], ...]]:
         """One backward of ``sum_i loss_i`` to the recorded outputs (the hooks take ``g``); with
         ``check``, to the parameters too, returning the batch gradient for the numeric check."""
         targets = tape.gradient_targets()
         if not check and targets:
-            torch.autograd.grad(losses.sum(), targets, allow_unused=True)
+            torch.autograd.grad(losses.sum(), targets, allow_unused=True, retain_graph=retain)
             return None
-        grads = torch.autograd.grad(losses.sum(), targets + list(self.params), allow_unused=True)
+        grads = torch.autograd.grad(losses.sum(), targets + list(self.params), allow_unused=True,
+                                    retain_graph=retain)
         return tuple(grads[len(targets):])
+
+    def _norms_in_backward(self, plan: Dict[int, object], tape: Tape, batch: _Batch, losses: Tensor,
+                           *, unit_sums: bool) -> _SecondPass:
+        """"ghost" mode, first backward: each single-use layer call takes its norms (and, on a
+        checked batch, its unit sums) as its output gradient arrives and keeps no gradient."""
+        second = _SecondPass(losses)
+        for call, mine in self._single_use_calls(plan, tape):
+            second.calls.append((call, mine))
+            call.consume = self._first_pass_consumer(call, mine, batch, unit_sums)
+        return second
+
+    def _first_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, unit_sums: bool):
+        def consume(grad: Tensor) -> None:
+            for part in self._parts(call, mine, batch, grad):
+                batch.ghost_norm_sq.update(part.norms_sq())
+                if unit_sums:
+                    batch.unit_sums.update(part.summed(None, None))
+                part.a = part.g = None
+                batch.ghost.append(part)
+        return consume
 
     def _unseen_uses(self, plan: Dict[int, object], uses: ParameterUses) -> List[int]:
         """Parameters used outside every call of the source that forms their per-example gradients."""
@@ -389,8 +442,9 @@ class PerExampleGradientEngine:
         again = set(self._unseen_uses(plan, uses)) | set(self._uncovered(batch, batch_grads, losses) or ())
         self._raise_uncovered(sorted(i for i in again if i in failed))
 
-    def _compute(self, plan: Dict[int, object], tape: Tape, size: int, *, ghost: bool) -> _Batch:
-        batch = _Batch()
+    def _compute(self, plan: Dict[int, object], tape: Tape, size: int, *, ghost: bool,
+                 batch: Optional[_Batch] = None) -> _Batch:
+        batch = batch if batch is not None else _Batch()
         self._from_layers(plan, tape, ghost, batch)
         self._from_modules(plan, tape, size, batch)
         for i in plan:
@@ -399,37 +453,51 @@ class PerExampleGradientEngine:
         return batch
 
     def _from_layers(self, plan: Dict[int, object], tape: Tape, ghost: bool, batch: _Batch) -> None:
-        """Layer rules, call by call; in ghost mode a call whose parameters no other call uses
-        keeps its gradients implicit (norms now, sums after clipping)."""
-        index = {id(p): i for i, p in enumerate(self.params)}
+        """Layer rules, call by call; with ``ghost`` a call whose parameters no other call uses
+        keeps its gradients implicit (norms now, sums after clipping). Calls whose gradient was
+        consumed in the backward ("ghost" mode) have no ``grad`` and are skipped."""
+        single = {id(call) for call, _ in self._single_use_calls(plan, tape)} if ghost else set()
         for call in tape.layer_calls:
-            mine = {local: index[id(p)] for local, p in call.module.named_parameters(recurse=False)
-                    if isinstance(plan.get(index.get(id(p))), _FromLayers)}
+            mine = self._mine(call, plan)
             if call.grad is None or not mine:
                 continue
-            single_use = ghost and all(plan[i].calls == [call] for i in mine.values())
-            for part in self._parts(call, mine, batch):
-                if single_use:
+            for part in self._parts(call, mine, batch, call.grad):
+                if id(call) in single:
                     batch.ghost.append(part)
                     batch.ghost_norm_sq.update(part.norms_sq())
                     continue
                 for i, grads in part.grads().items():
                     batch.dense[i] = grads if i not in batch.dense else batch.dense[i] + grads
 
-    def _parts(self, call: LayerCall, mine: Dict[str, int], batch: _Batch) -> List[_Part]:
+    def _mine(self, call: LayerCall, plan: Dict[int, object]) -> Dict[str, int]:
+        """The call's direct parameters whose per-example gradients come from the layer rules."""
+        index = self._index
+        return {local: index[id(p)] for local, p in call.module.named_parameters(recurse=False)
+                if isinstance(plan.get(index.get(id(p))), _FromLayers)}
+
+    def _single_use_calls(self, plan: Dict[int, object], tape: Tape) -> List[Tuple[LayerCall, Dict[str, int]]]:
+        """Calls whose parameters no other call uses: their gradients can stay implicit."""
+        calls = []
+        for call in tape.layer_calls:
+            mine = self._mine(call, plan)
+            if mine and all(plan[i].calls == [call] for i in mine.values()):
+                calls.append((call, mine))
+        return calls
+
+    def _parts(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, grad: Tensor) -> List[_Part]:
         """The call as one part, or, when its weight is projected and its rule gives the weight's
         rows, a part of projected rows for the weight (never ``B x out x in``) and one for the rest."""
         sampler = sampler_for(call.module)
         weight = mine.get("weight")
         projection = self._projections.get(weight)
         if projection is None or sampler.weight_rows is None:
-            return [_Part(call.module, sampler, call.activation, call.grad, mine)]
-        a, g = projection.of_rows(*sampler.weight_rows(call.module, call.activation, call.grad))
+            return [_Part(call.module, sampler, call.activation, grad, mine)]
+        a, g = projection.of_rows(*sampler.weight_rows(call.module, call.activation, grad))
         batch.projected.add(weight)
         parts = [_Part(None, _OUTER_WEIGHT, a, g, {"weight": weight})]
         rest = {local: i for local, i in mine.items() if local != "weight"}
         if rest:
-            parts.append(_Part(_Hidden(call.module, {"weight"}), sampler, call.activation, call.grad, rest))
+            parts.append(_Part(_Hidden(call.module, {"weight"}), sampler, call.activation, grad, rest))
         return parts
 
     def _from_modules(self, plan: Dict[int, object], tape: Tape, size: int, batch: _Batch) -> None:
@@ -477,7 +545,7 @@ class PerExampleGradientEngine:
         or an example is non-finite)."""
         if batch_grads is None or not bool(torch.isfinite(losses).all()):
             return None
-        summed = self._ghost_sums(batch, factors=None, ok=None)
+        summed = batch.unit_sums if batch.second_pass is not None else self._ghost_sums(batch, None, None)
         sums = [batch.dense[i].sum(0) if i in batch.dense else summed[i] for i in range(len(self.params))]
         norms = [_row_norm_sq(batch.dense[i]).sqrt() if i in batch.dense else batch.ghost_norm_sq[i].sqrt()
                  for i in range(len(self.params))]
@@ -511,7 +579,7 @@ class PerExampleGradientEngine:
             grads = self._projections[i].of_gradients(grads)
         return self.transform.apply(self.names[i], self.params[i], grads)
 
-    def _clip_and_sum(self, losses: Tensor, batch: _Batch, clip: float) -> ClippedSum:
+    def _clip_and_sum(self, losses: Tensor, batch: _Batch, clip: float, tape: Tape) -> ClippedSum:
         """Flat clip across all parameters (Abadi et al. 2016), non-finite examples at factor 0."""
         count = len(self.params)
         dense = {i: self._transformed(i, batch.dense[i], batch) for i in range(count) if i in batch.dense}
@@ -521,7 +589,10 @@ class PerExampleGradientEngine:
         ok = torch.isfinite(losses) & torch.isfinite(norms)
         factors = torch.where(ok, clip_factors(norms, clip), torch.zeros_like(norms))
         ok = None if bool(ok.all()) else ok
-        sums = self._ghost_sums(batch, factors, ok)
+        if batch.second_pass is not None:
+            sums = self._second_backward(batch, factors, ok, tape)
+        else:
+            sums = self._ghost_sums(batch, factors, ok)
         for i, grads in dense.items():
             sums[i] = torch.tensordot(factors.to(grads.dtype), _zero_rows(grads, ok), dims=1)
         out = [sums[i].to(p.dtype) for i, p in enumerate(self.params)]
@@ -533,6 +604,45 @@ class PerExampleGradientEngine:
         for part in batch.ghost:
             sums.update(part.summed(factors, ok))
         return sums
+
+    def _second_backward(self, batch: _Batch, factors: Tensor, ok: Optional[Tensor], tape: Tape) -> Dict[int, Tensor]:
+        """"ghost" mode: back-propagate ``sum_i f_i loss_i`` (``where``: a non-finite example adds an
+        exact 0) to the single-use layer outputs; each call sums its ``f``-scaled rows as they arrive."""
+        second, sums = batch.second_pass, {}
+        calls = [(call, {k: i for k, i in mine.items() if i in batch.ghost_norm_sq}) for call, mine in second.calls]
+        calls = [(call, mine) for call, mine in calls if mine and call.edge is not None]
+        for call, mine in calls:
+            call.consume = self._second_pass_consumer(call, mine, batch, ok, sums)
+        losses = second.losses
+        weighted = factors.to(losses.dtype) * losses
+        if ok is not None:
+            weighted = torch.where(ok, weighted, torch.zeros((), dtype=losses.dtype, device=losses.device))
+        tape.recording = True
+        try:
+            if calls:
+                torch.autograd.grad(weighted.sum(), [call.edge for call, _ in calls], allow_unused=True)
+        finally:
+            tape.recording = False
+            batch.second_pass = None
+        for i in batch.ghost_norm_sq:  # a call whose output got no gradient in the second pass
+            if i not in sums:
+                sums[i] = torch.zeros(self._summed_shape(i), dtype=self.params[i].dtype,
+                                      device=self.params[i].device)
+        return sums
+
+    def _second_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch,
+                              ok: Optional[Tensor], sums: Dict[int, Tensor]):
+        def consume(grad: Tensor) -> None:
+            for part in self._parts(call, mine, batch, grad):
+                for i, total in part.summed(None, ok).items():
+                    sums[i] = total if i not in sums else sums[i] + total
+        return consume
+
+    def _summed_shape(self, i: int) -> Tuple[int, ...]:
+        p = self.params[i]
+        if i in self._projections:
+            return tuple(self._projections[i].of_gradients(p.new_zeros(p.shape)).shape)
+        return tuple(p.shape)
 
     def _empty(self) -> ClippedSum:
         """Zero sums for an empty batch, in the transformed shapes."""

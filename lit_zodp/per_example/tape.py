@@ -20,7 +20,7 @@ the per-example rules need ``g``, not the batch gradient of the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -29,12 +29,15 @@ from torch.utils._pytree import tree_flatten
 
 @dataclass(eq=False)
 class LayerCall:
-    """One call of a layer with a rule: its input ``activation`` and output gradient ``grad``."""
+    """One call of a layer with a rule: its input ``activation`` and output gradient ``grad``
+    (``consume``, when set, receives each output gradient instead of it being stored)."""
 
     module: nn.Module
     activation: Tensor
     grad: Optional[Tensor] = None
     edge: Optional[GradientEdge] = None
+    out_shape: Tuple[int, ...] = ()
+    consume: Optional[Callable[[Tensor], None]] = None
 
 
 @dataclass(eq=False)
@@ -47,6 +50,7 @@ class ModuleCall:
     versions: List[Optional[int]]
     grads: Dict[int, Tensor] = field(default_factory=dict)
     edges: List[GradientEdge] = field(default_factory=list)
+    out_shapes: List[Tuple[int, ...]] = field(default_factory=list)
 
     def inputs_unchanged(self) -> bool:
         """False if an input tensor was modified in place after the call (recomputation would differ)."""
@@ -102,17 +106,23 @@ class Tape:
             handle.remove()
         self._handles.clear()
         self.recording = False
+        self.release_graph()
+
+    def release_graph(self) -> None:
+        """Drop the edges and consumers: an edge's node holds the grad hook holding the call (and
+        a consumer may hold the graph's losses), a cycle through C++ objects the garbage collector
+        cannot free."""
         self.stack.clear()
-        for call in self.layer_calls:  # an edge's node holds the grad hook holding the call: a cycle
-            call.edge = None           # through C++ objects that the garbage collector cannot free
+        for call in self.layer_calls:
+            call.edge, call.consume = None, None
         for call in self.module_calls:
             call.edges = []
 
     def clear(self) -> None:
         """Drop the recorded activations and gradients."""
+        self.release_graph()
         self.layer_calls.clear()
         self.module_calls.clear()
-        self.stack.clear()
 
     def gradient_targets(self) -> List[GradientEdge]:
         """The output edges of every recorded call: a backward to them fires every hook."""
@@ -153,7 +163,7 @@ class Tape:
         if not (self.recording and isinstance(output, Tensor) and output.requires_grad
                 and isinstance(activation, Tensor)):
             return
-        call = LayerCall(module, activation.detach(), edge=get_gradient_edge(output))
+        call = LayerCall(module, activation.detach(), edge=get_gradient_edge(output), out_shape=tuple(output.shape))
         self.layer_calls.append(call)
         output.register_hook(self._store_layer_grad(call))
 
@@ -171,10 +181,15 @@ class Tape:
                 seen.add(id(leaf))  # an output returned twice must get its gradient once
                 leaf.register_hook(self._store_module_grad(call, j))
                 call.edges.append(get_gradient_edge(leaf))
+                call.out_shapes.append(tuple(leaf.shape))
 
     def _store_layer_grad(self, call: LayerCall):
         def hook(grad: Tensor) -> None:
-            if self.recording:
+            if not self.recording:
+                return
+            if call.consume is not None:
+                call.consume(grad)
+            else:
                 call.grad = grad
         return hook
 

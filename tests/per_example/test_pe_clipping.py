@@ -19,7 +19,7 @@ from tests.per_example.helpers import (
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-MODES = ["hooks", "ghost", "vmap"]
+MODES = ["hooks", "ghost", "bookkeeping", "vmap"]
 
 
 def _mlp_batch(n=6, seed=0):
@@ -63,11 +63,12 @@ def test_vit_clipped_sum_equals_reference_and_clipped_norms_are_bounded(mode):
         assert torch.cat([g.flatten() for g in one.grads]).norm() <= clip * (1 + 1e-9)
 
 
-def test_bert_clipped_sum_equals_opacus():
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_bert_clipped_sum_equals_opacus(mode):
     model = tiny_bert()
     torch.manual_seed(1)
     ids, y, clip = torch.randint(1, 50, (4, 5)), torch.tensor([0, 1, 1, 0]), 0.1
-    engine = PerExampleGradientEngine(model, mode="ghost")
+    engine = PerExampleGradientEngine(model, mode=mode)
     result = engine.clipped_sum(lambda: ce(model(input_ids=ids).logits, y), clip)
     positions = torch.arange(5).expand(4, 5)
     theirs = opacus_per_example(model, lambda m: ce(m(input_ids=ids, position_ids=positions).logits, y))
@@ -100,7 +101,7 @@ def test_non_finite_example_in_a_vit_with_fallback_parameters():
     x, y = torch.randn(3, 3, 16, 16), torch.tensor([0, 2, 1])
     poisoned = x.clone()
     poisoned[1, 0, 0, 0] = math.nan
-    for mode in ("hooks", "ghost"):
+    for mode in ("hooks", "ghost", "bookkeeping"):
         engine = PerExampleGradientEngine(model, mode=mode)
         result = engine.clipped_sum(lambda: ce(model(poisoned), y), 1.0)
         clean = engine.clipped_sum(lambda: ce(model(x[[0, 2]]), y[[0, 2]]), 1.0)

@@ -1,5 +1,5 @@
 """Whole models: a timm ViT block and tiny ViT, a tiny Hugging Face BERT, against the torch.func
-reference and Opacus; "ghost" and "vmap" modes against "hooks"."""
+reference and Opacus; "ghost", "bookkeeping" and "vmap" modes against "hooks"."""
 
 import pytest
 import torch
@@ -80,7 +80,7 @@ def test_tiny_bert_with_padding_mask_matches_per_example_backward(bert_batch):
     assert torch.count_nonzero(got["bert.embeddings.word_embeddings.weight"][:, 0]) == 0  # padding_idx
 
 
-def _assert_same_clipped_sum(model, loss_fn, clip, modes=("ghost",)):
+def _assert_same_clipped_sum(model, loss_fn, clip, modes=("ghost", "bookkeeping")):
     hooks = PerExampleGradientEngine(model).clipped_sum(loss_fn, clip)
     for mode in modes:
         other = PerExampleGradientEngine(model, mode=mode).clipped_sum(loss_fn, clip)
@@ -93,9 +93,9 @@ def _assert_same_clipped_sum(model, loss_fn, clip, modes=("ghost",)):
 def test_ghost_and_vmap_modes_equal_hooks_on_mlp_vit_bert(clip, vit_batch, bert_batch):
     torch.manual_seed(0)
     model, x, y = mlp(), torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0])
-    _assert_same_clipped_sum(model, lambda: ce(model(x), y), clip, modes=("ghost", "vmap"))
+    _assert_same_clipped_sum(model, lambda: ce(model(x), y), clip, modes=("ghost", "bookkeeping", "vmap"))
     vit, (images, labels) = tiny_vit(), vit_batch
-    _assert_same_clipped_sum(vit, lambda: ce(vit(images), labels), clip, modes=("ghost", "vmap"))
+    _assert_same_clipped_sum(vit, lambda: ce(vit(images), labels), clip, modes=("ghost", "bookkeeping", "vmap"))
     bert, (ids, mask, yb) = tiny_bert(), bert_batch
     _assert_same_clipped_sum(bert, lambda: ce(bert(input_ids=ids, attention_mask=mask).logits, yb), clip)
 

@@ -42,7 +42,7 @@ def _projected_reference(model, x, y, projections):
     return {name: projections[name].of_gradients(g) if name in projections else g for name, g in expected.items()}
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ghost", "vmap"])
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping", "vmap"])
 def test_projection_equals_projected_reference_in_every_mode(mode):
     model, x, y = _setup()
     projections, clip = _projections(), 0.3
@@ -82,7 +82,7 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
 def test_projection_never_forms_batch_times_out_times_in(mode):
     """A wide Linear (256 x 256) at B = 8, T = 2: no tensor the engine forms is larger than the
     weight itself (its batch gradient), while without the projection "hooks" forms ``B x out x in``."""
