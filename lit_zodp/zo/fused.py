@@ -1,0 +1,483 @@
+"""The fused perturbation engine: one read and one write of every parameter per pass (DESIGN.md, GPU).
+
+The direction is generated in registers from Philox keyed by ``(seed, global element offset)``
+(Salmon et al. 2011; :func:`lit_zodp.zo.philox.normal`, Triton's ``tl.randn4x`` four elements per
+call), so a pass over all parameters is one Triton launch per parameter dtype and touches no
+scratch memory. Same passes as :class:`lit_zodp.zo.perturbation.PerturbationEngine` (the MeZO
+seed trick with the restore fused into the update); a new direction law, not the chunked one.
+
+Layout. Every parameter gets a global offset in a flat layout (in order, each tensor starting at a
+multiple of 4, so a Philox call never straddles two tensors); element ``i`` of tensor ``t`` takes
+``z(seed, offset_t + i)``, independent of blocks, launches and dtype grouping. Offsets are int64:
+models beyond ``2^32`` elements use Philox's second counter word. Per dtype, a device table holds
+one row per tensor (address, numel, global offset, first block) and one int32 per block names its
+tensor: a launch covers all tensors of that dtype, with no per-chunk Python loop.
+
+Arithmetic. Parameters (fp32, bf16, fp16) are loaded and computed in float32 and rounded to
+nearest-even once on store. A perturbation adds ``a = s z`` with its last bit set (``_sticky``), so
+``theta + a`` is never a rounding tie while ``|a| < |theta| / 8``. A pass first removes each pending
+perturbation and rounds to the parameter dtype, then applies ``shrink * theta + sum_k a_k z_k``. So
+a restore (``+s, -s``) and MeZO's ``+s, -2s, +s`` give back ``theta`` bitwise wherever the
+perturbation lost no bit (``theta`` and ``theta + a`` in one binade, ``theta`` not a power of two,
+``|a| < |theta| / 8``: 97-98% of elements at ``|a| ~ 1% |theta|``; for 16-bit parameters also bar
+the float32 sum's own rounding landing on a midpoint, ~1e-5 of elements), and within one ulp of
+``max(|theta|, |theta + a|)`` (two ulps for the three-pass cycle) everywhere. Where a binade is
+crossed upwards the map ``theta -> theta + a`` is many-to-one: no restore can be exact there. The
+update then starts from the restored ``theta``, as if the probe had not happened.
+
+Scalars. Seeds go in an int64 device table, the per-term scales in a float32 one; coefficients may
+be device tensors (stacked on the device, no host synchronisation). Learning rates and weight
+decays come per parameter (param groups) as a cached float32 table.
+
+The CPU reference (``backend="reference"``) runs the same float32 arithmetic in torch with
+:mod:`lit_zodp.zo.philox`; with ``math="numpy"`` it matches the Triton kernel run by
+``TRITON_INTERPRET=1`` bitwise. On CUDA, Triton's own ``log/cos/sin``, ``sqrt.approx`` and fused
+multiply-adds move ``z`` by a few float32 ulps (tests allow 1e-5). The compiled kernel (sm_90 PTX,
+checked without a GPU) uses 128-bit loads and stores and one Philox call per four elements; the
+interleave of ``randn4x``'s outputs goes through 4 KiB of shared memory per program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from lit_zodp.zo import philox
+
+try:  # Triton ships with CUDA builds of torch; the reference path needs none of it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+#: Global offsets of tensors are multiples of this (one Philox call = four consecutive elements).
+ALIGN = 4
+#: Elements per Triton program (a multiple of ``ALIGN``); 4 warps -> 16 elements per thread.
+DEFAULT_BLOCK = 2048
+DEFAULT_WARPS = 4
+#: Elements per step of the reference path's loop over a tensor.
+REFERENCE_CHUNK = 1 << 16
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def interpreting() -> bool:
+    """Whether this module's kernels run under Triton's CPU interpreter.
+
+    Triton decides when a kernel is decorated, i.e. when this module is imported: ``TRITON_INTERPRET=1``
+    must be set before ``triton`` is first imported (tests do it in a subprocess).
+    """
+    return triton is not None and type(_zo_pass_kernel).__name__ == "InterpretedFunction"
+
+
+def global_offsets(params: Sequence[Tensor], align: int = ALIGN) -> list[int]:
+    """Offsets of ``params`` in the flat layout: in order, each rounded up to a multiple of ``align``."""
+    offsets, cursor = [], 0
+    for p in params:
+        offsets.append(cursor)
+        cursor += -(-p.numel() // align) * align
+    return offsets
+
+
+@dataclass
+class _Terms:
+    """One pass's directions: seeds, the pending scale to remove, a plain scale and a coefficient."""
+
+    seeds: list[int]
+    pending: list[float]
+    scales: list[float]
+    coefficients: list  # floats or 0-dim tensors (device-resident coefficients)
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def restores(self) -> bool:
+        return any(p != 0.0 for p in self.pending)
+
+
+class FusedPerturbation:
+    """``theta += s z(seed)`` and fused restore-and-update passes, one read/write per parameter per pass.
+
+    The interface mirrors :class:`~lit_zodp.zo.perturbation.PerturbationEngine` (``pending``,
+    ``perturb_``, ``restore_and_update_``, ``restore_``, ``direction``) for the Gaussian law.
+
+    Args:
+        params: contiguous parameters on one device, in a fixed order (the order defines offsets).
+        offsets: global offsets (multiples of 4, non-overlapping); default :func:`global_offsets`.
+        backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"`` (torch
+            with :mod:`lit_zodp.zo.philox`), or ``"auto"``: Triton on CUDA when available.
+        math: the reference's transcendental functions (:func:`lit_zodp.zo.philox.box_muller`).
+        block, num_warps: Triton tile size and warps per program.
+    """
+
+    def __init__(self, params: Sequence[Tensor], *, offsets: Sequence[int] | None = None,
+                 backend: str = "auto", math: str = "exact", block: int = DEFAULT_BLOCK,
+                 num_warps: int = DEFAULT_WARPS) -> None:
+        self.params = list(params)
+        _check_params(self.params)
+        self.offsets = [int(o) for o in offsets] if offsets is not None else global_offsets(self.params)
+        _check_offsets(self.params, self.offsets)
+        if block % ALIGN or block & (block - 1):
+            raise ValueError(f"Expected `block` a power of two >= {ALIGN}, but got {block}")
+        self.backend = _resolve_backend(backend, self.params[0].device)
+        self.math, self.block, self.num_warps = math, block, num_warps
+        self.pending: dict[int, float] = {}
+        self._groups: list[_Group] | None = None
+        self._layout_key: tuple = ()
+        self._rates: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    @property
+    def dim(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    # ----------------------------------------------------------------------------- passes
+    @torch.no_grad()
+    def perturb_(self, seed: int, scale: float) -> None:
+        """``theta += scale * z(seed)``; a pending perturbation of ``seed`` is first removed and rounded."""
+        seed = int(seed)
+        pending = self.pending.get(seed, 0.0)
+        if float(scale) == 0.0:
+            return
+        total = _settle(pending + float(scale), float(scale))
+        self._run(_Terms([seed], [pending], [total], [0.0]), lrs=None, decays=None)
+        self._track(seed, total)
+
+    @torch.no_grad()
+    def restore_and_update_(self, coefficients: Mapping[int, float | Tensor] | None = None, *,
+                            lr: Sequence[float] | float = 0.0,
+                            weight_decay: Sequence[float] | float = 0.0) -> None:
+        """One pass: remove every pending perturbation, then ``theta <- (1-lr*wd) theta - lr sum_k c_k z_k``.
+
+        ``lr``, ``weight_decay``: scalars or one value per parameter (param groups). Coefficients may
+        be 0-dim tensors on the parameters' device (no host synchronisation).
+        """
+        coefficients = dict(coefficients or {})
+        seeds = sorted(set(self.pending) | {int(s) for s in coefficients})
+        terms = _Terms(seeds, [self.pending.get(s, 0.0) for s in seeds], [0.0] * len(seeds),
+                       [coefficients.get(s, 0.0) for s in seeds])
+        lrs, decays = _per_param(lr, len(self.params)), _per_param(weight_decay, len(self.params))
+        decaying = any(a * b != 0.0 for a, b in zip(lrs, decays))
+        if terms.restores or any(_maybe_nonzero(c) for c in terms.coefficients) or decaying:
+            self._run(terms, lrs=lrs, decays=decays)
+        self.pending.clear()
+
+    def restore_(self) -> None:
+        """Undo every pending perturbation (bitwise in the common case, see the module docstring)."""
+        if self.pending:
+            self.restore_and_update_()
+
+    def direction(self, seed: int) -> list[Tensor]:
+        """``z(seed)`` shaped like each parameter, float32 (references and tests)."""
+        return [philox.normal_range(seed, o, p.numel(), self.math, p.device).view_as(p)
+                for p, o in zip(self.params, self.offsets)]
+
+    def _track(self, seed: int, total: float) -> None:
+        if total == 0.0:
+            self.pending.pop(seed, None)
+        else:
+            self.pending[seed] = total
+
+    # ----------------------------------------------------------------------------- dispatch
+    def _run(self, terms: _Terms, lrs: list[float] | None, decays: list[float] | None) -> None:
+        if not len(terms) and lrs is None:
+            return
+        if self.backend == "reference":
+            _reference_pass(self.params, self.offsets, terms, lrs, decays, self.math)
+            return
+        seeds, scalars = _term_tables(terms, self.device)
+        for group in self._layout():
+            rates = self._rate_tables(group, lrs, decays)
+            _launch(group, seeds, scalars, len(terms), rates, terms.restores, self.block, self.num_warps)
+
+    def _layout(self) -> list["_Group"]:
+        """Device tables per dtype, rebuilt if a parameter moved (``.to()``, ``.data =``)."""
+        key = tuple((p.data_ptr(), p.dtype, p.device) for p in self.params)
+        if self._groups is None or key != self._layout_key:
+            _check_params(self.params)
+            self._groups = _build_groups(self.params, self.offsets, self.block)
+            self._layout_key, self._rates = key, {}
+        return self._groups
+
+    def _rate_tables(self, group: "_Group", lrs, decays) -> tuple[Tensor, Tensor] | None:
+        if lrs is None:
+            return None
+        key = (group.dtype, tuple(lrs[i] for i in group.members), tuple(decays[i] for i in group.members))
+        if key not in self._rates:
+            if len(self._rates) > 64:
+                self._rates.clear()
+            table = torch.tensor([key[1], key[2]], dtype=torch.float32, device=self.device)
+            self._rates[key] = (table[0].contiguous(), table[1].contiguous())
+        return self._rates[key]
+
+
+def _settle(total: float, scale: float) -> float:
+    """A pending scale that cancels to rounding noise (``+s - 2s + s``) is exactly zero."""
+    return 0.0 if abs(total) <= 1e-12 * max(1.0, abs(scale)) else total
+
+
+def _maybe_nonzero(c) -> bool:
+    return isinstance(c, Tensor) or float(c) != 0.0
+
+
+def _per_param(value, count: int) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * count
+    values = [float(v) for v in value]
+    if len(values) != count:
+        raise ValueError(f"Expected {count} per-parameter values, but got {len(values)}")
+    return values
+
+
+def _check_params(params: Sequence[Tensor]) -> None:
+    if not params:
+        raise ValueError("The fused perturbation engine needs at least one parameter")
+    device = params[0].device
+    for i, p in enumerate(params):
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"Parameter {i} has dtype {p.dtype}; expected one of {SUPPORTED_DTYPES}")
+        if p.device != device:
+            raise ValueError(f"All parameters must be on one device, but got {device} and {p.device}")
+        if not p.is_contiguous():
+            raise ValueError(f"Parameter {i} is not contiguous; the fused engine writes it as a flat buffer")
+
+
+def _check_offsets(params: Sequence[Tensor], offsets: Sequence[int]) -> None:
+    if len(offsets) != len(params):
+        raise ValueError(f"Expected {len(params)} offsets, but got {len(offsets)}")
+    spans = sorted((o, o + p.numel()) for o, p in zip(offsets, params))
+    for (start, end), (next_start, _) in zip(spans, spans[1:] + [(None, None)]):
+        if start < 0 or start % ALIGN:
+            raise ValueError(f"Offsets must be non-negative multiples of {ALIGN}, but got {start}")
+        if next_start is not None and next_start < end:
+            raise ValueError("Parameter offsets overlap: two elements would share a direction entry")
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "triton" if triton_available() and device.type == "cuda" else "reference"
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton' needs the `triton` package")
+        if device.type != "cuda" and not interpreting():
+            raise RuntimeError("backend='triton' runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1")
+        return backend
+    if backend == "reference":
+        return backend
+    raise ValueError(f"Expected `backend` in ('auto', 'triton', 'reference'), but got {backend!r}")
+
+
+# --------------------------------------------------------------------------------- reference
+def _f32(value) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.detach().to(device="cpu", dtype=torch.float32).reshape(())
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _reference_pass(params, offsets, terms: _Terms, lrs, decays, math: str) -> None:
+    """The kernel's arithmetic in torch, tensor by tensor and chunk by chunk (float32 throughout)."""
+    pending = [_f32(p) for p in terms.pending]
+    scales = [_f32(s) for s in terms.scales]
+    coefficients = [_f32(c) for c in terms.coefficients]
+    for index, (p, offset) in enumerate(zip(params, offsets)):
+        lr = _f32(lrs[index] if lrs is not None else 0.0)
+        shrink = _f32(1.0) - lr * _f32(decays[index] if decays is not None else 0.0)
+        alphas = [s - lr * c for s, c in zip(scales, coefficients)]
+        flat = p.view(-1)
+        for start in range(0, flat.numel(), REFERENCE_CHUNK):
+            chunk = flat[start:start + REFERENCE_CHUNK]
+            chunk.copy_(_reference_chunk(chunk, offset + start, terms.seeds, pending, alphas, shrink,
+                                         terms.restores, lrs is not None, math))
+
+
+def _sticky(a: Tensor) -> Tensor:
+    """``a`` (float32) with its lowest significand bit set; zero stays zero.
+
+    A perturbation ``a`` with an odd last bit never puts ``theta + a`` exactly half-way between two
+    parameter values when ``|a| < |theta| / 2``, so round-to-nearest-even cannot send the restore
+    ``(theta + a) - a`` to the wrong neighbour (a tie). Moves ``a`` by at most one ulp of ``a``.
+    """
+    odd = (a.view(torch.int32) | 1).view(torch.float32)
+    return torch.where(a == 0, a, odd)
+
+
+def _reference_chunk(chunk: Tensor, offset: int, seeds, pending, alphas, shrink, restores: bool,
+                     update_pass: bool, math: str) -> Tensor:
+    x = chunk.to(torch.float32)
+    update = torch.zeros_like(x)
+    for seed, p, alpha in zip(seeds, pending, alphas):
+        z = philox.normal_range(seed, offset, chunk.numel(), math, chunk.device)
+        if restores:
+            x = (x - _sticky(p * z)).to(chunk.dtype).to(torch.float32)
+        term = alpha * z
+        update = update + (term if update_pass else _sticky(term))
+    return (shrink * x + update).to(chunk.dtype)
+
+
+# --------------------------------------------------------------------------------- triton
+@dataclass
+class _Group:
+    """The launch over all tensors of one dtype: tensor rows, block owners, member indices."""
+
+    dtype: torch.dtype
+    members: list[int]
+    table: Tensor  # int64 (T, 4): address, numel, global offset, first block
+    owners: Tensor  # int32 (blocks,): the row each program works on
+    aligned: bool  # every address 16-byte aligned (a vectorisation hint)
+
+
+def _build_groups(params, offsets, block: int) -> list[_Group]:
+    groups = []
+    for dtype in SUPPORTED_DTYPES:
+        members = [i for i, p in enumerate(params) if p.dtype == dtype and p.numel() > 0]
+        if not members:
+            continue
+        rows, owners, first = [], [], 0
+        for row, i in enumerate(members):
+            blocks = -(-params[i].numel() // block)
+            rows.append([params[i].data_ptr(), params[i].numel(), offsets[i], first])
+            owners.extend([row] * blocks)
+            first += blocks
+        device = params[members[0]].device
+        groups.append(_Group(dtype, members, torch.tensor(rows, dtype=torch.int64, device=device),
+                             torch.tensor(owners, dtype=torch.int32, device=device),
+                             all(params[i].data_ptr() % 16 == 0 for i in members)))
+    return groups
+
+
+def _term_tables(terms: _Terms, device: torch.device) -> tuple[Tensor, Tensor]:
+    """int64 seeds (K,) and float32 scalars (3, K): pending, plain scale, coefficient."""
+    seeds = torch.tensor([philox.seed_as_int64(s) for s in terms.seeds], dtype=torch.int64, device=device)
+    if all(not isinstance(c, Tensor) for c in terms.coefficients):
+        rows = [terms.pending, terms.scales, [float(c) for c in terms.coefficients]]
+        return seeds, torch.tensor(rows, dtype=torch.float32, device=device)
+    host = torch.tensor([terms.pending, terms.scales], dtype=torch.float32, device=device)
+    coefficients = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device).reshape(())
+                                for c in terms.coefficients])
+    return seeds, torch.cat([host, coefficients.unsqueeze(0)]).contiguous()
+
+
+_TL_DTYPES = {}
+
+
+def _tl_dtype(dtype: torch.dtype):
+    if not _TL_DTYPES:
+        _TL_DTYPES.update({torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16})
+    return _TL_DTYPES[dtype]
+
+
+def _launch(group: _Group, seeds: Tensor, scalars: Tensor, num_terms: int, rates, restores: bool,
+            block: int, num_warps: int) -> None:
+    lrs, decays = rates if rates is not None else (scalars, scalars)  # unused when UPDATE is False
+    grid = (group.owners.numel(),)
+    _zo_pass_kernel[grid](group.table, group.owners, seeds, scalars, num_terms, lrs, decays,
+                          DTYPE=_tl_dtype(group.dtype), BLOCK=block, RESTORE=restores,
+                          UPDATE=rates is not None, ALIGNED=group.aligned, num_warps=num_warps)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_as(x, DTYPE: tl.constexpr):
+        """float32 ``x`` rounded to the nearest ``DTYPE`` value (ties to even), kept in float32.
+
+        bf16 rounds with integer arithmetic: it is what CUDA's ``cvt.rn`` does, and Triton's
+        interpreter would otherwise truncate.
+        """
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+        elif DTYPE == tl.float16:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x
+
+    @triton.jit
+    def _store_as(x, DTYPE: tl.constexpr):
+        """float32 -> ``DTYPE``, rounding to nearest even."""
+        if DTYPE == tl.bfloat16:
+            bits = _round_as(x, DTYPE).to(tl.uint32, bitcast=True)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(DTYPE)
+
+    @triton.jit
+    def _load_f32(x, DTYPE: tl.constexpr):
+        """``DTYPE`` -> float32 (exact); bf16 by moving its bits to the high half."""
+        if DTYPE == tl.bfloat16:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
+    def _normal4(seed, counters):
+        """``z`` for ``4 * len(counters)`` consecutive elements: ``randn4x`` outputs interleaved."""
+        n1, n2, n3, n4 = tl.randn4x(seed, counters)
+        return tl.interleave(tl.interleave(n1, n3), tl.interleave(n2, n4))
+
+    @triton.jit
+    def _sticky_tl(a):
+        """``a`` with its lowest significand bit set (zero stays zero): see :func:`_sticky`."""
+        odd = (a.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
+        return tl.where(a == 0.0, a, odd)
+
+    @triton.jit
+    def _combine(x, counters, seeds, scalars, num_terms, lr, shrink, DTYPE: tl.constexpr,
+                 RESTORE: tl.constexpr, UPDATE: tl.constexpr):
+        """Remove each pending ``p_k z_k`` (rounded to ``DTYPE``), then ``shrink x + sum_k a_k z_k``."""
+        update = tl.zeros_like(x)
+        for k in range(num_terms):
+            z = _normal4(tl.load(seeds + k), counters)
+            if RESTORE:
+                x = _round_as(x - _sticky_tl(tl.load(scalars + k) * z), DTYPE)
+            term = (tl.load(scalars + num_terms + k) - lr * tl.load(scalars + 2 * num_terms + k)) * z
+            if not UPDATE:
+                term = _sticky_tl(term)
+            update += term
+        return shrink * x + update
+
+    @triton.jit
+    def _zo_pass_kernel(table, owners, seeds, scalars, num_terms, lrs, decays, DTYPE: tl.constexpr,
+                        BLOCK: tl.constexpr, RESTORE: tl.constexpr, UPDATE: tl.constexpr,
+                        ALIGNED: tl.constexpr):
+        """One ``BLOCK`` of one tensor: read once, apply every term, write once."""
+        pid = tl.program_id(0)
+        row = table + 4 * tl.load(owners + pid).to(tl.int64)
+        base = tl.load(row).to(tl.pointer_type(DTYPE))
+        if ALIGNED:
+            base = tl.multiple_of(base, 16)
+        numel = tl.load(row + 1)
+        start = (pid - tl.load(row + 3)) * BLOCK
+        counters = ((tl.load(row + 2) + start) >> 2) + tl.arange(0, BLOCK // 4)
+        if UPDATE:
+            owner = tl.load(owners + pid).to(tl.int64)
+            lr = tl.load(lrs + owner)
+            shrink = 1.0 - lr * tl.load(decays + owner)
+        else:
+            lr = 0.0
+            shrink = 1.0
+        offs = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= numel:  # full block: no mask, vectorisable
+            x = _load_f32(tl.load(base + offs), DTYPE)
+            y = _combine(x, counters, seeds, scalars, num_terms, lr, shrink, DTYPE, RESTORE, UPDATE)
+            tl.store(base + offs, _store_as(y, DTYPE))
+        else:
+            mask = offs < numel
+            x = _load_f32(tl.load(base + offs, mask=mask, other=0.0), DTYPE)
+            y = _combine(x, counters, seeds, scalars, num_terms, lr, shrink, DTYPE, RESTORE, UPDATE)
+            tl.store(base + offs, _store_as(y, DTYPE), mask=mask)
+
+
+__all__ = ["FusedPerturbation", "global_offsets", "interpreting", "triton_available"]
