@@ -3,7 +3,9 @@
 import os
 import warnings
 
-import lightning.pytorch as pl
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before Lightning imports huggingface_hub, which reads it once
+
+import lightning.pytorch as pl  # noqa: E402
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lit_zodp.privacy import PoissonBatchSampler
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LitLogger.*")
 torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -214,7 +214,7 @@ class AlgorithmModule(pl.LightningModule):
         self._step_started = time.perf_counter()
         return None
 
-    def log_step(self, batch_size: int, clip_fraction: Optional[float] = None) -> None:
+    def log_step(self, batch_size: int, clip_fraction: Optional[float | Tensor] = None) -> None:
         size = max(batch_size, 1)
         if self.privacy.is_private:
             self.log("sigma", float(self.privacy.noise_multiplier), batch_size=size)

@@ -63,7 +63,7 @@ class DPZero(ZerothOrderModule):
             if k < len(seeds) - 1:
                 self.restore()
         derivatives = self.privacy.release(torch.stack(clipped_sums), DERIVATIVES, batch_size=size)  # + z_t, / B
-        self.update(dict(zip(seeds, derivatives.tolist())), scale=1.0 / len(seeds))   # x_{t+1}
+        self.update(dict(zip(seeds, derivatives.unbind())), scale=1.0 / len(seeds))    # x_{t+1}
         self.log_step(size, sum(fractions) / len(fractions))
 
 
@@ -91,6 +91,7 @@ class DPGD0th(ZerothOrderModule):
     """
 
     non_private_twin = "MeZO"
+    vector_noise = True
 
     def __init__(self, backbone: nn.Module, **kwargs: Any) -> None:
         super().__init__(backbone, **kwargs)

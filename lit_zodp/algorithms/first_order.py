@@ -24,7 +24,7 @@ from lit_zodp.algorithms.base import AlgorithmModule
 from lit_zodp.backbones.base import batch_size_of, per_example_loss
 from lit_zodp.errors import check_non_negative, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedSum, PerExampleGradientEngine
-from lit_zodp.privacy import GaussianRelease, StepPlan
+from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
 
 GRADIENT = "gradient"
 GRAD_MODES = ("hooks", "ghost", "bookkeeping", "vmap")
@@ -104,7 +104,7 @@ class FirstOrderModule(AlgorithmModule):
         clipped = self.private_gradient(inputs, targets)          # sum_i clip_C(g_i), flat clip
         gradient = self.release_gradient(clipped)                 # (. + N(0, sigma^2 C^2 I)) / B
         self.apply_gradient(gradient)                             # optimizer step
-        self.log_step(size, _clipped_fraction(clipped.norms, self.clip))
+        self.log_step(size, clipped_fraction(clipped.norms, self.clip))
 
 
 def _micro_batches(inputs, targets, size: Optional[int]) -> Iterator[tuple]:
@@ -116,12 +116,6 @@ def _micro_batches(inputs, targets, size: Optional[int]) -> Iterator[tuple]:
         part = slice(start, start + size)
         chunk = {k: v[part] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[part]
         yield chunk, targets[part]
-
-
-def _clipped_fraction(norms: Tensor, clip: float) -> float:
-    if norms.numel() == 0:
-        return 0.0
-    return (norms > clip).float().mean().item()
 
 
 __all__ = ["FirstOrderModule"]

@@ -1,9 +1,12 @@
 """The zeroth-order family base: the seeded in-place perturbation engine and the verbs of ZO papers.
 
-The module owns the :class:`~lit_zodp.zo.PerturbationEngine` (perturb, central differences, the
-fused restore-and-update); the registered :class:`~lit_zodp.zo.ZOSGD` optimizer only applies the
-coefficients it is handed, so Lightning counts steps and the privacy component commits each one.
-A private batch is forwarded only through ``private_losses`` (no autograd, eval mode).
+The module owns the perturbation engine (perturb, central differences, the fused
+restore-and-update): the chunked :class:`~lit_zodp.zo.PerturbationEngine` (any direction law, CPU
+threads) or the fused :class:`~lit_zodp.zo.fused.FusedPerturbation` (one Triton launch per dtype and
+pass, Gaussian law, coefficients left on the device); the registered :class:`~lit_zodp.zo.ZOSGD`
+optimizer only applies the coefficients it is handed, so Lightning counts steps and the privacy
+component commits each one. A private batch is forwarded only through ``private_losses`` (no
+autograd, eval mode).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from lit_zodp.algorithms.base import AlgorithmModule
 from lit_zodp.errors import check_non_negative, check_positive, check_positive_int, raise_if_any
 from lit_zodp.privacy import DirectionRelease
 from lit_zodp.zo import ZOSGD, PerturbationEngine, central_differences, derive_seed, make_direction_law
+from lit_zodp.zo.fused import FusedPerturbation, triton_available
 
 DIRECTION_LAWS = ("gaussian", "sphere")
+PERTURBATION_ENGINES = ("auto", "chunked", "fused")
 
 
 class ZerothOrderModule(AlgorithmModule):
@@ -29,25 +34,41 @@ class ZerothOrderModule(AlgorithmModule):
         lam: smoothing parameter ``lambda`` of the two-point estimator.
         num_directions: directions ``u`` per step (the estimate averages them).
         directions: ``"gaussian"`` (the papers' experiments) or ``"sphere"`` (radius ``sqrt(d)``).
+        perturbation: the engine: ``"chunked"`` (torch generators chunk by chunk), ``"fused"``
+            (Philox in a Triton kernel; on CPU its torch reference, exact but slow: for tests), or
+            ``"auto"``: fused for Gaussian directions on CUDA with Triton, chunked otherwise. The
+            two engines draw different (equally distributed) directions for the same seed.
     """
 
     abstract = True
+    #: Whether the update adds a secret d-dimensional noise vector (DPGD-0th): chunked engine only.
+    vector_noise = False
 
     def __init__(self, backbone: nn.Module, *, weight_decay: float = 0.0, lam: float = 1e-3,
-                 num_directions: int = 1, directions: str = "gaussian", **kwargs: Any) -> None:
+                 num_directions: int = 1, directions: str = "gaussian", perturbation: str = "auto",
+                 **kwargs: Any) -> None:
         raise_if_any([
             check_non_negative("weight_decay", weight_decay),
             check_positive("lam", lam),
             check_positive_int("num_directions", num_directions),
             None if directions in DIRECTION_LAWS
             else f"Expected `directions` in {list(DIRECTION_LAWS)}, but got {directions!r}",
+            None if perturbation in PERTURBATION_ENGINES
+            else f"Expected `perturbation` in {list(PERTURBATION_ENGINES)}, but got {perturbation!r}",
+            None if perturbation != "fused" or directions == "gaussian" else
+            f"`perturbation='fused'` draws Gaussian directions, but got directions={directions!r}: "
+            f"use perturbation='chunked'",
+            None if perturbation != "fused" or not self.vector_noise else
+            f"{type(self).__name__} adds a secret noise vector the fused engine does not draw: "
+            f"use perturbation='chunked'",
         ])
         super().__init__(backbone, **kwargs)
         self.weight_decay = weight_decay
         self.lam = lam
         self.num_directions = num_directions
         self.directions = directions
-        self.engine: Optional[PerturbationEngine] = None
+        self.perturbation = perturbation
+        self.engine: Optional[PerturbationEngine | FusedPerturbation] = None
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.backbone.parameters() if p.requires_grad]
@@ -57,9 +78,17 @@ class ZerothOrderModule(AlgorithmModule):
         no_decay = [p for p in self.trainable_parameters() if p.ndim < 2]
         groups = [g for g in ({"params": decay, "weight_decay": self.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        self.engine = PerturbationEngine([p for g in groups for p in g["params"]],
-                                         make_direction_law(self.directions))
+        self.engine = self.make_engine([p for g in groups for p in g["params"]])
         return self.with_scheduler(self.attach_privacy(ZOSGD(groups, lr=self.lr, engine=self.engine)))
+
+    def make_engine(self, params: list[nn.Parameter]) -> PerturbationEngine | FusedPerturbation:
+        """The engine ``perturbation`` names (``"auto"``: fused where it is the fast path)."""
+        fused = self.perturbation == "fused" or (
+            self.perturbation == "auto" and self.directions == "gaussian" and not self.vector_noise
+            and params[0].is_cuda and triton_available())
+        if fused:
+            return FusedPerturbation(params, backend="triton" if params[0].is_cuda else "reference")
+        return PerturbationEngine(params, make_direction_law(self.directions))
 
     @property
     def zo_optimizer(self) -> ZOSGD:
@@ -92,7 +121,7 @@ class ZerothOrderModule(AlgorithmModule):
     def update(self, coefficients: Mapping[int, Tensor | float], scale: float = 1.0,
                noise: Optional[DirectionRelease] = None) -> None:
         """``x <- x - lr * scale * sum_k c_k u_k`` (minus the release's secret noise vector), fused with the restore."""
-        terms = {seed: float(c) * scale for seed, c in coefficients.items()}
+        terms = {seed: c * scale for seed, c in coefficients.items()}  # tensors stay on the device
         noise_terms = []
         if noise is not None and noise.noise is not None:
             noise_terms = [(noise.noise, noise.noise_coefficient)]

@@ -50,8 +50,9 @@ def clip_vectors(per_example: Tensor, clip: float) -> Tensor:
     return per_example * factors.view(-1, *([1] * (per_example.dim() - 1)))
 
 
-def clipped_fraction(values_or_norms: Tensor, clip: float) -> float:
-    """Fraction of examples whose magnitude exceeded ``clip`` (a non-private diagnostic)."""
+def clipped_fraction(values_or_norms: Tensor, clip: float) -> Tensor:
+    """Fraction of examples whose magnitude exceeded ``clip`` (a non-private diagnostic), as a 0-dim
+    tensor on their device: no host synchronisation."""
     if values_or_norms.numel() == 0 or math.isinf(clip):
-        return 0.0
-    return (values_or_norms.abs() > clip).float().mean().item()
+        return torch.zeros((), device=values_or_norms.device)
+    return (values_or_norms.abs() > clip).float().mean()

@@ -81,7 +81,10 @@ class NoiseSource:
         precision = np.float64 if dtype == torch.float64 else np.float32  # float32 for fp32/bf16/fp16
         draw = np.asarray(self._rng.standard_normal(tuple(shape), dtype=precision))
         draw *= precision(std)
-        return torch.from_numpy(draw).to(device=device, dtype=dtype)
+        host = torch.from_numpy(draw)
+        if torch.device(device).type == "cuda":  # pinned + non_blocking: no wait on the device's queue
+            return host.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
+        return host.to(device=device, dtype=dtype)
 
     def vector_key(self) -> "SecretGaussianVector":
         """A fresh 128-bit key of a d-dimensional standard normal vector, generated lazily by chunk."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lit_zodp.errors import check_non_negative, raise_if_any
@@ -26,7 +27,9 @@ class ZOSGD(Optimizer):
 
     Args:
         params: parameters or param groups, in the engine's order.
-        engine: the module's perturbation engine over exactly these parameters (``None``: build one).
+        engine: the module's perturbation engine over exactly these parameters (``None``: build a
+            chunked one): a :class:`PerturbationEngine`, or any engine with ``params``, ``pending``
+            and ``restore_and_update_`` (the fused one takes device-tensor coefficients as they are).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-6, weight_decay: float = 0.0,
@@ -40,13 +43,18 @@ class ZOSGD(Optimizer):
         self._coefficients: dict[int, float] = {}
         self._extra: list[tuple] = []
 
-    def set_coefficients(self, coefficients: Mapping[int, float], extra_terms: Sequence[tuple] = ()) -> None:
+    def set_coefficients(self, coefficients: Mapping[int, float | Tensor],
+                         extra_terms: Sequence[tuple] = ()) -> None:
         """Directional derivatives ``{seed: c}`` that the next ``step()`` applies.
 
         ``extra_terms`` are ``(law, c)`` pairs adding ``-lr * c * xi`` (the secret noise vector of
-        DPGD-0th, generated chunk by chunk from its 128-bit key).
+        DPGD-0th, generated chunk by chunk from its 128-bit key; chunked engine only). The chunked
+        engine takes Python floats (a device tensor is read once here); others get them as given.
         """
-        self._coefficients = {int(k): float(v) for k, v in coefficients.items()}
+        chunked = isinstance(self.engine, PerturbationEngine)
+        self._coefficients = {int(k): float(v) if chunked else v for k, v in coefficients.items()}
+        if extra_terms and not chunked:
+            raise ValueError(f"{type(self.engine).__name__} does not apply extra noise terms")
         self._extra = [(law, float(c)) for law, c in extra_terms]
 
     @torch.no_grad()
@@ -59,8 +67,8 @@ class ZOSGD(Optimizer):
         for group in self.param_groups:
             lrs += [group["lr"]] * len(group["params"])
             decays += [group["weight_decay"]] * len(group["params"])
-        self.engine.restore_and_update_(self._coefficients, lr=lrs, weight_decay=decays,
-                                        extra_terms=self._extra)
+        extra = {"extra_terms": self._extra} if self._extra else {}
+        self.engine.restore_and_update_(self._coefficients, lr=lrs, weight_decay=decays, **extra)
         self._coefficients, self._extra = {}, []
         return loss
 

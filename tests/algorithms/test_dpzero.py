@@ -139,9 +139,12 @@ class ReferenceDPZero:
                 p.sub_(self.lr * g * z)
 
 
-def test_matches_the_naive_reference_implementation(dataset):
+@pytest.mark.parametrize("perturbation", ["chunked", "fused"])
+def test_matches_the_naive_reference_implementation(dataset, perturbation):
+    """Both engines (the fused one by its CPU reference) give the naive algorithm's iterates."""
     trace = ParameterTrace()
-    module = DPZero(mlp(seed=2), lr=0.05, lam=1e-2, clip=0.3, noise_multiplier=0.7, seed=5, noise_seed=9)
+    module = DPZero(mlp(seed=2), lr=0.05, lam=1e-2, clip=0.3, noise_multiplier=0.7, seed=5, noise_seed=9,
+                    perturbation=perturbation)
     batches = []
 
     class Record(Callback):
@@ -206,6 +209,17 @@ def test_dpgd0th_clips_the_vector_estimate_and_adds_vector_noise(dataset):
     torch.testing.assert_close(flat(reference), flat(module.backbone), rtol=0, atol=1e-5)
 
 
+def test_dpgd0th_refuses_the_fused_engine_that_cannot_draw_its_noise_vector():
+    with pytest.raises(PrivacyConfigError, match="secret noise vector"):
+        DPGD0th(mlp(), lr=0.1, clip=1.0, noise_multiplier=1.0, perturbation="fused")
+
+
+def test_auto_engine_is_chunked_on_cpu(dataset):
+    module = MeZO(mlp(), lr=0.05, seed=0)
+    fit(module, poisson_loader(dataset, 0.25), 1)
+    assert type(module.engine).__name__ == "PerturbationEngine"
+
+
 def test_dpgd0th_noise_is_d_dimensional():
     data = blobs(n=80)
     trace = ParameterTrace()
@@ -230,6 +244,8 @@ def test_dpgd0th_noise_is_d_dimensional():
     (dict(target_epsilon=2.0, clip=math.inf), "finite `clip`"),
     (dict(target_epsilon=2.0, lam=0.0), "lam"),
     (dict(target_epsilon=2.0, lr=-1.0), "lr"),
+    (dict(target_epsilon=2.0, perturbation="triton"), "perturbation"),
+    (dict(target_epsilon=2.0, perturbation="fused", directions="sphere"), "perturbation='chunked'"),
 ])
 def test_bad_configuration_raises_before_training(kwargs, match):
     with pytest.raises(PrivacyConfigError, match=match):
