@@ -351,15 +351,16 @@ class PerExampleGradientEngine:
 
     def _backward(self, losses: Tensor, tape: Tape, *, check: bool,
                   retain: bool) -> Optional[Tuple[Optional[Tensor], ...]]:
-        """One backward of ``sum_i loss_i`` to the recorded outputs (the hooks take ``g``); with
-        ``check``, to the parameters too, returning the batch gradient for the numeric check."""
+        """One backward of ``sum_i loss_i``; the hooks take ``g``. With ``check``, to the parameters
+        (every recorded call's output lies on the way to its trainable parameters), returning the
+        batch gradient for the numeric check; otherwise to the recorded output edges only, with
+        ``autograd.backward``, which (unlike ``autograd.grad``) does not hold every ``g`` to return it."""
         targets = tape.gradient_targets()
-        if not check and targets:
-            torch.autograd.grad(losses.sum(), targets, allow_unused=True, retain_graph=retain)
-            return None
-        grads = torch.autograd.grad(losses.sum(), targets + list(self.params), allow_unused=True,
-                                    retain_graph=retain)
-        return tuple(grads[len(targets):])
+        if check or not targets:
+            return tuple(torch.autograd.grad(losses.sum(), list(self.params), allow_unused=True,
+                                             retain_graph=retain))
+        torch.autograd.backward(losses.sum(), inputs=targets, retain_graph=retain)
+        return None
 
     def _norms_in_backward(self, plan: Dict[int, object], tape: Tape, batch: _Batch, losses: Tensor,
                            *, unit_sums: bool) -> _SecondPass:
@@ -620,7 +621,7 @@ class PerExampleGradientEngine:
         tape.recording = True
         try:
             if calls:
-                torch.autograd.grad(weighted.sum(), [call.edge for call, _ in calls], allow_unused=True)
+                torch.autograd.backward(weighted.sum(), inputs=[call.edge for call, _ in calls])
         finally:
             tape.recording = False
             batch.second_pass = None
