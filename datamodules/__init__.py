@@ -1,7 +1,7 @@
 """LightningDataModules with a Poisson-sampled private split and a disjoint public split."""
 
 from datamodules.base import DataSplits, PublicPrivateDataModule, check_disjoint, fixed_test_split
-from datamodules.collate import EmptySafeCollate, empty_like_batch
+from datamodules.collate import EmptySafeCollate, PadToLongest, empty_like_batch
 from datamodules.datasets import ImageTensorDataset, TensorPairDataset, TextDataset
 from datamodules.prompt_text import PromptRecords, PromptTextDataModule
 from datamodules.synthetic import SyntheticClassificationDataModule
@@ -18,6 +18,7 @@ __all__ = [
     "MLXtendMNISTDataModule",
     "MNISTDataModule",
     "MovieReviewsDataModule",
+    "PadToLongest",
     "PromptRecords",
     "PromptTextDataModule",
     "PublicPrivateDataModule",

@@ -34,7 +34,7 @@ import math
 import warnings
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -266,6 +266,15 @@ class PublicPrivateDataModule(LightningDataModule):
         """Turn a kept split into training-ready examples (e.g. tokenize texts); identity by default."""
         return dataset
 
+    def batch_collate(self) -> Optional[Callable[[list], Any]]:
+        """Collation of non-empty batches of every loader (``None``: ``default_collate``); the text data
+        modules pad each batch to its longest row (:class:`datamodules.collate.PadToLongest`). Empty
+        Poisson batches are handled around it (:class:`datamodules.collate.EmptySafeCollate`)."""
+        return None
+
+    def _collate(self, dataset: Dataset) -> EmptySafeCollate:
+        return EmptySafeCollate(dataset, self.batch_collate())
+
     def config_errors(self) -> list[Optional[str]]:
         """Messages for invalid constructor arguments; subclasses extend the list (``None`` = fine)."""
         return [
@@ -452,7 +461,7 @@ class PublicPrivateDataModule(LightningDataModule):
         private = DataLoader(
             self.private_dataset,
             batch_sampler=sampler,
-            collate_fn=EmptySafeCollate(self.private_dataset),
+            collate_fn=self._collate(self.private_dataset),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
@@ -471,7 +480,7 @@ class PublicPrivateDataModule(LightningDataModule):
         if self._pending_public_position is not None:
             self._public_sampler.position, self._pending_public_position = self._pending_public_position, None
         return DataLoader(self.public_dataset, batch_sampler=self._public_sampler,
-                          collate_fn=EmptySafeCollate(self.public_dataset), num_workers=self.num_workers)
+                          collate_fn=self._collate(self.public_dataset), num_workers=self.num_workers)
 
     def private_batch_sampler(self, rank: int = 0, world_size: int = 1) -> PrivateBatchSampler:
         """A new private batch sampler for ``rank`` of ``world_size``, as ``sampling`` describes.
@@ -517,7 +526,7 @@ class PublicPrivateDataModule(LightningDataModule):
             batch_size=batch_size or self.public_batch_size or self.batch_size,
             shuffle=shuffle,
             generator=generator,
-            collate_fn=EmptySafeCollate(self.public_dataset),
+            collate_fn=self._collate(self.public_dataset),
             num_workers=self.num_workers,
         )
 
@@ -551,7 +560,7 @@ class PublicPrivateDataModule(LightningDataModule):
             batch_size=self.eval_batch_size,
             shuffle=False,
             sampler=sampler,
-            collate_fn=EmptySafeCollate(dataset),
+            collate_fn=self._collate(dataset),
             num_workers=self.num_workers,
         )
 

@@ -1,9 +1,16 @@
-"""Collation that survives empty Poisson batches.
+"""Collation that survives empty Poisson batches, and dynamic padding of tokenized text.
 
 Under Poisson sampling a batch may hold no example at all. ``default_collate([])`` fails, so an
 empty batch is built from the collated *structure* of one example, every tensor sliced to zero rows:
 shapes (after the batch dimension), dtypes and dict keys are those of a real batch. The template
 example's values never leave this module (only ``[:0]`` slices of it do).
+
+Dynamic padding (:class:`PadToLongest`): text data modules store every row right-padded to
+``max_length``; a batch is then cut to the longest row it holds (the last position any row attends to),
+so a batch of short sentences costs short sequences. Only columns that are padding in *every* row are
+dropped, from the right: token positions, ``<mask>`` positions and candidate spans (``candidate_mask``)
+are unchanged, and models that mask padding (attention mask; RoBERTa/OPT positions from the ids or the
+mask) give the same outputs as with fixed padding.
 """
 
 from __future__ import annotations
@@ -62,4 +69,54 @@ class EmptySafeCollate:
         return {**self.__dict__, "_empty": None}
 
 
-__all__ = ["EmptySafeCollate", "empty_like_batch"]
+def trim_to_longest(inputs: Mapping[str, torch.Tensor], mask_key: str = "attention_mask") -> dict[str, torch.Tensor]:
+    """Cut the sequence dimension of a tokenized batch to its longest row.
+
+    Args:
+        inputs: collated tensors; ``inputs[mask_key]`` is ``[..., L]`` (``[B, L]``, or ``[B, K, L]`` for
+            candidate scoring) with 1 on real tokens.
+        mask_key: the attention mask.
+
+    Returns:
+        The tensors whose leading shape is the mask's, narrowed to ``L' = 1 + the last position any row
+        attends to`` (contiguous); other entries unchanged. A batch without rows is returned as is.
+    """
+    mask = inputs[mask_key]
+    if mask.numel() == 0:
+        return dict(inputs)
+    length = mask.shape[-1]
+    used = mask.reshape(-1, length).ne(0).any(0).nonzero()
+    longest = int(used.max()) + 1 if used.numel() else 1
+    if longest == length:
+        return dict(inputs)
+    dim = mask.dim() - 1
+    return {
+        key: value.narrow(dim, 0, longest).contiguous()
+        if isinstance(value, torch.Tensor) and value.shape[: mask.dim()] == mask.shape
+        else value
+        for key, value in inputs.items()
+    }
+
+
+class PadToLongest:
+    """Collate ``(inputs, target)`` pairs of tokenized text and pad to the longest row of the batch
+    (:func:`trim_to_longest`): the text data modules' default (``pad_to_max_length=False``).
+
+    Picklable (DataLoader workers). Wrap it in :class:`EmptySafeCollate` for Poisson batches.
+    """
+
+    def __init__(self, mask_key: str = "attention_mask") -> None:
+        self.mask_key = mask_key
+
+    def __call__(self, examples: list) -> Any:
+        inputs, targets = default_collate(examples)
+        return trim_to_longest(inputs, self.mask_key), targets
+
+
+def text_collate(pad_to_max_length: bool) -> Optional[Callable[[list], Any]]:
+    """The collate function of a text data module: :class:`PadToLongest` (dynamic padding), or ``None``
+    (``default_collate``: every row keeps its ``max_length`` columns) with ``pad_to_max_length``."""
+    return None if pad_to_max_length else PadToLongest()
+
+
+__all__ = ["EmptySafeCollate", "PadToLongest", "empty_like_batch", "text_collate", "trim_to_longest"]

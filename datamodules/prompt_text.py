@@ -36,18 +36,21 @@ Prompt modes and batches
 ------------------------
 ``prompt="mlm"`` (masked LM, e.g. RoBERTa with :class:`lit_zodp.backbones.HFPromptClassifier`): inputs
 ``{input_ids [L], attention_mask [L]}`` of ``special prefix + template + special suffix`` (``<s> ...
-</s>`` for RoBERTa, ``[CLS] ... [SEP]`` for BERT), right-padded to ``L = max_length``, with exactly one
+</s>`` for RoBERTa, ``[CLS] ... [SEP]`` for BERT), right-padded, with exactly one
 ``tokenizer.mask_token_id``. The template's parts are tokenized separately and concatenated (LM-BFF);
 when too long, the text fields are cut from their end, longest first, never the template's own words or
-the mask (a template that cannot fit raises); ``truncation="tail"`` instead cuts the whole sequence at
-``max_length`` as LM-BFF does, after ``first_sent_limit`` (LM-BFF's option) has cut the first text
-field. A mask token written inside the data becomes ``unk``. ``datamodule.label_words`` lists the label
-word of each class (read with a leading space: pass it to ``HFPromptClassifier(label_words=...)``).
+the mask (a template that cannot fit raises); ``truncation="tail"`` (the default of ``faithful=True``)
+instead cuts the whole sequence at ``max_length`` as LM-BFF does, after ``first_sent_limit`` (LM-BFF's
+option) has cut the first text field. ``faithful=True`` renders LM-BFF's templates token for token
+(values as read; ``*sent-_0*`` drops the last character whatever it is); the default strips the values
+and drops only final punctuation. A mask token written inside the data becomes ``unk``.
+``datamodule.label_words`` lists the label word of each class (read with a leading space: pass it to
+``HFPromptClassifier(label_words=...)``).
 
 ``prompt="causal"`` (candidate scoring, e.g. OPT): inputs ``{input_ids [K, L], attention_mask [K, L],
 candidate_mask [K, L]}`` (``torch.long``; batches ``[B, K, L]``), row ``k`` being the special prefix
-(OPT's ``</s>`` BOS; none for GPT-2) + prompt + candidate ``k``, left-aligned and right-padded to
-``L = max_length``; ``candidate_mask`` is 1 exactly on candidate ``k``'s tokens (the tokens to score).
+(OPT's ``</s>`` BOS; none for GPT-2) + prompt + candidate ``k``, left-aligned and right-padded;
+``candidate_mask`` is 1 exactly on candidate ``k``'s tokens (the tokens to score).
 The target is the index of the correct candidate; at least one token precedes the candidates (the
 first candidate token is predicted from it). The prompt is tokenized as one string and the
 candidate separately (the same tokens as MeZO's joint encoding, since candidates start at a word
@@ -57,7 +60,10 @@ truncation), the same prompt for every row; candidates are never cut.
 ``prompt="none"``: plain sentence(-pair) tokenization ``{input_ids, attention_mask[, token_type_ids]}``
 ``[L]`` for a sequence-classification head (:class:`lit_zodp.backbones.HFSequenceClassifier`).
 
-An empty Poisson batch collates to zero rows of the same trailing shape (``[0, L]`` or ``[0, K, L]``).
+Padding: every row is stored padded to ``max_length``; a batch is cut to its longest row (dynamic
+padding, the default: only columns that are padding in every row go, so mask positions and candidate
+spans are unchanged), or kept at ``L = max_length`` with ``pad_to_max_length=True``. An empty Poisson
+batch collates to zero rows of the same trailing shape (``[0, L]`` or ``[0, K, L]``).
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -73,6 +79,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from datamodules.base import PUBLIC_SEED_OFFSET, DataSplits, PublicPrivateDataModule
+from datamodules.collate import text_collate
 from datamodules.datasets import TensorPairDataset, items_and_labels
 from datamodules.text_tasks import (
     DATA_FORMATS,
@@ -85,10 +92,11 @@ from datamodules.text_tasks import (
     describe,
     get_task,
     load_task,
+    readable_parts,
     render_text,
     source_warning,
 )
-from lit_zodp.errors import check_positive_int
+from lit_zodp.errors import ConfigError, check_positive_int
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -297,6 +305,13 @@ def fit_lengths(lengths: Sequence[int], budget: int) -> list[int]:
 TRUNCATIONS = ("fields", "tail")
 
 
+def resolve_truncation(truncation: Optional[str], faithful: bool) -> str:
+    """``truncation`` as given, else LM-BFF's ``"tail"`` in faithful mode and ``"fields"`` otherwise."""
+    if truncation is not None:
+        return truncation
+    return "tail" if faithful else "fields"
+
+
 def encode_mlm(
     tokenizer: Any,
     spec: TaskSpec,
@@ -304,7 +319,8 @@ def encode_mlm(
     max_length: int,
     *,
     first_sent_limit: Optional[int] = None,
-    truncation: str = "fields",
+    truncation: Optional[str] = None,
+    faithful: bool = False,
 ) -> dict[str, Tensor]:
     """Masked-LM prompts ``{input_ids, attention_mask}`` ``[N, max_length]`` (see the module docs).
 
@@ -313,8 +329,13 @@ def encode_mlm(
             (``spec.fields[0]``) are cut to this many before anything else.
         truncation: ``"fields"`` (text fields cut from their end, longest first, the template kept) or
             ``"tail"`` (LM-BFF: the whole sequence cut at ``max_length``, end-of-sequence token
-            included; raises if the mask is cut).
+            included; raises if the mask is cut). ``None``: ``"tail"`` when ``faithful``, else ``"fields"``.
+        faithful: render LM-BFF's templates token for token as its ``tokenize_multipart_input`` does
+            (values as read, GLUE SST-2's trailing space included; ``*sent-_0*`` drops the premise's
+            last character whatever it is); ``False`` strips the values and drops only final punctuation
+            (:func:`datamodules.text_tasks.readable_parts`).
     """
+    truncation = resolve_truncation(truncation, faithful)
     if truncation not in TRUNCATIONS:
         raise ValueError(f"Unknown truncation {truncation!r}; expected one of {list(TRUNCATIONS)}")
     if spec.mlm is None:
@@ -328,7 +349,7 @@ def encode_mlm(
     prefix, suffix = special_affixes(tokenizer)
     unk_id = tokenizer.unk_token_id if tokenizer.unk_token_id is not None else tokenizer.pad_token_id
     pieces: list[tuple[str, Any]] = []  # ("mask", None) / ("fixed", ids) / ("text", ids per example)
-    for part in spec.mlm:
+    for part in spec.mlm if faithful else readable_parts(spec.mlm):
         if part is MASK:
             pieces.append(("mask", None))
         elif isinstance(part, Field):
@@ -461,7 +482,7 @@ def encode_records(
     **mlm_options: Any,
 ) -> dict[str, Tensor]:
     """Tensors of ``records`` in a prompt mode (``"mlm"``, ``"causal"`` or ``"none"``); ``mlm_options``
-    (``first_sent_limit``, ``truncation``) go to :func:`encode_mlm`."""
+    (``first_sent_limit``, ``truncation``, ``faithful``) go to :func:`encode_mlm`."""
     if prompt not in ENCODERS:
         raise ValueError(f"Unknown prompt mode {prompt!r}; expected one of {list(ENCODERS)}")
     if prompt == "mlm":
@@ -482,9 +503,29 @@ class PromptTextDataModule(PublicPrivateDataModule):
     Example (DPZero Table 2, RoBERTa-large on SST-2, seed 42; ``data/original`` is LM-BFF's, whose
     ``GLUE-SST-2`` folder is read for SST-2)::
 
-        dm = PromptTextDataModule("SST-2", "data/original", k_shot=512, num_test=1000, data_seed=42,
-                                  prompt="mlm", tokenizer="roberta-large", max_length=128, batch_size=64)
+        dm = PromptTextDataModule("SST-2", "data/original", k_shot=512, k_dev=512, num_test=1000, data_seed=42,
+                                  prompt="mlm", tokenizer="roberta-large", max_length=128, faithful=True,
+                                  batch_size=64)
         model = HFPromptClassifier("roberta-large", label_words=dm.label_words)
+
+    Faithful mode and its default: ``faithful=False`` (default) renders LM-BFF's masked-LM templates
+    readably (values stripped, the NLI premise loses only final punctuation) and cuts long prompts field
+    by field, never the mask; ``faithful=True`` matches LM-BFF's ``tokenize_multipart_input`` token for
+    token (GLUE SST-2's trailing space kept as a token, ``*sent-_0*`` dropping the premise's last
+    character whatever it is, tail truncation at ``max_length`` after ``first_sent_limit``); the paper
+    configs set it, with the reference lengths per task (``run_fewshot.sh``: ``max_length`` 128, 256 for
+    MNLI/RTE/SNLI; ``first_sent_limit`` 240 for MNLI/RTE, 110 for SST-5/TREC). Causal (MeZO) and plain
+    prompts are the same in both modes.
+
+    Padding: rows are stored right-padded to ``max_length``; each batch is cut to its longest row
+    (:class:`~datamodules.collate.PadToLongest`), which only drops padding, so mask positions and
+    candidate spans stay where they are and the model's outputs do not change. ``pad_to_max_length=True``
+    keeps every batch at ``max_length``.
+
+    Validation: the dev examples (``k_dev`` per class or ``num_dev``, drawn from the training file
+    outside the training pool, as LM-BFF's ``dev.tsv`` and MeZO's dev set), else an lm-bff folder's
+    dev file (MNLI: ``dev_matched.tsv``), else ``val_fraction`` of the pool; with none of them
+    validation runs on the test set, with a warning.
 
     and DPZero Table 4 (OPT on BoolQ, Google's original ``train.jsonl``/``dev.jsonl`` in ``data/boolq``):
     ``PromptTextDataModule("BoolQ", "data/boolq", num_train=1000, num_dev=500, num_test=1000,
@@ -499,7 +540,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
         prompt: ``mlm`` (masked-LM template with one mask), ``causal`` (``K`` candidate completions) or
             ``none`` (plain sentence-pair tokenization); see the module docs for the batch formats.
         tokenizer: Hugging Face id or local path of the tokenizer (``"minilm"`` = the packaged MiniLM).
-        max_length: tokens per sequence ``L`` (every row is padded to it).
+        max_length: tokens per sequence at most (the row length ``L`` of ``pad_to_max_length``).
         k_shot: training examples per class (LM-BFF / MeZO: 512 for RoBERTa; also picks the lm-bff folder).
         num_train: training examples (random subset; MeZO/OPT: 1000). Exclusive with ``k_shot``.
         k_dev: validation examples per class, drawn from the training examples not kept for training.
@@ -516,7 +557,11 @@ class PromptTextDataModule(PublicPrivateDataModule):
         first_sent_limit: ``prompt="mlm"``: LM-BFF's ``--first_sent_limit`` (the first text field keeps
             at most this many tokens; DPZero: 110 for SST-5/TREC, 240 for MNLI/RTE).
         truncation: ``prompt="mlm"``: ``"fields"`` (text fields cut longest first, template and
-            ``</s>`` kept) or ``"tail"`` (LM-BFF: the sequence cut at ``max_length``).
+            ``</s>`` kept) or ``"tail"`` (LM-BFF: the sequence cut at ``max_length``); ``None`` (default):
+            ``"tail"`` when ``faithful``, else ``"fields"``.
+        faithful: ``prompt="mlm"``: match LM-BFF's tokens exactly (see above); default ``False``.
+        pad_to_max_length: pad every batch to ``max_length``; ``False`` (default) pads each batch to its
+            longest row.
         public_task: a task whose training file is a separate public source (PAZO: SNLI for MNLI); it
             must have the same classes and fields. Examples equal to a pool example are dropped.
         public_data_dir: folder of ``public_task`` (``data_dir`` when ``None``).
@@ -554,7 +599,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
         public_k_shot: Optional[int] = None,
         dedupe: bool = False,
         first_sent_limit: Optional[int] = None,
-        truncation: Literal["fields", "tail"] = "fields",
+        truncation: Optional[Literal["fields", "tail"]] = None,
+        faithful: bool = False,
+        pad_to_max_length: bool = False,
         **kwargs: Any,
     ) -> None:
         self.task = task
@@ -576,6 +623,8 @@ class PromptTextDataModule(PublicPrivateDataModule):
         self.dedupe = dedupe
         self.first_sent_limit = first_sent_limit
         self.truncation = truncation
+        self.faithful = faithful
+        self.pad_to_max_length = pad_to_max_length
         self.spec: Optional[TaskSpec] = _try_task(task)
         self.public_spec: Optional[TaskSpec] = _try_task(public_task) if public_task is not None else None
         self.known_num_classes = self.spec.num_classes if self.spec is not None else None
@@ -592,11 +641,12 @@ class PromptTextDataModule(PublicPrivateDataModule):
                 for name in ("k_shot", "num_train", "k_dev", "num_dev", "num_test", "public_k_shot", "first_sent_limit")
             ),
         ]
-        if not isinstance(self.dedupe, bool):
-            errors.append(f"Expected `dedupe` to be a bool, but got {self.dedupe!r}")
-        if self.truncation not in TRUNCATIONS:
-            errors.append(f"Expected `truncation` in {TRUNCATIONS}, but got {self.truncation!r}")
-        if self.prompt != "mlm" and (self.first_sent_limit is not None or self.truncation != "fields"):
+        for name in ("dedupe", "faithful", "pad_to_max_length"):
+            if not isinstance(getattr(self, name), bool):
+                errors.append(f"Expected `{name}` to be a bool, but got {getattr(self, name)!r}")
+        if self.truncation is not None and self.truncation not in TRUNCATIONS:
+            errors.append(f"Expected `truncation` in {TRUNCATIONS} or None, but got {self.truncation!r}")
+        if self.prompt != "mlm" and (self.first_sent_limit is not None or self.truncation is not None):
             errors.append("`first_sent_limit` and `truncation` apply to prompt='mlm' only")
         if self.spec is None:
             errors.append(f"Unknown task {self.task!r}; expected one of {list(TASK_NAMES)}")
@@ -668,7 +718,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
         if self._tokenizer is None:
             from lit_zodp.backbones.huggingface import load_tokenizer
 
-            self._tokenizer = prepare_tokenizer(load_tokenizer(self.tokenizer_name))
+            self._tokenizer = prepare_tokenizer(load_tokenizer(self.tokenizer_name, option="tokenizer"))
         return self._tokenizer
 
     def label_word_ids(self) -> list[int]:
@@ -749,9 +799,74 @@ class PromptTextDataModule(PublicPrivateDataModule):
     def materialize(self, dataset: Dataset) -> TensorPairDataset:
         """Render and tokenize a kept split in the chosen prompt mode."""
         records, labels = records_and_labels(dataset)
-        options = {"first_sent_limit": self.first_sent_limit, "truncation": self.truncation}
+        options = {}
+        if self.prompt == "mlm":
+            options = {"first_sent_limit": self.first_sent_limit, "truncation": self.truncation,
+                       "faithful": self.faithful}
         inputs = encode_records(self.tokenizer, self.spec, records, self.prompt, self.max_length, **options)
         return TensorPairDataset(inputs, labels)
+
+    def batch_collate(self) -> Optional[Callable[[list], Any]]:
+        """Pad each batch to its longest row (mask positions and candidate spans unchanged), unless
+        ``pad_to_max_length``."""
+        return text_collate(self.pad_to_max_length)
+
+    # ------------------------------------------------------------------------------ setup checks
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Refuse a backbone that cannot read these prompts (before any file is read), load, sample and
+        tokenize (once), and warn when validation falls back to the test set."""
+        model = _attached_model(self)
+        if model is not None:
+            error = backbone_mismatch(self, getattr(model, "backbone", None))
+            if error is not None:
+                raise ConfigError(error)
+        ready = self._ready
+        super().setup(stage)
+        if not ready and self.val_dataset is not None and self.val_dataset is self.test_dataset:
+            warnings.warn(
+                f"{self.spec.name}: no validation split (no k_dev/num_dev, no dev file in the lm-bff folder, "
+                "val_fraction 0): validation runs on the test set; set k_dev (LM-BFF: k_dev = k_shot) or num_dev"
+            )
+
+
+#: backbones that put a new, randomly initialised classification head on the model
+_NEW_HEAD_BACKBONES = ("HFSequenceClassifier", "SentenceEncoderClassifier")
+
+
+def backbone_mismatch(dm: "PromptTextDataModule", backbone: Any) -> Optional[str]:
+    """One line when ``backbone`` cannot read ``dm``'s prompts, else ``None``.
+
+    A masked-LM prompt is scored at its mask by :class:`~lit_zodp.backbones.HFPromptClassifier` (masked
+    LM, ``label_words``), a causal one by :class:`~lit_zodp.backbones.HFCandidateScorer`. A backbone with
+    a new head (``HFSequenceClassifier``...) would start at chance on a prompt (what a backbone replaced
+    on the command line, dropping ``label_words``, silently gave). Other (user) backbones pass.
+    """
+    if backbone is None or dm.prompt == "none":
+        return None
+    name = type(backbone).__name__
+    words = dm.label_words
+    fix = (f"use class_path lit_zodp.backbones.HFPromptClassifier with label_words {words}"
+           if dm.prompt == "mlm" else "use class_path lit_zodp.backbones.HFCandidateScorer")
+    if name in _NEW_HEAD_BACKBONES:
+        return (f"Model/data mismatch: data prompt={dm.prompt!r} renders {dm.spec.name} as prompts, but the backbone "
+                f"{name} adds a new random classification head (chance accuracy at the start): {fix}, or set the "
+                "data's prompt: none")
+    lm_type = getattr(backbone, "lm_type", None)
+    if name == "HFPromptClassifier" and dm.prompt == "mlm" and lm_type != "mlm":
+        return f"Model/data mismatch: data prompt='mlm' needs a masked LM, but the backbone is a {lm_type} LM: {fix}"
+    if name == "HFPromptClassifier" and dm.prompt == "causal":
+        return ("Model/data mismatch: data prompt='causal' gives [B, K, L] candidate rows that HFPromptClassifier "
+                f"does not read: {fix}")
+    if name == "HFCandidateScorer" and dm.prompt == "mlm":
+        return (f"Model/data mismatch: data prompt='mlm' gives masked-LM prompts, not the candidate rows {name} "
+                f"scores: {fix}")
+    return None
+
+
+def _attached_model(dm: PublicPrivateDataModule) -> Any:
+    """The LightningModule of the Trainer the data module is attached to (``None`` outside a Trainer)."""
+    trainer = getattr(dm, "trainer", None)
+    return getattr(trainer, "lightning_module", None) if trainer is not None else None
 
 
 def _try_task(name: Optional[str]) -> Optional[TaskSpec]:
@@ -766,6 +881,7 @@ __all__ = [
     "PromptRecords",
     "PromptTextDataModule",
     "TRUNCATIONS",
+    "backbone_mismatch",
     "candidate_texts",
     "encode_causal",
     "encode_mlm",
@@ -778,6 +894,7 @@ __all__ = [
     "record_key",
     "records_and_labels",
     "repeated_examples",
+    "resolve_truncation",
     "row_subset",
     "sample_pool",
     "shuffled_examples",

@@ -299,7 +299,8 @@ def write_task_files(
             sub = folder / f"{k}-{seed}"
             sub.mkdir(exist_ok=True)
             _write_delimited(spec, key, sub / "train", synthetic_examples(spec, k, offset=1000 * seed), test=False)
-            _write_delimited(spec, key, sub / "dev", synthetic_examples(spec, k, offset=1000 * seed + 500), test=False)
+            dev = "dev_matched" if key == "mnli" else "dev"  # LM-BFF's generator names MNLI's dev file so
+            _write_delimited(spec, key, sub / dev, synthetic_examples(spec, k, offset=1000 * seed + 500), test=False)
             _write_delimited(spec, key, sub / ("test_matched" if key == "mnli" else "test"), test, test=True)
     elif data_format == "superglue":
         _write_jsonl(spec, key, folder / "train.jsonl", train)

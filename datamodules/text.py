@@ -15,12 +15,13 @@ import os
 import re
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 from torch.utils.data import Dataset
 
 from datamodules.base import DataSplits, PublicPrivateDataModule, check_test_fraction, fixed_test_split
+from datamodules.collate import text_collate
 from datamodules.datasets import TensorPairDataset, TextDataset, texts_and_labels
 from lit_zodp.errors import check_positive_int
 
@@ -48,10 +49,17 @@ def resolve_tokenizer_path(tokenizer: str) -> str:
 
 
 def load_tokenizer(tokenizer: str):
-    """A (fast) Hugging Face tokenizer with a padding token."""
+    """A (fast) Hugging Face tokenizer with a padding token; one line naming ``tokenizer`` when it
+    cannot be loaded (:func:`lit_zodp.backbones.huggingface.load_error`)."""
     from transformers import AutoTokenizer
 
-    loaded = AutoTokenizer.from_pretrained(resolve_tokenizer_path(tokenizer))
+    from lit_zodp.backbones.huggingface import load_error
+
+    path = resolve_tokenizer_path(tokenizer)
+    try:
+        loaded = AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise load_error("tokenizer", path, err) from err
     if loaded.pad_token is None:
         loaded.pad_token = loaded.eos_token or loaded.unk_token
     return loaded
@@ -104,7 +112,10 @@ def _encode(tokenizer, texts: list[str], max_length: int) -> dict[str, torch.Ten
 
 
 class MovieReviewsDataModule(PublicPrivateDataModule):
-    """Binary sentiment of movie reviews: inputs ``{input_ids, attention_mask}`` ``[max_length]``.
+    """Binary sentiment of movie reviews: inputs ``{input_ids, attention_mask}`` ``[L]``.
+
+    Batches are padded to their longest review (``L <= max_length``; :class:`~datamodules.collate.PadToLongest`)
+    unless ``pad_to_max_length`` (every batch ``[B, max_length]``).
 
     Duplicate texts are dropped (IMDB has 96), so no review sits on both sides of a split. The test set
     is a fixed ``test_fraction`` of the private source(s) (seed 0, not ``data_seed``).
@@ -115,7 +126,9 @@ class MovieReviewsDataModule(PublicPrivateDataModule):
             that also appear in ``source`` are dropped), or ``None``. ``public_fraction`` adds an
             in-distribution hold-out of the pool on top.
         tokenizer: ``"minilm"`` (the packaged all-MiniLM-L6-v2), a Hugging Face model id or a local path.
-        max_length: tokens per example (padded / truncated).
+        max_length: tokens per example at most (longer reviews are truncated).
+        pad_to_max_length: pad every batch to ``max_length``; ``False`` (default) pads each batch to its
+            longest row only (the same model outputs, less compute).
         test_fraction: fraction of the private source(s) held out as the test set.
         data_path: a CSV with columns ``text, label, source``; ``None`` uses the packaged one.
         **kwargs: :class:`PublicPrivateDataModule` arguments.
@@ -131,9 +144,11 @@ class MovieReviewsDataModule(PublicPrivateDataModule):
         max_length: int = 128,
         test_fraction: float = 0.2,
         data_path: Optional[str] = None,
+        pad_to_max_length: bool = False,
         **kwargs: Any,
     ) -> None:
         self.source = source
+        self.pad_to_max_length = pad_to_max_length
         self.public_source = public_source
         self.tokenizer_name = tokenizer
         self.max_length = max_length
@@ -147,6 +162,8 @@ class MovieReviewsDataModule(PublicPrivateDataModule):
             check_positive_int("max_length", self.max_length),
             check_test_fraction(self.test_fraction),
         ]
+        if not isinstance(self.pad_to_max_length, bool):
+            errors.append(f"Expected `pad_to_max_length` to be a bool, but got {self.pad_to_max_length!r}")
         if self.source not in (*SOURCES, "both"):
             errors.append(f"Expected `source` in {(*SOURCES, 'both')}, but got {self.source!r}")
         if self.public_source is not None:
@@ -192,6 +209,10 @@ class MovieReviewsDataModule(PublicPrivateDataModule):
         """Tokenize a kept split in one batched call."""
         texts, labels = texts_and_labels(dataset)
         return tokenize(self.tokenizer, texts, labels, self.max_length)
+
+    def batch_collate(self) -> Optional[Callable[[list], Any]]:
+        """Pad each batch to its longest review, unless ``pad_to_max_length``."""
+        return text_collate(self.pad_to_max_length)
 
 
 __all__ = [

@@ -46,8 +46,9 @@ with ``"<title> -- "``. Both are read (``answer`` is the label of the original f
 original files to reproduce MeZO's prompts (:func:`source_warning` flags SuperGLUE's passages).
 
 ``"lm-bff"``: LM-BFF's sampled k-shot folders ``<root>/<TASK>/<k>-<seed>/{train,dev,test}.{tsv,csv}``
-(MNLI's test file is ``test_matched.tsv``) with the per-task formats above; ``k_shot`` and the seed
-select the folder.
+(MNLI's dev file is ``dev_matched.tsv`` and its test file ``test_matched.tsv``, as LM-BFF's generator
+writes them) with the per-task formats above; ``k_shot`` and the seed select the folder. The dev file
+(``k`` per class, the next ``k`` of each class of the shuffled training file) is the validation set.
 
 ``"superglue"``: ``<root>/<TASK>/{train,val}.jsonl`` as distributed by SuperGLUE (one JSON object per
 line). ``val.jsonl`` is the test set (the SuperGLUE test labels are hidden; MeZO evaluates on the
@@ -76,15 +77,19 @@ RoBERTa), with their label words. The parts of a template are tokenized separate
 CB, WIC, WSC, MultiRC and COPA are MeZO's (``large_models/templates.py``); the others (SST-5, SNLI,
 MNLI, TREC causal; all SuperGLUE masked-LM templates) are ours, built the same way.
 
-Records keep the text exactly as read. LM-BFF's masked-LM templates use it as is (GLUE's SST-2
-sentences end in a space, which LM-BFF's tokenizer call turns into a ``"Ġ"`` token before
-``" It was"``; its ``*sent-_0*`` deletes the premise's last character whatever it is); every other
-template strips the value first (MeZO strips SST-2's sentence; ``Field(strip=True)``, the default).
+Records keep the text exactly as read. LM-BFF's masked-LM templates, as the task specs below write
+them, use it as is (GLUE's SST-2 sentences end in a space, which LM-BFF's tokenizer call turns into a
+``"Ġ"`` token before ``" It was"``; its ``*sent-_0*`` deletes the premise's last character whatever it
+is): ``PromptTextDataModule(faithful=True)`` renders them so, token for token. With ``faithful=False``
+(the data module's default) :func:`readable_parts` strips the values and drops only final punctuation.
+Every other template strips the value first (MeZO strips SST-2's sentence; ``Field(strip=True)``, the
+default), in both modes.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -147,6 +152,16 @@ def _drop_last(text: str) -> str:
     return text[:-1]
 
 
+#: sentence-final punctuation that ``faithful=False`` drops before the NLI template's ``?``
+FINAL_PUNCTUATION = ".!?,;:"
+
+
+def _drop_final_punctuation(text: str) -> str:
+    """``*sent-_0*`` without its quirk (``faithful=False``): delete the last character only when it is
+    sentence-final punctuation (a premise ending in a quote or a letter keeps it)."""
+    return text[:-1] if text.endswith(tuple(FINAL_PUNCTUATION)) else text
+
+
 def _question_mark(text: str) -> str:
     """MeZO's BoolQ: append ``?`` unless the question already ends with one."""
     return text if text.endswith("?") else text + "?"
@@ -186,6 +201,7 @@ def _copa_connective(question: str) -> str:
 
 TRANSFORMS: dict[str, Callable[[str], str]] = {
     "drop_last": _drop_last,
+    "drop_final_punctuation": _drop_final_punctuation,
     "question_mark": _question_mark,
     "upper_first": _upper_first,
     "strip_period": _strip_period,
@@ -194,6 +210,26 @@ TRANSFORMS: dict[str, Callable[[str], str]] = {
     "lower": str.lower,
     "copa_connective": _copa_connective,
 }
+
+
+#: LM-BFF's transforms and their readable counterparts (:func:`readable_parts`)
+READABLE_TRANSFORMS = {"drop_last": "drop_final_punctuation"}
+
+
+def readable_parts(parts: Sequence[Part]) -> tuple[Part, ...]:
+    """A template without LM-BFF's two tokenisation quirks (``faithful=False``).
+
+    Every value is stripped of surrounding whitespace (LM-BFF keeps GLUE SST-2's trailing space, one
+    ``"Ġ"`` token before ``" It was"``), and ``*sent-_0*`` drops the premise's last character only
+    when it is punctuation (:func:`_drop_final_punctuation`). Literal parts and the mask are unchanged.
+    """
+    out: list[Part] = []
+    for part in parts:
+        if isinstance(part, Field):
+            transform = tuple(READABLE_TRANSFORMS.get(name, name) for name in part.transform)
+            part = dataclasses.replace(part, strip=True, transform=transform)
+        out.append(part)
+    return tuple(out)
 
 
 def render_text(parts: Sequence[Part], record: Mapping[str, str]) -> str:
@@ -859,9 +895,11 @@ def read_split(spec: TaskSpec, path: Union[str, Path]) -> TaskSplit:
 
 # ------------------------------------------------------------------------------------ layouts
 
+#: LM-BFF's generator names MNLI's k-shot dev file ``dev_matched.tsv`` (and its test files
+#: ``test_matched.tsv`` / ``test_mismatched.tsv``; the matched one is the test set, as in the papers)
 LMBFF_FILES = {
     "train": ("train.tsv", "train.csv"),
-    "dev": ("dev.tsv", "dev.csv"),
+    "dev": ("dev.tsv", "dev.csv", "dev_matched.tsv"),
     "test": ("test.tsv", "test.csv", "test_matched.tsv"),
 }
 SUPERGLUE_FILES = {"train": ("train.jsonl",), "test": ("val.jsonl", "dev.jsonl", "validation.jsonl")}
@@ -1127,6 +1165,7 @@ __all__ = [
     "read_delimited",
     "read_jsonl",
     "read_split",
+    "readable_parts",
     "render_text",
     "source_warning",
     "task_key",

@@ -15,13 +15,14 @@ import sys
 import time
 from typing import Optional
 
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities import rank_zero_info
-
-from lit_zodp.errors import PrivacyConfigError
-
+# before lightning, which imports huggingface_hub (it reads HF_HUB_OFFLINE once, at import)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
+
+from lit_zodp.errors import ConfigError, PrivacyConfigError  # noqa: E402
 
 
 class LitZODPCLI(LightningCLI):
@@ -132,9 +133,11 @@ def build_cli(args=None) -> LitZODPCLI:
 def cli_main(args=None) -> None:
     """Entry point of the ``lightning`` and ``lit-zodp`` console scripts.
 
-    A configuration error (bad privacy setting, model/data mismatch, impossible budget) ends in
-    one readable line on stderr and exit code 2, not a traceback or a dump of the namespace
-    (jsonargparse wraps errors raised while instantiating classes; the cause is found in the chain).
+    A configuration error (:class:`~lit_zodp.errors.ConfigError`: bad privacy setting, impossible
+    budget, model/data mismatch, a model or tokenizer that cannot be loaded, a prompt backbone without
+    label words) ends in one readable line on stderr and exit code 2, not a traceback or a dump of the
+    namespace (jsonargparse wraps errors raised while instantiating classes; the cause is found in the
+    chain).
     """
     try:
         build_cli(args)
@@ -146,11 +149,12 @@ def cli_main(args=None) -> None:
         raise SystemExit(2) from None
 
 
-def configuration_error(err: BaseException) -> Optional[PrivacyConfigError]:
-    """The :class:`PrivacyConfigError` behind ``err`` (itself or in its cause/context chain), if any."""
+def configuration_error(err: BaseException) -> Optional[ConfigError]:
+    """The :class:`ConfigError` (:class:`PrivacyConfigError` included) behind ``err`` (itself or in its
+    cause/context chain), if any."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, PrivacyConfigError):
+        if isinstance(err, ConfigError):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__

@@ -11,7 +11,12 @@ import math
 from typing import Iterable, Optional
 
 
-class PrivacyConfigError(ValueError):
+class ConfigError(ValueError):
+    """A configuration a run cannot start from: a bad option value, a model that cannot be loaded, a
+    model that does not fit the data. The CLI prints it as one line naming the option (exit code 2)."""
+
+
+class PrivacyConfigError(ConfigError):
     """A privacy or training setting that cannot give the claimed guarantee."""
 
 

@@ -1,5 +1,6 @@
 """The CLI as a user runs it: `lightning fit --config ...` end to end, in process and as a console script."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -150,3 +151,87 @@ def test_first_order_configs_run_a_few_steps(tmp_path, monkeypatch, name):
                      "--data.init_args.batch_size", "16", "--data.init_args.max_private_samples", "800"])
     assert cli.trainer.global_step == cli.model.privacy.steps == 3
     assert 0 < cli.model.privacy.epsilon() <= cli.model.privacy.target_epsilon
+
+
+# ------------------------------------------------------------------ configuration errors of a new user
+
+
+@pytest.fixture(scope="module")
+def prompt_world(tmp_path_factory):
+    """A tiny RoBERTa on disk and GLUE SST-2 files: a Table 2-style prompt config that runs offline."""
+    from datamodules.testing import write_task_files
+    from lit_zodp.backbones import save_tiny_pretrained
+
+    root = tmp_path_factory.mktemp("prompt_world")
+    model = save_tiny_pretrained(root / "roberta", "roberta")
+    write_task_files(root / "original", "SST-2", "glue")
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "logger": False, "enable_checkpointing": False,
+                    "enable_progress_bar": False, "enable_model_summary": False},
+        "model": {"class_path": "lit_zodp.algorithms.MeZO", "init_args": {
+            "backbone": {"class_path": "lit_zodp.backbones.HFPromptClassifier",
+                         "init_args": {"model_name_or_path": model, "label_words": ["terrible", "great"]}},
+            "lr": 1.0e-6}},
+        "data": {"class_path": "datamodules.PromptTextDataModule", "init_args": {
+            "task": "SST-2", "data_dir": str(root / "original"), "tokenizer": model, "faithful": True,
+            "max_length": 48, "k_shot": 2, "k_dev": 2, "batch_size": 2}},
+    }
+    path = root / "prompt.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_config_error_of_any_component_is_caught_by_its_base_class():
+    from lit_zodp.cli import configuration_error
+    from lit_zodp.errors import AccountingError, ConfigError, PrivacyConfigError
+
+    assert issubclass(PrivacyConfigError, ConfigError) and issubclass(AccountingError, ConfigError)
+    assert issubclass(ConfigError, ValueError)
+    try:
+        try:
+            raise ConfigError("bad `label_words`")
+        except ConfigError as inner:
+            raise ValueError("jsonargparse's wrapper") from inner
+    except ValueError as outer:
+        assert str(configuration_error(outer)) == "bad `label_words`"
+    assert configuration_error(ValueError("other")) is None
+
+
+def test_replacing_the_prompt_backbone_on_the_command_line_is_refused_in_one_line(prompt_world, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """jsonargparse drops label_words when the class changes: a new random head would train from chance."""
+    from lit_zodp.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(prompt_world),
+                  "--model.init_args.backbone.class_path", "lit_zodp.backbones.HFSequenceClassifier"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lit-zodp: error:")]
+    assert len(errors) == 1 and "HFSequenceClassifier adds a new random classification head" in errors[0]
+    assert "use class_path lit_zodp.backbones.HFPromptClassifier with label_words ['terrible', 'great']" in errors[0]
+    backbone = yaml.safe_load(prompt_world.read_text())["model"]["init_args"]["backbone"]
+    backbone["init_args"]["label_words"] = None  # the prompt backbone given again, without its label words
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(prompt_world), "--model.init_args.backbone", json.dumps(backbone)])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lit-zodp: error:")]
+    assert len(errors) == 1 and "HFPromptClassifier needs `label_words`" in errors[0]
+
+
+def test_a_missing_model_id_is_one_line_naming_the_option(prompt_world, tmp_path):
+    """Offline, an unknown model id: one line naming the option and what to do, exit code 2, no traceback."""
+    import os
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "lit_zodp.cli", "fit", "--config", str(prompt_world),
+                             "--model.init_args.backbone.init_args.model_name_or_path", "does/not-exist"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == ["lit-zodp: error: could not load `model_name_or_path`='does/not-exist': not a local folder "
+                      "and not a model id found in the local Hugging Face cache (downloads are off: HF_HUB_OFFLINE=1); "
+                      "give a local folder written by save_pretrained, a model id already downloaded, or 'minilm' "
+                      "(packaged, offline), or download it once with HF_HUB_OFFLINE=0"]
+    assert "Traceback" not in result.stderr and "Namespace(" not in result.stderr

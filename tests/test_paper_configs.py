@@ -60,8 +60,8 @@ def overrides(config: dict, models: dict, data: dict) -> list[str]:
             "--trainer.accelerator", "cpu", "--trainer.max_steps", "2", "--trainer.logger", "false",
             "--trainer.val_check_interval", "1", "--trainer.enable_progress_bar", "false",
             "--trainer.enable_model_summary", "false"]
-    if config["data"]["init_args"].get("k_shot"):
-        args += ["--data.init_args.k_shot", "4"]
+    if config["data"]["init_args"].get("k_shot"):  # 2 per class to train, the next 2 for dev (k_dev)
+        args += ["--data.init_args.k_shot", "2", "--data.init_args.k_dev", "2"]
     else:
         args += ["--data.init_args.num_train", "6", "--data.init_args.num_dev", "2"]
     return args
@@ -80,6 +80,8 @@ def test_paper_config_runs_with_a_tiny_model_of_the_same_family(path, tiny_world
         assert model.privacy.delta == 1e-5
         assert 0 < model.privacy.ledger.epsilon(model.privacy.delta).upper <= model.privacy.target_epsilon
     assert "test_acc" in cli.trainer.callback_metrics
+    dm = cli.datamodule  # validation on dev examples held out of the private pool, never on the test set
+    assert dm.val_dataset is not None and dm.val_dataset is not dm.test_dataset and len(dm.val_dataset) > 0
     if config.get("test_ckpt") == "best":  # Table 4: the best dev checkpoint is the one tested
         assert cli.trainer.checkpoint_callback.monitor == "val_acc"
         assert cli.trainer.checkpoint_callback.best_model_path

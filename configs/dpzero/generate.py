@@ -18,12 +18,20 @@ Data, as the authors' code prepares it (github.com/Liang137/DPZero, built on MeZ
   (``roberta/data/prepare_datasets.sh`` renames ``GLUE-SST-2``; our loader reads ``GLUE-SST-2``
   itself), k = 512 per class drawn by ``tools/generate_k_shot_data.py --mode k-shot-1k-test`` (NumPy,
   seed = data seed; the 1,000 test examples drawn once with seed 42: ``test_seed: 42``), LM-BFF's
-  templates, and ``examples/run_fewshot.sh``'s lengths: ``--max_seq_length 128`` (256 for MNLI, SNLI,
-  RTE) and ``--first_sent_limit`` 110 (SST-5, TREC) or 240 (MNLI, RTE), LM-BFF's tail truncation.
+  templates rendered token for token (``faithful: true``: GLUE SST-2's trailing space kept, ``*sent-_0*``
+  drops the premise's last character, tail truncation), and ``examples/run_fewshot.sh``'s lengths:
+  ``--max_seq_length 128`` (256 for MNLI, SNLI, RTE) and ``--first_sent_limit`` 110 (SST-5, TREC) or
+  240 (MNLI, RTE). Validation on the generator's dev set (``k_dev: 512``: the next 512 examples of each
+  class, LM-BFF's ``dev.tsv``; MNLI's ``dev_matched.tsv``), never on the test set; the reference
+  evaluates dev at the end of training (``--eval_steps`` = T) and tests the last iterate once.
 * Table 4 (``opt/``): MeZO's ``tasks.py``: GLUE's SST-2 and the original BoolQ (Hugging Face
   ``boolq``: Google's ``train.jsonl`` / ``dev.jsonl``, no titles in the passages), 1,000 train + 500
   dev drawn with ``np.random.permutation`` under the seed, 1,000 test examples with the same seed;
   ``max_length`` 2048 (``run.py``'s default; prompts cut from the left).
+
+Both tables pad each batch to its longest row (the data modules' default, ``pad_to_max_length:
+false``); padding is masked, so the losses and accuracies are those of padding to ``max_length`` as
+the references do, at a fraction of the compute (SST-2's prompts are ~25 tokens of 128).
 """
 
 from __future__ import annotations
@@ -71,12 +79,13 @@ def roberta_config(task: str, method: str) -> tuple[str, dict]:
     backbone = {"class_path": "lit_zodp.backbones.HFPromptClassifier",
                 "init_args": {"model_name_or_path": "roberta-large", "label_words": list(spec.label_words)}}
     max_length, first_sent_limit = ROBERTA_LENGTHS[task]
-    lengths = {"max_length": max_length, "truncation": "tail"}
+    lengths = {"max_length": max_length}
     if first_sent_limit is not None:
         lengths["first_sent_limit"] = first_sent_limit
     data = {"class_path": "datamodules.PromptTextDataModule", "init_args": {
         "task": task, "data_dir": "data/original", "prompt": "mlm", "tokenizer": "roberta-large", **lengths,
-        "k_shot": 512, "num_test": 1000, "test_seed": 42, "batch_size": 64, "data_seed": 42}}
+        "faithful": True, "k_shot": 512, "k_dev": 512, "num_test": 1000, "test_seed": 42, "batch_size": 64,
+        "data_seed": 42}}
     config = {"seed_everything": 42, "trainer": trainer(10_000, 1000),
               "model": algorithm(method, backbone, lr=1.0e-6, clip=200.0, seed=42), "data": data}
     row = "MeZO" if METHODS[method] is None else f"DPZero eps={METHODS[method]:g}"
@@ -85,7 +94,10 @@ def roberta_config(task: str, method: str) -> tuple[str, dict]:
               "T = 10000, B = 64, lambda = 1e-3, lr = 1e-6 (App. B.2, Table 8). Paper: mean over data seeds\n"
               "{42, 13, 21} (set data.init_args.data_seed and seed_everything).\n"
               "data: LM-BFF's k-shot draw of data/original (NumPy, seed = data_seed), the 1000 test examples\n"
-              "drawn once with seed 42, lengths of DPZero's run_fewshot.sh.")
+              "drawn once with seed 42, lengths of DPZero's run_fewshot.sh, LM-BFF's tokens exactly (faithful:\n"
+              "trailing spaces kept, tail truncation). Validation: the generator's dev set (k_dev = 512 per\n"
+              "class, not in the private training set), never the test set; the last iterate is tested once.\n"
+              "Batches are padded to their longest row (pad_to_max_length: false), the outputs unchanged.")
     if task == "SST-2":
         header += ("\nSST-2 is GLUE's (LM-BFF's data/original/GLUE-SST-2, read automatically), as in MeZO's and\n"
                    "DPZero's data scripts, not LM-BFF's own sentence-level SST-2.")

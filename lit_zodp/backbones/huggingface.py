@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lit_zodp.backbones._utils import check_positive_int, empty_logits
 from lit_zodp.backbones.base import Backbone
+from lit_zodp.errors import ConfigError
 
 MINILM_ALIASES = frozenset({"minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"})
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
@@ -83,13 +84,20 @@ def resolve_model_path(name: str) -> str:
     return os.path.expanduser(name)
 
 
-def load_tokenizer(name_or_path: str, **kwargs: Any) -> Any:
-    """``AutoTokenizer`` for a model name, a local path or the ``"minilm"`` alias."""
+def load_tokenizer(name_or_path: str, *, option: str = "tokenizer_name_or_path", **kwargs: Any) -> Any:
+    """``AutoTokenizer`` for a model name, a local path or the ``"minilm"`` alias.
+
+    Args:
+        name_or_path: hub id, local folder or ``"minilm"``.
+        option: the configuration option that gave ``name_or_path``, named by the one-line
+            :class:`~lit_zodp.errors.ConfigError` raised when it cannot be loaded.
+        **kwargs: passed to ``from_pretrained``.
+    """
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
     with _quiet_transformers():
-        return _from_pretrained(AutoTokenizer, path, **kwargs)
+        return _from_pretrained(AutoTokenizer, path, option=option, **kwargs)
 
 
 def tiny_bert_config(**overrides: Any) -> dict[str, Any]:
@@ -166,14 +174,42 @@ def _make_config(
     return _from_pretrained(auto_config, resolve_model_path(path), **overrides)
 
 
-def _from_pretrained(auto_class: Any, path: str, **kwargs: Any) -> Any:
+def _from_pretrained(auto_class: Any, path: str, *, option: str = "model_name_or_path", **kwargs: Any) -> Any:
     try:
         return auto_class.from_pretrained(path, **kwargs)
-    except OSError as err:
-        raise ValueError(
-            f"could not load {path!r}: not a local model directory and not in the Hugging Face cache "
-            f"(offline runs need a local path or 'minilm'). {err}"
-        ) from err
+    except OSError as err:  # no such folder, or an id that is neither cached nor downloadable
+        raise load_error(option, path, err) from err
+    except ValueError as err:  # a folder without a readable model/tokenizer ("Unrecognized model in ...")
+        if not os.path.isdir(path):
+            raise
+        raise load_error(option, path, err) from err
+
+
+def load_error(option: str, path: str, err: BaseException) -> ConfigError:
+    """One line for a model or tokenizer that ``from_pretrained`` cannot load: the option, the value and
+    what to do (transformers' own multi-line message stays in the exception's ``__cause__``)."""
+    if os.path.isdir(path):
+        lines = str(err).strip().splitlines()
+        return ConfigError(
+            f"could not load `{option}`={path!r}: the folder holds no model/tokenizer that transformers can read "
+            f"({lines[0] if lines else type(err).__name__}); point it at a folder written by save_pretrained"
+        )
+    where = "in the local Hugging Face cache (downloads are off: HF_HUB_OFFLINE=1)" if hub_offline() else "on the Hub"
+    return ConfigError(
+        f"could not load `{option}`={path!r}: not a local folder and not a model id found {where}; give a local "
+        "folder written by save_pretrained, a model id already downloaded, or 'minilm' (packaged, offline), or "
+        "download it once with HF_HUB_OFFLINE=0"
+    )
+
+
+def hub_offline() -> bool:
+    """Whether downloads from the Hugging Face Hub are off (``HF_HUB_OFFLINE`` as ``huggingface_hub`` read it
+    at import; lit_zodp sets it to 1 unless exported)."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def _parse_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
@@ -856,14 +892,25 @@ def _lm_auto_class(lm_type: str) -> Any:
 
 
 def _label_word_ids(tokenizer: Any, label_words: Optional[Sequence[str]]) -> list[int]:
-    """Token id of each label word, encoded after a space; each must be a single token."""
+    """Token id of each label word, encoded after a space; each must be a single token.
+
+    A prompt backbone without label words would have nothing to score at the mask: refused (a
+    :class:`~lit_zodp.errors.ConfigError`), never replaced by a new random head. This is what happens
+    when a config's backbone is replaced on the command line by a dict without ``label_words``.
+    """
     if not label_words or isinstance(label_words, str):
-        raise ValueError("give label_words (one word per class) or label_word_ids")
+        raise ConfigError(
+            f"HFPromptClassifier needs `label_words` (one single-token word per class, in label order, e.g. "
+            f"label_words: [terrible, great] for SST-2; the data module's `label_words` lists the task's) or "
+            f"`label_word_ids`, but got label_words={label_words!r}"
+        )
     ids = []
     for word in label_words:
         tokens = tokenizer(" " + word.strip(), add_special_tokens=False)["input_ids"]
         if len(tokens) != 1:
-            raise ValueError(f"label word {word!r} is {len(tokens)} tokens here; use single-token words")
+            raise ConfigError(
+                f"`label_words`: {word!r} is {len(tokens)} tokens for this tokenizer; use single-token words"
+            )
         ids.append(tokens[0])
     return ids
 

@@ -129,7 +129,7 @@ def test_epsilon_matches_opacus_prv_accountant_within_one_percent():
     assert module.privacy.epsilon() == bounds.upper >= bounds.estimate  # what we report: the upper bound
 
 
-@pytest.mark.parametrize("kwargs", [dict(micro_batch_size=7), dict(grad_mode="ghost")])
+@pytest.mark.parametrize("kwargs", [dict(micro_batch_size=7), dict(grad_mode="ghost"), dict(grad_mode="bookkeeping")])
 def test_micro_batches_and_the_norm_only_path_give_the_same_step(kwargs):
     dataset = blobs(n=40)
 

@@ -56,6 +56,38 @@ def test_missing_model_raises_value_error(tmp_path):
         HFSequenceClassifier(str(tmp_path / "no-such-model"))
 
 
+def one_line_config_error(excinfo, *fragments):
+    """A :class:`ConfigError` (a ValueError) whose message is one line holding every fragment."""
+    from lit_zodp.errors import ConfigError
+
+    message = str(excinfo.value)
+    assert isinstance(excinfo.value, ConfigError) and "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_a_model_that_cannot_be_loaded_is_one_line_naming_the_option(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError) as excinfo:
+        HFSequenceClassifier(missing)
+    one_line_config_error(excinfo, f"`model_name_or_path`={missing!r}", "not a local folder", "save_pretrained")
+    assert excinfo.value.__cause__ is not None  # transformers' own error stays in the chain
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError) as excinfo:  # a folder without a model in it
+        HFPromptClassifier(str(tmp_path / "empty"), label_words=["bad", "good"], lm_type="mlm")
+    one_line_config_error(excinfo, "`model_name_or_path`", "holds no model/tokenizer")
+    with pytest.raises(ValueError) as excinfo:  # the tokenizer of a prompt backbone
+        HFPromptClassifier(config=tiny_bert_config(), label_words=["bad", "good"], tokenizer_name_or_path=missing)
+    one_line_config_error(excinfo, "`tokenizer_name_or_path`")
+
+
+def test_a_prompt_backbone_without_label_words_is_refused_in_one_line(minilm_path):
+    for words in (None, [], "great"):
+        with pytest.raises(ValueError) as excinfo:
+            HFPromptClassifier(config=tiny_bert_config(), label_words=words, tokenizer_name_or_path="minilm")
+        one_line_config_error(excinfo, "HFPromptClassifier needs `label_words`", "label_word_ids")
+
+
 # ----------------------------------------------------------------------------- sequence classifier
 
 

@@ -327,14 +327,19 @@ def test_mlm_prompts_hold_one_mask_for_every_task(tmp_path, tokenizers, kind):
 
 def test_mlm_datamodule_matches_lm_bff_and_the_prompt_backbone(tmp_path, tokenizers):
     write_task_files(tmp_path, "SST-2", "glue", per_class=3)
-    dm = make_dm(tmp_path, "SST-2", tokenizer=tokenizers["roberta"])
+    dm = make_dm(tmp_path, "SST-2", tokenizer=tokenizers["roberta"], faithful=True)
     dm.setup()
     tok = dm.tokenizer
     assert dm.label_words == ["terrible", "great"] and dm.num_classes == 2
     inputs, target = dm.test_dataset[0]
     text = tok.decode(inputs["input_ids"][inputs["attention_mask"].bool()])
-    # LM-BFF tokenizes GLUE's trailing space ("Ġ") before " It was"
+    # faithful: LM-BFF tokenizes GLUE's trailing space ("Ġ") before " It was"
     assert text == "<s>A bad movie, number 10000 of class 0.  It was<mask>.</s>"
+    readable = make_dm(tmp_path, "SST-2", tokenizer=tokenizers["roberta"])  # the default: values stripped
+    readable.setup()
+    inputs, _ = readable.test_dataset[0]
+    assert tok.decode(inputs["input_ids"][inputs["attention_mask"].bool()]) == (
+        "<s>A bad movie, number 10000 of class 0. It was<mask>.</s>")
     assert dm.template == "<sentence> It was<mask>." and dm.labels == ["negative", "positive"]
     from lit_zodp.backbones import HFPromptClassifier
 
@@ -425,7 +430,8 @@ def test_causal_datamodule_batches_and_empty_batches(tmp_path, tokenizers):
     dm.setup()
     inputs, targets = next(b for b in dm.train_dataloader() if len(b[1]))
     assert set(inputs) == {"input_ids", "attention_mask", "candidate_mask"}
-    assert inputs["input_ids"].shape == (len(targets), 2, 48)
+    longest = int(inputs["attention_mask"].sum(-1).max())  # padded to the longest row of the batch
+    assert inputs["input_ids"].shape == (len(targets), 2, longest) and longest < 48
     empty_inputs, empty_targets = EmptySafeCollate(dm.private_dataset)([])
     assert {k: tuple(v.shape) for k, v in empty_inputs.items()} == {k: (0, 2, 48) for k in inputs}
     assert empty_targets.shape == (0,) and empty_targets.dtype == torch.long
@@ -502,3 +508,37 @@ def test_config_errors_list_the_options(tmp_path):
     assert dm.num_classes == 6  # known before setup
     with pytest.raises(FileNotFoundError, match="not a folder"):
         dm.setup()
+
+
+# ---------------------------------------------------------------------- backbone / prompt checks
+
+
+def test_a_backbone_that_cannot_read_the_prompts_is_named(tmp_path):
+    from lit_zodp.backbones import HFCandidateScorer, HFPromptClassifier, HFSequenceClassifier, tiny_bert_config
+    from datamodules.prompt_text import backbone_mismatch
+
+    mlm = PromptTextDataModule("SST-2", str(tmp_path))
+    head = HFSequenceClassifier(config=tiny_bert_config())
+    message = backbone_mismatch(mlm, head)
+    assert "HFSequenceClassifier adds a new random classification head" in message and "\n" not in message
+    assert "HFPromptClassifier with label_words ['terrible', 'great']" in message
+    prompt = HFPromptClassifier(config=tiny_bert_config(), label_word_ids=[10, 11], mask_token_id=103, lm_type="mlm")
+    assert backbone_mismatch(mlm, prompt) is None
+    assert backbone_mismatch(PromptTextDataModule("SST-2", str(tmp_path), prompt="none"), head) is None
+    causal = PromptTextDataModule("SST-2", str(tmp_path), prompt="causal")
+    assert "HFCandidateScorer" in backbone_mismatch(causal, prompt)
+    scorer = HFCandidateScorer(config=dict(model_type="opt", vocab_size=64, hidden_size=8, num_hidden_layers=1,
+                                           ffn_dim=16, num_attention_heads=2, max_position_embeddings=32,
+                                           word_embed_proj_dim=8))
+    assert backbone_mismatch(causal, scorer) is None and "candidate rows" in backbone_mismatch(mlm, scorer)
+    assert backbone_mismatch(mlm, torch.nn.Linear(2, 2)) is None  # a user's own backbone is trusted
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_one_line_naming_the_option(tmp_path):
+    from lit_zodp.errors import ConfigError
+
+    write_task_files(tmp_path, "SST-2", "glue", per_class=2)
+    dm = make_dm(tmp_path, "SST-2", tokenizer=str(tmp_path / "no-such-tokenizer"))
+    with pytest.raises(ConfigError, match=r"could not load `tokenizer`=.*no-such-tokenizer") as excinfo:
+        dm.setup()
+    assert "\n" not in str(excinfo.value)

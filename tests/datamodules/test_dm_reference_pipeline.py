@@ -427,7 +427,7 @@ def test_masked_lm_inputs_are_lm_bff_tokens(tokenizers, task, texts):
     tokenizer = tokenizers["roberta"]
     spec = get_task(task)
     record = dict(zip(spec.fields, texts))
-    out = encode_mlm(tokenizer, spec, [record], 64)
+    out = encode_mlm(tokenizer, spec, [record], 64, faithful=True)
     row = out["input_ids"][0][out["attention_mask"][0].bool()].tolist()
     assert row == reference_lm_bff_tokens(tokenizer, LM_BFF_TEMPLATES[task], texts, 64)
 
@@ -438,11 +438,11 @@ def test_first_sent_limit_and_tail_truncation_are_lm_bffs(tokenizers):
     texts = [" ".join(["word"] * 40) + ".", "A man plays in the park outside and " * 3]
     record = dict(zip(spec.fields, texts))
     for limit, length in ((10, 64), (30, 36)):  # the second cuts the tail (hypothesis and </s>)
-        out = encode_mlm(tokenizer, spec, [record], length, first_sent_limit=limit, truncation="tail")
+        out = encode_mlm(tokenizer, spec, [record], length, first_sent_limit=limit, faithful=True)  # tail
         row = out["input_ids"][0][out["attention_mask"][0].bool()].tolist()
         assert row == reference_lm_bff_tokens(tokenizer, LM_BFF_TEMPLATES["MNLI"], texts, length, limit)
     with pytest.raises(ValueError, match="cut its mask"):
-        encode_mlm(tokenizer, spec, [record], 20, truncation="tail")
+        encode_mlm(tokenizer, spec, [record], 20, faithful=True)
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -455,11 +455,13 @@ def test_paper_configs_carry_the_reference_settings():
     for path in sorted(root.glob("*.yaml")):
         data = yaml.safe_load(path.read_text())["data"]["init_args"]
         if path.name.startswith("table2"):
-            assert data["test_seed"] == 42 and data["truncation"] == "tail" and data["data_dir"] == "data/original"
+            assert data["test_seed"] == 42 and data["faithful"] is True and data["data_dir"] == "data/original"
             assert (data["max_length"], data.get("first_sent_limit")) == lengths[data["task"]], path.name
-            assert not data.get("dedupe", False)
+            assert not data.get("dedupe", False) and "truncation" not in data  # faithful: LM-BFF's tail truncation
+            assert data["k_dev"] == data["k_shot"] == 512  # validation on LM-BFF's dev.tsv, not the test set
         elif data["task"] == "BoolQ":
             assert data["max_length"] == 2048 and data["data_dir"] == "data/boolq", path.name
+        assert not data.get("pad_to_max_length", False)  # dynamic padding
 
 
 def test_new_options_are_checked(tmp_path):
@@ -467,6 +469,12 @@ def test_new_options_are_checked(tmp_path):
 
     with pytest.raises(PrivacyConfigError, match="truncation"):
         PromptTextDataModule("MNLI", str(tmp_path), truncation="head")
+    with pytest.raises(PrivacyConfigError, match="`faithful` to be a bool"):
+        PromptTextDataModule("MNLI", str(tmp_path), faithful="yes")
+    with pytest.raises(PrivacyConfigError, match="`pad_to_max_length` to be a bool"):
+        PromptTextDataModule("MNLI", str(tmp_path), pad_to_max_length=1)
+    with pytest.raises(PrivacyConfigError, match="prompt='mlm' only"):
+        PromptTextDataModule("BoolQ", str(tmp_path), prompt="causal", truncation="tail")
     with pytest.raises(PrivacyConfigError, match="prompt='mlm' only"):
         PromptTextDataModule("BoolQ", str(tmp_path), prompt="causal", first_sent_limit=240)
     with pytest.raises(PrivacyConfigError, match="first_sent_limit"):
@@ -474,3 +482,102 @@ def test_new_options_are_checked(tmp_path):
     dm = PromptTextDataModule("MNLI", str(tmp_path), k_shot=4, dedupe=True, first_sent_limit=240, truncation="tail")
     assert dm.hparams["dedupe"] is True and dm.hparams["truncation"] == "tail"
     assert dm.resolved_test_seed == 42 and PromptTextDataModule("BoolQ", "x", data_seed=29).resolved_test_seed == 29
+
+
+# ------------------------------------------------------------------- faithful and readable modes
+
+
+def mlm_text(tokenizer, task, texts, **options):
+    spec = get_task(task)
+    out = encode_mlm(tokenizer, spec, [dict(zip(spec.fields, texts))], 64, **options)
+    return tokenizer.decode(out["input_ids"][0][out["attention_mask"][0].bool()])
+
+
+def test_faithful_mode_keeps_lm_bffs_quirks_and_the_default_drops_them(tokenizers):
+    tokenizer = tokenizers["roberta"]
+    sst2 = ["a gorgeous , witty film "]  # GLUE SST-2: every sentence ends in a space
+    faithful = encode_mlm(tokenizer, get_task("SST-2"), [{"sentence": sst2[0]}], 64, faithful=True)
+    readable = encode_mlm(tokenizer, get_task("SST-2"), [{"sentence": sst2[0]}], 64)
+    assert int(faithful["attention_mask"].sum()) == int(readable["attention_mask"].sum()) + 1  # LM-BFF's "Ġ"
+    assert readable["input_ids"][0][readable["attention_mask"][0].bool()].tolist() == reference_lm_bff_tokens(
+        tokenizer, LM_BFF_TEMPLATES["SST-2"], [sst2[0].strip()], 64)
+    # *sent-_0*: LM-BFF drops the premise's last character whatever it is; the default only punctuation
+    quote = ['He said "no"', "Someone spoke."]
+    assert mlm_text(tokenizer, "MNLI", quote, faithful=True) == '<s>He said "no?<mask>, someone spoke.</s>'
+    assert mlm_text(tokenizer, "MNLI", quote) == '<s>He said "no"?<mask>, someone spoke.</s>'
+    no_period = ["The sun rose", "It was morning."]
+    assert mlm_text(tokenizer, "MNLI", no_period, faithful=True) == "<s>The sun ros?<mask>, it was morning.</s>"
+    assert mlm_text(tokenizer, "RTE", no_period) == "<s>The sun rose?<mask>, it was morning.</s>"
+    for options in ({}, {"faithful": True}):  # the usual case, a final period, is the same in both modes
+        assert mlm_text(tokenizer, "SNLI", ["It rained.", "The ground is wet."], **options) == (
+            "<s>It rained?<mask>, the ground is wet.</s>")
+
+
+def test_faithful_mode_truncates_the_tail_unless_told_otherwise(tokenizers):
+    from datamodules.prompt_text import resolve_truncation
+
+    assert resolve_truncation(None, True) == "tail" and resolve_truncation(None, False) == "fields"
+    assert resolve_truncation("fields", True) == "fields"
+    tokenizer = tokenizers["roberta"]
+    record = {"premise": " ".join(["word"] * 60) + ".", "hypothesis": "A man plays."}
+    with pytest.raises(ValueError, match="cut its mask"):  # LM-BFF asserts when the mask falls off the end
+        encode_mlm(tokenizer, get_task("MNLI"), [record], 32, faithful=True)
+    kept = encode_mlm(tokenizer, get_task("MNLI"), [record], 32, faithful=True, truncation="fields")
+    assert int((kept["input_ids"] == tokenizer.mask_token_id).sum()) == 1
+
+
+MNLI_HEADER = ("index promptID pairID genre sentence1_binary_parse sentence2_binary_parse sentence1_parse "
+               "sentence2_parse sentence1 sentence2 label1 gold_label").split()
+
+
+def write_mnli_k_shot(root: Path, k: int, seed: int, n: int = 40, dev_file: str = "dev_matched.tsv") -> Path:
+    """GLUE MNLI files and the k-shot folder LM-BFF's generator writes from them: ``train.tsv``,
+    ``dev_matched.tsv`` (the next k per class) and the original dev sets as ``test_(mis)matched.tsv``."""
+    labels = ("entailment", "neutral", "contradiction")
+
+    def row(i, split):
+        cells = [str(i), "p", "q", "fiction", "b1", "b2", "p1", "p2", f"A {split} man {i} walks.", f"He {i} moves.",
+                 labels[(i * 5) % 3], labels[(i * 5) % 3]]
+        return "\t".join(cells) + "\n"
+
+    original = root / "original" / "MNLI"
+    original.mkdir(parents=True)
+    header = "\t".join(MNLI_HEADER) + "\n"
+    (original / "train.tsv").write_text(header + "".join(row(i, "train") for i in range(n)))
+    for split in ("matched", "mismatched"):
+        (original / f"dev_{split}.tsv").write_text(header + "".join(row(i, split) for i in range(9)))
+    train, dev = reference_k_shot(original / "train.tsv", k, seed)
+    folder = root / "k-shot" / "MNLI" / f"{k}-{seed}"
+    folder.mkdir(parents=True)
+    (folder / "train.tsv").write_text(header + "".join(train))
+    (folder / dev_file).write_text(header + "".join(dev))
+    for split in ("matched", "mismatched"):
+        (folder / f"test_{split}.tsv").write_text((original / f"dev_{split}.tsv").read_text())
+    return folder
+
+
+def test_mnli_k_shot_dev_matched_is_the_validation_set(tmp_path):
+    folder = write_mnli_k_shot(tmp_path, k=4, seed=13)
+    dm = PromptTextDataModule("MNLI", str(tmp_path / "k-shot"), k_shot=4, data_seed=13, tokenizer="minilm",
+                              max_length=32, batch_size=2)
+    splits = dm.load_splits()
+    assert dm.task_data.data_format == "lm-bff" and dm.task_data.dev.path.endswith("dev_matched.tsv")
+
+    def premises(path):
+        return [line.split("\t")[8] for line in path.read_text().splitlines()[1:]]
+
+    assert [r["premise"] for r in splits.val.records] == premises(folder / "dev_matched.tsv")
+    assert [r["premise"] for r in splits.test.records] == premises(folder / "test_matched.tsv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "validation runs on the test set" warning
+        dm.setup()
+    assert dm.val_dataset is not dm.test_dataset and len(dm.val_dataset) == 12
+
+
+def test_validation_on_the_test_set_is_announced(tmp_path):
+    write_mnli_k_shot(tmp_path, k=4, seed=13, dev_file="unused.tsv")  # a folder without its dev file
+    dm = PromptTextDataModule("MNLI", str(tmp_path / "k-shot"), k_shot=4, data_seed=13, tokenizer="minilm",
+                              max_length=32, batch_size=2)
+    with pytest.warns(UserWarning, match="validation runs on the test set; set k_dev"):
+        dm.setup()
+    assert dm.val_dataset is dm.test_dataset
