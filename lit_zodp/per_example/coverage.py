@@ -8,7 +8,7 @@ per-example gradients missing those uses. Since ``sum_i g_{i,p}`` must equal the
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -22,30 +22,35 @@ def working_eps(device_type: str, *dtypes: torch.dtype) -> float:
 
 
 def uncovered(sums: Sequence[Optional[Tensor]], norms: Sequence[Optional[Tensor]],
-              batch_grads: Sequence[Optional[Tensor]], device: torch.device) -> List[int]:
+              batch_grads: Sequence[Optional[Tensor]], device: torch.device,
+              diffs: Optional[Dict[int, Tensor]] = None) -> List[int]:
     """Indices ``p`` with ``||sum_i g_{i,p} - g_p|| > sqrt(eps) (sum_i ||g_{i,p}|| + ||g||)``.
 
     Args:
         sums: ``sum_i g_{i,p}`` per parameter (``None``: not checked).
         norms: Per-example norms ``||g_{i,p}||`` ``[B]`` per parameter.
         batch_grads: The batch gradient ``g_p`` (``None``: unused parameter, not checked).
+        diffs: ``||sum_i g_{i,p} - g_p||`` already taken (as the gradient arrived), in place of ``sums[p]``.
 
     ``g`` is the whole batch gradient: the tolerance covers rounding of a sum of ``B`` terms with
     cancellation, and parameters whose exact gradient is 0 (an attention key bias) but whose
     computed one is rounding noise at the scale of the others. Parameters with a non-finite batch
     gradient are skipped. One host synchronisation for all parameters.
     """
-    checked = [i for i, (s, g) in enumerate(zip(sums, batch_grads)) if s is not None and g is not None]
+    taken = diffs or {}
+    checked = [i for i, (s, g) in enumerate(zip(sums, batch_grads))
+               if (s is not None or i in taken) and g is not None]
     if not checked:
         return []
-    diffs, scales, fulls, eps = [], [], [], []
+    gaps, scales, fulls, eps = [], [], [], []
     for i in checked:
         total, full = sums[i], batch_grads[i]
-        diffs.append((total.to(full.dtype) - full).norm().double().to(device))
+        gap = taken[i] if i in taken else (total.to(full.dtype) - full).norm()
+        gaps.append(gap.double().to(device))
         scales.append(norms[i].double().sum().to(device))
         fulls.append(full.norm().double().to(device))
-        eps.append(working_eps(device.type, total.dtype, full.dtype) ** 0.5)
-    diffs, scales, fulls = torch.stack(diffs), torch.stack(scales), torch.stack(fulls)
+        eps.append(working_eps(device.type, full.dtype if total is None else total.dtype, full.dtype) ** 0.5)
+    diffs, scales, fulls = torch.stack(gaps), torch.stack(scales), torch.stack(fulls)
     finite = torch.isfinite(fulls)
     whole = torch.where(finite, fulls, 0).pow(2).sum().sqrt()
     tolerance = torch.tensor(eps, dtype=torch.float64, device=device) * (scales + whole)

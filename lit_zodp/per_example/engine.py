@@ -163,6 +163,7 @@ class _Batch:
     ghost_norm_sq: Dict[int, Tensor] = field(default_factory=dict)
     projected: Set[int] = field(default_factory=set)
     unit_sums: Dict[int, Tensor] = field(default_factory=dict)
+    unit_diffs: Dict[int, Tensor] = field(default_factory=dict)
     second_pass: Optional[_SecondPass] = None
 
 
@@ -335,7 +336,10 @@ class PerExampleGradientEngine:
         batch = _Batch()
         if mode == "ghost":
             batch.second_pass = self._norms_in_backward(plan, tape, batch, losses, unit_sums=check)
-        batch_grads = self._backward(losses, tape, check=check, retain=mode == "ghost")
+        if mode == "ghost" and check:
+            batch_grads = self._checked_backward_streaming(losses, batch)
+        else:
+            batch_grads = self._backward(losses, tape, check=check, retain=mode == "ghost")
         tape.recording = False
         self._compute(plan, tape, size, ghost=mode == "bookkeeping", batch=batch)
         losses = losses.detach()
@@ -345,6 +349,8 @@ class PerExampleGradientEngine:
             self._recover(plan, batch, failed, tape, uses, batch_grads, losses)
         if numeric is not None:
             self._checked.add(structure)
+        for param in self.params:  # the checked batch's gradient: not held through the sums
+            param.grad = None
         self.last_recomputed = {self.names[i]: self._module_names[id(source.module)]
                                 for i, source in plan.items() if isinstance(source, _Recompute)}
         return losses, batch
@@ -361,6 +367,31 @@ class PerExampleGradientEngine:
                                              retain_graph=retain))
         torch.autograd.backward(losses.sum(), inputs=targets, retain_graph=retain)
         return None
+
+    def _checked_backward_streaming(self, losses: Tensor, batch: _Batch) -> Tuple[Optional[Tensor], ...]:
+        """"ghost" mode on a checked batch: the backward to the parameters (graph retained), each
+        single-use parameter compared with its unit sum as its gradient accumulates and the sum
+        dropped then, so no full set of unit sums coexists with the batch gradient."""
+        ghost = {i for _, mine in batch.second_pass.calls for i in mine.values()}
+        handles = [self.params[i].register_post_accumulate_grad_hook(self._compare_on_arrival(i, batch))
+                   for i in sorted(ghost)]
+        for param in self.params:
+            param.grad = None
+        try:
+            torch.autograd.backward(losses.sum(), inputs=list(self.params), retain_graph=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return tuple(param.grad for param in self.params)
+
+    def _compare_on_arrival(self, i: int, batch: _Batch):
+        def compare(param: Tensor) -> None:
+            total = batch.unit_sums.pop(i, None)
+            if total is None or param.grad is None:
+                return
+            full = self._projections[i].of_gradients(param.grad) if i in batch.projected else param.grad
+            batch.unit_diffs[i] = (total.to(full.dtype) - full).norm()
+        return compare
 
     def _norms_in_backward(self, plan: Dict[int, object], tape: Tape, batch: _Batch, losses: Tensor,
                            *, unit_sums: bool) -> _SecondPass:
@@ -547,12 +578,13 @@ class PerExampleGradientEngine:
         if batch_grads is None or not bool(torch.isfinite(losses).all()):
             return None
         summed = batch.unit_sums if batch.second_pass is not None else self._ghost_sums(batch, None, None)
-        sums = [batch.dense[i].sum(0) if i in batch.dense else summed[i] for i in range(len(self.params))]
+        sums = [batch.dense[i].sum(0) if i in batch.dense else summed.get(i) for i in range(len(self.params))]
         norms = [_row_norm_sq(batch.dense[i]).sqrt() if i in batch.dense else batch.ghost_norm_sq[i].sqrt()
                  for i in range(len(self.params))]
         expected = [self._projections[i].of_gradients(g) if i in batch.projected and g is not None else g
                     for i, g in enumerate(batch_grads)]
-        return uncovered(sums, norms, expected, losses.device)
+        diffs = {i: d for i, d in batch.unit_diffs.items() if i not in batch.dense}
+        return uncovered(sums, norms, expected, losses.device, diffs=diffs)
 
     def _drop(self, batch: _Batch, indices: List[int]) -> None:
         for i in indices:
