@@ -1,0 +1,933 @@
+#!/usr/bin/env python
+"""The zeroth-order step against its two forward passes, MeZO, AdamW and Opacus DP-SGD on a GPU (issue 8).
+
+For each model (RoBERTa-large, OPT-1.3B and a MiniLM-sized BERT, all built from their configurations
+with random weights: nothing is downloaded), dtype (fp32, bf16) and batch size, in ONE worker process
+per (model, dtype), the following are timed side by side, interleaved, their order rotating every
+repetition (medians over repetitions; ratios are medians of per-repetition, paired, ratios):
+
+* ``fwd2``: two no-grad, eval-mode passes of per-example losses (``private_losses``, exactly what the
+  ZO step runs twice);
+* ``dpzero`` / ``mezo``: ``DPZero.training_step`` / ``MeZO.training_step`` driven by a real Lightning
+  ``Trainer`` (a fresh one per repetition, ``--steps-per-repeat`` steps each); the timer wraps
+  ``training_step`` itself (two perturbed forwards, the engine's three passes, clipping, the noise, the
+  optimizer step through Lightning, the ledger, the logs). ``loop`` is the interval between the starts of
+  consecutive batches of one fit: the step plus everything Lightning does around it;
+* ``engine``: one pass of the fused engine (``FusedPerturbation.perturb_``: Triton on CUDA, the torch
+  reference on CPU) and of the chunked engine (``PerturbationEngine.perturb_``), alone, and one fused
+  restore+update pass of each; ``copy``: ``dst.copy_(src)`` over a buffer the size of the parameters
+  (the measured copy bandwidth). A pass reads and writes every parameter once:
+  ``bytes = 2 * numel * itemsize``; ``pass / copy`` is the pass time over ``bytes / bandwidth``;
+* ``adamw``: forward + backward of the mean loss + ``torch.optim.AdamW`` step (train mode, dropout 0);
+* ``opacus``: Opacus DP-SGD with ghost clipping (``make_private(..., grad_sample_mode="ghost")``):
+  forward, the two backward passes, clipping, noise, SGD step. An OOM or an error is reported as
+  "fails" with its reason.
+
+Memory (``--memory inprocess``, the default): after the timings, in the same worker, each method runs
+once more alone (the first-order copies of the model freed), the peak counter reset just before it:
+``torch.cuda.max_memory_allocated`` on CUDA, ``VmHWM`` (after a reset through ``/proc/self/clear_refs``)
+on CPU. A first-order method runs on its own copy of the model, made before the reset, so every method's
+footprint is ``weights + batch + (peak - level before the method)``.
+
+Usage (see benchmarks/README.md)::
+
+    python benchmarks/bench_zo_gpu.py                                   # everything, on the GPU
+    python benchmarks/bench_zo_gpu.py --models roberta_large --out benchmarks/results/bench_zo_gpu_roberta
+    python benchmarks/bench_zo_gpu.py --merge benchmarks/results/bench_zo_gpu_roberta \\
+        benchmarks/results/bench_zo_gpu_opt benchmarks/results/bench_zo_gpu_minilm   # one table from parts
+    python benchmarks/bench_zo_gpu.py --tiny --device cpu --repeats 1 --out /tmp/bench_zo_gpu_smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import bench_dpzero as bd  # noqa: E402  (light at import: heavy imports happen in its functions)
+
+MODELS = ("roberta_large", "opt_1_3b", "minilm")
+DEFAULT_BATCHES = {"roberta_large": [16, 64], "opt_1_3b": [16, 64], "minilm": [32]}
+DEFAULT_SEQ_LEN = {"roberta_large": 128, "opt_1_3b": 128, "minilm": 32}
+DEFAULT_STEPS = {"roberta_large": 3, "opt_1_3b": 3, "minilm": 10}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+LABELS = {"roberta_large": "RoBERTa-large", "opt_1_3b": "OPT-1.3B", "minilm": "MiniLM (BERT 384x6)"}
+
+#: Targets of issue 8 (ratios measured side by side in one run).
+TARGET_STEP_VS_FWD2 = {("roberta_large", 64): 1.05, ("roberta_large", 16): 1.10, ("opt_1_3b", 16): 1.10}
+TARGET_DPZERO_VS_MEZO = 1.02
+TARGET_PASS_VS_COPY = 1.5
+TARGET_SMALL_OVERHEAD_MS = 3.0  # MiniLM b32 L32: DPZero step - two forwards
+
+#: Configurations (the models' config.json sizes), built with random weights.
+CONFIGS = {
+    "roberta_large": dict(model_type="roberta", vocab_size=50265, hidden_size=1024, num_hidden_layers=24,
+                          num_attention_heads=16, intermediate_size=4096, max_position_embeddings=514,
+                          type_vocab_size=1, layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0,
+                          eos_token_id=2),
+    "opt_1_3b": dict(model_type="opt", vocab_size=50272, hidden_size=2048, num_hidden_layers=24,
+                     num_attention_heads=32, ffn_dim=8192, max_position_embeddings=2048,
+                     word_embed_proj_dim=2048, do_layer_norm_before=True, pad_token_id=1, bos_token_id=2,
+                     eos_token_id=2),
+    "minilm": dict(model_type="bert", vocab_size=30522, hidden_size=384, num_hidden_layers=6,
+                   num_attention_heads=12, intermediate_size=1536, max_position_embeddings=512),
+}
+#: ``--tiny``: every model shrunk to 2 layers, hidden 64 (CPU smoke tests of the whole pipeline).
+TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=4096)
+#: OPT: the last tokens of each row are the candidate whose log-likelihood is the loss.
+OPT_CANDIDATE_TOKENS = 8
+
+CLIP, SIGMA, LR, LAM, DELTA = bd.CLIP, bd.SIGMA, bd.LR, bd.LAM, 1e-5
+ZO_METHODS = ("fwd2", "dpzero", "mezo", "engine")
+FO_METHODS = ("adamw", "opacus")
+MEMORY_METHODS = ("inference", "dpzero", "mezo", "adamw", "opacus")
+COPY_CAP = 1 << 28
+ENGINE_KEYS = ("copy", "fused_pass", "fused_update", "chunked_pass", "chunked_update")
+
+
+#: Marks a worker's progress lines in its output (the orchestrator echoes those, keeps the rest for errors).
+PROGRESS = "@progress "
+
+
+def log(msg: str) -> None:
+    print(PROGRESS + msg, flush=True)
+
+
+# =====================================================================================
+# Worker side (one process per model and dtype; heavy imports only here)
+# =====================================================================================
+
+def model_config(model: str, tiny: bool) -> dict:
+    cfg = dict(CONFIGS[model])
+    if tiny:
+        cfg.update(TINY)
+        for key in ("intermediate_size", "ffn_dim"):
+            if key in cfg:
+                cfg[key] = 4 * TINY["hidden_size"]
+        if "word_embed_proj_dim" in cfg:
+            cfg["word_embed_proj_dim"] = TINY["hidden_size"]
+    return cfg
+
+
+class Batch(bd.FixedBatch):
+    """The fixed batch as a dataset whose loader hands the whole batch at once (``__getitems__`` with
+    an identity collate): no per-example indexing and stacking in the loop, as a pre-batched loader."""
+
+    def __getitems__(self, indices):
+        indices = list(indices)
+        if indices == list(range(len(self))):
+            return self.inputs, self.targets
+        index = self.targets.new_tensor(indices)
+        inputs = ({k: v[index] for k, v in self.inputs.items()} if isinstance(self.inputs, dict)
+                  else self.inputs[index])
+        return inputs, self.targets[index]
+
+
+def build(model: str, batch: int, seq_len: int, dtype: str, device, tiny: bool):
+    """``(backbone, inputs, targets, dataset, notes)``: the model built on ``device`` from its config."""
+    import torch
+
+    from lit_zodp.backbones import HFCandidateScorer, HFSequenceClassifier
+
+    cfg = model_config(model, tiny)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    with torch.device(device):  # random init on the device itself (OPT-1.3B: seconds, not minutes)
+        if model == "opt_1_3b":
+            # MeZO's setting for OPT: the log-likelihood of a candidate continuation; one candidate per
+            # example with loss="lm" runs exactly B x L tokens through the model (Opacus' cross-entropy
+            # over the single score runs the same forward and backward).
+            backbone = HFCandidateScorer(config=cfg, num_classes=1, loss="lm", dtype=DTYPES[dtype])
+        else:
+            backbone = HFSequenceClassifier(config=cfg, num_classes=2, dtype=DTYPES[dtype])
+    backbone = backbone.to(device)
+    vocab = cfg["vocab_size"]
+    if model == "opt_1_3b":
+        ids = torch.randint(3, vocab, (batch, 1, seq_len), generator=g)
+        ids[:, :, 0] = cfg["bos_token_id"]
+        candidate = torch.zeros(batch, 1, seq_len, dtype=torch.bool)
+        candidate[:, :, -OPT_CANDIDATE_TOKENS:] = True
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "candidate_mask": candidate}
+        targets = torch.zeros(batch, dtype=torch.long)
+    elif model == "roberta_large":
+        ids = torch.randint(3, vocab, (batch, seq_len), generator=g)
+        ids[:, 0], ids[:, -1] = cfg["bos_token_id"], cfg["eos_token_id"]
+        # No position_ids: RoBERTa derives them per example ([B, T]) from input_ids.
+        inputs = {"input_ids": ids, "attention_mask": torch.ones(batch, seq_len, dtype=torch.long),
+                  "token_type_ids": torch.zeros(batch, seq_len, dtype=torch.long)}
+        targets = torch.randint(0, 2, (batch,), generator=g)
+    else:  # BERT: explicit [B, T] position ids (Opacus' per-sample Embedding gradients need them)
+        ids = torch.randint(1000 % vocab, vocab, (batch, seq_len), generator=g)
+        ids[:, 0], ids[:, -1] = 101 % vocab, 102 % vocab
+        inputs = {"input_ids": ids, "attention_mask": torch.ones(batch, seq_len, dtype=torch.long),
+                  "token_type_ids": torch.zeros(batch, seq_len, dtype=torch.long),
+                  "position_ids": torch.arange(seq_len).repeat(batch, 1)}
+        targets = torch.randint(0, 2, (batch,), generator=g)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    targets = targets.to(device)
+    return backbone, inputs, targets, Batch(inputs, targets)
+
+
+def timed_module(kind: str, backbone, engine: str, model: str):
+    """A DPZero or MeZO module whose ``training_step`` is timed and whose batch starts are recorded.
+
+    ``cpu()`` is a no-op: Lightning's teardown moves the module to the CPU after every ``fit``, which
+    would move the (shared) backbone off the GPU between repetitions (seconds for OPT-1.3B) and leave the
+    standalone engines pointing at freed memory.
+    """
+    from lit_zodp.algorithms import DPZero, MeZO
+
+    base = {"dpzero": DPZero, "mezo": MeZO}[kind]
+
+    class Timed(base):
+        abstract = True  # not registered in lit_zodp.algorithms.ALGORITHMS
+
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.step_times: list[float] = []
+            self.loop_times: list[float] = []
+            self._last_start = None
+
+        def on_train_batch_start(self, batch, batch_idx):
+            out = super().on_train_batch_start(batch, batch_idx)
+            now = time.perf_counter()
+            if self._last_start is not None:
+                self.loop_times.append(now - self._last_start)
+            self._last_start = now
+            return out
+
+        def on_train_start(self) -> None:
+            super().on_train_start()
+            self._last_start = None  # intervals within one fit only
+
+        def training_step(self, batch, batch_idx):
+            bd._sync(self.device)
+            start = time.perf_counter()
+            out = super().training_step(batch, batch_idx)
+            bd._sync(self.device)
+            self.step_times.append(time.perf_counter() - start)
+            return out
+
+        def cpu(self):
+            return self
+
+    Timed.__name__ = Timed.__qualname__ = f"Timed{base.__name__}"
+    kwargs = dict(lr=LR, lam=LAM, seed=0, perturbation=engine)
+    if model == "opt_1_3b":
+        kwargs["num_classes"] = 2  # accuracy metrics need >= 2 classes; unused in training
+    if kind == "dpzero":
+        kwargs.update(clip=CLIP, noise_multiplier=SIGMA, delta=DELTA)
+    return Timed(backbone, **kwargs)
+
+
+def fit(module, dataset, steps: int, device) -> None:
+    """``steps`` steps of ``module`` through a fresh Trainer over the library's full-batch sampler."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lit_zodp.privacy import FullBatchSampler
+
+    loader = DataLoader(dataset, batch_sampler=FullBatchSampler(len(dataset), steps_per_epoch=steps),
+                        collate_fn=lambda batch: batch)
+    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_steps=steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module, loader)
+
+
+def prepare_first_order(backbone):
+    """Train mode with every dropout probability 0: the function the ZO passes see (eval mode)."""
+    from torch import nn
+
+    for m in backbone.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    for cfg_attr in ("attention_dropout", "dropout", "activation_dropout", "hidden_dropout_prob",
+                     "attention_probs_dropout_prob"):
+        config = getattr(getattr(backbone, "model", None), "config", None)
+        if config is not None and hasattr(config, cfg_attr):
+            setattr(config, cfg_attr, 0.0)
+    return backbone.train()
+
+
+def make_adamw(backbone, inputs, targets):
+    import torch
+
+    from lit_zodp.backbones.base import per_example_loss
+
+    params = [p for p in backbone.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR)
+
+    def step() -> None:
+        per_example_loss(backbone, inputs, targets).float().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def make_first_order(method: str, base, inputs, targets, dataset, batch: int, model: str):
+    """``(step, holder, notes)``: a step on its own copy of ``base``; ``holder`` keeps what must be freed."""
+    backbone = prepare_first_order(copy.deepcopy(base))
+    if method == "adamw":
+        return make_adamw(backbone, inputs, targets), [backbone], []
+    step, notes = bd.make_opacus(backbone, dataset, batch, model, "ghost")
+    return step, [backbone], notes
+
+
+#: Why Opacus' ghost clipping fails on OPT as transformers builds it (found on CPU with --tiny; each one
+#: masks the next): the learned position embedding is called with an int (the cache length), which its
+#: hooks cannot capture; the token embedding is tied to the LM head ("Parameter tying is not supported
+#: with Ghost Clipping"); the decoder MLP flattens [B, L, H] to [B*L, H], so fc1/fc2's per-sample norms
+#: have B*L rows. Added to the notes when Opacus fails on OPT.
+OPACUS_OPT_NOTE = ("Opacus ghost clipping cannot run OPT as transformers builds it: embed_positions is called "
+                   "with an int (hooks fail), embed_tokens is tied to lm_head (no parameter tying in ghost "
+                   "clipping), and the MLP flattens [B, L, H] to [B*L, H] (per-sample norms get B*L rows)")
+
+
+def _is_oom(err: BaseException) -> bool:
+    import torch
+
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _is_oom_text(text: str) -> bool:
+    return text.startswith("OOM")
+
+
+def _describe(err: BaseException) -> str:
+    if _is_oom(err):
+        return "OOM: " + str(err).split("\n")[0][:200]
+    return f"{type(err).__name__}: {err}"[:400]
+
+
+def _free(device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+class Engines:
+    """The fused and chunked engines over the model's parameters, alone, and the copy of their bytes."""
+
+    def __init__(self, params, device) -> None:
+        import torch
+
+        from lit_zodp.zo import PerturbationEngine
+        from lit_zodp.zo.fused import FusedPerturbation
+
+        self.params, self.device = params, device
+        self.numel = sum(p.numel() for p in params)
+        self.bytes_per_pass = sum(2 * p.numel() * p.element_size() for p in params)
+        self.dtype = params[0].dtype
+        self.errors: dict[str, str] = {}
+        self.engines = {}
+        try:
+            self.engines["fused"] = FusedPerturbation(params, backend="auto")
+        except Exception as err:  # e.g. a dtype the kernel does not take
+            self.errors["fused"] = _describe(err)
+        self.engines["chunked"] = PerturbationEngine(params)
+        self.fused_backend = getattr(self.engines.get("fused"), "backend", None)
+        self.coefficient = {"fused": torch.tensor(1.0, device=device), "chunked": 1.0}
+        self.seed = 12345
+        self.calls: dict[str, int] = {}
+
+    def _batched(self, fn, n: int) -> float:
+        """Seconds per call of ``fn(i)``, ``n`` calls back to back between two synchronisations."""
+        bd._sync(self.device)
+        start = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        bd._sync(self.device)
+        return (time.perf_counter() - start) / n
+
+    def _calls(self, key: str, fn) -> int:
+        """Calls per sample (even): one on CPU; on CUDA enough for ~2 ms, so that the launch and the
+        synchronisation do not count for a small model (MiniLM's pass takes tens of microseconds)."""
+        if key not in self.calls:
+            self._batched(fn, 2)  # compiles the kernel (Triton) the first time: not part of the estimate
+            once = self._batched(fn, 2)
+            self.calls[key] = 2 if self.device.type != "cuda" else 2 * max(1, min(100, round(1e-3 / max(once, 1e-7))))
+        return self.calls[key]
+
+    def run(self, k: int) -> dict[str, list[float]]:
+        """``k`` samples of each: the copy; a perturb pass (+lam and -lam alternately: the parameters
+        come back); a restore+update pass (a perturb, then ``restore_and_update_`` with lr = 0: the same
+        work as an update, the parameters restored), from the time of the pair minus the pass's."""
+        import torch
+
+        out = {key: [] for key in ENGINE_KEYS}
+        # The copy runs over at most COPY_CAP elements (bandwidth is flat well before that) and is scaled
+        # to the parameters' size: two full-size buffers would need 10 GB more for OPT-1.3B in fp32.
+        n = min(self.numel, COPY_CAP)
+        src = torch.empty(n, dtype=self.dtype, device=self.device).fill_(1.0)
+        dst = torch.empty_like(src)
+        copy = lambda i: dst.copy_(src)  # noqa: E731
+        calls = self._calls("copy", copy)
+        for _ in range(k):
+            out["copy"].append(self._batched(copy, calls) * self.numel / n)
+        del src, dst, copy
+        for name, engine in self.engines.items():
+            c, seed = self.coefficient[name], self.seed
+            perturb = lambda i: engine.perturb_(seed, LAM if i % 2 == 0 else -LAM)  # noqa: E731
+            pair = lambda i: (engine.perturb_(seed, LAM), engine.restore_and_update_({seed: c}, lr=0.0))  # noqa: E731
+            # The fused engine's CPU reference (Philox in torch) is exact but ~1000x slower than a copy:
+            # one sample per repetition is enough to see that it runs.
+            reference = getattr(engine, "backend", None) == "reference"
+            calls = 2 if reference else self._calls(f"{name}_pass", perturb)
+            for _ in range(1 if reference else k):
+                one = self._batched(perturb, calls)
+                out[f"{name}_pass"].append(one)
+                out[f"{name}_update"].append(self._batched(pair, calls // 2) - one)
+        return out
+
+
+def worker(args) -> None:
+    """All batches of one (model, dtype): timing, then memory, batch by batch; results after each."""
+    bd._setup_worker(args.threads)
+    import torch
+
+    device = bd._device(args.device)
+    out = {"model": args.model, "dtype": args.dtype, "device": str(device), "rows": [],
+           "cuda_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+           "torch": torch.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    for batch in [int(b) for b in args.worker_batches.split(",")]:
+        try:
+            row = run_config(args, device, batch)
+        except Exception as err:  # the whole configuration failed (e.g. the model does not fit)
+            import traceback
+
+            row = {"model": args.model, "dtype": args.dtype, "batch": batch, "error": _describe(err),
+                   "traceback": traceback.format_exc()[-2000:]}
+            log(f"    {args.model} {args.dtype} b{batch}: FAILED {row['error']}")
+        _free(device)
+        out["rows"].append(row)
+        Path(args.result_file).write_text(json.dumps(out))
+
+
+def run_config(args, device, batch: int) -> dict:
+    import torch
+
+    tag = f"    {args.model} {args.dtype} b{batch}:"
+    seq_len = args.seq_len or DEFAULT_SEQ_LEN[args.model]
+    k = args.steps_per_repeat or DEFAULT_STEPS[args.model]
+    base, inputs, targets, dataset = build(args.model, batch, seq_len, args.dtype, device, args.tiny)
+    base.eval()
+    params = [p for p in base.parameters() if p.requires_grad]
+    model_bytes = (sum(p.numel() * p.element_size() for p in base.parameters())
+                   + sum(t.numel() * t.element_size() for t in list(inputs.values()) + [targets]))
+    row = {"model": args.model, "dtype": args.dtype, "batch": batch, "seq_len": seq_len, "steps_per_repeat": k,
+           "n_params": sum(p.numel() for p in params), "model_bytes": model_bytes, "tiny": args.tiny,
+           "times": {}, "rep_of": {}, "errors": {}, "notes": [], "memory": {}}
+    log(f"{tag} {row['n_params'] / 1e6:.1f}M parameters, sequence {seq_len}, {k} steps per repeat")
+    zo = {kind: timed_module(kind, base, args.engine, args.model) for kind in ("dpzero", "mezo")}
+    engines = Engines(params, device)
+    row.update(bytes_per_pass=engines.bytes_per_pass, fused_backend=engines.fused_backend)
+    row["errors"].update({f"engine_{k_}": v for k_, v in engines.errors.items()})
+
+    first_order = {}
+    for method in FO_METHODS:
+        if getattr(args, f"no_{method}"):
+            continue
+        try:
+            first_order[method] = make_first_order(method, base, inputs, targets, dataset, batch, args.model)
+            row["notes"] += [f"{method}: {n}" for n in first_order[method][2]]
+        except Exception as err:
+            row["errors"][method] = _describe(err)
+            log(f"{tag} {method} fails: {row['errors'][method]}")
+            _free(device)
+
+    def record(name: str, values, rep: int) -> None:
+        if rep >= 0:
+            row["times"].setdefault(name, []).extend(values)
+            row["rep_of"].setdefault(name, []).extend([rep] * len(values))
+
+    def run_method(method: str, rep: int, reps: int) -> None:
+        if method == "fwd2":
+            times = []
+            for _ in range(reps):
+                bd._sync(device)
+                start = time.perf_counter()
+                bd.two_forwards(zo["dpzero"], inputs, targets)
+                bd._sync(device)
+                times.append(time.perf_counter() - start)
+            record("fwd2", times, rep)
+        elif method in zo:
+            module = zo[method]
+            before, before_loop = len(module.step_times), len(module.loop_times)
+            fit(module, dataset, max(reps, 2), device)
+            record(method, module.step_times[before:], rep)
+            record(f"{method}_loop", module.loop_times[before_loop:], rep)
+        elif method == "engine":
+            for key, values in engines.run(reps).items():
+                record(key, values, rep)
+        else:
+            step = first_order[method][0]
+            times = []
+            for _ in range(reps):
+                bd._sync(device)
+                start = time.perf_counter()
+                step()
+                bd._sync(device)
+                times.append(time.perf_counter() - start)
+            record(method, times, rep)
+
+    methods = list(ZO_METHODS) + list(first_order)
+    started = time.perf_counter()
+    for rep in range(-args.warmup, args.repeats):
+        shift = rep % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            if method not in methods:  # dropped after a failure in this repetition
+                continue
+            try:
+                run_method(method, rep, k if rep >= 0 else 1)
+            except Exception as err:
+                row["errors"][method] = _describe(err)
+                log(f"{tag} {method} fails: {row['errors'][method]}")
+                if method in first_order:
+                    del first_order[method]
+                methods.remove(method)
+                _free(device)
+        med = lambda name: _median_ms(row["times"].get(name))  # noqa: E731
+        log(f"{tag} {'warm-up' if rep < 0 else f'repeat {rep + 1}/{args.repeats}'} done "
+            f"({time.perf_counter() - started:.0f} s): 2fwd {med('fwd2')} ms, DPZero {med('dpzero')} ms, "
+            f"MeZO {med('mezo')} ms, fused pass {med('fused_pass')} ms, copy {med('copy')} ms, "
+            f"AdamW {med('adamw')} ms, Opacus {med('opacus')} ms")
+    if args.model == "opt_1_3b" and "opacus" in row["errors"] and not _is_oom_text(row["errors"]["opacus"]):
+        row["notes"].append(OPACUS_OPT_NOTE)
+    row["zo_engine"] = type(zo["dpzero"].engine).__name__ + (
+        f" ({zo['dpzero'].engine.backend})" if hasattr(zo["dpzero"].engine, "backend") else "")
+    first_order.clear()
+    _free(device)
+    for method in FO_METHODS:  # an OOM next to the other methods' copies: time it alone
+        if not _is_oom_text(row["errors"].get(method, "")):
+            continue
+        row["times"].pop(method, None)
+        row["rep_of"].pop(method, None)
+        try:
+            first_order[method] = make_first_order(method, base, inputs, targets, dataset, batch, args.model)
+            for rep in range(-1, args.repeats):
+                run_method(method, rep, k if rep >= 0 else 1)
+            row["notes"].append(f"{method}: timed alone after the interleaved loop (it ran out of memory "
+                                f"next to the other methods: {row['errors'].pop(method)[:120]})")
+            log(f"{tag} {method} alone: {_median_ms(row['times'].get(method))} ms")
+        except Exception as err:
+            row["errors"][method] = _describe(err)
+            log(f"{tag} {method} alone fails: {row['errors'][method]}")
+        first_order.clear()
+        _free(device)
+    if args.memory != "none":
+        row["memory"] = measure_memory(args, device, base, inputs, targets, dataset, batch, zo, row, tag)
+    return row
+
+
+def _median_ms(xs):
+    return "n/a" if not xs else f"{1e3 * statistics.median(xs):.1f}"
+
+
+def measure_memory(args, device, base, inputs, targets, dataset, batch, zo, row, tag) -> dict:
+    """Each method alone, the peak counter reset just before it (see the module docstring)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    out = {"kind": "cuda_max_memory_allocated" if cuda else "rss_vmhwm"}
+
+    def level() -> int | None:
+        if cuda:
+            torch.cuda.synchronize(device)
+            return torch.cuda.memory_allocated(device)
+        return bd._proc_status("VmRSS")
+
+    def reset() -> bool:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            return True
+        return bd._reset_peak_rss()
+
+    def peak() -> int | None:
+        if cuda:
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device)
+        return bd._proc_status("VmHWM")
+
+    for method in MEMORY_METHODS:
+        if method in FO_METHODS and getattr(args, f"no_{method}"):
+            continue
+        _free(device)
+        entry = {}
+        holder = None
+        failed = (row.get("errors") or {}).get(method)
+        if failed and not _is_oom_text(failed):  # the same error again; an OOM may fit when run alone
+            out[method] = {"error": failed, "skipped": True}
+            log(f"{tag} memory {method}: skipped (failed in the timing)")
+            continue
+        try:
+            if method in FO_METHODS:
+                step, holder, _ = make_first_order(method, base, inputs, targets, dataset, batch, args.model)
+            _free(device)
+            before = level()
+            entry["reset"] = reset()
+            if method == "inference":
+                bd.two_forwards(zo["dpzero"], inputs, targets)
+            elif method in zo:
+                fit(zo[method], dataset, 1, device)
+            else:
+                step()
+            top = peak()
+            entry.update(before=before, peak=top, extra=top - before if top and before else None)
+            entry["footprint"] = row["model_bytes"] + entry["extra"] if entry["extra"] is not None else None
+        except Exception as err:
+            entry["error"] = _describe(err)
+        holder = step = None  # noqa: F841
+        out[method] = entry
+        what = entry.get("error") or f"{entry['footprint'] / 2**20:.0f} MiB"
+        log(f"{tag} memory {method}: {what}")
+    _free(device)
+    return out
+
+
+# =====================================================================================
+# Orchestrator side (light imports only)
+# =====================================================================================
+
+def spawn(args, model: str, dtype: str, batches: list[int]) -> dict:
+    """One worker for (model, dtype); its progress lines are echoed as they come."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_file = f.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", model, "--dtype", dtype,
+           "--worker-batches", ",".join(map(str, batches)), "--result-file", result_file,
+           "--threads", str(args.threads), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+           "--device", args.device, "--engine", args.engine, "--memory", args.memory]
+    if args.seq_len:
+        cmd += ["--seq-len", str(args.seq_len)]
+    if args.steps_per_repeat:
+        cmd += ["--steps-per-repeat", str(args.steps_per_repeat)]
+    for flag in ("tiny", "no_adamw", "no_opacus"):
+        if getattr(args, flag):
+            cmd.append("--" + flag.replace("_", "-"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(args.threads),
+               MKL_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+                   [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    if args.memory != "none":  # CPU: freed tensors go back to the OS, so the peak RSS tracks live memory
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    tail: deque = deque(maxlen=40)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)
+    for line in proc.stdout:
+        if line.startswith(PROGRESS):  # the worker's progress lines; warnings and logs go to the tail only
+            print(line[len(PROGRESS):].rstrip(), flush=True)
+        else:
+            tail.append(line.rstrip())
+    proc.wait()
+    try:
+        result = json.loads(Path(result_file).read_text())
+    except (OSError, json.JSONDecodeError):
+        result = {"model": model, "dtype": dtype, "rows": []}
+    finally:
+        Path(result_file).unlink(missing_ok=True)
+    done = {r["batch"] for r in result["rows"]}
+    if proc.returncode != 0:
+        why = f"worker exited with {proc.returncode}" + (" (killed: out of memory?)"
+                                                          if proc.returncode in (-9, 137) else "")
+        for b in batches:
+            if b not in done:
+                result["rows"].append({"model": model, "dtype": dtype, "batch": b, "error": why,
+                                       "traceback": "\n".join(tail)[-2000:]})
+        print("\n".join(list(tail)[-15:]), flush=True)
+    result["worker_wall_s"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def _median(xs):
+    xs = [x for x in (xs or []) if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _per_rep(row: dict, name: str) -> dict:
+    reps: dict = {}
+    for t, rep in zip(row.get("times", {}).get(name, []), row.get("rep_of", {}).get(name, [])):
+        reps.setdefault(rep, []).append(t)
+    return {rep: statistics.median(ts) for rep, ts in reps.items()}
+
+
+def _paired(row: dict, num: str, den: str):
+    """Median over repetitions of (median of ``num`` in the repetition / median of ``den`` in it)."""
+    a, b = _per_rep(row, num), _per_rep(row, den)
+    return _median([a[r] / b[r] for r in a if r in b and b[r]])
+
+
+def summarize(row: dict) -> dict:
+    times = row.get("times", {})
+    s = {key: _median(times.get(key)) for key in
+         ("fwd2", "dpzero", "mezo", "dpzero_loop", "mezo_loop", "adamw", "opacus") + ENGINE_KEYS}
+    s["dpzero_vs_fwd2"] = _paired(row, "dpzero", "fwd2")
+    s["mezo_vs_fwd2"] = _paired(row, "mezo", "fwd2")
+    s["dpzero_vs_mezo"] = _paired(row, "dpzero", "mezo")
+    s["dpzero_minus_fwd2"] = (s["dpzero"] - s["fwd2"]) if s["dpzero"] is not None and s["fwd2"] else None
+    s["dpzero_loop_minus_fwd2"] = (s["dpzero_loop"] - s["fwd2"]) if s["dpzero_loop"] and s["fwd2"] else None
+    for name in ("fused_pass", "fused_update", "chunked_pass", "chunked_update"):
+        s[f"{name}_vs_copy"] = _paired(row, name, "copy")
+    s["bandwidth"] = _ratio(row.get("bytes_per_pass"), s["copy"])
+    s["target_vs_fwd2"] = TARGET_STEP_VS_FWD2.get((row["model"], row["batch"]))
+    return s
+
+
+def _fmt(x, spec=".3f", none="n/a"):
+    return none if x is None else format(x, spec)
+
+
+def _ms(x):
+    return _fmt(None if x is None else 1e3 * x, ".1f")
+
+
+def _fails(row: dict, method: str) -> str | None:
+    err = (row.get("errors") or {}).get(method)
+    if not err:
+        return None
+    return "fails (OOM)" if err.startswith("OOM") else "fails"
+
+
+def _check(value, target, le=True) -> str:
+    if value is None or target is None:
+        return ""
+    return " ✓" if (value <= target if le else value >= target) else " ✗"
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["**Step vs two forwards** (ms: medians over repetitions; ratios: medians of per-repetition "
+             "ratios; ✓/✗ against the issue's targets)", "",
+             "| model | dtype | batch | 2 fwd ms | DPZero step ms | MeZO step ms | DPZero / 2 fwd (target) | "
+             f"DPZero / MeZO (<= {TARGET_DPZERO_VS_MEZO}) | DPZero - 2 fwd ms | loop step - 2 fwd ms | "
+             "AdamW step ms | Opacus ghost ms | peak MiB: inference / DPZero / MeZO / AdamW / Opacus ghost |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        label = LABELS.get(row["model"], row["model"]) + (" (tiny)" if row.get("tiny") else "")
+        if row.get("error"):
+            lines.append(f"| {label} | {row['dtype']} | {row['batch']} | fails: {row['error'][:120]} |"
+                         + " |" * 9)
+            continue
+        s = summarize(row)
+        target = s["target_vs_fwd2"]
+        ratio = _fmt(s["dpzero_vs_fwd2"]) + (f" (<= {target:.2f}){_check(s['dpzero_vs_fwd2'], target)}"
+                                             if target else "")
+        small = row["model"] == "minilm"
+        overhead = _ms(s["dpzero_minus_fwd2"]) + (
+            f" (<= {TARGET_SMALL_OVERHEAD_MS:g}){_check(None if s['dpzero_minus_fwd2'] is None else 1e3 * s['dpzero_minus_fwd2'], TARGET_SMALL_OVERHEAD_MS)}"
+            if small else "")
+        mem = row.get("memory") or {}
+
+        def mib(method):
+            e = mem.get(method)
+            if not e:
+                return "-"
+            if e.get("error"):
+                return "fails (OOM)" if e["error"].startswith("OOM") else "fails"
+            return _fmt(e["footprint"] / 2**20 if e.get("footprint") is not None else None, ".0f")
+
+        lines.append(
+            f"| {label} | {row['dtype']} | {row['batch']} | {_ms(s['fwd2'])} | {_ms(s['dpzero'])} | "
+            f"{_ms(s['mezo'])} | {ratio} | {_fmt(s['dpzero_vs_mezo'])}"
+            f"{_check(s['dpzero_vs_mezo'], TARGET_DPZERO_VS_MEZO)} | {overhead} | "
+            f"{_ms(s['dpzero_loop_minus_fwd2'])} | {_fails(row, 'adamw') or _ms(s['adamw'])} | "
+            f"{_fails(row, 'opacus') or _ms(s['opacus'])} | "
+            + " / ".join(mib(m) for m in MEMORY_METHODS) + " |")
+    lines += ["", f"**Engine pass vs copy bandwidth** (a pass reads and writes every parameter once: bytes = "
+              f"2 x numel x itemsize; pass / copy = pass time / (bytes / measured copy bandwidth), target "
+              f"<= {TARGET_PASS_VS_COPY})", "",
+              "| model | dtype | batch | params M | MB per pass | copy ms | copy GB/s | fused pass ms | "
+              "fused / copy | fused update ms | fused update / copy | chunked pass ms | chunked / copy | "
+              "chunked update ms | engine in the step |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        if row.get("error"):
+            continue
+        s = summarize(row)
+        label = LABELS.get(row["model"], row["model"]) + (" (tiny)" if row.get("tiny") else "")
+        fused = "fused" + (f" ({row['fused_backend']})" if row.get("fused_backend") else "")
+        lines.append(
+            f"| {label} | {row['dtype']} | {row['batch']} | {row['n_params'] / 1e6:.1f} | "
+            f"{row['bytes_per_pass'] / 1e6:.0f} | {_ms(s['copy'])} | {_fmt(_ratio(s['bandwidth'], 1e9), '.0f')} | "
+            f"{_ms(s['fused_pass'])} | {_fmt(s['fused_pass_vs_copy'], '.2f')}"
+            f"{_check(s['fused_pass_vs_copy'], TARGET_PASS_VS_COPY)} | {_ms(s['fused_update'])} | "
+            f"{_fmt(s['fused_update_vs_copy'], '.2f')} | {_ms(s['chunked_pass'])} | "
+            f"{_fmt(s['chunked_pass_vs_copy'], '.2f')} | {_ms(s['chunked_update'])} | "
+            f"{row.get('zo_engine', 'n/a')}; standalone {fused} |")
+    where: dict[str, list[str]] = {}  # note -> the rows it concerns (each note once)
+
+    def note(row, text):
+        where.setdefault(text, []).append(f"{row['model']} {row['dtype']} b{row['batch']}")
+
+    for row in rows:
+        for text in row.get("notes") or []:
+            note(row, text)
+        for what, err in (row.get("errors") or {}).items():
+            note(row, f"{what}: {err[:300]}")
+        for method, e in (row.get("memory") or {}).items():
+            if isinstance(e, dict) and e.get("error") and not e.get("skipped"):
+                note(row, f"memory {method}: {e['error'][:300]}")
+            if isinstance(e, dict) and e.get("reset") is False:
+                note(row, f"memory {method}: peak counter not reset (the peak covers the whole process)")
+        if row.get("error"):
+            note(row, row["error"][:300])
+    notes = [f"- {', '.join(rows_)}: {text}" for text, rows_ in where.items()]
+    if notes:
+        lines += ["", "Notes:"] + notes
+    return "\n".join(lines)
+
+
+def header(meta: dict) -> str:
+    a = meta.get("args", {})
+    device = meta.get("cuda") or f"CPU ({meta.get('cpu')}, {meta.get('cpus')} CPUs, {a.get('threads')} threads)"
+    return (f"# Zeroth-order step vs two forwards, MeZO, AdamW and Opacus (issue 8)\n\n`{meta['command']}`  \n"
+            f"device: **{device}**; torch {meta.get('torch')}, triton {meta.get('triton')}, opacus "
+            f"{meta.get('opacus')}, lightning {meta.get('lightning')}; engine in the ZO modules: "
+            f"`perturbation={a.get('engine')}`; repeats {a.get('repeats')} (+{a.get('warmup')} warm-up); "
+            f"memory: {a.get('memory')}{'; TINY configs (2 layers, hidden 64): a smoke test, not a measurement' if a.get('tiny') else ''}; "
+            f"total {meta.get('total_wall_s', 0):.0f} s"
+            + ("".join(f"  \npart: `{part}`" for part in meta.get("parts", [])) + "\n\n"))
+
+
+def write(stem: Path, meta: dict, rows: list[dict], raw: list[dict]) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".md").write_text(header(meta) + render(rows) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
+
+
+def cuda_available() -> bool:
+    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() == "True"
+
+
+def merge(args, command: str) -> None:
+    rows, raw, metas = [], [], []
+    for stem in args.merge:
+        data = json.loads(Path(stem).with_suffix(".json").read_text())
+        rows += data["rows"]
+        raw += data.get("raw", [])
+        metas.append(data["meta"])
+    # The header shows the first part's settings; each part's own command line follows it.
+    meta = dict(metas[0], command=command, parts=[m["command"] for m in metas],
+                total_wall_s=sum(m.get("total_wall_s", 0) for m in metas))
+    devices = {m.get("cuda") for m in metas}
+    if len(devices) > 1:
+        print(f"warning: the parts ran on different devices: {devices}", flush=True)
+    stem = Path(args.out) if args.out else RESULTS / "bench_zo_gpu"
+    write(stem, meta, rows, raw)
+    print(header(meta) + render(rows))
+    print(f"\nwrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma list from {MODELS}")
+    parser.add_argument("--batches", default=None,
+                        help="comma list for every model (default: 16,64 for roberta_large and opt_1_3b, 32 for minilm)")
+    parser.add_argument("--dtypes", default="fp32,bf16", help=f"comma list from {tuple(DTYPES)}")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per example (default 128; 32 for minilm)")
+    parser.add_argument("--repeats", type=int, default=5, help="measured repetitions (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first (one step each)")
+    parser.add_argument("--steps-per-repeat", type=int, default=None,
+                        help="steps (one fit) / forward pairs / passes per repetition (default 3; 10 for minilm)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--engine", default="auto", choices=["auto", "chunked", "fused"],
+                        help="`perturbation=` of the DPZero/MeZO modules (auto: fused on CUDA with Triton)")
+    parser.add_argument("--memory", default="inprocess", choices=["inprocess", "none"],
+                        help="peak memory of each method alone after the timings (none: skip)")
+    parser.add_argument("--no-memory", dest="memory", action="store_const", const="none")
+    parser.add_argument("--no-opacus", action="store_true")
+    parser.add_argument("--no-adamw", action="store_true")
+    parser.add_argument("--tiny", action="store_true",
+                        help="every model shrunk to 2 layers, hidden 64, vocabulary 4096 (CPU smoke test)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--out", default=None, help="results file stem (default benchmarks/results/bench_zo_gpu)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="STEM",
+                        help="render one table from the .json of earlier runs (per-model parts) into --out")
+    # worker-only
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-batches", help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    raw_argv = argv if argv is not None else sys.argv[1:]
+    command = " ".join(["python", "benchmarks/bench_zo_gpu.py"] + [shlex.quote(a) for a in raw_argv])
+    if args.merge:
+        return merge(args, command)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for m in models:
+        if m not in MODELS:
+            parser.error(f"unknown model {m!r}; choose from {MODELS}")
+    for d in dtypes:
+        if d not in DTYPES:
+            parser.error(f"unknown dtype {d!r}; choose from {tuple(DTYPES)}")
+    on_cuda = cuda_available()
+    if args.device == "cuda" and not on_cuda:
+        parser.error("--device cuda, but torch sees no CUDA device")
+    if args.device == "auto" and not on_cuda and not args.tiny:
+        print("warning: no CUDA device: full-size models on the CPU take very long (use --tiny for a smoke test)",
+              flush=True)
+    meta = bd.machine_info()
+    meta.update(command=command, on_cuda=on_cuda and args.device != "cpu",
+                args={k: v for k, v in vars(args).items()
+                      if k not in ("worker", "model", "dtype", "worker_batches", "result_file", "merge")})
+    stem = Path(args.out) if args.out else RESULTS / "bench_zo_gpu"
+    started = time.perf_counter()
+    rows, raw = [], []
+    plan = [(m, d, [int(b) for b in args.batches.split(",")] if args.batches else DEFAULT_BATCHES[m])
+            for m in models for d in dtypes]
+    for i, (model, dtype, batches) in enumerate(plan):
+        print(f"[{time.perf_counter() - started:6.0f}s] ({i + 1}/{len(plan)}) {model} {dtype} batches "
+              f"{batches}: one worker ...", flush=True)
+        result = spawn(args, model, dtype, batches)
+        for key in ("cuda_name", "torch", "triton"):
+            if result.get(key):
+                meta[{"cuda_name": "cuda"}.get(key, key)] = result[key]
+        rows += result["rows"]
+        raw.append({k: v for k, v in result.items() if k != "rows"})
+        meta["total_wall_s"] = round(time.perf_counter() - started, 1)
+        meta["loadavg_end"] = os.getloadavg()
+        write(stem, meta, rows, raw)  # after every worker: a run cut short keeps what it measured
+        print(render(result["rows"]).split("\n\n")[1], flush=True)
+    print("\n" + header(meta) + render(rows))
+    print(f"\nwrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
