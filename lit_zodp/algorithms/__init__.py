@@ -10,7 +10,8 @@ from lit_zodp.algorithms.base import ALGORITHMS, AlgorithmModule
 from lit_zodp.algorithms.dpsgd import SGD, Adam, DPAdam, DPSGD
 from lit_zodp.algorithms.dpzero import DPGD0th, DPZero, MeZO
 from lit_zodp.algorithms.first_order import FirstOrderModule
+from lit_zodp.algorithms.mezo_bcd import DPMeZOBCD, MeZOBCD
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 
-__all__ = ["ALGORITHMS", "Adam", "AlgorithmModule", "DPAdam", "DPGD0th", "DPSGD", "DPZero", "FirstOrderModule",
-           "MeZO", "SGD", "ZerothOrderModule"]
+__all__ = ["ALGORITHMS", "Adam", "AlgorithmModule", "DPAdam", "DPGD0th", "DPMeZOBCD", "DPSGD", "DPZero",
+           "FirstOrderModule", "MeZO", "MeZOBCD", "SGD", "ZerothOrderModule"]

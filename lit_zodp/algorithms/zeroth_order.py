@@ -81,13 +81,18 @@ class ZerothOrderModule(AlgorithmModule):
         self.engine = self.make_engine([p for g in groups for p in g["params"]])
         return self.with_scheduler(self.attach_privacy(ZOSGD(groups, lr=self.lr, engine=self.engine)))
 
-    def make_engine(self, params: list[nn.Parameter]) -> PerturbationEngine | FusedPerturbation:
-        """The engine ``perturbation`` names (``"auto"``: fused where it is the fast path)."""
+    def make_engine(self, params: list[nn.Parameter],
+                    offsets: Optional[list[int]] = None) -> PerturbationEngine | FusedPerturbation:
+        """The engine ``perturbation`` names (``"auto"``: fused where it is the fast path).
+
+        ``offsets``: the fused engine's global element offsets of ``params`` (a subset of a larger
+        layout, e.g. one block of MeZO-BCD); ignored by the chunked engine.
+        """
         fused = self.perturbation == "fused" or (
             self.perturbation == "auto" and self.directions == "gaussian" and not self.vector_noise
             and params[0].is_cuda and triton_available())
         if fused:
-            return FusedPerturbation(params, backend="triton" if params[0].is_cuda else "reference")
+            return FusedPerturbation(params, offsets=offsets, backend="triton" if params[0].is_cuda else "reference")
         return PerturbationEngine(params, make_direction_law(self.directions))
 
     @property

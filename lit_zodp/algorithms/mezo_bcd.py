@@ -1,0 +1,265 @@
+"""MeZO-BCD (Park et al., "Elucidating Subspace Perturbation in Zeroth-Order Optimization: Theory and
+Practice at Scale", Sec. 4, App. D and G): block-coordinate zeroth-order fine-tuning, Algorithms 1-5,
+and its private variant.
+
+One block ``B_j`` of the parameters is perturbed and updated per step; the two forwards use the
+full model. The block's direction ``u ~ N(0, I_|B_j|)`` is a subset of the engine's layout: the
+chunked engine gets one :class:`~lit_zodp.zo.PerturbationEngine` per block, the fused one a
+:class:`~lit_zodp.zo.fused.FusedPerturbation` per block at the block's GLOBAL offsets, so with the
+fused engine an element's direction does not depend on how the model is split into blocks.
+
+Choices where the paper is silent or ambiguous:
+
+* Private variant (``DPMeZOBCD``) is OURS: the paper has no differential privacy. Each example's
+  central difference along ``e_Bj(u)`` is clipped to ``C``, the clipped sum gets one Gaussian scalar
+  and is divided by the expected batch size, exactly DPZero's release and accounting (the same step
+  plan). The block index ``j``, the seed and ``u`` are public (run seed and step); the adaptive
+  scores and the Adam moments only read released values (post-processing).
+* Blocks (App. D.1): ``partition="layer"`` counts embeddings, each layer, and head + final norm (the
+  paper reports N = 27 for OPT-1.3B, which suggests a split of the embeddings it does not describe;
+  here N = 26). See :mod:`lit_zodp.zo.blocks`.
+* Random order (Alg. 3): ``pi`` is never initialised before ``t = N`` in the paper; ``pi_0`` is drawn
+  at the start. Orders and adaptive draws come from the public run seed.
+* Adaptive selection (Alg. 4): the text calls the score a "projected gradient norm" while the
+  pseudo-code uses the signed projected gradient: ``adaptive_score="abs"`` (default) or ``"signed"``.
+  The warm-up follows the pseudo-code (ascending order), not the text's "random cycle"
+  (``warmup_order``).
+* Block intervals (Alg. 5): ``steps_per_block = nu`` consecutive steps on one block (default 1 for
+  SGD, 50 for Adam); the Adam state lives on the active block only and is reset when an interval ends.
+* Weight decay (``weight_decay``, 2+-dimensional tensors) shrinks the active block only, like the
+  update: each parameter decays on the steps its block is active.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lit_zodp.algorithms.dpzero import DERIVATIVES, DPZero
+from lit_zodp.backbones.base import batch_size_of
+from lit_zodp.errors import check_positive, check_positive_int, raise_if_any
+from lit_zodp.privacy import clip_scalars, clipped_fraction
+from lit_zodp.zo.blocks import (
+    ORDERS,
+    PARTITIONS,
+    BlockPerturbation,
+    partition,
+    sample_block,
+    softmax_probabilities,
+    update_block_idx,
+)
+from lit_zodp.zo.fused import global_offsets
+
+SELECTIONS = ("order", "adaptive")
+BLOCK_OPTIMIZERS = ("sgd", "adam")
+ADAPTIVE_SCORES = ("abs", "signed")
+
+
+class DPMeZOBCD(DPZero):
+    """Private MeZO-BCD (ours; the paper has no DP variant): Alg. 1 with DPZero's clipped, noised scalar.
+
+    Each step t:
+      Alg. 1 line 2   seed s (public: run seed and t); the private batch is Poisson-sampled;
+      Alg. 1 line 3   j = UpdateBlockIdx(order, t, N) (Alg. 3), or j ~ softmax(zbar / tau) (Alg. 4);
+      Alg. 1 l. 4-7   theta_Bj += lam u; l+_i; theta_Bj -= 2 lam u; l-_i  (per example, full model);
+      ours            pg = (sum_i clip_C((l+_i - l-_i) / (2 lam)) + N(0, (sigma C)^2)) / B;
+      Alg. 1 l. 9-12  theta_Bj -= lr * pg * u  (the restore +lam u is fused in), or Adam (Alg. 5).
+
+    Args (besides :class:`~lit_zodp.algorithms.ZerothOrderModule`'s):
+        partition: ``"layer"`` (App. D.1 default) or ``"linear"``.
+        layers_per_block: k consecutive layers per block (the paper's multi-layer: 2).
+        order: Alg. 3's ``"ascending"``, ``"descending"``, ``"flip_flop"`` or ``"random"`` (default,
+            the paper's best in Table 4).
+        selection: ``"order"`` (Alg. 1-3) or ``"adaptive"`` (Alg. 4).
+        warmup_steps: Alg. 4's ``T_warm`` in block intervals; ``None``: ``10 N``.
+        warmup_order: the order during the warm-up (Alg. 4: ``"ascending"``).
+        ema_decay: Alg. 4's ``alpha`` (0.1).
+        temperature: Alg. 4's ``tau`` (1.0).
+        adaptive_score: ``"abs"`` (the text's norm) or ``"signed"`` (the pseudo-code's value).
+        block_optimizer: ``"sgd"`` (Alg. 1) or ``"adam"`` (Alg. 5).
+        steps_per_block: Alg. 5's ``nu``; ``None``: 1 for SGD, 50 for Adam.
+        betas, adam_eps: Adam's ``(beta1, beta2)`` and ``epsilon`` (0.9, 0.999, 1e-8).
+    """
+
+    non_private_twin = "MeZOBCD"
+
+    def __init__(self, backbone: nn.Module, *, partition: str = "layer", layers_per_block: int = 1,
+                 order: str = "random", selection: str = "order", warmup_steps: Optional[int] = None,
+                 warmup_order: str = "ascending", ema_decay: float = 0.1, temperature: float = 1.0,
+                 adaptive_score: str = "abs", block_optimizer: str = "sgd",
+                 steps_per_block: Optional[int] = None, betas: tuple[float, float] = (0.9, 0.999),
+                 adam_eps: float = 1e-8, **kwargs: Any) -> None:
+        raise_if_any([
+            _one_of("partition", partition, PARTITIONS),
+            check_positive_int("layers_per_block", layers_per_block),
+            None if partition != "linear" or layers_per_block == 1 else
+            f"`partition='linear'` splits layers; it takes no `layers_per_block` (got {layers_per_block})",
+            _one_of("order", order, ORDERS),
+            _one_of("selection", selection, SELECTIONS),
+            None if warmup_steps is None or warmup_steps == 0 else check_positive_int("warmup_steps", warmup_steps),
+            _one_of("warmup_order", warmup_order, ORDERS),
+            None if 0 < ema_decay <= 1 else f"Expected `ema_decay` in (0, 1], but got {ema_decay!r}",
+            check_positive("temperature", temperature),
+            _one_of("adaptive_score", adaptive_score, ADAPTIVE_SCORES),
+            _one_of("block_optimizer", block_optimizer, BLOCK_OPTIMIZERS),
+            None if steps_per_block is None else check_positive_int("steps_per_block", steps_per_block),
+            None if len(betas) == 2 and all(0 <= b < 1 for b in betas) else
+            f"Expected `betas` two floats in [0, 1), but got {betas!r}",
+            check_positive("adam_eps", adam_eps),
+        ])
+        super().__init__(backbone, **kwargs)
+        self.partition, self.layers_per_block, self.order = partition, layers_per_block, order
+        self.selection, self.warmup_steps, self.warmup_order = selection, warmup_steps, warmup_order
+        self.ema_decay, self.temperature, self.adaptive_score = ema_decay, temperature, adaptive_score
+        self.block_optimizer = block_optimizer
+        self.steps_per_block = steps_per_block or (50 if block_optimizer == "adam" else 1)
+        self.betas, self.adam_eps = (float(betas[0]), float(betas[1])), adam_eps
+        self.block_names = [b.name for b in self.blocks()]
+        self.block_scores = [0.0] * len(self.block_names)    # Alg. 4 line 1: zbar_0 = 0
+        self.active_block: Optional[int] = None              # j (1-based) of the current interval
+        self.adam_state: Optional[dict[str, list[Tensor]]] = None
+
+    # ----------------------------------------------------------------------------- blocks
+    def blocks(self):
+        """The partition ``{B_i}_{i=1..N}`` of the trainable parameters, input first (App. D.1)."""
+        return partition(self.backbone, self.partition, self.layers_per_block)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_names)
+
+    def make_engine(self, params: list[nn.Parameter], offsets: Optional[list[int]] = None) -> BlockPerturbation:
+        """One engine per block over the block's parameters, at their global offsets (fused engine)."""
+        index = {id(p): i for i, p in enumerate(params)}
+        blocks = self.blocks()
+        covered = sorted(index[id(p)] for b in blocks for p in b.params if id(p) in index)
+        if covered != list(range(len(params))) or sum(len(b.params) for b in blocks) != len(params):
+            raise RuntimeError("The block partition must hold every trainable parameter exactly once")
+        layout = global_offsets(params)
+        parent = super().make_engine
+
+        def build(indices: list[int]):
+            return parent([params[i] for i in indices], offsets=[layout[i] for i in indices])
+
+        return BlockPerturbation(params, [[index[id(p)] for p in b.params] for b in blocks], build,
+                                 [b.name for b in blocks])
+
+    # ----------------------------------------------------------------------------- the step
+    def training_step(self, batch, batch_idx: int) -> None:
+        (inputs, targets), _ = self.split_batch(batch)
+        size = batch_size_of(inputs)
+        block = self.select_block()                                                     # Alg. 1 line 3
+        seeds = self.direction_seeds()                                                  # Alg. 1 line 2
+        clipped_sums, fractions = [], []
+        for k, seed in enumerate(seeds):
+            differences = self.directional_differences(seed, inputs, targets)          # Alg. 1 lines 4-7
+            clipped_sums.append(clip_scalars(differences, self.clip).sum())
+            fractions.append(clipped_fraction(differences, self.clip))
+            if k < len(seeds) - 1:
+                self.restore()
+        projected = self.privacy.release(torch.stack(clipped_sums), DERIVATIVES, batch_size=size)  # ours: + z, / B
+        if self.selection == "adaptive":
+            self.record_score(block, projected)                                         # Alg. 4 lines 15-21
+        coefficients = dict(zip(seeds, projected.unbind()))
+        if self.block_optimizer == "adam":
+            self.adam_update(coefficients)                                              # Alg. 5 lines 11-15
+        else:
+            self.update(coefficients, scale=1.0 / len(seeds))                           # Alg. 1 lines 9-12
+        self.log("active_block", float(block), batch_size=max(size, 1))
+        self.log_step(size, sum(fractions) / len(fractions))
+
+    # ----------------------------------------------------------------------------- verbs
+    def select_block(self) -> int:
+        """``j`` (1-based) of step ``t = global_step + 1``: a new one at the start of each interval of ``nu`` steps."""
+        t = self.global_step + 1
+        interval = (t - 1) // self.steps_per_block + 1                                  # Alg. 5: t_b
+        if (t - 1) % self.steps_per_block == 0 or self.active_block is None:
+            self.active_block = self.next_block(interval)
+            self.adam_state = None                                                      # Alg. 5 line 3: m = v = 0
+        self.engine.activate(self.active_block - 1)
+        return self.active_block
+
+    def next_block(self, interval: int) -> int:
+        """Alg. 3 (``selection="order"``), or Alg. 4 lines 4-9: warm-up order, then ``j ~ softmax(zbar / tau)``."""
+        n = self.num_blocks
+        if self.selection == "order":
+            return update_block_idx(self.order, interval, n, self.run_seed)
+        warmup = 10 * n if self.warmup_steps is None else self.warmup_steps
+        if interval <= warmup:
+            return update_block_idx(self.warmup_order, interval, n, self.run_seed)
+        return sample_block(self.block_probabilities(), self.run_seed, interval)
+
+    def block_probabilities(self) -> list[float]:
+        """``p_i = exp(zbar_i / tau) / sum_k exp(zbar_k / tau)`` (Alg. 4 line 7)."""
+        return softmax_probabilities(self.block_scores, self.temperature).tolist()
+
+    def record_score(self, block: int, projected: Tensor) -> None:
+        """``zbar_j <- alpha pg + (1 - alpha) zbar_j`` for the active block only (released pg: post-processing)."""
+        value = float(projected.float().mean())
+        score = abs(value) if self.adaptive_score == "abs" else value
+        if math.isfinite(score):
+            j = block - 1
+            self.block_scores[j] = self.ema_decay * score + (1.0 - self.ema_decay) * self.block_scores[j]
+
+    @torch.no_grad()
+    def adam_update(self, coefficients: dict[int, Tensor]) -> None:
+        """Alg. 5 lines 11-15 on the active block: ``g = pg u``, Adam moments with the interval's local ``t``."""
+        params = self.engine.block_params()
+        optimizer = self.zo_optimizer
+        rates = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+        lrs = [rates[id(p)] for p in params]                                            # eta_t (before the scheduler)
+        local_t = self.global_step % self.steps_per_block + 1                           # Alg. 5 line 5: t in 1..nu
+        self.update({})                                                                # restore (+lam u); a step
+        g = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        for seed, c in coefficients.items():                                            # reseed s; u ~ N(0, I_|Bj|)
+            for g_i, u_i in zip(g, self.engine.block_direction(seed)):
+                g_i.add_(u_i.to(g_i.device) * (c.to(g_i.device) / len(coefficients)))
+        if self.adam_state is None:
+            self.adam_state = {"m": [torch.zeros_like(x) for x in g], "v": [torch.zeros_like(x) for x in g]}
+        self.adam_state = {k: [t.to(x.device) for t, x in zip(v, g)] for k, v in self.adam_state.items()}
+        beta1, beta2 = self.betas
+        for p, lr, g_i, m, v in zip(params, lrs, g, self.adam_state["m"], self.adam_state["v"]):
+            m.mul_(beta1).add_(g_i, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(g_i, g_i, value=1 - beta2)
+            m_hat = m / (1 - beta1 ** local_t)
+            v_hat = v / (1 - beta2 ** local_t)
+            p.sub_((lr * m_hat / (v_hat.sqrt() + self.adam_eps)).to(p.dtype))
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        adam = None if self.adam_state is None else {k: [t.cpu() for t in v] for k, v in self.adam_state.items()}
+        checkpoint["block_state"] = {"active_block": self.active_block, "scores": list(self.block_scores),
+                                     "adam": adam}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint.get("block_state")
+        if state is not None:
+            self.active_block = state["active_block"]
+            self.block_scores = list(state["scores"])
+            self.adam_state = state["adam"]
+
+
+class MeZOBCD(DPMeZOBCD):
+    """MeZO-BCD, Algorithms 1-3 of Park et al. (non-private); Alg. 4 and 5 through ``selection``/``block_optimizer``.
+
+    The step of :class:`DPMeZOBCD` with the non-private privacy component:
+    ``theta_Bj <- theta_Bj - lr * mean_i clip_C(pg_i) * u``, the mean over the realized batch, no
+    noise; ``clip=inf`` (default) is the paper's method.
+    """
+
+    private = False
+
+    def __init__(self, backbone: nn.Module, *, clip: float = math.inf, **kwargs: Any) -> None:
+        super().__init__(backbone, clip=clip, **kwargs)
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> Optional[str]:
+    return None if value in allowed else f"Expected `{name}` in {list(allowed)}, but got {value!r}"
+
+
+__all__ = ["DPMeZOBCD", "MeZOBCD"]
