@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.checks import check_losses, check_mode, check_transform, refuse_batchnorm
-from lit_zodp.per_example.coverage import uncovered
+from lit_zodp.per_example.coverage import uncovered, working_eps
 from lit_zodp.per_example.reference import call_gradients
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
@@ -370,8 +370,10 @@ class PerExampleGradientEngine:
 
     def _checked_backward_streaming(self, losses: Tensor, batch: _Batch) -> Tuple[Optional[Tensor], ...]:
         """"ghost" mode on a checked batch: the backward to the parameters (graph retained), each
-        single-use parameter compared with its unit sum as its gradient accumulates and the sum
-        dropped then, so no full set of unit sums coexists with the batch gradient."""
+        single-use parameter compared with its unit sum as its gradient accumulates; both are
+        dropped at once when it passes whatever the other parameters' gradients (the tolerance of
+        :func:`.coverage.uncovered` without the whole-gradient term), so the check holds about one
+        layer's sum and gradient at a time, less than the batch gradient Opacus accumulates."""
         ghost = {i for _, mine in batch.second_pass.calls for i in mine.values()}
         handles = [self.params[i].register_post_accumulate_grad_hook(self._compare_on_arrival(i, batch))
                    for i in sorted(ghost)]
@@ -385,12 +387,19 @@ class PerExampleGradientEngine:
         return tuple(param.grad for param in self.params)
 
     def _compare_on_arrival(self, i: int, batch: _Batch):
+        eps = working_eps(self.params[i].device.type, self.params[i].dtype) ** 0.5
+
         def compare(param: Tensor) -> None:
             total = batch.unit_sums.pop(i, None)
             if total is None or param.grad is None:
                 return
             full = self._projections[i].of_gradients(param.grad) if i in batch.projected else param.grad
-            batch.unit_diffs[i] = (total.to(full.dtype) - full).norm()
+            gap = (total.to(full.dtype) - full).norm()
+            scale = batch.ghost_norm_sq[i].double().sqrt().sum() + full.norm().double()
+            if bool(gap.double() <= eps * scale):
+                param.grad = None  # covered: neither its sum nor its gradient is needed any more
+            else:
+                batch.unit_diffs[i] = gap
         return compare
 
     def _norms_in_backward(self, plan: Dict[int, object], tape: Tape, batch: _Batch, losses: Tensor,
