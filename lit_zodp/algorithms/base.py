@@ -153,6 +153,7 @@ class AlgorithmModule(pl.LightningModule):
                           planned_steps=_planned_steps(self.trainer) if self.private else None,
                           reduce_sum=self.reduce_sum,
                           broadcast=lambda value: self.trainer.strategy.broadcast(value, src=0))
+        self._sigma_logged = False
 
     def attach_privacy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Every ``optimizer.step()`` commits the step plan to the ledger."""
@@ -216,8 +217,9 @@ class AlgorithmModule(pl.LightningModule):
 
     def log_step(self, batch_size: int, clip_fraction: Optional[float | Tensor] = None) -> None:
         size = max(batch_size, 1)
-        if self.privacy.is_private:
+        if self.privacy.is_private and not getattr(self, "_sigma_logged", False):  # constant in a fit: once
             self.log("sigma", float(self.privacy.noise_multiplier), batch_size=size)
+            self._sigma_logged = True
         if clip_fraction is not None and self.log_private_stats:
             self.log("clip_fraction", clip_fraction, batch_size=size)
         self.log("step_time", time.perf_counter() - self._step_started, batch_size=size)

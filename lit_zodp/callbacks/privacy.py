@@ -23,12 +23,12 @@ class PrivacySpendCallback(Callback):
 
     Args:
         log_every_n_steps: how often epsilon is recomputed and logged. ``None`` (default): every
-            step while the accountant costs under 5% of the step time, otherwise as often as that
+            step while the accountant costs under 0.5% of the step time, otherwise as often as that
             budget allows (each logged value is the exact upper bound at its step; the last step is
-            always logged).
+            always logged), so accounting costs nothing visible next to a step.
     """
 
-    ACCOUNTING_TIME_SHARE = 0.05
+    ACCOUNTING_TIME_SHARE = 0.005
 
     def __init__(self, log_every_n_steps: Optional[int] = None) -> None:
         if log_every_n_steps is not None:

@@ -59,33 +59,84 @@ def bisect_sigma(
     sigma_tolerance: float = 1e-3,
     sigma_max: float = 1e4,
 ) -> float:
-    """Bisect sigma for any plan ``sigma -> [(mechanism, count)]`` whose epsilon decreases in sigma."""
+    """The smallest sigma (to ``sigma_tolerance``, relative) whose epsilon upper bound is <= target, for
+    any plan ``sigma -> [(mechanism, count)]`` whose epsilon decreases in sigma.
+
+    A start from the (cheap) RDP accountant's sigma, a bracket ``[low, high]`` by doubling/halving
+    from it, then the Illinois variant of regula falsi on ``log eps(sigma) - log target`` against
+    ``log sigma`` (nearly linear there): 4-6 calls of the (expensive) PRV accountant in all, where
+    bisection from 1 took 13-15. ``high`` always satisfies the target, and it is what is returned.
+    """
     if eps_error >= target_epsilon:
         raise AccountingError(f"`eps_error`={eps_error} must be below target_epsilon={target_epsilon}")
 
-    def upper_epsilon(sigma: float) -> float:
+    def excess(sigma: float, accountant: str = "prv") -> float:  # log(eps_upper / target): <= 0 meets it
         try:
-            return PrivacyLedger(eps_error=eps_error).epsilon(delta, extra=plan(sigma)).upper
+            ledger = PrivacyLedger(eps_error=eps_error, accountant=accountant)
+            eps = ledger.epsilon(delta, extra=plan(sigma)).upper
         except AccountingError:
             return math.inf
+        return math.log(eps / target_epsilon) if eps > 0 else -math.inf
 
-    high = 1.0
-    while upper_epsilon(high) > target_epsilon:
+    start = _rdp_start(lambda sigma: excess(sigma, "rdp"), sigma_max)
+    high, f_high = start, excess(start)
+    while f_high > 0:
         high *= 2.0
         if high > sigma_max:
             raise AccountingError(
                 f"No noise multiplier up to {sigma_max} reaches epsilon={target_epsilon} at "
                 f"delta={delta}; the target is impossible for this sample rate and step count "
                 "(raise epsilon, or lower the steps or the sample rate).")
-    low = high / 2.0
-    while low > 1e-3 and upper_epsilon(low) <= target_epsilon:
-        high, low = low, low / 2.0
-    while (high - low) / high > sigma_tolerance:
-        mid = 0.5 * (low + high)
-        if upper_epsilon(mid) <= target_epsilon:
-            high = mid
+        f_high = excess(high)
+    shrink = 0.8 if start != 1.0 else 0.5  # the RDP start is within ~20% (RDP is the looser bound)
+    low, f_low = high * shrink, excess(high * shrink)
+    while low > 1e-3 and f_low <= 0:
+        high, f_high, low = low, f_low, low * shrink
+        f_low = excess(low)
+    return _regula_falsi(excess, low, f_low, high, f_high, sigma_tolerance)
+
+
+def _rdp_start(rdp_excess: Callable[[float], float], sigma_max: float) -> float:
+    """The sigma meeting the target under RDP (to 1%), a close upper guess for PRV's; 1 if RDP
+    cannot account the plan. Each RDP evaluation takes about a millisecond."""
+    try:
+        high = 1.0
+        while rdp_excess(high) > 0 and high <= sigma_max:
+            high *= 2.0
+        low = high / 2.0
+        while low > 1e-3 and rdp_excess(low) <= 0:
+            high, low = low, low / 2.0
+        while (high - low) / high > 0.01:
+            mid = 0.5 * (low + high)
+            high, low = (mid, low) if rdp_excess(mid) <= 0 else (high, mid)
+        return min(high, sigma_max)
+    except Exception:  # noqa: BLE001 - any mechanism RDP does not cover: fall back to the plain start
+        return 1.0
+
+
+def _regula_falsi(excess: Callable[[float], float], low: float, f_low: float, high: float, f_high: float,
+                  tolerance: float) -> float:
+    """Shrink ``[low, high]`` (``excess(low) > 0 >= excess(high)``) to ``tolerance`` relative width."""
+    last = 0
+    while (high - low) / high > tolerance:
+        if math.isfinite(f_low) and math.isfinite(f_high) and f_low != f_high:
+            t = f_low / (f_low - f_high)
+            x = math.exp(math.log(low) + t * (math.log(high) - math.log(low)))
         else:
-            low = mid
+            x = 0.5 * (low + high)
+        margin = 0.25 * tolerance * high  # keep strictly inside, so the bracket shrinks
+        x = min(max(x, low + margin), high - margin)
+        f_x = excess(x)
+        if f_x <= 0:
+            high, f_high = x, f_x
+            if last == 1:
+                f_low /= 2.0  # Illinois: a side kept twice has its value halved
+            last = 1
+        else:
+            low, f_low = x, f_x
+            if last == -1:
+                f_high /= 2.0
+            last = -1
     return high
 
 
