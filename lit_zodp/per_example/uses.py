@@ -8,8 +8,9 @@ the clipping bound, and with it the privacy guarantee, would not hold.
 
 :class:`ParameterUses` is a ``TorchFunctionMode`` active during the recorded forward: every torch
 function or tensor method that receives a tracked parameter (directly or in a list or tuple
-argument) and returns a tensor that requires grad records the recorded modules whose calls
-enclose it. A use is covered when the source
+argument) and returns a tensor that requires grad (any tensor while grad is disabled: inside a
+custom ``autograd.Function``'s forward the parameter's use produces no grad-requiring tensor, yet its
+backward may still give the parameter a gradient) records the recorded modules whose calls enclose it. A use is covered when the source
 that will form the parameter's per-example gradients (one of its owner layers, or the module it
 is recomputed on) is among them. This replaces a numeric check on every step: the engine still
 compares ``sum_i g_i`` with the batch gradient (:mod:`.coverage`) whenever the calls or the uses
@@ -21,8 +22,14 @@ from __future__ import annotations
 from itertools import chain
 from typing import Any, Dict, FrozenSet, Iterable, List, Sequence, Set
 
+import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+
+
+def _has_tensor(out: Any) -> bool:
+    items = out if isinstance(out, (list, tuple)) else (out,)
+    return any(isinstance(item, Tensor) for item in items)
 
 
 def _carries_gradient(out: Any) -> bool:
@@ -47,8 +54,11 @@ class ParameterUses(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         used = [i for value in chain(args, kwargs.values()) for i in self._tracked(value)]
+        grad_enabled = torch.is_grad_enabled()
         out = func(*args, **kwargs)
-        if used and _carries_gradient(out):  # metadata (.shape, .dtype, .size()) and .data are not uses
+        # metadata (.shape, .dtype, .size()) and .data are not uses; with grad disabled every tensor
+        # result counts, since that is how a custom autograd.Function's forward sees its inputs
+        if used and (_carries_gradient(out) if grad_enabled else _has_tensor(out)):
             enclosing = frozenset(map(id, self._stack))
             for i in used:
                 self.uses.setdefault(i, set()).add(enclosing)

@@ -297,6 +297,50 @@ def test_a_use_appearing_on_a_later_batch_is_caught_on_that_batch(mode):
         assert_rel_close(got, sums[name], name=name)
 
 
+class _MatmulFunction(torch.autograd.Function):
+    """``x @ w.T`` as a custom autograd.Function (its forward runs with grad disabled), vmap-able."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, w):
+        return x @ w.T
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.T @ x
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_use_through_a_custom_autograd_function_is_caught_on_a_later_batch(mode):
+    """After a checked batch without it, a use of ``fc.weight`` inside a custom Function appears:
+    the tracker (not only a numeric check, which does not run again) sends it to recomputation."""
+
+    class Model(_SometimesFunctional):
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            if self.functional:
+                h = h + _MatmulFunction.apply(x, self.fc.weight)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model, x, y = Model().double(), torch.randn(4, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    engine = PerExampleGradientEngine(model, mode=mode)
+    engine.clipped_sum(lambda: ce(model(x), y), 0.3)
+    model.functional = True
+    result = engine.clipped_sum(lambda: ce(model(x), y), 0.3)
+    assert engine.last_recomputed == {"fc.weight": ""}
+    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    sums, _ = flat_clipped_sum(expected, engine.names, 0.3)
+    for name, got in zip(engine.names, result.grads):
+        assert_rel_close(got, sums[name], name=name)
+
+
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
 def test_the_numeric_check_catches_a_use_the_use_tracker_misses(monkeypatch, mode):
     """Defence in depth: with the tracker blinded, the first batch's numeric check still finds it
