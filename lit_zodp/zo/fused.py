@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from lit_zodp.zo import philox
+from lit_zodp.zo.perturbation import _per_param
 
 try:  # Triton ships with CUDA builds of torch; the reference path needs none of it.
     import triton
@@ -229,15 +230,6 @@ def _settle(total: float, scale: float) -> float:
 
 def _maybe_nonzero(c) -> bool:
     return isinstance(c, Tensor) or float(c) != 0.0
-
-
-def _per_param(value, count: int) -> list[float]:
-    if isinstance(value, (int, float)):
-        return [float(value)] * count
-    values = [float(v) for v in value]
-    if len(values) != count:
-        raise ValueError(f"Expected {count} per-parameter values, but got {len(values)}")
-    return values
 
 
 def _check_params(params: Sequence[Tensor]) -> None:

@@ -264,6 +264,13 @@ def test_recomputation_needs_batch_first_outputs_and_unchanged_inputs():
 # ------------------------------------------------------------------- coverage on every batch
 
 
+def _assert_is_the_reference_clipped_sum(result, engine, model, x, y, clip):
+    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    sums, _ = flat_clipped_sum(expected, engine.names, clip)
+    for name, got in zip(engine.names, result.grads):
+        assert_rel_close(got, sums[name], name=name)
+
+
 class _SometimesFunctional(nn.Module):
     """Uses ``fc.weight`` through ``F.linear`` only when ``functional`` is set: the same layer calls
     either way, so only the parameter-use check can tell the batches apart."""
@@ -291,10 +298,7 @@ def test_a_use_appearing_on_a_later_batch_is_caught_on_that_batch(mode):
     model.functional = True
     result = engine.clipped_sum(lambda: ce(model(x), y), 0.3)
     assert engine.last_recomputed == {"fc.weight": ""}
-    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
-    sums, _ = flat_clipped_sum(expected, engine.names, 0.3)
-    for name, got in zip(engine.names, result.grads):
-        assert_rel_close(got, sums[name], name=name)
+    _assert_is_the_reference_clipped_sum(result, engine, model, x, y, 0.3)
 
 
 class _MatmulFunction(torch.autograd.Function):
@@ -335,10 +339,7 @@ def test_a_use_through_a_custom_autograd_function_is_caught_on_a_later_batch(mod
     model.functional = True
     result = engine.clipped_sum(lambda: ce(model(x), y), 0.3)
     assert engine.last_recomputed == {"fc.weight": ""}
-    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
-    sums, _ = flat_clipped_sum(expected, engine.names, 0.3)
-    for name, got in zip(engine.names, result.grads):
-        assert_rel_close(got, sums[name], name=name)
+    _assert_is_the_reference_clipped_sum(result, engine, model, x, y, 0.3)
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
@@ -354,10 +355,7 @@ def test_the_numeric_check_catches_a_use_the_use_tracker_misses(monkeypatch, mod
     engine = PerExampleGradientEngine(model, mode=mode)
     result = engine.clipped_sum(lambda: ce(model(x), y), 0.3)
     assert engine.last_recomputed == {"fc.weight": ""}
-    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
-    sums, _ = flat_clipped_sum(expected, engine.names, 0.3)
-    for name, got in zip(engine.names, result.grads):
-        assert_rel_close(got, sums[name], name=name)
+    _assert_is_the_reference_clipped_sum(result, engine, model, x, y, 0.3)
 
 
 class _MatmulCount(TorchDispatchMode):
