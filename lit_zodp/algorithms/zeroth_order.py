@@ -21,6 +21,7 @@ from lit_zodp.errors import check_non_negative, check_positive, check_positive_i
 from lit_zodp.privacy import DirectionRelease
 from lit_zodp.zo import ZOSGD, PerturbationEngine, central_differences, derive_seed, make_direction_law
 from lit_zodp.zo.fused import FusedPerturbation, triton_available
+from lit_zodp.zo.perturbation import DirectionCache
 
 DIRECTION_LAWS = ("gaussian", "sphere")
 PERTURBATION_ENGINES = ("auto", "chunked", "fused")
@@ -81,19 +82,23 @@ class ZerothOrderModule(AlgorithmModule):
         self.engine = self.make_engine([p for g in groups for p in g["params"]])
         return self.with_scheduler(self.attach_privacy(ZOSGD(groups, lr=self.lr, engine=self.engine)))
 
-    def make_engine(self, params: list[nn.Parameter],
-                    offsets: Optional[list[int]] = None) -> PerturbationEngine | FusedPerturbation:
+    def make_engine(self, params: list[nn.Parameter], offsets: Optional[list[int]] = None,
+                    cache: Optional[DirectionCache] = None) -> PerturbationEngine | FusedPerturbation:
         """The engine ``perturbation`` names (``"auto"``: fused where it is the fast path).
 
         ``offsets``: the fused engine's global element offsets of ``params`` (a subset of a larger
-        layout, e.g. one block of MeZO-BCD); ignored by the chunked engine.
+        layout, e.g. one block of MeZO-BCD); ignored by the chunked engine. ``cache``: the chunked
+        engine's :class:`~lit_zodp.zo.perturbation.DirectionCache`; the fused engine draws ``u`` in
+        registers and needs none.
         """
-        fused = self.perturbation == "fused" or (
+        if self.uses_fused_engine(params):
+            return FusedPerturbation(params, offsets=offsets, backend="triton" if params[0].is_cuda else "reference")
+        return PerturbationEngine(params, make_direction_law(self.directions), cache=cache)
+
+    def uses_fused_engine(self, params: list[nn.Parameter]) -> bool:
+        return self.perturbation == "fused" or (
             self.perturbation == "auto" and self.directions == "gaussian" and not self.vector_noise
             and params[0].is_cuda and triton_available())
-        if fused:
-            return FusedPerturbation(params, offsets=offsets, backend="triton" if params[0].is_cuda else "reference")
-        return PerturbationEngine(params, make_direction_law(self.directions))
 
     @property
     def zo_optimizer(self) -> ZOSGD:

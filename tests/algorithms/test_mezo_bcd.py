@@ -380,3 +380,19 @@ def test_paper_config_runs_with_a_tiny_model_of_the_same_family(path, tiny_world
     assert model.num_blocks == len(model.blocks()) > 2 and model.block_names[0] == "embeddings"
     if model.private:
         assert 0 < model.privacy.ledger.epsilon(model.privacy.delta).upper <= model.privacy.target_epsilon
+
+
+def test_the_cpu_direction_cache_changes_no_bit_of_the_trajectory():
+    """``cache_direction`` (default on for the chunked engine) only saves draws: same parameters, bitwise."""
+    cached = MeZOBCD(deep_mlp(), lr=0.05, seed=3, order="random", perturbation="chunked", num_directions=2)
+    plain = MeZOBCD(deep_mlp(), lr=0.05, seed=3, order="random", perturbation="chunked", num_directions=2,
+                    cache_direction=False)
+    fit(cached, 12)
+    fit(plain, 12)
+    assert cached.engine.engine.cache is not None and plain.engine.engine.cache is None
+    assert cached.engine.engine.cache.numel == max(b.numel for b in cached.blocks())
+    for p, q in zip(cached.backbone.parameters(), plain.backbone.parameters()):
+        assert torch.equal(p, q)
+    fused = MeZOBCD(deep_mlp(), lr=0.05, seed=3, perturbation="fused")
+    fit(fused, 1)
+    assert not hasattr(fused.engine.engine, "cache")  # the fused engine draws u in registers

@@ -114,3 +114,66 @@ def test_engine_refuses_a_law_without_independent_chunks():
 
     with pytest.raises(ValueError, match="independent"):
         PerturbationEngine(list(make_model().parameters()), SerialLaw())
+
+
+def _step(engine, seeds, lam=1e-3, lr=0.1):
+    """Per seed: +lam, -2 lam, then the fused restore-and-update with a coefficient."""
+    for k, seed in enumerate(seeds):
+        engine.perturb_(seed, lam)
+        engine.perturb_(seed, -2 * lam)
+        if k < len(seeds) - 1:
+            engine.restore_()
+    engine.restore_and_update_({seed: 0.5 + k for k, seed in enumerate(seeds)}, lr=lr, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("law", [GaussianDirections, SphereDirections])
+@pytest.mark.parametrize("seeds_per_step", [1, 3])
+def test_a_direction_cache_changes_no_bit_and_draws_u_once_per_step(law, seeds_per_step, monkeypatch):
+    from lit_zodp.zo.perturbation import DirectionCache
+
+    plain, cached = make_model(), make_model()
+    a = PerturbationEngine(list(plain.parameters()), law(), chunk_numel=16)
+    b = PerturbationEngine(list(cached.parameters()), law(), chunk_numel=16, cache=DirectionCache(200))
+    for step in range(4):
+        seeds = [derive_seed(9, step, k) for k in range(seeds_per_step)]
+        _step(a, seeds)
+        draws = []
+        fill = GaussianDirections.fill_chunk_
+        monkeypatch.setattr(GaussianDirections, "fill_chunk_",
+                            lambda self, out, seed, index, gen: draws.append(seed) or fill(self, out, seed, index, gen))
+        _step(b, seeds)
+        monkeypatch.undo()
+        for p, q in zip(plain.parameters(), cached.parameters()):
+            assert torch.equal(p, q)
+        chunks = len(b._chunks)
+        # each seed is drawn once for its +lam, -2 lam and restore; the seeds before the last are
+        # drawn again for the update (the cache holds the last only); without a cache it would be
+        # 3 draws per seed plus 1 per earlier seed. The sphere's norm adds one pass per new seed.
+        expected = chunks * (2 * seeds_per_step - 1)
+        assert len(draws) >= expected and len(draws) <= expected + (chunks * seeds_per_step if law is SphereDirections else 0)
+
+
+def test_engines_sharing_a_cache_never_read_each_others_direction():
+    from lit_zodp.zo.perturbation import DirectionCache
+
+    model, reference = make_model(), make_model()
+    cache = DirectionCache(100)
+    first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+    engines = [PerturbationEngine(first, chunk_numel=8, cache=cache), PerturbationEngine(second, chunk_numel=8, cache=cache)]
+    plain_params = list(reference.parameters())
+    plains = [PerturbationEngine(plain_params[:2], chunk_numel=8), PerturbationEngine(plain_params[2:], chunk_numel=8)]
+    for step, (j, seed) in enumerate([(0, 5), (1, 5), (0, 5), (1, 6), (0, 6)]):  # same seeds on both engines
+        engines[j].perturb_(seed, 1e-2)
+        engines[1 - j].direction(seed)  # reading another engine's direction does not disturb the cache
+        engines[j].restore_and_update_({seed: 1.0}, lr=0.1)
+        plains[j].perturb_(seed, 1e-2)
+        plains[j].restore_and_update_({seed: 1.0}, lr=0.1)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters())), step
+
+
+def test_a_cache_smaller_than_the_engine_is_refused():
+    from lit_zodp.zo.perturbation import DirectionCache
+
+    params = list(make_model().parameters())
+    with pytest.raises(ValueError, match="cache holds 10 elements"):
+        PerturbationEngine(params, cache=DirectionCache(10))
