@@ -202,8 +202,7 @@ class PrivacyComponent:
         release = self._declared(name)
         total = self._reduce_sum(clipped_sum)
         if self.is_private:
-            total = total + self.noise.gaussian(total.shape, self._noise_std(release), device=total.device,
-                                                dtype=total.dtype)
+            total = self.noise.noised(total, self._noise_std(release))
         return total / self.expected_batch_size
 
     def _noise_std(self, release) -> float:

@@ -11,6 +11,10 @@ noise is drawn with NumPy's bit generators instead, keyed by the whole secret:
   each release, with the chunk index in the counter, so the perturbation engine generates the
   vector chunk by chunk, in any order and on any device, without storing it.
 
+* on CUDA (with Triton), both are drawn on the device instead, by a Philox kernel keyed by 128 bits
+  fresh from the stream for each release (:mod:`lit_zodp.privacy.device_noise`): no host draw and
+  no host-to-device copy of a d-dimensional vector.
+
 Under DDP rank 0's secret is broadcast once at fit start and every rank adds the same draw after
 the all-reduce (the secret is shared inside the training job, never outside it). NumPy's
 generators are not cryptographically secure PRNGs: the secrecy is that of the 256-bit seed.
@@ -27,6 +31,7 @@ import torch
 from torch import Tensor
 
 from lit_zodp.errors import check_non_negative, raise_if_any
+from lit_zodp.privacy.device_noise import SecretKey, add_gaussian, device_noise_available
 
 #: Bits of OS entropy behind every secret stream (noise and Poisson sampling).
 SECRET_BITS = 256
@@ -86,6 +91,17 @@ class NoiseSource:
             return host.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
         return host.to(device=device, dtype=dtype)
 
+    def noised(self, x: Tensor, std: float) -> Tensor:
+        """``x + N(0, std^2 I)`` (a new tensor): drawn on the GPU where it can be, else on the host."""
+        raise_if_any([check_non_negative("noise std", std)])
+        if device_noise_available(x):
+            return add_gaussian(x.contiguous(), std, self.device_key())
+        return x + self.gaussian(x.shape, std, device=x.device, dtype=x.dtype)
+
+    def device_key(self) -> SecretKey:
+        """128 fresh secret bits for one draw of the device kernel."""
+        return SecretKey.from_words64(tuple(int(k) for k in self._rng.integers(0, 2**64, size=2, dtype=np.uint64)))
+
     def vector_key(self) -> "SecretGaussianVector":
         """A fresh 128-bit key of a d-dimensional standard normal vector, generated lazily by chunk."""
         return SecretGaussianVector(tuple(int(k) for k in self._rng.integers(0, 2**64, size=2, dtype=np.uint64)))
@@ -109,7 +125,14 @@ class SecretGaussianVector:
         return 1.0
 
     def fill_chunk_(self, out: Tensor, seed: int, index: int, generator: Optional[torch.Generator] = None) -> Tensor:
-        """Chunk ``index`` (float32) into ``out``; ``seed`` and ``generator`` are unused (the key is the seed)."""
+        """Chunk ``index`` (float32) into ``out``; ``seed`` and ``generator`` are unused (the key is the seed).
+
+        On CUDA the chunk is drawn on the device (:mod:`~lit_zodp.privacy.device_noise`, the same 128-bit
+        key, pairs from ``index * 2**40``); on CPU by NumPy's Philox-4x64.
+        """
+        if device_noise_available(out) and out.is_contiguous():
+            out.zero_()
+            return add_gaussian(out, 1.0, SecretKey.from_words64(tuple(self.key)), pair_base=index << 40, out=out)
         rng = np.random.Generator(np.random.Philox(key=self.key, counter=[0, 0, 0, index]))
         host = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=torch.float32)
         rng.standard_normal(out=host.numpy(), dtype=np.float32)

@@ -1,0 +1,189 @@
+"""The GPU noise law (lit_zodp.privacy.device_noise): 128-bit key, Gaussian moments and tail, kernel = reference.
+
+The Triton kernel runs on CPU only under ``TRITON_INTERPRET=1`` (read when Triton is imported), so it
+runs in a subprocess executing this file as a script; the tests compare its output with the torch
+reference computed here. ``gpu``-marked tests run the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_zodp.privacy import NoiseSource
+from lit_zodp.privacy.device_noise import SecretKey, kernel_std, reference_noised, reference_normals
+
+try:
+    import triton
+except ImportError:  # pragma: no cover
+    triton = None
+
+pytestmark = pytest.mark.filterwarnings("ignore:`noise_seed` is set")
+
+KEY = SecretKey(0x01234567, 0x89ABCDEF, 0xDEADBEEF, 0x0BADF00D)
+INTERPRETED_SIZES = [1, 2, 7, 2048, 2049, 5000]
+FAR_BASE = (1 << 40) * 3 + (1 << 32) - 5  # a chunk far out, across the counter's 32-bit boundary
+
+
+def interpreted_runs() -> dict:
+    """What the interpreted kernel computes (in the TRITON_INTERPRET=1 subprocess)."""
+    from lit_zodp.privacy.device_noise import add_gaussian
+
+    out = {}
+    for n in INTERPRETED_SIZES:
+        x = torch.linspace(-3, 3, n)
+        out[n] = add_gaussian(x, 0.7, KEY)
+    x = torch.zeros(3001)
+    out["far"] = add_gaussian(x, 1.0, KEY, pair_base=FAR_BASE)
+    inplace = torch.ones(10)
+    add_gaussian(inplace, 2.0, KEY, out=inplace)
+    out["inplace"] = inplace
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    if triton is None:
+        pytest.skip("needs the `triton` package")
+    path = tmp_path_factory.mktemp("noise") / "runs.pt"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(path, weights_only=False)
+
+
+def float32_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    spacing = (torch.nextafter(b.abs(), torch.full_like(b, math.inf)) - b.abs()).double()
+    return (a.double() - b.double()).abs() / spacing
+
+
+# ------------------------------------------------------------------------------ the law
+def test_moments_and_quantiles_of_two_million_draws():
+    z = reference_normals(2_000_000, KEY)
+    n = z.numel()
+    assert abs(z.mean().item()) < 5 / math.sqrt(n)
+    assert abs(z.var().item() - 1) < 5 * math.sqrt(2 / n)
+    assert abs((z ** 4).mean().item() - 3) < 5 * math.sqrt(96 / n)  # Var(z^4) = 96
+    normal = torch.distributions.Normal(0.0, 1.0)
+    for q in (0.001, 0.02, 0.16, 0.5, 0.84, 0.98, 0.999):
+        empirical = (z <= normal.icdf(torch.tensor(q)).item()).double().mean().item()
+        assert abs(empirical - q) < 5 * math.sqrt(q * (1 - q) / n)
+    # consecutive values (the cos and sin of one pair, and neighbouring pairs) are uncorrelated
+    assert abs((z[0::2] * z[1::2]).mean().item()) < 5 / math.sqrt(n / 2)
+    assert abs((z[1:-1:2] * z[2::2]).mean().item()) < 5 / math.sqrt(n / 2)
+
+
+def test_the_tail_reaches_beyond_six_sigma_and_stops_at_8_66():
+    """53-bit uniforms: |z| <= sqrt(-2 ln 2^-54) = 8.66; the smallest u1 gives it exactly."""
+    bound = math.sqrt(-2 * math.log(0.5 * 2.0 ** -53))
+    assert bound == pytest.approx(8.66, abs=0.01)
+    z = reference_normals(4_000_000, KEY)
+    assert z.abs().max().item() <= bound
+    assert z.abs().max().item() > 4.5  # 4M draws: P(max |z| < 4.5) ~ e^-27
+    # float32 Box-Muller with tl.randn's 1e-7 floor could never exceed 5.68
+    assert math.sqrt(-2 * math.log(1e-7)) < 5.7
+
+
+def test_every_one_of_the_128_key_bits_changes_the_draw():
+    base = reference_normals(8, KEY)
+    words = ("k0", "k1", "s0", "s1")
+    for w in words:
+        for bit in range(32):
+            fields = {name: getattr(KEY, name) for name in words}
+            fields[w] ^= 1 << bit
+            other = reference_normals(8, SecretKey(**fields))
+            assert not torch.equal(base, other), f"{w} bit {bit} does not change the noise"
+
+
+def test_a_chunk_is_the_same_stretch_of_the_long_vector():
+    whole = reference_normals(1000, KEY)
+    assert torch.equal(reference_normals(600, KEY, pair_base=200), whole[400:])
+    assert torch.equal(reference_normals(5, KEY, pair_base=3), whole[6:11])
+
+
+def test_the_key_never_shows_in_a_repr_and_words_are_checked():
+    assert "0x" not in repr(KEY) and str(KEY.k0) not in repr(KEY)
+    with pytest.raises(ValueError, match="32-bit"):
+        SecretKey(1 << 32, 0, 0, 0)
+    key = SecretKey.from_words64((0x89ABCDEF01234567, 0x0BADF00DDEADBEEF))
+    assert key == KEY
+
+
+def test_std_is_rounded_up_to_float32_never_down():
+    for std in (0.1, 1 / 3, 2.7e-5, 27.0, 1e-30, 0.0):
+        value = kernel_std(std)
+        assert value >= std and torch.tensor(value, dtype=torch.float32).item() == value
+        assert value - std <= 2.0 ** -23 * max(std, 1e-45)
+    with pytest.raises(ValueError, match="noise std"):
+        kernel_std(-1.0)
+
+
+def test_noise_source_draws_a_fresh_key_per_release():
+    source = NoiseSource(7)
+    a, b = source.device_key(), source.device_key()
+    assert a != b
+    again = NoiseSource(7)
+    assert again.device_key() == a  # a test seed makes it reproducible (and warns)
+
+
+# ------------------------------------------------------------------------------ the kernel
+def test_interpreted_kernel_equals_the_reference(interpreted):
+    """Philox words are bitwise; float64 log/sin/cos may differ by an ulp of float64: within 1 float32 ulp."""
+    for n in INTERPRETED_SIZES:
+        x = torch.linspace(-3, 3, n)
+        expected = reference_noised(x, 0.7, KEY)
+        got = interpreted[n]
+        assert got.shape == x.shape and got.dtype == torch.float32
+        assert float32_ulps(got, expected).max().item() <= 1
+        assert (got == expected).double().mean().item() > 0.99
+    far = reference_noised(torch.zeros(3001), 1.0, KEY, pair_base=FAR_BASE)
+    assert float32_ulps(interpreted["far"], far).max().item() <= 1
+    assert float32_ulps(interpreted["inplace"], reference_noised(torch.ones(10), 2.0, KEY)).max().item() <= 1
+
+
+def test_kernel_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
+    """Triton's CUDA frontend and ptxas accept the float64 maths (what the interpreter cannot check)."""
+    if triton is None:
+        pytest.skip("needs the `triton` package")
+    from lit_zodp.privacy import device_noise
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this triton has no CUDA compiler API")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    signature = {"x_ptr": "*fp32", "out_ptr": "*fp32", "numel": "i64", "pair_base": "i64", "seed": "i64",
+                 "s0": "i64", "s1": "i64", "std": "fp32", "PAIRS": "constexpr"}
+    try:
+        kernel = triton.compile(ASTSource(device_noise._noise_kernel, signature,
+                                          constexprs={"PAIRS": device_noise.PAIRS_PER_BLOCK}),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except (RuntimeError, FileNotFoundError) as error:
+        if "ptxas" in str(error) or "backend" in str(error).lower():
+            pytest.skip(str(error))
+        raise
+    assert "lg2.approx" not in kernel.asm["ptx"]  # float64 log from libdevice, not the float32 approximation
+
+
+@pytest.mark.gpu
+def test_cuda_noise_equals_the_reference_and_the_release_draws_on_the_device():
+    pytest.importorskip("triton")
+    from lit_zodp.privacy.device_noise import add_gaussian
+
+    x = torch.linspace(-3, 3, 1_000_003)
+    got = add_gaussian(x.cuda(), 0.7, KEY).cpu()
+    assert float32_ulps(got, reference_noised(x, 0.7, KEY)).max().item() <= 2
+    source = NoiseSource(5)
+    noised = source.noised(torch.zeros(4_000_000, device="cuda"), 3.0)
+    assert noised.is_cuda and abs(noised.std().item() / 3.0 - 1) < 5e-3
+
+
+if __name__ == "__main__":  # the TRITON_INTERPRET=1 subprocess of the `interpreted` fixture
+    torch.save(interpreted_runs(), sys.argv[1])
