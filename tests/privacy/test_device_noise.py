@@ -8,21 +8,14 @@ reference computed here. ``gpu``-marked tests run the compiled kernel.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lit_zodp.privacy import NoiseSource
 from lit_zodp.privacy.device_noise import SecretKey, kernel_std, reference_noised, reference_normals
-
-try:
-    import triton
-except ImportError:  # pragma: no cover
-    triton = None
+from tests._triton import compile_for_sm90, run_interpreted
 
 pytestmark = pytest.mark.filterwarnings("ignore:`noise_seed` is set")
 
@@ -49,14 +42,7 @@ def interpreted_runs() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    if triton is None:
-        pytest.skip("needs the `triton` package")
-    path = tmp_path_factory.mktemp("noise") / "runs.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    done = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(path, weights_only=False)
+    return run_interpreted(__file__, tmp_path_factory, "noise")
 
 
 def float32_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -150,25 +136,12 @@ def test_interpreted_kernel_equals_the_reference(interpreted):
 
 def test_kernel_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
     """Triton's CUDA frontend and ptxas accept the float64 maths (what the interpreter cannot check)."""
-    if triton is None:
-        pytest.skip("needs the `triton` package")
     from lit_zodp.privacy import device_noise
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError:
-        pytest.skip("this triton has no CUDA compiler API")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
     signature = {"x_ptr": "*fp32", "out_ptr": "*fp32", "numel": "i64", "pair_base": "i64", "seed": "i64",
                  "s0": "i64", "s1": "i64", "std": "fp32", "PAIRS": "constexpr"}
-    try:
-        kernel = triton.compile(ASTSource(device_noise._noise_kernel, signature,
-                                          constexprs={"PAIRS": device_noise.PAIRS_PER_BLOCK}),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    except (RuntimeError, FileNotFoundError) as error:
-        if "ptxas" in str(error) or "backend" in str(error).lower():
-            pytest.skip(str(error))
-        raise
+    kernel = compile_for_sm90(getattr(device_noise, "_noise_kernel", None), signature,
+                              {"PAIRS": device_noise.PAIRS_PER_BLOCK}, monkeypatch, tmp_path)
     assert "lg2.approx" not in kernel.asm["ptx"]  # float64 log from libdevice, not the float32 approximation
 
 

@@ -9,16 +9,14 @@ what it saved with the torch reference computed here.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lit_zodp.zo import philox
 from lit_zodp.zo.fused import FusedPerturbation, global_offsets
+from tests._triton import compile_for_sm90, run_interpreted
 
 try:
     import triton
@@ -129,14 +127,7 @@ if triton is not None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    if triton is None:
-        pytest.skip("needs the `triton` package")
-    path = tmp_path_factory.mktemp("interpreted") / "runs.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    done = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(path, weights_only=False)
+    return run_interpreted(__file__, tmp_path_factory)
 
 
 def ulp(x: torch.Tensor) -> torch.Tensor:
@@ -382,27 +373,15 @@ def test_direction_matches_global_offsets():
 def test_kernel_compiles_for_sm90_without_a_gpu(dtype, tmp_path, monkeypatch):
     """Triton's CUDA frontend and ptxas accept the kernel (what the interpreter cannot check), and the
     full-block path uses 128-bit loads and stores."""
-    if triton is None:
-        pytest.skip("needs the `triton` package")
     from lit_zodp.zo import fused
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError:
-        pytest.skip("this triton has no CUDA compiler API")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
     signature = {"table": "*i64", "owners": "*i32", "seeds": "*i64", "scalars": "*fp32", "num_terms": "i32",
                  "lrs": "*fp32", "decays": "*fp32", "DTYPE": "constexpr", "BLOCK": "constexpr",
                  "RESTORE": "constexpr", "UPDATE": "constexpr", "ALIGNED": "constexpr"}
     constants = {"DTYPE": getattr(tl, {"fp32": "float32", "bf16": "bfloat16"}[dtype]), "BLOCK": fused.DEFAULT_BLOCK,
                  "RESTORE": True, "UPDATE": True, "ALIGNED": True}
-    try:
-        kernel = triton.compile(ASTSource(fused._zo_pass_kernel, signature, constexprs=constants),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": fused.DEFAULT_WARPS})
-    except (RuntimeError, FileNotFoundError) as error:  # no NVIDIA backend or ptxas in this install
-        if "ptxas" in str(error) or "backend" in str(error).lower():
-            pytest.skip(str(error))
-        raise
+    kernel = compile_for_sm90(getattr(fused, "_zo_pass_kernel", None), signature, constants, monkeypatch, tmp_path,
+                              num_warps=fused.DEFAULT_WARPS)
     ptx = kernel.asm["ptx"]
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx
 

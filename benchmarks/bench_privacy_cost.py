@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Privacy's own per-step cost: DPZero against MeZO on the quickstart, side by side, in one process.
+
+DPZero and MeZO run the same step (:class:`lit_zodp.algorithms.DPZero`; MeZO holds the non-private
+twin of the privacy component): the same forwards, engine passes, clipping and Lightning loop. What
+privacy adds per step is the secret Gaussian draw, the ledger commit and the epsilon the
+:class:`~lit_zodp.callbacks.PrivacySpendCallback` logs at its cadence. Issue target: a DPZero step
+at most 1.02x a MeZO step.
+
+Setup: ``configs/quickstart.yaml`` as written (TinyMLP 64-64-10 on the digits, expected Poisson
+batch 64, lr 0.01, lam 1e-3; DPZero with clip 2 and epsilon 4 at delta 1e-5, sigma calibrated at fit
+start), built directly. Each measurement is one ``Trainer.fit`` of ``--steps`` steps on a fresh module
+(same initial weights); the clock runs from the first ``on_train_batch_start`` to ``on_train_end`` (a
+callback), so the once-per-fit calibration of sigma (in the module's ``on_train_start``) is outside it
+(reported separately) and the per-step epsilon logging is inside. Methods alternate, the order rotating each repetition; the ratio is the median of
+per-repetition (paired) ratios.
+
+Usage::
+
+    python benchmarks/bench_privacy_cost.py                 # 7 repetitions of 3000 steps each
+    python benchmarks/bench_privacy_cost.py --quick         # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+import bench_dpzero as bd  # noqa: E402  (light at import)
+
+METHODS = ("mezo", "dpzero")
+TARGET = 1.02
+
+
+def make_module(method: str):
+    import torch
+
+    from lit_zodp.algorithms import DPZero, MeZO
+    from lit_zodp.backbones import TinyMLP
+
+    torch.manual_seed(0)
+    backbone = TinyMLP(in_features=64, num_classes=10, hidden=64)
+    if method == "mezo":
+        return MeZO(backbone, lr=0.01, lam=1e-3, seed=0)
+    return DPZero(backbone, lr=0.01, lam=1e-3, seed=0, clip=2.0, target_epsilon=4.0, delta=1e-5)
+
+
+def timed_fit(method: str, steps: int, datamodule) -> dict:
+    """One fit; seconds from the first batch to ``on_train_end``, and the fit's setup seconds before it."""
+    import lightning.pytorch as pl
+
+    class Clock(pl.Callback):
+        start = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.start is None:  # after the module's on_train_start, which calibrates sigma
+                self.start = time.perf_counter()
+                bd.PROBE.start()
+
+        def on_train_end(self, trainer, pl_module):
+            self.wall, self.load = bd.PROBE.stop()
+
+    clock = Clock()
+    module = make_module(method)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=[clock])
+    begin = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule)
+    total = time.perf_counter() - begin
+    epsilon = module.privacy.epsilon() if method == "dpzero" else None
+    return {"train_s": clock.wall, "setup_s": clock.start - begin, "total_s": total, "load": clock.load,
+            "steps": trainer.global_step, "epsilon": epsilon}
+
+
+def run(args) -> dict:
+    import torch
+
+    from datamodules import DigitsDataModule
+
+    bd._setup_worker(args.threads)
+    datamodule = DigitsDataModule(batch_size=64, val_fraction=0.1)
+    runs = {m: [] for m in METHODS}
+    for rep in range(-args.warmup, args.repeats):
+        order = METHODS[rep % 2:] + METHODS[:rep % 2]
+        for method in order:
+            result = timed_fit(method, args.steps, datamodule)
+            if rep >= 0:
+                runs[method].append(result)
+            print(f"rep {rep} {method}: {1e3 * result['train_s'] / result['steps']:.3f} ms/step "
+                  f"(setup {result['setup_s']:.2f} s, other load {result['load']})", flush=True)
+    per_step = {m: [r["train_s"] / r["steps"] for r in runs[m]] for m in METHODS}
+    ratios = [d / m for d, m in zip(per_step["dpzero"], per_step["mezo"])]
+    return {"per_step_s": per_step, "ratios": ratios, "runs": runs, "threads": torch.get_num_threads()}
+
+
+def render(result: dict, meta: dict) -> str:
+    med = {m: statistics.median(v) for m, v in result["per_step_s"].items()}
+    ratio = statistics.median(result["ratios"])
+    setup = {m: statistics.median(r["setup_s"] for r in result["runs"][m]) for m in METHODS}
+    loads = [r["load"] for m in METHODS for r in result["runs"][m] if r["load"] is not None]
+    lines = [
+        "# Privacy's own cost: DPZero vs MeZO on the quickstart", "",
+        f"`{meta['command']}`  ",
+        f"{meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']}, lightning {meta['lightning']}, threads "
+        f"{result['threads']}; TinyMLP 64-64-10, digits, Poisson B = 64; {meta['repeats']} repetitions (+"
+        f"{meta['warmup']} warm-up) of one {meta['steps']}-step fit per method; load average "
+        f"{meta['loadavg_start'][0]:.2f} -> {meta['loadavg_end'][0]:.2f}; total {meta['total_s']:.0f} s", "",
+        "| method | ms/step (median) | all repetitions (ms/step) | fit setup s (median) |",
+        "|---|---:|---|---:|",
+    ]
+    for m in METHODS:
+        reps = ", ".join(f"{1e3 * x:.3f}" for x in result["per_step_s"][m])
+        lines.append(f"| {m} | {1e3 * med[m]:.3f} | {reps} | {setup[m]:.2f} |")
+    lines += ["", f"DPZero / MeZO per step (median of paired ratios): **{ratio:.3f}** (target <= {TARGET}); "
+              f"per repetition: {', '.join(f'{r:.3f}' for r in result['ratios'])}.  ",
+              f"Other processes' load during the fits (median, cores): "
+              f"{statistics.median(loads) if loads else float('nan'):.2f}. DPZero's epsilon after {meta['steps']} "
+              f"steps: {result['runs']['dpzero'][0]['epsilon']:.3f}. The setup column holds sigma's calibration "
+              f"for DPZero (once per fit)."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3000, help="steps per fit")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 repetitions of 200 steps")
+    parser.add_argument("--out", default=None, help="results file stem (default results/bench_privacy_cost[_quick])")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats, args.warmup = 200, 2, 0
+    meta = bd.machine_info()
+    meta.update(command="python benchmarks/bench_privacy_cost.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+                steps=args.steps, repeats=args.repeats, warmup=args.warmup)
+    begin = time.perf_counter()
+    result = run(args)
+    meta["total_s"] = time.perf_counter() - begin
+    meta["loadavg_end"] = __import__("os").getloadavg()
+    text = render(result, meta)
+    stem = Path(args.out) if args.out else RESULTS / ("bench_privacy_cost_quick" if args.quick else "bench_privacy_cost")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "result": result}, indent=1, default=str))
+    stem.with_suffix(".md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
