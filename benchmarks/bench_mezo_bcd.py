@@ -7,7 +7,9 @@ benchmark measures, with the same model, batch and ``lam``:
 
 * ``bcd``: :class:`lit_zodp.algorithms.MeZOBCD` (``partition="layer"``, ``order="random"``): one
   block of the 14 (embeddings, 12 layers, pooler + classifier) perturbed and updated per step, two
-  full forwards. Each repetition is ONE full random-order cycle (N steps through one Trainer, every
+  full forwards. On CPU the block's direction is drawn once per step into a cache (the default,
+  ``cache_direction``; memory: the largest block in float32); ``bcd_nocache`` draws it in each of
+  the three passes, at inference memory. Each repetition is ONE full random-order cycle (N steps through one Trainer, every
   block once), so the per-step time is the cycle's mean: a median over single steps would only see
   the small layer blocks, never the 12M-parameter embedding block.
 * ``mezo``: this package's :class:`lit_zodp.algorithms.MeZO` (the DPZero step, non-private): the
@@ -57,8 +59,9 @@ if str(HERE) not in sys.path:
 
 import bench_dpzero as bd  # noqa: E402  (light at import: heavy imports happen in its functions)
 
-METHODS = ("fwd2", "bcd", "mezo", "paper")
-MEMORY_METHODS = ("inference", "bcd", "mezo", "paper")
+METHODS = ("fwd2", "bcd", "bcd_nocache", "mezo", "paper")
+MEMORY_METHODS = ("inference", "bcd", "bcd_nocache", "mezo", "paper")
+BCD_METHODS = ("bcd", "bcd_nocache")
 TARGETS = {"speedup_vs_paper": 2.0, "bcd_vs_2fwd": 1.02}
 LR = bd.LR    # 1e-6: the step size does not change the cost of a step
 LAM = bd.LAM  # 1e-3
@@ -123,8 +126,9 @@ def timed(cls):
 def make(method: str, backbone):
     from lit_zodp.algorithms import MeZO, MeZOBCD
 
-    if method == "bcd":
-        return timed(MeZOBCD)(backbone, lr=LR, lam=LAM, seed=0, partition="layer", order="random")
+    if method in BCD_METHODS:
+        return timed(MeZOBCD)(backbone, lr=LR, lam=LAM, seed=0, partition="layer", order="random",
+                              cache_direction=method == "bcd")
     if method in ("mezo", "inference", "fwd2"):
         return timed(MeZO)(backbone, lr=LR, lam=LAM, seed=0)
     raise ValueError(method)
@@ -197,7 +201,7 @@ def worker_time(args) -> dict:
 
     device = torch.device("cpu")
     backbone, inputs, targets, dataset = build(args)
-    modules = {"bcd": make("bcd", copy.deepcopy(backbone)), "mezo": make("mezo", copy.deepcopy(backbone))}
+    modules = {m: make(m, copy.deepcopy(backbone)) for m in BCD_METHODS + ("mezo",)}
     fwd_module = make("fwd2", backbone)  # only private_losses; never stepped
     paper = PaperMeZO(make("fwd2", copy.deepcopy(backbone)))
     n_blocks = modules["bcd"].num_blocks
@@ -214,10 +218,10 @@ def worker_time(args) -> dict:
     for rep in range(-args.warmup, args.repeats):
         shift = rep % len(methods)
         for method in methods[shift:] + methods[:shift]:
-            if method in ("bcd", "mezo"):
+            if method in modules:
                 module = modules[method]
                 # bcd: one full random-order cycle (every block once) per repetition; mezo: k steps.
-                steps = n_blocks if method == "bcd" else args.steps_per_repeat
+                steps = n_blocks if method in BCD_METHODS else args.steps_per_repeat
                 before = len(module.step_times)
                 bd.dpzero_fit(module, dataset, steps, device)
                 runs = list(zip(module.step_times[before:], module.step_loads[before:]))
@@ -250,7 +254,7 @@ def worker_memory(args) -> dict:
     one = bd.FixedBatch({k: v[:1] for k, v in inputs.items()}, targets[:1])
     method = args.method
     # warm-up on ONE example: lazy imports and one-time state are not per-step memory
-    if method in ("bcd", "mezo"):
+    if method in BCD_METHODS + ("mezo",):
         module = make(method, backbone)
         bd.dpzero_fit(module, one, 1, device)
     else:
@@ -263,9 +267,9 @@ def worker_memory(args) -> dict:
     baseline = bd._proc_status("VmRSS")
     reset_ok = bd._reset_peak_rss()
     k = args.steps_per_repeat
-    if method in ("bcd", "mezo"):
+    if method in BCD_METHODS + ("mezo",):
         module = make(method, backbone)
-        bd.dpzero_fit(module, dataset, module.num_blocks if method == "bcd" else k, device)
+        bd.dpzero_fit(module, dataset, module.num_blocks if method in BCD_METHODS else k, device)
     elif method == "paper":
         for _ in range(k):
             paper_mezo_step(paper, inputs, targets)
@@ -327,6 +331,7 @@ def summarize(timing: dict, memory: dict) -> dict:
     row = {f"{m}_s": med[m] for m in METHODS}
     row.update(speedup_vs_paper=paired("paper", "bcd"), speedup_vs_mezo=paired("mezo", "bcd"),
                bcd_vs_2fwd=paired("bcd", "fwd2"), mezo_vs_2fwd=paired("mezo", "fwd2"),
+               bcd_nocache_vs_2fwd=paired("bcd_nocache", "fwd2"), speedup_nocache_vs_mezo=paired("mezo", "bcd_nocache"),
                paper_vs_2fwd=paired("paper", "fwd2"),
                speedup_vs_paper_of_medians=bd._ratio(med["paper"], med["bcd"]),
                bcd_vs_2fwd_of_medians=bd._ratio(med["bcd"], med["fwd2"]))
@@ -338,6 +343,7 @@ def summarize(timing: dict, memory: dict) -> dict:
         row[f"{m}_peak_mb"] = peak / 2**20 if peak else None
         row[f"{m}_extra_mb"] = (peak - base) / 2**20 if peak and base else None
     row["mem_bcd_vs_mezo"] = bd._ratio(row["bcd_peak_mb"], row["mezo_peak_mb"])
+    row["mem_bcd_nocache_vs_mezo"] = bd._ratio(row["bcd_nocache_peak_mb"], row["mezo_peak_mb"])
     return row
 
 
@@ -348,8 +354,10 @@ def render(row: dict, timing: dict) -> str:
         "|---|---:|---:|---:|---:|",
         f"| two forwards alone | {f(row['fwd2_s'])} | 1.000 | {f(row['inference_peak_mb'], '.0f')} | "
         f"{f(row['inference_extra_mb'], '.0f')} |",
-        f"| MeZO-BCD (layer blocks, random order) | {f(row['bcd_s'])} | {f(row['bcd_vs_2fwd'])} | "
-        f"{f(row['bcd_peak_mb'], '.0f')} | {f(row['bcd_extra_mb'], '.0f')} |",
+        f"| MeZO-BCD (layer blocks, random order; direction cached, the CPU default) | {f(row['bcd_s'])} | "
+        f"{f(row['bcd_vs_2fwd'])} | {f(row['bcd_peak_mb'], '.0f')} | {f(row['bcd_extra_mb'], '.0f')} |",
+        f"| MeZO-BCD, `cache_direction=False` | {f(row['bcd_nocache_s'])} | {f(row['bcd_nocache_vs_2fwd'])} | "
+        f"{f(row['bcd_nocache_peak_mb'], '.0f')} | {f(row['bcd_nocache_extra_mb'], '.0f')} |",
         f"| MeZO (lit_zodp) | {f(row['mezo_s'])} | {f(row['mezo_vs_2fwd'])} | {f(row['mezo_peak_mb'], '.0f')} | "
         f"{f(row['mezo_extra_mb'], '.0f')} |",
         f"| MeZO, the paper's baseline (reference code) | {f(row['paper_s'])} | {f(row['paper_vs_2fwd'])} | "
@@ -360,7 +368,10 @@ def render(row: dict, timing: dict) -> str:
         f"| BCD speedup vs the paper's baseline | {f(row['speedup_vs_paper'], '.2f')}x | >= {TARGETS['speedup_vs_paper']}x |",
         f"| BCD speedup vs lit_zodp MeZO | {f(row['speedup_vs_mezo'], '.3f')}x | (engine's share only) |",
         f"| BCD step / two forwards | {f(row['bcd_vs_2fwd'])} | <= {TARGETS['bcd_vs_2fwd']} |",
-        f"| peak RSS BCD / MeZO | {f(row['mem_bcd_vs_mezo'])} | |",
+        f"| BCD without the cache: step / two forwards, speedup vs lit_zodp MeZO | "
+        f"{f(row['bcd_nocache_vs_2fwd'])}, {f(row['speedup_nocache_vs_mezo'], '.3f')}x | |",
+        f"| peak RSS BCD / MeZO (cached, not cached) | {f(row['mem_bcd_vs_mezo'])}, "
+        f"{f(row['mem_bcd_nocache_vs_mezo'])} | |",
         "",
         f"Other processes' load during the timings (median, cores): {f(row['other_load'], '.2f')}. "
         f"Blocks: {timing.get('n_blocks')} ({', '.join(timing.get('block_names') or [])[:120]}...); "
