@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.checks import check_losses, check_mode, check_transform, refuse_batchnorm
-from lit_zodp.per_example.coverage import uncovered, working_eps
+from lit_zodp.per_example.coverage import difference_norm, uncovered, working_eps
 from lit_zodp.per_example.reference import call_gradients
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
@@ -373,7 +373,8 @@ class PerExampleGradientEngine:
         single-use parameter compared with its unit sum as its gradient accumulates; both are
         dropped at once when it passes whatever the other parameters' gradients (the tolerance of
         :func:`.coverage.uncovered` without the whole-gradient term), so the check holds about one
-        layer's sum and gradient at a time, less than the batch gradient Opacus accumulates."""
+        layer's sum and gradient at a time (their difference slice by slice,
+        :func:`.coverage.difference_norm`), less than the batch gradient Opacus accumulates."""
         ghost = {i for _, mine in batch.second_pass.calls for i in mine.values()}
         handles = [self.params[i].register_post_accumulate_grad_hook(self._compare_on_arrival(i, batch))
                    for i in sorted(ghost)]
@@ -394,7 +395,7 @@ class PerExampleGradientEngine:
             if total is None or param.grad is None:
                 return
             full = self._projections[i].of_gradients(param.grad) if i in batch.projected else param.grad
-            gap = (total.to(full.dtype) - full).norm()
+            gap = difference_norm(total, full)
             scale = batch.ghost_norm_sq[i].double().sqrt().sum() + full.norm().double()
             if bool(gap.double() <= eps * scale):
                 param.grad = None  # covered: neither its sum nor its gradient is needed any more

@@ -1,14 +1,17 @@
 """Ghost norms (Li et al. 2022) equal the norms of the materialised per-example gradients."""
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_zodp.per_example import PerExampleGradientEngine, samplers
+from lit_zodp.per_example.coverage import DIFFERENCE_CHUNK, difference_norm
 from lit_zodp.per_example.ghost import embedding_norm_sq, gram_norm_sq, prefer_ghost
 from tests.per_example.helpers import assert_rel_close
 
@@ -75,3 +78,74 @@ def test_ghost_mode_never_materialises_linear_weights(monkeypatch):
         assert result.norms.shape == (4,)
     with pytest.raises(AssertionError, match="materialised"):
         PerExampleGradientEngine(model).clipped_sum(lambda: model(x).pow(2).sum((1, 2)), 0.1)
+
+
+class _LiveLarge(TorchDispatchMode):
+    """The most buffers of at least ``numel`` elements that ops produced and that were alive at
+    once, as ``{buffer: op}`` (a buffer dies with the last tensor on it, wherever autograd or the
+    engine keeps it; an in-place result or a ``detach`` shares its input's buffer)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.tensors, self.alive, self.most = numel, {}, {}, {}
+
+    def _died(self, key):
+        self.tensors[key] -= 1
+        if not self.tensors[key]:
+            del self.tensors[key], self.alive[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                key = t.untyped_storage().data_ptr()
+                self.alive.setdefault(key, str(func))
+                self.tensors[key] = self.tensors.get(key, 0) + 1
+                weakref.finalize(t, self._died, key)
+                self.most = max(self.most, dict(self.alive), key=len)
+        return out
+
+
+def test_ghost_check_holds_at_most_two_copies_of_an_embedding_table():
+    """On a checked batch "ghost" mode compares each parameter's unit sum with its batch gradient
+    while the graph is retained. For an embedding table (MiniLM's word embeddings: 45 MiB) both are
+    full-size; their difference must not be a third copy (it was the 45 MiB that put MiniLM's
+    checked step above Opacus' ghost clipping): :func:`difference_norm` forms it slice by slice."""
+    torch.manual_seed(0)
+    vocab, dim = 2 * DIFFERENCE_CHUNK // 16 + 7, 16
+    model = nn.Sequential(nn.Embedding(vocab, dim), nn.Flatten(1), nn.Linear(3 * dim, 2))
+    ids, y = torch.randint(0, vocab, (4, 3)), torch.tensor([0, 1, 1, 0])
+    engine = PerExampleGradientEngine(model, mode="ghost")
+    with _LiveLarge(vocab * dim) as probe:
+        checked = engine.clipped_sum(lambda: nn.functional.cross_entropy(model(ids), y, reduction="none"), 0.5)
+    assert len(probe.most) <= 2, probe.most
+    again = engine.clipped_sum(lambda: nn.functional.cross_entropy(model(ids), y, reduction="none"), 0.5)
+    for a, b in zip(checked.grads, again.grads):
+        torch.testing.assert_close(a, b)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The largest number of elements of any tensor an op allocates (a view allocates nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("shape", [(3,), (5, 7), (DIFFERENCE_CHUNK // 8 + 3, 8)])
+def test_difference_norm_is_the_norm_of_the_difference_without_a_full_size_temporary(shape):
+    torch.manual_seed(0)
+    a, b = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float32)
+    with _LargestTensor() as probe:
+        gap = difference_norm(a, b)
+    assert_rel_close(gap, (a.to(b.dtype) - b).norm(), 1e-6)
+    assert gap.dtype == torch.float32
+    assert probe.largest <= DIFFERENCE_CHUNK
