@@ -184,8 +184,7 @@ class DPMeZOBCD(DPZero):
             self.adam_update(coefficients)                                              # Alg. 5 lines 11-15
         else:
             self.update(coefficients, scale=1.0 / len(seeds))                           # Alg. 1 lines 9-12
-        self.log("active_block", float(block), batch_size=max(size, 1))
-        self.log_step(size, sum(fractions) / len(fractions))
+        self.log_step(size, sum(fractions) / len(fractions), active_block=float(block))
 
     # ----------------------------------------------------------------------------- verbs
     def select_block(self) -> int:
