@@ -6,7 +6,7 @@ allocations alive at that peak, grouped by the op that made them (see ghost_mem_
 import os, sys, collections
 from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 torch.set_num_threads(2)
 import bench_dpzero as bd
