@@ -7,6 +7,9 @@ noise is drawn with NumPy's bit generators instead, keyed by the whole secret:
 
 * scalar and small releases: a PCG64DXSM stream whose 128-bit state is derived by ``SeedSequence``
   from a 256-bit OS-entropy secret (every bit of the secret changes the stream);
+* large releases on the host (more than ``HOST_PART`` values: DP-SGD's d-dimensional sum): parts of
+  ``HOST_PART`` values, each from its own PCG64DXSM keyed by 128 bits fresh from that stream, filled
+  on torch's intra-op threads (NumPy releases the GIL while it fills);
 * d-dimensional noise vectors (DPGD-0th): a Philox-4x64 key of 128 bits, fresh from the stream for
   each release, with the chunk index in the counter, so the perturbation engine generates the
   vector chunk by chunk, in any order and on any device, without storing it.
@@ -22,6 +25,7 @@ generators are not cryptographically secure PRNGs: the secrecy is that of the 25
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Optional
@@ -32,9 +36,12 @@ from torch import Tensor
 
 from lit_zodp.errors import check_non_negative, raise_if_any
 from lit_zodp.privacy.device_noise import SecretKey, add_gaussian, device_noise_available
+from lit_zodp.zo.parallel import map_on_threads
 
 #: Bits of OS entropy behind every secret stream (noise and Poisson sampling).
 SECRET_BITS = 256
+#: Values per independently keyed part of a large host draw (parts fill in parallel).
+HOST_PART = 1 << 20
 
 TEST_SEED_WARNING = (
     "`{name}` is set: the {what} is reproducible from it, so the run is NOT differentially private. "
@@ -84,9 +91,7 @@ class NoiseSource:
         """A draw of ``N(0, std^2)`` with the given shape, on ``device``."""
         raise_if_any([check_non_negative("noise std", std)])
         precision = np.float64 if dtype == torch.float64 else np.float32  # float32 for fp32/bf16/fp16
-        draw = np.asarray(self._rng.standard_normal(tuple(shape), dtype=precision))
-        draw *= precision(std)
-        host = torch.from_numpy(draw)
+        host = torch.from_numpy(self._host_draw(math.prod(shape), std, precision)).view(tuple(shape))
         if torch.device(device).type == "cuda":  # pinned + non_blocking: no wait on the device's queue
             return host.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
         return host.to(device=device, dtype=dtype)
@@ -96,7 +101,29 @@ class NoiseSource:
         raise_if_any([check_non_negative("noise std", std)])
         if device_noise_available(x):
             return add_gaussian(x.contiguous(), std, self.device_key())
-        return x + self.gaussian(x.shape, std, device=x.device, dtype=x.dtype)
+        noise = self.gaussian(x.shape, std, device=x.device, dtype=x.dtype)
+        if x.device.type == "cpu" and noise.dtype == x.dtype:
+            return noise.add_(x)  # the fresh draw holds the sum: no second d-sized buffer
+        return x + noise
+
+    def _host_draw(self, numel: int, std: float, precision) -> np.ndarray:
+        """``numel`` draws of ``N(0, std^2)``: one stream up to ``HOST_PART``, else keyed parts on threads."""
+        if numel <= HOST_PART:
+            draw = np.asarray(self._rng.standard_normal(numel, dtype=precision))
+            draw *= precision(std)
+            return draw
+        out = np.empty(numel, dtype=precision)
+        starts = range(0, numel, HOST_PART)
+        keys = self._rng.integers(0, 2**64, size=(len(starts), 2), dtype=np.uint64)  # 128 fresh bits per part
+
+        def fill(j: int) -> None:
+            part = out[starts[j]:starts[j] + HOST_PART]
+            secret = int(keys[j, 0]) | (int(keys[j, 1]) << 64)
+            secret_generator(secret).standard_normal(out=part, dtype=precision)
+            part *= precision(std)
+
+        map_on_threads(fill, len(starts))
+        return out
 
     def device_key(self) -> SecretKey:
         """128 fresh secret bits for one draw of the device kernel."""
@@ -141,4 +168,4 @@ class SecretGaussianVector:
         return out
 
 
-__all__ = ["NoiseSource", "SECRET_BITS", "SecretGaussianVector", "secret_generator", "secret_seed"]
+__all__ = ["HOST_PART", "NoiseSource", "SECRET_BITS", "SecretGaussianVector", "secret_generator", "secret_seed"]

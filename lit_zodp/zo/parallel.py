@@ -92,6 +92,19 @@ class Scratch:
         return view
 
 
+def map_on_threads(work: Callable[[int], object], count: int, workers: Optional[int] = None) -> list:
+    """``[work(i) for i in range(count)]`` on up to ``workers`` threads (default: torch's intra-op threads).
+
+    Only pays where ``work`` releases the GIL (torch ops, NumPy's random fills); results in index order.
+    """
+    workers = min(count, workers or torch.get_num_threads())
+    if workers <= 1 or getattr(_in_worker, "active", False):
+        return [work(i) for i in range(count)]
+    futures = [_get_pool(workers - 1).submit(work, i) for i in range(1, count)]
+    first = work(0)
+    return [first] + [f.result() for f in futures]
+
+
 def for_each_chunk(chunks: Sequence[Tensor], work: Callable[[int, Scratch], object]) -> list:
     """``[work(i, scratch) for i in range(len(chunks))]``, under ``no_grad``, possibly on several threads.
 

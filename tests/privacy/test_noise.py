@@ -72,3 +72,33 @@ def test_secret_vector_chunks_are_standard_normal_independent_and_keyed_by_128_b
 def test_vector_keys_are_fresh_per_release():
     source = NoiseSource(seed=5)
     assert not np.array_equal(source.vector_key().key, source.vector_key().key)
+
+
+def test_a_large_host_draw_is_keyed_by_part_and_does_not_depend_on_the_thread_count():
+    """Beyond HOST_PART values the draw is filled part by part (128 fresh bits each) on several threads."""
+    from lit_zodp.privacy.noise import HOST_PART
+
+    n = 2 * HOST_PART + 12345
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = NoiseSource(3).gaussian((n,), 1.5)
+        torch.set_num_threads(2)
+        two = NoiseSource(3).gaussian((n,), 1.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    parts = one.split(HOST_PART)
+    assert not torch.equal(parts[0][:1000], parts[1][:1000])  # each part its own stream
+    for part in parts:
+        assert part.double().std().item() == pytest.approx(1.5, rel=5 / math.sqrt(2 * part.numel()))
+    assert abs(one.double().mean().item()) < 5 * 1.5 / math.sqrt(n)
+    corr = (parts[0].double() * parts[1].double()).mean().item() / 1.5 ** 2
+    assert abs(corr) < 5 / math.sqrt(HOST_PART)
+
+
+@pytest.mark.parametrize("n", [5, 3_000_000])
+def test_noised_adds_exactly_the_draw_of_the_same_stream(n):
+    x = torch.linspace(-1, 1, n)
+    assert torch.equal(NoiseSource(9).noised(x, 0.5), x + NoiseSource(9).gaussian((n,), 0.5))
+    assert torch.equal(x, torch.linspace(-1, 1, n))  # the input is not modified
