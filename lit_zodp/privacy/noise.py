@@ -101,10 +101,7 @@ class NoiseSource:
         raise_if_any([check_non_negative("noise std", std)])
         if device_noise_available(x):
             return add_gaussian(x.contiguous(), std, self.device_key())
-        noise = self.gaussian(x.shape, std, device=x.device, dtype=x.dtype)
-        if x.device.type == "cpu" and noise.dtype == x.dtype:
-            return noise.add_(x)  # the fresh draw holds the sum: no second d-sized buffer
-        return x + noise
+        return x + self.gaussian(x.shape, std, device=x.device, dtype=x.dtype)
 
     def _host_draw(self, numel: int, std: float, precision) -> np.ndarray:
         """``numel`` draws of ``N(0, std^2)``: one stream up to ``HOST_PART``, else keyed parts on threads."""
