@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from lit_zodp.per_example import PerExampleGradientEngine, per_example_gradients_vmap  # noqa: E402
 
@@ -109,3 +110,19 @@ def mlp(seed=0):
 
 def ce(logits, targets):
     return F.cross_entropy(logits, targets, reduction="none")
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest number of elements of any tensor an op allocates (a view allocates nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.numel())
+        return out

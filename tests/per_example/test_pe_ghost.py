@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lit_zodp.per_example import PerExampleGradientEngine, samplers
 from lit_zodp.per_example.coverage import DIFFERENCE_CHUNK, difference_norm
 from lit_zodp.per_example.ghost import embedding_norm_sq, gram_norm_sq, prefer_ghost
-from tests.per_example.helpers import assert_rel_close
+from tests.per_example.helpers import LargestTensor, assert_rel_close
 
 
 @settings(max_examples=20, deadline=None)
@@ -124,27 +124,11 @@ def test_ghost_check_holds_at_most_two_copies_of_an_embedding_table():
         torch.testing.assert_close(a, b)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """The largest number of elements of any tensor an op allocates (a view allocates nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("shape", [(3,), (5, 7), (DIFFERENCE_CHUNK // 8 + 3, 8)])
 def test_difference_norm_is_the_norm_of_the_difference_without_a_full_size_temporary(shape):
     torch.manual_seed(0)
     a, b = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float32)
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         gap = difference_norm(a, b)
     assert_rel_close(gap, (a.to(b.dtype) - b).norm(), 1e-6)
     assert gap.dtype == torch.float32

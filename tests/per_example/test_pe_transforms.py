@@ -5,12 +5,11 @@ equal the projection of the reference per-example gradients in every mode, never
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine
 from lit_zodp.per_example.transforms import GradientTransform, Projection, Projections
-from tests.per_example.helpers import assert_rel_close, ce, flat_clipped_sum, reference
+from tests.per_example.helpers import LargestTensor, assert_rel_close, ce, flat_clipped_sum, reference
 
 
 class _SeqNet(nn.Module):
@@ -67,21 +66,6 @@ def test_projected_per_example_gradients_equal_the_reference():
         assert_rel_close(got[name], expected, name=name)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """The largest number of elements of any tensor an op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
 def test_projection_never_forms_batch_times_out_times_in(mode):
     """A wide Linear (256 x 256) at B = 8, T = 2: no tensor the engine forms is larger than the
@@ -96,11 +80,11 @@ def test_projection_never_forms_batch_times_out_times_in(mode):
 
     projection = Projections({"0.weight": Projection(torch.randn(256, 4, dtype=torch.float64), "right")})
     engine = PerExampleGradientEngine(model, mode=mode, transform=projection)
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         engine.clipped_sum(loss_fn, 1.0)
     assert probe.largest <= 256 * 256, probe.largest
     if mode == "hooks":
-        with _LargestTensor() as probe:
+        with LargestTensor() as probe:
             PerExampleGradientEngine(model, mode=mode).clipped_sum(loss_fn, 1.0)
         assert probe.largest >= 8 * 256 * 256
 
