@@ -166,6 +166,13 @@ class PrivacyComponent:
     def _steps_cost(self, steps: int, sigma: float) -> list:
         return [(self.sampling.mechanism(composed_multiplier(self.step_plan, sigma)), steps)]
 
+    def _one_step_cost(self) -> list:
+        """``_steps_cost(1, sigma)``, built once per (plan, sigma): a step commits it (tens of microseconds)."""
+        key = (self.step_plan, self.sampling, self.noise_multiplier)
+        if getattr(self, "_step_cost_key", None) != key:
+            self._step_cost_key, self._step_cost = key, self._steps_cost(1, self.noise_multiplier)
+        return self._step_cost
+
     def _check_accountable(self) -> None:
         """Refuse, before the first step, a sigma the accountant cannot certify for the planned run."""
         if not self.is_private:
@@ -243,7 +250,7 @@ class PrivacyComponent:
         if released != planned:
             raise AccountingError(f"This step released {released}, but the step plan declares {planned}")
         if self.is_private:
-            for mechanism, count in self._steps_cost(1, self.noise_multiplier):
+            for mechanism, count in self._one_step_cost():
                 self.ledger.record(mechanism, count)
         if self.steps_allowed is not None:
             self.steps_allowed -= 1

@@ -42,6 +42,10 @@ from lit_zodp.zo.parallel import map_on_threads
 SECRET_BITS = 256
 #: Values per independently keyed part of a large host draw (parts fill in parallel).
 HOST_PART = 1 << 20
+#: Draws of at most this many values (DPZero's per-step scalars) come from a pool refilled
+#: ``SCALAR_POOL`` standard normals at a time: one NumPy call per ~thousand steps instead of one per
+#: step. The pool is secret like the generator's state: in memory only, never in a checkpoint.
+SCALAR_DRAW, SCALAR_POOL = 64, 4096
 
 TEST_SEED_WARNING = (
     "`{name}` is set: the {what} is reproducible from it, so the run is NOT differentially private. "
@@ -98,13 +102,15 @@ class NoiseSource:
 
     def noised(self, x: Tensor, std: float) -> Tensor:
         """``x + N(0, std^2 I)`` (a new tensor): drawn on the GPU where it can be, else on the host."""
-        raise_if_any([check_non_negative("noise std", std)])
-        if device_noise_available(x):
+        if device_noise_available(x):  # add_gaussian checks std, as gaussian() does
             return add_gaussian(x.contiguous(), std, self.device_key())
         return x + self.gaussian(x.shape, std, device=x.device, dtype=x.dtype)
 
     def _host_draw(self, numel: int, std: float, precision) -> np.ndarray:
-        """``numel`` draws of ``N(0, std^2)``: one stream up to ``HOST_PART``, else keyed parts on threads."""
+        """``numel`` draws of ``N(0, std^2)``: from the scalar pool, one stream up to ``HOST_PART``, else
+        keyed parts on threads."""
+        if numel <= SCALAR_DRAW and precision is np.float32:
+            return self._pooled(numel) * precision(std)
         if numel <= HOST_PART:
             draw = np.asarray(self._rng.standard_normal(numel, dtype=precision))
             draw *= precision(std)
@@ -121,6 +127,15 @@ class NoiseSource:
 
         map_on_threads(fill, len(starts))
         return out
+
+    def _pooled(self, numel: int) -> np.ndarray:
+        """The next ``numel`` standard normals (float32) of the pool, refilled from the stream when short."""
+        pool, start = getattr(self, "_pool", None), getattr(self, "_pool_next", 0)
+        if pool is None or start + numel > len(pool):
+            pool, start = self._rng.standard_normal(SCALAR_POOL, dtype=np.float32), 0
+            self._pool = pool
+        self._pool_next = start + numel
+        return pool[start:start + numel]
 
     def device_key(self) -> SecretKey:
         """128 fresh secret bits for one draw of the device kernel."""

@@ -102,3 +102,39 @@ def test_noised_adds_exactly_the_draw_of_the_same_stream(n):
     x = torch.linspace(-1, 1, n)
     assert torch.equal(NoiseSource(9).noised(x, 0.5), x + NoiseSource(9).gaussian((n,), 0.5))
     assert torch.equal(x, torch.linspace(-1, 1, n))  # the input is not modified
+
+
+def test_small_draws_come_in_order_from_a_pool_of_the_secret_stream():
+    """DPZero's scalars: consecutive small draws are consecutive values of the keyed stream (refilled
+    SCALAR_POOL at a time), scaled by std; nothing is repeated across a refill."""
+    from lit_zodp.privacy.noise import SCALAR_POOL, secret_generator
+
+    source = NoiseSource(11)
+    draws = torch.cat([source.gaussian((3,), 2.0) for _ in range(SCALAR_POOL // 3 + 5)])
+    stream = secret_generator(11)
+    expected = np.concatenate([stream.standard_normal(SCALAR_POOL, dtype=np.float32) for _ in range(2)])
+    # a refill starts a fresh block: the tail of the first block shorter than a draw is skipped
+    first = SCALAR_POOL // 3 * 3
+    want = np.concatenate([expected[:first], expected[SCALAR_POOL:SCALAR_POOL + 15]]) * np.float32(2.0)
+    assert torch.equal(draws, torch.from_numpy(want))
+    with pytest.raises(ValueError, match="noise std"):
+        source.gaussian((1,), -1.0)
+
+
+def test_commit_step_records_the_planned_mechanism_once_per_step():
+    from lit_zodp.algorithms import DPZero
+    from lit_zodp.algorithms.dpzero import DERIVATIVES
+    from lit_zodp.privacy.sampling import PoissonSampling
+
+    module = DPZero(torch.nn.Linear(3, 2), lr=0.1, clip=1.0, noise_multiplier=1.2, delta=1e-5, noise_seed=0)
+    privacy = module.privacy
+    privacy.plan(step_plan=module.step_plan(), sampling=PoissonSampling(n=100, sample_rate=0.1), planned_steps=10)
+    for _ in range(3):
+        privacy.release(torch.tensor([1.0]), DERIVATIVES, batch_size=10)
+        privacy.commit_step()
+    (mechanism, count), = privacy.ledger.counts.items()
+    assert count == 3 and mechanism == privacy._steps_cost(1, 1.2)[0][0]
+    privacy.noise_multiplier = 2.0  # a re-planned sigma is not served from the cache
+    privacy.release(torch.tensor([1.0]), DERIVATIVES, batch_size=10)
+    privacy.commit_step()
+    assert privacy.ledger.counts[privacy._steps_cost(1, 2.0)[0][0]] == 1
