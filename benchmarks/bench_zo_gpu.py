@@ -21,7 +21,16 @@ repetition (medians over repetitions; ratios are medians of per-repetition, pair
 * ``adamw``: forward + backward of the mean loss + ``torch.optim.AdamW`` step (train mode, dropout 0);
 * ``opacus``: Opacus DP-SGD with ghost clipping (``make_private(..., grad_sample_mode="ghost")``):
   forward, the two backward passes, clipping, noise, SGD step. An OOM or an error is reported as
-  "fails" with its reason.
+  "fails" with its reason;
+* with ``--bcd`` (issue 9), two more methods in the same interleaved loop: ``bcd``,
+  ``MeZOBCD(partition="layer", order="random")`` through a real ``Trainer`` like ``mezo``, each
+  repetition ONE full random-order cycle (``num_blocks`` steps, every block once; the repetition's value
+  is the MEAN of the cycle's step times, as in ``bench_mezo_bcd.py``: the blocks differ a lot in size and
+  the embedding block dominates); ``paper_mezo``: the paper's MeZO baseline as the reference code writes
+  it (``bench_mezo_bcd.PaperMeZO`` / ``paper_mezo_step``, imported: ``z`` drawn per tensor with
+  ``torch.normal`` on the parameter's device and dtype, out-of-place updates), on its own copy of the
+  model, ``--steps-per-repeat`` steps per repetition. A third table ("MeZO-BCD (issue 9)") gives BCD /
+  2 fwd (target <= 1.02), MeZO / BCD and paper / BCD (target >= 2), and the peak of a BCD cycle.
 
 Memory (``--memory inprocess``, the default): after the timings, in the same worker, each method runs
 once more alone (the first-order copies of the model freed), the peak counter reset just before it:
@@ -36,6 +45,10 @@ Usage (see benchmarks/README.md)::
     python benchmarks/bench_zo_gpu.py --merge benchmarks/results/bench_zo_gpu_roberta \\
         benchmarks/results/bench_zo_gpu_opt benchmarks/results/bench_zo_gpu_minilm   # one table from parts
     python benchmarks/bench_zo_gpu.py --tiny --device cpu --repeats 1 --out /tmp/bench_zo_gpu_smoke
+    python benchmarks/bench_zo_gpu.py --models opt_1_3b --dtypes fp32 --batches 16 --bcd --no-opacus \\
+        --no-adamw --out benchmarks/results/bench_zo_gpu_bcd_opt            # + MeZO-BCD and the paper's MeZO
+    python benchmarks/bench_zo_gpu.py --tiny --device cpu --repeats 1 --models minilm,opt_1_3b --dtypes fp32 \\
+        --bcd --no-opacus --out /tmp/bench_zo_gpu_bcd_smoke                 # CPU smoke test of --bcd
 """
 
 from __future__ import annotations
@@ -61,6 +74,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import bench_dpzero as bd  # noqa: E402  (light at import: heavy imports happen in its functions)
+from bench_mezo_bcd import PaperMeZO, paper_mezo_step  # noqa: E402  (--bcd: the paper's MeZO baseline)
 
 MODELS = ("roberta_large", "opt_1_3b", "minilm")
 DEFAULT_BATCHES = {"roberta_large": [16, 64], "opt_1_3b": [16, 64], "minilm": [32]}
@@ -99,6 +113,10 @@ FO_METHODS = ("adamw", "opacus")
 MEMORY_METHODS = ("inference", "dpzero", "mezo", "adamw", "opacus")
 COPY_CAP = 1 << 28
 ENGINE_KEYS = ("copy", "fused_pass", "fused_update", "chunked_pass", "chunked_update")
+#: ``--bcd`` (issue 9): MeZO-BCD (one full random-order cycle per repetition) and the paper's MeZO baseline.
+BCD_METHODS = ("bcd", "paper_mezo")
+TARGET_BCD_VS_FWD2 = 1.02    # BCD step (cycle mean) / two forwards
+TARGET_PAPER_VS_BCD = 2.0    # the paper's MeZO baseline / BCD step
 
 
 #: Marks a worker's progress lines in its output (the orchestrator echoes those, keeps the rest for errors).
@@ -185,15 +203,16 @@ def build(model: str, batch: int, seq_len: int, dtype: str, device, tiny: bool):
 
 
 def timed_module(kind: str, backbone, engine: str, model: str):
-    """A DPZero or MeZO module whose ``training_step`` is timed and whose batch starts are recorded.
+    """A DPZero, MeZO or MeZO-BCD (``kind="bcd"``: layer blocks, random order) module whose
+    ``training_step`` is timed and whose batch starts (and, for BCD, active blocks) are recorded.
 
     ``cpu()`` is a no-op: Lightning's teardown moves the module to the CPU after every ``fit``, which
     would move the (shared) backbone off the GPU between repetitions (seconds for OPT-1.3B) and leave the
     standalone engines pointing at freed memory.
     """
-    from lit_zodp.algorithms import DPZero, MeZO
+    from lit_zodp.algorithms import DPZero, MeZO, MeZOBCD
 
-    base = {"dpzero": DPZero, "mezo": MeZO}[kind]
+    base = {"dpzero": DPZero, "mezo": MeZO, "bcd": MeZOBCD}[kind]
 
     class Timed(base):
         abstract = True  # not registered in lit_zodp.algorithms.ALGORITHMS
@@ -202,6 +221,7 @@ def timed_module(kind: str, backbone, engine: str, model: str):
             super().__init__(*a, **kw)
             self.step_times: list[float] = []
             self.loop_times: list[float] = []
+            self.step_blocks: list = []  # BCD: the active block (1-based) of each timed step
             self._last_start = None
 
         def on_train_batch_start(self, batch, batch_idx):
@@ -222,6 +242,7 @@ def timed_module(kind: str, backbone, engine: str, model: str):
             out = super().training_step(batch, batch_idx)
             bd._sync(self.device)
             self.step_times.append(time.perf_counter() - start)
+            self.step_blocks.append(getattr(self, "active_block", None))
             return out
 
         def cpu(self):
@@ -233,7 +254,25 @@ def timed_module(kind: str, backbone, engine: str, model: str):
         kwargs["num_classes"] = 2  # accuracy metrics need >= 2 classes; unused in training
     if kind == "dpzero":
         kwargs.update(clip=CLIP, noise_multiplier=SIGMA, delta=DELTA)
+    if kind == "bcd":
+        kwargs.update(partition="layer", order="random")
     return Timed(backbone, **kwargs)
+
+
+def paper_runner(base, model: str):
+    """The paper's MeZO baseline (``bench_mezo_bcd.PaperMeZO``, imported) on its OWN copy of ``base``.
+
+    Its out-of-place updates (``param.data = param.data + ...``) re-allocate every parameter: on the
+    shared backbone they would move the parameters under the other modules' engines (the fused engine
+    rebuilds its tables when a parameter moved, inside the next timed step). The wrapped MeZO module
+    only lends ``private_losses`` and ``backbone``; it is never fitted (no engine is built).
+    """
+    from lit_zodp.algorithms import MeZO
+
+    kwargs = dict(lr=LR, lam=LAM, seed=0, perturbation="chunked")
+    if model == "opt_1_3b":
+        kwargs["num_classes"] = 2
+    return PaperMeZO(MeZO(copy.deepcopy(base).eval(), **kwargs), eps=LAM, lr=LR)
 
 
 def fit(module, dataset, steps: int, device) -> None:
@@ -445,7 +484,19 @@ def run_config(args, device, batch: int) -> dict:
            "n_params": sum(p.numel() for p in params), "model_bytes": model_bytes, "tiny": args.tiny,
            "times": {}, "rep_of": {}, "errors": {}, "notes": [], "memory": {}}
     log(f"{tag} {row['n_params'] / 1e6:.1f}M parameters, sequence {seq_len}, {k} steps per repeat")
-    zo = {kind: timed_module(kind, base, args.engine, args.model) for kind in ("dpzero", "mezo")}
+    bcd = getattr(args, "bcd", False)
+    zo = {kind: timed_module(kind, base, args.engine, args.model)
+          for kind in ("dpzero", "mezo") + (("bcd",) if bcd else ())}
+    paper = None
+    if bcd:
+        row["bcd_blocks"] = {"names": zo["bcd"].block_names, "numel": [b.numel for b in zo["bcd"].blocks()]}
+        log(f"{tag} MeZO-BCD: {zo['bcd'].num_blocks} blocks (one full cycle per repetition)")
+        try:
+            paper = paper_runner(base, args.model)
+        except Exception as err:
+            row["errors"]["paper_mezo"] = _describe(err)
+            log(f"{tag} paper_mezo fails: {row['errors']['paper_mezo']}")
+            _free(device)
     engines = Engines(params, device)
     row.update(bytes_per_pass=engines.bytes_per_pass, fused_backend=engines.fused_backend)
     row["errors"].update({f"engine_{k_}": v for k_, v in engines.errors.items()})
@@ -477,6 +528,28 @@ def run_config(args, device, batch: int) -> dict:
                 bd._sync(device)
                 times.append(time.perf_counter() - start)
             record("fwd2", times, rep)
+        elif method == "bcd":
+            # ONE full random-order cycle (every block once) per repetition, warm-up included (each
+            # block's engine runs once before the measurement); the repetition's value is the cycle's
+            # MEAN step time: a median over single steps would mostly see the small layer blocks.
+            module = zo["bcd"]
+            before, before_loop = len(module.step_times), len(module.loop_times)
+            fit(module, dataset, module.num_blocks, device)
+            cycle = module.step_times[before:]
+            record("bcd", [statistics.mean(cycle)], rep)
+            record("bcd_steps", cycle, rep)
+            record("bcd_loop", module.loop_times[before_loop:], rep)
+            if rep >= 0:
+                row["bcd_last_cycle"] = {"blocks": module.step_blocks[before:], "times": cycle}
+        elif method == "paper_mezo":
+            times = []
+            for _ in range(reps):
+                bd._sync(device)
+                start = time.perf_counter()
+                paper_mezo_step(paper, inputs, targets)
+                bd._sync(device)
+                times.append(time.perf_counter() - start)
+            record("paper_mezo", times, rep)
         elif method in zo:
             module = zo[method]
             before, before_loop = len(module.step_times), len(module.loop_times)
@@ -497,7 +570,8 @@ def run_config(args, device, batch: int) -> dict:
                 times.append(time.perf_counter() - start)
             record(method, times, rep)
 
-    methods = list(ZO_METHODS) + list(first_order)
+    methods = list(ZO_METHODS) + ([m for m in BCD_METHODS if m not in row["errors"]] if bcd else []) \
+        + list(first_order)
     started = time.perf_counter()
     for rep in range(-args.warmup, args.repeats):
         shift = rep % len(methods)
@@ -511,18 +585,22 @@ def run_config(args, device, batch: int) -> dict:
                 log(f"{tag} {method} fails: {row['errors'][method]}")
                 if method in first_order:
                     del first_order[method]
+                if method == "paper_mezo":
+                    paper = None  # its copy of the model
                 methods.remove(method)
                 _free(device)
         med = lambda name: _median_ms(row["times"].get(name))  # noqa: E731
         log(f"{tag} {'warm-up' if rep < 0 else f'repeat {rep + 1}/{args.repeats}'} done "
             f"({time.perf_counter() - started:.0f} s): 2fwd {med('fwd2')} ms, DPZero {med('dpzero')} ms, "
             f"MeZO {med('mezo')} ms, fused pass {med('fused_pass')} ms, copy {med('copy')} ms, "
-            f"AdamW {med('adamw')} ms, Opacus {med('opacus')} ms")
+            f"AdamW {med('adamw')} ms, Opacus {med('opacus')} ms"
+            + (f", BCD {med('bcd')} ms (cycle mean), paper MeZO {med('paper_mezo')} ms" if bcd else ""))
     if args.model == "opt_1_3b" and "opacus" in row["errors"] and not _is_oom_text(row["errors"]["opacus"]):
         row["notes"].append(OPACUS_OPT_NOTE)
     row["zo_engine"] = type(zo["dpzero"].engine).__name__ + (
         f" ({zo['dpzero'].engine.backend})" if hasattr(zo["dpzero"].engine, "backend") else "")
     first_order.clear()
+    paper = None  # its copy of the model: freed before the first-order retries and the memory
     _free(device)
     for method in FO_METHODS:  # an OOM next to the other methods' copies: time it alone
         if not _is_oom_text(row["errors"].get(method, "")):
@@ -575,7 +653,7 @@ def measure_memory(args, device, base, inputs, targets, dataset, batch, zo, row,
             return torch.cuda.max_memory_allocated(device)
         return bd._proc_status("VmHWM")
 
-    for method in MEMORY_METHODS:
+    for method in MEMORY_METHODS + (("bcd",) if "bcd" in zo else ()):
         if method in FO_METHODS and getattr(args, f"no_{method}"):
             continue
         _free(device)
@@ -594,6 +672,8 @@ def measure_memory(args, device, base, inputs, targets, dataset, batch, zo, row,
             entry["reset"] = reset()
             if method == "inference":
                 bd.two_forwards(zo["dpzero"], inputs, targets)
+            elif method == "bcd":  # the peak of one full cycle: the largest block's engine included
+                fit(zo[method], dataset, zo[method].num_blocks, device)
             elif method in zo:
                 fit(zo[method], dataset, 1, device)
             else:
@@ -627,7 +707,7 @@ def spawn(args, model: str, dtype: str, batches: list[int]) -> dict:
         cmd += ["--seq-len", str(args.seq_len)]
     if args.steps_per_repeat:
         cmd += ["--steps-per-repeat", str(args.steps_per_repeat)]
-    for flag in ("tiny", "no_adamw", "no_opacus"):
+    for flag in ("tiny", "no_adamw", "no_opacus", "bcd"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(args.threads),
@@ -699,7 +779,19 @@ def summarize(row: dict) -> dict:
         s[f"{name}_vs_copy"] = _paired(row, name, "copy")
     s["bandwidth"] = _ratio(row.get("bytes_per_pass"), s["copy"])
     s["target_vs_fwd2"] = TARGET_STEP_VS_FWD2.get((row["model"], row["batch"]))
+    # --bcd: "bcd" holds one value per repetition, the mean step time of its full cycle.
+    for key in BCD_METHODS:
+        s[key] = _median(times.get(key))
+    s["bcd_vs_fwd2"] = _paired(row, "bcd", "fwd2")
+    s["mezo_vs_bcd"] = _paired(row, "mezo", "bcd")
+    s["paper_vs_bcd"] = _paired(row, "paper_mezo", "bcd")
     return s
+
+
+def has_bcd(row: dict) -> bool:
+    """Whether the row was measured with ``--bcd`` (data, or an error, for MeZO-BCD or the paper's MeZO)."""
+    return any(m in row.get("times", {}) or m in (row.get("errors") or {}) for m in BCD_METHODS) \
+        or "bcd_blocks" in row
 
 
 def _fmt(x, spec=".3f", none="n/a"):
@@ -782,6 +874,34 @@ def render(rows: list[dict]) -> str:
             f"{_fmt(s['fused_update_vs_copy'], '.2f')} | {_ms(s['chunked_pass'])} | "
             f"{_fmt(s['chunked_pass_vs_copy'], '.2f')} | {_ms(s['chunked_update'])} | "
             f"{row.get('zo_engine', 'n/a')}; standalone {fused} |")
+    bcd_rows = [row for row in rows if not row.get("error") and has_bcd(row)]
+    if bcd_rows:
+        lines += ["", "**MeZO-BCD (issue 9)** (BCD: `MeZOBCD(partition=\"layer\", order=\"random\")`, each "
+                  "repetition one full random-order cycle, its value the MEAN step time of the cycle, ms the "
+                  "median over repetitions; paper baseline: MeZO as the reference code writes it "
+                  "(`bench_mezo_bcd.PaperMeZO`); ratios: medians of per-repetition ratios)", "",
+                  "| model | dtype | batch | blocks | 2 fwd ms | BCD step ms (cycle mean) | MeZO step ms | "
+                  f"paper baseline ms | BCD / 2 fwd (<= {TARGET_BCD_VS_FWD2}) | MeZO / BCD | "
+                  f"paper / BCD (>= {TARGET_PAPER_VS_BCD:g}) | peak MiB BCD (cycle) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in bcd_rows:
+            s = summarize(row)
+            label = LABELS.get(row["model"], row["model"]) + (" (tiny)" if row.get("tiny") else "")
+            e = (row.get("memory") or {}).get("bcd")
+            if not e:
+                peak = "-"
+            elif e.get("error"):
+                peak = "fails (OOM)" if e["error"].startswith("OOM") else "fails"
+            else:
+                peak = _fmt(e["footprint"] / 2**20 if e.get("footprint") is not None else None, ".0f")
+            blocks = len((row.get("bcd_blocks") or {}).get("names") or []) or "n/a"
+            lines.append(
+                f"| {label} | {row['dtype']} | {row['batch']} | {blocks} | {_ms(s['fwd2'])} | "
+                f"{_fails(row, 'bcd') or _ms(s['bcd'])} | {_ms(s['mezo'])} | "
+                f"{_fails(row, 'paper_mezo') or _ms(s['paper_mezo'])} | {_fmt(s['bcd_vs_fwd2'])}"
+                f"{_check(s['bcd_vs_fwd2'], TARGET_BCD_VS_FWD2)} | {_fmt(s['mezo_vs_bcd'])} | "
+                f"{_fmt(s['paper_vs_bcd'], '.2f')}{_check(s['paper_vs_bcd'], TARGET_PAPER_VS_BCD, le=False)} | "
+                f"{peak} |")
     where: dict[str, list[str]] = {}  # note -> the rows it concerns (each note once)
 
     def note(row, text):
@@ -812,7 +932,9 @@ def header(meta: dict) -> str:
             f"device: **{device}**; torch {meta.get('torch')}, triton {meta.get('triton')}, opacus "
             f"{meta.get('opacus')}, lightning {meta.get('lightning')}; engine in the ZO modules: "
             f"`perturbation={a.get('engine')}`; repeats {a.get('repeats')} (+{a.get('warmup')} warm-up); "
-            f"memory: {a.get('memory')}{'; TINY configs (2 layers, hidden 64): a smoke test, not a measurement' if a.get('tiny') else ''}; "
+            f"memory: {a.get('memory')}"
+            f"{'; --bcd: MeZO-BCD (one full cycle per repetition) and the paper MeZO baseline' if a.get('bcd') else ''}"
+            f"{'; TINY configs (2 layers, hidden 64): a smoke test, not a measurement' if a.get('tiny') else ''}; "
             f"total {meta.get('total_wall_s', 0):.0f} s"
             + ("".join(f"  \npart: `{part}`" for part in meta.get("parts", [])) + "\n\n"))
 
@@ -869,6 +991,9 @@ def main(argv=None) -> None:
     parser.add_argument("--no-memory", dest="memory", action="store_const", const="none")
     parser.add_argument("--no-opacus", action="store_true")
     parser.add_argument("--no-adamw", action="store_true")
+    parser.add_argument("--bcd", action="store_true",
+                        help="also time MeZO-BCD (one full random-order layer-block cycle per repetition) and "
+                             "the paper's MeZO baseline (bench_mezo_bcd.PaperMeZO); adds the MeZO-BCD table")
     parser.add_argument("--tiny", action="store_true",
                         help="every model shrunk to 2 layers, hidden 64, vocabulary 4096 (CPU smoke test)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")

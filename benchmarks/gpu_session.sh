@@ -1,0 +1,303 @@
+#!/usr/bin/env bash
+# Every GPU number of the benchmarks, piece by piece, for a session that is lent a GPU machine
+# (nvidia-h100-x1 / nvidia-h200 through the device tool: 30 min of device time in all, at most
+# 10 min per command, no internet there; see /work/.library/device/README.md).
+#
+#   benchmarks/gpu_session.sh PIECE [PIECE ...]      (from anywhere; it cd's to the repository root)
+#
+# Pieces (estimated wall time on one H100, from the scripts' defaults; each is also cut by a timeout,
+# see DEADLINE below, and every benchmark writes its results after each worker, so a piece cut short
+# keeps what it measured):
+#
+#   wheels       HERE, not on the device (needs pip and the registry): downloads the wheels the device
+#                lacks into .whl/ and adds /.whl/ to .git/info/exclude (see "Wheels" below).   ~10 s
+#   tests        HF_HUB_OFFLINE=1 python -m pytest -q -m gpu tests  (every module's steps on CUDA, the
+#                fused Triton kernel vs its reference, device noise, and the slow CUDA path of
+#                bench_dpzero.py --quick).                                                   ~3-6 min
+#   zo_roberta   bench_zo_gpu.py --models roberta_large  (fp32+bf16, b16+b64, 5 repeats)
+#                -> results/bench_zo_gpu_roberta_large.{md,json}                             ~4-6 min
+#   zo_opt       bench_zo_gpu.py --models opt_1_3b       (fp32+bf16, b16+b64, 5 repeats; Opacus fails
+#                fast on OPT, see its notes)  -> results/bench_zo_gpu_opt_1_3b.{md,json}     ~4-6 min
+#   zo_minilm    bench_zo_gpu.py --models minilm         (fp32+bf16, b32 L32, 5 repeats)
+#                -> results/bench_zo_gpu_minilm.{md,json}                                    ~1-2 min
+#   merge        bench_zo_gpu.py --merge of the three parts -> results/bench_zo_gpu.{md,json}.
+#                Needs no GPU and no wheels: run it HERE after unpacking the parts (see "Results").  ~1 s
+#   first_order  bench_first_order.py --models roberta_large --device cuda (b16 L128, 7 methods,
+#                3 repeats, one memory worker per method) -> results/bench_first_order_gpu.{md,json}
+#                                                                                            ~4-6 min
+#   bcd          bench_zo_gpu.py --models opt_1_3b --dtypes fp32 --batches 16 --bcd --no-opacus
+#                --no-adamw (MeZO-BCD cycle, MeZO, the paper's MeZO, two forwards; 5 repeats)
+#                -> results/bench_zo_gpu_bcd_opt.{md,json}                                   ~2-4 min
+#   all          tests zo_roberta zo_opt zo_minilm merge first_order bcd, in that order (~20-30 min:
+#                more than one device command; see the call plan)
+#
+# The estimates are arithmetic, not readings (no GPU run of these scripts has been recorded yet):
+# fp32 matmuls at ~50 TFLOP/s (no TF32), ~1-2 s per Lightning fit, 5 repeats + 1 warm-up of every
+# method. No repeats were reduced: every piece's estimate is under 9 minutes at the defaults. If a piece
+# is cut by its timeout, run it again with fewer repeats, e.g. EXTRA_ARGS="--repeats 3".
+#
+# Call plan (device time is 30 min; a fresh machine takes 1-2 min to start; its files are gone 30 s
+# after a call, so every call must bring its results back through $OUT):
+#   1. run(command="benchmarks/gpu_session.sh tests zo_minilm",   carry=[".whl"], timeout_s=600)
+#   2. run(command="benchmarks/gpu_session.sh zo_roberta",        carry=[".whl"], timeout_s=600)
+#   3. run(command="benchmarks/gpu_session.sh zo_opt",            carry=[".whl"], timeout_s=600)
+#   4. run(command="benchmarks/gpu_session.sh bcd first_order",   carry=[".whl"], timeout_s=600)
+#   then HERE: unpack the tarballs (Results) and `benchmarks/gpu_session.sh merge`.
+# Pieces of one call share its deadline (DEADLINE, default 570 s when $OUT is set): a piece that would
+# start with less than 60 s left is skipped (it says so) and can go into the next call.
+#
+# Wheels. The device image has torch, lightning, transformers, timm, triton, scipy, numpy, opt-einsum,
+# pytest and hypothesis, but not opacus (bench_dpzero's worker setup imports it; Opacus ghost is a
+# column; bench_first_order needs it), prv-accountant (imported by lit_zodp.privacy, so by the whole
+# package) or jsonargparse (imported by tests/test_cli.py at collection). Carry them as wheels
+# (device README, "a Python package missing there"): HERE, in the repository root, once:
+#
+#   benchmarks/gpu_session.sh wheels        # or by hand:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl opacus==1.6.0 prv-accountant==0.2.0 jsonargparse==4.53.0
+#
+# (all three are pure-Python wheels, ~0.5 MB together; their other needs -- numpy, scipy, torch,
+# opt-einsum, PyYAML -- are on the device). Then name ".whl" in every run's `carry`; this script
+# installs them itself (pip install --no-index --no-deps --target /tmp/site .whl/*.whl, then
+# PYTHONPATH=/tmp/site) before the first piece that needs them, and checks `import opacus,
+# prv_accountant` (a piece that needs them stops with these instructions when they are missing).
+#
+# Results. Every piece writes under benchmarks/results/ (GPU_SESSION_RESULTS overrides the folder) and
+# its log under /tmp/gpu_session/. When $OUT is set (the device tool), each piece also packs its results
+# (paths from the repository root) and its log (gpu_session/<piece>.log) into ONE file $OUT/gpu_<piece>.tgz
+# ($OUT brings back at most 8 files) and copies its .md files into $OUT while fewer than 7 files are
+# there. HERE, with <files_at> the folder the run's reply names:
+#   for f in <files_at>/gpu_*.tgz; do
+#       tar xzf "$f" -C /tmp gpu_session                  # the logs -> /tmp/gpu_session/<piece>.log
+#       tar xzf "$f" -C /work/main benchmarks 2>/dev/null # the results -> benchmarks/results/ (not for tests)
+#   done
+#
+# Environment: PY (python; default python3), DEADLINE (seconds for the whole invocation; default 570
+# when $OUT is set, else none), EXTRA_ARGS (appended to every benchmark command), DRY_RUN=1 (print the
+# commands, run nothing), GPU_SESSION_RESULTS (results folder).
+
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+PY="${PY:-$(command -v python3 || command -v python)}"
+RES="${GPU_SESSION_RESULTS:-benchmarks/results}"
+LOGS=/tmp/gpu_session
+OUT="${OUT:-}"
+EXTRA_ARGS="${EXTRA_ARGS:-}"
+DRY_RUN="${DRY_RUN:-0}"
+if [[ -n "${DEADLINE:-}" ]]; then :; elif [[ -n "$OUT" ]]; then DEADLINE=570; else DEADLINE=0; fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+mkdir -p "$RES" "$LOGS"
+
+#: Per-piece caps in seconds (each under 9 minutes), further cut by what is left of DEADLINE.
+declare -A CAP=([tests]=540 [zo_roberta]=540 [zo_opt]=540 [zo_minilm]=300 [merge]=60 [first_order]=540
+                [bcd]=480)
+
+say() { printf '[gpu_session %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+wheel_help() {
+    cat <<'EOF'
+Missing Python packages (opacus and/or prv_accountant). On the device, carry them as wheels:
+  HERE (not on the device), in the repository root, once:
+    benchmarks/gpu_session.sh wheels
+  (or: echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
+     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+     -d .whl opacus==1.6.0 prv-accountant==0.2.0 jsonargparse==4.53.0)
+  then name ".whl" in the run's carry: run(command="benchmarks/gpu_session.sh PIECE", carry=[".whl"]).
+  This script installs .whl/*.whl into /tmp/site and puts it on PYTHONPATH by itself.
+EOF
+}
+
+#: Installs the carried wheels once (into /tmp/site) and checks the imports every benchmark needs.
+#: (opacus' wheel also installs top-level `benchmarks` and `examples` packages into /tmp/site; nothing
+#: here imports those names: the benchmarks import each other as `bench_*` from their own folder.)
+DEPS_OK=0
+ensure_deps() {
+    [[ "$DEPS_OK" == 1 ]] && return 0
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        if [[ ! -f /tmp/site/.gpu_session_installed ]]; then
+            say "installing the carried wheels: $(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target /tmp/site .whl/*.whl && touch /tmp/site/.gpu_session_installed
+        fi
+        [[ -d /tmp/site ]] && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    if ! "$PY" -c "import opacus, prv_accountant" 2>/dev/null; then
+        wheel_help
+        return 1
+    fi
+    DEPS_OK=1
+}
+
+#: Seconds the next piece may run: its cap, cut by what is left of DEADLINE (minus 20 s to pack).
+budget() {
+    local cap=${CAP[$1]:-540}
+    if [[ "$DEADLINE" -gt 0 ]]; then
+        local left=$((DEADLINE - SECONDS - 20))
+        ((left < cap)) && cap=$left
+    fi
+    echo "$cap"
+}
+
+#: run_logged PIECE LIMIT CMD...: the command under `timeout -s KILL`, its output on the terminal and in
+#: the piece's log. KILL, sent to timeout's whole process group, ends the benchmarks' workers too: with
+#: the default TERM, Lightning's SIGTERM handler and the workers' per-method `except Exception` kept a
+#: worker running after its orchestrator had died (seen on CPU).
+run_logged() {
+    local piece=$1 limit=$2
+    shift 2
+    say "$piece: $* (timeout ${limit}s)"
+    if [[ "$DRY_RUN" == 1 ]]; then return 0; fi
+    timeout -s KILL "$limit" "$@" 2>&1 | tee -a "$LOGS/$piece.log"
+    local rc=${PIPESTATUS[0]}
+    [[ $rc == 124 || $rc == 137 ]] && say "$piece: TIMED OUT after ${limit}s (results written so far are kept)"
+    return "$rc"
+}
+
+#: export PIECE FILE...: one tarball of the existing files and the log into $OUT, plus their .md while room.
+export_out() {
+    local piece=$1
+    shift
+    [[ -z "$OUT" || "$DRY_RUN" == 1 ]] && return 0
+    mkdir -p "$OUT"
+    local files=() f
+    for f in "$@"; do [[ -f "$f" ]] && files+=("$f"); done
+    # The results under their paths from the repository root, the log as gpu_session/PIECE.log.
+    tar czf "$OUT/gpu_$piece.tgz" -C "$ROOT" "${files[@]}" -C "$(dirname "$LOGS")" "$(basename "$LOGS")/$piece.log" \
+        && say "$piece: packed ${files[*]} $LOGS/$piece.log into \$OUT/gpu_$piece.tgz"
+    for f in "${files[@]}"; do
+        if [[ "$f" == *.md ]] && (($(find "$OUT" -type f | wc -l) < 7)); then cp -f "$f" "$OUT/"; fi
+    done
+}
+
+zo_part() {  # zo_part PIECE MODEL
+    local piece=$1 model=$2 stem="$RES/bench_zo_gpu_$2"
+    ensure_deps || return 1
+    # shellcheck disable=SC2086
+    run_logged "$piece" "$(budget "$piece")" "$PY" benchmarks/bench_zo_gpu.py --models "$model" --device cuda \
+        --out "$stem" $EXTRA_ARGS
+    local rc=$?
+    export_out "$piece" "$stem.md" "$stem.json"
+    return $rc
+}
+
+piece_tests() {
+    ensure_deps || return 1
+    # --continue-on-collection-errors: a test module whose optional imports (the `data` extras) are
+    # missing on the device must not stop the GPU tests of the others from running.
+    run_logged tests "$(budget tests)" env HF_HUB_OFFLINE=1 "$PY" -m pytest -q -m gpu tests \
+        --continue-on-collection-errors -p no:cacheprovider
+    local rc=$?
+    export_out tests
+    return $rc
+}
+
+piece_merge() {
+    local parts=("$RES/bench_zo_gpu_roberta_large" "$RES/bench_zo_gpu_opt_1_3b" "$RES/bench_zo_gpu_minilm")
+    local present=() p
+    for p in "${parts[@]}"; do
+        if [[ -f "$p.json" ]]; then present+=("$p"); else say "merge: $p.json is missing"; fi
+    done
+    if ((${#present[@]} == 0)); then
+        say "merge: no part found: unpack the pieces' tarballs here first (for f in <files_at>/gpu_*.tgz; do tar xzf \"\$f\" -C $ROOT benchmarks; done)"
+        return 1
+    fi
+    ((${#present[@]} < ${#parts[@]})) && say "merge: merging the ${#present[@]} parts present"
+    run_logged merge "$(budget merge)" "$PY" benchmarks/bench_zo_gpu.py --merge "${present[@]}" \
+        --out "$RES/bench_zo_gpu"
+    local rc=$?
+    export_out merge "$RES/bench_zo_gpu.md" "$RES/bench_zo_gpu.json"
+    return $rc
+}
+
+piece_first_order() {
+    local stem="$RES/bench_first_order_gpu"
+    if ! ensure_deps; then
+        say "first_order: needs opacus (Opacus hooks and ghost are its baselines): carry the wheels"
+        return 1
+    fi
+    # shellcheck disable=SC2086
+    run_logged first_order "$(budget first_order)" "$PY" benchmarks/bench_first_order.py --models roberta_large \
+        --device cuda --out "$stem" $EXTRA_ARGS
+    local rc=$?
+    export_out first_order "$stem.md" "$stem.json"
+    return $rc
+}
+
+piece_bcd() {
+    local stem="$RES/bench_zo_gpu_bcd_opt"
+    ensure_deps || return 1
+    # shellcheck disable=SC2086
+    run_logged bcd "$(budget bcd)" "$PY" benchmarks/bench_zo_gpu.py --models opt_1_3b --dtypes fp32 --batches 16 \
+        --bcd --no-opacus --no-adamw --device cuda --out "$stem" $EXTRA_ARGS
+    local rc=$?
+    export_out bcd "$stem.md" "$stem.json"
+    return $rc
+}
+
+piece_wheels() {  # HERE, not on the device
+    if [[ -n "$OUT" ]]; then
+        say "wheels: run this piece here, not on the device (it needs the package registry)"
+        return 1
+    fi
+    if [[ -d .git/info ]] && ! grep -qxF "/.whl/" .git/info/exclude 2>/dev/null; then
+        echo "/.whl/" >>.git/info/exclude && say "wheels: added /.whl/ to .git/info/exclude"
+    fi
+    [[ "$DRY_RUN" == 1 ]] && { say "wheels: (dry run)"; return 0; }
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl opacus==1.6.0 prv-accountant==0.2.0 jsonargparse==4.53.0 && ls -la .whl
+}
+
+run_piece() {
+    local piece=$1 start=$SECONDS rc
+    if [[ "$DEADLINE" -gt 0 && $((DEADLINE - SECONDS)) -lt 60 && "$piece" != merge ]]; then
+        say "$piece: SKIPPED: only $((DEADLINE - SECONDS)) s left of this call's ${DEADLINE} s (run it in the next call)"
+        return 1
+    fi
+    : >"$LOGS/$piece.log"
+    say "=== $piece: start"
+    case "$piece" in
+        tests) piece_tests ;;
+        zo_roberta) zo_part zo_roberta roberta_large ;;
+        zo_opt) zo_part zo_opt opt_1_3b ;;
+        zo_minilm) zo_part zo_minilm minilm ;;
+        merge) piece_merge ;;
+        first_order) piece_first_order ;;
+        bcd) piece_bcd ;;
+        wheels) piece_wheels ;;
+        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd all wheels)"; return 2 ;;
+    esac
+    rc=$?
+    say "=== $piece: done, rc=$rc, wall $((SECONDS - start)) s"
+    return $rc
+}
+
+if (($# == 0)); then
+    sed -n '2,33p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    exit 2
+fi
+pieces=()
+for arg in "$@"; do
+    if [[ "$arg" == all ]]; then pieces+=(tests zo_roberta zo_opt zo_minilm merge first_order bcd)
+    else pieces+=("$arg"); fi
+done
+if [[ -n "$OUT" ]] && command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/[gpu] /'
+fi
+status=0
+summary=()
+for piece in "${pieces[@]}"; do
+    start=$SECONDS
+    run_piece "$piece"
+    rc=$?
+    ((rc != 0)) && status=1
+    summary+=("$piece: rc=$rc, $((SECONDS - start)) s")
+done
+say "summary (total $SECONDS s):"
+printf '  %s\n' "${summary[@]}"
+exit $status
