@@ -218,7 +218,7 @@ class FusedPerturbation:
         if key not in self._rates:
             if len(self._rates) > 64:
                 self._rates.clear()
-            table = torch.tensor([key[1], key[2]], dtype=torch.float32, device=self.device)
+            table = _host_to_device([key[1], key[2]], torch.float32, self.device)
             self._rates[key] = (table[0].contiguous(), table[1].contiguous())
         return self._rates[key]
 
@@ -342,22 +342,36 @@ def _build_groups(params, offsets, block: int) -> list[_Group]:
             owners.extend([row] * blocks)
             first += blocks
         device = params[members[0]].device
-        groups.append(_Group(dtype, members, torch.tensor(rows, dtype=torch.int64, device=device),
-                             torch.tensor(owners, dtype=torch.int32, device=device),
+        groups.append(_Group(dtype, members, _host_to_device(rows, torch.int64, device),
+                             _host_to_device(owners, torch.int32, device),
                              all(params[i].data_ptr() % 16 == 0 for i in members)))
     return groups
 
 
 def _term_tables(terms: _Terms, device: torch.device) -> tuple[Tensor, Tensor]:
     """int64 seeds (K,) and float32 scalars (3, K): pending, plain scale, coefficient."""
-    seeds = torch.tensor([philox.seed_as_int64(s) for s in terms.seeds], dtype=torch.int64, device=device)
+    seeds = _host_to_device([philox.seed_as_int64(s) for s in terms.seeds], torch.int64, device)
     if all(not isinstance(c, Tensor) for c in terms.coefficients):
         rows = [terms.pending, terms.scales, [float(c) for c in terms.coefficients]]
-        return seeds, torch.tensor(rows, dtype=torch.float32, device=device)
-    host = torch.tensor([terms.pending, terms.scales], dtype=torch.float32, device=device)
+        return seeds, _host_to_device(rows, torch.float32, device)
+    host = _host_to_device([terms.pending, terms.scales], torch.float32, device)
     coefficients = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device).reshape(())
                                 for c in terms.coefficients])
     return seeds, torch.cat([host, coefficients.unsqueeze(0)]).contiguous()
+
+
+def _host_to_device(rows, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small table from Python values onto ``device`` WITHOUT waiting for the device's queue.
+
+    ``torch.tensor(rows, device="cuda")`` copies from pageable memory and synchronises the stream:
+    the host would wait for the previous forward before launching each pass. From pinned memory
+    the copy is asynchronous, and torch's caching host allocator keeps the pinned block until the
+    copy has run.
+    """
+    host = torch.tensor(rows, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 _TL_DTYPES = {}
