@@ -22,10 +22,11 @@ class PrivacySpendCallback(Callback):
     """Logs the privacy spent by a module with a privacy component.
 
     Args:
-        log_every_n_steps: how often epsilon is recomputed and logged. ``None`` (default): every
-            step while the accountant costs under 0.5% of the step time, otherwise as often as that
-            budget allows (each logged value is the exact upper bound at its step; the last step is
-            always logged), so accounting costs nothing visible next to a step.
+        log_every_n_steps: how often epsilon is recomputed and logged. ``None`` (default): as often
+            as keeps the accountant under 0.5% of the training time (each logged value is the exact
+            upper bound at its step; the last step is always logged), so accounting costs nothing
+            visible next to a step. The first step only measures the step time; the accountant's
+            cost starts from the one measured at fit start (``PrivacyComponent.accounting_seconds``).
     """
 
     ACCOUNTING_TIME_SHARE = 0.005
@@ -62,6 +63,8 @@ class PrivacySpendCallback(Callback):
             elapsed = now - self._last_batch_end
             self._step_seconds = 0.9 * self._step_seconds + 0.1 * elapsed if self._step_seconds else elapsed
         privacy = pl_module.privacy
+        if not self._accounting_seconds:
+            self._accounting_seconds = getattr(privacy, "accounting_seconds", 0.0)
         last = trainer.should_stop or privacy.budget_exhausted or trainer.global_step >= trainer.max_steps > 0
         if last or trainer.global_step - self._last_logged_step >= self._cadence():
             self.epsilon = privacy.epsilon()
@@ -74,9 +77,10 @@ class PrivacySpendCallback(Callback):
         if self.log_every_n_steps is not None:
             return self.log_every_n_steps
         if not self._step_seconds:
-            return 1
+            return 1 if not self._accounting_seconds else math.inf  # the step time is not known yet
         return max(1, math.ceil(self._accounting_seconds / (self.ACCOUNTING_TIME_SHARE * self._step_seconds)))
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.epsilon = pl_module.privacy.epsilon()
+        if self._last_logged_step != trainer.global_step:  # else the last step's value is current
+            self.epsilon = pl_module.privacy.epsilon()
         rank_zero_info(f"Privacy spent: {pl_module.privacy.summary()}.")

@@ -18,6 +18,7 @@ or sampling state; it travels in every checkpoint, and on load the budget stays 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -178,7 +179,9 @@ class PrivacyComponent:
         if not self.is_private:
             return
         try:
+            start = time.perf_counter()
             self.ledger.epsilon(self.delta, extra=self._steps_cost(self.planned_steps, self.noise_multiplier))
+            self.accounting_seconds = time.perf_counter() - start  # the cost of one epsilon at the horizon
         except AccountingError as err:
             raise AccountingError(
                 f"`noise_multiplier`={self.noise_multiplier:.4g} over {self.planned_steps} steps cannot be "

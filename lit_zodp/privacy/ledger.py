@@ -62,6 +62,10 @@ class PrivacyLedger:
     def epsilon(self, delta: float, extra: Iterable[tuple[Mechanism, int]] = ()) -> EpsilonBounds:
         """Bounds on epsilon(delta) of everything recorded, plus ``extra`` planned releases."""
         raise_if_any([check_delta(delta)])
+        extra = tuple(extra)
+        key = (tuple(self.counts.items()), delta, self.accountant, self.eps_error, self.delta_error_ratio)
+        if not extra and getattr(self, "_spent_key", None) == key:  # nothing recorded since: same bounds
+            return self._spent
         counts = dict(self.counts)
         for mechanism, count in extra:
             counts[mechanism] = counts.get(mechanism, 0) + count
@@ -70,8 +74,12 @@ class PrivacyLedger:
             return EpsilonBounds(0.0, 0.0, 0.0)
         if self.accountant == "rdp":
             epsilon = rdp_epsilon(counts, delta)
-            return EpsilonBounds(epsilon, epsilon, epsilon)
-        return compose(counts, delta, self._accountant_for(counts, delta), self)
+            bounds = EpsilonBounds(epsilon, epsilon, epsilon)
+        else:
+            bounds = compose(counts, delta, self._accountant_for(counts, delta), self)
+        if not extra:
+            self._spent_key, self._spent = key, bounds
+        return bounds
 
     def _accountant_for(self, counts: dict[Mechanism, int], delta: float) -> PRVAccountant:
         mechanisms = tuple(counts)

@@ -90,3 +90,30 @@ def test_epsilon_after_resume_continues_from_the_checkpoint(tmp_path):
 def test_bad_callback_arguments(kwargs, match):
     with pytest.raises(PrivacyConfigError, match=match):
         PrivacySpendCallback(**kwargs)
+
+
+def test_default_cadence_spends_nothing_on_the_first_step_and_computes_the_last_once(monkeypatch):
+    """Epsilon is computed when its cost fits 0.5% of the training time: not after the first step (whose
+    time is not known yet; the accountant's cost comes from fit start), always at the last step, and
+    not again for the fit-end summary (the ledger has not changed)."""
+    from lit_zodp.privacy.ledger import PrivacyLedger as Ledger
+
+    computed = []
+    original = Ledger.epsilon
+
+    def epsilon(self, delta, extra=()):
+        extra = tuple(extra)
+        if not extra and getattr(self, "_spent_key", None) != (tuple(self.counts.items()), delta, self.accountant,
+                                                                self.eps_error, self.delta_error_ratio):
+            computed.append(self.total_count)
+        return original(self, delta, extra)
+
+    monkeypatch.setattr(Ledger, "epsilon", epsilon)
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    callback = PrivacySpendCallback()
+    trainer = quiet_trainer(max_steps=30, callbacks=[callback])
+    trainer.fit(module, poisson_loader(blobs(), 0.1, steps_per_epoch=30))
+    assert module.privacy.accounting_seconds > 0
+    assert computed and computed[0] > 1  # nothing after step 1
+    assert computed[-1] == 30 and computed.count(30) == 1  # the last step once; summary and fit end reuse it
+    assert callback.epsilon == module.privacy.ledger.epsilon(1e-5).upper > 0
