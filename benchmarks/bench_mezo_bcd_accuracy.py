@@ -66,6 +66,10 @@ CONFIGS = {"mezo": ROOT / "configs/movie_reviews/mezo.yaml",
            "bcd": ROOT / "configs/mezo_bcd/minilm_rotten_tomatoes_mezo_bcd.yaml"}
 NAMES = {"mezo": "MeZO", "bcd": "MeZO-BCD"}
 PROBE_SUBSET = 512  # training reviews scored by the probe
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import bench_dpzero as bd  # noqa: E402  (light at import: machine_info)
 
 
 # =====================================================================================
@@ -284,19 +288,6 @@ def spawn_pair(args, jobs: list[dict]) -> list[dict]:
         Path(result_file + ".log").unlink(missing_ok=True)
         results.append(result)
     return results
-
-
-def machine_info() -> dict:
-    import platform
-    from importlib.metadata import version
-
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"python": platform.python_version(), "torch": version("torch"), "lightning": version("lightning"),
-            "cpu": cpu, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
 
 
 def _bits(hexed: str, n: int) -> list[int]:
@@ -535,7 +526,7 @@ def main(argv=None) -> None:
         args.max_eval_samples = args.max_eval_samples or 128
     command = " ".join([Path(sys.executable).name, "benchmarks/bench_mezo_bcd_accuracy.py"] +
                        [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
-    meta = machine_info()
+    meta = bd.machine_info()
     meta.update(command=command, args=vars(args), mode="side by side: 2 worker processes started together",
                 configs={k: str(v.relative_to(ROOT)) for k, v in CONFIGS.items()})
     started = time.perf_counter()
