@@ -81,6 +81,5 @@ class PrivacySpendCallback(Callback):
         return max(1, math.ceil(self._accounting_seconds / (self.ACCOUNTING_TIME_SHARE * self._step_seconds)))
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._last_logged_step != trainer.global_step:  # else the last step's value is current
-            self.epsilon = pl_module.privacy.epsilon()
+        self.epsilon = pl_module.privacy.epsilon()  # the ledger's cached bounds when the last step computed them
         rank_zero_info(f"Privacy spent: {pl_module.privacy.summary()}.")
