@@ -12,8 +12,7 @@ noise is drawn with NumPy's bit generators instead, keyed by the whole secret:
   on torch's intra-op threads (NumPy releases the GIL while it fills);
 * d-dimensional noise vectors (DPGD-0th): a Philox-4x64 key of 128 bits, fresh from the stream for
   each release, with the chunk index in the counter, so the perturbation engine generates the
-  vector chunk by chunk, in any order and on any device, without storing it.
-
+  vector chunk by chunk, in any order and on any device, without storing it;
 * on CUDA (with Triton), both are drawn on the device instead, by a Philox kernel keyed by 128 bits
   fresh from the stream for each release (:mod:`lit_zodp.privacy.device_noise`): no host draw and
   no host-to-device copy of a d-dimensional vector.
@@ -139,11 +138,15 @@ class NoiseSource:
 
     def device_key(self) -> SecretKey:
         """128 fresh secret bits for one draw of the device kernel."""
-        return SecretKey.from_words64(tuple(int(k) for k in self._rng.integers(0, 2**64, size=2, dtype=np.uint64)))
+        return SecretKey.from_words64(self._fresh_128_bits())
 
     def vector_key(self) -> "SecretGaussianVector":
         """A fresh 128-bit key of a d-dimensional standard normal vector, generated lazily by chunk."""
-        return SecretGaussianVector(tuple(int(k) for k in self._rng.integers(0, 2**64, size=2, dtype=np.uint64)))
+        return SecretGaussianVector(self._fresh_128_bits())
+
+    def _fresh_128_bits(self) -> tuple[int, int]:
+        """Two 64-bit words from the secret stream."""
+        return tuple(int(k) for k in self._rng.integers(0, 2**64, size=2, dtype=np.uint64))
 
 
 class SecretGaussianVector:
