@@ -48,6 +48,8 @@ class PrivacyLedger:
         self.counts: dict[Mechanism, int] = {}
         self._accountant: Optional[PRVAccountant] = None
         self._accountant_key: Optional[tuple] = None
+        self._bounds: dict[tuple, EpsilonBounds] = {}  # memo: composition (and accountant) -> bounds
+        self.computations = 0  # accountant evaluations, i.e. memo misses
 
     def record(self, mechanism: Mechanism, count: int = 1) -> None:
         if count < 0:
@@ -60,37 +62,44 @@ class PrivacyLedger:
         return sum(self.counts.values())
 
     def epsilon(self, delta: float, extra: Iterable[tuple[Mechanism, int]] = ()) -> EpsilonBounds:
-        """Bounds on epsilon(delta) of everything recorded, plus ``extra`` planned releases."""
+        """Bounds on epsilon(delta) of everything recorded, plus ``extra`` planned releases.
+
+        Bounds are memoised by the composition and the accountant that computes them (the PRV
+        accountant is deterministic), so the plan's check of the full run at fit start also answers
+        the epsilon of its last step, and asking again without new steps is free.
+        """
         raise_if_any([check_delta(delta)])
-        extra = tuple(extra)
-        key = (tuple(self.counts.items()), delta, self.accountant, self.eps_error, self.delta_error_ratio)
-        if not extra and getattr(self, "_spent_key", None) == key:  # nothing recorded since: same bounds
-            return self._spent
         counts = dict(self.counts)
         for mechanism, count in extra:
             counts[mechanism] = counts.get(mechanism, 0) + count
         counts = {m: accounted_count(m, c) for m, c in counts.items() if c > 0}
         if not counts:
             return EpsilonBounds(0.0, 0.0, 0.0)
-        if self.accountant == "rdp":
-            epsilon = rdp_epsilon(counts, delta)
-            bounds = EpsilonBounds(epsilon, epsilon, epsilon)
-        else:
-            bounds = compose(counts, delta, self._accountant_for(counts, delta), self)
-        if not extra:
-            self._spent_key, self._spent = key, bounds
-        return bounds
+        accountant = self._accountant_for(counts, delta) if self.accountant == "prv" else None
+        key = (tuple(counts.items()), delta, self.accountant, self._accountant_key if accountant else None)
+        if key not in self._bounds:
+            self.computations += 1
+            if accountant is None:
+                epsilon = rdp_epsilon(counts, delta)
+                bounds = EpsilonBounds(epsilon, epsilon, epsilon)
+            else:
+                bounds = compose(counts, delta, accountant, self)
+            if len(self._bounds) >= MEMO_SIZE:
+                del self._bounds[next(iter(self._bounds))]  # the oldest
+            self._bounds[key] = bounds
+        return self._bounds[key]
 
     def _accountant_for(self, counts: dict[Mechanism, int], delta: float) -> PRVAccountant:
+        """The cached discretised accountant when it covers ``counts``; else one with doubled capacities."""
         mechanisms = tuple(counts)
-        delta_error = delta * self.delta_error_ratio
+        errors = (self.eps_error, delta * self.delta_error_ratio)
         key = self._accountant_key
-        fits = (key is not None and key[0] == mechanisms and key[2] == delta_error
+        fits = (key is not None and key[0] == mechanisms and key[2] == errors
                 and all(c <= cap for c, cap in zip(counts.values(), key[1])))
         if not fits:
             capacities = tuple(_next_power_of_two(c) for c in counts.values())
-            self._accountant = _build_accountant(mechanisms, capacities, self.eps_error, delta_error)
-            self._accountant_key = (mechanisms, capacities, delta_error)
+            self._accountant = _build_accountant(mechanisms, capacities, *errors)
+            self._accountant_key = (mechanisms, capacities, errors)
         return self._accountant
 
     def state_dict(self) -> dict:
@@ -115,6 +124,7 @@ class PrivacyLedger:
 
 
 ACCOUNTANTS = ("prv", "rdp")
+MEMO_SIZE = 64
 
 
 def rdp_epsilon(counts: dict[Mechanism, int], delta: float) -> float:

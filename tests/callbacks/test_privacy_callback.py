@@ -92,28 +92,31 @@ def test_bad_callback_arguments(kwargs, match):
         PrivacySpendCallback(**kwargs)
 
 
-def test_default_cadence_spends_nothing_on_the_first_step_and_computes_the_last_once(monkeypatch):
-    """Epsilon is computed when its cost fits 0.5% of the training time: not after the first step (whose
-    time is not known yet; the accountant's cost comes from fit start), always at the last step, and
-    not again for the fit-end summary (the ledger has not changed)."""
-    from lit_zodp.privacy.ledger import PrivacyLedger as Ledger
+def test_default_cadence_spends_nothing_on_the_first_step_nor_at_the_last(monkeypatch):
+    """Epsilon is composed when its cost fits 0.5% of the training time: not after the first step (whose
+    time is not known yet; the accountant's cost comes from fit start) and not at the last step: the
+    plan's check at fit start composed the full run, and the ledger memoises it. The last step still
+    logs epsilon, equal to a fresh accountant's."""
+    from lit_zodp.privacy import ledger as ledger_module
 
-    computed = []
-    original = Ledger.epsilon
+    composed = []  # (steps recorded, steps composed) of each accountant evaluation
+    original = ledger_module.compose
 
-    def epsilon(self, delta, extra=()):
-        extra = tuple(extra)
-        if not extra and getattr(self, "_spent_key", None) != (tuple(self.counts.items()), delta, self.accountant,
-                                                                self.eps_error, self.delta_error_ratio):
-            computed.append(self.total_count)
-        return original(self, delta, extra)
+    def compose(counts, delta, accountant, ledger):
+        composed.append((ledger.total_count, sum(counts.values())))
+        return original(counts, delta, accountant, ledger)
 
-    monkeypatch.setattr(Ledger, "epsilon", epsilon)
+    monkeypatch.setattr(ledger_module, "compose", compose)
     module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
     callback = PrivacySpendCallback()
     trainer = quiet_trainer(max_steps=30, callbacks=[callback])
     trainer.fit(module, poisson_loader(blobs(), 0.1, steps_per_epoch=30))
     assert module.privacy.accounting_seconds > 0
-    assert computed and computed[0] > 1  # nothing after step 1
-    assert computed[-1] == 30 and computed.count(30) == 1  # the last step once; summary and fit end reuse it
-    assert callback.epsilon == module.privacy.ledger.epsilon(1e-5).upper > 0
+    assert (0, 30) in composed  # the plan's check of the whole run
+    during = [recorded for recorded, _ in composed if recorded > 0]
+    assert all(recorded > 1 for recorded in during)  # nothing after step 1
+    assert 30 not in during  # the last step reuses the plan's bounds
+    assert callback._last_logged_step == 30  # ... and logs them
+    fresh = ledger_module.PrivacyLedger()
+    fresh.counts = dict(module.privacy.ledger.counts)
+    assert callback.epsilon == fresh.epsilon(1e-5).upper > 0

@@ -38,6 +38,34 @@ def test_ledger_agrees_with_opacus_prv_within_one_percent():
     assert ours == pytest.approx(theirs, rel=0.01)
 
 
+def test_planned_composition_answers_the_spent_epsilon_exactly_and_once():
+    """The fit-start check (``extra`` = the planned steps) and the ledger after those steps are the same
+    composition with the same accountant: one evaluation, bitwise the value a fresh ledger computes."""
+    mechanism = SubsampledGaussian(1.1, 0.02)
+    ledger = PrivacyLedger()
+    planned = ledger.epsilon(1e-5, extra=[(mechanism, 700)])
+    ledger.record(mechanism, 300)
+    after_300 = ledger.epsilon(1e-5)
+    ledger.record(mechanism, 400)
+    assert ledger.epsilon(1e-5) == planned and ledger.computations == 2
+    fresh = PrivacyLedger()
+    fresh.record(mechanism, 700)
+    assert fresh.epsilon(1e-5) == planned
+    assert after_300.upper < planned.upper
+
+
+def test_a_changed_accountant_error_recomputes():
+    """A restored ledger with another ``eps_error`` must not reuse the accountant (or bounds) built for the old one."""
+    mechanism = SubsampledGaussian(1.1, 0.02)
+    ledger = PrivacyLedger(eps_error=0.5)
+    ledger.record(mechanism, 500)
+    loose = ledger.epsilon(1e-5)
+    ledger.load_state_dict({**ledger.state_dict(), "eps_error": 0.01})
+    tight = PrivacyLedger(eps_error=0.01)
+    tight.record(mechanism, 500)
+    assert ledger.epsilon(1e-5) == tight.epsilon(1e-5) != loose
+
+
 def test_gaussian_mechanism_brackets_the_exact_closed_form():
     """For the full-batch Gaussian mechanism, the exact delta(eps) (Balle & Wang) is known."""
     sigma, steps, delta = 3.0, 16, 1e-5
