@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -215,13 +215,15 @@ class AlgorithmModule(pl.LightningModule):
         self._step_started = time.perf_counter()
         return None
 
-    def log_step(self, batch_size: int, clip_fraction: Optional[float | Tensor] = None, **stats: float) -> None:
+    def log_step(self, batch_size: int, clip_fraction: Optional[Callable[[], float | Tensor]] = None,
+                 **stats: float) -> None:
         """Per-step statistics (``step_time``, ``clip_fraction``, sigma once, ``stats``) on the steps the loggers write.
 
         Lightning writes ``on_step`` values every ``log_every_n_steps`` steps; a value logged between
         two writes is overwritten unread (these are not in the progress bar). ``self.log`` costs
         0.3-1 ms per call in Lightning 2.x (it walks the metric's state each time), more than a whole
-        quickstart step, so the other steps skip it.
+        quickstart step, so the other steps skip it. ``clip_fraction`` is a function, called only
+        on those steps.
         """
         if not self._loggers_write_this_step():
             return
@@ -230,7 +232,7 @@ class AlgorithmModule(pl.LightningModule):
             self.log("sigma", float(self.privacy.noise_multiplier), batch_size=size)
             self._sigma_logged = True
         if clip_fraction is not None and self.log_private_stats:
-            self.log("clip_fraction", clip_fraction, batch_size=size)
+            self.log("clip_fraction", clip_fraction(), batch_size=size)
         for name, value in stats.items():
             self.log(name, value, batch_size=size)
         self.log("step_time", time.perf_counter() - self._step_started, batch_size=size)

@@ -55,16 +55,15 @@ class DPZero(ZerothOrderModule):
         (inputs, targets), _ = self.split_batch(batch)
         size = batch_size_of(inputs)
         seeds = self.direction_seeds()                                                  # line 2
-        clipped_sums, fractions = [], []
+        clipped_sums, differences = [], []
         for k, seed in enumerate(seeds):
-            differences = self.directional_differences(seed, inputs, targets)          # line 3
-            clipped_sums.append(clip_scalars(differences, self.clip).sum())
-            fractions.append(clipped_fraction(differences, self.clip))
+            differences.append(self.directional_differences(seed, inputs, targets))    # line 3
+            clipped_sums.append(clip_scalars(differences[-1], self.clip).sum())
             if k < len(seeds) - 1:
                 self.restore()
         derivatives = self.privacy.release(torch.stack(clipped_sums), DERIVATIVES, batch_size=size)  # + z_t, / B
         self.update(dict(zip(seeds, derivatives.unbind())), scale=1.0 / len(seeds))    # x_{t+1}
-        self.log_step(size, sum(fractions) / len(fractions))
+        self.log_step(size, lambda: clipped_fraction(torch.cat(differences), self.clip))
 
 
 class MeZO(DPZero):
@@ -112,7 +111,7 @@ class DPGD0th(ZerothOrderModule):
         clipped_sum = clip_scalars(differences, scalar_clip).sum()
         release = self.privacy.release_along(clipped_sum, GRADIENT, batch_size=size)  # (S u + z) / B
         self.update({seed: release.coefficient.item()}, noise=release)                  # line 3
-        self.log_step(size, clipped_fraction(differences, scalar_clip))
+        self.log_step(size, lambda: clipped_fraction(differences, scalar_clip))
 
 
 __all__ = ["DPGD0th", "DPZero", "MeZO"]

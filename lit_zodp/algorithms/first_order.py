@@ -104,7 +104,7 @@ class FirstOrderModule(AlgorithmModule):
         clipped = self.private_gradient(inputs, targets)          # sum_i clip_C(g_i), flat clip
         gradient = self.release_gradient(clipped)                 # (. + N(0, sigma^2 C^2 I)) / B
         self.apply_gradient(gradient)                             # optimizer step
-        self.log_step(size, clipped_fraction(clipped.norms, self.clip))
+        self.log_step(size, lambda: clipped_fraction(clipped.norms, self.clip))
 
 
 def _micro_batches(inputs, targets, size: Optional[int]) -> Iterator[tuple]:

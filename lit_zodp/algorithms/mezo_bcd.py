@@ -169,11 +169,10 @@ class DPMeZOBCD(DPZero):
         size = batch_size_of(inputs)
         block = self.select_block()                                                     # Alg. 1 line 3
         seeds = self.direction_seeds()                                                  # Alg. 1 line 2
-        clipped_sums, fractions = [], []
+        clipped_sums, differences = [], []
         for k, seed in enumerate(seeds):
-            differences = self.directional_differences(seed, inputs, targets)          # Alg. 1 lines 4-7
-            clipped_sums.append(clip_scalars(differences, self.clip).sum())
-            fractions.append(clipped_fraction(differences, self.clip))
+            differences.append(self.directional_differences(seed, inputs, targets))    # Alg. 1 lines 4-7
+            clipped_sums.append(clip_scalars(differences[-1], self.clip).sum())
             if k < len(seeds) - 1:
                 self.restore()
         projected = self.privacy.release(torch.stack(clipped_sums), DERIVATIVES, batch_size=size)  # ours: + z, / B
@@ -184,7 +183,7 @@ class DPMeZOBCD(DPZero):
             self.adam_update(coefficients)                                              # Alg. 5 lines 11-15
         else:
             self.update(coefficients, scale=1.0 / len(seeds))                           # Alg. 1 lines 9-12
-        self.log_step(size, sum(fractions) / len(fractions), active_block=float(block))
+        self.log_step(size, lambda: clipped_fraction(torch.cat(differences), self.clip), active_block=float(block))
 
     # ----------------------------------------------------------------------------- verbs
     def select_block(self) -> int:

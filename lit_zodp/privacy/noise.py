@@ -45,6 +45,7 @@ HOST_PART = 1 << 20
 #: ``SCALAR_POOL`` standard normals at a time: one NumPy call per ~thousand steps instead of one per
 #: step. The pool is secret like the generator's state: in memory only, never in a checkpoint.
 SCALAR_DRAW, SCALAR_POOL = 64, 4096
+HOST_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # drawn in the tensor's own precision
 
 TEST_SEED_WARNING = (
     "`{name}` is set: the {what} is reproducible from it, so the run is NOT differentially private. "
@@ -103,6 +104,9 @@ class NoiseSource:
         """``x + N(0, std^2 I)`` (a new tensor): drawn on the GPU where it can be, else on the host."""
         if device_noise_available(x):  # add_gaussian checks std, as gaussian() does
             return add_gaussian(x.contiguous(), std, self.device_key())
+        if x.device.type == "cpu" and x.dtype in HOST_DTYPES and isinstance(std, float) and 0 <= std < math.inf:
+            noise = torch.from_numpy(self._host_draw(x.numel(), std, HOST_DTYPES[x.dtype]))
+            return x + (noise if x.dim() == 1 else noise.view(x.shape))
         return x + self.gaussian(x.shape, std, device=x.device, dtype=x.dtype)
 
     def _host_draw(self, numel: int, std: float, precision) -> np.ndarray:

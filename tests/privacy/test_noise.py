@@ -97,11 +97,20 @@ def test_a_large_host_draw_is_keyed_by_part_and_does_not_depend_on_the_thread_co
     assert abs(corr) < 5 / math.sqrt(HOST_PART)
 
 
-@pytest.mark.parametrize("n", [5, 3_000_000])
-def test_noised_adds_exactly_the_draw_of_the_same_stream(n):
-    x = torch.linspace(-1, 1, n)
-    assert torch.equal(NoiseSource(9).noised(x, 0.5), x + NoiseSource(9).gaussian((n,), 0.5))
-    assert torch.equal(x, torch.linspace(-1, 1, n))  # the input is not modified
+@pytest.mark.parametrize("shape,dtype", [((5,), torch.float32), ((3_000_000,), torch.float32), ((2, 3), torch.float32),
+                                         ((4,), torch.float64), ((3, 2), torch.bfloat16), ((), torch.float32)])
+def test_noised_adds_exactly_the_draw_of_the_same_stream(shape, dtype):
+    x = torch.linspace(-1, 1, math.prod(shape)).view(shape).to(dtype)
+    noised = NoiseSource(9).noised(x, 0.5)
+    assert noised.dtype == dtype and noised.shape == x.shape
+    assert torch.equal(noised, x + NoiseSource(9).gaussian(shape, 0.5, dtype=dtype))
+    assert torch.equal(x, torch.linspace(-1, 1, math.prod(shape)).view(shape).to(dtype))  # the input is not modified
+
+
+@pytest.mark.parametrize("std", [-1.0, math.inf, math.nan])
+def test_noised_refuses_a_bad_std(std):
+    with pytest.raises(ValueError, match="noise std"):
+        NoiseSource(9).noised(torch.zeros(3), std)
 
 
 def test_small_draws_come_in_order_from_a_pool_of_the_secret_stream():
