@@ -341,6 +341,12 @@ def summarize(res: dict) -> dict:
             "paired_se_vs_mezo_final": paired_se(hit["test_correct_hex"], m_final["test_correct_hex"], n),
             "paired_se_vs_mezo_best": paired_se(hit["test_correct_hex"], m_best["test_correct_hex"], n),
         }
+    # the smoother metric: the mean test loss over the whole test split
+    loss_hit = next((r for r in bcd["evals"][1:] if r["test_loss"] <= m_final["test_loss"]), None)
+    s["mezo_final_loss"] = m_final["test_loss"]
+    s["bcd_reaches_final_loss"] = None if loss_hit is None else {
+        "step": loss_hit["step"], "train_s": loss_hit["train_s"], "loss": loss_hit["test_loss"],
+        "fraction_of_mezo_time": loss_hit["train_s"] / m_final["train_s"] if m_final["train_s"] > 0 else None}
     # same training time: BCD's last evaluation at or before MeZO's final training time
     same = acc_at(bcd["evals"], m_final["train_s"])
     if same is not None:
@@ -430,6 +436,13 @@ def render(res: dict, s: dict, meta: dict, args) -> str:
                          + f"the {ref_s:.0f} s at which MeZO had it (acc "
                          f"{hit['acc']:.4f}; paired SE of the difference vs that MeZO model "
                          f"{100 * (hit.get(f'paired_se_vs_mezo_{ref}') or 0):.1f} points).")
+    if "mezo_final_loss" in s:  # results rendered before this line existed lack it
+        hit = s["bcd_reaches_final_loss"]
+        lines.append(f"* Test loss (mean over the test split, less noisy than accuracy): MeZO's final "
+                     f"{s['mezo_final_loss']:.4f} at {s['mezo_final_train_s']:.0f} s; " + (
+                         "MeZO-BCD never reaches it within its budget." if hit is None else
+                         f"MeZO-BCD first reaches it at step {hit['step']}, {hit['train_s']:.0f} s of training "
+                         f"(loss {hit['loss']:.4f}; {hit['fraction_of_mezo_time']:.2f}x MeZO's time)."))
     same = s.get("bcd_at_mezo_final_time")
     if same:
         lines.append(f"* At equal training time (BCD's last evaluation at <= {s['mezo_final_train_s']:.0f} s: step "
