@@ -30,19 +30,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import (add_worker_options, apply_quick_defaults, command_line, finish_meta, fmt,  # noqa: E402
+                     load_and_total, machine_info, median_of, mem_available, probe_call, probe_timed,
+                     proc_status, ratio_of, reset_peak_rss, resolve_device, results_stem, rss_result,
+                     run_worker_process, setup_worker, wall_times, worker_env, write_results)
 
 MODELS = ("vit_tiny", "minilm")
 TARGETS = {"ratio_vs_2fwd": 1.05, "mem_vs_inference": 1.05, "speedup_vs_opacus": 4.0, "mem_vs_opacus": 0.2}
@@ -57,79 +57,6 @@ LAM = 1e-3
 # =====================================================================================
 # Worker side (runs in a subprocess; heavy imports only here)
 # =====================================================================================
-
-def _setup_worker(threads: int, chunk_numel: int | None = None) -> None:
-    import logging
-    import warnings
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "transformers", "opacus"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    import torch
-
-    torch.set_num_threads(threads)
-    # Same imports in every worker, so the memory baselines are comparable.
-    import lightning.pytorch  # noqa: F401
-    import opacus  # noqa: F401
-
-    import lit_zodp.algorithms  # noqa: F401
-
-    if chunk_numel:  # A/B runs of the engine's chunk size (the library default otherwise)
-        import lit_zodp.zo.directions as directions
-
-        directions.DEFAULT_CHUNK = directions.DEFAULT_ACCELERATOR_CHUNK = chunk_numel
-
-
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-class LoadProbe:
-    """CPU time used by OTHER processes during a measurement, in cores (0 = the machine was ours).
-
-    ``(busy jiffies of all CPUs - this process's CPU time) / wall time``, from ``/proc/stat``.
-    """
-
-    def __init__(self) -> None:
-        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self._start = None
-
-    def _read(self):
-        try:
-            with open("/proc/stat") as f:
-                values = [int(v) for v in f.readline().split()[1:9]]
-            busy = (sum(values) - values[3] - values[4]) / self.hz
-        except OSError:
-            busy = None
-        t = os.times()
-        return time.perf_counter(), busy, t.user + t.system
-
-    def start(self) -> None:
-        self._start = self._read()
-
-    def stop(self) -> tuple[float, float | None]:
-        end = self._read()
-        wall = end[0] - self._start[0]
-        if end[1] is None or wall <= 0:
-            return wall, None
-        return wall, max(0.0, (end[1] - self._start[1]) - (end[2] - self._start[2])) / wall
-
-
-PROBE = LoadProbe()
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def build_model(model: str, batch: int, seq_len: int, device, seed: int = 0):
     """The backbone, a fixed batch ``(inputs, targets)`` and a dataset holding exactly that batch."""
@@ -187,22 +114,13 @@ def make_dpzero(backbone):
 
     from lit_zodp.algorithms import DPZero
 
-    class TimedDPZero(DPZero):
+    class TimedDPZero(probe_timed(DPZero)):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            self.step_times: list[float] = []
-            self.step_loads: list = []
             self.threads_seen = None
 
         def training_step(self, batch, batch_idx):
-            device = self.device
-            _sync(device)
-            PROBE.start()
             out = super().training_step(batch, batch_idx)
-            _sync(device)
-            wall, load = PROBE.stop()
-            self.step_times.append(wall)
-            self.step_loads.append(load)
             self.threads_seen = torch.get_num_threads()
             return out
 
@@ -289,40 +207,11 @@ def choose_opacus_mode(requested: str, backbone, batch: int, budget_gb: float | 
     if requested != "auto":
         return requested, ""
     need = opacus_hooks_bytes(backbone, batch)
-    budget = budget_gb * 2**30 if budget_gb else 0.6 * _mem_available()
+    budget = budget_gb * 2**30 if budget_gb else 0.6 * mem_available()
     if need <= budget:
         return "hooks", ""
     return "ghost", (f"hooks mode needs {need / 2**30:.1f} GiB for per-sample gradients alone "
                      f"(> budget {budget / 2**30:.1f} GiB): ghost clipping instead")
-
-
-def _mem_available() -> float:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(8 * 2**30)
-
-
-def _proc_status(key: str) -> int | None:
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def two_forwards(module, inputs, targets):
@@ -338,7 +227,7 @@ def worker_time(args) -> dict:
 
     import torch
 
-    device = _device(args.device)
+    device = resolve_device(args.device)
     backbone, inputs, targets, dataset = build_model(args.model, args.batch, args.seq_len, device)
     opacus_backbone = copy.deepcopy(backbone)
     module = make_dpzero(backbone).to(device)
@@ -354,18 +243,10 @@ def worker_time(args) -> dict:
             result["opacus_error"] = f"{type(err).__name__}: {err}"[:500]
 
     def time_forwards() -> tuple:
-        _sync(device)
-        PROBE.start()
-        two_forwards(module, inputs, targets)
-        _sync(device)
-        return PROBE.stop()
+        return probe_call(lambda: two_forwards(module, inputs, targets), device)
 
     def time_opacus() -> tuple:
-        _sync(device)
-        PROBE.start()
-        opacus_step()
-        _sync(device)
-        return PROBE.stop()
+        return probe_call(opacus_step, device)
 
     fwd, dpz, opa = [], [], []
     loads = {"fwd2": [], "dpzero": [], "opacus": []}
@@ -424,14 +305,7 @@ def breakdown(module, inputs, targets, device, repeats: int) -> dict:
     zero = torch.zeros(max(c.numel() for c in chunks), device=device)
 
     def timed(fn) -> float:
-        runs = []
-        for _ in range(repeats):
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            runs.append(time.perf_counter() - start)
-        return statistics.median(runs)
+        return statistics.median(wall_times(fn, repeats, device))
 
     seed = derive_seed(0, 12345)
 
@@ -467,11 +341,10 @@ def breakdown(module, inputs, targets, device, repeats: int) -> dict:
 def worker_memory(args) -> dict:
     """Peak memory of one method in this fresh process, above the model+batch baseline."""
     import gc
-    import resource
 
     import torch
 
-    device = _device(args.device)
+    device = resolve_device(args.device)
     backbone, inputs, targets, dataset = build_model(args.model, args.batch, args.seq_len, device)
     cuda = device.type == "cuda"
     tensors = list(backbone.parameters()) + (list(inputs.values()) if isinstance(inputs, dict) else [inputs])
@@ -483,8 +356,8 @@ def worker_memory(args) -> dict:
     elif args.method == "dpzero":
         dpzero_fit(make_dpzero(backbone).to(device), one, 1, device)
     gc.collect()
-    baseline = _proc_status("VmRSS")
-    reset_ok = _reset_peak_rss()
+    baseline = proc_status("VmRSS")
+    reset_ok = reset_peak_rss()
     if cuda:
         torch.cuda.synchronize(device)
         cuda_baseline = torch.cuda.memory_allocated(device)
@@ -510,16 +383,13 @@ def worker_memory(args) -> dict:
     if cuda:
         torch.cuda.synchronize(device)
         result.update(cuda_baseline=cuda_baseline, cuda_peak=torch.cuda.max_memory_allocated(device))
-    result.update(model_bytes=model_bytes, rss_baseline=baseline, rss_peak=_proc_status("VmHWM"),
-                  rss_after=_proc_status("VmRSS"),
-                  ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    if not reset_ok:  # VmHWM then covers the whole process life, like ru_maxrss
-        result["rss_peak"] = max(result["rss_peak"] or 0, result["ru_maxrss"])
+    result["model_bytes"] = model_bytes
+    result.update(rss_result(baseline, reset_ok))
     return result
 
 
 def run_worker(args) -> None:
-    _setup_worker(args.threads, args.chunk_numel)
+    setup_worker(args.threads, args.chunk_numel)
     result = worker_time(args) if args.worker == "time" else worker_memory(args)
     result.update(model=args.model, batch=args.batch)
     Path(args.result_file).write_text(json.dumps(result))
@@ -530,74 +400,39 @@ def run_worker(args) -> None:
 # =====================================================================================
 
 def spawn(args, worker: str, model: str, batch: int, method: str | None = None) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result_file = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--model", model,
-           "--batch", str(batch), "--result-file", result_file, "--threads", str(args.threads),
-           "--seq-len", str(args.seq_len), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-           "--steps-per-repeat", str(args.steps_per_repeat), "--device", args.device,
-           "--opacus-repeats", str(args.opacus_repeats),
-           "--opacus-mode", args.opacus_mode]
+    """One worker process (``time`` or ``memory``) for ``model`` at ``batch``; its result."""
+    options = ["--worker", worker, "--model", model, "--batch", str(batch), "--threads", str(args.threads),
+               "--seq-len", str(args.seq_len), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+               "--steps-per-repeat", str(args.steps_per_repeat), "--device", args.device,
+               "--opacus-repeats", str(args.opacus_repeats), "--opacus-mode", args.opacus_mode]
     if args.opacus_mem_budget_gb:
-        cmd += ["--opacus-mem-budget-gb", str(args.opacus_mem_budget_gb)]
+        options += ["--opacus-mem-budget-gb", str(args.opacus_mem_budget_gb)]
     if args.chunk_numel:
-        cmd += ["--chunk-numel", str(args.chunk_numel)]
+        options += ["--chunk-numel", str(args.chunk_numel)]
     if method:
-        cmd += ["--method", method]
+        options += ["--method", method]
     for flag in ("no_opacus", "no_breakdown"):
         if getattr(args, flag):
-            cmd.append("--" + flag.replace("_", "-"))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads), PYTHONPATH=os.pathsep.join(
-                   [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    if args.omp_wait_policy != "default":
-        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
-    if worker == "memory":
-        # glibc's dynamic mmap threshold otherwise keeps freed activations cached in the heap, so the
-        # peak RSS drifts by tens of MB from run to run; with a fixed threshold every tensor of 128 KiB
-        # or more is mmapped and returned on free, and the peak RSS tracks live memory.
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(ROOT))
-    wall = time.perf_counter() - start
-    try:
-        result = json.loads(Path(result_file).read_text()) if proc.returncode == 0 else {}
-    except (OSError, json.JSONDecodeError):
-        result = {}
-    finally:
-        Path(result_file).unlink(missing_ok=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout)[-1500:]
-        result = {"error": f"worker exited with {proc.returncode}" + (" (killed: out of memory?)"
-                                                                       if proc.returncode in (-9, 137) else ""),
-                  "stderr_tail": tail}
-    result["worker_wall_s"] = round(wall, 1)
-    return result
-
-
-def _median(xs):
-    return statistics.median(xs) if xs else None
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
+            options.append("--" + flag.replace("_", "-"))
+    env = worker_env(args.threads, args.omp_wait_policy, mmap_freed=worker == "memory")
+    return run_worker_process(__file__, options, env)
 
 
 def summarize(model: str, batch: int, timing: dict, memory: dict) -> dict:
     row = {"model": model, "batch": batch}
-    row["dpzero_s"] = _median(timing.get("dpzero_times", []))
-    row["fwd2_s"] = _median(timing.get("fwd2_times", []))
-    row["opacus_s"] = _median(timing.get("opacus_times", []))
+    row["dpzero_s"] = median_of(timing.get("dpzero_times", []))
+    row["fwd2_s"] = median_of(timing.get("fwd2_times", []))
+    row["opacus_s"] = median_of(timing.get("opacus_times", []))
     # Headline: median over repetitions of (DPZero step / 2x forward) within the same repetition, which
     # cancels slow drifts of the machine; the ratio of the two medians is kept beside it.
     pairs = list(zip(timing.get("dpzero_times", []), timing.get("fwd2_times", [])))
-    row["ratio_vs_2fwd"] = _median([d / f for d, f in pairs]) if pairs else None
-    row["ratio_vs_2fwd_of_medians"] = _ratio(row["dpzero_s"], row["fwd2_s"])
-    row["ratio_vs_2fwd_min"] = _ratio(min(timing.get("dpzero_times") or [0]) or None,
-                                      min(timing.get("fwd2_times") or [0]) or None)
-    row["speedup_vs_opacus"] = _ratio(row["opacus_s"], row["dpzero_s"])
+    row["ratio_vs_2fwd"] = median_of([d / f for d, f in pairs]) if pairs else None
+    row["ratio_vs_2fwd_of_medians"] = ratio_of(row["dpzero_s"], row["fwd2_s"])
+    row["ratio_vs_2fwd_min"] = ratio_of(min(timing.get("dpzero_times") or [0]) or None,
+                                        min(timing.get("fwd2_times") or [0]) or None)
+    row["speedup_vs_opacus"] = ratio_of(row["opacus_s"], row["dpzero_s"])
     all_loads = [x for xs in (timing.get("other_load") or {}).values() for x in xs if x is not None]
-    row["other_load"] = _median(all_loads)
+    row["other_load"] = median_of(all_loads)
     row["opacus_mode"] = timing.get("opacus_mode")
     key = "cuda" if "cuda_peak" in memory.get("dpzero", {}) else "rss"
 
@@ -623,23 +458,19 @@ def summarize(model: str, batch: int, timing: dict, memory: dict) -> dict:
     for method in ("inference", "dpzero", "opacus"):
         row[f"{method}_peak_mb"] = peak(method) / 2**20 if peak(method) else None
         row[f"{method}_extra_mb"] = extra(method) / 2**20 if extra(method) is not None else None
-    row["mem_vs_inference"] = _ratio(peak("dpzero"), peak("inference"))
-    row["mem_extra_vs_inference"] = _ratio(extra("dpzero"), extra("inference"))
-    row["mem_vs_opacus"] = _ratio(peak("dpzero"), peak("opacus")) if "opacus_error" not in memory.get("opacus", {}) else None
-    row["mem_extra_vs_opacus"] = _ratio(extra("dpzero"), extra("opacus")) if row["mem_vs_opacus"] else None
+    row["mem_vs_inference"] = ratio_of(peak("dpzero"), peak("inference"))
+    row["mem_extra_vs_inference"] = ratio_of(extra("dpzero"), extra("inference"))
+    row["mem_vs_opacus"] = ratio_of(peak("dpzero"), peak("opacus")) if "opacus_error" not in memory.get("opacus", {}) else None
+    row["mem_extra_vs_opacus"] = ratio_of(extra("dpzero"), extra("opacus")) if row["mem_vs_opacus"] else None
     for method in ("inference", "dpzero", "opacus"):
         value = model_and_extra(method)
         row[f"{method}_model_and_extra_mb"] = value / 2**20 if value else None
-    row["mem_model_vs_inference"] = _ratio(model_and_extra("dpzero"), model_and_extra("inference"))
-    row["mem_model_vs_opacus"] = (_ratio(model_and_extra("dpzero"), model_and_extra("opacus"))
+    row["mem_model_vs_inference"] = ratio_of(model_and_extra("dpzero"), model_and_extra("inference"))
+    row["mem_model_vs_opacus"] = (ratio_of(model_and_extra("dpzero"), model_and_extra("opacus"))
                                   if row["mem_vs_opacus"] else None)
-    row["ru_maxrss_ratio_vs_inference"] = _ratio(memory.get("dpzero", {}).get("ru_maxrss"),
-                                                 memory.get("inference", {}).get("ru_maxrss"))
+    row["ru_maxrss_ratio_vs_inference"] = ratio_of(memory.get("dpzero", {}).get("ru_maxrss"),
+                                                   memory.get("inference", {}).get("ru_maxrss"))
     return row
-
-
-def _fmt(x, spec=".3f", none="n/a"):
-    return none if x is None else format(x, spec)
 
 
 def render(rows: list[dict], meta: dict) -> str:
@@ -651,10 +482,10 @@ def render(rows: list[dict], meta: dict) -> str:
     for r in rows:
         mode = f" ({r['opacus_mode']})" if r.get("opacus_mode") not in (None, "hooks") else ""
         lines.append(
-            f"| {r['model']} | {r['batch']} | {_fmt(r['dpzero_s'])} | {_fmt(r['fwd2_s'])} | "
-            f"{_fmt(r['ratio_vs_2fwd'])} | {_fmt(r['mem_vs_inference'])} / {_fmt(r.get('mem_model_vs_inference'))} / "
-            f"{_fmt(r['mem_extra_vs_inference'])} | {_fmt(r['opacus_s'])}{mode} | {_fmt(r['speedup_vs_opacus'], '.2f')}x | "
-            f"{_fmt(r['mem_vs_opacus'])} / {_fmt(r.get('mem_model_vs_opacus'))} / {_fmt(r['mem_extra_vs_opacus'])} |")
+            f"| {r['model']} | {r['batch']} | {fmt(r['dpzero_s'])} | {fmt(r['fwd2_s'])} | "
+            f"{fmt(r['ratio_vs_2fwd'])} | {fmt(r['mem_vs_inference'])} / {fmt(r.get('mem_model_vs_inference'))} / "
+            f"{fmt(r['mem_extra_vs_inference'])} | {fmt(r['opacus_s'])}{mode} | {fmt(r['speedup_vs_opacus'], '.2f')}x | "
+            f"{fmt(r['mem_vs_opacus'])} / {fmt(r.get('mem_model_vs_opacus'))} / {fmt(r['mem_extra_vs_opacus'])} |")
     lines.append("")
     lines.append("| model | batch | ratio: of medians / of minima | other processes' load (cores) "
                  "| peak RSS MB: inference / DPZero / Opacus | extra above baseline MB: inference / DPZero / Opacus "
@@ -663,31 +494,17 @@ def render(rows: list[dict], meta: dict) -> str:
     for r in rows:
         b = r.get("breakdown") or {}
         lines.append(
-            f"| {r['model']} | {r['batch']} | {_fmt(r.get('ratio_vs_2fwd_of_medians'))} / "
-            f"{_fmt(r.get('ratio_vs_2fwd_min'))} | {_fmt(r.get('other_load'), '.2f')} | "
-            f"{_fmt(r['inference_peak_mb'], '.0f')} / {_fmt(r['dpzero_peak_mb'], '.0f')}"
-            f" / {_fmt(r['opacus_peak_mb'], '.0f')} | {_fmt(r['inference_extra_mb'], '.0f')} / "
-            f"{_fmt(r['dpzero_extra_mb'], '.0f')} / {_fmt(r['opacus_extra_mb'], '.0f')} | "
-            f"{_fmt(b.get('engine_3_passes_s'))} ({_fmt(b.get('generate_pass_s'))} / {_fmt(b.get('add_pass_s'), '.4f')})"
-            f" | {_fmt(_ratio(b.get('engine_3_passes_s'), r.get('fwd2_s')))} |")
+            f"| {r['model']} | {r['batch']} | {fmt(r.get('ratio_vs_2fwd_of_medians'))} / "
+            f"{fmt(r.get('ratio_vs_2fwd_min'))} | {fmt(r.get('other_load'), '.2f')} | "
+            f"{fmt(r['inference_peak_mb'], '.0f')} / {fmt(r['dpzero_peak_mb'], '.0f')}"
+            f" / {fmt(r['opacus_peak_mb'], '.0f')} | {fmt(r['inference_extra_mb'], '.0f')} / "
+            f"{fmt(r['dpzero_extra_mb'], '.0f')} / {fmt(r['opacus_extra_mb'], '.0f')} | "
+            f"{fmt(b.get('engine_3_passes_s'))} ({fmt(b.get('generate_pass_s'))} / {fmt(b.get('add_pass_s'), '.4f')})"
+            f" | {fmt(ratio_of(b.get('engine_3_passes_s'), r.get('fwd2_s')))} |")
     notes = [f"- {r['model']} b{r['batch']}: {n}" for r in rows for n in r.get("notes", [])]
     if notes:
         lines += ["", "Notes:"] + notes
     return "\n".join(lines)
-
-
-def machine_info() -> dict:
-    """Without importing torch: children start from a small parent (ru_maxrss is inherited at exec)."""
-    from importlib.metadata import version
-
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"python": platform.python_version(), "torch": version("torch"), "opacus": version("opacus"),
-            "lightning": version("lightning"), "cpu": cpu, "cpus": os.cpu_count(), "cuda": None,
-            "loadavg_start": os.getloadavg()}
 
 
 def main(argv=None) -> None:
@@ -721,33 +538,20 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: batch 16, 32 tokens, 2 repeats, 1 step per repeat")
     parser.add_argument("--out", default=None, help="results file stem (default results/bench_dpzero[_quick])")
-    # worker-only
-    parser.add_argument("--worker", choices=["time", "memory"], help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--method", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    add_worker_options(parser)
     args = parser.parse_args(argv)
     if args.worker:
         return run_worker(args)
 
+    raw_argv = argv if argv is not None else sys.argv[1:]
     if args.quick:
-        explicit = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
-        if "--batches" not in explicit:
-            args.batches = "16"
-        if "--seq-len" not in explicit:
-            args.seq_len = 32
-        if "--repeats" not in explicit:
-            args.repeats = 2
-        if "--steps-per-repeat" not in explicit:
-            args.steps_per_repeat = 1
+        apply_quick_defaults(args, raw_argv, batches="16", seq_len=32, repeats=2, steps_per_repeat=1)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     for m in models:
         if m not in MODELS:
             parser.error(f"unknown model {m!r}; choose from {MODELS}")
-    command = " ".join([Path(sys.executable).name, "benchmarks/bench_dpzero.py"] +
-                       [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
+    command = command_line("bench_dpzero.py", raw_argv, python=Path(sys.executable).name)
     meta = machine_info()
     meta.update(command=command, args={k: v for k, v in vars(args).items()
                                        if k not in ("worker", "model", "batch", "method", "result_file")})
@@ -778,21 +582,16 @@ def main(argv=None) -> None:
             rows.append(row)
             raw.append({"model": model, "batch": batch, "timing": timing, "memory": memory})
             print(render([row], meta).split("\n\n")[0].split("\n")[-1], flush=True)
-    meta["loadavg_end"] = os.getloadavg()
-    meta["total_wall_s"] = round(time.perf_counter() - started, 1)
+    finish_meta(meta, started)
     table = render(rows, meta)
     header = (f"# DPZero benchmark\n\n`{command}`  \n{meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']}, "
               f"threads {args.threads}, device {args.device}, OMP_WAIT_POLICY {args.omp_wait_policy}"
               f"{' (' + meta['cuda'] + ')' if meta['cuda'] else ''}; MiniLM sequence length {args.seq_len}; "
               f"repeats {args.repeats} (+{args.warmup} warm-up), {args.steps_per_repeat} DPZero steps per repeat; "
-              f"load average {meta['loadavg_start'][0]:.2f} -> {meta['loadavg_end'][0]:.2f}; "
-              f"total {meta['total_wall_s']:.0f} s\n\n")
+              f"{load_and_total(meta)}\n\n")
     print("\n" + table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = Path(args.out) if args.out else RESULTS / ("bench_dpzero_quick" if args.quick else "bench_dpzero")
-    stem.with_suffix(".md").write_text(header + table + "\n")
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
-    print(f"\nwrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")
+    write_results(results_stem(args.out, "bench_dpzero", args.quick), header + table,
+                  {"meta": meta, "rows": rows, "raw": raw})
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ median over repetitions is reported, and ratios are medians of per-repetition (p
 Memory: one fresh worker process per (model, batch, method): peak RSS on CPU (``VmHWM`` after a
 reset of the kernel's counter), ``torch.cuda.max_memory_allocated`` on GPU.
 
-The model builders, the Trainer driver, the Opacus setup, the load probe and the RSS helpers come from
-``bench_dpzero.py`` (imported, not copied). See benchmarks/README.md.
+The model builders, the Trainer driver and the Opacus setup come from ``bench_dpzero.py``; the worker
+processes, the load probe and the RSS helpers from ``_common.py`` (imported, not copied). See
+benchmarks/README.md.
 
 Usage::
 
@@ -39,22 +40,20 @@ import argparse
 import concurrent.futures
 import copy
 import json
-import os
-import shlex
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results"
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import bench_dpzero as bd  # noqa: E402  (light at import: heavy imports happen in its functions)
+from _common import (add_worker_options, apply_quick_defaults, command_line, cuda_available,  # noqa: E402
+                     finish_meta, fmt, load_and_total, machine_info, make_nonprivate_step, median_of,
+                     mem_available, probe_call, probe_timed, proc_status, ratio_of, read_peak, reset_peak,
+                     reset_peak_rss, resolve_device, results_stem, rss_result, run_worker_process,
+                     setup_worker, sync, worker_env, write_results)
 
 MODELS = ("vit_tiny", "minilm", "roberta_large")
 DEFAULT_BATCHES = {"vit_tiny": [64, 256], "minilm": [32], "roberta_large": [16]}
@@ -130,24 +129,6 @@ def prepare(backbone, model: str, method: str):
 PHASES = ("engine", "release", "apply")
 
 
-def _read_peak(device) -> int | None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    return bd._proc_status("VmHWM")
-
-
-def _reset_peak(device) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        bd._reset_peak_rss()
-
-
 def make_ours(backbone, algo: str, grad_mode: str, track_memory: bool = False):
     """DPSGD / DPAdam whose ``training_step`` is timed, and its three verbs inside it: ``engine``
     (``private_gradient``: forward, backward, per-example gradients or norms, clip, sum), ``release``
@@ -158,13 +139,11 @@ def make_ours(backbone, algo: str, grad_mode: str, track_memory: bool = False):
 
     base = {"dpsgd": DPSGD, "dpadam": DPAdam}[algo]
 
-    class Timed(base):
+    class Timed(probe_timed(base)):
         abstract = True  # not registered in lit_zodp.algorithms.ALGORITHMS
 
         def __init__(self, *a, **kw) -> None:
             super().__init__(*a, **kw)
-            self.step_times: list[float] = []
-            self.step_loads: list = []
             self.phase_times: dict[str, list[float]] = {p: [] for p in PHASES}
             self.phase_peaks: list[tuple[str, int | None]] = []
             self.track_memory = track_memory
@@ -172,16 +151,16 @@ def make_ours(backbone, algo: str, grad_mode: str, track_memory: bool = False):
         def _phase(self, name, fn, *a):
             device = self.device
             if self.track_memory:
-                self.phase_peaks.append((f"before {name}", _read_peak(device)))
-                _reset_peak(device)
-            bd._sync(device)
+                self.phase_peaks.append((f"before {name}", read_peak(device)))
+                reset_peak(device)
+            sync(device)
             start = time.perf_counter()
             out = fn(*a)
-            bd._sync(device)
+            sync(device)
             self.phase_times[name].append(time.perf_counter() - start)
             if self.track_memory:
-                self.phase_peaks.append((name, _read_peak(device)))
-                _reset_peak(device)
+                self.phase_peaks.append((name, read_peak(device)))
+                reset_peak(device)
             return out
 
         def private_gradient(self, inputs, targets):
@@ -193,35 +172,8 @@ def make_ours(backbone, algo: str, grad_mode: str, track_memory: bool = False):
         def apply_gradient(self, gradient):
             return self._phase("apply", super().apply_gradient, gradient)
 
-        def training_step(self, batch, batch_idx):
-            bd._sync(self.device)
-            bd.PROBE.start()
-            out = super().training_step(batch, batch_idx)
-            bd._sync(self.device)
-            wall, load = bd.PROBE.stop()
-            self.step_times.append(wall)
-            self.step_loads.append(load)
-            return out
-
     Timed.__name__ = Timed.__qualname__ = f"Timed{base.__name__}"
     return Timed(backbone, lr=LR, clip=CLIP, noise_multiplier=SIGMA, delta=DELTA, seed=0, grad_mode=grad_mode)
-
-
-def make_nonprivate(backbone, inputs, targets):
-    """Plain training step: forward, backward of the mean loss, SGD step, zero_grad."""
-    import torch
-
-    from lit_zodp.backbones.base import per_example_loss
-
-    params = [p for p in backbone.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=LR)
-
-    def step() -> None:
-        per_example_loss(backbone, inputs, targets).float().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
 
 
 def per_sample_bytes(backbone) -> int:
@@ -236,7 +188,7 @@ def memory_budget(args, device) -> float:
         import torch
 
         return 0.6 * torch.cuda.mem_get_info(device)[0]
-    return 0.6 * bd._mem_available()
+    return 0.6 * mem_available()
 
 
 def skip_reason(args, method: str, backbone, batch: int, device) -> str | None:
@@ -267,7 +219,7 @@ class Runner:
             self.step, notes = bd.make_opacus(self.backbone, dataset, batch, model, OPACUS[method])
             self.notes += [n for n in notes if not n.startswith("cls_token")]
         elif method == "nonprivate":
-            self.step = make_nonprivate(self.backbone, inputs, targets)
+            self.step = make_nonprivate_step(self.backbone, inputs, targets, "SGD", LR)
         else:
             raise ValueError(f"unknown method {method!r}")
 
@@ -278,22 +230,14 @@ class Runner:
             bd.dpzero_fit(m, self.dataset, k, self.device)  # fresh Trainer; moves the module back to device
             phases = [{p: m.phase_times[p][i] for p in PHASES} for i in range(before, len(m.step_times))]
             return list(zip(m.step_times[before:], m.step_loads[before:], phases))
-        out = []
-        for _ in range(k):
-            bd._sync(self.device)
-            bd.PROBE.start()
-            self.step()
-            bd._sync(self.device)
-            wall, load = bd.PROBE.stop()
-            out.append((wall, load, None))
-        return out
+        return [probe_call(self.step, self.device) + (None,) for _ in range(k)]
 
 
 def worker_time(args) -> dict:
     """Every method interleaved in this process, the order rotating each repetition."""
     import torch
 
-    device = bd._device(args.device)
+    device = resolve_device(args.device)
     base, inputs, targets, dataset = build(args, args.model, args.batch, device)
     methods = [m for m in args.methods.split(",") if m]
     result = {"notes": [], "skipped": {}, "errors": {}, "times": {}, "phases": {}, "loads": {}, "rep_of": {}}
@@ -372,11 +316,10 @@ def profile_methods(runners: dict, device, rows: int) -> dict:
 def worker_memory(args) -> dict:
     """Peak memory of ONE method in this fresh process, above the model+batch baseline."""
     import gc
-    import resource
 
     import torch
 
-    device = bd._device(args.device)
+    device = resolve_device(args.device)
     method = args.method
     backbone, inputs, targets, dataset = build(args, args.model, args.batch, device)
     backbone = prepare(backbone, args.model, method)
@@ -405,8 +348,8 @@ def worker_memory(args) -> dict:
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-    baseline = bd._proc_status("VmRSS")
-    reset_ok = bd._reset_peak_rss()
+    baseline = proc_status("VmRSS")
+    reset_ok = reset_peak_rss()
     if cuda:
         cuda_baseline = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -428,10 +371,7 @@ def worker_memory(args) -> dict:
         torch.cuda.synchronize(device)
         result.update(cuda_baseline=cuda_baseline,
                       cuda_peak=max([torch.cuda.max_memory_allocated(device)] + readings))
-    final = bd._proc_status("VmHWM")
-    result.update(rss_baseline=baseline, rss_peak=final if cuda else max([final or 0] + readings),
-                  rss_after=bd._proc_status("VmRSS"),
-                  ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    result.update(rss_result(baseline, reset_ok, None if cuda else readings))
     base = cuda_baseline if cuda else baseline
     if phase_peaks and base is not None:  # max over steps of each verb's peak above the baseline
         extra = {}
@@ -439,13 +379,11 @@ def worker_memory(args) -> dict:
             if value is not None:
                 extra[name] = max(extra.get(name, 0), value - base)
         result["phase_extra"] = extra
-    if not reset_ok:  # VmHWM then covers the whole process life, like ru_maxrss
-        result["rss_peak"] = max(result["rss_peak"] or 0, result["ru_maxrss"])
     return result
 
 
 def run_worker(args) -> None:
-    bd._setup_worker(args.threads)
+    setup_worker(args.threads)
     result = worker_time(args) if args.worker == "time" else worker_memory(args)
     result.update(model=args.model, batch=args.batch)
     Path(args.result_file).write_text(json.dumps(result))
@@ -456,53 +394,21 @@ def run_worker(args) -> None:
 # =====================================================================================
 
 def spawn(args, worker: str, model: str, batch: int, method: str | None = None) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result_file = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--model", model,
-           "--batch", str(batch), "--result-file", result_file, "--threads", str(args.threads),
-           "--seq-len", str(args.seq_len), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-           "--steps-per-repeat", str(args.steps_per_repeat), "--memory-steps", str(args.memory_steps),
-           "--device", args.device, "--methods", args.methods, "--profile-rows", str(args.profile_rows)]
+    """One worker process (``time`` or ``memory``) for ``model`` at ``batch``; its result."""
+    options = ["--worker", worker, "--model", model, "--batch", str(batch), "--threads", str(args.threads),
+               "--seq-len", str(args.seq_len), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+               "--steps-per-repeat", str(args.steps_per_repeat), "--memory-steps", str(args.memory_steps),
+               "--device", args.device, "--methods", args.methods, "--profile-rows", str(args.profile_rows)]
     if args.mem_budget_gb:
-        cmd += ["--mem-budget-gb", str(args.mem_budget_gb)]
+        options += ["--mem-budget-gb", str(args.mem_budget_gb)]
     if args.roberta_layers:
-        cmd += ["--roberta-layers", str(args.roberta_layers)]
+        options += ["--roberta-layers", str(args.roberta_layers)]
     if args.profile:
-        cmd.append("--profile")
+        options.append("--profile")
     if method:
-        cmd += ["--method", method]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads), PYTHONPATH=os.pathsep.join(
-                   [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    if args.omp_wait_policy != "default":
-        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
-    if worker == "memory":  # freed tensors go back to the OS: the peak RSS tracks live memory (see bd.spawn)
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(ROOT))
-    wall = time.perf_counter() - start
-    try:
-        result = json.loads(Path(result_file).read_text()) if proc.returncode == 0 else {}
-    except (OSError, json.JSONDecodeError):
-        result = {}
-    finally:
-        Path(result_file).unlink(missing_ok=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout)[-1500:]
-        result = {"error": f"worker exited with {proc.returncode}" + (" (killed: out of memory?)"
-                                                                       if proc.returncode in (-9, 137) else ""),
-                  "stderr_tail": tail}
-    result["worker_wall_s"] = round(wall, 1)
-    return result
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
+        options += ["--method", method]
+    env = worker_env(args.threads, args.omp_wait_policy, mmap_freed=worker == "memory")
+    return run_worker_process(__file__, options, env)
 
 
 #: A repetition is "quiet" when every sample in it saw less than this much CPU use by other processes
@@ -551,7 +457,7 @@ def _paired(timing: dict, num: list[str], den: list[str]):
         nb = [x[rep] for x in b if rep in x]
         if len(na) == len(a) and len(nb) == len(b) and na and nb:
             ratios.append(min(na) / min(nb))
-    return _median(ratios)
+    return median_of(ratios)
 
 
 def summarize(model: str, batch: int, methods: list[str], timing: dict, memory: dict) -> dict:
@@ -565,10 +471,10 @@ def summarize(model: str, batch: int, methods: list[str], timing: dict, memory: 
         times = _samples(timing, method)
         mem = memory.get(method, {})
         phases = [p for p in _samples(timing, method, "phases") if p]
-        r = {"s": _median(times), "s_min": min(all_times) if all_times else None, "n": len(times),
-             "s_all_median": _median(all_times), "load": _median(_samples(timing, method, "loads"))}
+        r = {"s": median_of(times), "s_min": min(all_times) if all_times else None, "n": len(times),
+             "s_all_median": median_of(all_times), "load": median_of(_samples(timing, method, "loads"))}
         for p in PHASES:
-            r[f"{p}_s"] = _median([x[p] for x in phases]) if phases else None
+            r[f"{p}_s"] = median_of([x[p] for x in phases]) if phases else None
         pe = mem.get("phase_extra") or {}
         for p in PHASES:
             r[f"{p}_extra_mb"] = pe[p] / 2**20 if p in pe else None
@@ -594,17 +500,13 @@ def summarize(model: str, batch: int, methods: list[str], timing: dict, memory: 
             if ref == method or o is None:
                 continue
             for k in ("peak_mb", "model_extra_mb", "extra_mb"):
-                r[f"{k}_vs_{ref}"] = _ratio(r.get(k), o.get(k))
+                r[f"{k}_vs_{ref}"] = ratio_of(r.get(k), o.get(k))
     ours = [m for m in ("dpsgd_hooks", "dpsgd_ghost", "dpsgd_bookkeeping") if m in methods and timing.get("times", {}).get(m)]
     theirs = [m for m in ("opacus_hooks", "opacus_ghost") if m in methods and timing.get("times", {}).get(m)]
     row["best_ours_vs_best_opacus"] = _paired(timing, ours, theirs) if ours and theirs else None
-    row["other_load"] = _median([x for xs in timing.get("loads", {}).values() for x in xs])
-    row["other_load_used"] = _median([x for m in timing.get("loads", {}) for x in _samples(timing, m, "loads")])
+    row["other_load"] = median_of([x for xs in timing.get("loads", {}).values() for x in xs])
+    row["other_load_used"] = median_of([x for m in timing.get("loads", {}) for x in _samples(timing, m, "loads")])
     return row
-
-
-def _fmt(x, spec=".3f", none="n/a"):
-    return none if x is None else format(x, spec)
 
 
 LABELS = {"nonprivate": "non-private SGD", "dpsgd_hooks": "DPSGD hooks", "dpsgd_ghost": "DPSGD ghost",
@@ -619,7 +521,7 @@ def render(rows: list[dict], cuda: bool) -> str:
 
     def mem_ratio(r, ref):
         keys = ("peak_mb", "extra_mb") if cuda else ("peak_mb", "model_extra_mb", "extra_mb")
-        return " / ".join(_fmt(r.get(f"{k}_vs_{ref}")) for k in keys)
+        return " / ".join(fmt(r.get(f"{k}_vs_{ref}")) for k in keys)
 
     lines = ["**Targets** (time ratios: median over repetitions of the paired per-repetition ratio, over the "
              f"quiet repetitions (other processes' load < {QUIET_LOAD} cores in every sample) when there are any; "
@@ -634,12 +536,12 @@ def render(rows: list[dict], cuda: bool) -> str:
         m = row["methods"]
         g = lambda meth, key: (m.get(meth) or {}).get(key)  # noqa: E731
         lines.append(
-            f"| {row['model']} | {row['batch']} | {_fmt(row['best_ours_vs_best_opacus'])} | "
-            f"{_fmt(g('dpsgd_hooks', 'time_vs_opacus_hooks'))} | {_fmt(g('dpsgd_ghost', 'time_vs_opacus_ghost'))} | "
-            f"{_fmt(g('dpsgd_bookkeeping', 'time_vs_opacus_ghost'))} | {_fmt(g('dpadam_hooks', 'time_vs_opacus_hooks'))} | "
+            f"| {row['model']} | {row['batch']} | {fmt(row['best_ours_vs_best_opacus'])} | "
+            f"{fmt(g('dpsgd_hooks', 'time_vs_opacus_hooks'))} | {fmt(g('dpsgd_ghost', 'time_vs_opacus_ghost'))} | "
+            f"{fmt(g('dpsgd_bookkeeping', 'time_vs_opacus_ghost'))} | {fmt(g('dpadam_hooks', 'time_vs_opacus_hooks'))} | "
             f"{mem_ratio(m.get('dpsgd_ghost') or {}, 'opacus_ghost')} | "
             f"{mem_ratio(m.get('dpsgd_hooks') or {}, 'opacus_hooks')} | {row['quiet_reps']} / {row['reps']} | "
-            f"{_fmt(row['other_load_used'], '.2f')} / {_fmt(row['other_load'], '.2f')} |")
+            f"{fmt(row['other_load_used'], '.2f')} / {fmt(row['other_load'], '.2f')} |")
     mem_cols = "peak MiB | extra MiB" if cuda else "peak RSS MiB | model+extra MiB | extra MiB"
     lines += ["", "**Per method** (s/step: median over the repetitions used above, min over all in brackets. Ours, inside the step: engine = "
               "`private_gradient` (forward, backward, per-example gradients or norms, clip, sum), release = "
@@ -651,17 +553,17 @@ def render(rows: list[dict], cuda: bool) -> str:
               "|---|---:|---|---:|---:|---:|---:|---:|" + "---:|" * (2 if cuda else 3) + "---:|---:|---:|---:|"]
     for row in rows:
         for method, r in row["methods"].items():
-            mems = [_fmt(r.get("peak_mb"), ".0f")] + ([] if cuda else [_fmt(r.get("model_extra_mb"), ".0f")]) \
-                + [_fmt(r.get("extra_mb"), ".0f")]
-            verbs = (" / ".join(_fmt(r.get(f"{p}_s")) for p in PHASES) if r.get("engine_s") is not None else "")
-            verb_mem = (" / ".join(_fmt(r.get(f"{p}_extra_mb"), ".0f") for p in PHASES)
+            mems = [fmt(r.get("peak_mb"), ".0f")] + ([] if cuda else [fmt(r.get("model_extra_mb"), ".0f")]) \
+                + [fmt(r.get("extra_mb"), ".0f")]
+            verbs = (" / ".join(fmt(r.get(f"{p}_s")) for p in PHASES) if r.get("engine_s") is not None else "")
+            verb_mem = (" / ".join(fmt(r.get(f"{p}_extra_mb"), ".0f") for p in PHASES)
                         if r.get("engine_extra_mb") is not None else "")
             lines.append(
-                f"| {row['model']} | {row['batch']} | {LABELS.get(method, method)} | {_fmt(r['s'])} "
-                f"({_fmt(r['s_min'])}) | {verbs} | {_fmt(r.get('time_vs_nonprivate'), '.2f')} | "
-                f"{_fmt(r.get('time_vs_opacus_hooks'))} | {_fmt(r.get('time_vs_opacus_ghost'))} | "
-                + " | ".join(mems) + f" | {verb_mem} | {_fmt(r.get('peak_mb_vs_opacus_hooks'))} | "
-                f"{_fmt(r.get('peak_mb_vs_opacus_ghost'))} | {_fmt(r.get('extra_mb_vs_opacus_ghost'))} |")
+                f"| {row['model']} | {row['batch']} | {LABELS.get(method, method)} | {fmt(r['s'])} "
+                f"({fmt(r['s_min'])}) | {verbs} | {fmt(r.get('time_vs_nonprivate'), '.2f')} | "
+                f"{fmt(r.get('time_vs_opacus_hooks'))} | {fmt(r.get('time_vs_opacus_ghost'))} | "
+                + " | ".join(mems) + f" | {verb_mem} | {fmt(r.get('peak_mb_vs_opacus_hooks'))} | "
+                f"{fmt(r.get('peak_mb_vs_opacus_ghost'))} | {fmt(r.get('extra_mb_vs_opacus_ghost'))} |")
     notes = [f"- {r['model']} b{r['batch']}: {n}" for r in rows for n in r.get("notes", [])]
     if notes:
         lines += ["", "Notes:"] + notes
@@ -674,13 +576,6 @@ def render(rows: list[dict], cuda: bool) -> str:
             lines.append(f"- **{LABELS.get(method, method)}** (total {p['total_self_ms']:.0f} ms): {ops}")
         lines += ["", "</details>"]
     return "\n".join(lines)
-
-
-def cuda_available() -> bool:
-    """Without importing torch in this process (children start from a small parent)."""
-    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-                          capture_output=True, text=True)
-    return proc.stdout.strip() == "True"
 
 
 def main(argv=None) -> None:
@@ -717,25 +612,14 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: batch 16, 32 tokens, 2 repeats")
     parser.add_argument("--out", default=None, help="results file stem (default results/bench_first_order[_quick])")
-    # worker-only
-    parser.add_argument("--worker", choices=["time", "memory"], help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--method", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    add_worker_options(parser)
     args = parser.parse_args(argv)
     if args.worker:
         return run_worker(args)
 
     raw_argv = argv if argv is not None else sys.argv[1:]
-    explicit = set(a.split("=")[0] for a in raw_argv)
     if args.quick:
-        if "--batches" not in explicit:
-            args.batches = "16"
-        if "--seq-len" not in explicit:
-            args.seq_len = 32
-        if "--repeats" not in explicit:
-            args.repeats = 2
+        apply_quick_defaults(args, raw_argv, batches="16", seq_len=32, repeats=2)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS + EXTRA_METHODS:
@@ -749,8 +633,8 @@ def main(argv=None) -> None:
             parser.error(f"unknown model {m!r}; choose from {MODELS}")
     plan = [(m, b) for m in models
             for b in ([int(x) for x in args.batches.split(",") if x.strip()] if args.batches else DEFAULT_BATCHES[m])]
-    command = " ".join(["python", "benchmarks/bench_first_order.py"] + [shlex.quote(a) for a in raw_argv])
-    meta = bd.machine_info()
+    command = command_line("bench_first_order.py", raw_argv)
+    meta = machine_info()
     meta.update(command=command, device_requested=args.device, on_cuda=on_cuda,
                 args={k: v for k, v in vars(args).items() if k not in ("worker", "model", "batch", "method",
                                                                        "result_file")})
@@ -789,22 +673,17 @@ def main(argv=None) -> None:
         rows.append(row)
         raw.append({"model": model, "batch": batch, "timing": timing, "memory": memory})
         print(render([row], on_cuda).split("\n\n")[1], flush=True)
-    meta["loadavg_end"] = os.getloadavg()
-    meta["total_wall_s"] = round(time.perf_counter() - started, 1)
+    finish_meta(meta, started)
     table = render(rows, on_cuda)
     header = (f"# First-order benchmark: DPSGD / DPAdam vs Opacus\n\n`{command}`  \n"
               f"{meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']}, opacus {meta['opacus']}, "
               f"threads {args.threads}, OMP_WAIT_POLICY {args.omp_wait_policy}, device {args.device}{' (' + meta['cuda'] + ')' if meta.get('cuda') else ''}; "
               f"clip {CLIP}, sigma {SIGMA}; sequence length {args.seq_len}; repeats {args.repeats} "
               f"(+{args.warmup} warm-up), {args.steps_per_repeat} step(s) per repeat; "
-              f"load average {meta['loadavg_start'][0]:.2f} -> {meta['loadavg_end'][0]:.2f}; "
-              f"total {meta['total_wall_s']:.0f} s\n\n")
+              f"{load_and_total(meta)}\n\n")
     print("\n" + table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = Path(args.out) if args.out else RESULTS / ("bench_first_order_quick" if args.quick else "bench_first_order")
-    stem.with_suffix(".md").write_text(header + table + "\n")
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
-    print(f"\nwrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")
+    write_results(results_stem(args.out, "bench_first_order", args.quick), header + table,
+                  {"meta": meta, "rows": rows, "raw": raw})
 
 
 if __name__ == "__main__":

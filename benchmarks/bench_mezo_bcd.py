@@ -29,8 +29,8 @@ rotating each repetition; the timer wraps ``training_step`` under a real Lightni
 Memory: one fresh worker process per method, peak RSS (``/proc/self/clear_refs`` + ``VmHWM``)
 above the model+batch baseline, as in ``bench_dpzero.py``.
 
-The worker setup, the Trainer driver, the load probe and the RSS helpers come from
-``bench_dpzero.py`` (imported, not copied). See benchmarks/README.md.
+The Trainer driver comes from ``bench_dpzero.py``; the worker setup and processes, the load probe and
+the RSS helpers from ``_common.py`` (imported, not copied). See benchmarks/README.md.
 
 Usage::
 
@@ -42,22 +42,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results"
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import bench_dpzero as bd  # noqa: E402  (light at import: heavy imports happen in its functions)
+from _common import (add_worker_options, command_line, finish_meta, fmt, load_and_total,  # noqa: E402
+                     machine_info, median_of, probe_call, probe_timed, proc_status, ratio_of,
+                     reset_peak_rss, results_stem, rss_result, run_worker_process, setup_worker,
+                     worker_env, write_results)
 
 METHODS = ("fwd2", "bcd", "bcd_nocache", "mezo", "paper")
 MEMORY_METHODS = ("inference", "bcd", "bcd_nocache", "mezo", "paper")
@@ -100,37 +98,14 @@ def build(args, seed: int = 0):
     return backbone, inputs, targets, bd.FixedBatch(inputs, targets)
 
 
-def timed(cls):
-    """``cls`` with its real ``training_step`` wrapped by the timer (as ``bd.make_dpzero`` does)."""
-
-    class Timed(cls):
-        def __init__(self, *a, **kw) -> None:
-            super().__init__(*a, **kw)
-            self.step_times: list[float] = []
-            self.step_loads: list = []
-
-        def training_step(self, batch, batch_idx):
-            bd._sync(self.device)
-            bd.PROBE.start()
-            out = super().training_step(batch, batch_idx)
-            bd._sync(self.device)
-            wall, load = bd.PROBE.stop()
-            self.step_times.append(wall)
-            self.step_loads.append(load)
-            return out
-
-    Timed.__name__ = f"Timed{cls.__name__}"
-    return Timed
-
-
 def make(method: str, backbone):
     from lit_zodp.algorithms import MeZO, MeZOBCD
 
     if method in BCD_METHODS:
-        return timed(MeZOBCD)(backbone, lr=LR, lam=LAM, seed=0, partition="layer", order="random",
-                              cache_direction=method == "bcd")
+        return probe_timed(MeZOBCD)(backbone, lr=LR, lam=LAM, seed=0, partition="layer", order="random",
+                                    cache_direction=method == "bcd")
     if method in ("mezo", "inference", "fwd2"):
-        return timed(MeZO)(backbone, lr=LR, lam=LAM, seed=0)
+        return probe_timed(MeZO)(backbone, lr=LR, lam=LAM, seed=0)
     raise ValueError(method)
 
 
@@ -207,11 +182,6 @@ def worker_time(args) -> dict:
     n_blocks = modules["bcd"].num_blocks
     block_sizes = [b.numel for b in modules["bcd"].blocks()]
 
-    def clock(fn) -> tuple:
-        bd.PROBE.start()
-        fn()
-        return bd.PROBE.stop()
-
     times = {m: [] for m in METHODS}
     loads = {m: [] for m in METHODS}
     methods = list(METHODS)
@@ -226,10 +196,10 @@ def worker_time(args) -> dict:
                 bd.dpzero_fit(module, dataset, steps, device)
                 runs = list(zip(module.step_times[before:], module.step_loads[before:]))
             elif method == "fwd2":
-                runs = [clock(lambda: bd.two_forwards(fwd_module, inputs, targets))
+                runs = [probe_call(lambda: bd.two_forwards(fwd_module, inputs, targets))
                         for _ in range(args.steps_per_repeat)]
             else:
-                runs = [clock(lambda: paper_mezo_step(paper, inputs, targets))
+                runs = [probe_call(lambda: paper_mezo_step(paper, inputs, targets))
                         for _ in range(args.steps_per_repeat)]
             if rep >= 0:
                 times[method].append(statistics.mean(w for w, _ in runs))   # per-step time of this repetition
@@ -246,7 +216,6 @@ def worker_time(args) -> dict:
 
 def worker_memory(args) -> dict:
     import gc
-    import resource
 
     device = __import__("torch").device("cpu")
     backbone, inputs, targets, dataset = build(args)
@@ -264,8 +233,8 @@ def worker_memory(args) -> dict:
             paper = PaperMeZO(module)
             paper_mezo_step(paper, one.inputs, one.targets)
     gc.collect()
-    baseline = bd._proc_status("VmRSS")
-    reset_ok = bd._reset_peak_rss()
+    baseline = proc_status("VmRSS")
+    reset_ok = reset_peak_rss()
     k = args.steps_per_repeat
     if method in BCD_METHODS + ("mezo",):
         module = make(method, backbone)
@@ -276,16 +245,11 @@ def worker_memory(args) -> dict:
     else:
         for _ in range(k):
             bd.two_forwards(module, inputs, targets)
-    result = {"method": method, "peak_reset": reset_ok, "model_bytes": model_bytes, "rss_baseline": baseline,
-              "rss_peak": bd._proc_status("VmHWM"), "rss_after": bd._proc_status("VmRSS"),
-              "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if not reset_ok:
-        result["rss_peak"] = max(result["rss_peak"] or 0, result["ru_maxrss"])
-    return result
+    return {"method": method, "peak_reset": reset_ok, "model_bytes": model_bytes, **rss_result(baseline, reset_ok)}
 
 
 def run_worker(args) -> None:
-    bd._setup_worker(args.threads)
+    setup_worker(args.threads)
     result = worker_time(args) if args.worker == "time" else worker_memory(args)
     Path(args.result_file).write_text(json.dumps(result))
 
@@ -295,60 +259,44 @@ def run_worker(args) -> None:
 # =====================================================================================
 
 def spawn(args, worker: str, method: str | None = None) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result_file = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--result-file", result_file,
-           "--threads", str(args.threads), "--layers", str(args.layers), "--batch", str(args.batch),
-           "--seq-len", str(args.seq_len), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-           "--steps-per-repeat", str(args.steps_per_repeat)] + (["--method", method] if method else [])
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads), PYTHONPATH=os.pathsep.join(
-                   [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    if worker == "memory":
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # as bench_dpzero: peak RSS tracks live memory
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(ROOT))
-    try:
-        result = json.loads(Path(result_file).read_text()) if proc.returncode == 0 else {}
-    except (OSError, json.JSONDecodeError):
-        result = {}
-    finally:
-        Path(result_file).unlink(missing_ok=True)
-    if proc.returncode != 0:
-        result = {"error": f"worker exited with {proc.returncode}", "stderr_tail": (proc.stderr or proc.stdout)[-1500:]}
-    result["worker_wall_s"] = round(time.perf_counter() - start, 1)
-    return result
+    """One worker process (``time``, or ``memory`` for ``method``); its result."""
+    options = ["--worker", worker, "--threads", str(args.threads), "--layers", str(args.layers),
+               "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--repeats", str(args.repeats),
+               "--warmup", str(args.warmup), "--steps-per-repeat", str(args.steps_per_repeat)]
+    if method:
+        options += ["--method", method]
+    return run_worker_process(__file__, options, worker_env(args.threads, mmap_freed=worker == "memory"))
 
 
 def summarize(timing: dict, memory: dict) -> dict:
     t = timing.get("times", {})
-    med = {m: bd._median(t.get(m, [])) for m in METHODS}
+    med = {m: median_of(t.get(m, [])) for m in METHODS}
 
     def paired(a, b):
         pairs = [x / y for x, y in zip(t.get(a, []), t.get(b, [])) if y]
-        return bd._median(pairs)
+        return median_of(pairs)
 
     row = {f"{m}_s": med[m] for m in METHODS}
     row.update(speedup_vs_paper=paired("paper", "bcd"), speedup_vs_mezo=paired("mezo", "bcd"),
                bcd_vs_2fwd=paired("bcd", "fwd2"), mezo_vs_2fwd=paired("mezo", "fwd2"),
                bcd_nocache_vs_2fwd=paired("bcd_nocache", "fwd2"), speedup_nocache_vs_mezo=paired("mezo", "bcd_nocache"),
                paper_vs_2fwd=paired("paper", "fwd2"),
-               speedup_vs_paper_of_medians=bd._ratio(med["paper"], med["bcd"]),
-               bcd_vs_2fwd_of_medians=bd._ratio(med["bcd"], med["fwd2"]))
+               speedup_vs_paper_of_medians=ratio_of(med["paper"], med["bcd"]),
+               bcd_vs_2fwd_of_medians=ratio_of(med["bcd"], med["fwd2"]))
     all_loads = [x for xs in (timing.get("loads") or {}).values() for x in xs]
-    row["other_load"] = bd._median(all_loads)
+    row["other_load"] = median_of(all_loads)
     for m in MEMORY_METHODS:
         r = memory.get(m, {})
         peak, base = r.get("rss_peak"), r.get("rss_baseline")
         row[f"{m}_peak_mb"] = peak / 2**20 if peak else None
         row[f"{m}_extra_mb"] = (peak - base) / 2**20 if peak and base else None
-    row["mem_bcd_vs_mezo"] = bd._ratio(row["bcd_peak_mb"], row["mezo_peak_mb"])
-    row["mem_bcd_nocache_vs_mezo"] = bd._ratio(row["bcd_nocache_peak_mb"], row["mezo_peak_mb"])
+    row["mem_bcd_vs_mezo"] = ratio_of(row["bcd_peak_mb"], row["mezo_peak_mb"])
+    row["mem_bcd_nocache_vs_mezo"] = ratio_of(row["bcd_nocache_peak_mb"], row["mezo_peak_mb"])
     return row
 
 
 def render(row: dict, timing: dict) -> str:
-    f = bd._fmt
+    f = fmt
     lines = [
         "| method | s/step (median) | vs 2x forward (paired) | peak RSS MB | extra above model+batch MB |",
         "|---|---:|---:|---:|---:|",
@@ -395,17 +343,15 @@ def main(argv=None) -> None:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, 2 repeats, 1 step per repeat")
     parser.add_argument("--out", default=None, help="results file stem (default results/bench_mezo_bcd[_quick])")
-    parser.add_argument("--worker", choices=["time", "memory"], help=argparse.SUPPRESS)
-    parser.add_argument("--method", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    add_worker_options(parser, config=False)
     args = parser.parse_args(argv)
     if args.worker:
         return run_worker(args)
     if args.quick:
         args.layers, args.repeats, args.steps_per_repeat = 2, 2, 1
-    command = " ".join([Path(sys.executable).name, "benchmarks/bench_mezo_bcd.py"] +
-                       [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
-    meta = bd.machine_info()
+    command = command_line("bench_mezo_bcd.py", argv if argv is not None else sys.argv[1:],
+                           python=Path(sys.executable).name)
+    meta = machine_info()
     meta.update(command=command, model=config(args.layers),
                 args={k: v for k, v in vars(args).items() if k not in ("worker", "method", "result_file")})
     started = time.perf_counter()
@@ -421,23 +367,17 @@ def main(argv=None) -> None:
             if memory[method].get("error"):
                 print(memory[method]["error"], memory[method].get("stderr_tail"), file=sys.stderr)
     row = summarize(timing, memory)
-    meta["loadavg_end"] = os.getloadavg()
-    meta["total_wall_s"] = round(time.perf_counter() - started, 1)
+    finish_meta(meta, started)
     table = render(row, timing)
     header = (f"# MeZO-BCD benchmark\n\n`{command}`  \n{meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']}, "
               f"lightning {meta['lightning']}, threads {args.threads}, device cpu; BERT-style encoder from its "
               f"configuration: {args.layers} layers, hidden 384, 6 heads, FFN 1536, random weights; batch "
               f"{args.batch} x {args.seq_len} tokens; repeats {args.repeats} (+{args.warmup} warm-up): per "
               f"repetition one full random-order BCD cycle ({timing.get('n_blocks')} steps) and "
-              f"{args.steps_per_repeat} steps of each other method; load average {meta['loadavg_start'][0]:.2f} -> "
-              f"{meta['loadavg_end'][0]:.2f}; total {meta['total_wall_s']:.0f} s\n\n")
+              f"{args.steps_per_repeat} steps of each other method; {load_and_total(meta)}\n\n")
     print("\n" + table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = Path(args.out) if args.out else RESULTS / ("bench_mezo_bcd_quick" if args.quick else "bench_mezo_bcd")
-    stem.with_suffix(".md").write_text(header + table + "\n")
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "row": row, "timing": timing,
-                                                     "memory": memory}, indent=1))
-    print(f"\nwrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")
+    write_results(results_stem(args.out, "bench_mezo_bcd", args.quick), header + table,
+                  {"meta": meta, "row": row, "timing": timing, "memory": memory})
 
 
 if __name__ == "__main__":

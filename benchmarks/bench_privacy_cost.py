@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -32,13 +31,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
-import bench_dpzero as bd  # noqa: E402  (light at import)
+from _common import PROBE, machine_info, results_stem, setup_worker, write_results  # noqa: E402
 
 METHODS = ("mezo", "dpzero")
 TARGET = 1.02
@@ -67,10 +65,10 @@ def timed_fit(method: str, steps: int, datamodule) -> dict:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if self.start is None:  # after the module's on_train_start, which calibrates sigma
                 self.start = time.perf_counter()
-                bd.PROBE.start()
+                PROBE.start()
 
         def on_train_end(self, trainer, pl_module):
-            self.wall, self.load = bd.PROBE.stop()
+            self.wall, self.load = PROBE.stop()
 
     clock = Clock()
     module = make_module(method)
@@ -90,7 +88,7 @@ def run(args) -> dict:
 
     from datamodules import DigitsDataModule
 
-    bd._setup_worker(args.threads)
+    setup_worker(args.threads)
     datamodule = DigitsDataModule(batch_size=64, val_fraction=0.1)
     runs = {m: [] for m in METHODS}
     for rep in range(-args.warmup, args.repeats):
@@ -144,7 +142,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats, args.warmup = 200, 2, 0
-    meta = bd.machine_info()
+    meta = machine_info()
     meta.update(command="python benchmarks/bench_privacy_cost.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
                 steps=args.steps, repeats=args.repeats, warmup=args.warmup)
     begin = time.perf_counter()
@@ -152,10 +150,8 @@ def main(argv=None) -> None:
     meta["total_s"] = time.perf_counter() - begin
     meta["loadavg_end"] = __import__("os").getloadavg()
     text = render(result, meta)
-    stem = Path(args.out) if args.out else RESULTS / ("bench_privacy_cost_quick" if args.quick else "bench_privacy_cost")
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "result": result}, indent=1, default=str))
-    stem.with_suffix(".md").write_text(text + "\n")
+    write_results(results_stem(args.out, "bench_privacy_cost", args.quick), text, {"meta": meta, "result": result},
+                  announce=False)
     print(text)
 
 

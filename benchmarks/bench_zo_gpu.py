@@ -57,23 +57,22 @@ import argparse
 import copy
 import gc
 import json
-import os
-import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results"
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import bench_dpzero as bd  # noqa: E402  (light at import: heavy imports happen in its functions)
+from _common import (ROOT, announce_written, command_line, cuda_available, exit_message,  # noqa: E402
+                     finish_meta, fmt, machine_info, make_nonprivate_step, median_of, pop_json, proc_status,
+                     ratio_of, read_peak, reset_peak, resolve_device, results_stem, setup_worker, sync,
+                     temp_result_file, wall_times, worker_env, write_results)
 from bench_mezo_bcd import PaperMeZO, paper_mezo_step  # noqa: E402  (--bcd: the paper's MeZO baseline)
 
 MODELS = ("roberta_large", "opt_1_3b", "minilm")
@@ -237,10 +236,10 @@ def timed_module(kind: str, backbone, engine: str, model: str):
             self._last_start = None  # intervals within one fit only
 
         def training_step(self, batch, batch_idx):
-            bd._sync(self.device)
+            sync(self.device)
             start = time.perf_counter()
             out = super().training_step(batch, batch_idx)
-            bd._sync(self.device)
+            sync(self.device)
             self.step_times.append(time.perf_counter() - start)
             self.step_blocks.append(getattr(self, "active_block", None))
             return out
@@ -305,27 +304,11 @@ def prepare_first_order(backbone):
     return backbone.train()
 
 
-def make_adamw(backbone, inputs, targets):
-    import torch
-
-    from lit_zodp.backbones.base import per_example_loss
-
-    params = [p for p in backbone.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR)
-
-    def step() -> None:
-        per_example_loss(backbone, inputs, targets).float().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
 def make_first_order(method: str, base, inputs, targets, dataset, batch: int, model: str):
     """``(step, holder, notes)``: a step on its own copy of ``base``; ``holder`` keeps what must be freed."""
     backbone = prepare_first_order(copy.deepcopy(base))
     if method == "adamw":
-        return make_adamw(backbone, inputs, targets), [backbone], []
+        return make_nonprivate_step(backbone, inputs, targets, "AdamW", LR), [backbone], []
     step, notes = bd.make_opacus(backbone, dataset, batch, model, "ghost")
     return step, [backbone], notes
 
@@ -392,11 +375,11 @@ class Engines:
 
     def _batched(self, fn, n: int) -> float:
         """Seconds per call of ``fn(i)``, ``n`` calls back to back between two synchronisations."""
-        bd._sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         for i in range(n):
             fn(i)
-        bd._sync(self.device)
+        sync(self.device)
         return (time.perf_counter() - start) / n
 
     def _calls(self, key: str, fn) -> int:
@@ -442,10 +425,10 @@ class Engines:
 
 def worker(args) -> None:
     """All batches of one (model, dtype): timing, then memory, batch by batch; results after each."""
-    bd._setup_worker(args.threads)
+    setup_worker(args.threads)
     import torch
 
-    device = bd._device(args.device)
+    device = resolve_device(args.device)
     out = {"model": args.model, "dtype": args.dtype, "device": str(device), "rows": [],
            "cuda_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "torch": torch.__version__}
@@ -520,14 +503,7 @@ def run_config(args, device, batch: int) -> dict:
 
     def run_method(method: str, rep: int, reps: int) -> None:
         if method == "fwd2":
-            times = []
-            for _ in range(reps):
-                bd._sync(device)
-                start = time.perf_counter()
-                bd.two_forwards(zo["dpzero"], inputs, targets)
-                bd._sync(device)
-                times.append(time.perf_counter() - start)
-            record("fwd2", times, rep)
+            record("fwd2", wall_times(lambda: bd.two_forwards(zo["dpzero"], inputs, targets), reps, device), rep)
         elif method == "bcd":
             # ONE full random-order cycle (every block once) per repetition, warm-up included (each
             # block's engine runs once before the measurement); the repetition's value is the cycle's
@@ -542,14 +518,7 @@ def run_config(args, device, batch: int) -> dict:
             if rep >= 0:
                 row["bcd_last_cycle"] = {"blocks": module.step_blocks[before:], "times": cycle}
         elif method == "paper_mezo":
-            times = []
-            for _ in range(reps):
-                bd._sync(device)
-                start = time.perf_counter()
-                paper_mezo_step(paper, inputs, targets)
-                bd._sync(device)
-                times.append(time.perf_counter() - start)
-            record("paper_mezo", times, rep)
+            record("paper_mezo", wall_times(lambda: paper_mezo_step(paper, inputs, targets), reps, device), rep)
         elif method in zo:
             module = zo[method]
             before, before_loop = len(module.step_times), len(module.loop_times)
@@ -560,15 +529,7 @@ def run_config(args, device, batch: int) -> dict:
             for key, values in engines.run(reps).items():
                 record(key, values, rep)
         else:
-            step = first_order[method][0]
-            times = []
-            for _ in range(reps):
-                bd._sync(device)
-                start = time.perf_counter()
-                step()
-                bd._sync(device)
-                times.append(time.perf_counter() - start)
-            record(method, times, rep)
+            record(method, wall_times(first_order[method][0], reps, device), rep)
 
     methods = list(ZO_METHODS) + ([m for m in BCD_METHODS if m not in row["errors"]] if bcd else []) \
         + list(first_order)
@@ -639,19 +600,7 @@ def measure_memory(args, device, base, inputs, targets, dataset, batch, zo, row,
         if cuda:
             torch.cuda.synchronize(device)
             return torch.cuda.memory_allocated(device)
-        return bd._proc_status("VmRSS")
-
-    def reset() -> bool:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-            return True
-        return bd._reset_peak_rss()
-
-    def peak() -> int | None:
-        if cuda:
-            torch.cuda.synchronize(device)
-            return torch.cuda.max_memory_allocated(device)
-        return bd._proc_status("VmHWM")
+        return proc_status("VmRSS")
 
     for method in MEMORY_METHODS + (("bcd",) if "bcd" in zo else ()):
         if method in FO_METHODS and getattr(args, f"no_{method}"):
@@ -669,7 +618,7 @@ def measure_memory(args, device, base, inputs, targets, dataset, batch, zo, row,
                 step, holder, _ = make_first_order(method, base, inputs, targets, dataset, batch, args.model)
             _free(device)
             before = level()
-            entry["reset"] = reset()
+            entry["reset"] = reset_peak(device)
             if method == "inference":
                 bd.two_forwards(zo["dpzero"], inputs, targets)
             elif method == "bcd":  # the peak of one full cycle: the largest block's engine included
@@ -678,7 +627,7 @@ def measure_memory(args, device, base, inputs, targets, dataset, batch, zo, row,
                 fit(zo[method], dataset, 1, device)
             else:
                 step()
-            top = peak()
+            top = read_peak(device)
             entry.update(before=before, peak=top, extra=top - before if top and before else None)
             entry["footprint"] = row["model_bytes"] + entry["extra"] if entry["extra"] is not None else None
         except Exception as err:
@@ -697,8 +646,7 @@ def measure_memory(args, device, base, inputs, targets, dataset, batch, zo, row,
 
 def spawn(args, model: str, dtype: str, batches: list[int]) -> dict:
     """One worker for (model, dtype); its progress lines are echoed as they come."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result_file = f.name
+    result_file = temp_result_file()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", model, "--dtype", dtype,
            "--worker-batches", ",".join(map(str, batches)), "--result-file", result_file,
            "--threads", str(args.threads), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
@@ -710,11 +658,7 @@ def spawn(args, model: str, dtype: str, batches: list[int]) -> dict:
     for flag in ("tiny", "no_adamw", "no_opacus", "bcd"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
-                   [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    if args.memory != "none":  # CPU: freed tensors go back to the OS, so the peak RSS tracks live memory
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    env = worker_env(args.threads, mmap_freed=args.memory != "none", PYTHONUNBUFFERED="1")
     tail: deque = deque(maxlen=40)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -725,16 +669,10 @@ def spawn(args, model: str, dtype: str, batches: list[int]) -> dict:
         else:
             tail.append(line.rstrip())
     proc.wait()
-    try:
-        result = json.loads(Path(result_file).read_text())
-    except (OSError, json.JSONDecodeError):
-        result = {"model": model, "dtype": dtype, "rows": []}
-    finally:
-        Path(result_file).unlink(missing_ok=True)
+    result = pop_json(result_file, {"model": model, "dtype": dtype, "rows": []})
     done = {r["batch"] for r in result["rows"]}
     if proc.returncode != 0:
-        why = f"worker exited with {proc.returncode}" + (" (killed: out of memory?)"
-                                                          if proc.returncode in (-9, 137) else "")
+        why = exit_message(proc.returncode)
         for b in batches:
             if b not in done:
                 result["rows"].append({"model": model, "dtype": dtype, "batch": b, "error": why,
@@ -742,15 +680,6 @@ def spawn(args, model: str, dtype: str, batches: list[int]) -> dict:
         print("\n".join(list(tail)[-15:]), flush=True)
     result["worker_wall_s"] = round(time.perf_counter() - start, 1)
     return result
-
-
-def _median(xs):
-    xs = [x for x in (xs or []) if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
 
 
 def _per_rep(row: dict, name: str) -> dict:
@@ -763,12 +692,12 @@ def _per_rep(row: dict, name: str) -> dict:
 def _paired(row: dict, num: str, den: str):
     """Median over repetitions of (median of ``num`` in the repetition / median of ``den`` in it)."""
     a, b = _per_rep(row, num), _per_rep(row, den)
-    return _median([a[r] / b[r] for r in a if r in b and b[r]])
+    return median_of([a[r] / b[r] for r in a if r in b and b[r]])
 
 
 def summarize(row: dict) -> dict:
     times = row.get("times", {})
-    s = {key: _median(times.get(key)) for key in
+    s = {key: median_of(times.get(key)) for key in
          ("fwd2", "dpzero", "mezo", "dpzero_loop", "mezo_loop", "adamw", "opacus") + ENGINE_KEYS}
     s["dpzero_vs_fwd2"] = _paired(row, "dpzero", "fwd2")
     s["mezo_vs_fwd2"] = _paired(row, "mezo", "fwd2")
@@ -777,11 +706,11 @@ def summarize(row: dict) -> dict:
     s["dpzero_loop_minus_fwd2"] = (s["dpzero_loop"] - s["fwd2"]) if s["dpzero_loop"] and s["fwd2"] else None
     for name in ("fused_pass", "fused_update", "chunked_pass", "chunked_update"):
         s[f"{name}_vs_copy"] = _paired(row, name, "copy")
-    s["bandwidth"] = _ratio(row.get("bytes_per_pass"), s["copy"])
+    s["bandwidth"] = ratio_of(row.get("bytes_per_pass"), s["copy"])
     s["target_vs_fwd2"] = TARGET_STEP_VS_FWD2.get((row["model"], row["batch"]))
     # --bcd: "bcd" holds one value per repetition, the mean step time of its full cycle.
     for key in BCD_METHODS:
-        s[key] = _median(times.get(key))
+        s[key] = median_of(times.get(key))
     s["bcd_vs_fwd2"] = _paired(row, "bcd", "fwd2")
     s["mezo_vs_bcd"] = _paired(row, "mezo", "bcd")
     s["paper_vs_bcd"] = _paired(row, "paper_mezo", "bcd")
@@ -794,12 +723,8 @@ def has_bcd(row: dict) -> bool:
         or "bcd_blocks" in row
 
 
-def _fmt(x, spec=".3f", none="n/a"):
-    return none if x is None else format(x, spec)
-
-
 def _ms(x):
-    return _fmt(None if x is None else 1e3 * x, ".1f")
+    return fmt(None if x is None else 1e3 * x, ".1f")
 
 
 def _fails(row: dict, method: str) -> str | None:
@@ -830,8 +755,8 @@ def render(rows: list[dict]) -> str:
             continue
         s = summarize(row)
         target = s["target_vs_fwd2"]
-        ratio = _fmt(s["dpzero_vs_fwd2"]) + (f" (<= {target:.2f}){_check(s['dpzero_vs_fwd2'], target)}"
-                                             if target else "")
+        ratio = fmt(s["dpzero_vs_fwd2"]) + (f" (<= {target:.2f}){_check(s['dpzero_vs_fwd2'], target)}"
+                                            if target else "")
         small = row["model"] == "minilm"
         overhead = _ms(s["dpzero_minus_fwd2"]) + (
             f" (<= {TARGET_SMALL_OVERHEAD_MS:g}){_check(None if s['dpzero_minus_fwd2'] is None else 1e3 * s['dpzero_minus_fwd2'], TARGET_SMALL_OVERHEAD_MS)}"
@@ -844,11 +769,11 @@ def render(rows: list[dict]) -> str:
                 return "-"
             if e.get("error"):
                 return "fails (OOM)" if e["error"].startswith("OOM") else "fails"
-            return _fmt(e["footprint"] / 2**20 if e.get("footprint") is not None else None, ".0f")
+            return fmt(e["footprint"] / 2**20 if e.get("footprint") is not None else None, ".0f")
 
         lines.append(
             f"| {label} | {row['dtype']} | {row['batch']} | {_ms(s['fwd2'])} | {_ms(s['dpzero'])} | "
-            f"{_ms(s['mezo'])} | {ratio} | {_fmt(s['dpzero_vs_mezo'])}"
+            f"{_ms(s['mezo'])} | {ratio} | {fmt(s['dpzero_vs_mezo'])}"
             f"{_check(s['dpzero_vs_mezo'], TARGET_DPZERO_VS_MEZO)} | {overhead} | "
             f"{_ms(s['dpzero_loop_minus_fwd2'])} | {_fails(row, 'adamw') or _ms(s['adamw'])} | "
             f"{_fails(row, 'opacus') or _ms(s['opacus'])} | "
@@ -868,11 +793,11 @@ def render(rows: list[dict]) -> str:
         fused = "fused" + (f" ({row['fused_backend']})" if row.get("fused_backend") else "")
         lines.append(
             f"| {label} | {row['dtype']} | {row['batch']} | {row['n_params'] / 1e6:.1f} | "
-            f"{row['bytes_per_pass'] / 1e6:.0f} | {_ms(s['copy'])} | {_fmt(_ratio(s['bandwidth'], 1e9), '.0f')} | "
-            f"{_ms(s['fused_pass'])} | {_fmt(s['fused_pass_vs_copy'], '.2f')}"
+            f"{row['bytes_per_pass'] / 1e6:.0f} | {_ms(s['copy'])} | {fmt(ratio_of(s['bandwidth'], 1e9), '.0f')} | "
+            f"{_ms(s['fused_pass'])} | {fmt(s['fused_pass_vs_copy'], '.2f')}"
             f"{_check(s['fused_pass_vs_copy'], TARGET_PASS_VS_COPY)} | {_ms(s['fused_update'])} | "
-            f"{_fmt(s['fused_update_vs_copy'], '.2f')} | {_ms(s['chunked_pass'])} | "
-            f"{_fmt(s['chunked_pass_vs_copy'], '.2f')} | {_ms(s['chunked_update'])} | "
+            f"{fmt(s['fused_update_vs_copy'], '.2f')} | {_ms(s['chunked_pass'])} | "
+            f"{fmt(s['chunked_pass_vs_copy'], '.2f')} | {_ms(s['chunked_update'])} | "
             f"{row.get('zo_engine', 'n/a')}; standalone {fused} |")
     bcd_rows = [row for row in rows if not row.get("error") and has_bcd(row)]
     if bcd_rows:
@@ -893,14 +818,14 @@ def render(rows: list[dict]) -> str:
             elif e.get("error"):
                 peak = "fails (OOM)" if e["error"].startswith("OOM") else "fails"
             else:
-                peak = _fmt(e["footprint"] / 2**20 if e.get("footprint") is not None else None, ".0f")
+                peak = fmt(e["footprint"] / 2**20 if e.get("footprint") is not None else None, ".0f")
             blocks = len((row.get("bcd_blocks") or {}).get("names") or []) or "n/a"
             lines.append(
                 f"| {label} | {row['dtype']} | {row['batch']} | {blocks} | {_ms(s['fwd2'])} | "
                 f"{_fails(row, 'bcd') or _ms(s['bcd'])} | {_ms(s['mezo'])} | "
-                f"{_fails(row, 'paper_mezo') or _ms(s['paper_mezo'])} | {_fmt(s['bcd_vs_fwd2'])}"
-                f"{_check(s['bcd_vs_fwd2'], TARGET_BCD_VS_FWD2)} | {_fmt(s['mezo_vs_bcd'])} | "
-                f"{_fmt(s['paper_vs_bcd'], '.2f')}{_check(s['paper_vs_bcd'], TARGET_PAPER_VS_BCD, le=False)} | "
+                f"{_fails(row, 'paper_mezo') or _ms(s['paper_mezo'])} | {fmt(s['bcd_vs_fwd2'])}"
+                f"{_check(s['bcd_vs_fwd2'], TARGET_BCD_VS_FWD2)} | {fmt(s['mezo_vs_bcd'])} | "
+                f"{fmt(s['paper_vs_bcd'], '.2f')}{_check(s['paper_vs_bcd'], TARGET_PAPER_VS_BCD, le=False)} | "
                 f"{peak} |")
     where: dict[str, list[str]] = {}  # note -> the rows it concerns (each note once)
 
@@ -940,15 +865,8 @@ def header(meta: dict) -> str:
 
 
 def write(stem: Path, meta: dict, rows: list[dict], raw: list[dict]) -> None:
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".md").write_text(header(meta) + render(rows) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
-
-
-def cuda_available() -> bool:
-    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-                          capture_output=True, text=True)
-    return proc.stdout.strip() == "True"
+    """``<stem>.md`` (the header and the tables) and ``<stem>.json`` (``meta``, ``rows``, ``raw``)."""
+    write_results(stem, header(meta) + render(rows), {"meta": meta, "rows": rows, "raw": raw}, announce=False)
 
 
 def merge(args, command: str) -> None:
@@ -964,10 +882,10 @@ def merge(args, command: str) -> None:
     devices = {m.get("cuda") for m in metas}
     if len(devices) > 1:
         print(f"warning: the parts ran on different devices: {devices}", flush=True)
-    stem = Path(args.out) if args.out else RESULTS / "bench_zo_gpu"
+    stem = results_stem(args.out, "bench_zo_gpu")
     write(stem, meta, rows, raw)
     print(header(meta) + render(rows))
-    print(f"\nwrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")
+    announce_written(stem)
 
 
 def main(argv=None) -> None:
@@ -1011,7 +929,7 @@ def main(argv=None) -> None:
         return worker(args)
 
     raw_argv = argv if argv is not None else sys.argv[1:]
-    command = " ".join(["python", "benchmarks/bench_zo_gpu.py"] + [shlex.quote(a) for a in raw_argv])
+    command = command_line("bench_zo_gpu.py", raw_argv)
     if args.merge:
         return merge(args, command)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -1028,11 +946,11 @@ def main(argv=None) -> None:
     if args.device == "auto" and not on_cuda and not args.tiny:
         print("warning: no CUDA device: full-size models on the CPU take very long (use --tiny for a smoke test)",
               flush=True)
-    meta = bd.machine_info()
+    meta = machine_info()
     meta.update(command=command, on_cuda=on_cuda and args.device != "cpu",
                 args={k: v for k, v in vars(args).items()
                       if k not in ("worker", "model", "dtype", "worker_batches", "result_file", "merge")})
-    stem = Path(args.out) if args.out else RESULTS / "bench_zo_gpu"
+    stem = results_stem(args.out, "bench_zo_gpu")
     started = time.perf_counter()
     rows, raw = [], []
     plan = [(m, d, [int(b) for b in args.batches.split(",")] if args.batches else DEFAULT_BATCHES[m])
@@ -1046,12 +964,11 @@ def main(argv=None) -> None:
                 meta[{"cuda_name": "cuda"}.get(key, key)] = result[key]
         rows += result["rows"]
         raw.append({k: v for k, v in result.items() if k != "rows"})
-        meta["total_wall_s"] = round(time.perf_counter() - started, 1)
-        meta["loadavg_end"] = os.getloadavg()
+        finish_meta(meta, started)
         write(stem, meta, rows, raw)  # after every worker: a run cut short keeps what it measured
         print(render(result["rows"]).split("\n\n")[1], flush=True)
     print("\n" + header(meta) + render(rows))
-    print(f"\nwrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")
+    announce_written(stem)
 
 
 if __name__ == "__main__":
