@@ -54,3 +54,18 @@ def test_step_statistics_are_logged_every_n_steps_and_only_then(make, extra, mon
     assert extra <= set().union(*written.values())  # sigma (once, at the first written step), active_block
     step_calls = [step for step, name in calls if name == "step_time"]
     assert len(step_calls) == 2  # self.log only on the 2 written steps of 7, not on every step
+
+
+@pytest.mark.parametrize("clip, expected", [(1e-12, 1.0), (1e12, 0.0)])
+@pytest.mark.parametrize("make", [
+    lambda clip: DPZero(mlp(), lr=0.05, seed=0, clip=clip, noise_multiplier=1.0, delta=1e-5, noise_seed=1,
+                        num_directions=2),
+    lambda clip: MeZOBCD(mlp(), lr=0.05, seed=0, clip=clip),
+])
+def test_logged_clip_fraction_is_the_fraction_of_clipped_scalars(make, clip, expected):
+    """Every directional difference exceeds a clip of 1e-12 and none exceeds 1e12 (over all directions)."""
+    recorder = Recorder()
+    trainer = quiet_trainer(max_steps=2, logger=recorder, log_every_n_steps=1)
+    trainer.fit(make(clip), poisson_loader(blobs(), 0.25, steps_per_epoch=2))
+    fractions = [m["clip_fraction"] for m in recorder.steps.values() if "clip_fraction" in m]
+    assert fractions == [expected, expected]
