@@ -310,6 +310,27 @@ def acc_at(evals: list[dict], seconds: float) -> dict | None:
     return rows[-1] if rows else None
 
 
+def first_reaching(evals: list[dict], metric: str, level: float) -> dict | None:
+    """The first evaluation after step 0 at least as good as ``level`` (loss: <=, accuracy: >=)."""
+    better = (lambda v: v <= level) if metric == "test_loss" else (lambda v: v >= level)
+    return next((r for r in evals[1:] if better(r[metric])), None)
+
+
+def time_to_target(mezo: list[dict], bcd: list[dict], metric: str) -> list[dict]:
+    """For each new record of MeZO's curve (its running best of ``metric``): the training seconds at which
+    MeZO and MeZO-BCD first reach it, and their ratio (BCD / MeZO; None where BCD never does)."""
+    rows, best = [], None
+    for r in mezo[1:]:
+        value = r[metric]
+        if best is None or (value < best if metric == "test_loss" else value > best):
+            best = value
+            hit = first_reaching(bcd, metric, value)
+            rows.append({"level": value, "mezo_s": r["train_s"], "mezo_step": r["step"],
+                         "bcd_s": hit["train_s"] if hit else None, "bcd_step": hit["step"] if hit else None,
+                         "ratio": hit["train_s"] / r["train_s"] if hit and r["train_s"] > 0 else None})
+    return rows
+
+
 def summarize(res: dict) -> dict:
     mezo, bcd = res["mezo"], res["bcd"]
     if mezo.get("error") or bcd.get("error"):
@@ -342,11 +363,13 @@ def summarize(res: dict) -> dict:
             "paired_se_vs_mezo_best": paired_se(hit["test_correct_hex"], m_best["test_correct_hex"], n),
         }
     # the smoother metric: the mean test loss over the whole test split
-    loss_hit = next((r for r in bcd["evals"][1:] if r["test_loss"] <= m_final["test_loss"]), None)
+    loss_hit = first_reaching(bcd["evals"], "test_loss", m_final["test_loss"])
     s["mezo_final_loss"] = m_final["test_loss"]
     s["bcd_reaches_final_loss"] = None if loss_hit is None else {
         "step": loss_hit["step"], "train_s": loss_hit["train_s"], "loss": loss_hit["test_loss"],
         "fraction_of_mezo_time": loss_hit["train_s"] / m_final["train_s"] if m_final["train_s"] > 0 else None}
+    s["time_to_loss"] = time_to_target(mezo["evals"], bcd["evals"], "test_loss")
+    s["time_to_acc"] = time_to_target(mezo["evals"], bcd["evals"], "test_acc")
     # same training time: BCD's last evaluation at or before MeZO's final training time
     same = acc_at(bcd["evals"], m_final["train_s"])
     if same is not None:
@@ -409,6 +432,17 @@ def render(res: dict, s: dict, meta: dict, args) -> str:
         lines.append(f"| {NAMES[key]} | {m['steps']} | {m['step_s_median']:.3f} | {m['step_s_mean']:.3f} | "
                      f"{m['train_s']:.0f} |")
     lines.append(f"\nMean-step speedup of BCD over MeZO: {s['step_speedup_mean']:.2f}x.\n")
+    for key, metric in (("time_to_loss", "test loss"), ("time_to_acc", "test accuracy")):
+        if key not in s:  # results rendered before these tables existed
+            continue
+        lines += [f"## Training time to reach each new best {metric} of MeZO\n",
+                  f"| MeZO's {metric} | MeZO first at (s, step) | MeZO-BCD first at (s, step) | BCD / MeZO time |",
+                  "|---:|---:|---:|---:|"]
+        for row in s[key]:
+            bcd_at = f"{row['bcd_s']:.0f} s, {row['bcd_step']}" if row["bcd_s"] is not None else "not reached"
+            ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
+            lines.append(f"| {row['level']:.4f} | {row['mezo_s']:.0f} s, {row['mezo_step']} | {bcd_at} | {ratio} |")
+        lines.append("")
     lines += ["## Headline\n"]
     se = s["se_single_acc"]
     lines.append(f"* Zero-shot (step 0): {s['zero_shot_acc']:.4f} (both workers: {s['zero_shot_acc']:.4f} / "
