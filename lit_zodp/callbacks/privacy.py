@@ -67,8 +67,10 @@ class PrivacySpendCallback(Callback):
             self._accounting_seconds = getattr(privacy, "accounting_seconds", 0.0)
         last = trainer.should_stop or privacy.budget_exhausted or trainer.global_step >= trainer.max_steps > 0
         if last or trainer.global_step - self._last_logged_step >= self._cadence():
+            computations = privacy.ledger.computations
             self.epsilon = privacy.epsilon()
-            self._accounting_seconds = time.perf_counter() - now
+            if privacy.ledger.computations != computations:  # a memoised value says nothing of the cost
+                self._accounting_seconds = time.perf_counter() - now
             self._last_logged_step = trainer.global_step
             pl_module.log("epsilon", self.epsilon, prog_bar=True, batch_size=1)
         self._last_batch_end = time.perf_counter()

@@ -117,6 +117,7 @@ def test_default_cadence_spends_nothing_on_the_first_step_nor_at_the_last(monkey
     assert all(recorded > 1 for recorded in during)  # nothing after step 1
     assert 30 not in during  # the last step reuses the plan's bounds
     assert callback._last_logged_step == 30  # ... and logs them
+    assert callback._accounting_seconds > 1e-3  # the cadence still knows a real evaluation's cost, not the memo's
     fresh = ledger_module.PrivacyLedger()
     fresh.counts = dict(module.privacy.ledger.counts)
     assert callback.epsilon == fresh.epsilon(1e-5).upper > 0
