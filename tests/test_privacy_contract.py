@@ -88,15 +88,16 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
     """released * B == all-reduced clipped sum + the one noise draw, with B = q n, whatever the realized size."""
     calls, draws = [], []
     original_release, original_along = PrivacyComponent.release, PrivacyComponent.release_along
-    original_gaussian = NoiseSource.gaussian
+    original_host_draw = NoiseSource._host_draw  # every CPU draw (gaussian() and noised()) comes from here
 
-    def gaussian(self, *args, **kwargs):
-        draws.append(original_gaussian(self, *args, **kwargs))
+    def host_draw(self, *args, **kwargs):
+        draws.append(original_host_draw(self, *args, **kwargs))
         return draws[-1]
 
     def release(self, clipped_sum, *args, **kwargs):
         out = original_release(self, clipped_sum, *args, **kwargs)
-        calls.append(("scalar", clipped_sum.detach().clone(), out.detach().clone(), draws[-1]))
+        noise = torch.from_numpy(draws[-1].copy()).to(clipped_sum.dtype).view(clipped_sum.shape)
+        calls.append(("scalar", clipped_sum.detach().clone(), out.detach().clone(), noise))
         return out
 
     def along(self, clipped_sum, *args, **kwargs):
@@ -104,7 +105,7 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
         calls.append(("vector", clipped_sum.detach().clone(), out, None))
         return out
 
-    monkeypatch.setattr(NoiseSource, "gaussian", gaussian)
+    monkeypatch.setattr(NoiseSource, "_host_draw", host_draw)
     monkeypatch.setattr(PrivacyComponent, "release", release)
     monkeypatch.setattr(PrivacyComponent, "release_along", along)
     dataset, q = blobs(n=256), 0.25
