@@ -139,6 +139,7 @@ def make_callback(args, test_loader, probe_loader, probe_pos_frac=None):
             self.evals: list[dict] = []
             self.last_eval_step = None
             self.next_eval_s = args.eval_every_seconds
+            self.base_lrs: list[float] = []
 
         def _eval(self, trainer, module) -> None:
             step = trainer.global_step
@@ -165,7 +166,18 @@ def make_callback(args, test_loader, probe_loader, probe_pos_frac=None):
             self.segment_start = time.perf_counter()
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            if args.decay == "linear":
+                self._decay_lr(trainer)
             self.step_start = time.perf_counter()
+
+        def _decay_lr(self, trainer) -> None:
+            """``lr_t = lr * (1 - t / T)``, t the training clock, T ``--train-seconds``: the same
+            wall-clock schedule for both methods, whatever their step rates."""
+            if not self.base_lrs:
+                self.base_lrs = [group["lr"] for group in trainer.optimizers[0].param_groups]
+            scale = max(0.0, 1.0 - self.train_s / args.train_seconds)
+            for group, base in zip(trainer.optimizers[0].param_groups, self.base_lrs):
+                group["lr"] = base * scale
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             now = time.perf_counter()
@@ -227,7 +239,7 @@ def run_worker(args) -> None:
                          callbacks=[clock])
     trainer.fit(module, datamodule=dm)
     steps = clock.step_times
-    result = {"method": args.method, "lr": args.lr, "built": built, "threads": torch.get_num_threads(),
+    result = {"method": args.method, "lr": args.lr, "decay": args.decay, "built": built, "threads": torch.get_num_threads(),
               "steps": trainer.global_step, "train_s": clock.train_s, "evals": clock.evals,
               "step_s_median": statistics.median(steps) if steps else None,
               "step_s_mean": statistics.mean(steps) if steps else None,
@@ -259,6 +271,8 @@ def spawn_pair(args, jobs: list[dict]) -> list[dict]:
                "--max-steps", str(job.get("max_steps", args.max_steps))]
         if job.get("train_seconds", args.train_seconds) is not None:
             cmd += ["--train-seconds", str(job.get("train_seconds", args.train_seconds))]
+        if args.decay != "none":
+            cmd += ["--decay", args.decay]
         if job.get("probe_subset"):
             cmd += ["--probe-subset", str(job["probe_subset"])]
         if job.get("no_test"):
@@ -396,7 +410,9 @@ def render(res: dict, s: dict, meta: dict, args) -> str:
              f"MiniLM (all-MiniLM-L6-v2, {mezo.get('n_params')} parameters, zero-shot head) on Rotten Tomatoes "
              f"({mezo.get('n_private')} training reviews, {mezo.get('n_test')} test reviews), B = 32, max_length 32, "
              f"lam 1e-3, seed 0, identical batch stream (sampling_seed 0). MeZO lr {mezo['lr']:g}, "
-             f"MeZO-BCD lr {bcd['lr']:g} (layer blocks {len(bcd.get('blocks', []))}, random order). "
+             f"MeZO-BCD lr {bcd['lr']:g} (layer blocks {len(bcd.get('blocks', []))}, random order)"
+             + (", both decayed linearly to 0 on the training clock (lr (1 - t / budget))"
+                if mezo.get("decay") == "linear" else "") + ". "
              f"Training clock excludes evaluation; budget {args.train_seconds} s of training per method, "
              + (f"evaluation every {args.eval_every} steps" if args.eval_every else "")
              + (" and " if args.eval_every and args.eval_every_seconds else "")
@@ -541,6 +557,8 @@ def main(argv=None) -> None:
     parser.add_argument("--bcd-lr-factor", type=float, default=10.0)
     parser.add_argument("--train-seconds", type=float, default=3000.0, help="training clock budget per method")
     parser.add_argument("--max-steps", type=int, default=100000)
+    parser.add_argument("--decay", choices=["none", "linear"], default="none",
+                        help="lr schedule on the training clock: linear = lr (1 - t / --train-seconds)")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate every this many steps (0: off)")
     parser.add_argument("--eval-every-seconds", type=float, default=200.0,
                         help="evaluate each time the training clock passes a multiple of this (0: off)")
@@ -571,6 +589,8 @@ def main(argv=None) -> None:
         args.max_steps, args.eval_every, args.eval_every_seconds, args.train_seconds = 6, 3, 0.0, None
         args.probe_steps = 4
         args.max_eval_samples = args.max_eval_samples or 128
+    if args.decay == "linear" and not args.train_seconds:
+        parser.error("--decay linear needs --train-seconds (the schedule runs on the training clock)")
     command = " ".join([Path(sys.executable).name, "benchmarks/bench_mezo_bcd_accuracy.py"] +
                        [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
     meta = bd.machine_info()
