@@ -93,6 +93,8 @@ def build(method: str, lr: float, args):
     backbone = _class(backbone_cfg["class_path"])(**backbone_cfg["init_args"])
     init = {k: v for k, v in model_cfg["init_args"].items() if k != "backbone"}
     init["lr"] = lr
+    if method == "bcd" and getattr(args, "bcd_block_lr", "uniform") != "uniform":
+        init["block_lr"] = args.bcd_block_lr
     module = _class(model_cfg["class_path"])(backbone, **init)
     data_cfg = cfg["data"]
     data_args = dict(data_cfg["init_args"], sampling_seed=0)
@@ -273,6 +275,8 @@ def spawn_pair(args, jobs: list[dict]) -> list[dict]:
             cmd += ["--train-seconds", str(job.get("train_seconds", args.train_seconds))]
         if args.decay != "none":
             cmd += ["--decay", args.decay]
+        if job["method"] == "bcd" and args.bcd_block_lr != "uniform":
+            cmd += ["--bcd-block-lr", args.bcd_block_lr]
         if job.get("probe_subset"):
             cmd += ["--probe-subset", str(job["probe_subset"])]
         if job.get("no_test"):
@@ -410,7 +414,9 @@ def render(res: dict, s: dict, meta: dict, args) -> str:
              f"MiniLM (all-MiniLM-L6-v2, {mezo.get('n_params')} parameters, zero-shot head) on Rotten Tomatoes "
              f"({mezo.get('n_private')} training reviews, {mezo.get('n_test')} test reviews), B = 32, max_length 32, "
              f"lam 1e-3, seed 0, identical batch stream (sampling_seed 0). MeZO lr {mezo['lr']:g}, "
-             f"MeZO-BCD lr {bcd['lr']:g} (layer blocks {len(bcd.get('blocks', []))}, random order)"
+             f"MeZO-BCD lr {bcd['lr']:g} (layer blocks {len(bcd.get('blocks', []))}, random order"
+             + (", block_lr size: lr x min(1, median block size / block size) per block"
+                if bcd.get("built", {}).get("init_args", {}).get("block_lr") == "size" else "") + ")"
              + (", both decayed linearly to 0 on the training clock (lr (1 - t / budget))"
                 if mezo.get("decay") == "linear" else "") + ". "
              f"Training clock excludes evaluation; budget {args.train_seconds} s of training per method, "
@@ -555,6 +561,8 @@ def main(argv=None) -> None:
     parser.add_argument("--mezo-lr", type=float, default=2e-6, help="MeZO's lr (the config's: 2e-6)")
     parser.add_argument("--bcd-lr", type=float, default=None, help="BCD's lr (default: --bcd-lr-factor x --mezo-lr)")
     parser.add_argument("--bcd-lr-factor", type=float, default=10.0)
+    parser.add_argument("--bcd-block-lr", choices=["uniform", "size"], default="uniform",
+                        help="MeZOBCD(block_lr=...): uniform (the paper) or size (lr x min(1, median block / block))")
     parser.add_argument("--train-seconds", type=float, default=3000.0, help="training clock budget per method")
     parser.add_argument("--max-steps", type=int, default=100000)
     parser.add_argument("--decay", choices=["none", "linear"], default="none",

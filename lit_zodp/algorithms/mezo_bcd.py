@@ -28,6 +28,13 @@ Choices where the paper is silent or ambiguous:
   SGD, 50 for Adam); the Adam state lives on the active block only and is reset when an interval ends.
 * Weight decay (``weight_decay``, 2+-dimensional tensors) shrinks the active block only, like the
   update: each parameter decays on the steps its block is active.
+* Block learning rates (``block_lr``, OURS): the paper uses one ``eta`` for every block (Alg. 1
+  line 11), ``block_lr="uniform"`` (default). Its block estimate's second moment grows with the block
+  size, ``(|B_j| + 2) ||grad_Bj||^2`` (Sec. 3), and App. D.1 adapts ``eta`` to the partition's
+  granularity; ``block_lr="size"`` does the same per block: ``eta_j = eta * min(1, median_k |B_k| /
+  |B_j|)``, so a block larger than the median (a vocabulary-sized embedding: 6.7x a layer in MiniLM)
+  takes no larger ``eta_j |B_j|`` than a median block; the others keep ``eta``. Each block's rate is
+  its own param group (schedulers scale them all).
 
 Speed (ours, not the paper's): on CPU, the chunked engine keeps the active block's direction in a
 :class:`~lit_zodp.zo.perturbation.DirectionCache` (``cache_direction``), drawing ``u`` once per step
@@ -61,6 +68,7 @@ from lit_zodp.zo.perturbation import DirectionCache
 
 SELECTIONS = ("order", "adaptive")
 BLOCK_OPTIMIZERS = ("sgd", "adam")
+BLOCK_LRS = ("uniform", "size")
 ADAPTIVE_SCORES = ("abs", "signed")
 
 
@@ -91,6 +99,8 @@ class DPMeZOBCD(DPZero):
         cache_direction: keep the active block's ``u`` between the passes of a step (one draw instead
             of three; memory: the largest block in float32). ``None``: on with the chunked (CPU)
             engine, off with the fused one, which ignores it.
+        block_lr: ``"uniform"`` (the paper: ``lr`` for every block) or ``"size"`` (ours:
+            ``lr * min(1, median block size / |B_j|)``; see the module docstring).
     """
 
     non_private_twin = "MeZOBCD"
@@ -100,7 +110,8 @@ class DPMeZOBCD(DPZero):
                  warmup_order: str = "ascending", ema_decay: float = 0.1, temperature: float = 1.0,
                  adaptive_score: str = "abs", block_optimizer: str = "sgd",
                  steps_per_block: Optional[int] = None, betas: tuple[float, float] = (0.9, 0.999),
-                 adam_eps: float = 1e-8, cache_direction: Optional[bool] = None, **kwargs: Any) -> None:
+                 adam_eps: float = 1e-8, cache_direction: Optional[bool] = None, block_lr: str = "uniform",
+                 **kwargs: Any) -> None:
         raise_if_any([
             _one_of("partition", partition, PARTITIONS),
             check_positive_int("layers_per_block", layers_per_block),
@@ -118,6 +129,7 @@ class DPMeZOBCD(DPZero):
             None if len(betas) == 2 and all(0 <= b < 1 for b in betas) else
             f"Expected `betas` two floats in [0, 1), but got {betas!r}",
             check_positive("adam_eps", adam_eps),
+            _one_of("block_lr", block_lr, BLOCK_LRS),
         ])
         super().__init__(backbone, **kwargs)
         self.partition, self.layers_per_block, self.order = partition, layers_per_block, order
@@ -127,6 +139,7 @@ class DPMeZOBCD(DPZero):
         self.steps_per_block = steps_per_block or (50 if block_optimizer == "adam" else 1)
         self.betas, self.adam_eps = (float(betas[0]), float(betas[1])), adam_eps
         self.cache_direction = cache_direction
+        self.block_lr = block_lr
         self.block_names = [b.name for b in self.blocks()]
         self.block_scores = [0.0] * len(self.block_names)    # Alg. 4 line 1: zbar_0 = 0
         self.active_block: Optional[int] = None              # j (1-based) of the current interval
@@ -140,6 +153,34 @@ class DPMeZOBCD(DPZero):
     @property
     def num_blocks(self) -> int:
         return len(self.block_names)
+
+    def block_lr_factors(self) -> list[float]:
+        """``eta_j / eta`` per block: 1 (``"uniform"``), or ``min(1, median_k |B_k| / |B_j|)`` (``"size"``)."""
+        sizes = [b.numel for b in self.blocks()]
+        if self.block_lr == "uniform":
+            return [1.0] * len(sizes)
+        median = float(torch.tensor(sizes, dtype=torch.float64).median())
+        return [min(1.0, median / size) for size in sizes]
+
+    def parameter_groups(self) -> list[dict]:
+        """The base groups cut into runs of equal block rate (``block_lr="size"``), in the same order.
+
+        Cutting (not regrouping) keeps the parameters' order, so the fused engine's global layout, and
+        with it every element's direction, is the one ``"uniform"`` has.
+        """
+        groups = super().parameter_groups()
+        factors = self.block_lr_factors()
+        if all(f == 1.0 for f in factors):
+            return groups
+        factor_of = {id(p): f for b, f in zip(self.blocks(), factors) for p in b.params}
+        runs = []
+        for group in groups:
+            for p in group["params"]:
+                factor = factor_of[id(p)]
+                if not runs or runs[-1][0] is not group or runs[-1][1] != factor:
+                    runs.append((group, factor, []))
+                runs[-1][2].append(p)
+        return [dict(group, params=params, lr=self.lr * factor) for group, factor, params in runs]
 
     def make_engine(self, params: list[nn.Parameter], offsets: Optional[list[int]] = None) -> BlockPerturbation:
         """One engine per block over the block's parameters, at their global offsets (fused engine)."""

@@ -74,11 +74,15 @@ class ZerothOrderModule(AlgorithmModule):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.backbone.parameters() if p.requires_grad]
 
-    def configure_optimizers(self):
+    def parameter_groups(self) -> list[dict]:
+        """The optimizer's param groups: weight decay on 2+-dimensional tensors only; ``lr`` is the module's."""
         decay = [p for p in self.trainable_parameters() if p.ndim >= 2]
         no_decay = [p for p in self.trainable_parameters() if p.ndim < 2]
-        groups = [g for g in ({"params": decay, "weight_decay": self.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        return [g for g in ({"params": decay, "weight_decay": self.weight_decay},
+                            {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+    def configure_optimizers(self):
+        groups = self.parameter_groups()
         self.engine = self.make_engine([p for g in groups for p in g["params"]])
         return self.with_scheduler(self.attach_privacy(ZOSGD(groups, lr=self.lr, engine=self.engine)))
 

@@ -28,8 +28,11 @@ from tests.test_paper_configs import overrides, tiny_world  # noqa: F401 (a fixt
 pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set", "ignore:.*val_dataloader.*")
 
 
-def deep_mlp(seed=0):
-    """Input layer, a homogeneous stack of three hidden layers, an output layer."""
+def deep_mlp(seed=0, embed_width=None):
+    """Input layer, a homogeneous stack of three hidden layers, an output layer.
+
+    ``embed_width``: a two-layer input block ``10 -> embed_width -> 8`` (a block larger than a layer).
+    """
     torch.manual_seed(seed)
 
     class Net(nn.Module):
@@ -37,7 +40,8 @@ def deep_mlp(seed=0):
 
         def __init__(self):
             super().__init__()
-            self.embed = nn.Linear(10, 8)
+            self.embed = nn.Linear(10, 8) if embed_width is None else nn.Sequential(
+                nn.Linear(10, embed_width), nn.Tanh(), nn.Linear(embed_width, 8))
             self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(3))
             self.norm = nn.LayerNorm(8)
             self.head = nn.Linear(8, 3)
@@ -304,6 +308,39 @@ def test_the_private_update_is_parallel_to_the_zero_padded_block_direction():
         cosine = torch.nn.functional.cosine_similarity(delta.double(), u, dim=0).abs().item()
         assert cosine == pytest.approx(1.0, abs=1e-5)
     assert module.privacy.ledger.total_count == 6
+
+
+@pytest.mark.parametrize("perturbation", ["chunked", "fused"])
+def test_size_scaled_block_rates_step_each_block_as_uniform_at_its_own_rate(perturbation):
+    """block_lr="size": eta_j = eta min(1, median |B| / |B_j|), bitwise the uniform step at eta_j."""
+    lr, sizes = 0.05, [10 * 32 + 32 + 32 * 8 + 8, 88, 88, 88, 8 + 8 + 24 + 3]
+
+    def first_step(order, block_lr, rate):
+        module = MeZOBCD(deep_mlp(embed_width=32), lr=rate, seed=3, order=order, block_lr=block_lr,
+                         perturbation=perturbation, weight_decay=0.1)
+        fit(module, 1, loader=full_batch_loader(1))
+        return module
+
+    scaled = MeZOBCD(deep_mlp(embed_width=32), lr=lr, block_lr="size")
+    assert [b.numel for b in scaled.blocks()] == sizes
+    assert scaled.block_lr_factors() == [88 / sizes[0], 1.0, 1.0, 1.0, 1.0]
+    module = first_step("ascending", "size", lr)                           # step 1 on the embeddings
+    rates = {id(p): g["lr"] for g in module.zo_optimizer.param_groups for p in g["params"]}
+    for block, factor in zip(module.blocks(), module.block_lr_factors()):
+        assert all(rates[id(p)] == lr * factor for p in block.params)
+    assert [id(p) for p in module.engine.params] == [id(p) for p in module.trainable_parameters() if p.ndim >= 2] + \
+        [id(p) for p in module.trainable_parameters() if p.ndim < 2]       # the uniform layout's order
+    for order, factor in (("ascending", 88 / sizes[0]), ("descending", 1.0)):
+        stepped = params_of(first_step(order, "size", lr))
+        same = params_of(first_step(order, "uniform", lr * factor))
+        assert all(torch.equal(a, b) for a, b in zip(stepped, same)), order
+    bigger = params_of(first_step("ascending", "uniform", lr))
+    assert not all(torch.equal(a, b) for a, b in zip(params_of(module), bigger))
+
+
+def test_bad_block_lr_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="block_lr"):
+        MeZOBCD(deep_mlp(), lr=0.05, block_lr="per-layer")
 
 
 # ------------------------------------------------------------------------------ Adam (Alg. 5)
