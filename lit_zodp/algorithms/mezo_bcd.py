@@ -155,11 +155,12 @@ class DPMeZOBCD(DPZero):
         return len(self.block_names)
 
     def block_lr_factors(self) -> list[float]:
-        """``eta_j / eta`` per block: 1 (``"uniform"``), or ``min(1, median_k |B_k| / |B_j|)`` (``"size"``)."""
+        """``eta_j / eta`` per block: 1 (``"uniform"``), or ``min(1, median_k |B_k| / |B_j|)`` (``"size"``;
+        the lower median for an even number of blocks)."""
         sizes = [b.numel for b in self.blocks()]
         if self.block_lr == "uniform":
             return [1.0] * len(sizes)
-        median = float(torch.tensor(sizes, dtype=torch.float64).median())
+        median = sorted(sizes)[(len(sizes) - 1) // 2]
         return [min(1.0, median / size) for size in sizes]
 
     def parameter_groups(self) -> list[dict]:
