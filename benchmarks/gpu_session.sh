@@ -28,8 +28,16 @@
 #   bcd          bench_zo_gpu.py --models opt_1_3b --dtypes fp32 --batches 16 --bcd --no-opacus
 #                --no-adamw (MeZO-BCD cycle, MeZO, the paper's MeZO, two forwards; 5 repeats)
 #                -> results/bench_zo_gpu_bcd_opt.{md,json}                                   ~2-4 min
-#   all          tests zo_roberta zo_opt zo_minilm merge first_order bcd, in that order (~20-30 min:
-#                more than one device command; see the call plan)
+#   carry        HERE, not on the device (needs the `data` extras installed here): writes .gpu_carry/
+#                (all-MiniLM-L6-v2 rounded to fp16, 45 MB, and the Rotten Tomatoes rows) and adds /.gpu_carry/
+#                to .git/info/exclude; the device lacks both packages and takes 64 MiB of carry.     ~10 s
+#   bcd_accuracy bench_mezo_bcd_accuracy.py --accelerator gpu --carry .gpu_carry, two runs one after the
+#                other, each MeZO and MeZO-BCD side by side on the card, lr decayed linearly on the
+#                training clock (BCD_ACC_SECONDS of training each, default 150; evaluation every tenth):
+#                lrs 3e-5 / 3e-4 (the CPU runs') and 1e-5 / 1e-4
+#                -> results/bench_mezo_bcd_accuracy_gpu_lr3.{md,json}, ..._gpu_lr1.{md,json}      ~7-8 min
+#   all          tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy, in that order
+#                (~30-40 min: more than one device command; see the call plan)
 #
 # The estimates are arithmetic, not readings (no GPU run of these scripts has been recorded yet):
 # fp32 matmuls at ~50 TFLOP/s (no TF32), ~1-2 s per Lightning fit, 5 repeats + 1 warm-up of every
@@ -37,11 +45,13 @@
 # is cut by its timeout, run it again with fewer repeats, e.g. EXTRA_ARGS="--repeats 3".
 #
 # Call plan (device time is 30 min; a fresh machine takes 1-2 min to start; its files are gone 30 s
-# after a call, so every call must bring its results back through $OUT):
+# after a call, so every call must bring its results back through $OUT). HERE first: `wheels` and
+# `carry`. Then, in order of what the open issues need (speed: tests, zo_*; MeZO-BCD: bcd, bcd_accuracy):
 #   1. run(command="benchmarks/gpu_session.sh tests zo_minilm",   carry=[".whl"], timeout_s=600)
 #   2. run(command="benchmarks/gpu_session.sh zo_roberta",        carry=[".whl"], timeout_s=600)
-#   3. run(command="benchmarks/gpu_session.sh zo_opt",            carry=[".whl"], timeout_s=600)
-#   4. run(command="benchmarks/gpu_session.sh bcd first_order",   carry=[".whl"], timeout_s=600)
+#   3. run(command="benchmarks/gpu_session.sh zo_opt bcd",        carry=[".whl"], timeout_s=600)
+#   4. run(command="benchmarks/gpu_session.sh bcd_accuracy",      carry=[".whl", ".gpu_carry"], timeout_s=600)
+#   5. if device time is left: run(command="benchmarks/gpu_session.sh first_order", carry=[".whl"])
 #   then HERE: unpack the tarballs (Results) and `benchmarks/gpu_session.sh merge`.
 # Pieces of one call share its deadline (DEADLINE, default 570 s when $OUT is set): a piece that would
 # start with less than 60 s left is skipped (it says so) and can go into the next call.
@@ -94,7 +104,7 @@ mkdir -p "$RES" "$LOGS"
 
 #: Per-piece caps in seconds (each under 9 minutes), further cut by what is left of DEADLINE.
 declare -A CAP=([tests]=540 [zo_roberta]=540 [zo_opt]=540 [zo_minilm]=300 [merge]=60 [first_order]=540
-                [bcd]=480)
+                [bcd]=480 [bcd_accuracy]=540)
 
 say() { printf '[gpu_session %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -239,6 +249,38 @@ piece_bcd() {
     return $rc
 }
 
+piece_bcd_accuracy() {
+    ensure_deps || return 1
+    if [[ ! -f .gpu_carry/minilm/model.fp16.safetensors || ! -f .gpu_carry/rotten_tomatoes.csv ]]; then
+        say "bcd_accuracy: .gpu_carry/ is missing: run 'benchmarks/gpu_session.sh carry' HERE, then name .gpu_carry in the run's carry"
+        return 1
+    fi
+    local seconds=${BCD_ACC_SECONDS:-150} rc=0 lrs stem files=()
+    for lrs in "3e-5 3e-4 lr3" "1e-5 1e-4 lr1"; do
+        set -- $lrs
+        stem="$RES/bench_mezo_bcd_accuracy_gpu_$3"
+        files+=("$stem.md" "$stem.json")
+        # shellcheck disable=SC2086
+        run_logged bcd_accuracy "$(budget bcd_accuracy)" "$PY" benchmarks/bench_mezo_bcd_accuracy.py --accelerator gpu \
+            --carry .gpu_carry --mezo-lr "$1" --bcd-lr "$2" --decay linear --train-seconds "$seconds" \
+            --eval-every-seconds "$(awk -v s="$seconds" 'BEGIN { print s / 10 }')" --out "$stem" $EXTRA_ARGS || rc=$?
+    done
+    export_out bcd_accuracy "${files[@]}"
+    return $rc
+}
+
+piece_carry() {  # HERE, not on the device
+    if [[ -n "$OUT" ]]; then
+        say "carry: run this piece here, not on the device (it reads the data extras installed here)"
+        return 1
+    fi
+    if [[ -d .git/info ]] && ! grep -qxF "/.gpu_carry/" .git/info/exclude 2>/dev/null; then
+        echo "/.gpu_carry/" >>.git/info/exclude && say "carry: added /.gpu_carry/ to .git/info/exclude"
+    fi
+    [[ "$DRY_RUN" == 1 ]] && { say "carry: (dry run)"; return 0; }
+    "$PY" benchmarks/bench_mezo_bcd_accuracy.py --pack-carry .gpu_carry
+}
+
 piece_wheels() {  # HERE, not on the device
     if [[ -n "$OUT" ]]; then
         say "wheels: run this piece here, not on the device (it needs the package registry)"
@@ -269,8 +311,10 @@ run_piece() {
         merge) piece_merge ;;
         first_order) piece_first_order ;;
         bcd) piece_bcd ;;
+        bcd_accuracy) piece_bcd_accuracy ;;
         wheels) piece_wheels ;;
-        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd all wheels)"; return 2 ;;
+        carry) piece_carry ;;
+        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy all wheels carry)"; return 2 ;;
     esac
     rc=$?
     say "=== $piece: done, rc=$rc, wall $((SECONDS - start)) s"
@@ -278,12 +322,12 @@ run_piece() {
 }
 
 if (($# == 0)); then
-    sed -n '2,33p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,57p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 pieces=()
 for arg in "$@"; do
-    if [[ "$arg" == all ]]; then pieces+=(tests zo_roberta zo_opt zo_minilm merge first_order bcd)
+    if [[ "$arg" == all ]]; then pieces+=(tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy)
     else pieces+=("$arg"); fi
 done
 if [[ -n "$OUT" ]] && command -v nvidia-smi >/dev/null; then
