@@ -104,7 +104,7 @@ def build(method: str, lr: float, args):
     init = {k: v for k, v in model_cfg["init_args"].items() if k != "backbone"}
     init["lr"] = lr
     if method == "bcd" and getattr(args, "bcd_block_lr", "uniform") != "uniform":
-        init["block_lr"] = args.bcd_block_lr
+        init["block_lr"] = block_lr_option(args.bcd_block_lr)
     module = _class(model_cfg["class_path"])(backbone, **init)
     data_cfg = cfg["data"]
     data_args = dict(data_cfg["init_args"], sampling_seed=0)
@@ -116,6 +116,11 @@ def build(method: str, lr: float, args):
         data_args["max_eval_samples"] = args.max_eval_samples
     dm = _class(data_cfg["class_path"])(**data_args)
     return module, dm, {"model": model_cfg["class_path"], "init_args": init, "data": data_args}
+
+
+def block_lr_option(text: str):
+    """``--bcd-block-lr``: ``uniform``, ``size`` or comma-separated factors, one per block."""
+    return text if text in ("uniform", "size") else [float(f) for f in text.split(",")]
 
 
 def evaluate(module, loader) -> dict:
@@ -496,6 +501,14 @@ def summarize(res: dict) -> dict:
     return s
 
 
+def block_lr_phrase(block_lr) -> str:
+    if block_lr == "size":
+        return ", block_lr size: lr x min(1, median block size / block size) per block"
+    if isinstance(block_lr, list):
+        return ", block_lr: lr x [" + ", ".join(f"{f:g}" for f in block_lr) + "] per block, input first"
+    return ""
+
+
 def render(res: dict, s: dict, meta: dict, args) -> str:
     mezo, bcd = res["mezo"], res["bcd"]
     lines = [f"# MeZO-BCD vs MeZO: test accuracy against training wall-clock\n",
@@ -510,8 +523,7 @@ def render(res: dict, s: dict, meta: dict, args) -> str:
              f"({mezo.get('n_private')} training reviews, {mezo.get('n_test')} test reviews), B = 32, max_length 32, "
              f"lam 1e-3, seed 0, identical batch stream (sampling_seed 0). MeZO lr {mezo['lr']:g}, "
              f"MeZO-BCD lr {bcd['lr']:g} (layer blocks {len(bcd.get('blocks', []))}, random order"
-             + (", block_lr size: lr x min(1, median block size / block size) per block"
-                if bcd.get("built", {}).get("init_args", {}).get("block_lr") == "size" else "") + ")"
+             + block_lr_phrase(bcd.get("built", {}).get("init_args", {}).get("block_lr", "uniform")) + ")"
              + (", both decayed linearly to 0 on the training clock (lr (1 - t / budget))"
                 if mezo.get("decay") == "linear" else "") + ". "
              f"Training clock excludes evaluation; budget {args.train_seconds} s of training per method, "
@@ -656,8 +668,9 @@ def main(argv=None) -> None:
     parser.add_argument("--mezo-lr", type=float, default=2e-6, help="MeZO's lr (the config's: 2e-6)")
     parser.add_argument("--bcd-lr", type=float, default=None, help="BCD's lr (default: --bcd-lr-factor x --mezo-lr)")
     parser.add_argument("--bcd-lr-factor", type=float, default=10.0)
-    parser.add_argument("--bcd-block-lr", choices=["uniform", "size"], default="uniform",
-                        help="MeZOBCD(block_lr=...): uniform (the paper) or size (lr x min(1, median block / block))")
+    parser.add_argument("--bcd-block-lr", default="uniform",
+                        help="MeZOBCD(block_lr=...): uniform (the paper), size (lr x min(1, median block / block)) "
+                             "or comma-separated factors, one per block, input first")
     parser.add_argument("--train-seconds", type=float, default=3000.0, help="training clock budget per method")
     parser.add_argument("--max-steps", type=int, default=100000)
     parser.add_argument("--decay", choices=["none", "linear"], default="none",

@@ -33,8 +33,10 @@ Choices where the paper is silent or ambiguous:
   size, ``(|B_j| + 2) ||grad_Bj||^2`` (Sec. 3), and App. D.1 adapts ``eta`` to the partition's
   granularity; ``block_lr="size"`` does the same per block: ``eta_j = eta * min(1, median_k |B_k| /
   |B_j|)``, so a block larger than the median (a vocabulary-sized embedding: 6.7x a layer in MiniLM)
-  takes no larger ``eta_j |B_j|`` than a median block; the others keep ``eta``. Each block's rate is
-  its own param group (schedulers scale them all).
+  takes no larger ``eta_j |B_j|`` than a median block; the others keep ``eta``. A list of ``N``
+  positive factors sets ``eta_j = eta * factor_j`` directly, in the partition's order (input first):
+  e.g. lower rates for the blocks holding most of the curvature (``benchmarks/diagnose_bcd_blocks.py``
+  measures each block's share). Each block's rate is its own param group (schedulers scale them all).
 
 Speed (ours, not the paper's): on CPU, the chunked engine keeps the active block's direction in a
 :class:`~lit_zodp.zo.perturbation.DirectionCache` (``cache_direction``), drawing ``u`` once per step
@@ -45,7 +47,7 @@ fused GPU engine draws ``u`` in registers and uses no cache.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -99,8 +101,9 @@ class DPMeZOBCD(DPZero):
         cache_direction: keep the active block's ``u`` between the passes of a step (one draw instead
             of three; memory: the largest block in float32). ``None``: on with the chunked (CPU)
             engine, off with the fused one, which ignores it.
-        block_lr: ``"uniform"`` (the paper: ``lr`` for every block) or ``"size"`` (ours:
-            ``lr * min(1, median block size / |B_j|)``; see the module docstring).
+        block_lr: ``"uniform"`` (the paper: ``lr`` for every block), ``"size"`` (ours:
+            ``lr * min(1, median block size / |B_j|)``), or one positive factor per block (ours:
+            ``lr * factor_j``, input first); see the module docstring.
     """
 
     non_private_twin = "MeZOBCD"
@@ -110,8 +113,8 @@ class DPMeZOBCD(DPZero):
                  warmup_order: str = "ascending", ema_decay: float = 0.1, temperature: float = 1.0,
                  adaptive_score: str = "abs", block_optimizer: str = "sgd",
                  steps_per_block: Optional[int] = None, betas: tuple[float, float] = (0.9, 0.999),
-                 adam_eps: float = 1e-8, cache_direction: Optional[bool] = None, block_lr: str = "uniform",
-                 **kwargs: Any) -> None:
+                 adam_eps: float = 1e-8, cache_direction: Optional[bool] = None,
+                 block_lr: Union[str, list[float]] = "uniform", **kwargs: Any) -> None:
         raise_if_any([
             _one_of("partition", partition, PARTITIONS),
             check_positive_int("layers_per_block", layers_per_block),
@@ -129,7 +132,7 @@ class DPMeZOBCD(DPZero):
             None if len(betas) == 2 and all(0 <= b < 1 for b in betas) else
             f"Expected `betas` two floats in [0, 1), but got {betas!r}",
             check_positive("adam_eps", adam_eps),
-            _one_of("block_lr", block_lr, BLOCK_LRS),
+            _check_block_lr(block_lr),
         ])
         super().__init__(backbone, **kwargs)
         self.partition, self.layers_per_block, self.order = partition, layers_per_block, order
@@ -139,8 +142,11 @@ class DPMeZOBCD(DPZero):
         self.steps_per_block = steps_per_block or (50 if block_optimizer == "adam" else 1)
         self.betas, self.adam_eps = (float(betas[0]), float(betas[1])), adam_eps
         self.cache_direction = cache_direction
-        self.block_lr = block_lr
+        self.block_lr = block_lr if isinstance(block_lr, str) else [float(f) for f in block_lr]
         self.block_names = [b.name for b in self.blocks()]
+        if not isinstance(block_lr, str) and len(block_lr) != len(self.block_names):
+            raise_if_any([f"Expected `block_lr` to hold one factor per block ({len(self.block_names)}: "
+                          f"{', '.join(self.block_names)}), but got {len(block_lr)}"])
         self.block_scores = [0.0] * len(self.block_names)    # Alg. 4 line 1: zbar_0 = 0
         self.active_block: Optional[int] = None              # j (1-based) of the current interval
         self.adam_state: Optional[dict[str, list[Tensor]]] = None
@@ -155,8 +161,10 @@ class DPMeZOBCD(DPZero):
         return len(self.block_names)
 
     def block_lr_factors(self) -> list[float]:
-        """``eta_j / eta`` per block: 1 (``"uniform"``), or ``min(1, median_k |B_k| / |B_j|)`` (``"size"``;
-        the lower median for an even number of blocks)."""
+        """``eta_j / eta`` per block: 1 (``"uniform"``), ``min(1, median_k |B_k| / |B_j|)`` (``"size"``;
+        the lower median for an even number of blocks), or the given factors."""
+        if not isinstance(self.block_lr, str):
+            return list(self.block_lr)
         sizes = [b.numel for b in self.blocks()]
         if self.block_lr == "uniform":
             return [1.0] * len(sizes)
@@ -164,7 +172,7 @@ class DPMeZOBCD(DPZero):
         return [min(1.0, median / size) for size in sizes]
 
     def parameter_groups(self) -> list[dict]:
-        """The base groups cut into runs of equal block rate (``block_lr="size"``), in the same order.
+        """The base groups cut into runs of equal block rate (``block_lr`` other than uniform), in the same order.
 
         Cutting (not regrouping) keeps the parameters' order, so the fused engine's global layout, and
         with it every element's direction, is the one ``"uniform"`` has.
@@ -316,6 +324,17 @@ class MeZOBCD(DPMeZOBCD):
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> Optional[str]:
     return None if value in allowed else f"Expected `{name}` in {list(allowed)}, but got {value!r}"
+
+
+def _check_block_lr(block_lr: Any) -> Optional[str]:
+    if isinstance(block_lr, str):
+        return _one_of("block_lr", block_lr, BLOCK_LRS)
+    factors = block_lr if isinstance(block_lr, (list, tuple)) else []
+    if factors and all(isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0
+                       for f in factors):
+        return None
+    return (f"Expected `block_lr` in {list(BLOCK_LRS)} or a list of positive factors (one per block), "
+            f"but got {block_lr!r}")
 
 
 __all__ = ["DPMeZOBCD", "MeZOBCD"]

@@ -310,16 +310,21 @@ def test_the_private_update_is_parallel_to_the_zero_padded_block_direction():
     assert module.privacy.ledger.total_count == 6
 
 
+def first_block_step(order, block_lr, rate, perturbation):
+    """A MeZOBCD (embedding-width 32 MLP) after its first step: on block 1 (ascending) or N (descending)."""
+    module = MeZOBCD(deep_mlp(embed_width=32), lr=rate, seed=3, order=order, block_lr=block_lr,
+                     perturbation=perturbation, weight_decay=0.1)
+    fit(module, 1, loader=full_batch_loader(1))
+    return module
+
+
 @pytest.mark.parametrize("perturbation", ["chunked", "fused"])
 def test_size_scaled_block_rates_step_each_block_as_uniform_at_its_own_rate(perturbation):
     """block_lr="size": eta_j = eta min(1, median |B| / |B_j|), bitwise the uniform step at eta_j."""
     lr, sizes = 0.05, [10 * 32 + 32 + 32 * 8 + 8, 88, 88, 88, 8 + 8 + 24 + 3]
 
     def first_step(order, block_lr, rate):
-        module = MeZOBCD(deep_mlp(embed_width=32), lr=rate, seed=3, order=order, block_lr=block_lr,
-                         perturbation=perturbation, weight_decay=0.1)
-        fit(module, 1, loader=full_batch_loader(1))
-        return module
+        return first_block_step(order, block_lr, rate, perturbation)
 
     scaled = MeZOBCD(deep_mlp(embed_width=32), lr=lr, block_lr="size")
     assert [b.numel for b in scaled.blocks()] == sizes
@@ -338,9 +343,30 @@ def test_size_scaled_block_rates_step_each_block_as_uniform_at_its_own_rate(pert
     assert not all(torch.equal(a, b) for a, b in zip(params_of(module), bigger))
 
 
-def test_bad_block_lr_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="block_lr"):
-        MeZOBCD(deep_mlp(), lr=0.05, block_lr="per-layer")
+@pytest.mark.parametrize("perturbation", ["chunked", "fused"])
+def test_listed_block_rates_step_each_block_as_uniform_at_its_factor(perturbation):
+    """block_lr=[f_1..f_N]: eta_j = eta f_j, bitwise the uniform step at eta f_j, on the first and last block."""
+    lr, factors = 0.05, [0.5, 1.0, 2.0, 1.0, 0.25]
+    module = first_block_step("descending", factors, lr, perturbation)
+    assert module.block_lr_factors() == factors
+    rates = {id(p): g["lr"] for g in module.zo_optimizer.param_groups for p in g["params"]}
+    for block, factor in zip(module.blocks(), factors):
+        assert all(rates[id(p)] == lr * factor for p in block.params)
+    for order, factor in (("ascending", factors[0]), ("descending", factors[-1])):
+        stepped = params_of(first_block_step(order, factors, lr, perturbation))
+        same = params_of(first_block_step(order, "uniform", lr * factor, perturbation))
+        assert all(torch.equal(a, b) for a, b in zip(stepped, same)), order
+        unscaled = params_of(first_block_step(order, "uniform", lr, perturbation))
+        assert not all(torch.equal(a, b) for a, b in zip(stepped, unscaled)), order
+
+
+@pytest.mark.parametrize("block_lr, message", [
+    ("per-layer", "block_lr"), ([1.0, 0.0, 1.0, 1.0, 1.0], "positive factors"), ([], "positive factors"),
+    ([1.0, 1.0], r"one factor per block \(5: embeddings"), ([1.0, float("nan"), 1.0, 1.0, 1.0], "positive factors")])
+def test_bad_block_lr_is_refused_in_one_line(block_lr, message):
+    with pytest.raises(ValueError, match=message) as err:
+        MeZOBCD(deep_mlp(embed_width=32), lr=0.05, block_lr=block_lr)
+    assert "\n" not in str(err.value)
 
 
 # ------------------------------------------------------------------------------ Adam (Alg. 5)
