@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Why MeZO-BCD's test loss stops falling above MeZO's: each block's share of the curvature.
 
 The accuracy runs (``bench_mezo_bcd_accuracy.py``, README) train MeZO at ``eta`` and MeZO-BCD at
-``c eta`` (c = 10, the paper's layer-wise grids are 5-10x MeZO's). BCD's test loss then plateaus
+``c eta`` (c = 10; the paper's layer-wise grids are 5-10x MeZO's). BCD's test loss then plateaus
 at 0.551-0.559 while MeZO's keeps falling. This script measures the quantity that a second-order
 expansion of the ZO step says decides that.
 
@@ -13,36 +12,42 @@ expansion of the ZO step says decides that.
     E[dL] = -eta_B ||g_B||^2 + eta_B^2 / 2 * (E||g~_B||^2 tr(H_BB) + 2 E[g~_B' H_BB g~_B])
 
 (MeZO is the one-block case: all of ``theta``). The first term is the descent, the second the
-noise the random direction injects; the loss stops falling where they balance. Relative to MeZO's
-balance, block ``B`` at ``c eta`` balances at a gradient ``kappa_B`` times larger when the gradient and
-minibatch-noise shares of the block are alike:
+noise the random direction injects; the loss stops falling where they balance. Where a block's
+shares of ``||g||^2`` and of the minibatch noise ``E||g~||^2`` are alike, a step on block ``B`` at
+``c eta`` has ``kappa_B`` times MeZO's noise-to-descent ratio, with
 
-    kappa_B = c * tr(H_BB) / tr(H)   (and exactly: c tr(H_BB) E||g~_B||^2 ||g||^2 / (tr(H) E||g~||^2 ||g_B||^2)).
+    kappa_B = c * tr(H_BB) / tr(H).
 
 With ``N`` blocks sharing the curvature evenly, ``kappa_B = c / N`` (1.25 here); a block that holds
-more of ``tr(H)`` than ``1 / c`` of it runs hotter than MeZO and holds BCD's loss above MeZO's.
+more than ``1 / c`` of ``tr(H)`` runs hotter than MeZO, reaches its balance at a larger gradient, and
+holds BCD's loss above MeZO's. ``block_lr`` factors ``min(1, 1 / kappa_B)`` cool each block to MeZO's
+ratio (printed; ``MeZOBCD(block_lr=[...])``).
 
 **The measurement** (at the zero-shot start of the runs; the runs move the weights little):
 a seeded random subset of ``--examples`` training reviews (the accuracy runs' model, data, blocks and
 tokenizer: ``configs/mezo_bcd/minilm_rotten_tomatoes_mezo_bcd.yaml``), in minibatches of 32 (the runs'
 ``B``), the model in eval mode (as the ZO step runs it):
 
-* ``||g_B||^2`` of the subset's mean-loss gradient and ``E||g~_B||^2`` over its minibatches (autograd);
 * ``tr(H_BB)`` of the subset's mean loss by Hutchinson's estimator: per minibatch and block,
   ``--samples`` Rademacher ``z_B`` on that block alone, ``z_B . H_BB z_B`` from one Hessian-vector
   product (a double backward through the minibatch's gradient graph); the mean over minibatches and
   samples is unbiased for the subset's ``tr(H_BB)``, its standard error is reported. (One HVP with
   ``z`` over all blocks also has mean ``tr(H_BB)`` on each block, but its cross-block terms made the
   estimates useless: negative traces for the head, whose Hessian is positive semi-definite.)
-* the predicted ``E[dL]`` per step of MeZO at ``--mezo-lr`` and of BCD at ``--bcd-lr`` (a uniform
-  block), from the expansion above.
+* each block's share of ``||g_n||^2`` (the subset's mean gradient) and of ``E||g~_32||^2`` (its
+  minibatches), by autograd, and the i.i.d. split ``E||g_m||^2 = ||g||^2 + tr(Sigma) / m`` of the two
+  into the population ``||g||^2`` and the per-example noise ``tr(Sigma)``. At the MiniLM start the
+  subset's gradient is nearly all sampling noise (``||g_512||^2`` about ``E||g~_32||^2 / 16``), so
+  ``||g||^2`` is not resolved and neither is the absolute loss change per step; ``kappa`` needs only
+  the trace shares.
 
 Attention runs in eager mode (Hessian-vector products need double backward).
 
 Usage::
 
-    python benchmarks/diagnose_bcd_blocks.py                      # ~5 min on 2 cores
-    python benchmarks/diagnose_bcd_blocks.py --examples 64 --samples 2 --out /tmp/d   # smoke run
+    python benchmarks/diagnose_bcd_blocks.py                      # ~6 min on 2 cores (512 reviews)
+    python benchmarks/diagnose_bcd_blocks.py --examples 64 --samples 1 --out /tmp/d   # smoke run
+    python benchmarks/diagnose_bcd_blocks.py --render benchmarks/results/diagnose_bcd_blocks.json
 """
 
 from __future__ import annotations
@@ -142,20 +147,42 @@ def hutchinson_block_traces(module, params, blocks, batches, samples: int, seed:
     return torch.tensor(rows, dtype=torch.float64)
 
 
-def predicted_step(lr, g2, noisy_g2, trace) -> float:
-    """``E[dL]`` of one ZO-SGD step to second order, without the ``2 g~'Hg~`` term (<= 2 / tr(H) of the other)."""
-    return -lr * g2 + lr * lr / 2 * noisy_g2 * trace
+def derive(r: dict) -> dict:
+    """The shares, ``kappa`` and the suggested factors from the measured sums (also for --render)."""
+    blocks, c = r["blocks"], r["args"]["bcd_lr"] / r["args"]["mezo_lr"]
+    total_tr = sum(b["trace"] for b in blocks)
+    g2, noisy = sum(b["g2"] for b in blocks), sum(b["noisy_g2"] for b in blocks)
+    numel = sum(b["numel"] for b in blocks)
+    n, m = r["examples"], MINIBATCH
+    noise_trace = (noisy - g2) / (1 / m - 1 / n) if n > m else float("nan")   # tr(Sigma), per example
+    r.update(c=c, total_trace=total_tr, g2=g2, noisy_g2=noisy, noise_trace=noise_trace,
+             population_g2=g2 - noise_trace / n)
+    for b in blocks:
+        b.update(numel_share=b["numel"] / numel, trace_share=b["trace"] / total_tr, g2_share=b["g2"] / g2,
+                 noisy_share=b["noisy_g2"] / noisy, kappa=c * b["trace"] / total_tr,
+                 factor=min(1.0, total_tr / (c * b["trace"])) if b["trace"] > 0 else 1.0)
+        for stale in ("kappa_exact", "bcd_step"):
+            b.pop(stale, None)
+    for stale in ("mezo_step", "bcd_step_mean"):
+        r.pop(stale, None)
+    return r
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", type=int, default=256, help="training reviews (seeded random subset)")
+    parser.add_argument("--examples", type=int, default=512,
+                        help="training reviews (seeded random subset; more than one minibatch of 32)")
     parser.add_argument("--samples", type=int, default=2, help="Hutchinson samples per block and minibatch")
     parser.add_argument("--mezo-lr", type=float, default=3e-5)
     parser.add_argument("--bcd-lr", type=float, default=3e-4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="results stem (default results/diagnose_bcd_blocks)")
+    parser.add_argument("--render", metavar="JSON", default=None, help="rewrite the .md and .json of a finished run")
     args = parser.parse_args(argv)
+    if not args.render and args.examples <= MINIBATCH:
+        parser.error(f"--examples must exceed one minibatch ({MINIBATCH}): the noise split needs two sizes")
+    if args.render:
+        return write(derive(json.loads(Path(args.render).read_text())), Path(args.render).with_suffix(""))
     import torch
 
     torch.set_num_threads(args.threads)
@@ -169,33 +196,21 @@ def main(argv=None) -> None:
         index += len(blk.params)
     g2, noisy_g2 = gradient_terms(module, params, blocks, batches)
     traces = hutchinson_block_traces(module, params, blocks, batches, args.samples, seed=0)
-    tr_mean = traces.mean(0)
     n_est = traces.shape[0]
-    tr_se = traces.std(0, unbiased=True) / math.sqrt(n_est) if n_est > 1 else torch.zeros_like(tr_mean)
-    total_tr = float(tr_mean.sum())
+    tr_se = traces.std(0, unbiased=True) / math.sqrt(n_est) if n_est > 1 else torch.zeros(len(blocks))
     total_tr_se = float(traces.sum(1).std(unbiased=True) / math.sqrt(n_est)) if n_est > 1 else 0.0
-    c = args.bcd_lr / args.mezo_lr
-    mezo_step = predicted_step(args.mezo_lr, float(g2.sum()), float(noisy_g2.sum()), total_tr)
-    rows = []
-    for b, blk in enumerate(named_blocks):
-        kappa_exact = (c * float(tr_mean[b]) * float(noisy_g2[b]) * float(g2.sum())
-                       / (total_tr * float(noisy_g2.sum()) * float(g2[b])))
-        rows.append({"block": blk.name, "numel": blk.numel, "g2": float(g2[b]), "noisy_g2": float(noisy_g2[b]),
-                     "trace": float(tr_mean[b]), "trace_se": float(tr_se[b]),
-                     "trace_share": float(tr_mean[b]) / total_tr, "g2_share": float(g2[b] / g2.sum()),
-                     "noisy_share": float(noisy_g2[b] / noisy_g2.sum()), "numel_share": blk.numel / sum(p.numel() for p in params),
-                     "kappa": c * float(tr_mean[b]) / total_tr, "kappa_exact": kappa_exact,
-                     "bcd_step": predicted_step(args.bcd_lr, float(g2[b]), float(noisy_g2[b]), float(tr_mean[b]))})
-    bcd_step = sum(r["bcd_step"] for r in rows) / len(rows)
+    rows = [{"block": blk.name, "numel": blk.numel, "g2": float(g2[b]), "noisy_g2": float(noisy_g2[b]),
+             "trace": float(traces[:, b].mean()), "trace_se": float(tr_se[b])} for b, blk in enumerate(named_blocks)]
     command = " ".join(["python", "benchmarks/diagnose_bcd_blocks.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
-    result = {"command": command, "args": vars(args), "examples": len(torch.cat([b[1] for b in batches])),
-              "minibatches": len(batches), "total_trace": total_tr, "total_trace_se": total_tr_se,
-              "g2": float(g2.sum()), "noisy_g2": float(noisy_g2.sum()), "c": c,
-              "mezo_step": mezo_step, "bcd_step_mean": bcd_step, "blocks": rows,
+    result = {"command": command, "args": vars(args), "examples": sum(len(b[1]) for b in batches),
+              "minibatches": len(batches), "total_trace_se": total_tr_se, "blocks": rows,
               "wall_s": round(time.perf_counter() - started, 1)}
+    write(derive(result), Path(args.out) if args.out else RESULTS / "diagnose_bcd_blocks")
+
+
+def write(result: dict, stem: Path) -> None:
     text = render(result)
     print(text)
-    stem = Path(args.out) if args.out else RESULTS / "diagnose_bcd_blocks"
     stem.with_suffix(".md").write_text(text)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     print(f"wrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}", file=sys.stderr)
@@ -209,18 +224,19 @@ def render(r: dict) -> str:
              f"Hutchinson: {a['samples']} Rademacher samples per block and minibatch, one HVP on the block alone each "
              f"(SE over the {r['minibatches'] * a['samples']} estimates); "
              f"MeZO lr {a['mezo_lr']:g}, BCD lr {a['bcd_lr']:g} (c = {r['c']:g}); {r['wall_s']:.0f} s.\n",
-             f"tr(H) = {r['total_trace']:.4g} +- {r['total_trace_se']:.2g}; ||g||^2 = {r['g2']:.4g}; "
-             f"E||g~||^2 (minibatch {MINIBATCH}) = {r['noisy_g2']:.4g}.\n",
-             "| block | params share | tr(H_BB) (+- SE) | tr share | g^2 share | E g~^2 share | kappa = c tr share | kappa (exact shares) | predicted E[dL] per BCD step on it |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"tr(H) = {r['total_trace']:.4g} +- {r['total_trace_se']:.2g}. Gradients: ||g_{r['examples']}||^2 = "
+             f"{r['g2']:.4g} (the subset's mean), E||g~_{MINIBATCH}||^2 = {r['noisy_g2']:.4g} (its minibatches); the "
+             f"i.i.d. split gives per-example noise tr(Sigma) = {r['noise_trace']:.4g} and a population "
+             f"||g||^2 = {r['population_g2']:.3g}, not resolved (the subset's gradient is nearly all sampling noise).\n",
+             "| block | params share | tr(H_BB) (+- SE) | tr share | ||g_n||^2 share | E||g~||^2 share | kappa = c tr share | block_lr factor min(1, 1/kappa) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for b in r["blocks"]:
-        lines.append(f"| {b['block']} | {b['numel_share']:.3f} | {b['trace']:.3g} +- {b['trace_se']:.2g} | "
+        lines.append(f"| {b['block']} | {b['numel_share']:.4f} | {b['trace']:.3g} +- {b['trace_se']:.2g} | "
                      f"{b['trace_share']:.3f} | {b['g2_share']:.3f} | {b['noisy_share']:.3f} | {b['kappa']:.2f} | "
-                     f"{b['kappa_exact']:.2f} | {b['bcd_step']:.3g} |")
-    lines += ["", f"Predicted E[dL] per step at the start: MeZO {r['mezo_step']:.3g}; BCD (uniform block) "
-                  f"{r['bcd_step_mean']:.3g}; ratio BCD / MeZO {r['bcd_step_mean'] / r['mezo_step']:.2f} per step.",
-              "kappa > 1: at these lrs the block's direction noise balances its descent at a larger gradient than "
-              "MeZO's whole-model step does (a higher loss floor); kappa < 1: lower."]
+                     f"{b['factor']:.2f} |")
+    lines += ["", "kappa > 1: at c times MeZO's lr a step on the block has a larger noise-to-descent ratio than a "
+                  "MeZO step (its loss stops falling at a larger gradient); kappa < 1: smaller.",
+              "Factors: `MeZOBCD(block_lr=[" + ", ".join(f"{b['factor']:.2f}" for b in r["blocks"]) + "])`."]
     return "\n".join(lines) + "\n"
 
 
