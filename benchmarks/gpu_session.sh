@@ -269,26 +269,27 @@ piece_bcd_accuracy() {
     return $rc
 }
 
-piece_carry() {  # HERE, not on the device
+#: local_piece PIECE FOLDER WHY: refuses to run on the device; keeps FOLDER out of git here (.gitignore
+#: names it too, for checkouts whose .git/info is missing).
+local_piece() {
+    local piece=$1 folder=$2 why=$3
     if [[ -n "$OUT" ]]; then
-        say "carry: run this piece here, not on the device (it reads the data extras installed here)"
+        say "$piece: run this piece here, not on the device ($why)"
         return 1
     fi
-    if [[ -d .git/info ]] && ! grep -qxF "/.gpu_carry/" .git/info/exclude 2>/dev/null; then
-        echo "/.gpu_carry/" >>.git/info/exclude && say "carry: added /.gpu_carry/ to .git/info/exclude"
+    if [[ -d .git/info ]] && ! grep -qxF "/$folder/" .git/info/exclude 2>/dev/null; then
+        echo "/$folder/" >>.git/info/exclude && say "$piece: added /$folder/ to .git/info/exclude"
     fi
+}
+
+piece_carry() {  # HERE, not on the device
+    local_piece carry .gpu_carry "it reads the data extras installed here" || return 1
     [[ "$DRY_RUN" == 1 ]] && { say "carry: (dry run)"; return 0; }
     "$PY" benchmarks/bench_mezo_bcd_accuracy.py --pack-carry .gpu_carry
 }
 
 piece_wheels() {  # HERE, not on the device
-    if [[ -n "$OUT" ]]; then
-        say "wheels: run this piece here, not on the device (it needs the package registry)"
-        return 1
-    fi
-    if [[ -d .git/info ]] && ! grep -qxF "/.whl/" .git/info/exclude 2>/dev/null; then
-        echo "/.whl/" >>.git/info/exclude && say "wheels: added /.whl/ to .git/info/exclude"
-    fi
+    local_piece wheels .whl "it needs the package registry" || return 1
     [[ "$DRY_RUN" == 1 ]] && { say "wheels: (dry run)"; return 0; }
     "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
