@@ -88,8 +88,9 @@ def _class(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def build(method: str, lr: float, args):
-    """``(module, datamodule)`` from the method's example config, with ``lr`` overridden."""
+def build(method: str, lr: float, args, backbone_extra: dict | None = None, data_extra: dict | None = None):
+    """``(module, datamodule, what was built)`` from the method's example config, with ``lr`` overridden
+    (and ``backbone_extra`` / ``data_extra`` added to the backbone's / data module's arguments)."""
     import yaml
     from lightning.pytorch import seed_everything
 
@@ -97,7 +98,7 @@ def build(method: str, lr: float, args):
     seed_everything(cfg.get("seed_everything", 0), workers=True)
     model_cfg = cfg["model"]
     backbone_cfg = model_cfg["init_args"]["backbone"]
-    backbone_args = dict(backbone_cfg["init_args"])
+    backbone_args = dict(backbone_cfg["init_args"], **(backbone_extra or {}))
     if getattr(args, "model_path", None):
         backbone_args["model_name_or_path"] = args.model_path
     backbone = _class(backbone_cfg["class_path"])(**backbone_args)
@@ -107,20 +108,22 @@ def build(method: str, lr: float, args):
         init["block_lr"] = block_lr_option(args.bcd_block_lr)
     module = _class(model_cfg["class_path"])(backbone, **init)
     data_cfg = cfg["data"]
-    data_args = dict(data_cfg["init_args"], sampling_seed=0)
+    data_args = dict(data_cfg["init_args"], sampling_seed=0, **(data_extra or {}))
     if getattr(args, "model_path", None):
         data_args["tokenizer"] = args.model_path
     if getattr(args, "data_path", None):
         data_args["data_path"] = args.data_path
-    if args.max_eval_samples:
+    if getattr(args, "max_eval_samples", None):
         data_args["max_eval_samples"] = args.max_eval_samples
     dm = _class(data_cfg["class_path"])(**data_args)
     return module, dm, {"model": model_cfg["class_path"], "init_args": init, "data": data_args}
 
 
 def block_lr_option(text: str):
-    """``--bcd-block-lr``: ``uniform``, ``size`` or comma-separated factors, one per block."""
-    return text if text in ("uniform", "size") else [float(f) for f in text.split(",")]
+    """``--bcd-block-lr``: a name of ``MeZOBCD``'s ``block_lr`` or comma-separated factors, one per block."""
+    from lit_zodp.algorithms.mezo_bcd import BLOCK_LRS
+
+    return text if text in BLOCK_LRS else [float(f) for f in text.split(",")]
 
 
 def evaluate(module, loader) -> dict:
@@ -152,10 +155,8 @@ def make_callback(args, test_loader, probe_loader, probe_pos_frac=None):
     import torch
     from lightning.pytorch import Callback
 
-    def finish_device_work() -> None:
-        """On CUDA, wait for the queued kernels, so the clock counts the work and not its launch."""
-        if torch.cuda.is_available() and args.accelerator == "gpu":
-            torch.cuda.synchronize()
+    #: On CUDA, wait for the queued kernels, so the clock counts the work and not its launch.
+    finish_device_work = torch.cuda.synchronize if args.accelerator == "gpu" else (lambda: None)
 
     class EvalClock(Callback):
         """Training clock paused around evaluations; evaluates every ``eval_every`` steps and at the end."""

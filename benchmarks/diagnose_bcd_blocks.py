@@ -74,18 +74,13 @@ MINIBATCH = 32  # the accuracy runs' batch size
 def load(args):
     """The accuracy runs' MeZO-BCD module (eager attention) and ``--examples`` seeded training reviews."""
     import torch
-    import yaml
     from torch.utils.data import Subset
 
     import bench_mezo_bcd_accuracy as acc
 
-    cfg = yaml.safe_load(acc.CONFIGS["bcd"].read_text())
-    backbone_cfg = cfg["model"]["init_args"]["backbone"]
-    backbone_args = dict(backbone_cfg["init_args"], model_kwargs={"attn_implementation": "eager"})
-    backbone = acc._class(backbone_cfg["class_path"])(**backbone_args)
-    init = {k: v for k, v in cfg["model"]["init_args"].items() if k != "backbone"}
-    module = acc._class(cfg["model"]["class_path"])(backbone, **init)
-    dm = acc._class(cfg["data"]["class_path"])(**dict(cfg["data"]["init_args"], eval_batch_size=MINIBATCH))
+    module, dm, _ = acc.build("bcd", args.bcd_lr, argparse.Namespace(),
+                              backbone_extra={"model_kwargs": {"attn_implementation": "eager"}},
+                              data_extra={"eval_batch_size": MINIBATCH})
     dm.setup("fit")
     order = torch.randperm(len(dm.private_dataset), generator=torch.Generator().manual_seed(0))
     subset = Subset(dm.private_dataset, order[:args.examples].tolist())
@@ -161,10 +156,6 @@ def derive(r: dict) -> dict:
         b.update(numel_share=b["numel"] / numel, trace_share=b["trace"] / total_tr, g2_share=b["g2"] / g2,
                  noisy_share=b["noisy_g2"] / noisy, kappa=c * b["trace"] / total_tr,
                  factor=min(1.0, total_tr / (c * b["trace"])) if b["trace"] > 0 else 1.0)
-        for stale in ("kappa_exact", "bcd_step"):
-            b.pop(stale, None)
-    for stale in ("mezo_step", "bcd_step_mean"):
-        r.pop(stale, None)
     return r
 
 
