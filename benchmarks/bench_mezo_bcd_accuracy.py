@@ -27,6 +27,9 @@ TRAINING wall-clock, test accuracy, test loss)`` on the full test split.
 * **Fairness.** Both methods run SIDE BY SIDE: two worker processes started together, each with
   ``torch.set_num_threads(1)`` (and ``OMP_NUM_THREADS=1``), so they share whatever load the
   (shared, 2-core) machine has at the same time. The load average is recorded at every evaluation.
+  ``--mezo-block-lr f_1,..,f_N`` is the control for per-block rates: MeZO with the parameters of
+  MeZO-BCD's layer block ``j`` at ``lr * f_j`` (still every block perturbed and updated each step),
+  so BCD's ``--bcd-block-lr`` gain can be told apart from the gain of the rates alone.
 * **GPU** (``--accelerator gpu``): both workers on the same card. The clock waits for the queued
   kernels (``torch.cuda.synchronize``) at the end of every step and before every evaluation, so it
   counts the work, not its launch. A GPU machine without the ``data`` extras gets the model and the
@@ -106,7 +109,11 @@ def build(method: str, lr: float, args, backbone_extra: dict | None = None, data
     init["lr"] = lr
     if method == "bcd" and getattr(args, "bcd_block_lr", "uniform") != "uniform":
         init["block_lr"] = block_lr_option(args.bcd_block_lr)
-    module = _class(model_cfg["class_path"])(backbone, **init)
+    cls, control = _class(model_cfg["class_path"]), None
+    if method == "mezo" and getattr(args, "mezo_block_lr", "uniform") != "uniform":
+        control = [float(f) for f in args.mezo_block_lr.split(",")]
+        cls = at_block_rates(cls, control)
+    module = cls(backbone, **init)
     data_cfg = cfg["data"]
     data_args = dict(data_cfg["init_args"], sampling_seed=0, **(data_extra or {}))
     if getattr(args, "model_path", None):
@@ -116,7 +123,28 @@ def build(method: str, lr: float, args, backbone_extra: dict | None = None, data
     if getattr(args, "max_eval_samples", None):
         data_args["max_eval_samples"] = args.max_eval_samples
     dm = _class(data_cfg["class_path"])(**data_args)
-    return module, dm, {"model": model_cfg["class_path"], "init_args": init, "data": data_args}
+    built = {"model": model_cfg["class_path"], "init_args": init, "data": data_args}
+    if control is not None:
+        built["control_block_lr"] = control
+    return module, dm, built
+
+
+def at_block_rates(cls, factors: list[float]):
+    """The fairness control (``--mezo-block-lr``; this benchmark's, not a library option): ``cls`` (MeZO)
+    with the parameters of MeZO-BCD's layer block ``j`` at ``lr * factors[j]``. Every block is still
+    perturbed and updated at every step; only the rates differ from MeZO's."""
+    from lit_zodp.zo.blocks import groups_at_block_rates, partition
+
+    class AtBlockRates(cls):
+        def parameter_groups(self) -> list[dict]:
+            blocks = partition(self.backbone, "layer")
+            if len(factors) != len(blocks):
+                raise SystemExit(f"--mezo-block-lr: expected one factor per layer block ({len(blocks)}: "
+                                 f"{', '.join(b.name for b in blocks)}), but got {len(factors)}")
+            return groups_at_block_rates(super().parameter_groups(), blocks, factors, self.lr)
+
+    AtBlockRates.__name__ = AtBlockRates.__qualname__ = f"{cls.__name__}AtBlockRates"
+    return AtBlockRates
 
 
 def block_lr_option(text: str):
@@ -372,6 +400,8 @@ def spawn_pair(args, jobs: list[dict]) -> list[dict]:
             cmd += ["--decay", args.decay]
         if job["method"] == "bcd" and args.bcd_block_lr != "uniform":
             cmd += ["--bcd-block-lr", args.bcd_block_lr]
+        if job["method"] == "mezo" and args.mezo_block_lr != "uniform":
+            cmd += ["--mezo-block-lr", args.mezo_block_lr]
         if job.get("probe_subset"):
             cmd += ["--probe-subset", str(job["probe_subset"])]
         if job.get("no_test"):
@@ -510,6 +540,13 @@ def block_lr_phrase(block_lr) -> str:
     return ""
 
 
+def mezo_control_phrase(factors) -> str:
+    if not factors:
+        return ""
+    return (" (fairness control: MeZO-BCD's layer blocks at lr x [" + ", ".join(f"{f:g}" for f in factors)
+            + "], input first; every block perturbed and updated at each step)")
+
+
 def render(res: dict, s: dict, meta: dict, args) -> str:
     mezo, bcd = res["mezo"], res["bcd"]
     lines = [f"# MeZO-BCD vs MeZO: test accuracy against training wall-clock\n",
@@ -522,7 +559,8 @@ def render(res: dict, s: dict, meta: dict, args) -> str:
              f"total {meta['total_wall_s']:.0f} s.  ",
              f"MiniLM ({meta.get('weights', 'all-MiniLM-L6-v2')}, {mezo.get('n_params')} parameters, zero-shot head) on Rotten Tomatoes "
              f"({mezo.get('n_private')} training reviews, {mezo.get('n_test')} test reviews), B = 32, max_length 32, "
-             f"lam 1e-3, seed 0, identical batch stream (sampling_seed 0). MeZO lr {mezo['lr']:g}, "
+             f"lam 1e-3, seed 0, identical batch stream (sampling_seed 0). MeZO lr {mezo['lr']:g}"
+             + mezo_control_phrase(mezo.get("built", {}).get("control_block_lr")) + ", "
              f"MeZO-BCD lr {bcd['lr']:g} (layer blocks {len(bcd.get('blocks', []))}, random order"
              + block_lr_phrase(bcd.get("built", {}).get("init_args", {}).get("block_lr", "uniform")) + ")"
              + (", both decayed linearly to 0 on the training clock (lr (1 - t / budget))"
@@ -672,6 +710,9 @@ def main(argv=None) -> None:
     parser.add_argument("--bcd-block-lr", default="uniform",
                         help="MeZOBCD(block_lr=...): uniform (the paper), size (lr x min(1, median block / block)) "
                              "or comma-separated factors, one per block, input first")
+    parser.add_argument("--mezo-block-lr", default="uniform",
+                        help="fairness control: MeZO with MeZO-BCD's layer blocks at lr x these comma-separated "
+                             "factors (input first), every block still perturbed and updated each step")
     parser.add_argument("--train-seconds", type=float, default=3000.0, help="training clock budget per method")
     parser.add_argument("--max-steps", type=int, default=100000)
     parser.add_argument("--decay", choices=["none", "linear"], default="none",

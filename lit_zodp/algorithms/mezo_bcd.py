@@ -60,6 +60,7 @@ from lit_zodp.zo.blocks import (
     ORDERS,
     PARTITIONS,
     BlockPerturbation,
+    groups_at_block_rates,
     partition,
     sample_block,
     softmax_probabilities,
@@ -172,24 +173,8 @@ class DPMeZOBCD(DPZero):
         return [min(1.0, median / size) for size in sizes]
 
     def parameter_groups(self) -> list[dict]:
-        """The base groups cut into runs of equal block rate (``block_lr`` other than uniform), in the same order.
-
-        Cutting (not regrouping) keeps the parameters' order, so the fused engine's global layout, and
-        with it every element's direction, is the one ``"uniform"`` has.
-        """
-        groups = super().parameter_groups()
-        factors = self.block_lr_factors()
-        if all(f == 1.0 for f in factors):
-            return groups
-        factor_of = {id(p): f for b, f in zip(self.blocks(), factors) for p in b.params}
-        runs = []
-        for group in groups:
-            for p in group["params"]:
-                factor = factor_of[id(p)]
-                if not runs or runs[-1][0] is not group or runs[-1][1] != factor:
-                    runs.append((group, factor, []))
-                runs[-1][2].append(p)
-        return [dict(group, params=params, lr=self.lr * factor) for group, factor, params in runs]
+        """The base groups cut into runs of equal block rate (``block_lr`` other than uniform), in the same order."""
+        return groups_at_block_rates(super().parameter_groups(), self.blocks(), self.block_lr_factors(), self.lr)
 
     def make_engine(self, params: list[nn.Parameter], offsets: Optional[list[int]] = None) -> BlockPerturbation:
         """One engine per block over the block's parameters, at their global offsets (fused engine)."""

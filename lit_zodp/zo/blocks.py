@@ -72,6 +72,26 @@ def partition(model: nn.Module, kind: str = "layer", layers_per_block: int = 1) 
     return [b for b in blocks if b.params]
 
 
+def groups_at_block_rates(groups: list[dict], blocks: Sequence[Block], factors: Sequence[float],
+                          lr: float) -> list[dict]:
+    """Param ``groups`` cut into runs of parameters of equal block rate, ``lr * factors[j]`` for block ``j``.
+
+    Cutting (not regrouping) keeps the parameters' order, so a fused engine's global layout, and with
+    it every element's direction, is the one of the uncut groups. All factors 1: ``groups`` unchanged.
+    """
+    if all(f == 1.0 for f in factors):
+        return groups
+    factor_of = {id(p): f for b, f in zip(blocks, factors) for p in b.params}
+    runs: list[tuple[dict, float, list]] = []
+    for group in groups:
+        for p in group["params"]:
+            factor = factor_of[id(p)]
+            if not runs or runs[-1][0] is not group or runs[-1][1] != factor:
+                runs.append((group, factor, []))
+            runs[-1][2].append(p)
+    return [dict(group, params=params, lr=lr * factor) for group, factor, params in runs]
+
+
 def split_by_layer(model: nn.Module) -> tuple[list[nn.Parameter], list[tuple[str, list[nn.Parameter]]],
                                                list[nn.Parameter]]:
     """``(input side, [(layer name, params)], output side)`` over the unique trainable parameters."""
