@@ -12,8 +12,8 @@ TRAINING wall-clock, test accuracy, test loss)`` on the full test split.
   layer blocks: embeddings, 6 layers, head; random-permutation order). Same backbone (the packaged
   all-MiniLM-L6-v2 with the zero-shot head from label descriptions), same data
   (``MovieReviewsDataModule``, Rotten Tomatoes, B = 32, ``max_length`` 32, 1,706 test reviews),
-  ``seed_everything(0)``, run seed 0, ``lam`` 1e-3. Only ``lr`` is overridden (``--mezo-lr``,
-  ``--bcd-lr``). The Poisson batch stream gets the test-only ``sampling_seed=0`` so both methods
+  ``seed_everything(0)``, run seed ``--seed`` (0), ``lam`` 1e-3. Only ``lr`` is overridden (``--mezo-lr``,
+  ``--bcd-lr``). The Poisson batch stream gets the test-only ``sampling_seed=--seed`` so both methods
   see exactly the same batches (non-private runs: no privacy is claimed).
 * **Training.** A real Lightning ``Trainer`` per method (CPU, ``logger=False``, no checkpointing,
   no validation loop), stopped when the method's training clock reaches ``--train-seconds`` (or
@@ -107,6 +107,8 @@ def build(method: str, lr: float, args, backbone_extra: dict | None = None, data
     backbone = _class(backbone_cfg["class_path"])(**backbone_args)
     init = {k: v for k, v in model_cfg["init_args"].items() if k != "backbone"}
     init["lr"] = lr
+    seed = getattr(args, "seed", 0)
+    init["seed"] = seed
     if method == "bcd" and getattr(args, "bcd_block_lr", "uniform") != "uniform":
         init["block_lr"] = block_lr_option(args.bcd_block_lr)
     cls, control = _class(model_cfg["class_path"]), None
@@ -115,7 +117,7 @@ def build(method: str, lr: float, args, backbone_extra: dict | None = None, data
         cls = at_block_rates(cls, control)
     module = cls(backbone, **init)
     data_cfg = cfg["data"]
-    data_args = dict(data_cfg["init_args"], sampling_seed=0, **(data_extra or {}))
+    data_args = dict(data_cfg["init_args"], sampling_seed=seed, **(data_extra or {}))
     if getattr(args, "model_path", None):
         data_args["tokenizer"] = args.model_path
     if getattr(args, "data_path", None):
@@ -393,7 +395,7 @@ def spawn_pair(args, jobs: list[dict]) -> list[dict]:
                "--lr", repr(job["lr"]), "--result-file", result_file, "--threads", str(args.threads),
                "--eval-every", str(job.get("eval_every", args.eval_every)),
                "--eval-every-seconds", str(job.get("eval_every_seconds", args.eval_every_seconds)),
-               "--max-steps", str(job.get("max_steps", args.max_steps))]
+               "--max-steps", str(job.get("max_steps", args.max_steps)), "--seed", str(args.seed)]
         if job.get("train_seconds", args.train_seconds) is not None:
             cmd += ["--train-seconds", str(job.get("train_seconds", args.train_seconds))]
         if args.decay != "none":
@@ -559,7 +561,7 @@ def render(res: dict, s: dict, meta: dict, args) -> str:
              f"total {meta['total_wall_s']:.0f} s.  ",
              f"MiniLM ({meta.get('weights', 'all-MiniLM-L6-v2')}, {mezo.get('n_params')} parameters, zero-shot head) on Rotten Tomatoes "
              f"({mezo.get('n_private')} training reviews, {mezo.get('n_test')} test reviews), B = 32, max_length 32, "
-             f"lam 1e-3, seed 0, identical batch stream (sampling_seed 0). MeZO lr {mezo['lr']:g}"
+             f"lam 1e-3, run seed {getattr(args, 'seed', 0)}, identical batch stream (sampling_seed {getattr(args, 'seed', 0)}). MeZO lr {mezo['lr']:g}"
              + mezo_control_phrase(mezo.get("built", {}).get("control_block_lr")) + ", "
              f"MeZO-BCD lr {bcd['lr']:g} (layer blocks {len(bcd.get('blocks', []))}, random order"
              + block_lr_phrase(bcd.get("built", {}).get("init_args", {}).get("block_lr", "uniform")) + ")"
@@ -713,6 +715,9 @@ def main(argv=None) -> None:
     parser.add_argument("--mezo-block-lr", default="uniform",
                         help="fairness control: MeZO with MeZO-BCD's layer blocks at lr x these comma-separated "
                              "factors (input first), every block still perturbed and updated each step")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the run seed (directions, BCD's block order) and the batch stream's sampling_seed "
+                             "of both methods (a replicate: another value)")
     parser.add_argument("--train-seconds", type=float, default=3000.0, help="training clock budget per method")
     parser.add_argument("--max-steps", type=int, default=100000)
     parser.add_argument("--decay", choices=["none", "linear"], default="none",
