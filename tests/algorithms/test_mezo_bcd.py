@@ -323,23 +323,20 @@ def test_size_scaled_block_rates_step_each_block_as_uniform_at_its_own_rate(pert
     """block_lr="size": eta_j = eta min(1, median |B| / |B_j|), bitwise the uniform step at eta_j."""
     lr, sizes = 0.05, [10 * 32 + 32 + 32 * 8 + 8, 88, 88, 88, 8 + 8 + 24 + 3]
 
-    def first_step(order, block_lr, rate):
-        return first_block_step(order, block_lr, rate, perturbation)
-
     scaled = MeZOBCD(deep_mlp(embed_width=32), lr=lr, block_lr="size")
     assert [b.numel for b in scaled.blocks()] == sizes
     assert scaled.block_lr_factors() == [88 / sizes[0], 1.0, 1.0, 1.0, 1.0]
-    module = first_step("ascending", "size", lr)                           # step 1 on the embeddings
+    module = first_block_step("ascending", "size", lr, perturbation)       # step 1 on the embeddings
     rates = {id(p): g["lr"] for g in module.zo_optimizer.param_groups for p in g["params"]}
     for block, factor in zip(module.blocks(), module.block_lr_factors()):
         assert all(rates[id(p)] == lr * factor for p in block.params)
     assert [id(p) for p in module.engine.params] == [id(p) for p in module.trainable_parameters() if p.ndim >= 2] + \
         [id(p) for p in module.trainable_parameters() if p.ndim < 2]       # the uniform layout's order
     for order, factor in (("ascending", 88 / sizes[0]), ("descending", 1.0)):
-        stepped = params_of(first_step(order, "size", lr))
-        same = params_of(first_step(order, "uniform", lr * factor))
+        stepped = params_of(first_block_step(order, "size", lr, perturbation))
+        same = params_of(first_block_step(order, "uniform", lr * factor, perturbation))
         assert all(torch.equal(a, b) for a, b in zip(stepped, same)), order
-    bigger = params_of(first_step("ascending", "uniform", lr))
+    bigger = params_of(first_block_step("ascending", "uniform", lr, perturbation))
     assert not all(torch.equal(a, b) for a, b in zip(params_of(module), bigger))
 
 
