@@ -223,6 +223,8 @@ def make_callback(args, test_loader, probe_loader, probe_pos_frac=None):
                   f"load {row['loadavg']:.2f}", file=sys.stderr, flush=True)
 
         def on_train_start(self, trainer, module) -> None:
+            # block_lr="curvature" probed the blocks at fit start (before this hook): on BCD's clock
+            self.train_s = float((getattr(module, "block_curvature", None) or {}).get("seconds", 0.0))
             self._eval(trainer, module)            # zero-shot, step 0 (not on the clock)
             self.segment_start = time.perf_counter()
 
@@ -315,6 +317,8 @@ def run_worker(args) -> None:
               "worker_wall_s": time.perf_counter() - started}
     if hasattr(module, "block_names"):
         result["blocks"] = list(module.block_names)
+        result["block_curvature"] = module.block_curvature
+        result["block_lr_factors"] = module.block_lr_factors()
         result["block_numel"] = [b.numel for b in module.blocks()]
     Path(args.result_file).write_text(json.dumps(result))
 
@@ -534,7 +538,13 @@ def summarize(res: dict) -> dict:
     return s
 
 
-def block_lr_phrase(block_lr) -> str:
+def block_lr_phrase(block_lr, bcd: dict | None = None) -> str:
+    if block_lr == "curvature":
+        probe = (bcd or {}).get("block_curvature") or {}
+        factors = (bcd or {}).get("block_lr_factors") or []
+        return (", block_lr curvature: lr x min(1, median tr(H_kk) / tr(H_jj)) per block from a ZO probe at fit start"
+                + (f" ({probe['seconds']:.0f} s, counted on BCD's training clock)" if probe else "")
+                + (": lr x [" + ", ".join(f"{f:.2f}" for f in factors) + "], input first" if factors else ""))
     if block_lr == "size":
         return ", block_lr size: lr x min(1, median block size / block size) per block"
     if isinstance(block_lr, list):
@@ -564,7 +574,7 @@ def render(res: dict, s: dict, meta: dict, args) -> str:
              f"lam 1e-3, run seed {getattr(args, 'seed', 0)}, identical batch stream (sampling_seed {getattr(args, 'seed', 0)}). MeZO lr {mezo['lr']:g}"
              + mezo_control_phrase(mezo.get("built", {}).get("control_block_lr")) + ", "
              f"MeZO-BCD lr {bcd['lr']:g} (layer blocks {len(bcd.get('blocks', []))}, random order"
-             + block_lr_phrase(bcd.get("built", {}).get("init_args", {}).get("block_lr", "uniform")) + ")"
+             + block_lr_phrase(bcd.get("built", {}).get("init_args", {}).get("block_lr", "uniform"), bcd) + ")"
              + (", both decayed linearly to 0 on the training clock (lr (1 - t / budget))"
                 if mezo.get("decay") == "linear" else "") + ". "
              f"Training clock excludes evaluation; budget {args.train_seconds} s of training per method, "
@@ -710,8 +720,9 @@ def main(argv=None) -> None:
     parser.add_argument("--bcd-lr", type=float, default=None, help="BCD's lr (default: --bcd-lr-factor x --mezo-lr)")
     parser.add_argument("--bcd-lr-factor", type=float, default=10.0)
     parser.add_argument("--bcd-block-lr", default="uniform",
-                        help="MeZOBCD(block_lr=...): uniform (the paper), size (lr x min(1, median block / block)) "
-                             "or comma-separated factors, one per block, input first")
+                        help="MeZOBCD(block_lr=...): uniform (the paper), size (lr x min(1, median block / block)), "
+                             "curvature (the same with ZO-probed Hessian traces; the probe counts as BCD's training "
+                             "time) or comma-separated factors, one per block, input first")
     parser.add_argument("--mezo-block-lr", default="uniform",
                         help="fairness control: MeZO with MeZO-BCD's layer blocks at lr x these comma-separated "
                              "factors (input first), every block still perturbed and updated each step")

@@ -37,6 +37,16 @@ Choices where the paper is silent or ambiguous:
   positive factors sets ``eta_j = eta * factor_j`` directly, in the partition's order (input first):
   e.g. lower rates for the blocks holding most of the curvature (``benchmarks/diagnose_bcd_blocks.py``
   measures each block's share). Each block's rate is its own param group (schedulers scale them all).
+  ``block_lr="curvature"`` is the ``size`` rule with the size replaced by the block's Hessian trace
+  (a block's size is the trace of an isotropic Hessian, and a ZO step on ``B_j`` injects noise in
+  proportion to ``eta_j^2 tr(H_BjBj)``, DESIGN of ``benchmarks/diagnose_bcd_blocks.py``):
+  ``eta_j = eta * min(1, median_k tr(H_kk) / tr(H_jj))``. At fit start each ``tr(H_jj)`` is
+  estimated with forwards only, by the second difference of the batch mean loss along
+  ``u ~ N(0, I_|B_j|)`` at the step's ``lam`` (``curvature_probes`` directions per block on each of
+  ``curvature_batches`` batches; the directions are public). The probe reads the training data in
+  ``MeZOBCD`` and the DataModule's PUBLIC split in ``DPMeZOBCD`` (a rate set from private data would
+  be a release the accountant does not see); the factors are kept in checkpoints, so a resumed run
+  keeps its rates.
 
 Speed (ours, not the paper's): on CPU, the chunked engine keeps the active block's direction in a
 :class:`~lit_zodp.zo.perturbation.DirectionCache` (``cache_direction``), drawing ``u`` once per step
@@ -47,31 +57,39 @@ fused GPU engine draws ``u`` in registers and uses no cache.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+import time
+from itertools import islice
+from typing import Any, Iterable, Optional, Union
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 
 from lit_zodp.algorithms.dpzero import DERIVATIVES, DPZero
 from lit_zodp.backbones.base import batch_size_of
-from lit_zodp.errors import check_positive, check_positive_int, raise_if_any
-from lit_zodp.privacy import clip_scalars, clipped_fraction
+from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
+from lit_zodp.privacy import PrivateBatchSampler, clip_scalars, clipped_fraction
 from lit_zodp.zo.blocks import (
     ORDERS,
     PARTITIONS,
     BlockPerturbation,
     groups_at_block_rates,
+    median_rate_factors,
     partition,
     sample_block,
     softmax_probabilities,
     update_block_idx,
 )
+from lit_zodp.zo import derive_seed, second_differences
 from lit_zodp.zo.fused import global_offsets
 from lit_zodp.zo.perturbation import DirectionCache
 
 SELECTIONS = ("order", "adaptive")
 BLOCK_OPTIMIZERS = ("sgd", "adam")
-BLOCK_LRS = ("uniform", "size")
+BLOCK_LRS = ("uniform", "size", "curvature")
+#: Spawn key of the curvature probe's (public) directions.
+CURVATURE_STREAM = 0xB0E
 ADAPTIVE_SCORES = ("abs", "signed")
 
 
@@ -103,8 +121,11 @@ class DPMeZOBCD(DPZero):
             of three; memory: the largest block in float32). ``None``: on with the chunked (CPU)
             engine, off with the fused one, which ignores it.
         block_lr: ``"uniform"`` (the paper: ``lr`` for every block), ``"size"`` (ours:
-            ``lr * min(1, median block size / |B_j|)``), or one positive factor per block (ours:
+            ``lr * min(1, median block size / |B_j|)``), ``"curvature"`` (ours: ``lr * min(1, median
+            tr(H_kk) / tr(H_jj))``, estimated at fit start), or one positive factor per block (ours:
             ``lr * factor_j``, input first); see the module docstring.
+        curvature_batches, curvature_probes: ``block_lr="curvature"``'s probe: batches, and directions
+            per block and batch (forwards: ``batches * (1 + 2 * probes * N)``).
     """
 
     non_private_twin = "MeZOBCD"
@@ -115,7 +136,8 @@ class DPMeZOBCD(DPZero):
                  adaptive_score: str = "abs", block_optimizer: str = "sgd",
                  steps_per_block: Optional[int] = None, betas: tuple[float, float] = (0.9, 0.999),
                  adam_eps: float = 1e-8, cache_direction: Optional[bool] = None,
-                 block_lr: Union[str, list[float]] = "uniform", **kwargs: Any) -> None:
+                 block_lr: Union[str, list[float]] = "uniform", curvature_batches: int = 16,
+                 curvature_probes: int = 2, **kwargs: Any) -> None:
         raise_if_any([
             _one_of("partition", partition, PARTITIONS),
             check_positive_int("layers_per_block", layers_per_block),
@@ -134,6 +156,8 @@ class DPMeZOBCD(DPZero):
             f"Expected `betas` two floats in [0, 1), but got {betas!r}",
             check_positive("adam_eps", adam_eps),
             _check_block_lr(block_lr),
+            check_positive_int("curvature_batches", curvature_batches),
+            check_positive_int("curvature_probes", curvature_probes),
         ])
         super().__init__(backbone, **kwargs)
         self.partition, self.layers_per_block, self.order = partition, layers_per_block, order
@@ -144,6 +168,9 @@ class DPMeZOBCD(DPZero):
         self.betas, self.adam_eps = (float(betas[0]), float(betas[1])), adam_eps
         self.cache_direction = cache_direction
         self.block_lr = block_lr if isinstance(block_lr, str) else [float(f) for f in block_lr]
+        self.curvature_batches, self.curvature_probes = curvature_batches, curvature_probes
+        self.curvature_factors: Optional[list[float]] = None  # block_lr="curvature": set at fit start
+        self.block_curvature: Optional[dict] = None           # the probe's estimates (logs, checkpoints)
         self.block_names = [b.name for b in self.blocks()]
         if not isinstance(block_lr, str) and len(block_lr) != len(self.block_names):
             raise_if_any([f"Expected `block_lr` to hold one factor per block ({len(self.block_names)}: "
@@ -163,18 +190,27 @@ class DPMeZOBCD(DPZero):
 
     def block_lr_factors(self) -> list[float]:
         """``eta_j / eta`` per block: 1 (``"uniform"``), ``min(1, median_k |B_k| / |B_j|)`` (``"size"``;
-        the lower median for an even number of blocks), or the given factors."""
+        the lower median for an even number of blocks), the same of the traces (``"curvature"``, once
+        estimated), or the given factors."""
         if not isinstance(self.block_lr, str):
             return list(self.block_lr)
-        sizes = [b.numel for b in self.blocks()]
+        if self.block_lr == "curvature":
+            if self.curvature_factors is None:
+                raise RuntimeError("block_lr='curvature': the rates are estimated when a fit starts "
+                                   "(configure_optimizers), or by calibrate_block_rates(batches)")
+            return list(self.curvature_factors)
         if self.block_lr == "uniform":
-            return [1.0] * len(sizes)
-        median = sorted(sizes)[(len(sizes) - 1) // 2]
-        return [min(1.0, median / size) for size in sizes]
+            return [1.0] * self.num_blocks
+        return median_rate_factors([b.numel for b in self.blocks()])
 
     def parameter_groups(self) -> list[dict]:
         """The base groups cut into runs of equal block rate (``block_lr`` other than uniform), in the same order."""
         return groups_at_block_rates(super().parameter_groups(), self.blocks(), self.block_lr_factors(), self.lr)
+
+    def configure_optimizers(self):
+        if self.block_lr == "curvature" and self.curvature_factors is None:
+            self.calibrate_block_rates(self.curvature_probe_batches())
+        return super().configure_optimizers()
 
     def make_engine(self, params: list[nn.Parameter], offsets: Optional[list[int]] = None) -> BlockPerturbation:
         """One engine per block over the block's parameters, at their global offsets (fused engine)."""
@@ -197,6 +233,94 @@ class DPMeZOBCD(DPZero):
         """One cache shared by the blocks' chunked engines, sized to the largest block (``cache_direction``)."""
         wanted = self.cache_direction if self.cache_direction is not None else not self.uses_fused_engine(params)
         return DirectionCache(max(b.numel for b in blocks)) if wanted else None
+
+    # ----------------------------------------------------------------------------- curvature rates (ours)
+    def calibrate_block_rates(self, batches: Iterable) -> list[float]:
+        """``block_lr="curvature"``: estimate each ``tr(H_jj)`` on ``batches`` and set ``min(1, median / tr)``."""
+        started = time.perf_counter()
+        traces, errors = self.estimate_block_curvature(batches)
+        self.curvature_factors = median_rate_factors(traces)
+        self.block_curvature = {"trace": traces, "se": errors, "seconds": time.perf_counter() - started}
+        rows = [f"  {name}: tr(H) {t:.4g} +- {e:.2g} -> lr x {f:.3g}"
+                for name, t, e, f in zip(self.block_names, traces, errors, self.curvature_factors)]
+        rank_zero_info(f"block_lr='curvature' ({self.block_curvature['seconds']:.1f} s):\n" + "\n".join(rows))
+        return list(self.curvature_factors)
+
+    @torch.no_grad()
+    def estimate_block_curvature(self, batches: Iterable) -> tuple[list[float], list[float]]:
+        """Per block, the mean and standard error of ``(f(x + lam u) + f(x - lam u) - 2 f(x)) / lam^2``.
+
+        ``f`` is a batch's mean loss (eval mode), ``u ~ N(0, I_|B_j|)`` on block ``j`` from public seeds,
+        ``curvature_probes`` directions per block and batch; the mean is unbiased for ``tr(H_jj)`` up to
+        ``O(lam^2)``. Sums are all-reduced over DDP ranks, so every rank gets the same rates. The
+        parameters are restored after each probe (as after a step's probe).
+        """
+        params = [p for group in super().parameter_groups() for p in group["params"]]
+        engine = self.make_engine(params)
+        mode = self.backbone.training
+        self.backbone.eval()
+        sums = torch.zeros(3, self.num_blocks, dtype=torch.float64, device=params[0].device)
+        try:
+            for b, (inputs, targets) in enumerate(batches):
+                def loss():
+                    return self.private_losses(inputs, targets).double().mean()
+
+                center = loss()
+                for j in range(self.num_blocks):
+                    engine.activate(j)
+                    for k in range(self.curvature_probes):
+                        seed = derive_seed(derive_seed(self.run_seed, CURVATURE_STREAM, b), j, k)
+                        value = second_differences(engine, seed, self.lam, loss, center)
+                        engine.restore_()
+                        sums[:, j] += torch.stack([torch.ones_like(value), value, value * value])
+        finally:
+            engine.restore_()
+            self.backbone.train(mode)
+        count, total, squares = self.reduce_sum(sums).cpu().unbind()
+        if not count.min() > 0:
+            raise RuntimeError("block_lr='curvature' found no non-empty batch to probe")
+        mean = total / count
+        variance = (squares - count * mean * mean).clamp(min=0) / (count - 1).clamp(min=1)
+        return mean.tolist(), (variance / count).sqrt().tolist()
+
+    def curvature_probe_batches(self) -> Iterable:
+        """The probe's ``curvature_batches`` non-empty batches, on the module's device.
+
+        ``DPMeZOBCD``: the DataModule's public split only. ``MeZOBCD``: training examples (:meth:`training_sample`).
+        """
+        if self._trainer is None:
+            raise RuntimeError("block_lr='curvature' estimates the rates when a fit starts: fit with a "
+                               "Trainer, or call calibrate_block_rates(batches) first")
+        if self.trainer.ckpt_path is not None:
+            raise ConfigError("block_lr='curvature': the checkpoint holds no estimated block rates "
+                                     "(it was trained with another block_lr); resume with that block_lr")
+        if self.private:
+            source = getattr(self.trainer.datamodule, "public_dataloader", lambda: None)()
+            if source is None:
+                raise PrivacyConfigError(
+                    f"block_lr='curvature' in {type(self).__name__} estimates the rates on PUBLIC data: give "
+                    f"the DataModule a public split (public_fraction > 0), or set block_lr factors")
+            batches = source
+        else:
+            batches = self.training_sample(self.trainer.fit_loop._data_source.dataloader())
+        non_empty = (batch for batch in batches if batch_size_of(batch[0]) > 0)
+        return (move_data_to_device(batch, self.device) for batch in islice(non_empty, self.curvature_batches))
+
+    def training_sample(self, loaders) -> Iterable:
+        """Batches of training examples drawn from the run seed, the training loader's sampler untouched.
+
+        Its dataset and collate function, batches of the loader's expected size; the same batches on
+        every DDP rank. Leaving the sampler alone keeps a seeded batch stream the one a run without
+        the probe sees.
+        """
+        loader = loaders.get("private", loaders) if isinstance(loaders, dict) else loaders
+        sampler = getattr(loader, "batch_sampler", None)
+        size = (round(sampler.description.expected_batch_size) if isinstance(sampler, PrivateBatchSampler)
+                else getattr(loader, "batch_size", None) or 32)
+        dataset, collate = loader.dataset, loader.collate_fn
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.run_seed))
+        for start in range(0, len(dataset) - max(size, 1) + 1, max(size, 1)):
+            yield collate([dataset[int(i)] for i in order[start:start + size]])
 
     # ----------------------------------------------------------------------------- the step
     def training_step(self, batch, batch_idx: int) -> None:
@@ -282,7 +406,8 @@ class DPMeZOBCD(DPZero):
         super().on_save_checkpoint(checkpoint)
         adam = None if self.adam_state is None else {k: [t.cpu() for t in v] for k, v in self.adam_state.items()}
         checkpoint["block_state"] = {"active_block": self.active_block, "scores": list(self.block_scores),
-                                     "adam": adam}
+                                     "adam": adam, "curvature_factors": self.curvature_factors,
+                                     "block_curvature": self.block_curvature}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -291,6 +416,12 @@ class DPMeZOBCD(DPZero):
             self.active_block = state["active_block"]
             self.block_scores = list(state["scores"])
             self.adam_state = state["adam"]
+            if self.block_lr == "curvature" and state.get("curvature_factors") is not None:
+                if len(state["curvature_factors"]) != self.num_blocks:
+                    raise ConfigError(f"The checkpoint's curvature rates are for {len(state['curvature_factors'])} "
+                                             f"blocks, but this partition has {self.num_blocks}")
+                self.curvature_factors = list(state["curvature_factors"])
+                self.block_curvature = state.get("block_curvature")
 
 
 class MeZOBCD(DPMeZOBCD):

@@ -1,7 +1,7 @@
 """The zeroth-order engine: seeded in-place perturbations, direction laws and the ZO optimizer."""
 
 from lit_zodp.zo.directions import GaussianDirections, SphereDirections, make_direction_law, parameter_chunks
-from lit_zodp.zo.estimators import central_differences
+from lit_zodp.zo.estimators import central_differences, second_differences
 from lit_zodp.zo.optimizer import ZOSGD
 from lit_zodp.zo.perturbation import PerturbationEngine
 from lit_zodp.zo.seeds import derive_seed
@@ -15,4 +15,5 @@ __all__ = [
     "derive_seed",
     "make_direction_law",
     "parameter_chunks",
+    "second_differences",
 ]

@@ -92,6 +92,19 @@ def groups_at_block_rates(groups: list[dict], blocks: Sequence[Block], factors: 
     return [dict(group, params=params, lr=lr * factor) for group, factor, params in runs]
 
 
+def median_rate_factors(values: Sequence[float]) -> list[float]:
+    """``min(1, m / v_j)`` per block, ``m`` the lower median of ``values`` (ours: ``block_lr`` size/curvature).
+
+    A block whose value (its size, or its Hessian trace) exceeds the median gets its rate scaled down in
+    proportion; the others keep it, and so does a block with ``v_j <= m`` (a non-positive trace
+    included). All ones when ``m <= 0``: no positive scale to compare with.
+    """
+    median = sorted(values)[(len(values) - 1) // 2]
+    if not median > 0:
+        return [1.0] * len(values)
+    return [1.0 if v <= median else median / v for v in values]
+
+
 def split_by_layer(model: nn.Module) -> tuple[list[nn.Parameter], list[tuple[str, list[nn.Parameter]]],
                                                list[nn.Parameter]]:
     """``(input side, [(layer name, params)], output side)`` over the unique trainable parameters."""
@@ -328,5 +341,5 @@ def _slice(value, indices: list[int]):
 
 
 __all__ = ["BLOCK_ORDER_STREAM", "Block", "BlockPerturbation", "ORDERS", "PARTITIONS", "find_layer_stack",
-           "partition", "random_permutation", "sample_block", "softmax_probabilities", "split_by_layer",
-           "update_block_idx"]
+           "groups_at_block_rates", "median_rate_factors", "partition", "random_permutation", "sample_block",
+           "softmax_probabilities", "split_by_layer", "update_block_idx"]

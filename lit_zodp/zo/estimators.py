@@ -1,7 +1,9 @@
 """Two-point (central difference) estimates of directional derivatives, per example.
 
 ``(f(x + lam u; xi_i) - f(x - lam u; xi_i)) / (2 lam)`` for every example ``i`` of a batch
-(DPZero Eq. 2, Alg. 1-2 line 3), computed with two in-place perturbations of the parameters.
+(DPZero Eq. 2, Alg. 1-2 line 3), computed with two in-place perturbations of the parameters; and
+the three-point second difference along ``u``, whose mean over Gaussian ``u`` is ``tr(H)`` (ours:
+MeZO-BCD's ``block_lr="curvature"``).
 """
 
 from __future__ import annotations
@@ -27,3 +29,20 @@ def central_differences(engine: PerturbationEngine, seed: int, lam: float,
     engine.perturb_(seed, -2.0 * lam)
     minus = losses()
     return (plus - minus) / (2.0 * lam)
+
+
+def second_differences(engine: PerturbationEngine, seed: int, lam: float, losses: Callable[[], Tensor],
+                       center: Tensor) -> Tensor:
+    """Per-example ``(f(x + lam u) + f(x - lam u) - 2 f(x)) / lam^2`` along ``u(seed)``, ``center = f(x)``.
+
+    On a quadratic ``f = x'Ax / 2 + b'x`` it is ``u'Au`` exactly, so over ``u ~ N(0, I)`` its mean is
+    ``tr(A)`` (Hutchinson's estimator with Gaussian probes, variance ``2 ||A||_F^2``); for a smooth
+    ``f`` the error is ``O(lam^2)``. Leaves ``x - lam u`` pending, like :func:`central_differences`.
+    """
+    if lam <= 0:
+        raise ValueError(f"Expected the smoothing `lam` > 0, but got {lam}")
+    engine.perturb_(seed, +lam)
+    plus = losses()
+    engine.perturb_(seed, -2.0 * lam)
+    minus = losses()
+    return (plus + minus - 2.0 * center) / (lam * lam)
