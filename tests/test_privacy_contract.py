@@ -330,3 +330,18 @@ def test_the_public_gradient_backprops_through_the_public_batch_only(name):
     reference = torch.autograd.grad(nn.functional.cross_entropy(module.backbone(public_x), public_y), params)
     for got, want in zip(grads, reference):
         torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------------- logs
+@pytest.mark.parametrize("name", PRIVATE)
+def test_by_default_the_logs_hold_no_unaccounted_statistic_of_a_private_batch(name):
+    """``clip_fraction`` (which examples were clipped) and ``step_time`` (tracks the realized batch size)
+    are exact functions of the private batch: off unless asked for, and asking warns."""
+    from tests.algorithms.test_step_logging import Recorder
+
+    recorder = Recorder()
+    fit(build(name), poisson_loader(blobs(), 0.25, seed=1), 3, logger=recorder, log_every_n_steps=1)
+    logged = set().union(*recorder.steps.values())
+    assert "sigma" in logged and not logged & {"clip_fraction", "step_time"}
+    with pytest.warns(UserWarning, match="outside the privacy guarantee"):
+        build(name, log_private_stats=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any, Callable, ClassVar, Optional
 
 import lightning.pytorch as pl
@@ -46,7 +47,11 @@ class AlgorithmModule(pl.LightningModule):
     Privacy args (keyword-only, private algorithms; see :class:`~lit_zodp.privacy.PrivacyComponent`):
         clip, target_epsilon, noise_multiplier, delta, max_epsilon, noise_seed (TEST ONLY), eps_error,
         neighbours (``add_remove`` or the papers' ``replace_one``), accountant (``prv`` or ``rdp``);
-        log_private_stats: log the clip fraction, a non-privatized diagnostic of the private batch.
+        log_private_stats: log ``clip_fraction`` and ``step_time`` of each logged step. In a private
+            module both are exact, unaccounted statistics of the private batch (which examples were
+            clipped; the time tracks the realized batch size): a log reader sees an example's
+            membership, so they are off by default there (``None``: on only for non-private modules),
+            and turning them on warns that the logs are outside the guarantee.
     """
 
     #: False for the non-private twin of an algorithm (MeZO for DPZero).
@@ -79,7 +84,7 @@ class AlgorithmModule(pl.LightningModule):
         eps_error: float = 0.05,
         neighbours: str = "add_remove",
         accountant: str = "prv",
-        log_private_stats: bool = True,
+        log_private_stats: Optional[bool] = None,
     ) -> None:
         super().__init__()
         raise_if_any([check_positive("lr", lr)])
@@ -89,7 +94,11 @@ class AlgorithmModule(pl.LightningModule):
         self.lr = lr
         self.run_seed = seed
         self.lr_scheduler_factory = lr_scheduler
-        self.log_private_stats = log_private_stats
+        self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
+        if self.private and self.log_private_stats:
+            warnings.warn(f"{type(self).__name__}(log_private_stats=True) logs clip_fraction and step_time of "
+                          "private batches without noise or accounting: the logs are outside the privacy "
+                          "guarantee (debugging only)", UserWarning, stacklevel=2)
         if self.private:
             self.privacy = PrivacyComponent(clip=clip, target_epsilon=target_epsilon,
                                             noise_multiplier=noise_multiplier, delta=delta,
@@ -217,7 +226,8 @@ class AlgorithmModule(pl.LightningModule):
 
     def log_step(self, batch_size: int, clip_fraction: Optional[Callable[[], float | Tensor]] = None,
                  **stats: float) -> None:
-        """Per-step statistics (``step_time``, ``clip_fraction``, sigma once, ``stats``) on the steps the loggers write.
+        """Per-step statistics (sigma once, public ``stats``; ``log_private_stats``: ``step_time``, ``clip_fraction``)
+        on the steps the loggers write.
 
         Lightning writes ``on_step`` values every ``log_every_n_steps`` steps; a value logged between
         two writes is overwritten unread (these are not in the progress bar). ``self.log`` costs
@@ -235,7 +245,8 @@ class AlgorithmModule(pl.LightningModule):
             self.log("clip_fraction", clip_fraction(), batch_size=size)
         for name, value in stats.items():
             self.log(name, value, batch_size=size)
-        self.log("step_time", time.perf_counter() - self._step_started, batch_size=size)
+        if self.log_private_stats:
+            self.log("step_time", time.perf_counter() - self._step_started, batch_size=size)
 
     def _loggers_write_this_step(self) -> bool:
         """Lightning's own test (``should_update_logs``: every ``log_every_n_steps``; every step under ``fast_dev_run``)."""

@@ -6,7 +6,8 @@ from lightning.pytorch.loggers.logger import Logger
 from lit_zodp.algorithms import DPSGD, DPZero, MeZOBCD
 from tests.conftest import blobs, mlp, poisson_loader, quiet_trainer
 
-pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set", "ignore:.*val_dataloader.*")
+pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set", "ignore:.*val_dataloader.*",
+                                      "ignore:.*log_private_stats=True.*")
 
 
 class Recorder(Logger):
@@ -32,9 +33,11 @@ class Recorder(Logger):
 
 
 @pytest.mark.parametrize("make, extra", [
-    (lambda: DPZero(mlp(), lr=0.05, seed=0, clip=1.0, noise_multiplier=1.0, delta=1e-5, noise_seed=1), {"sigma"}),
+    (lambda: DPZero(mlp(), lr=0.05, seed=0, clip=1.0, noise_multiplier=1.0, delta=1e-5, noise_seed=1,
+                    log_private_stats=True), {"sigma"}),
     (lambda: MeZOBCD(mlp(), lr=0.05, seed=0), {"active_block"}),
-    (lambda: DPSGD(mlp(), lr=0.05, clip=1.0, noise_multiplier=1.0, delta=1e-5, noise_seed=1), {"sigma"}),
+    (lambda: DPSGD(mlp(), lr=0.05, clip=1.0, noise_multiplier=1.0, delta=1e-5, noise_seed=1,
+                   log_private_stats=True), {"sigma"}),
 ])
 def test_step_statistics_are_logged_every_n_steps_and_only_then(make, extra, monkeypatch):
     module = make()
@@ -59,7 +62,7 @@ def test_step_statistics_are_logged_every_n_steps_and_only_then(make, extra, mon
 @pytest.mark.parametrize("clip, expected", [(1e-12, 1.0), (1e12, 0.0)])
 @pytest.mark.parametrize("make", [
     lambda clip: DPZero(mlp(), lr=0.05, seed=0, clip=clip, noise_multiplier=1.0, delta=1e-5, noise_seed=1,
-                        num_directions=2),
+                        num_directions=2, log_private_stats=True),
     lambda clip: MeZOBCD(mlp(), lr=0.05, seed=0, clip=clip),
 ])
 def test_logged_clip_fraction_is_the_fraction_of_clipped_scalars(make, clip, expected):
