@@ -149,19 +149,36 @@ class PerturbationEngine:
         self.pending.clear()
 
     def _restore_and_update_chunkwise(self, terms: list, lrs: list[float], decays: list[float]) -> None:
-        """The fused pass chunk by chunk (chunk-parallel on CPU threads)."""
+        """The fused pass chunk by chunk (chunk-parallel on CPU threads).
+
+        With a noise vector among the terms (DPGD-0th), every term is summed in float32 and the sum is
+        added to the parameter ONCE: rounding the private term into the parameter before the noise
+        would release ``round(theta - lr c u)``, a noise-free function of the private sum (a bf16
+        parameter would drop a noise below half an ulp altogether). The parameter then changes only
+        through ``fl32(sum)``, post-processing of the noised release.
+        """
         chunks, owners = self._chunks, self._owner
         sources = [self._direction_source(seed, law) for law, seed, _, _ in terms]
+        noised = any(law is not self.law for law, _, _, _ in terms)
 
         def work(index: int, scratch: Scratch) -> None:
             chunk, owner = chunks[index], owners[index]
             shrink = 1.0 - lrs[owner] * decays[owner]
             if shrink != 1.0:
                 chunk.mul_(shrink)
+            total = torch.zeros(chunk.shape, dtype=torch.float32, device=chunk.device) if noised else None
             for (law, seed, pending, coefficient), direction in zip(terms, sources):
                 alpha = -shrink * pending - lrs[owner] * coefficient
-                if alpha != 0.0:
+                if alpha == 0.0:
+                    continue
+                if total is not None:
+                    total.add_(direction(index, scratch), alpha=alpha)
+                else:
                     chunk.add_(_as_dtype(direction(index, scratch), chunk), alpha=alpha)
+            if total is not None and chunk.dtype == torch.float32:
+                chunk.add_(total)
+            elif total is not None:
+                chunk.copy_(chunk.float().add_(total))
 
         for_each_chunk(chunks, work)
 

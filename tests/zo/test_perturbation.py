@@ -177,3 +177,32 @@ def test_a_cache_smaller_than_the_engine_is_refused():
     params = list(make_model().parameters())
     with pytest.raises(ValueError, match="cache holds 10 elements"):
         PerturbationEngine(params, cache=DirectionCache(10))
+
+
+class _Constant:
+    """A direction law of all ones (makes the rounding of each term visible)."""
+
+    name = "constant"
+    independent_chunks = True
+
+    def chunk_scale(self, chunks, seed):
+        return 1.0
+
+    def fill_chunk_(self, out, seed, index, generator):
+        return out.fill_(1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_noise_vector_is_summed_with_the_private_term_before_one_rounding(dtype):
+    """DPGD-0th: theta - lr (c u + s xi) must round once. Rounding ``theta - lr c u`` first would release a
+    noise-free function of the private ``c``: here +0.6 ulp (private) then -0.4 ulp (noise) gives
+    ``1 + ulp`` term by term, and ``1`` (the correctly rounded ``1 + 0.2 ulp``) in one add."""
+    ulp = torch.finfo(dtype).eps  # the spacing above 1.0
+    x = nn.Parameter(torch.ones(8, dtype=dtype))
+    law = _Constant()
+    engine = PerturbationEngine([x], law)
+    engine.restore_and_update_({5: -0.6 * ulp}, lr=1.0, extra_terms=[(_Constant(), 0.4 * ulp)])
+    assert torch.equal(x.detach(), torch.ones(8, dtype=dtype))
+    term_by_term = torch.ones(8, dtype=dtype).add_(torch.ones(8, dtype=dtype), alpha=0.6 * ulp)
+    assert torch.equal(term_by_term.add_(torch.ones(8, dtype=dtype), alpha=-0.4 * ulp),
+                       torch.full((8,), 1 + ulp, dtype=dtype))  # the order this test rules out
