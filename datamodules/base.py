@@ -487,14 +487,18 @@ class PublicPrivateDataModule(LightningDataModule):
 
         Built anew at every fit start (``train_dataloader``): a Poisson or shuffled sampler draws a
         fresh OS-entropy secret (rank 0's, broadcast under DDP) unless a test ``sampling_seed`` is
-        given; a single-pass sampler continues its (public) pass where the checkpoint left it.
+        given; a single-pass sampler continues its (public) pass where the checkpoint, or this
+        DataModule's previous loader (a reload, a second fit), left it.
         """
         place = dict(rank=rank, world_size=world_size)
         if self.sampling == "single_pass":
+            previous = getattr(self, "_batch_sampler", None)
             sampler = SinglePassBatchSampler(self.n_private, self.batch_size, seed=self.data_seed, **place)
             if self._pending_pass_state is not None:
                 sampler.load_state_dict(self._pending_pass_state)
                 self._pending_pass_state = None
+            elif isinstance(previous, SinglePassBatchSampler) and previous.description == sampler.description:
+                sampler.load_state_dict(previous.state_dict())  # a reloaded loader continues the pass
         elif self.sampling == "full_batch":
             sampler = FullBatchSampler(self.n_private, **place)
         else:

@@ -123,6 +123,7 @@ class PrivacyComponent:
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
+        self._check_single_pass()
         self._check_accountable()
         self.steps_allowed = self._steps_allowed()
         self.noise = None
@@ -173,6 +174,30 @@ class PrivacyComponent:
         if getattr(self, "_step_cost_key", None) != key:
             self._step_cost_key, self._step_cost = key, self._steps_cost(1, self.noise_multiplier)
         return self._step_cost
+
+    def _check_single_pass(self) -> None:
+        """A single pass is accounted once (parallel composition), so it must BE one pass, by one example.
+
+        * Its examples go to steps by position (a public assignment), so removing an example moves
+          the others: the parallel-composition argument holds for replace-one neighbours only.
+        * The sampler must continue the ledger's pass: a pass restarted (a second fit, a reloaded
+          loader, a fresh DataModule after ``load_from_checkpoint``) would reuse examples the ledger
+          counts once.
+        """
+        if not self.is_private or getattr(self.sampling, "name", None) != "single_pass":
+            return
+        if self.neighbours != "replace_one":
+            raise PrivacyConfigError(
+                "sampling='single_pass' assigns examples to steps by position, so removing one example moves "
+                "others to other steps: its guarantee holds for replace-one neighbours only. Set "
+                "neighbours='replace_one', or use Poisson sampling.")
+        recorded = sum(count for mechanism, count in self.ledger.counts.items()
+                       if getattr(mechanism, "composes_in_parallel", False))
+        if recorded != self.sampling.start:
+            raise PrivacyConfigError(
+                f"The ledger holds {recorded} single-pass steps but the sampler starts its pass at step "
+                f"{self.sampling.start}: a restarted pass would reuse examples accounted as used once. Resume "
+                "the run from its checkpoint (ckpt_path), which continues the pass.")
 
     def _check_accountable(self) -> None:
         """Refuse, before the first step, a sigma the accountant cannot certify for the planned run."""

@@ -22,7 +22,7 @@ every fit start by the DataModule, and are never checkpointed.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Iterator, Optional
 
 import numpy as np
@@ -80,10 +80,12 @@ class FullBatchSampling:
 
 @dataclass(frozen=True)
 class SinglePassSampling:
-    """Each of the ``n`` examples used in exactly one of ``steps`` steps (one pass)."""
+    """Each of the ``n`` examples used in exactly one of ``steps`` steps (one pass); ``start``: the
+    sampler's position in the pass when the fit starts (a resumed pass continues where it stopped)."""
 
     n: int
     steps: int
+    start: int = field(default=0, compare=False)
     name: ClassVar[str] = "single_pass"
 
     @property
@@ -232,7 +234,7 @@ class SinglePassBatchSampler(PrivateBatchSampler):
 
     @property
     def description(self) -> SinglePassSampling:
-        return SinglePassSampling(self.num_samples, self.steps)
+        return SinglePassSampling(self.num_samples, self.steps, start=self.next_step)
 
     def __len__(self) -> int:
         return self.steps - self.next_step

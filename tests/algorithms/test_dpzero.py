@@ -324,7 +324,8 @@ def test_the_datamodule_sampling_description_drives_the_accounting(sampling, exp
 
     data = SyntheticClassificationDataModule(batch_size=32, n_samples=192, n_features=10, num_classes=3,
                                              sampling=sampling)
-    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=2.0, delta=1e-5, seed=0)
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=2.0, delta=1e-5, seed=0,
+                    neighbours="replace_one" if sampling == "single_pass" else "add_remove")
     trainer = quiet_trainer(max_steps=6, max_epochs=None if sampling == "single_pass" else 6)
     trainer.fit(module, datamodule=data)
     (mechanism, count), = module.privacy.ledger.counts.items()

@@ -130,7 +130,7 @@ def test_a_changed_delta_on_resume_is_refused():
 
 
 def test_single_pass_steps_compose_in_parallel():
-    component = planned(noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50))
+    component = planned(noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50), neighbours="replace_one")
     for _ in range(50):
         component.release(torch.zeros(()), "g")
         component.commit_step()
@@ -188,3 +188,27 @@ def test_a_checkpoint_resumes_only_under_its_own_accounting_convention():
     state = planned(noise_multiplier=1.0, accountant="rdp").state_dict()
     with pytest.raises(PrivacyConfigError, match="accountant='rdp'"):
         PrivacyComponent(clip=1.0, noise_multiplier=1.0).load_state_dict(state)
+
+
+def test_single_pass_is_refused_under_add_remove_neighbours():
+    """Examples go to steps by position: removing one moves the others (parallel composition needs replace-one)."""
+    with pytest.raises(PrivacyConfigError, match="replace-one neighbours only"):
+        planned(noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50))
+
+
+def test_a_single_pass_must_continue_the_ledgers_pass():
+    """A restarted pass (second fit, reloaded loader, fresh DataModule) would reuse examples counted once."""
+    first = planned(noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50), neighbours="replace_one")
+    for _ in range(20):
+        first.release(torch.zeros(()), "g")
+        first.commit_step()
+    state = first.state_dict()
+    for start, refused in [(0, True), (19, True), (20, False)]:
+        resumed = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5, neighbours="replace_one")
+        resumed.load_state_dict(state)
+        plan = dict(step_plan=PLAN, sampling=SinglePassSampling(n=1000, steps=50, start=start), planned_steps=30)
+        if refused:
+            with pytest.raises(PrivacyConfigError, match="restarted pass would reuse examples"):
+                resumed.plan(**plan)
+        else:
+            resumed.plan(**plan)
