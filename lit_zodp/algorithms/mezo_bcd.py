@@ -39,7 +39,7 @@ Choices where the paper is silent or ambiguous:
   measures each block's share). Each block's rate is its own param group (schedulers scale them all).
   ``block_lr="curvature"`` is the ``size`` rule with the size replaced by the block's Hessian trace
   (a block's size is the trace of an isotropic Hessian, and a ZO step on ``B_j`` injects noise in
-  proportion to ``eta_j^2 tr(H_BjBj)``, DESIGN of ``benchmarks/diagnose_bcd_blocks.py``):
+  proportion to ``eta_j^2 tr(H_BjBj)``: the expansion in ``benchmarks/diagnose_bcd_blocks.py``):
   ``eta_j = eta * min(1, median_k tr(H_kk) / tr(H_jj))``. At fit start each ``tr(H_jj)`` is
   estimated with forwards only, by the second difference of the batch mean loss along
   ``u ~ N(0, I_|B_j|)`` at the step's ``lam`` (``curvature_probes`` directions per block on each of
