@@ -22,12 +22,7 @@ def central_differences(engine: PerturbationEngine, seed: int, lam: float,
     Leaves the parameters at ``x - lam u`` (pending in ``engine``): the caller restores them, or fuses
     the restore into the update (``ZOSGD.step``).
     """
-    if lam <= 0:
-        raise ValueError(f"Expected the smoothing `lam` > 0, but got {lam}")
-    engine.perturb_(seed, +lam)
-    plus = losses()
-    engine.perturb_(seed, -2.0 * lam)
-    minus = losses()
+    plus, minus = two_point_losses(engine, seed, lam, losses)
     return (plus - minus) / (2.0 * lam)
 
 
@@ -39,10 +34,16 @@ def second_differences(engine: PerturbationEngine, seed: int, lam: float, losses
     ``tr(A)`` (Hutchinson's estimator with Gaussian probes, variance ``2 ||A||_F^2``); for a smooth
     ``f`` the error is ``O(lam^2)``. Leaves ``x - lam u`` pending, like :func:`central_differences`.
     """
+    plus, minus = two_point_losses(engine, seed, lam, losses)
+    return (plus + minus - 2.0 * center) / (lam * lam)
+
+
+def two_point_losses(engine: PerturbationEngine, seed: int, lam: float,
+                     losses: Callable[[], Tensor]) -> tuple[Tensor, Tensor]:
+    """``(f(x + lam u), f(x - lam u))`` by two in-place perturbations; leaves ``x - lam u`` pending."""
     if lam <= 0:
         raise ValueError(f"Expected the smoothing `lam` > 0, but got {lam}")
     engine.perturb_(seed, +lam)
     plus = losses()
     engine.perturb_(seed, -2.0 * lam)
-    minus = losses()
-    return (plus + minus - 2.0 * center) / (lam * lam)
+    return plus, losses()
