@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -39,6 +40,9 @@ from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
 from lit_zodp.privacy.plan import StepPlan, composed_multiplier
 from lit_zodp.privacy.sampling import SamplingDescription
+
+#: The default delta's ceiling: the papers' 1e-5 (DPZero, DP-GRAPE), below ``1 / (10 n)`` for larger ``n``.
+DEFAULT_DELTA = 1e-5
 
 #: Epsilon above this is refused: the PRV accountant cannot certify it, and it promises nothing.
 MAX_EPSILON = 100.0
@@ -67,7 +71,9 @@ class PrivacyComponent:
         target_epsilon: calibrate sigma at the first fit start so the planned run spends at most
             this (PRV upper bound); also a budget. Exclusive with ``noise_multiplier``.
         noise_multiplier: a fixed sigma; ``0`` is a noiseless ablation (epsilon = inf).
-        delta: target delta; ``None`` means ``1 / n_private``.
+        delta: target delta; ``None`` means ``min(1e-5, 1 / (10 n_private))`` (the papers' 1e-5, and
+            well below ``1 / n``: a mechanism that publishes one whole random record is
+            ``(0, 1/n)``-DP). A ``delta >= 1 / n`` warns.
         max_epsilon: a budget: training stops before a step would exceed it.
         noise_seed: TEST ONLY (warns): makes the noise reproducible, so the run is not private.
         eps_error: accountant precision (epsilon upper bound minus estimate).
@@ -137,8 +143,12 @@ class PrivacyComponent:
             raise PrivacyConfigError(
                 f"`delta`={delta} differs from the checkpoint's delta={restored}: a run's budget is stated "
                 "at one delta. Resume with the same delta.")
-        delta = delta if delta is not None else 1.0 / self.sampling.n
+        delta = delta if delta is not None else min(DEFAULT_DELTA, 0.1 / self.sampling.n)
         raise_if_any([check_delta(delta)])
+        if self.is_private and delta >= 1.0 / self.sampling.n:
+            warnings.warn(f"delta={delta:g} >= 1/n = {1.0 / self.sampling.n:g}: a mechanism that publishes one whole "
+                          "random record meets this delta; choose delta well below 1/n (e.g. 1e-5)",
+                          UserWarning, stacklevel=3)
         return delta
 
     def _resolve_sigma(self, restored: Optional[float]) -> float:

@@ -144,12 +144,6 @@ def test_unaccountable_sigma_is_refused_at_plan_time():
         planned(noise_multiplier=1e-4, steps=1000)
 
 
-def test_delta_defaults_to_one_over_n():
-    component = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
-    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
-    assert component.delta == pytest.approx(1e-3)
-
-
 def test_the_non_private_twin_has_the_same_api_and_divides_by_the_realized_size():
     twin = NonPrivate(clip=math.inf)
     twin.plan(step_plan=PLAN)
@@ -212,3 +206,14 @@ def test_a_single_pass_must_continue_the_ledgers_pass():
                 resumed.plan(**plan)
         else:
             resumed.plan(**plan)
+
+
+@pytest.mark.parametrize("n, expected", [(1000, 1e-5), (10**6, 1e-7)])
+def test_the_default_delta_is_well_below_one_over_n(n, expected):
+    component = planned(noise_multiplier=1.0, delta=None, sampling=PoissonSampling(n=n, sample_rate=0.05))
+    assert component.delta == pytest.approx(expected)
+
+
+def test_a_delta_of_one_over_n_or_more_warns():
+    with pytest.warns(UserWarning, match="publishes one whole random record"):
+        planned(noise_multiplier=1.0, delta=1e-3, sampling=POISSON)
