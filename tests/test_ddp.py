@@ -21,7 +21,7 @@ from tests.test_cli import TINY
 PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)  # the privacy contract's DDP check
 
 
-def run(tmp_path, name, algorithm, devices):
+def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None):
     config = yaml.safe_load(yaml.safe_dump(TINY))
     config["trainer"].update(max_steps=16, devices=devices, default_root_dir=str(tmp_path / name),
                              enable_checkpointing=True,
@@ -30,8 +30,8 @@ def run(tmp_path, name, algorithm, devices):
     if devices > 1:
         config["trainer"]["strategy"] = "ddp"
     config["model"]["class_path"] = f"lit_zodp.algorithms.{algorithm}"
-    config["model"]["init_args"].update(seed=7, noise_seed=5)
-    config["data"]["init_args"].update(sampling_seed=123, n_samples=256)
+    config["model"]["init_args"].update(seed=7, noise_seed=5, **(model_args or {}))
+    config["data"]["init_args"].update(sampling_seed=123, n_samples=256, **(data_args or {}))
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     executable = shutil.which("lit-zodp") or str(Path(sys.executable).parent / "lit-zodp")
@@ -72,3 +72,17 @@ def run_initial_state():
     seed_everything(0)
     model = TinyMLP(in_features=16, num_classes=2, hidden=8)
     return {f"backbone.{k}": v for k, v in model.state_dict().items()}
+
+
+def test_two_ranks_probe_the_same_curvature_rates_as_one_process(tmp_path):
+    """DPMeZOBCD(block_lr="curvature") probes the public split, the same stream on every rank: both ranks
+    set the rates of one process (different rates would split the replicas apart)."""
+    options = dict(model_args={"block_lr": "curvature", "curvature_batches": 2}, data_args={"public_fraction": 0.25})
+    single = run(tmp_path, "single", "DPMeZOBCD", devices=1, **options)
+    ddp = run(tmp_path, "ddp", "DPMeZOBCD", devices=2, **options)
+    traces = single["block_state"]["block_curvature"]["trace"]
+    assert all(t != 0 for t in traces)
+    assert ddp["block_state"]["block_curvature"]["trace"] == pytest.approx(traces, rel=1e-6)
+    assert ddp["block_state"]["curvature_factors"] == pytest.approx(single["block_state"]["curvature_factors"])
+    for key, value in single["state_dict"].items():
+        torch.testing.assert_close(ddp["state_dict"][key], value, rtol=0, atol=2e-5)
