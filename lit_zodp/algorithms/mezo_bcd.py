@@ -62,14 +62,15 @@ from itertools import islice
 from typing import Any, Iterable, Optional, Union
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lit_zodp.algorithms.dpzero import DERIVATIVES, DPZero
 from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
 from lit_zodp.privacy import PrivateBatchSampler, clip_scalars, clipped_fraction
+from lit_zodp.zo import derive_seed, second_differences
 from lit_zodp.zo.blocks import (
     ORDERS,
     PARTITIONS,
@@ -81,7 +82,6 @@ from lit_zodp.zo.blocks import (
     softmax_probabilities,
     update_block_idx,
 )
-from lit_zodp.zo import derive_seed, second_differences
 from lit_zodp.zo.fused import global_offsets
 from lit_zodp.zo.perturbation import DirectionCache
 
@@ -293,7 +293,7 @@ class DPMeZOBCD(DPZero):
                                "Trainer, or call calibrate_block_rates(batches) first")
         if self.trainer.ckpt_path is not None:
             raise ConfigError("block_lr='curvature': the checkpoint holds no estimated block rates "
-                                     "(it was trained with another block_lr); resume with that block_lr")
+                              "(it was trained with another block_lr); resume with that block_lr")
         if self.private:
             source = getattr(self.trainer.datamodule, "public_dataloader", lambda: None)()
             if source is None:
