@@ -74,6 +74,7 @@ def run_initial_state():
     return {f"backbone.{k}": v for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow  # two more CLI fits (~90 s on 2 cores); run with -m slow
 def test_two_ranks_probe_the_same_curvature_rates_as_one_process(tmp_path):
     """DPMeZOBCD(block_lr="curvature") probes the public split, the same stream on every rank: both ranks
     set the rates of one process (different rates would split the replicas apart)."""
