@@ -215,11 +215,13 @@ class FullBatchSampler(PrivateBatchSampler):
 class SinglePassBatchSampler(PrivateBatchSampler):
     """One pass: each example is assigned to one of ``steps = round(n / batch_size)`` steps, once.
 
-    The assignment is i.i.d. uniform per example, so adding or removing one example changes one
-    step's batch only (parallel composition needs this; a permutation cut into fixed-size batches
-    would shift every later batch). It is public randomness (parallel composition does not rely on
-    its secrecy): ``seed`` is the public assignment seed and the position in the pass is
-    checkpointed, so a resumed run continues the pass. A second pass raises.
+    The assignment is i.i.d. uniform per POSITION, so replacing one example changes one step's batch
+    only (parallel composition needs this; a permutation cut into fixed-size batches would shift
+    every later batch). Removing one shifts the later positions to other steps, so the privacy
+    component accepts single-pass sampling with replace-one neighbours only. It is public randomness
+    (the replace-one argument does not rely on its secrecy): ``seed`` is the public assignment seed
+    and the position in the pass is checkpointed, so a resumed run continues the pass. A second
+    pass raises.
     """
 
     secret_stream = False
