@@ -83,3 +83,17 @@ def test_a_zeroth_order_step_on_cuda_never_waits_for_the_device(name):
     assert trainer.global_step == 4
     engine = getattr(module.engine, "engine", module.engine)  # MeZO-BCD: the active block's engine
     assert type(engine).__name__ == "FusedPerturbation"
+
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fixed_forward_rows_make_an_examples_loss_independent_of_its_batch_mates_on_cuda(dtype):
+    """On CUDA the kernels pick their reduction order by shape (lit_zodp.privacy.fixed_shape): with
+    rows of one length in chunks of 8, example 0's loss is bitwise the same in batches of 1..40 random
+    mates at random positions. Without chunks it may move; the spread is printed."""
+    from tests.privacy.test_fixed_shape import example_zero_in_random_batches
+
+    hidden = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
+    spread = {rows: example_zero_in_random_batches(rows, dtype, "cuda", hidden) for rows in (None, 8)}
+    print(f"{dtype}: (distinct values, spread) of example 0's loss by fixed_forward_rows: {spread}")
+    assert spread[8][0] == 1

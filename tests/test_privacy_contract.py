@@ -332,6 +332,25 @@ def test_the_public_gradient_backprops_through_the_public_batch_only(name):
         torch.testing.assert_close(got, want)
 
 
+# ---------------------------------------------------------------------- fixed-shape forwards
+@pytest.mark.parametrize("name", PRIVATE)
+def test_fixed_forward_rows_give_every_private_forward_one_shape_and_the_same_step(name):
+    """Poisson batches of varying size, forwarded as chunks of exactly 5 rows (tests/privacy/
+    test_fixed_shape.py: why): every forward the backbone sees is [5, 10], and the steps equal the
+    unchunked ones (the padding rows are dropped, the noise is the same draw)."""
+    shapes = []
+    backbone = mlp(seed=1)
+    backbone.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    fixed, plain = Trace(), Trace()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(build(name, backbone, fixed_forward_rows=5, noise_seed=0), poisson_loader(blobs(), 0.1, seed=2), 4, [fixed])
+        fit(build(name, mlp(seed=1), noise_seed=0), poisson_loader(blobs(), 0.1, seed=2), 4, [plain])
+    assert set(shapes) == {(5, 10)} and len(set(fixed.sizes)) > 1 and fixed.sizes == plain.sizes
+    for with_rows, without in zip(fixed.after, plain.after):
+        torch.testing.assert_close(with_rows, without, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------------- logs
 @pytest.mark.parametrize("name", PRIVATE)
 def test_by_default_the_logs_hold_no_unaccounted_statistic_of_a_private_batch(name):

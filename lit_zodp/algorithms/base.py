@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from lit_zodp.backbones.base import batch_size_of, num_classes_of, per_example_loss, predict
-from lit_zodp.errors import PrivacyConfigError, check_positive, raise_if_any
+from lit_zodp.errors import PrivacyConfigError, check_positive, check_positive_int, raise_if_any
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, StepPlan
+from lit_zodp.privacy.fixed_shape import FixedShapeForwards
 from lit_zodp.privacy.sampling import SamplingDescription
 
 #: Every concrete algorithm, by class name (filled by ``AlgorithmModule.__init_subclass__``).
@@ -52,6 +53,16 @@ class AlgorithmModule(pl.LightningModule):
             clipped; the time tracks the realized batch size): a log reader sees an example's
             membership, so they are off by default there (``None``: on only for non-private modules),
             and turning them on warns that the logs are outside the guarantee.
+        fixed_forward_rows: forward every private batch as chunks of exactly this many rows of one
+            row shape (the last chunk padded with copies of its first row, whose values are dropped):
+            batched GPU kernels pick their reduction order by shape, so otherwise an example's value
+            moves by rounding with its batch-mates and the sensitivity ``C`` holds only up to that
+            rounding (:mod:`lit_zodp.privacy.fixed_shape`). Text data must pad every row to
+            ``max_length`` (``pad_to_max_length: true``). ``None``: one forward of the batch as sampled.
+        fixed_forward_lengths: with ``fixed_forward_rows``, sequence-length buckets for text (e.g.
+            ``[16, 32, 64]``): each row is forwarded cut to the shortest bucket holding its last
+            attended token, with rows of its bucket only (the bucket depends on the row alone).
+            ``None``: every row at the data's full length.
     """
 
     #: False for the non-private twin of an algorithm (MeZO for DPZero).
@@ -85,15 +96,21 @@ class AlgorithmModule(pl.LightningModule):
         neighbours: str = "add_remove",
         accountant: str = "prv",
         log_private_stats: Optional[bool] = None,
+        fixed_forward_rows: Optional[int] = None,
+        fixed_forward_lengths: Optional[list[int]] = None,
     ) -> None:
         super().__init__()
-        raise_if_any([check_positive("lr", lr)])
+        raise_if_any([check_positive("lr", lr), None if fixed_forward_rows is None
+                      else check_positive_int("fixed_forward_rows", fixed_forward_rows),
+                      _check_lengths(fixed_forward_lengths, fixed_forward_rows)])
         self.save_hyperparameters(ignore=["backbone", "lr_scheduler"])
         self.automatic_optimization = False
         self.backbone = backbone
         self.lr = lr
         self.run_seed = seed
         self.lr_scheduler_factory = lr_scheduler
+        self.fixed_shape = (None if fixed_forward_rows is None
+                            else FixedShapeForwards(fixed_forward_rows, fixed_forward_lengths))
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
         if self.private and self.log_private_stats:
             warnings.warn(f"{type(self).__name__}(log_private_stats=True) logs clip_fraction and step_time of "
@@ -139,6 +156,10 @@ class AlgorithmModule(pl.LightningModule):
         if self.num_classes is None and data_classes:
             self.num_classes = data_classes
             self._build_metrics(data_classes)
+        if self.fixed_shape is not None and getattr(self.trainer.datamodule, "pad_to_max_length", True) is False:
+            raise PrivacyConfigError(
+                "`fixed_forward_rows` needs rows of one length, but the data module pads each batch to its "
+                "longest row: set its `pad_to_max_length: true`")
         if self.run_seed is None:
             self.run_seed = torch.initial_seed() & ((1 << 62) - 1)
         self.run_seed = int(self.trainer.strategy.broadcast(self.run_seed, src=0))
@@ -183,7 +204,12 @@ class AlgorithmModule(pl.LightningModule):
         """``f(x; xi_i)`` per private example: no autograd, eval mode; the only way a ZO step sees the batch."""
         if batch_size_of(inputs) == 0:
             return torch.zeros(0, device=targets.device)
-        return per_example_loss(self.backbone, inputs, targets).float()
+        if self.fixed_shape is None:
+            return per_example_loss(self.backbone, inputs, targets).float()
+        losses = torch.empty(len(targets), device=targets.device)
+        for rows, row_targets, positions in self.fixed_shape.chunks(inputs, targets):
+            losses[positions] = per_example_loss(self.backbone, rows, row_targets).float()[:len(positions)]
+        return losses
 
     def split_batch(self, batch) -> tuple[Any, Optional[Any]]:
         """``(private, public)``: a DataModule with ``public_in_step`` hands both; otherwise public is None."""
@@ -290,6 +316,16 @@ class AlgorithmModule(pl.LightningModule):
             raise PrivacyConfigError("This checkpoint has no privacy state: a private run cannot resume from it "
                                      "without losing the privacy already spent.")
         self.run_seed = checkpoint.get("public_state", {}).get("run_seed", self.run_seed)
+
+
+def _check_lengths(lengths: Optional[list[int]], rows: Optional[int]) -> Optional[str]:
+    if lengths is None:
+        return None
+    if rows is None:
+        return "`fixed_forward_lengths` buckets the rows of `fixed_forward_rows` chunks: set `fixed_forward_rows` too"
+    if not isinstance(lengths, (list, tuple)) or not lengths or any(check_positive_int("", n) for n in lengths):
+        return f"Expected `fixed_forward_lengths` to be a list of positive ints, but got {lengths!r}"
+    return None
 
 
 def read_sampling(trainer: "pl.Trainer") -> SamplingDescription:

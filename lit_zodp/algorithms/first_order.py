@@ -15,7 +15,7 @@ clipped SUM itself, once.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,7 @@ from lit_zodp.backbones.base import batch_size_of, per_example_loss
 from lit_zodp.errors import check_non_negative, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedSum, PerExampleGradientEngine
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
+from lit_zodp.privacy.fixed_shape import split_rows
 
 GRADIENT = "gradient"
 GRAD_MODES = ("hooks", "ghost", "bookkeeping", "vmap")
@@ -43,6 +44,7 @@ class FirstOrderModule(AlgorithmModule):
             (torch.func; slow, any model).
         micro_batch_size: split one logical (Poisson) batch into micro-batches of at most this many
             examples; their clipped sums accumulate and the noise is added once. ``None``: one pass.
+            With ``fixed_forward_rows`` (padded chunks of exactly that many rows) leave it unset.
     """
 
     abstract = True
@@ -53,6 +55,9 @@ class FirstOrderModule(AlgorithmModule):
             check_non_negative("weight_decay", weight_decay),
             None if grad_mode in GRAD_MODES else f"Expected `grad_mode` in {list(GRAD_MODES)}, but got {grad_mode!r}",
             None if micro_batch_size is None else check_positive_int("micro_batch_size", micro_batch_size),
+            None if micro_batch_size is None or kwargs.get("fixed_forward_rows") is None else
+            "`fixed_forward_rows` already splits the batch into chunks of that many rows: "
+            "leave `micro_batch_size` unset",
         ])
         super().__init__(backbone, **kwargs)
         self.weight_decay = weight_decay
@@ -73,8 +78,12 @@ class FirstOrderModule(AlgorithmModule):
     # ------------------------------------------------------------------------------ verbs
     def private_gradient(self, inputs, targets) -> ClippedSum:
         """``sum_i clip_C(grad f(x; xi_i))``, flat over all parameters, micro-batch by micro-batch."""
-        loss_fns = [lambda x=x, y=y: per_example_loss(self.backbone, x, y).float()
-                    for x, y in _micro_batches(inputs, targets, self.micro_batch_size)]
+        if self.fixed_shape is not None:
+            loss_fns = [(lambda x=x, y=y: per_example_loss(self.backbone, x, y).float(), len(positions))
+                        for x, y, positions in self.fixed_shape.chunks(inputs, targets)]
+        else:
+            loss_fns = [lambda x=x, y=y: per_example_loss(self.backbone, x, y).float()
+                        for x, y in split_rows(inputs, targets, self.micro_batch_size)]
         with self._no_ddp_grad_sync(), torch.enable_grad():
             return self.engine.clipped_sum_microbatched(loss_fns, self.clip)
 
@@ -105,17 +114,6 @@ class FirstOrderModule(AlgorithmModule):
         gradient = self.release_gradient(clipped)                 # (. + N(0, sigma^2 C^2 I)) / B
         self.apply_gradient(gradient)                             # optimizer step
         self.log_step(size, lambda: clipped_fraction(clipped.norms, self.clip))
-
-
-def _micro_batches(inputs, targets, size: Optional[int]) -> Iterator[tuple]:
-    total = len(targets)
-    if size is None or total <= size:
-        yield inputs, targets
-        return
-    for start in range(0, total, size):
-        part = slice(start, start + size)
-        chunk = {k: v[part] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[part]
-        yield chunk, targets[part]
 
 
 __all__ = ["FirstOrderModule"]

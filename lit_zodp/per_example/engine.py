@@ -267,7 +267,7 @@ class PerExampleGradientEngine:
 
     # ------------------------------------------------------------------------------ public API
 
-    def clipped_sum(self, loss_fn: Callable[[], Tensor], clip: float) -> ClippedSum:
+    def clipped_sum(self, loss_fn: Callable[[], Tensor], clip: float, examples: Optional[int] = None) -> ClippedSum:
         """Run ``loss_fn`` once (forward), back-propagate, and return the clipped sum.
 
         Every mode calls ``loss_fn`` once; "ghost" runs two backwards, the others one (the vmap
@@ -277,6 +277,8 @@ class PerExampleGradientEngine:
             loss_fn: Zero-argument callable running ``module`` on one batch and returning the
                 per-example losses ``[B]``; ``B = 0`` gives zero sums without a backward.
             clip: The flat clipping norm ``C > 0`` (``math.inf``: no clipping).
+            examples: only the first ``examples`` rows are examples; the others pad a fixed-shape
+                forward (:mod:`lit_zodp.privacy.fixed_shape`): factor 0, not counted. ``None``: all.
         """
         check_clip(clip)
         tape = self._tape()
@@ -285,18 +287,21 @@ class PerExampleGradientEngine:
                 losses, batch = self._per_example(loss_fn, tape, mode=self.mode)
                 if losses.numel() == 0:
                     return self._empty()
-                return self._clip_and_sum(losses, batch, clip, tape)
+                return self._clip_and_sum(losses, batch, clip, tape, examples)
         finally:
             tape.clear()
             for param in self.params:
                 param.grad = None
 
-    def clipped_sum_microbatched(self, loss_fns: Iterable[Callable[[], Tensor]], clip: float) -> ClippedSum:
-        """The clipped sum of one logical batch given as micro-batches (equal to one call on all)."""
+    def clipped_sum_microbatched(self, loss_fns: Iterable[Callable[[], Tensor] | Tuple[Callable[[], Tensor], int]],
+                                 clip: float) -> ClippedSum:
+        """The clipped sum of one logical batch given as micro-batches (equal to one call on all):
+        loss functions, or ``(loss_fn, examples)`` pairs of padded fixed-shape chunks."""
         check_clip(clip)
         total = None
-        for loss_fn in loss_fns:
-            part = self.clipped_sum(loss_fn, clip)
+        for item in loss_fns:
+            loss_fn, examples = item if isinstance(item, tuple) else (item, None)
+            part = self.clipped_sum(loss_fn, clip, examples)
             total = part if total is None else total.add_(part)
         return total if total is not None else self._empty()
 
@@ -622,14 +627,18 @@ class PerExampleGradientEngine:
             grads = self._projections[i].of_gradients(grads)
         return self.transform.apply(self.names[i], self.params[i], grads)
 
-    def _clip_and_sum(self, losses: Tensor, batch: _Batch, clip: float, tape: Tape) -> ClippedSum:
-        """Flat clip across all parameters (Abadi et al. 2016), non-finite examples at factor 0."""
+    def _clip_and_sum(self, losses: Tensor, batch: _Batch, clip: float, tape: Tape,
+                      examples: Optional[int] = None) -> ClippedSum:
+        """Flat clip across all parameters (Abadi et al. 2016), non-finite examples and padding rows
+        (index ``>= examples``) at factor 0."""
         count = len(self.params)
         dense = {i: self._transformed(i, batch.dense[i], batch) for i in range(count) if i in batch.dense}
         norm_sq = [_row_norm_sq(dense[i]) if i in dense else batch.ghost_norm_sq[i] for i in range(count)]
         dtype = torch.float64 if any(n.dtype == torch.float64 for n in norm_sq) else torch.float32
         norms = torch.stack([n.to(dtype) for n in norm_sq]).sum(0).sqrt()
         ok = torch.isfinite(losses) & torch.isfinite(norms)
+        if examples is not None:
+            ok &= torch.arange(len(losses), device=ok.device) < examples
         factors = torch.where(ok, clip_factors(norms, clip), torch.zeros_like(norms))
         ok = None if bool(ok.all()) else ok
         if batch.second_pass is not None:
@@ -639,7 +648,8 @@ class PerExampleGradientEngine:
         for i, grads in dense.items():
             sums[i] = torch.tensordot(factors.to(grads.dtype), _zero_rows(grads, ok), dims=1)
         out = [sums[i].to(p.dtype) for i, p in enumerate(self.params)]
-        return ClippedSum(out, norms.float(), len(losses))
+        examples = len(losses) if examples is None else examples
+        return ClippedSum(out, norms[:examples].float(), examples)
 
     def _ghost_sums(self, batch: _Batch, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:
         """``sum_i f_i G_i`` of the ghost parts from their recorded rows (``factors=None``: ``f_i = 1``)."""

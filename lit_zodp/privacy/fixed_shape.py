@@ -1,0 +1,120 @@
+"""Fixed-shape private forwards: each example's value computed the same way whatever its batch-mates.
+
+Clipping bounds the sensitivity only if adding or removing one example leaves the *other* examples'
+clipped values where they were. In exact arithmetic it does; in floating point it need not: batched
+GPU kernels choose their reduction order by the shape of the call (cuBLAS tile sizes and split-K by
+the number of rows, attention splits by the sequence length), so an example's loss moves by rounding
+with the number of rows it is forwarded with and with the longest row of its batch (He et al.,
+"Defeating Nondeterminism in LLM Inference", Thinking Machines Lab, 2025). The ZO modules divide
+the loss difference by ``2 lam``, which amplifies that rounding (0.7 measured in bf16 per example).
+
+:class:`FixedShapeForwards` forwards a private batch as chunks of exactly ``rows`` rows of one row
+shape: the last chunk is filled with copies of its own first row, whose outputs are dropped. Every
+private forward of a run is then one and the same computation, rows are computed independently of
+one another, and an example's value depends on its own data only. Rows of one shape are the data's
+part: text modules must pad every row to ``max_length`` (``pad_to_max_length: true``); a batch of
+another row shape is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lit_zodp.backbones.base import Inputs, batch_size_of
+from lit_zodp.errors import PrivacyConfigError
+
+RowShape = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def take_rows(inputs: Inputs, rows: slice | Tensor) -> Inputs:
+    """The rows ``rows`` of a tensor or of every tensor of a dict (batch dimension first)."""
+    if isinstance(inputs, Mapping):
+        return {key: value[rows] for key, value in inputs.items()}
+    return inputs[rows]
+
+
+def split_rows(inputs: Inputs, targets: Tensor, size: Optional[int]) -> Iterator[tuple[Inputs, Tensor]]:
+    """Consecutive chunks of at most ``size`` rows (``None``: the batch as one chunk)."""
+    total = len(targets)
+    if size is None or total <= size:
+        yield inputs, targets
+        return
+    for start in range(0, total, size):
+        part = slice(start, start + size)
+        yield take_rows(inputs, part), targets[part]
+
+
+def row_shape(inputs: Inputs) -> RowShape:
+    """The shape of one row: each tensor's shape without its batch dimension."""
+    items = inputs.items() if isinstance(inputs, Mapping) else (("inputs", inputs),)
+    return tuple((key, tuple(value.shape[1:])) for key, value in items)
+
+
+class FixedShapeForwards:
+    """Chunks of exactly ``rows`` rows of one row shape for every private forward.
+
+    ``lengths``: sequence-length buckets for text (a dict input with an ``attention_mask``): each row
+    goes to the shortest bucket that holds its last attended token and is forwarded cut to that many
+    columns, with rows of its own bucket only. The bucket is a function of the row alone, so the
+    value still depends on the row alone; cutting only drops padding columns (as dynamic padding
+    does). ``None``: every row at the data's full length.
+    """
+
+    def __init__(self, rows: int, lengths: Optional[Sequence[int]] = None, mask_key: str = "attention_mask") -> None:
+        self.rows = rows
+        self.lengths = None if lengths is None else sorted(set(lengths))
+        self.mask_key = mask_key
+        self.row_shape: Optional[RowShape] = None
+
+    def chunks(self, inputs: Inputs, targets: Tensor) -> Iterator[tuple[Inputs, Tensor, Tensor]]:
+        """``(inputs, targets, positions)`` of each chunk: ``rows`` rows, the first ``len(positions)``
+        of which are the batch's rows ``positions``; the others copy the chunk's first row."""
+        self.check_row_shape(inputs)
+        for length, members in self._groups(inputs):
+            for start in range(0, len(members), self.rows):
+                positions = members[start:start + self.rows]
+                index = torch.cat([positions, positions[:1].expand(self.rows - len(positions))])
+                yield _cut(take_rows(inputs, index), self.mask_key, length), targets[index], positions
+
+    def _groups(self, inputs: Inputs) -> list[tuple[Optional[int], Tensor]]:
+        """``(length, row positions)`` per bucket in use (one group of every row without buckets)."""
+        if not self._bucketed(inputs):
+            first = next(iter(inputs.values())) if isinstance(inputs, Mapping) else inputs
+            return [(None, torch.arange(batch_size_of(inputs), device=first.device))]
+        mask = inputs[self.mask_key]
+        total, width = mask.shape[0], mask.shape[-1]
+        attended = mask.reshape(total, -1, width).ne(0).any(1)
+        used = torch.where(attended, torch.arange(1, width + 1, device=mask.device), 0).amax(1)  # 1 + last attended
+        buckets = [length for length in self.lengths if length < width] + [width]
+        bucket_of = torch.bucketize(used, torch.tensor(buckets, device=mask.device))  # shortest bucket >= used
+        return [(buckets[b], torch.nonzero(bucket_of == b).flatten()) for b in bucket_of.unique().tolist()]
+
+    def _bucketed(self, inputs: Inputs) -> bool:
+        return self.lengths is not None and isinstance(inputs, Mapping) and self.mask_key in inputs
+
+    def check_row_shape(self, inputs: Inputs) -> None:
+        shape = row_shape(inputs)
+        if self.row_shape is None:
+            self.row_shape = shape
+        elif shape != self.row_shape:
+            raise PrivacyConfigError(
+                f"`fixed_forward_rows` needs rows of one shape, but a private batch has rows {dict(shape)} "
+                f"after {dict(self.row_shape)}: pad every row to max_length (the data module's "
+                f"`pad_to_max_length: true`)")
+
+
+def _cut(inputs: Inputs, mask_key: str, length: Optional[int]) -> Inputs:
+    """The first ``length`` columns of every tensor laid out like ``inputs[mask_key]`` (its sequence
+    dimension last); other tensors as they are. ``None``: nothing cut."""
+    if length is None:
+        return inputs
+    mask = inputs[mask_key]
+    dim = mask.dim() - 1
+    return {key: value.narrow(dim, 0, length).contiguous() if value.shape[:mask.dim()] == mask.shape else value
+            for key, value in inputs.items()}
+
+
+__all__ = ["FixedShapeForwards", "row_shape", "split_rows", "take_rows"]
