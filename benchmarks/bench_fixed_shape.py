@@ -16,7 +16,7 @@ chunks per length bucket (``fixed_forward_lengths``: each row cut to the shortes
 Usage::
 
     python benchmarks/bench_fixed_shape.py                    # CPU: batch 32, max_length 64, 40 batches x 3
-    python benchmarks/bench_fixed_shape.py --device cuda --dtype bfloat16 --batch 64 --rows 16,32,64
+    benchmarks/gpu_session.sh fixed_shape                     # GPU (MiniLM and the reviews carried)
 """
 
 from __future__ import annotations
@@ -36,14 +36,15 @@ for path in (HERE, HERE.parent):
 from _common import machine_info, resolve_device, results_stem, setup_worker, sync, write_results  # noqa: E402
 
 
-def load_rows(max_length: int):
+def load_rows(max_length: int, model_path: str = "minilm", data_path: str | None = None):
     """The private split of Rotten Tomatoes as ``[n, max_length]`` ids and masks, and the labels."""
     import torch
 
     from datamodules import MovieReviewsDataModule
 
-    data = MovieReviewsDataModule(source="rotten_tomatoes", tokenizer="minilm", max_length=max_length,
-                                  batch_size=32, pad_to_max_length=True)
+    extra = {"data_path": data_path} if data_path else {}
+    data = MovieReviewsDataModule(source="rotten_tomatoes", tokenizer=model_path, max_length=max_length,
+                                  batch_size=32, pad_to_max_length=True, **extra)
     data.setup("fit")
     rows = [data.private_dataset[i] for i in range(len(data.private_dataset))]
     ids = torch.stack([r[0]["input_ids"] for r in rows])
@@ -59,7 +60,7 @@ def poisson_batches(n: int, batch: int, count: int, seed: int):
     return [torch.nonzero(torch.rand(n, generator=g) < batch / n).flatten() for _ in range(count)]
 
 
-def make_modules(rows_options: list[int], buckets: list[int], dtype: str, device):
+def make_modules(rows_options: list[int], buckets: list[int], dtype: str, device, model_path: str = "minilm"):
     """One DPZero per configuration, all holding the same MiniLM weights."""
     import torch
 
@@ -67,7 +68,7 @@ def make_modules(rows_options: list[int], buckets: list[int], dtype: str, device
     from lit_zodp.backbones import SentenceEncoderClassifier
 
     torch.manual_seed(0)
-    backbone = SentenceEncoderClassifier(model_name_or_path="minilm", num_classes=2)
+    backbone = SentenceEncoderClassifier(model_name_or_path=model_path, num_classes=2)
     backbone = backbone.to(device=device, dtype=getattr(torch, dtype)).eval()
     common = dict(lr=1e-6, clip=50.0, noise_multiplier=1.0)
     modules = {"dynamic": DPZero(backbone, **common), "fixed_length": DPZero(backbone, **common)}
@@ -100,10 +101,17 @@ def run(args) -> dict:
 
     setup_worker(args.threads)
     device = resolve_device(args.device)
-    ids, mask, labels = load_rows(args.max_length)
+    model_path, data_path = "minilm", None
+    if args.carry:  # a GPU machine without the data extras (benchmarks/gpu_session.sh carry)
+        import tempfile
+
+        from bench_mezo_bcd_accuracy import unpack_carry
+
+        model_path, data_path = unpack_carry(Path(args.carry), Path(tempfile.mkdtemp(prefix="minilm_")))
+    ids, mask, labels = load_rows(args.max_length, model_path, data_path)
     batches = poisson_batches(len(labels), args.batch, args.batches, args.seed)
     buckets = [int(n) for n in args.lengths.split(",")] if args.lengths else []
-    modules = make_modules([int(r) for r in args.rows.split(",")], buckets, args.dtype, device)
+    modules = make_modules([int(r) for r in args.rows.split(",")], buckets, args.dtype, device, model_path)
     names = list(modules)
     seconds = {name: [] for name in names}
     for repeat in range(args.repeats + 1):  # the first pass warms up
@@ -158,6 +166,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--carry", metavar="DIR", default=None,
+                        help="MiniLM and the reviews from a folder written by bench_mezo_bcd_accuracy.py --pack-carry")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import os

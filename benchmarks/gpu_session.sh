@@ -36,6 +36,9 @@
 #                training clock (BCD_ACC_SECONDS of training each, default 150; evaluation every tenth):
 #                lrs 3e-5 / 3e-4 (the CPU runs') and 1e-5 / 1e-4
 #                -> results/bench_mezo_bcd_accuracy_gpu_lr3.{md,json}, ..._gpu_lr1.{md,json}      ~7-8 min
+#   fixed_shape  bench_fixed_shape.py --device cuda --carry .gpu_carry (MiniLM, fp32 and bf16, Poisson batch
+#                64, max_length 128, fixed_forward_rows 16/32/64 with and without length buckets 32,64)
+#                -> results/bench_fixed_shape_gpu_{fp32,bf16}.{md,json}                         ~2-3 min
 #   all          tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy, in that order
 #                (~30-40 min: more than one device command; see the call plan)
 #
@@ -51,7 +54,8 @@
 #   2. run(command="benchmarks/gpu_session.sh zo_roberta",        carry=[".whl"], timeout_s=600)
 #   3. run(command="benchmarks/gpu_session.sh zo_opt bcd",        carry=[".whl"], timeout_s=600)
 #   4. run(command="benchmarks/gpu_session.sh bcd_accuracy",      carry=[".whl", ".gpu_carry"], timeout_s=600)
-#   5. if device time is left: run(command="benchmarks/gpu_session.sh first_order", carry=[".whl"])
+#   5. if device time is left: run(command="benchmarks/gpu_session.sh fixed_shape first_order",
+#      carry=[".whl", ".gpu_carry"])
 #   then HERE: unpack the tarballs (Results) and `benchmarks/gpu_session.sh merge`.
 # Pieces of one call share its deadline (DEADLINE, default 570 s when $OUT is set): a piece that would
 # start with less than 60 s left is skipped (it says so) and can go into the next call.
@@ -104,7 +108,7 @@ mkdir -p "$RES" "$LOGS"
 
 #: Per-piece caps in seconds (each under 9 minutes), further cut by what is left of DEADLINE.
 declare -A CAP=([tests]=540 [zo_roberta]=540 [zo_opt]=540 [zo_minilm]=300 [merge]=60 [first_order]=540
-                [bcd]=480 [bcd_accuracy]=540)
+                [bcd]=480 [bcd_accuracy]=540 [fixed_shape]=300)
 
 say() { printf '[gpu_session %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -269,6 +273,25 @@ piece_bcd_accuracy() {
     return $rc
 }
 
+piece_fixed_shape() {
+    ensure_deps || return 1
+    if [[ ! -f .gpu_carry/minilm/model.fp16.safetensors ]]; then
+        say "fixed_shape: .gpu_carry/ is missing: run 'benchmarks/gpu_session.sh carry' HERE, then name .gpu_carry in the run's carry"
+        return 1
+    fi
+    local dtype stem rc=0 files=()
+    for dtype in float32 bfloat16; do
+        stem="$RES/bench_fixed_shape_gpu_${dtype}"
+        files+=("$stem.md" "$stem.json")
+        # shellcheck disable=SC2086
+        run_logged fixed_shape "$(budget fixed_shape)" "$PY" benchmarks/bench_fixed_shape.py --device cuda \
+            --carry .gpu_carry --dtype "$dtype" --batch 64 --max-length 128 --rows 16,32,64 --lengths 32,64 \
+            --batches 30 --repeats 3 --out "$stem" $EXTRA_ARGS || rc=$?
+    done
+    export_out fixed_shape "${files[@]}"
+    return $rc
+}
+
 #: local_piece PIECE FOLDER WHY: refuses to run on the device; keeps FOLDER out of git here (.gitignore
 #: names it too, for checkouts whose .git/info is missing).
 local_piece() {
@@ -313,9 +336,10 @@ run_piece() {
         first_order) piece_first_order ;;
         bcd) piece_bcd ;;
         bcd_accuracy) piece_bcd_accuracy ;;
+        fixed_shape) piece_fixed_shape ;;
         wheels) piece_wheels ;;
         carry) piece_carry ;;
-        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy all wheels carry)"; return 2 ;;
+        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy fixed_shape all wheels carry)"; return 2 ;;
     esac
     rc=$?
     say "=== $piece: done, rc=$rc, wall $((SECONDS - start)) s"
@@ -323,7 +347,7 @@ run_piece() {
 }
 
 if (($# == 0)); then
-    sed -n '2,57p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,61p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 pieces=()

@@ -6,12 +6,14 @@ GPU kernels choose their reduction order by the shape of the call (cuBLAS tile s
 the number of rows, attention splits by the sequence length), so an example's loss moves by rounding
 with the number of rows it is forwarded with and with the longest row of its batch (He et al.,
 "Defeating Nondeterminism in LLM Inference", Thinking Machines Lab, 2025). The ZO modules divide
-the loss difference by ``2 lam``, which amplifies that rounding (0.7 measured in bf16 per example).
+the loss difference by ``2 lam``, which amplifies that rounding (an audit measured up to 0.7 per
+example in bf16).
 
 :class:`FixedShapeForwards` forwards a private batch as chunks of exactly ``rows`` rows of one row
 shape: the last chunk is filled with copies of its own first row, whose outputs are dropped. Every
-private forward of a run is then one and the same computation, rows are computed independently of
-one another, and an example's value depends on its own data only. Rows of one shape are the data's
+private forward of a run then has one shape (or one per length bucket, chosen by the row alone), and
+deterministic kernels compute a row of a given shape the same way whatever the other rows hold and
+wherever it sits: an example's value depends on its own data only. Rows of one shape are the data's
 part: text modules must pad every row to ``max_length`` (``pad_to_max_length: true``); a batch of
 another row shape is refused.
 """
