@@ -83,12 +83,12 @@ class FixedShapeForwards:
 
     def _groups(self, inputs: Inputs) -> list[tuple[Optional[int], Tensor]]:
         """``(length, row positions)`` per bucket in use (one group of every row without buckets)."""
-        if not self._bucketed(inputs):
+        if not self._bucketed(inputs) or batch_size_of(inputs) == 0:
             first = next(iter(inputs.values())) if isinstance(inputs, Mapping) else inputs
             return [(None, torch.arange(batch_size_of(inputs), device=first.device))]
         mask = inputs[self.mask_key]
         total, width = mask.shape[0], mask.shape[-1]
-        attended = mask.reshape(total, -1, width).ne(0).any(1)
+        attended = mask.flatten(1, -2).ne(0).any(1) if mask.dim() > 2 else mask.ne(0)
         used = torch.where(attended, torch.arange(1, width + 1, device=mask.device), 0).amax(1)  # 1 + last attended
         buckets = [length for length in self.lengths if length < width] + [width]
         bucket_of = torch.bucketize(used, torch.tensor(buckets, device=mask.device))  # shortest bucket >= used

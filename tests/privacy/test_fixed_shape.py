@@ -176,6 +176,20 @@ def test_length_buckets_forward_each_row_with_its_own_buckets_rows_cut_to_that_l
         assert int(mask[positions, length:].sum()) == 0  # only padding columns were cut
         seen[positions] += 1
     assert torch.equal(seen, torch.ones(23, dtype=torch.long))
+    empty = {key: value[:0] for key, value in batch.items()}
+    assert list(FixedShapeForwards(4, [8]).chunks(empty, targets[:0])) == []
+
+
+def test_length_buckets_of_candidate_rows_follow_the_longest_candidate():
+    """A ``[B, K, L]`` mask (candidate scoring): a row's bucket holds the last token any candidate attends."""
+    mask = torch.zeros(3, 2, 24, dtype=torch.long)
+    mask[0, 0, :5], mask[0, 1, :12] = 1, 1  # longest candidate 12 -> bucket 16
+    mask[1, :, :3] = 1                      # 3 -> 8
+    mask[2, 1, :20] = 1                     # 20 -> the full 24
+    batch = {"input_ids": mask * 7, "attention_mask": mask}
+    lengths = {int(p): chunk["attention_mask"].shape[-1]
+               for chunk, _, positions in FixedShapeForwards(2, [8, 16]).chunks(batch, torch.zeros(3)) for p in positions}
+    assert lengths == {0: 16, 1: 8, 2: 24}
 
 
 def test_length_buckets_keep_the_losses_of_the_full_length_forward():
