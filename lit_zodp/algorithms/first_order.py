@@ -58,6 +58,9 @@ class FirstOrderModule(AlgorithmModule):
             None if micro_batch_size is None or kwargs.get("fixed_forward_rows") is None else
             "`fixed_forward_rows` already splits the batch into chunks of that many rows: "
             "leave `micro_batch_size` unset",
+            None if not (self.private and getattr(backbone, "several_rows_per_example", False)) else
+            f"{type(backbone).__name__} forwards several rows per example, which per-example gradients cannot "
+            f"attribute to their example: train it with a zeroth-order module (DPZero, DPMeZOBCD)",
         ])
         super().__init__(backbone, **kwargs)
         self.weight_decay = weight_decay

@@ -31,6 +31,9 @@ class Backbone(nn.Module):
     """
 
     num_classes: int
+    #: Whether the model's own forwards hold several rows per example (an example's K candidates):
+    #: the per-example gradient engine, which takes row ``i`` of a call for example ``i``, refuses it.
+    several_rows_per_example: bool = False
 
     def per_example_loss(self, inputs: Inputs, targets: Tensor) -> Tensor:
         """Cross-entropy of each example, shape ``[B]`` (no reduction)."""

@@ -646,7 +646,14 @@ class HFCandidateScorer(Backbone):
         dtype: ``float32``, ``float16`` or ``bfloat16``; ``None`` keeps the checkpoint's. Log-probs
             are computed in float32 (float64 for a float64 model).
         model_kwargs: Extra keyword arguments for ``from_pretrained``.
+
+    First-order private training (DP-SGD/DP-Adam) is refused: the transformer's calls hold ``K`` rows
+    per example, which the per-example gradient engine would credit to the wrong examples whenever a
+    call's row count equals the batch size (an audit measured 1.85 C of sensitivity). The ZO modules
+    clip the per-example loss difference and are unaffected.
     """
+
+    several_rows_per_example = True
 
     def __init__(
         self,

@@ -273,3 +273,19 @@ def test_bad_fixed_rows_options_are_refused_in_one_line(kwargs, match):
     with pytest.raises(PrivacyConfigError, match=match) as info:
         cls(mlp(), lr=0.1, clip=1.0, noise_multiplier=1.0, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_a_backbone_with_several_rows_per_example_is_refused_by_private_first_order_modules():
+    """HFCandidateScorer forwards K candidate rows per example: the per-example gradient engine would
+    credit rows to the wrong examples when a call's row count equals the batch size (audit: 1.85 C)."""
+    from lit_zodp.algorithms import SGD
+    from lit_zodp.backbones import HFCandidateScorer
+
+    config = dict(model_type="gpt2", vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    scorer = HFCandidateScorer(config=config, num_classes=2)
+    with pytest.raises(PrivacyConfigError, match="several rows per example.*zeroth-order") as info:
+        DPSGD(scorer, lr=0.1, clip=1.0, noise_multiplier=1.0)
+    assert "\n" not in str(info.value)
+    SGD(scorer, lr=0.1)  # non-private: the batch gradient is right whatever the rows' attribution
+    DPZero(scorer, lr=0.1, clip=1.0, noise_multiplier=1.0)
+
