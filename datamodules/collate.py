@@ -22,6 +22,8 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data.dataloader import default_collate
 
+from lit_zodp.privacy.fixed_shape import cut_columns, used_lengths
+
 
 def empty_like_batch(batch: Any) -> Any:
     """Slice every tensor of a collated batch to zero rows, keeping the nesting.
@@ -84,18 +86,10 @@ def trim_to_longest(inputs: Mapping[str, torch.Tensor], mask_key: str = "attenti
     mask = inputs[mask_key]
     if mask.numel() == 0:
         return dict(inputs)
-    length = mask.shape[-1]
-    used = mask.reshape(-1, length).ne(0).any(0).nonzero()
-    longest = int(used.max()) + 1 if used.numel() else 1
-    if longest == length:
+    longest = max(int(used_lengths(mask).max()), 1)
+    if longest == mask.shape[-1]:
         return dict(inputs)
-    dim = mask.dim() - 1
-    return {
-        key: value.narrow(dim, 0, longest).contiguous()
-        if isinstance(value, torch.Tensor) and value.shape[: mask.dim()] == mask.shape
-        else value
-        for key, value in inputs.items()
-    }
+    return cut_columns(inputs, longest, mask_key)
 
 
 class PadToLongest:

@@ -75,23 +75,21 @@ class FixedShapeForwards:
         """``(inputs, targets, positions)`` of each chunk: ``rows`` rows, the first ``len(positions)``
         of which are the batch's rows ``positions``; the others copy the chunk's first row."""
         self.check_row_shape(inputs)
-        for length, members in self._groups(inputs):
+        for length, members in self._groups(inputs, targets.device):
             for start in range(0, len(members), self.rows):
                 positions = members[start:start + self.rows]
                 index = torch.cat([positions, positions[:1].expand(self.rows - len(positions))])
-                yield _cut(take_rows(inputs, index), self.mask_key, length), targets[index], positions
+                rows = take_rows(inputs, index)
+                yield (rows if length is None else cut_columns(rows, length, self.mask_key)), targets[index], positions
 
-    def _groups(self, inputs: Inputs) -> list[tuple[Optional[int], Tensor]]:
+    def _groups(self, inputs: Inputs, device: torch.device) -> list[tuple[Optional[int], Tensor]]:
         """``(length, row positions)`` per bucket in use (one group of every row without buckets)."""
         if not self._bucketed(inputs) or batch_size_of(inputs) == 0:
-            first = next(iter(inputs.values())) if isinstance(inputs, Mapping) else inputs
-            return [(None, torch.arange(batch_size_of(inputs), device=first.device))]
+            return [(None, torch.arange(batch_size_of(inputs), device=device))]
         mask = inputs[self.mask_key]
-        total, width = mask.shape[0], mask.shape[-1]
-        attended = mask.flatten(1, -2).ne(0).any(1) if mask.dim() > 2 else mask.ne(0)
-        used = torch.where(attended, torch.arange(1, width + 1, device=mask.device), 0).amax(1)  # 1 + last attended
+        width = mask.shape[-1]
         buckets = [length for length in self.lengths if length < width] + [width]
-        bucket_of = torch.bucketize(used, torch.tensor(buckets, device=mask.device))  # shortest bucket >= used
+        bucket_of = torch.bucketize(used_lengths(mask), torch.tensor(buckets, device=mask.device))  # shortest >= used
         return [(buckets[b], torch.nonzero(bucket_of == b).flatten()) for b in bucket_of.unique().tolist()]
 
     def _bucketed(self, inputs: Inputs) -> bool:
@@ -108,15 +106,20 @@ class FixedShapeForwards:
                 f"`pad_to_max_length: true`)")
 
 
-def _cut(inputs: Inputs, mask_key: str, length: Optional[int]) -> Inputs:
+def used_lengths(mask: Tensor) -> Tensor:
+    """Per row of ``mask [B, ..., L]``: 1 + the last position any of its entries attends to (0: none)."""
+    attended = mask.flatten(1, -2).ne(0).any(1) if mask.dim() > 2 else mask.ne(0)
+    return torch.where(attended, torch.arange(1, mask.shape[-1] + 1, device=mask.device), 0).amax(1)
+
+
+def cut_columns(inputs: Mapping[str, Tensor], length: int, mask_key: str = "attention_mask") -> dict[str, Tensor]:
     """The first ``length`` columns of every tensor laid out like ``inputs[mask_key]`` (its sequence
-    dimension last); other tensors as they are. ``None``: nothing cut."""
-    if length is None:
-        return inputs
+    dimension last; contiguous); other entries as they are."""
     mask = inputs[mask_key]
     dim = mask.dim() - 1
-    return {key: value.narrow(dim, 0, length).contiguous() if value.shape[:mask.dim()] == mask.shape else value
+    return {key: value.narrow(dim, 0, length).contiguous()
+            if isinstance(value, Tensor) and value.shape[:mask.dim()] == mask.shape else value
             for key, value in inputs.items()}
 
 
-__all__ = ["FixedShapeForwards", "row_shape", "split_rows", "take_rows"]
+__all__ = ["FixedShapeForwards", "cut_columns", "row_shape", "split_rows", "take_rows", "used_lengths"]
