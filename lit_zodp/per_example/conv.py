@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_zodp.per_example.ghost import gram_norm_sq, prefer_ghost
-from lit_zodp.per_example.samplers import _common_dtype, _row_norm_sq, _trainable, register_sampler
+from lit_zodp.per_example.samplers import WEIGHT_AND_BIAS, _common_dtype, _row_norm_sq, _trainable, register_sampler
 
 
 def _pad_amounts(layer: nn.Module) -> list[int]:
@@ -87,4 +87,5 @@ def _conv_summed(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
     return out
 
 
-register_sampler(nn.Conv1d, nn.Conv2d, norms=_conv_norms, summed=_conv_summed)(_conv_grads)
+register_sampler(nn.Conv1d, nn.Conv2d, parameters=WEIGHT_AND_BIAS, norms=_conv_norms,
+                 summed=_conv_summed)(_conv_grads)

@@ -44,25 +44,30 @@ A non-finite example gets factor 0 and its rows are zeroed (``where``) before an
 reach the others through ``0 * nan``. ``"vmap"`` recomputes every parameter as in 3 on the engine's
 module (the reference path).
 
-Assumptions (as in Opacus): every recorded layer and module call is batch-first, row ``i`` being
-example ``i``; the forward is deterministic where it is recomputed; no BatchNorm; no activation
-checkpointing. A layer output broadcast over the batch is only detected when its leading dim is
-not ``B`` (shared ``[1, T]`` embedding indices are expanded to ``[B, T]`` while recording).
+5. Alignment (:mod:`.alignment`): a call is credited row by row only if it has ``B`` leading rows
+   and, checked by two extra backwards on a batch whose structure is new (which includes which
+   calls have ``B`` leading rows, so a coincidence ``T = B`` is new), only ``loss_i`` reaches its
+   row ``i``. Parameters of a call failing it are recomputed on the whole module (as in 3).
+
+Assumptions (as in Opacus): the engine's module is batch-first at its own inputs and outputs
+(checked as in 5); the forward is deterministic where it is recomputed; no BatchNorm; no activation
+checkpointing. Shared ``[1, T]`` embedding indices are expanded to ``[B, T]`` while recording.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
+from lit_zodp.per_example.alignment import CallKey, misaligned_calls
 from lit_zodp.per_example.checks import check_losses, check_mode, check_transform, refuse_batchnorm
 from lit_zodp.per_example.coverage import difference_norm, uncovered, working_eps
-from lit_zodp.per_example.reference import call_gradients
+from lit_zodp.per_example.reference import call_gradients, is_batched
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
 from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape
@@ -253,7 +258,9 @@ class PerExampleGradientEngine:
         self._module_names = {id(m): name for name, m in module.named_modules()}
         self.last_recomputed: Dict[str, str] = {}
         self._projections: Dict[int, Projection] = {}
+        self._aligned_calls: Set[int] = set()  # ids of this batch's calls whose rows are examples
         self._checked: Set[int] = set()  # hashes of the call/use structures checked numerically
+        self._misaligned: Dict[int, FrozenSet[CallKey]] = {}  # per structure: calls failing the alignment check
 
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
         """For each parameter, the ``(module, local name)`` pairs holding it directly."""
@@ -332,12 +339,13 @@ class PerExampleGradientEngine:
         check_losses(losses)
         if losses.numel() == 0:
             return losses.detach(), _Batch()
-        structure = hash((tuple(id(c.module) for c in tape.layer_calls),
-                          tuple(id(c.module) for c in tape.module_calls), uses.signature()))
-        check = structure not in self._checked
         size = len(losses)
+        structure = self._structure(tape, uses, size)
+        check = structure not in self._checked
+        if structure not in self._misaligned:
+            self._misaligned[structure] = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, size)))
         self._projections = self._projections_now()
-        plan = self._plan(tape, size)
+        plan = self._plan(tape, size, self._misaligned[structure])
         batch = _Batch()
         if mode == "ghost":
             batch.second_pass = self._norms_in_backward(plan, tape, batch, losses, unit_sums=check)
@@ -359,6 +367,20 @@ class PerExampleGradientEngine:
         self.last_recomputed = {self.names[i]: self._module_names[id(source.module)]
                                 for i, source in plan.items() if isinstance(source, _Recompute)}
         return losses, batch
+
+    def _structure(self, tape: Tape, uses: ParameterUses, size: int) -> int:
+        """The batch's call structure: which modules were called, in order, where each parameter was
+        used, and which calls (and recomputed inputs) have ``B`` leading rows. A new structure is
+        checked (alignment, coverage); a coincidence of shapes (``T = B``) makes a new one."""
+        return hash((tuple((id(c.module), _aligned_layer(c, size)) for c in tape.layer_calls),
+                     tuple((id(c.module), _aligned_module(c, size), tuple(is_batched(x, size) for x in c.inputs))
+                           for c in tape.module_calls),
+                     uses.signature()))
+
+    def _shape_aligned(self, tape: Tape, size: int) -> List[CallKey]:
+        """The calls the shapes say are batch-first: the alignment check's candidates."""
+        return ([("layer", k) for k, c in enumerate(tape.layer_calls) if _aligned_layer(c, size)]
+                + [("module", k) for k, c in enumerate(tape.module_calls) if _aligned_module(c, size)])
 
     def _backward(self, losses: Tensor, tape: Tape, *, check: bool,
                   retain: bool) -> Optional[Tuple[Optional[Tensor], ...]]:
@@ -453,12 +475,17 @@ class PerExampleGradientEngine:
     def _whole(self, i: int) -> _Recompute:
         return _Recompute(self.module, self.names[i])
 
-    def _plan(self, tape: Tape, size: int) -> Dict[int, object]:
+    def _plan(self, tape: Tape, size: int, misaligned: FrozenSet[CallKey]) -> Dict[int, object]:
         """Where each parameter's per-example gradient comes from: the layer rules when all its
         owners have one and all their calls are batch-first, else a recomputation on its single
-        owner (batch-first calls) or on the whole module."""
+        owner (batch-first calls) or on the whole module. Batch-first: ``B`` leading rows, and
+        not found ``misaligned`` (:mod:`.alignment`)."""
         plan: Dict[int, object] = {}
         layers = set(map(id, self._layers))
+        aligned = {id(c) for c in tape.layer_calls if _aligned_layer(c, size)}
+        aligned |= {id(c) for c in tape.module_calls if _aligned_module(c, size)}
+        aligned -= {id(self._call(tape, key)) for key in misaligned}
+        self._aligned_calls = aligned
         layer_calls, module_calls = _by_module(tape.layer_calls), _by_module(tape.module_calls)
         for i, owned in enumerate(self._owners):
             modules = list(dict.fromkeys(id(m) for m, _ in owned))
@@ -467,13 +494,18 @@ class PerExampleGradientEngine:
                 continue
             if all(m in layers for m in modules):
                 calls = [c for m in modules for c in layer_calls.get(m, [])]
-                if all(_aligned_layer(c, size) for c in calls):
+                if all(id(c) in aligned for c in calls):
                     plan[i] = _FromLayers(calls)
             elif len(owned) == 1 and owned[0][0] is not self.module:
                 module, local = owned[0]
-                if all(_aligned_module(c, size) for c in module_calls.get(id(module), [])):
+                if all(id(c) in aligned for c in module_calls.get(id(module), [])):
                     plan[i] = _Recompute(module, local)
         return plan
+
+    @staticmethod
+    def _call(tape: Tape, key: CallKey) -> object:
+        kind, position = key
+        return (tape.layer_calls if kind == "layer" else tape.module_calls)[position]
 
     def _recover(self, plan: Dict[int, object], batch: _Batch, failed: List[int], tape: Tape, uses: ParameterUses,
                  batch_grads: Optional[Tuple[Optional[Tensor], ...]], losses: Tensor) -> None:
@@ -579,9 +611,9 @@ class PerExampleGradientEngine:
     def _check_recomputable(self, call: ModuleCall, size: int) -> None:
         where = self._where(call.module)
         raise_if_any([
-            None if _aligned_module(call, size) else
-            f"The outputs of {where} are not batch-first ([B={size}, ...]), so its per-example "
-            f"gradients cannot be recomputed",
+            None if id(call) in self._aligned_calls else
+            f"The outputs of {where} are not batch-first (row i of [B={size}, ...] must reach only "
+            f"example i's loss), so its per-example gradients cannot be recomputed",
             None if call.inputs_unchanged() else
             f"An input of {where} was modified in place after the call, so it cannot be recomputed",
         ])

@@ -62,7 +62,7 @@ def per_example_gradients_vmap(module: nn.Module, loss_of_one_example: Callable[
     return vmap(grad(loss), in_dims=(None, 0))(_selected(module, names), batch)
 
 
-def _is_batched(leaf: Any, batch_size: int) -> bool:
+def is_batched(leaf: Any, batch_size: int) -> bool:
     return isinstance(leaf, Tensor) and leaf.dim() >= 1 and leaf.shape[0] == batch_size
 
 
@@ -80,7 +80,7 @@ def call_gradients(module: nn.Module, names: Sequence[str], inputs: Sequence[Any
     of its output gradients with the module run on its inputs alone.
     """
     params = _selected(module, names)
-    batched = [i for i, leaf in enumerate(inputs) if _is_batched(leaf, batch_size)]
+    batched = [i for i, leaf in enumerate(inputs) if is_batched(leaf, batch_size)]
     out_index = sorted(output_grads)
     leaves = [leaf.detach() if isinstance(leaf, Tensor) else leaf for leaf in inputs]
 

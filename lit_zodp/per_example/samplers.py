@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ class Sampler:
     summed: Optional[LayerRule] = None
     supports: Optional[Callable[[nn.Module], bool]] = None
     weight_rows: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None
+    parameters: Optional[FrozenSet[str]] = None
 
     def sum_over_examples(self, layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
         """``sum_i G_i``; without a ``summed`` rule, materialise and reduce."""
@@ -58,14 +59,20 @@ class Sampler:
 
 _SAMPLERS: Dict[type, Sampler] = {}
 
+#: The direct parameters of the built-in rules' layers.
+WEIGHT_AND_BIAS = ("weight", "bias")
+
 
 def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
                      summed: Optional[LayerRule] = None,
                      supports: Optional[Callable[[nn.Module], bool]] = None,
-                     weight_rows: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None):
+                     weight_rows: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None,
+                     parameters: Optional[Iterable[str]] = None):
     """Decorator registering ``fn(layer, a, g) -> {name: [B, *shape]}`` for ``layer_types``.
 
-    ``register_sampler(nn.Linear)(fn)`` replaces any earlier rule for ``nn.Linear``.
+    ``register_sampler(nn.Linear)(fn)`` replaces any earlier rule for ``nn.Linear``. ``parameters``:
+    the direct parameter names the rule forms; a layer holding others (the old-style
+    ``torch.nn.utils.weight_norm``'s ``weight_g``/``weight_v`` on a Linear) gets no rule (``None``: any).
     """
     raise_if_any([None if layer_types else "Expected at least one layer type in `register_sampler`"]
                  + [None if isinstance(t, type) and issubclass(t, nn.Module)
@@ -74,7 +81,8 @@ def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
 
     def decorator(fn: LayerRule) -> LayerRule:
         for layer_type in layer_types:
-            _SAMPLERS[layer_type] = Sampler(fn, norms, summed, supports, weight_rows)
+            _SAMPLERS[layer_type] = Sampler(fn, norms, summed, supports, weight_rows,
+                                            None if parameters is None else frozenset(parameters))
         return fn
 
     return decorator
@@ -88,9 +96,13 @@ def sampler_for(layer: nn.Module) -> Optional[Sampler]:
         sampler = _SAMPLERS.get(cls)
         if sampler is None:
             continue
-        if type(layer).forward is not cls.forward:
+        if type(layer).forward is not cls.forward or not _holds_only(layer, sampler.parameters):
             return None
         return sampler if sampler.supports is None or sampler.supports(layer) else None
+
+
+def _holds_only(layer: nn.Module, names: Optional[FrozenSet[str]]) -> bool:
+    return names is None or all(local in names for local, _ in layer.named_parameters(recurse=False))
     return None
 
 
@@ -181,7 +193,8 @@ def _linear_rows(layer: nn.Linear, a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor
     return _as_sequences(a, g)
 
 
-register_sampler(nn.Linear, norms=_linear_norms, summed=_linear_summed, weight_rows=_linear_rows)(_linear_grads)
+register_sampler(nn.Linear, parameters=WEIGHT_AND_BIAS, norms=_linear_norms, summed=_linear_summed,
+                 weight_rows=_linear_rows)(_linear_grads)
 
 
 # --------------------------------------------------------------------------------------- Embedding
@@ -232,7 +245,7 @@ def _embedding_summed(layer: nn.Embedding, idx: Tensor, g: Tensor) -> Dict[str, 
     return {"weight": total}
 
 
-register_sampler(nn.Embedding, norms=_embedding_norms, summed=_embedding_summed,
+register_sampler(nn.Embedding, parameters=WEIGHT_AND_BIAS, norms=_embedding_norms, summed=_embedding_summed,
                  supports=_embedding_supported)(_embedding_grads)
 
 
@@ -277,10 +290,10 @@ def _rms_norm_grads(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]
     return _affine_grads(layer, normalised, g, tuple(range(1, a.dim() - len(shape))), shape)
 
 
-register_sampler(nn.LayerNorm)(_layer_norm_grads)
-register_sampler(nn.GroupNorm)(_group_norm_grads)
+register_sampler(nn.LayerNorm, parameters=WEIGHT_AND_BIAS)(_layer_norm_grads)
+register_sampler(nn.GroupNorm, parameters=WEIGHT_AND_BIAS)(_group_norm_grads)
 if hasattr(nn, "RMSNorm"):
-    register_sampler(nn.RMSNorm)(_rms_norm_grads)
+    register_sampler(nn.RMSNorm, parameters=WEIGHT_AND_BIAS)(_rms_norm_grads)
 
 
 def _register_timm_norms() -> None:
@@ -289,6 +302,6 @@ def _register_timm_norms() -> None:
     norm = sys.modules.get("timm.layers.norm")
     if norm is None or getattr(norm, "LayerNorm", None) in _SAMPLERS:
         return
-    register_sampler(norm.LayerNorm)(_layer_norm_grads)
+    register_sampler(norm.LayerNorm, parameters=WEIGHT_AND_BIAS)(_layer_norm_grads)
     if hasattr(norm, "RmsNorm"):
-        register_sampler(norm.RmsNorm)(_rms_norm_grads)
+        register_sampler(norm.RmsNorm, parameters=WEIGHT_AND_BIAS)(_rms_norm_grads)

@@ -80,6 +80,9 @@ class Tape:
     def __init__(self, root: nn.Module, layers: Iterable[nn.Module], modules: Iterable[nn.Module]):
         self.root, self.layers, self.modules = root, list(layers), list(modules)
         self.recording = False
+        #: When set, every output gradient goes to ``observer(call, output index, grad)`` instead
+        #: of the call (the alignment check's extra backwards, :mod:`.alignment`).
+        self.observer: Optional[Callable[[Any, int, Tensor], None]] = None
         self.batch_hint: Optional[int] = None
         self.layer_calls: List[LayerCall] = []
         self.module_calls: List[ModuleCall] = []
@@ -185,9 +188,11 @@ class Tape:
 
     def _store_layer_grad(self, call: LayerCall):
         def hook(grad: Tensor) -> None:
-            if not self.recording:
+            if self.observer is not None:
+                self.observer(call, 0, grad)
+            elif not self.recording:
                 return
-            if call.consume is not None:
+            elif call.consume is not None:
                 call.consume(grad)
             else:
                 call.grad = grad
@@ -195,6 +200,8 @@ class Tape:
 
     def _store_module_grad(self, call: ModuleCall, index: int):
         def hook(grad: Tensor) -> None:
-            if self.recording:
+            if self.observer is not None:
+                self.observer(call, index, grad)
+            elif self.recording:
                 call.grads[index] = grad
         return hook

@@ -1,0 +1,193 @@
+"""The alignment check (:mod:`lit_zodp.per_example.alignment`): rows credited to examples must be
+reached by their example's loss alone, whatever the shapes say (audit 2, F1)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_zodp.per_example import PerExampleGradientEngine, alignment
+from lit_zodp.per_example import engine as engine_module
+from tests.per_example.helpers import assert_rel_close, flat_clipped_sum, loop_reference, mlp
+
+MODES = ["hooks", "ghost", "bookkeeping"]
+
+
+class TimeFirst(nn.Module):
+    """``nn.TransformerEncoderLayer`` with its default ``batch_first=False``: its calls are ``[T, B, D]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):  # [B, T, 4]
+        return self.out(self.enc(self.inp(x).transpose(0, 1)).mean(0))
+
+
+class SharedQueries(nn.Module):
+    """A Linear on a learned ``[Q, D]`` table shared by every example (Perceiver-style queries)."""
+
+    def __init__(self, queries: int):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(queries, 8))
+        self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):  # [B, T, 4]
+        q, k = self.q(self.table), self.k(x)
+        attention = torch.softmax(torch.einsum("qd,btd->bqt", q, k), -1)
+        return self.o(torch.einsum("bqt,btd->bqd", attention, k).mean(1))
+
+
+def _data(batch, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, steps, 4, generator=g, dtype=torch.float64),
+            torch.randint(0, 2, (batch,), generator=g))
+
+
+def _losses(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _expected(model, x, y, names, clip):
+    per_example = loop_reference(model, lambda xi, yi: _losses(model, xi, yi).sum(), x, y)
+    return flat_clipped_sum(per_example, names, clip)
+
+
+def _assert_reference(result, engine, model, x, y, clip):
+    sums, norms = _expected(model, x, y, engine.names, clip)
+    assert_rel_close(result.norms.double(), norms, rtol=1e-6, name="norms")  # reported in float32
+    for name, got in zip(engine.names, result.grads):
+        assert_rel_close(got, sums[name], rtol=1e-9, name=name)
+
+
+def _model(cls, *args, seed=0):
+    torch.manual_seed(seed)
+    return cls(*args).double().eval()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", ["time_first", "shared_queries"])
+def test_rows_that_mix_examples_are_not_credited_per_example(mode, case):
+    """``T = B = 6`` (and ``Q = B``): the shapes say batch-first; the check finds the mix and the
+    parameters are recomputed on the whole module, giving the reference's norms and clipped sum."""
+    model = _model(TimeFirst) if case == "time_first" else _model(SharedQueries, 6)
+    x, y = _data(6, 6 if case == "time_first" else 3)
+    engine = PerExampleGradientEngine(model, mode=mode)
+    result = engine.clipped_sum(lambda: _losses(model, x, y), 0.05)
+    assert engine.last_recomputed  # the mixed calls' parameters left the layer rules
+    _assert_reference(result, engine, model, x, y, 0.05)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_without_the_check_the_sensitivity_exceeds_the_clip_and_with_it_does_not(monkeypatch, mode):
+    """``max_j ||S - S_{-j}|| <= C``, the DP-SGD sensitivity. Blinding the check (every call passes)
+    gives more than C (1.06-1.10 C here) on the time-first model with ``T = B``: the test can fail."""
+    model, (x, y), clip = _model(TimeFirst), _data(6, 6), 1e-3
+
+    def sensitivity():
+        full = PerExampleGradientEngine(model, mode=mode).clipped_sum(lambda: _losses(model, x, y), clip)
+        worst = 0.0
+        for j in range(6):
+            keep = [i for i in range(6) if i != j]
+            xs, ys = x[keep], y[keep]
+            # the neighbour has B = 5 != T: aligned by shape nowhere in the encoder, so exact either way
+            less = PerExampleGradientEngine(model, mode=mode).clipped_sum(lambda: _losses(model, xs, ys), clip)
+            gap = torch.cat([(a - b).flatten() for a, b in zip(full.grads, less.grads)]).norm()
+            worst = max(worst, float(gap) / clip)
+        return worst
+
+    assert sensitivity() <= 1 + 1e-9
+    monkeypatch.setattr(engine_module, "misaligned_calls", lambda tape, losses, candidates: set())
+    assert sensitivity() > 1.03
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_coincidence_on_a_later_batch_is_a_new_structure_and_is_checked(mode):
+    """``T = 6``: batches of 5 are exact by shape; the first batch of 6 looks batch-first and must be checked."""
+    model = _model(TimeFirst)
+    engine = PerExampleGradientEngine(model, mode=mode)
+    for seed in range(2):
+        x, y = _data(5, 6, seed)
+        _assert_reference(engine.clipped_sum(lambda: _losses(model, x, y), 0.05), engine, model, x, y, 0.05)
+    x, y = _data(6, 6, seed=3)
+    _assert_reference(engine.clipped_sum(lambda: _losses(model, x, y), 0.05), engine, model, x, y, 0.05)
+
+
+def test_the_check_runs_once_per_structure_finds_nothing_on_batch_first_models_and_spares_the_rng(monkeypatch):
+    calls = []
+    original = engine_module.misaligned_calls
+
+    def counted(*args):
+        found = original(*args)
+        calls.append(found)
+        return found
+
+    monkeypatch.setattr(engine_module, "misaligned_calls", counted)
+    model = mlp()
+    engine = PerExampleGradientEngine(model, mode="ghost")
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    for _ in range(3):
+        engine.clipped_sum(lambda: F.cross_entropy(model(torch.ones(7, 6, dtype=torch.float64)),
+                                                   torch.zeros(7, dtype=torch.long), reduction="none"), 1.0)
+    assert torch.equal(torch.get_rng_state(), state)  # the check's randomness is its own
+    assert calls == [set()]
+    assert engine.last_recomputed == {}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_non_finite_example_neither_hides_nor_fakes_a_mix(mode):
+    """Example 2's loss is nan: it gets factor 0; the others keep their reference values, with the
+    mixed calls (``T = B``) still found and the batch-first ones still credited per example."""
+    model, (x, y) = _model(TimeFirst), _data(6, 6)
+    x = x.clone()
+    x[2, 0, 0] = float("nan")
+    engine = PerExampleGradientEngine(model, mode=mode)
+    result = engine.clipped_sum(lambda: _losses(model, x, y), 0.05)
+    assert "enc.linear1.weight" in engine.last_recomputed and "out.weight" not in engine.last_recomputed
+    keep = [0, 1, 3, 4, 5]
+    sums, norms = _expected(model, x[keep], y[keep], engine.names, 0.05)
+    assert torch.isnan(result.norms[2])
+    assert_rel_close(result.norms[keep].double(), norms, rtol=1e-6)
+    for name, got in zip(engine.names, result.grads):
+        assert_rel_close(got, sums[name], rtol=1e-9, name=name)
+
+
+def test_a_row_reached_by_a_second_example_fails_the_weighted_comparison():
+    """White-box, on the rows themselves: ``c_r`` is example ``r``'s own contribution; in the mixed
+    call row 1 also gets ``c'`` from example 2, so ``G_w[1] - w_1 G_1[1] = (w_2 - w_1) c' != 0``."""
+    torch.manual_seed(0)
+    own, extra = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    w = torch.tensor([1.5, -1.2, 1.9, -1.1], dtype=torch.float64)
+    ok = torch.ones(4, dtype=torch.bool)
+    call = object()
+    for mixed in (False, True):
+        unit_rows, weighted_rows = own.clone(), w[:, None] * own
+        if mixed:
+            unit_rows[1] += extra
+            weighted_rows[1] += w[2] * extra
+        unit = alignment._RowSummaries({id(call): ("layer", 0)}, seed=7)
+        weighted = alignment._RowSummaries({id(call): ("layer", 0)}, seed=7)
+        unit(call, 0, unit_rows)
+        weighted(call, 0, weighted_rows)
+        assert alignment._rows_agree(unit.values, weighted.values, ("layer", 0), w, ok) is not mixed
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_old_style_weight_norm_is_recomputed_not_crashed(mode):
+    """``torch.nn.utils.weight_norm`` leaves ``weight_g``/``weight_v`` on a Linear; the Linear rule
+    forms ``weight``, so the layer has no rule and its parameters come from the vmap fallback."""
+    torch.manual_seed(0)
+    with pytest.warns(FutureWarning):
+        layer = torch.nn.utils.weight_norm(nn.Linear(4, 3))
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(3, 2)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 2, (5,))
+    engine = PerExampleGradientEngine(model, mode=mode)
+    result = engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 0.1)
+    assert set(engine.last_recomputed) == {"0.weight_g", "0.weight_v", "0.bias"}
+    per_example = loop_reference(model, lambda xi, yi: F.cross_entropy(model(xi), yi), x, y)
+    sums, _ = flat_clipped_sum(per_example, engine.names, 0.1)
+    for name, got in zip(engine.names, result.grads):
+        assert_rel_close(got, sums[name], rtol=1e-9, name=name)
