@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import warnings
+from typing import Any, Iterable, Optional
+
+import torch
 
 from torch import Tensor, nn
 
@@ -58,3 +61,14 @@ def check_losses(losses: Any) -> None:
     if losses.numel() and not losses.requires_grad:
         raise_if_any(["Expected the per-example losses to depend on trainable parameters, but they do "
                       "not require grad (was `loss_fn` run under torch.no_grad, or is everything frozen?)"])
+
+
+def warn_half_precision_ghost(mode: str, params: Iterable[Tensor]) -> None:
+    """"ghost" mode forms the clipped sums from a second backward of ``sum_i f_i loss_i`` through the
+    model, whose half-precision rounding of ``f_i g_i`` is not bounded by the clip: each example's
+    contribution is within about ``(1 + 2^-8) C`` (1.0025-1.004 C measured in bfloat16), not ``C``."""
+    half = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
+    if mode == "ghost" and half:
+        warnings.warn(f"mode='ghost' with {', '.join(half)} parameters bounds each example's clipped "
+                      f"gradient by C only up to that dtype's rounding (about 1.004 C); mode='bookkeeping' "
+                      f"or 'hooks' bound it by C", UserWarning, stacklevel=3)

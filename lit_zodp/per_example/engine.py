@@ -65,7 +65,8 @@ from torch import Tensor, nn
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import CallKey, misaligned_calls
-from lit_zodp.per_example.checks import check_losses, check_mode, check_transform, refuse_batchnorm
+from lit_zodp.per_example.checks import (check_losses, check_mode, check_transform, refuse_batchnorm,
+                                         warn_half_precision_ghost)
 from lit_zodp.per_example.coverage import difference_norm, uncovered, working_eps
 from lit_zodp.per_example.reference import call_gradients, is_batched
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
@@ -88,7 +89,8 @@ class ClippedSum:
     """Sum over examples of the clipped per-example gradients, aligned with ``engine.params``.
 
     Attributes:
-        grads: One tensor per parameter (its dtype; the transformed shape if a transform is set).
+        grads: One tensor per parameter, in at least float32 (:func:`sum_dtype`; the transformed
+            shape if a transform is set).
         norms: Unclipped per-example norms ``[B]`` (float32; nan/inf for non-finite examples).
         batch_size: Number of examples summed.
     """
@@ -135,13 +137,15 @@ class _Part:
         return {i: out[local] for local, i in self.mine.items()}
 
     def norms_sq(self) -> Dict[int, Tensor]:
-        out = self.sampler.norms_sq(self.layer, self.a, self.g)
+        """From the rows :meth:`summed` sums (widened alike), so the norm is that of what is summed."""
+        out = self.sampler.norms_sq(self.layer, _widened(self.a), _widened(self.g))
         return {i: out[local] for local, i in self.mine.items()}
 
     def summed(self, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:
         """``sum_i f_i G_i`` with the output-gradient rows scaled by ``f_i`` (Bu et al. 2023
-        book-keeping); ``factors=None`` means ``f_i = 1``; rows of non-finite examples are zeroed."""
-        a, g = _zero_rows(self.a, ok), _zero_rows(self.g, ok)
+        book-keeping), in at least float32 (:func:`sum_dtype`); ``factors=None`` means ``f_i = 1``;
+        rows of non-finite examples are zeroed."""
+        a, g = _zero_rows(_widened(self.a), ok), _zero_rows(_widened(self.g), ok)
         if factors is not None:
             g = g * _rows_view(factors, g).to(g.dtype)
         out = self.sampler.sum_over_examples(self.layer, a, g)
@@ -191,6 +195,19 @@ def _trainable_parameters(module: nn.Module) -> Tuple[List[str], List[nn.Paramet
     """Trainable parameters in ``named_parameters`` order; a tied parameter appears once."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     return [n for n, _ in named], [p for _, p in named]
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of clipped sums: at least float32. A half-precision sum of ``B`` clipped gradients
+    is rounded at ``2^-8 ||S||``, up to ``2^-8 B C`` (more than ``C`` once ``B > 256``), and the
+    rounding of ``S`` and of its neighbour ``S - c_j`` differ by that much: the sensitivity would
+    grow with the batch. Noise is added to the float32 sum; the cast to the parameter's dtype
+    follows the release (post-processing)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _widened(x: Tensor) -> Tensor:
+    return x.to(sum_dtype(x.dtype)) if x.is_floating_point() else x
 
 
 def _rows_view(mask: Tensor, like: Tensor) -> Tensor:
@@ -248,6 +265,7 @@ class PerExampleGradientEngine:
         self.module, self.mode, self.transform = module, mode, as_transform(transform)
         self.names, self.params = _trainable_parameters(module)
         raise_if_any([None if self.params else "Expected `module` to have trainable parameters, but it has none"])
+        warn_half_precision_ghost(mode, self.params)
         self._owners = self._find_owners()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         owners = {id(m): m for owned in self._owners for m, _ in owned}.values()
@@ -678,8 +696,9 @@ class PerExampleGradientEngine:
         else:
             sums = self._ghost_sums(batch, factors, ok)
         for i, grads in dense.items():
+            grads = _widened(grads)  # one parameter's per-example gradients at a time
             sums[i] = torch.tensordot(factors.to(grads.dtype), _zero_rows(grads, ok), dims=1)
-        out = [sums[i].to(p.dtype) for i, p in enumerate(self.params)]
+        out = [sums[i].to(sum_dtype(p.dtype)) for i, p in enumerate(self.params)]
         examples = len(losses) if examples is None else examples
         return ClippedSum(out, norms[:examples].float(), examples)
 
@@ -711,7 +730,7 @@ class PerExampleGradientEngine:
             batch.second_pass = None
         for i in batch.ghost_norm_sq:  # a call whose output got no gradient in the second pass
             if i not in sums:
-                sums[i] = torch.zeros(self._summed_shape(i), dtype=self.params[i].dtype,
+                sums[i] = torch.zeros(self._summed_shape(i), dtype=sum_dtype(self.params[i].dtype),
                                       device=self.params[i].device)
         return sums
 
@@ -735,6 +754,6 @@ class PerExampleGradientEngine:
         grads = []
         for i, p in enumerate(self.params):
             shape = self._transformed(i, p.new_zeros(0, *p.shape)).shape[1:] if self.transform else p.shape
-            grads.append(p.new_zeros(shape))
+            grads.append(p.new_zeros(shape, dtype=sum_dtype(p.dtype)))
         device = self.params[0].device if self.params else None
         return ClippedSum(grads, torch.zeros(0, dtype=torch.float32, device=device), 0)
