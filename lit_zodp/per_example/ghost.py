@@ -30,9 +30,17 @@ def _at_least_float32(x: Tensor) -> Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _unit_roundoff(dtype: torch.dtype) -> float:
-    """Of the dtype the clipped sums are formed in (at least float32, as the engine's ``sum_dtype``)."""
-    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps / 2
+#: Unit roundoff of float32 matmuls per ``torch.set_float32_matmul_precision``: "high" allows TF32
+#: (10-bit mantissa) or bf16x3 on GPUs, "medium" bfloat16.
+_MATMUL_UNIT_ROUNDOFF = {"highest": 2.0 ** -24, "high": 2.0 ** -11, "medium": 2.0 ** -8}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Of the sums formed from rows of ``dtype`` (widened to at least float32, as the engine's
+    ``sum_dtype``), including the reduced precision float32 matmuls may be allowed to use."""
+    if torch.promote_types(dtype, torch.float32) == torch.float64:
+        return 2.0 ** -53
+    return _MATMUL_UNIT_ROUNDOFF.get(torch.get_float32_matmul_precision(), 2.0 ** -8)
 
 
 def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, dtype: torch.dtype) -> Tensor:
@@ -46,10 +54,11 @@ def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, dt
     ``sqrt(max(gram, 0) + gamma S_i^2)`` bounds the norm. The clipped sum is then formed in
     ``dtype`` (at least float32) over the ``T`` positions, whose rounding adds up to
     ``(T + 2) u S_i`` to the example's contribution; adding it keeps ``||f_i G_i||`` at most ``C``.
-    For ordinary examples (``S_i ~ sqrt(T) ||G_i||``) the bound exceeds the norm by ~``T^1.5 u``
-    (1e-4 at ``T = 128`` in float32)."""
+    For ordinary examples (``S_i ~ sqrt(T) ||G_i||``) the bound exceeds the norm by ~``T^1.5 u``:
+    1e-4 at ``T = 128`` in float32, but ~0.7 with TF32 matmuls allowed (``u = 2^-11``), where
+    ``torch.set_float32_matmul_precision("highest")`` or ``mode="hooks"`` keep the norms tight."""
     gamma = 2.0 * (length + positions * positions) * 2.0 ** -53
-    bound = (gram.clamp_min(0) + gamma * scale.pow(2)).sqrt() + (positions + 2) * _unit_roundoff(dtype) * scale
+    bound = (gram.clamp_min(0) + gamma * scale.pow(2)).sqrt() + (positions + 2) * unit_roundoff(dtype) * scale
     return bound.pow(2)
 
 
