@@ -15,6 +15,7 @@ clipped SUM itself, once.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Optional
 
 import torch
@@ -24,6 +25,7 @@ from lit_zodp.algorithms.base import AlgorithmModule
 from lit_zodp.backbones.base import batch_size_of, per_example_loss
 from lit_zodp.errors import check_non_negative, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedSum, PerExampleGradientEngine
+from lit_zodp.per_example.engine import sum_dtype
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
 from lit_zodp.privacy.fixed_shape import split_rows
 
@@ -88,7 +90,25 @@ class FirstOrderModule(AlgorithmModule):
             loss_fns = [lambda x=x, y=y: per_example_loss(self.backbone, x, y).float()
                         for x, y in split_rows(inputs, targets, self.micro_batch_size)]
         with self._no_ddp_grad_sync(), torch.enable_grad():
+            if math.isinf(self.clip) and not self.privacy.is_private:
+                return self._batch_gradient(loss_fns)
             return self.engine.clipped_sum_microbatched(loss_fns, self.clip)
+
+    def _batch_gradient(self, loss_fns: list) -> ClippedSum:
+        """Without clipping and noise (the non-private twins' default, or a private module's sigma = 0,
+        clip = inf ablation) the sum needs no per-example gradient: one ordinary backward per
+        micro-batch, as plain torch training (a non-finite loss propagates; norms are not formed: ``[0]``)."""
+        params, count = self.engine.params, 0
+        total = [torch.zeros_like(p, dtype=sum_dtype(p.dtype)) for p in params]
+        for item in loss_fns:
+            loss_fn, examples = item if isinstance(item, tuple) else (item, None)
+            losses = loss_fn()[:examples]
+            count += len(losses)
+            grads = torch.autograd.grad(losses.sum(), params, allow_unused=True) if len(losses) else ()
+            for acc, grad in zip(total, grads):
+                if grad is not None:
+                    acc.add_(grad)
+        return ClippedSum(total, torch.zeros(0, device=total[0].device), count)
 
     def release_gradient(self, clipped: ClippedSum) -> list[Tensor]:
         """``(sum_i clip_C(g_i) + N(0, sigma^2 C^2 I_d)) / B``, one release, split back per parameter."""

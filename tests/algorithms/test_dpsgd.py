@@ -153,3 +153,44 @@ def test_batchnorm_is_refused_with_the_layer_name_and_a_suggestion():
 def test_bad_first_order_settings_are_refused(kwargs, match):
     with pytest.raises(PrivacyConfigError, match=match):
         DPSGD(mlp(), lr=0.1, clip=1.0, noise_multiplier=1.0, **kwargs)
+
+
+def test_the_non_private_twin_takes_the_batch_gradient_without_per_example_gradients():
+    """``SGD`` (clip = inf, no noise): ``sum_i grad loss_i`` from one ordinary backward, micro-batch
+    by micro-batch, equal to the engine's unclipped sum; a clip on the twin still goes through the engine."""
+    from lit_zodp.algorithms import SGD
+
+    x, y = blobs(n=30).tensors
+    module = SGD(mlp(seed=2), lr=1.0, micro_batch_size=7)
+    module.engine.clipped_sum_microbatched = None  # must not be reached
+    summed = module.private_gradient(x, y)
+    expected = torch.autograd.grad(nn.functional.cross_entropy(module.backbone(x), y, reduction="sum"),
+                                   list(module.backbone.parameters()))
+    assert summed.batch_size == 30
+    for got, want in zip(summed.grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    clipped = SGD(mlp(seed=2), lr=1.0, clip=0.3).private_gradient(x, y)
+    for got, want in zip(clipped.grads, per_example_clipped_sum(mlp(seed=2), x, y, 0.3)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_non_private_twin_trains_a_gpt2_candidate_scorer():
+    """K = 2 candidate rows per example through GPT-2 (whose shared position ids broke the per-example
+    recording, second audit N1): the non-private step needs no per-example attribution."""
+    from lit_zodp.algorithms import SGD
+    from lit_zodp.backbones import HFCandidateScorer
+
+    torch.manual_seed(0)
+    config = dict(model_type="gpt2", vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    module = SGD(HFCandidateScorer(config=config, num_classes=2), lr=0.1)
+    ids = torch.randint(3, 40, (4, 2, 6))
+    candidates = torch.zeros(4, 2, 6, dtype=torch.long)
+    candidates[:, :, 5] = 1
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "candidate_mask": candidates}
+    targets = torch.tensor([0, 1, 1, 0])
+    summed = module.private_gradient(inputs, targets)
+    loss = module.backbone.per_example_loss(inputs, targets).sum()
+    expected = torch.autograd.grad(loss, module.engine.params, allow_unused=True)
+    for got, want in zip(summed.grads, expected):
+        torch.testing.assert_close(got, torch.zeros_like(got) if want is None else want, rtol=1e-5, atol=1e-6)
