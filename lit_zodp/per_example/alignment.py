@@ -11,8 +11,8 @@ The check is exact up to rounding and shape-independent. Back-propagate ``sum_i 
 ``sum_i w_i loss_i`` with random weights ``w_i`` (signs times ``[1, 2)``). If only ``loss_r``
 reaches row ``r``, its two gradients satisfy ``G_w[r] = w_r G_1[r]``. Otherwise
 ``G_w[r] - w_r G_1[r] = sum_{i != r} (w_i - w_r) dloss_i/dout[r]``, which is non-zero for almost
-every ``w``. Rows are compared through a random projection, so no gradient is kept beyond the
-call at hand: ``|<G_w[r] - w_r G_1[r], z_r>| <= sqrt(eps) (||G_w[r]|| + |w_r| ||G_1[r]||)``, the
+every ``w``. Rows are compared through a random bilinear projection, so no gradient is kept beyond
+the call at hand: ``|u^T (G_w[r] - w_r G_1[r]) v| <= sqrt(eps) (||G_w[r]|| + |w_r| ||G_1[r]||)``, the
 tolerance of the coverage check (:mod:`.coverage`). Cost: two backwards, on a batch whose call
 structure (with which calls are aligned by shape) is new to the engine.
 
@@ -47,8 +47,10 @@ def _random_weights(losses: Tensor, generator: torch.Generator) -> Tensor:
 
 
 class _RowSummaries:
-    """Per row of each observed output gradient: ``<G[r], z_r>`` and ``||G[r]||`` in float64, with
-    ``z`` redrawn identically in every pass from ``(seed, call, output index)``."""
+    """Per row of each observed output gradient, ``u^T G[r] v`` (the row as positions x features,
+    ``u``, ``v`` Gaussian: non-zero for almost every ``u, v`` when ``G[r] != 0``, and of size
+    ``||G[r]||``, without a random tensor of the gradient's size) and ``||G[r]||``, in float64, with
+    ``u, v`` redrawn identically in every pass from ``(seed, call, output index)``."""
 
     def __init__(self, keys: Dict[int, CallKey], seed: int):
         self.keys, self.seed = keys, seed
@@ -59,13 +61,14 @@ class _RowSummaries:
         if key is None or grad.dim() == 0:
             return
         kind, position = key
+        dtype = torch.promote_types(grad.dtype, torch.float32)
+        rows = grad.to(dtype).reshape(grad.shape[0], -1, grad.shape[-1] if grad.dim() > 1 else 1)
         generator = torch.Generator(device=grad.device)
         generator.manual_seed((self.seed + 1_000_003 * position + 7919 * index + (kind == "module")) % 2**63)
-        dtype = torch.promote_types(grad.dtype, torch.float32)
-        z = torch.randn(grad.shape, generator=generator, device=grad.device, dtype=dtype)
-        rows = grad.to(dtype).reshape(grad.shape[0], -1)
-        projection = (rows * z.reshape(grad.shape[0], -1)).sum(1, dtype=torch.float64)
-        norm = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+        u = torch.randn(rows.shape[1], generator=generator, device=grad.device, dtype=dtype)
+        v = torch.randn(rows.shape[2], generator=generator, device=grad.device, dtype=dtype)
+        projection = ((rows @ v) @ u).double()
+        norm = torch.linalg.vector_norm(rows, dim=(1, 2)).double()
         eps = working_eps(grad.device.type, grad.dtype) ** 0.5
         self.values[(key, index)] = (projection, norm, eps)
 

@@ -62,9 +62,9 @@ def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, dt
     return bound.pow(2)
 
 
-#: Elements of the float64 copies of one chunk of examples' rows (32 MiB): the largest temporary
+#: Elements of the float64 copies of one chunk of examples' rows (8 MiB): the largest temporary
 #: the ghost norms form beyond the ``[B, T, T]`` Gram matrices.
-GHOST_CHUNK = 1 << 22
+GHOST_CHUNK = 1 << 20
 
 
 def _example_chunks(batch: int, per_example: int) -> list:
