@@ -6,7 +6,6 @@ import warnings
 from typing import Any, Iterable, Optional
 
 import torch
-
 from torch import Tensor, nn
 
 from lit_zodp.errors import raise_if_any

@@ -68,6 +68,7 @@ from lit_zodp.per_example.alignment import CallKey, misaligned_calls
 from lit_zodp.per_example.checks import (check_losses, check_mode, check_transform, refuse_batchnorm,
                                          warn_half_precision_ghost)
 from lit_zodp.per_example.coverage import difference_norm, uncovered, working_eps
+from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
@@ -138,14 +139,14 @@ class _Part:
 
     def norms_sq(self) -> Dict[int, Tensor]:
         """From the rows :meth:`summed` sums (widened alike), so the norm is that of what is summed."""
-        out = self.sampler.norms_sq(self.layer, _widened(self.a), _widened(self.g))
+        out = self.sampler.norms_sq(self.layer, at_least_float32(self.a), at_least_float32(self.g))
         return {i: out[local] for local, i in self.mine.items()}
 
     def summed(self, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:
         """``sum_i f_i G_i`` with the output-gradient rows scaled by ``f_i`` (Bu et al. 2023
         book-keeping), in at least float32 (:func:`sum_dtype`); ``factors=None`` means ``f_i = 1``;
         rows of non-finite examples are zeroed."""
-        a, g = _zero_rows(_widened(self.a), ok), _zero_rows(_widened(self.g), ok)
+        a, g = _zero_rows(at_least_float32(self.a), ok), _zero_rows(at_least_float32(self.g), ok)
         if factors is not None:
             g = g * _rows_view(factors, g).to(g.dtype)
         out = self.sampler.sum_over_examples(self.layer, a, g)
@@ -204,10 +205,6 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     grow with the batch. Noise is added to the float32 sum; the cast to the parameter's dtype
     follows the release (post-processing)."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _widened(x: Tensor) -> Tensor:
-    return x.to(sum_dtype(x.dtype)) if x.is_floating_point() else x
 
 
 def _rows_view(mask: Tensor, like: Tensor) -> Tensor:
@@ -696,7 +693,7 @@ class PerExampleGradientEngine:
         else:
             sums = self._ghost_sums(batch, factors, ok)
         for i, grads in dense.items():
-            grads = _widened(grads)  # one parameter's per-example gradients at a time
+            grads = at_least_float32(grads)  # one parameter's per-example gradients at a time
             sums[i] = torch.tensordot(factors.to(grads.dtype), _zero_rows(grads, ok), dims=1)
         out = [sums[i].to(sum_dtype(p.dtype)) for i, p in enumerate(self.params)]
         examples = len(losses) if examples is None else examples

@@ -25,8 +25,9 @@ def prefer_ghost(positions: int, weight_numel: int) -> bool:
     return 2 * positions * positions < weight_numel
 
 
-def _at_least_float32(x: Tensor) -> Tensor:
-    """Half-precision Gram matrices overflow (float16) or lose the norm (bfloat16)."""
+def at_least_float32(x: Tensor) -> Tensor:
+    """Half precision widened to float32 (other dtypes, integer indices included, unchanged): half-precision
+    Gram matrices overflow (float16) or lose the norm (bfloat16), and half-precision sums round at ``2^-8``."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
@@ -78,7 +79,7 @@ def gram_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     of examples at a time (:data:`GHOST_CHUNK`)."""
     dtype = torch.promote_types(a.dtype, g.dtype)
     if a.shape[1] == 1:  # one position: ||g a^T||^2 = ||a||^2 ||g||^2 (Goodfellow 2015), no cancellation
-        a, g = _at_least_float32(a), _at_least_float32(g)
+        a, g = at_least_float32(a), at_least_float32(g)
         return a.squeeze(1).pow(2).sum(-1) * g.squeeze(1).pow(2).sum(-1)
     return torch.cat([_guarded_gram(a[rows].double(), g[rows].double(), dtype)
                       for rows in _example_chunks(a.shape[0], a.shape[1] * (a.shape[2] + g.shape[2]))])
