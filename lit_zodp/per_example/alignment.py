@@ -92,7 +92,7 @@ def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey]) 
     keys = {id(calls[kind][position]): (kind, position) for kind, position in candidates}
     if not keys or len(losses) < 2:
         return set()  # one example: every row is its own
-    edges = [e for kind, position in keys.values() for e in _edges(calls[kind][position])]
+    edges = [e for kind, position in keys.values() for e in calls[kind][position].output_edges()]
     ok = torch.isfinite(losses.detach())
     zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
     generator = torch.Generator().manual_seed(secrets.randbits(63))
@@ -103,11 +103,6 @@ def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey]) 
     _backward_observed(torch.where(ok, weights * losses, zero).sum(), tape, weighted, edges)
     observed = {key for key, _ in unit.values} | {key for key, _ in weighted.values}
     return {key for key in observed if not _rows_agree(unit.values, weighted.values, key, weights, ok)}
-
-
-def _edges(call: object) -> List:
-    edge = getattr(call, "edge", None)
-    return [edge] if edge is not None else list(getattr(call, "edges", []))
 
 
 def _rows_agree(unit: dict, weighted: dict, call: CallKey, weights: Tensor, ok: Tensor) -> bool:

@@ -273,7 +273,6 @@ class PerExampleGradientEngine:
         self._module_names = {id(m): name for name, m in module.named_modules()}
         self.last_recomputed: Dict[str, str] = {}
         self._projections: Dict[int, Projection] = {}
-        self._aligned_calls: Set[int] = set()  # ids of this batch's calls whose rows are examples
         self._checked: Set[int] = set()  # hashes of the call/use structures checked numerically
         self._misaligned: Dict[int, FrozenSet[CallKey]] = {}  # per structure: calls failing the alignment check
 
@@ -360,7 +359,8 @@ class PerExampleGradientEngine:
         if structure not in self._misaligned:
             self._misaligned[structure] = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, size)))
         self._projections = self._projections_now()
-        plan = self._plan(tape, size, self._misaligned[structure])
+        self._mark_aligned(tape, size, self._misaligned[structure])
+        plan = self._plan(tape)
         batch = _Batch()
         if mode == "ghost":
             batch.second_pass = self._norms_in_backward(plan, tape, batch, losses, unit_sums=check)
@@ -490,17 +490,21 @@ class PerExampleGradientEngine:
     def _whole(self, i: int) -> _Recompute:
         return _Recompute(self.module, self.names[i])
 
-    def _plan(self, tape: Tape, size: int, misaligned: FrozenSet[CallKey]) -> Dict[int, object]:
+    def _mark_aligned(self, tape: Tape, size: int, misaligned: FrozenSet[CallKey]) -> None:
+        """Mark the batch-first calls: ``B`` leading rows, and not found ``misaligned`` (:mod:`.alignment`)."""
+        for call in tape.layer_calls:
+            call.aligned = _aligned_layer(call, size)
+        for call in tape.module_calls:
+            call.aligned = _aligned_module(call, size)
+        for key in misaligned:
+            self._call(tape, key).aligned = False
+
+    def _plan(self, tape: Tape) -> Dict[int, object]:
         """Where each parameter's per-example gradient comes from: the layer rules when all its
-        owners have one and all their calls are batch-first, else a recomputation on its single
-        owner (batch-first calls) or on the whole module. Batch-first: ``B`` leading rows, and
-        not found ``misaligned`` (:mod:`.alignment`)."""
+        owners have one and all their calls are batch-first (:meth:`_mark_aligned`), else a
+        recomputation on its single owner (batch-first calls) or on the whole module."""
         plan: Dict[int, object] = {}
         layers = set(map(id, self._layers))
-        aligned = {id(c) for c in tape.layer_calls if _aligned_layer(c, size)}
-        aligned |= {id(c) for c in tape.module_calls if _aligned_module(c, size)}
-        aligned -= {id(self._call(tape, key)) for key in misaligned}
-        self._aligned_calls = aligned
         layer_calls, module_calls = _by_module(tape.layer_calls), _by_module(tape.module_calls)
         for i, owned in enumerate(self._owners):
             modules = list(dict.fromkeys(id(m) for m, _ in owned))
@@ -509,11 +513,11 @@ class PerExampleGradientEngine:
                 continue
             if all(m in layers for m in modules):
                 calls = [c for m in modules for c in layer_calls.get(m, [])]
-                if all(id(c) in aligned for c in calls):
+                if all(c.aligned for c in calls):
                     plan[i] = _FromLayers(calls)
             elif len(owned) == 1 and owned[0][0] is not self.module:
                 module, local = owned[0]
-                if all(id(c) in aligned for c in module_calls.get(id(module), [])):
+                if all(c.aligned for c in module_calls.get(id(module), [])):
                     plan[i] = _Recompute(module, local)
         return plan
 
@@ -626,7 +630,7 @@ class PerExampleGradientEngine:
     def _check_recomputable(self, call: ModuleCall, size: int) -> None:
         where = self._where(call.module)
         raise_if_any([
-            None if id(call) in self._aligned_calls else
+            None if call.aligned else
             f"The outputs of {where} are not batch-first (row i of [B={size}, ...] must reach only "
             f"example i's loss), so its per-example gradients cannot be recomputed",
             None if call.inputs_unchanged() else

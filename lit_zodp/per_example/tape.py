@@ -38,6 +38,11 @@ class LayerCall:
     edge: Optional[GradientEdge] = None
     out_shape: Tuple[int, ...] = ()
     consume: Optional[Callable[[Tensor], None]] = None
+    aligned: bool = False  # row i of the output is example i's alone (set by the engine's checks)
+
+    def output_edges(self) -> List[GradientEdge]:
+        """The autograd edge of the output (none once the graph is released)."""
+        return [self.edge] if self.edge is not None else []
 
 
 @dataclass(eq=False)
@@ -51,6 +56,11 @@ class ModuleCall:
     grads: Dict[int, Tensor] = field(default_factory=dict)
     edges: List[GradientEdge] = field(default_factory=list)
     out_shapes: List[Tuple[int, ...]] = field(default_factory=list)
+    aligned: bool = False  # row i of each output is example i's alone (set by the engine's checks)
+
+    def output_edges(self) -> List[GradientEdge]:
+        """The autograd edges of the tensor outputs (none once the graph is released)."""
+        return list(self.edges)
 
     def inputs_unchanged(self) -> bool:
         """False if an input tensor was modified in place after the call (recomputation would differ)."""
@@ -129,8 +139,7 @@ class Tape:
 
     def gradient_targets(self) -> List[GradientEdge]:
         """The output edges of every recorded call: a backward to them fires every hook."""
-        edges = [call.edge for call in self.layer_calls if call.edge is not None]
-        return edges + [edge for call in self.module_calls for edge in call.edges]
+        return [edge for call in [*self.layer_calls, *self.module_calls] for edge in call.output_edges()]
 
     # --------------------------------------------------------------------------------- hooks
 
