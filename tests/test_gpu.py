@@ -97,3 +97,52 @@ def test_fixed_forward_rows_make_an_examples_loss_independent_of_its_batch_mates
     spread = {rows: example_zero_in_random_batches(rows, dtype, "cuda", hidden) for rows in (None, 8)}
     print(f"{dtype}: (distinct values, spread) of example 0's loss by fixed_forward_rows: {spread}")
     assert spread[8][0] == 1
+
+
+@pytest.fixture
+def tf32_matmuls():
+    """TF32 float32 matmuls through the legacy flag (the new API would leave the process in the mixed
+    state that makes ``torch.get_float32_matmul_precision()`` raise for later tests)."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.parametrize("mode,positions", [("hooks", 1), ("hooks", 3), ("bookkeeping", 2), ("ghost", 2)])
+def test_with_tf32_matmuls_a_share_stays_within_the_clip_on_cuda(tf32_matmuls, mode, positions):
+    """The real TF32 conversion of tests/per_example/test_pe_rounding.py's record (entries just above
+    half a TF32 step): within C, where an unguarded hooks sum gave ~(1 + 2^-11) C under emulation."""
+    from lit_zodp.per_example import PerExampleGradientEngine
+    from tests.per_example.test_pe_rounding import ROUNDS_UP
+
+    model = torch.nn.Linear(64, 1, bias=False).float().cuda()
+    x = torch.full((1, positions, 64), ROUNDS_UP, dtype=torch.float32, device="cuda")
+    engine = PerExampleGradientEngine(model, mode=mode)
+    loss = lambda: model(x).sum((1, 2))  # noqa: E731
+    clip = float(engine.clipped_sum(loss, float("inf")).norms[0]) / 16
+    released = torch.cat([g.double().flatten() for g in engine.clipped_sum(loss, clip).grads]).norm()
+    assert float(released) / clip <= 1 + 1e-6
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bookkeeping", "ghost"])
+def test_with_tf32_matmuls_the_engine_keeps_its_fast_path_and_its_sums_on_cuda(tf32_matmuls, mode):
+    """The coverage and alignment checks' tolerances include TF32's product error (2^-9): a
+    transformer layer at T = 64 takes the same paths as with IEEE float32 (no layer sent to the
+    slow path), and its sums stay near IEEE float32's."""
+    from lit_zodp.per_example import PerExampleGradientEngine
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).float().cuda()
+    x = torch.randn(16, 64, 64, device="cuda", dtype=torch.float32)
+    target = torch.randn(16, 64, 64, device="cuda", dtype=torch.float32)
+    loss = lambda: (layer(x) - target).pow(2).mean((1, 2))  # noqa: E731
+    torch.backends.cuda.matmul.allow_tf32 = False
+    exact_engine = PerExampleGradientEngine(layer, mode=mode)
+    exact = exact_engine.clipped_sum(loss, 0.1)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    engine = PerExampleGradientEngine(layer, mode=mode)
+    fast = engine.clipped_sum(loss, 0.1)
+    assert engine.last_recomputed == exact_engine.last_recomputed
+    for a, b in zip(fast.grads, exact.grads):
+        assert float((a - b).norm()) <= 0.05 * float(b.norm()) + 1e-6

@@ -32,8 +32,7 @@ from typing import Dict, Iterable, List, Set, Tuple
 import torch
 from torch import Tensor
 
-from lit_zodp.per_example.coverage import working_eps
-from lit_zodp.per_example.ghost import unit_roundoff
+from lit_zodp.per_example.rounding import working_eps
 from lit_zodp.per_example.tape import Tape
 
 #: ``("layer" | "module", position in the tape's calls of that kind)``
@@ -70,8 +69,7 @@ class _RowSummaries:
         v = torch.randn(rows.shape[2], generator=generator, device=grad.device, dtype=dtype)
         projection = ((rows @ v) @ u).double()
         norm = torch.linalg.vector_norm(rows, dim=(1, 2)).double()
-        # the projection is a matmul: TF32 ("high" float32 precision) rounds it at 2^-11
-        eps = max(working_eps(grad.device.type, grad.dtype), 4 * unit_roundoff(grad.dtype)) ** 0.5
+        eps = working_eps(grad.device.type, grad.dtype) ** 0.5  # the projection is a matmul (TF32 operands)
         self.values[(key, index)] = (projection, norm, eps)
 
 

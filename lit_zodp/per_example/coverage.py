@@ -13,15 +13,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lit_zodp.per_example.rounding import working_eps
+
 #: Elements per slice of :func:`difference_norm` (4 MiB in float32): the largest temporary it forms.
 DIFFERENCE_CHUNK = 1 << 20
-
-
-def working_eps(device_type: str, *dtypes: torch.dtype) -> float:
-    """Machine epsilon of the least precise dtype involved, autocast's included."""
-    if torch.is_autocast_enabled(device_type):
-        dtypes = (*dtypes, torch.get_autocast_dtype(device_type))
-    return max(torch.finfo(d).eps for d in dtypes)
 
 
 def difference_norm(total: Tensor, full: Tensor, chunk: int = DIFFERENCE_CHUNK) -> Tensor:

@@ -56,6 +56,7 @@ checkpointing. Shared ``[1, T]`` embedding indices are expanded to ``[B, T]`` wh
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, Union
 
@@ -67,9 +68,11 @@ from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Con
 from lit_zodp.per_example.alignment import CallKey, misaligned_calls
 from lit_zodp.per_example.checks import (check_losses, check_mode, check_transform, refuse_batchnorm,
                                          warn_half_precision_ghost)
-from lit_zodp.per_example.coverage import difference_norm, uncovered, working_eps
+from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
+from lit_zodp.per_example.rounding import (autocast_dtype, forward_autocast, outside_autocast, sum_rounding,
+                                           working_eps)
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
 from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape
@@ -226,6 +229,17 @@ def _by_module(calls: list) -> Dict[int, list]:
     return grouped
 
 
+def _dense_sum(factors: Tensor, grads: Tensor, ok: Optional[Tensor], clip: float) -> Tensor:
+    """``sum_i f_i G_i`` of one parameter's materialised rows, in at least float32. A matmul may
+    convert its operands (TF32: :mod:`.rounding`), which can grow an example's share by the factor
+    ``1 + rounding.product``; with a finite clip the factors are divided by it, so each share stays
+    at most ``C``."""
+    grads = at_least_float32(grads)
+    growth = 1.0 + sum_rounding(grads.dtype, grads.device.type).product
+    factors = factors if growth == 1.0 or math.isinf(clip) else factors / growth
+    return torch.tensordot(factors.to(grads.dtype), _zero_rows(grads, ok), dims=1)
+
+
 def _aligned_layer(call: LayerCall, batch_size: int) -> bool:
     a, out = call.activation, call.out_shape
     return a.dim() >= 2 and a.shape[0] == batch_size and len(out) >= 1 and out[0] == batch_size
@@ -275,6 +289,7 @@ class PerExampleGradientEngine:
         self._projections: Dict[int, Projection] = {}
         self._checked: Set[int] = set()  # hashes of the call/use structures checked numerically
         self._misaligned: Dict[int, FrozenSet[CallKey]] = {}  # per structure: calls failing the alignment check
+        self._autocast_warned: Set[torch.dtype] = set()
 
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
         """For each parameter, the ``(module, local name)`` pairs holding it directly."""
@@ -302,9 +317,10 @@ class PerExampleGradientEngine:
                 forward (:mod:`lit_zodp.privacy.fixed_shape`): factor 0, not counted. ``None``: all.
         """
         check_clip(clip)
+        self._warn_autocast_ghost()
         tape = self._tape()
         try:
-            with tape:
+            with tape, outside_autocast(self._device_type):
                 losses, batch = self._per_example(loss_fn, tape, mode=self.mode)
                 if losses.numel() == 0:
                     return self._empty()
@@ -330,7 +346,7 @@ class PerExampleGradientEngine:
         """Unclipped per-example gradients ``[B, ...]`` (after the transform), aligned with ``params``."""
         tape = self._tape()
         try:
-            with tape:
+            with tape, outside_autocast(self._device_type):
                 losses, batch = self._per_example(loss_fn, tape, mode="hooks")
             return [self._transformed(i, batch.dense[i], batch) for i in range(len(self.params))]
         finally:
@@ -343,12 +359,26 @@ class PerExampleGradientEngine:
     def _tape(self) -> Tape:
         return Tape(self.module, self._layers, self._recomputed)
 
+    @property
+    def _device_type(self) -> str:
+        return self.params[0].device.type
+
+    def _warn_autocast_ghost(self) -> None:
+        """Once: "ghost" mode's second backward under a half-precision autocast (as with half parameters)."""
+        dtype = autocast_dtype(self._device_type)
+        if dtype is not None and dtype not in self._autocast_warned:
+            self._autocast_warned.add(dtype)
+            warn_half_precision_ghost(self.mode, [], autocast=dtype)
+
     def _per_example(self, loss_fn: Callable[[], Tensor], tape: Tape, *, mode: str) -> Tuple[Tensor, _Batch]:
-        """Record, back-propagate, compute the per-example gradients (or norms) and check coverage."""
+        """Record, back-propagate, compute the per-example gradients (or norms) and check coverage.
+
+        Runs with autocast off (:func:`.rounding.outside_autocast`) but for the forward: the engine's
+        sums and norms keep the dtypes it chose."""
         self.last_recomputed = {}
         uses = ParameterUses(self.params, tape.stack)
         tape.recording = True
-        with uses:
+        with uses, forward_autocast(self._device_type):
             losses = loss_fn()
         check_losses(losses)
         if losses.numel() == 0:
@@ -619,7 +649,8 @@ class PerExampleGradientEngine:
 
     def _recompute(self, call: ModuleCall, names: List[str], size: int) -> Dict[str, Tensor]:
         try:
-            return call_gradients(call.module, names, call.inputs, call.spec, call.grads, size)
+            with forward_autocast(self._device_type):
+                return call_gradients(call.module, names, call.inputs, call.spec, call.grads, size)
         except RuntimeError as error:  # vmap refuses random ops, .item() and data-dependent branches
             raise PrivacyConfigError(
                 f"Invalid configuration: no layer rule covers {', '.join(names)}, and recomputing them "
@@ -697,8 +728,7 @@ class PerExampleGradientEngine:
         else:
             sums = self._ghost_sums(batch, factors, ok)
         for i, grads in dense.items():
-            grads = at_least_float32(grads)  # one parameter's per-example gradients at a time
-            sums[i] = torch.tensordot(factors.to(grads.dtype), _zero_rows(grads, ok), dims=1)
+            sums[i] = _dense_sum(factors, grads, ok, clip)
         out = [sums[i].to(sum_dtype(p.dtype)) for i, p in enumerate(self.params)]
         examples = len(losses) if examples is None else examples
         return ClippedSum(out, norms[:examples].float(), examples)

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lit_zodp.per_example.rounding import MatmulRounding, sum_rounding
+
 
 def prefer_ghost(positions: int, weight_numel: int) -> bool:
     """Bu et al. 2022's layerwise rule: the ghost norm if ``2 T^2 < d_in d_out``."""
@@ -31,20 +33,7 @@ def at_least_float32(x: Tensor) -> Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-#: Unit roundoff of float32 matmuls per ``torch.set_float32_matmul_precision``: "high" allows TF32
-#: (10-bit mantissa) or bf16x3 on GPUs, "medium" bfloat16.
-_MATMUL_UNIT_ROUNDOFF = {"highest": 2.0 ** -24, "high": 2.0 ** -11, "medium": 2.0 ** -8}
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """Of the sums formed from rows of ``dtype`` (widened to at least float32, as the engine's
-    ``sum_dtype``), including the reduced precision float32 matmuls may be allowed to use."""
-    if torch.promote_types(dtype, torch.float32) == torch.float64:
-        return 2.0 ** -53
-    return _MATMUL_UNIT_ROUNDOFF.get(torch.get_float32_matmul_precision(), 2.0 ** -8)
-
-
-def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, dtype: torch.dtype) -> Tensor:
+def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, rounding: MatmulRounding) -> Tensor:
     """An upper bound of ``||G_i||^2`` from its float64 ghost value, safe against cancellation.
 
     ``sum_{s,t} (a_s . a_t)(g_s . g_t)`` has terms up to ``S_i^2``, ``S_i = sum_t ||a_t|| ||g_t||``
@@ -52,14 +41,15 @@ def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, dt
     ``x_2 = -M u + d_2`` cancels. Rounded in float32 such a norm came out 0.29x the true one (3.4 C
     released, second audit). In float64 the error is at most ``gamma S_i^2`` with
     ``gamma = 2 (length + T^2) 2^-53`` (dot products of ``length`` terms, a sum of ``T^2``), so
-    ``sqrt(max(gram, 0) + gamma S_i^2)`` bounds the norm. The clipped sum is then formed in
-    ``dtype`` (at least float32) over the ``T`` positions, whose rounding adds up to
-    ``(T + 2) u S_i`` to the example's contribution; adding it keeps ``||f_i G_i||`` at most ``C``.
-    For ordinary examples (``S_i ~ sqrt(T) ||G_i||``) the bound exceeds the norm by ~``T^1.5 u``:
-    1e-4 at ``T = 128`` in float32, but ~0.7 with TF32 matmuls allowed (``u = 2^-11``), where
-    ``torch.set_float32_matmul_precision("highest")`` or ``mode="hooks"`` keep the norms tight."""
+    ``sqrt(max(gram, 0) + gamma S_i^2)`` bounds the norm. The clipped sum is then a matmul over
+    the ``T`` positions (:mod:`.rounding`): converting its operands moves the example's share by
+    at most ``rounding.product S_i``, accumulating by ``(T + 2) u S_i``; adding both keeps
+    ``||f_i G_i||`` at most ``C``. For ordinary examples (``S_i ~ sqrt(T) ||G_i||``) the bound
+    exceeds the norm by ~``T^1.5 u``, 1e-4 at ``T = 128`` in float32; with TF32 operands by about
+    ``2^-9 sqrt(T)``, 0.02 at ``T = 128``."""
     gamma = 2.0 * (length + positions * positions) * 2.0 ** -53
-    bound = (gram.clamp_min(0) + gamma * scale.pow(2)).sqrt() + (positions + 2) * unit_roundoff(dtype) * scale
+    rounded = rounding.product + (positions + 2) * rounding.accumulation
+    bound = (gram.clamp_min(0) + gamma * scale.pow(2)).sqrt() + rounded * scale
     return bound.pow(2)
 
 
@@ -81,14 +71,15 @@ def gram_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     if a.shape[1] == 1:  # one position: ||g a^T||^2 = ||a||^2 ||g||^2 (Goodfellow 2015), no cancellation
         a, g = at_least_float32(a), at_least_float32(g)
         return a.squeeze(1).pow(2).sum(-1) * g.squeeze(1).pow(2).sum(-1)
-    return torch.cat([_guarded_gram(a[rows].double(), g[rows].double(), dtype)
+    rounding = sum_rounding(dtype, a.device.type)
+    return torch.cat([_guarded_gram(a[rows].double(), g[rows].double(), rounding)
                       for rows in _example_chunks(a.shape[0], a.shape[1] * (a.shape[2] + g.shape[2]))])
 
 
-def _guarded_gram(a: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
+def _guarded_gram(a: Tensor, g: Tensor, rounding: MatmulRounding) -> Tensor:
     gram = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
     scale = (a.norm(dim=-1) * g.norm(dim=-1)).sum(1)
-    return guarded_norm_sq(gram, scale, a.shape[-1] + g.shape[-1], a.shape[1], dtype)
+    return guarded_norm_sq(gram, scale, a.shape[-1] + g.shape[-1], a.shape[1], rounding)
 
 
 def embedding_norm_sq(idx: Tensor, g: Tensor, padding_idx: Optional[int] = None) -> Tensor:
@@ -99,13 +90,14 @@ def embedding_norm_sq(idx: Tensor, g: Tensor, padding_idx: Optional[int] = None)
 
     ``idx [B, T]`` integer indices, ``g [B, T, D]``.
     """
-    return torch.cat([_guarded_embedding(idx[rows], g[rows].double(), padding_idx, g.dtype)
+    rounding = sum_rounding(g.dtype, g.device.type)
+    return torch.cat([_guarded_embedding(idx[rows], g[rows].double(), padding_idx, rounding)
                       for rows in _example_chunks(g.shape[0], g.shape[1] * g.shape[2])])
 
 
-def _guarded_embedding(idx: Tensor, g: Tensor, padding_idx: Optional[int], dtype: torch.dtype) -> Tensor:
+def _guarded_embedding(idx: Tensor, g: Tensor, padding_idx: Optional[int], rounding: MatmulRounding) -> Tensor:
     if padding_idx is not None:
         g = g * (idx != padding_idx).unsqueeze(-1).to(g.dtype)
     same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype)
     gram = (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-    return guarded_norm_sq(gram, g.norm(dim=-1).sum(1), g.shape[-1], g.shape[1], dtype)
+    return guarded_norm_sq(gram, g.norm(dim=-1).sum(1), g.shape[-1], g.shape[1], rounding)

@@ -196,20 +196,15 @@ def test_ghost_norms_formed_in_chunks_of_examples_equal_the_whole(monkeypatch):
         assert_rel_close(got, expected, 1e-14)
 
 
-def test_the_guard_follows_the_float32_matmul_precision():
-    """TF32 ("high") rounds the release's products at 2^-11, not 2^-24: the guard term grows to match."""
-    from lit_zodp.per_example.ghost import unit_roundoff
+def test_the_guard_follows_the_float32_matmul_setting(monkeypatch):
+    """TF32 operands (``fp32_precision = "tf32"``) move a share by up to ``2^-9 S_i``: the guard grows to match."""
+    from lit_zodp.per_example import rounding
 
-    previous = torch.get_float32_matmul_precision()
     g = torch.Generator().manual_seed(0)
     a = torch.randn(2, 8, 4, generator=g, dtype=torch.float32)
     grad = torch.randn(2, 8, 3, generator=g, dtype=torch.float32)
-    try:
-        torch.set_float32_matmul_precision("highest")
-        tight = gram_norm_sq(a, grad)
-        assert unit_roundoff(torch.float32) == unit_roundoff(torch.bfloat16) == 2.0 ** -24
-        torch.set_float32_matmul_precision("high")
-        assert unit_roundoff(torch.float32) == 2.0 ** -11 and unit_roundoff(torch.float64) == 2.0 ** -53
-        assert bool((gram_norm_sq(a, grad) > tight * (1 + 1e-3)).all())
-    finally:
-        torch.set_float32_matmul_precision(previous)
+    monkeypatch.setattr(rounding, "float32_matmul_setting", lambda device_type: "ieee")
+    tight, tight64 = gram_norm_sq(a, grad), gram_norm_sq(a.double(), grad.double())
+    monkeypatch.setattr(rounding, "float32_matmul_setting", lambda device_type: "tf32")
+    assert bool((gram_norm_sq(a, grad) > tight * (1 + 1e-3)).all())
+    assert torch.equal(gram_norm_sq(a.double(), grad.double()), tight64)  # float64 sums: no TF32
