@@ -19,17 +19,28 @@ from tests.conftest import blobs, mlp, poisson_loader, quiet_trainer
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set")]
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
-def test_every_module_takes_steps_on_cuda(name):
+def test_every_module_takes_steps_on_cuda(name, precision):
     cls = ALGORITHMS[name]
     kwargs = dict(lr=0.05, seed=3) | (dict(clip=1.0, noise_multiplier=1.0, delta=1e-5) if cls.private else {})
     module = cls(mlp(seed=1), **kwargs)
     before = torch.cat([p.detach().flatten() for p in module.backbone.parameters()]).clone()
-    trainer = quiet_trainer(max_steps=3, accelerator="gpu", devices=1)
+    trainer = quiet_trainer(max_steps=3, accelerator="gpu", devices=1, precision=precision)
     trainer.fit(module, poisson_loader(blobs(), 0.25))
     after = torch.cat([p.detach().flatten().cpu() for p in module.backbone.parameters()])
     assert trainer.global_step == module.privacy.steps == 3
     assert torch.isfinite(after).all() and not torch.equal(after, before)
+
+
+def test_16_mixed_is_refused_on_cuda_before_a_step():
+    """Its GradScaler failed every module with "Attempted unscale_ but _scale is None"."""
+    from lit_zodp.errors import ConfigError
+
+    module = ALGORITHMS["DPSGD"](mlp(seed=1), lr=0.05, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    with pytest.raises(ConfigError, match="bf16-mixed"):
+        quiet_trainer(max_steps=1, accelerator="gpu", devices=1, precision="16-mixed").fit(
+            module, poisson_loader(blobs(), 0.25))
 
 
 def test_noise_and_secret_vectors_on_cuda_follow_the_cpu_law():

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lit_zodp.algorithms import ALGORITHMS, ZerothOrderModule
-from lit_zodp.errors import AccountingError, PrivacyConfigError
+from lit_zodp.errors import AccountingError, ConfigError, PrivacyConfigError
 from lit_zodp.privacy import FullBatchSampler, NoiseSource, PrivacyComponent, PrivacyLedger
 from tests.conftest import blobs, collate_tensors, mlp, poisson_loader, quiet_trainer
 
@@ -187,6 +187,24 @@ def test_ledger_steps_equal_optimizer_steps(name):
     module = build(name)
     trainer = fit(module, poisson_loader(blobs(), 0.1), 7)
     assert trainer.global_step == module.privacy.steps == 7
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_bf16_mixed_precision_steps_and_counts_and_loss_scaling_is_refused_in_one_line(name):
+    """``bf16-mixed`` (autocast; the engine's sums stay float32: tests/per_example/test_pe_rounding.py)
+    takes its steps. ``16-mixed`` on CUDA steps through a GradScaler, which failed every module with
+    an AssertionError ("Attempted unscale_ but _scale is None"); refused before the first step."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    module = build(name)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="mode='ghost'")
+        trainer = fit(module, poisson_loader(blobs(), 0.1), 3, precision="bf16-mixed")
+    assert trainer.global_step == module.privacy.steps == 3
+    scaled = build(name)
+    with pytest.raises(ConfigError, match="precision 'bf16-mixed'") as info:
+        fit(scaled, poisson_loader(blobs(), 0.1), 1, plugins=[MixedPrecision("16-mixed", device="cpu")])
+    assert "\n" not in str(info.value) and scaled.privacy.steps == 0
 
 
 @pytest.mark.parametrize("name", PRIVATE)

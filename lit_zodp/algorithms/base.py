@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from lit_zodp.backbones.base import batch_size_of, num_classes_of, per_example_loss, predict
-from lit_zodp.errors import PrivacyConfigError, check_positive, check_positive_int, raise_if_any
+from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, StepPlan
 from lit_zodp.privacy.fixed_shape import FixedShapeForwards
 from lit_zodp.privacy.sampling import SamplingDescription
@@ -148,6 +148,7 @@ class AlgorithmModule(pl.LightningModule):
         self.test_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
     def setup(self, stage: str) -> None:
+        _refuse_loss_scaling(self.trainer)
         data_classes = getattr(self.trainer.datamodule, "num_classes", None) if self._trainer else None
         if data_classes and self.num_classes and data_classes != self.num_classes:
             raise PrivacyConfigError(
@@ -357,6 +358,16 @@ def _planned_steps(trainer: "pl.Trainer") -> int:
         raise PrivacyConfigError(
             "Planning the privacy needs a finite number of steps: set `max_steps` or `max_epochs`.")
     return int(steps)
+
+
+def _refuse_loss_scaling(trainer: "pl.Trainer") -> None:
+    """``precision="16-mixed"`` steps through a GradScaler that unscales gradients of a scaled loss;
+    these modules take no backward (zeroth order) or run their own (the per-example engine), so the
+    scaler has no scale and its step fails with an AssertionError deep in torch."""
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        raise ConfigError(
+            "Invalid configuration: `trainer.precision='16-mixed'` scales the loss of a backward these modules "
+            "do not run through Lightning: use precision 'bf16-mixed', '16-true' or 'bf16-true'")
 
 
 def _require_no_distributed_sampler(trainer: "pl.Trainer") -> None:
