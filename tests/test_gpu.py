@@ -120,7 +120,8 @@ def tf32_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-@pytest.mark.parametrize("mode,positions", [("hooks", 1), ("hooks", 3), ("bookkeeping", 2), ("ghost", 2)])
+@pytest.mark.parametrize("mode,positions", [("hooks", 1), ("hooks", 3), ("bookkeeping", 1), ("bookkeeping", 2),
+                                            ("ghost", 1), ("ghost", 2)])
 def test_with_tf32_matmuls_a_share_stays_within_the_clip_on_cuda(tf32_matmuls, mode, positions):
     """The real TF32 conversion of tests/per_example/test_pe_rounding.py's record (entries just above
     half a TF32 step): within C, where an unguarded hooks sum gave ~(1 + 2^-11) C under emulation."""

@@ -68,10 +68,10 @@ def gram_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     upper bound exact to float64 rounding (:func:`guarded_norm_sq`) when ``T > 1``, formed a chunk
     of examples at a time (:data:`GHOST_CHUNK`)."""
     dtype = torch.promote_types(a.dtype, g.dtype)
-    if a.shape[1] == 1:  # one position: ||g a^T||^2 = ||a||^2 ||g||^2 (Goodfellow 2015), no cancellation
-        a, g = at_least_float32(a), at_least_float32(g)
-        return a.squeeze(1).pow(2).sum(-1) * g.squeeze(1).pow(2).sum(-1)
     rounding = sum_rounding(dtype, a.device.type)
+    if a.shape[1] == 1:  # one position: ||g a^T||^2 = ||a||^2 ||g||^2 (Goodfellow 2015), no cancellation;
+        a, g = at_least_float32(a), at_least_float32(g)  # converted operands grow the share by 1 + product
+        return a.squeeze(1).pow(2).sum(-1) * g.squeeze(1).pow(2).sum(-1) * (1 + rounding.product) ** 2
     return torch.cat([_guarded_gram(a[rows].double(), g[rows].double(), rounding)
                       for rows in _example_chunks(a.shape[0], a.shape[1] * (a.shape[2] + g.shape[2]))])
 
