@@ -33,22 +33,27 @@ print(rounding.float32_matmul_setting("cuda"), rounding.float32_matmul_setting("
 """
 
 
-@pytest.mark.parametrize("setting,expected", [
-    ("pass", "ieee ieee"),
-    ("b.cuda.matmul.allow_tf32 = True", "tf32 ieee"),                               # the legacy flag
-    ("torch.set_float32_matmul_precision('high')", "tf32 tf32"),
-    ("torch.set_float32_matmul_precision('medium')", "tf32 bf16"),                 # oneDNN: bfloat16 operands
-    ("b.cuda.matmul.fp32_precision = 'tf32'", "tf32 ieee"),                       # get_float32_matmul_precision raises
-    ("b.fp32_precision = 'tf32'", "tf32 tf32"),                                   # inherited by each backend
-    ("b.cuda.matmul.allow_tf32 = True; b.cuda.matmul.fp32_precision = 'ieee'", "ieee ieee"),  # mixed APIs
-])
-def test_the_float32_matmul_setting_is_read_from_either_api(setting, expected):
-    """In a fresh interpreter each: mixing the legacy and new APIs is sticky, and makes
-    ``torch.get_float32_matmul_precision()`` raise (the engine read it before, and would have crashed)."""
-    out = subprocess.run([sys.executable, "-c", _READ_SETTINGS, str(ROUNDING_PY), setting],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == expected.split()
+SETTINGS = {
+    "pass": "ieee ieee",
+    "b.cuda.matmul.allow_tf32 = True": "tf32 ieee",                               # the legacy flag
+    "torch.set_float32_matmul_precision('high')": "tf32 tf32",
+    "torch.set_float32_matmul_precision('medium')": "tf32 bf16",                 # oneDNN: bfloat16 operands
+    "b.cuda.matmul.fp32_precision = 'tf32'": "tf32 ieee",                       # get_float32_matmul_precision raises
+    "b.fp32_precision = 'tf32'": "tf32 tf32",                                   # inherited by each backend
+    "b.cuda.matmul.allow_tf32 = True; b.cuda.matmul.fp32_precision = 'ieee'": "ieee ieee",  # mixed APIs
+}
+
+
+def test_the_float32_matmul_setting_is_read_from_either_api():
+    """Each in a fresh interpreter (run side by side): mixing the legacy and new APIs is sticky, and
+    makes ``torch.get_float32_matmul_precision()`` raise (the engine read it before, and would have raised)."""
+    runs = {setting: subprocess.Popen([sys.executable, "-c", _READ_SETTINGS, str(ROUNDING_PY), setting],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for setting in SETTINGS}
+    for setting, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err[-2000:]
+        assert out.split() == SETTINGS[setting].split(), setting
 
 
 def test_sum_rounding_of_float64_rows_ignores_the_float32_setting(monkeypatch):
