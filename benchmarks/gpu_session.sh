@@ -12,7 +12,8 @@
 #   wheels       HERE, not on the device (needs pip and the registry): downloads the wheels the device
 #                lacks into .whl/ and adds /.whl/ to .git/info/exclude (see "Wheels" below).   ~10 s
 #   tests        HF_HUB_OFFLINE=1 python -m pytest -q -m gpu tests  (every module's steps on CUDA, the
-#                fused Triton kernel vs its reference, device noise, and the slow CUDA path of
+#                fused Triton kernel vs its reference, device noise, the per-example engine under
+#                real TF32 and bf16-mixed, 16-mixed refused, and the slow CUDA path of
 #                bench_dpzero.py --quick).                                                   ~3-6 min
 #   zo_roberta   bench_zo_gpu.py --models roberta_large  (fp32+bf16, b16+b64, 5 repeats)
 #                -> results/bench_zo_gpu_roberta_large.{md,json}                             ~4-6 min
