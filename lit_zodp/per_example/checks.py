@@ -52,6 +52,26 @@ def refuse_batchnorm(module: nn.Module) -> None:
     ])
 
 
+def refuse_reentrant_checkpointing(losses: Tensor) -> None:
+    """Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs
+    its parameters' backward inside a node of its own (``CheckpointFunctionBackward``), which torch
+    refuses under ``autograd.grad`` or ``backward(inputs=...)``, the engine's backwards, with a
+    RuntimeError from inside the step. Refused here first, in one line naming the fix. Non-reentrant
+    checkpointing (the default of Hugging Face ``gradient_checkpointing_enable``) is exact. One walk
+    of the graph, on a batch of a new structure."""
+    seen, stack = set(), [losses.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        raise_if_any([None if type(node).__name__ != "CheckpointFunctionBackward" else
+                      "The model uses reentrant activation checkpointing (use_reentrant=True), whose parameters "
+                      "the per-example engine cannot see: pass use_reentrant=False (Hugging Face: "
+                      "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))"])
+        stack.extend(child for child, _ in node.next_functions)
+
+
 def check_losses(losses: Any) -> None:
     """``loss_fn`` must return the per-example losses, a 1-D tensor ``[B]``."""
     if not isinstance(losses, Tensor) or losses.dim() != 1:

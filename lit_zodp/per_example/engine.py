@@ -50,8 +50,8 @@ module (the reference path).
    row ``i``. Parameters of a call failing it are recomputed on the whole module (as in 3).
 
 Assumptions (as in Opacus): the engine's module is batch-first at its own inputs and outputs
-(checked as in 5); the forward is deterministic where it is recomputed; no BatchNorm; no activation
-checkpointing. Shared ``[1, T]`` embedding indices are expanded to ``[B, T]`` while recording.
+(checked as in 5); the forward is deterministic where it is recomputed; no BatchNorm; activation
+checkpointing only non-reentrant (reentrant is refused). Shared ``[1, T]`` embedding indices are expanded to ``[B, T]`` while recording.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import CallKey, misaligned_calls
 from lit_zodp.per_example.checks import (check_losses, check_mode, check_transform, refuse_batchnorm,
-                                         warn_half_precision_ghost)
+                                         refuse_reentrant_checkpointing, warn_half_precision_ghost)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
@@ -386,6 +386,8 @@ class PerExampleGradientEngine:
         size = len(losses)
         structure = self._structure(tape, uses, size)
         check = structure not in self._checked
+        if check:
+            refuse_reentrant_checkpointing(losses)
         if structure not in self._misaligned:
             self._misaligned[structure] = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, size)))
         self._projections = self._projections_now()
