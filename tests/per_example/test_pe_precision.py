@@ -11,11 +11,11 @@ from lit_zodp.per_example import PerExampleGradientEngine
 CLIP = 0.01
 
 
-def _similar_examples(batch: int):
+def _similar_examples(batch: int, dtype: torch.dtype = torch.bfloat16):
     """Examples with nearly the same gradient, all clipped: ``||S|| ~ B C``, the worst case for rounding."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 16, generator=g) + 0.05 * torch.randn(batch, 16, generator=g)
-    return x.to(torch.bfloat16), torch.zeros(batch, dtype=torch.long)
+    return x.to(dtype), torch.zeros(batch, dtype=torch.long)
 
 
 def _bf16_mlp():

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lit_zodp.per_example import PerExampleGradientEngine
 from lit_zodp.per_example import ghost, rounding
 from lit_zodp.per_example.rounding import IEEE_FLOAT32, TF32, MatmulRounding
+from tests.per_example.test_pe_precision import _sensitivity, _similar_examples
 
 ROUNDING_PY = Path(rounding.__file__)
 
@@ -141,9 +141,6 @@ def test_guard_terms_add_up_as_documented():
 
 # ------------------------------------------------------------------------------------ autocast
 
-CLIP = 0.01
-
-
 class _WithRecomputed(nn.Module):
     """Two Linear layers (rules) and an elementwise scale no rule covers (the vmap fallback)."""
 
@@ -170,24 +167,11 @@ def _autocast_sensitivity(mode: str, batch: int) -> float:
     all clipped examples (``||S|| ~ B C``: the worst case for rounding the sum)."""
     torch.manual_seed(0)
     model = _WithRecomputed().float()
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 16, generator=g, dtype=torch.float32) + 0.05 * torch.randn(batch, 16, generator=g,
-                                                                                  dtype=torch.float32)
-    y = torch.zeros(batch, dtype=torch.long)
+    x, y = _similar_examples(batch, torch.float32)
     engine = PerExampleGradientEngine(model, mode=mode)
-
-    def clipped(keep):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return engine.clipped_sum(lambda: F.cross_entropy(model(x[keep]).float(), y[keep], reduction="none"), CLIP)
-
-    full = clipped(list(range(batch)))
-    assert all(s.dtype == torch.float32 for s in full.grads)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        worst = _sensitivity(engine, model, x, y, removed=range(0, batch, batch // 4))
     assert engine.last_recomputed == {"scale.weight": "scale"}
-    worst = 0.0
-    for j in range(0, batch, batch // 4):
-        less = clipped([i for i in range(batch) if i != j])
-        gap = torch.cat([(a.double() - b.double()).flatten() for a, b in zip(full.grads, less.grads)]).norm()
-        worst = max(worst, float(gap) / CLIP)
     return worst
 
 
