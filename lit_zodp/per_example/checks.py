@@ -82,14 +82,22 @@ def check_losses(losses: Any) -> None:
                       "not require grad (was `loss_fn` run under torch.no_grad, or is everything frozen?)"])
 
 
-def warn_half_precision_ghost(mode: str, params: Iterable[Tensor], autocast: Optional[torch.dtype] = None) -> None:
+def warn_half_precision_ghost(mode: str, params: Iterable[Tensor]) -> None:
     """"ghost" mode forms the clipped sums from a second backward of ``sum_i f_i loss_i`` through the
-    model, whose half-precision rounding of ``f_i g_i`` (half-precision parameters, or a forward
-    under ``autocast``) is not bounded by the clip: each example's contribution is within about
-    ``(1 + 2^-8) C`` (1.0025-1.004 C measured in bfloat16), not ``C``."""
+    model, whose half-precision rounding of ``f_i g_i`` is not bounded by the clip: each example's
+    contribution is within about ``(1 + 2^-8) C`` (1.0025-1.004 C measured in bfloat16), not ``C``."""
     half = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
-    where = f"{', '.join(half)} parameters" if half else f"autocast to {autocast}"
-    if mode == "ghost" and (half or autocast in (torch.float16, torch.bfloat16)):
-        warnings.warn(f"mode='ghost' with {where} bounds each example's clipped gradient by C only up to "
-                      f"that dtype's rounding (about 1.004 C); mode='bookkeeping' or 'hooks' bound it by C",
-                      UserWarning, stacklevel=3)
+    if mode == "ghost" and half:
+        _warn_ghost_rounding(f"{', '.join(half)} parameters")
+
+
+def warn_autocast_ghost(mode: str, autocast: Optional[torch.dtype]) -> None:
+    """The same for a forward under a half-precision ``autocast`` (Lightning's "bf16-mixed")."""
+    if mode == "ghost" and autocast in (torch.float16, torch.bfloat16):
+        _warn_ghost_rounding(f"autocast to {autocast}")
+
+
+def _warn_ghost_rounding(where: str) -> None:
+    warnings.warn(f"mode='ghost' with {where} bounds each example's clipped gradient by C only up to that "
+                  f"dtype's rounding (about 1.004 C); mode='bookkeeping' or 'hooks' bound it by C",
+                  UserWarning, stacklevel=4)

@@ -67,7 +67,8 @@ from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import CallKey, misaligned_calls
 from lit_zodp.per_example.checks import (check_losses, check_mode, check_transform, refuse_batchnorm,
-                                         refuse_reentrant_checkpointing, warn_half_precision_ghost)
+                                         refuse_reentrant_checkpointing, warn_autocast_ghost,
+                                         warn_half_precision_ghost)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
@@ -368,7 +369,7 @@ class PerExampleGradientEngine:
         dtype = autocast_dtype(self._device_type)
         if dtype is not None and dtype not in self._autocast_warned:
             self._autocast_warned.add(dtype)
-            warn_half_precision_ghost(self.mode, [], autocast=dtype)
+            warn_autocast_ghost(self.mode, dtype)
 
     def _per_example(self, loss_fn: Callable[[], Tensor], tape: Tape, *, mode: str) -> Tuple[Tensor, _Batch]:
         """Record, back-propagate, compute the per-example gradients (or norms) and check coverage.
