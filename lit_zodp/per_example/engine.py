@@ -51,7 +51,8 @@ module (the reference path).
 
 Assumptions (as in Opacus): the engine's module is batch-first at its own inputs and outputs
 (checked as in 5); the forward is deterministic where it is recomputed; no BatchNorm; activation
-checkpointing only non-reentrant (reentrant is refused). Shared ``[1, T]`` embedding indices are expanded to ``[B, T]`` while recording.
+checkpointing only non-reentrant (reentrant is refused). Shared ``[1, T]`` embedding indices are
+expanded to ``[B, T]`` while recording.
 """
 
 from __future__ import annotations
