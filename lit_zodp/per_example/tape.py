@@ -8,7 +8,10 @@
 
 Tensor hooks are registered in the forward hook, before any later in-place update of the output,
 so they see the gradient of the value the layer produced. Hooks only record while
-:attr:`Tape.recording` is set, so the fallback's recomputation leaves the tape untouched.
+:attr:`Tape.recording` is set, so the fallback's recomputation leaves the tape untouched, and
+never inside a backward: non-reentrant activation checkpointing runs the forward again there, and
+the calls it makes are not the graph's (their outputs get no gradient), so recording them would
+only hold their activations to the end of the batch, giving back what checkpointing saves.
 
 While recording, :attr:`Tape.stack` holds the recorded modules whose calls are running (for the
 parameter-use check of :mod:`.uses`), and each call keeps the autograd edges of its outputs (not
@@ -22,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten
@@ -65,6 +69,11 @@ class ModuleCall:
     def inputs_unchanged(self) -> bool:
         """False if an input tensor was modified in place after the call (recomputation would differ)."""
         return all(v is None or leaf._version == v for leaf, v in zip(self.inputs, self.versions))
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward on this thread (as :mod:`torch.utils.checkpoint` asks)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _first_input(args: tuple, kwargs: dict) -> Any:
@@ -143,8 +152,12 @@ class Tape:
 
     # --------------------------------------------------------------------------------- hooks
 
+    @property
+    def _recording_forward(self) -> bool:
+        return self.recording and not _in_backward()
+
     def _enter(self, module: nn.Module, args: tuple) -> None:
-        if self.recording:
+        if self._recording_forward:
             self.stack.append(module)
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -152,13 +165,14 @@ class Tape:
             self.stack.pop()
 
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.recording:
+        if self._recording_forward:
             self.batch_hint = _leading_dim(args, kwargs)
 
     def _broadcast_embedding_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         """Shared index rows ``[1, T]`` (e.g. BERT's and GPT-2's position ids) are expanded to the
         batch, so each example's output rows, and hence its gradient, are its own; the values
-        downstream are unchanged since the ``[1, T, D]`` output would broadcast the same way."""
+        downstream are unchanged since the ``[1, T, D]`` output would broadcast the same way. Also
+        inside a backward: a checkpointed forward run again must give the shapes it saved."""
         idx = _first_input(args, kwargs)
         hint = self.batch_hint
         if not (self.recording and hint and hint > 1 and isinstance(idx, Tensor)
@@ -172,7 +186,7 @@ class Tape:
 
     def _layer_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         activation = _first_input(args, kwargs)
-        if not (self.recording and isinstance(output, Tensor) and output.requires_grad
+        if not (self._recording_forward and isinstance(output, Tensor) and output.requires_grad
                 and isinstance(activation, Tensor)):
             return
         call = LayerCall(module, activation.detach(), edge=get_gradient_edge(output), out_shape=tuple(output.shape))
@@ -180,7 +194,7 @@ class Tape:
         output.register_hook(self._store_layer_grad(call))
 
     def _module_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self.recording:
+        if not self._recording_forward:
             return
         inputs, spec = tree_flatten((args, kwargs))
         versions = [leaf._version if isinstance(leaf, Tensor) and not leaf.is_inference() else None

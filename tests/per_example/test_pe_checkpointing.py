@@ -74,3 +74,65 @@ def test_hugging_face_gradient_checkpointing_gives_the_plain_clipped_sum():
     model.train()
     for a, b in zip(clipped(model).grads, plain.grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _recorded_calls(model, mode):
+    """How many layer and module calls the tape records over two batches."""
+    from lit_zodp.per_example import tape
+
+    counts = {"layer": 0, "module": 0}
+
+    def counting(cls, kind):
+        class Counted(cls):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                counts[kind] += 1
+        return Counted
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tape, "LayerCall", counting(tape.LayerCall, "layer"))
+        patch.setattr(tape, "ModuleCall", counting(tape.ModuleCall, "module"))
+        _clipped(model, mode, 2)
+    return counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_forward_checkpointing_runs_again_in_the_backward_is_not_recorded(mode):
+    """Those calls get no gradient; recorded, they would hold their activations to the batch's end."""
+    plain = _recorded_calls(_Checkpointed(), mode)
+    assert plain == {"layer": 2 * 6, "module": 2}
+    assert _recorded_calls(_Checkpointed(reentrant=False), mode) == plain
+
+
+class _PositionBlock(nn.Module):
+    """A checkpointed block holding a position embedding called with shared ``[1, T]`` ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions, self.mix = nn.Embedding(5, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        ids = torch.arange(x.shape[1]).unsqueeze(0)
+        return self.mix(torch.tanh(x + self.positions(ids)))
+
+
+class _CheckpointedPositions(nn.Module):
+    def __init__(self, checkpointed):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.block, self.head = nn.Linear(8, 8), _PositionBlock(), nn.Linear(8, 3)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = checkpoint(self.block, x, use_reentrant=False) if self.checkpointed else self.block(x)
+        return self.head(x.mean(1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpointed_shared_position_embedding_is_broadcast_again_when_run_again(mode):
+    """The forward run again in the backward must save the ``[B, T]`` ids the first one saved."""
+    plain = _clipped(_CheckpointedPositions(False), mode, 2)
+    for mine, theirs in zip(_clipped(_CheckpointedPositions(True), mode, 2), plain):
+        for a, b in zip(mine.grads, theirs.grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
