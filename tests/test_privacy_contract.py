@@ -32,8 +32,8 @@ def test_the_registry_holds_todays_algorithms():
     assert {"DPZero", "DPGD0th"} <= set(PRIVATE) and "MeZO" in EVERY and "MeZO" not in PRIVATE
 
 
-def build(name, backbone=None, **overrides):
-    cls = ALGORITHMS[name]
+def build(name, backbone=None, cls=None, **overrides):
+    cls = cls or ALGORITHMS[name]
     kwargs = dict(lr=0.05, seed=3)
     if cls.private:
         kwargs |= dict(clip=1.0, noise_multiplier=1.0, delta=1e-5)
@@ -323,6 +323,70 @@ def test_impossible_settings_are_refused_at_construction_in_one_line(name, kwarg
     with pytest.raises(PrivacyConfigError, match=match) as info:
         build(name, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def _batchnorm_mlp(track_running_stats):
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16, track_running_stats=track_running_stats),
+                         nn.Tanh(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_batchnorm_using_batch_statistics_in_eval_mode_is_refused_in_one_line(name):
+    """Such a layer makes each loss depend on the batch-mates (audit 3: 2.67 C released on one removal)."""
+    with pytest.raises(PrivacyConfigError, match="BatchNorm layer `1`") as info:
+        build(name, _batchnorm_mlp(track_running_stats=False))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in PRIVATE if issubclass(ALGORITHMS[n], ZerothOrderModule)))
+def test_a_batchnorm_with_running_statistics_keeps_zeroth_order_losses_per_example(name):
+    """Zeroth-order steps forward in eval mode, where running statistics treat each example alone."""
+    module = build(name, _batchnorm_mlp(track_running_stats=True))
+    x, y = blobs(8)[:]
+    alone = torch.stack([module.private_losses(x[i:i + 1], y[i:i + 1])[0] for i in range(8)])
+    changed = x.clone()
+    changed[0] += 5.0
+    together = module.private_losses(changed, y)
+    torch.testing.assert_close(together[1:], alone[1:], rtol=1e-6, atol=1e-7)
+
+
+class _PerTokenLosses(nn.Module):
+    """A backbone whose ``per_example_loss`` returns ``[B, L]``: L values, each clipped on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp(seed=1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def per_example_loss(self, x, y):
+        return nn.functional.cross_entropy(self.net(x), y, reduction="none").unsqueeze(1).expand(-1, 4)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_per_token_losses_are_refused_in_one_line(name):
+    """L clipped values per example would release L C (audit 3: 10 C with L = 10, C = 1)."""
+    module = build(name, _PerTokenLosses(), num_classes=3)
+    before = flat(module)
+    with pytest.raises(PrivacyConfigError, match="one loss per example") as info:
+        fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert "\n" not in str(info.value)
+    # nothing left behind: a zeroth-order perturbation left pending would move them by lam |u| ~ 1e-3
+    torch.testing.assert_close(flat(module), before, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in EVERY if issubclass(ALGORITHMS[n], ZerothOrderModule)))
+def test_private_forwards_run_in_eval_mode_whatever_a_subclass_hook_does(name):
+    """A subclass whose ``on_train_batch_start`` leaves the backbone in train mode (dropout, batch
+    statistics) still gets its private losses in eval mode."""
+    leaky = type("Leaky" + name, (ALGORITHMS[name],), {"on_train_batch_start": lambda self, b, i: self.backbone.train()})
+    modes = []
+    module = build(name, cls=leaky)
+    module.backbone.register_forward_pre_hook(lambda m, args: modes.append(m.training))
+    fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert modes and not any(modes)
 
 
 @pytest.mark.parametrize("name", sorted(set(EVERY) - set(PRIVATE)))

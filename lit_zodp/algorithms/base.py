@@ -202,7 +202,11 @@ class AlgorithmModule(pl.LightningModule):
 
     @torch.no_grad()
     def private_losses(self, inputs, targets) -> Tensor:
-        """``f(x; xi_i)`` per private example: no autograd, eval mode; the only way a ZO step sees the batch."""
+        """``f(x; xi_i)`` per private example: no autograd, eval mode (set here too, whatever a subclass's
+        hooks did: dropout or batch statistics would couple the examples); the only way a ZO step sees
+        the batch."""
+        if self.backbone.training:
+            self.backbone.eval()
         if batch_size_of(inputs) == 0:
             return torch.zeros(0, device=targets.device)
         if self.fixed_shape is None:

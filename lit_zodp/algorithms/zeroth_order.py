@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lit_zodp.algorithms.base import AlgorithmModule
 from lit_zodp.errors import check_non_negative, check_positive, check_positive_int, raise_if_any
+from lit_zodp.per_example.checks import refuse_batch_statistics
 from lit_zodp.privacy import DirectionRelease
 from lit_zodp.zo import ZOSGD, PerturbationEngine, central_differences, derive_seed, make_direction_law
 from lit_zodp.zo.fused import FusedPerturbation, triton_available
@@ -64,6 +65,8 @@ class ZerothOrderModule(AlgorithmModule):
             f"use perturbation='chunked'",
         ])
         super().__init__(backbone, **kwargs)
+        if self.private:
+            refuse_batch_statistics(self.backbone)
         self.weight_decay = weight_decay
         self.lam = lam
         self.num_directions = num_directions

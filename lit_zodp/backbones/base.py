@@ -13,6 +13,8 @@ from typing import Any, Mapping, Union
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_zodp.errors import PrivacyConfigError
+
 Inputs = Union[Tensor, Mapping[str, Tensor]]
 
 
@@ -45,10 +47,26 @@ class Backbone(nn.Module):
 
 
 def per_example_loss(model: nn.Module, inputs: Inputs, targets: Tensor) -> Tensor:
-    """Per-example losses of any module: its own rule if it is a :class:`Backbone`, else cross-entropy."""
+    """Per-example losses of any module, shape ``[B]``: its own rule if it is a :class:`Backbone`, else
+    cross-entropy. Each value is clipped as one example's contribution, so any other shape (per-token
+    losses ``[B, L]``: L clipped values per example, L times the sensitivity) is refused."""
     if hasattr(model, "per_example_loss"):
-        return model.per_example_loss(inputs, targets)
-    return F.cross_entropy(call_model(model, inputs), targets, reduction="none")
+        losses = model.per_example_loss(inputs, targets)
+    else:
+        losses = F.cross_entropy(call_model(model, inputs), targets, reduction="none")
+    check_one_loss_per_example(losses, len(targets), type(model).__name__)
+    return losses
+
+
+def check_one_loss_per_example(losses: Any, size: int, owner: str) -> None:
+    """Raise :class:`PrivacyConfigError` unless ``losses`` is a tensor of shape ``[size]``."""
+    if isinstance(losses, Tensor) and tuple(losses.shape) == (size,):
+        return
+    shape = list(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+    raise PrivacyConfigError(
+        f"The per-example losses of {owner} have shape {shape}, but a batch of {size} examples needs one "
+        f"loss per example, [{size}]: reduce per-token (or per-row) losses to one value per example in its "
+        f"`per_example_loss`, since each value is clipped as one example's whole contribution")
 
 
 def predict(model: nn.Module, inputs: Inputs) -> Tensor:

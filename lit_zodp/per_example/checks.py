@@ -52,6 +52,26 @@ def refuse_batchnorm(module: nn.Module) -> None:
     ])
 
 
+def batch_statistics_layers(module: nn.Module) -> list[str]:
+    """Qualified names of the BatchNorm layers that normalise with the batch's own statistics even in
+    eval mode (``track_running_stats=False``, or running statistics removed)."""
+    return [name or "<root>" for name, m in module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and (not m.track_running_stats or m.running_mean is None or m.running_var is None)]
+
+
+def refuse_batch_statistics(module: nn.Module) -> None:
+    """Zeroth-order steps forward private batches in eval mode, where a BatchNorm with running
+    statistics treats each example alone; one without them mixes the batch's examples into every
+    loss, so clipping each loss no longer bounds one example's contribution (audit 3 F1)."""
+    raise_if_any([
+        f"BatchNorm layer `{name}` normalises with the batch's own statistics even in eval mode "
+        f"(track_running_stats=False), so each example's loss depends on its batch-mates and clipping "
+        f"does not bound its contribution; keep running statistics or use nn.GroupNorm (or LayerNorm)"
+        for name in batch_statistics_layers(module)
+    ])
+
+
 def refuse_reentrant_checkpointing(losses: Tensor) -> None:
     """Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs
     its parameters' backward inside a node of its own (``CheckpointFunctionBackward``), which torch

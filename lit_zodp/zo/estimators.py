@@ -40,10 +40,15 @@ def second_differences(engine: PerturbationEngine, seed: int, lam: float, losses
 
 def two_point_losses(engine: PerturbationEngine, seed: int, lam: float,
                      losses: Callable[[], Tensor]) -> tuple[Tensor, Tensor]:
-    """``(f(x + lam u), f(x - lam u))`` by two in-place perturbations; leaves ``x - lam u`` pending."""
+    """``(f(x + lam u), f(x - lam u))`` by two in-place perturbations; leaves ``x - lam u`` pending.
+    A forward that raises (a refused configuration, out of memory) leaves no perturbation behind."""
     if lam <= 0:
         raise ValueError(f"Expected the smoothing `lam` > 0, but got {lam}")
-    engine.perturb_(seed, +lam)
-    plus = losses()
-    engine.perturb_(seed, -2.0 * lam)
-    return plus, losses()
+    try:
+        engine.perturb_(seed, +lam)
+        plus = losses()
+        engine.perturb_(seed, -2.0 * lam)
+        return plus, losses()
+    except BaseException:
+        engine.restore_()
+        raise

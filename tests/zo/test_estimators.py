@@ -37,6 +37,32 @@ def test_central_difference_is_exact_on_a_quadratic(lam):
     torch.testing.assert_close(differences, expected, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("failing_call", [1, 2])
+@pytest.mark.parametrize("engine_kind", ["chunked", "fused"])
+def test_a_forward_that_raises_leaves_no_perturbation_behind(failing_call, engine_kind):
+    """A refused configuration or an out-of-memory error in the forward at x + lam u (call 1) or
+    x - lam u (call 2) must not leave the model perturbed (a checkpoint or a retry would see it)."""
+    from lit_zodp.zo.fused import FusedPerturbation
+
+    q = Quadratic(12)
+    if engine_kind == "fused":  # float32, bf16 and fp16 parameters only
+        q.x.data = q.x.data.float()
+    start = q.x.detach().clone()
+    engine = PerturbationEngine([q.x]) if engine_kind == "chunked" else FusedPerturbation([q.x], backend="reference")
+    calls = []
+
+    def losses():
+        calls.append(q.x.detach().clone())
+        if len(calls) == failing_call:
+            raise MemoryError("out of memory")
+        return q.losses()
+
+    with pytest.raises(MemoryError):
+        central_differences(engine, 3, 0.1, losses)
+    assert not torch.equal(calls[-1], start) and not engine.pending  # it was perturbed, and is no more
+    torch.testing.assert_close(q.x.detach(), start, rtol=0, atol=1e-6 if engine_kind == "fused" else 1e-12)
+
+
 @pytest.mark.parametrize("law", [GaussianDirections(), SphereDirections()])
 def test_monte_carlo_mean_of_the_estimate_is_the_gradient(law):
     """E[s u] = grad F for E[u u^T] = I (both laws), with s the mean central difference."""
