@@ -24,8 +24,9 @@ DDP requires ``Trainer(use_distributed_sampler=False)``: the data module does th
 
 The Poisson and shuffle streams are secret (amplification by subsampling assumes the batches are):
 a fresh 256-bit OS-entropy secret at every fit start, never written to a checkpoint, so a resumed run
-or two continuations of one checkpoint never share a mask. ``sampling_seed`` makes them
-reproducible for tests only (it warns, and is kept out of ``hparams``).
+or two continuations of one checkpoint never share a mask (but both spend privacy: each ledger counts
+its own lineage only, see the README). ``sampling_seed`` makes them reproducible for tests only (it
+warns, and is kept out of ``hparams``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class DataSplits:
         train_ids: one hashable identifier per pool example (e.g. the text), to check that the
             private set and ``public`` share no example; ``None`` checks indices only.
         public_ids: identifiers of the ``public`` examples, in the same space as ``train_ids``.
+        val_ids: identifiers of the given ``val`` examples, in the same space (repeats warn).
+        train_groups: one hashable per pool example naming the unit it belongs to (MultiRC: its
+            passage), or ``None``: the public and validation hold-outs are carved as whole groups,
+            so no group has rows on both sides of the private split.
+        val_groups: groups of the given ``val`` examples (a group shared with the private set warns).
     """
 
     train: Dataset
@@ -84,26 +90,53 @@ class DataSplits:
     public: Optional[Dataset] = None
     train_ids: Optional[Sequence[Hashable]] = None
     public_ids: Optional[Sequence[Hashable]] = None
+    val_ids: Optional[Sequence[Hashable]] = None
+    train_groups: Optional[Sequence[Hashable]] = None
+    val_groups: Optional[Sequence[Hashable]] = None
 
 
-def check_disjoint(private: Iterable[Hashable], public: Iterable[Hashable], *, what: str = "indices") -> None:
+def check_disjoint(private: Iterable[Hashable], public: Iterable[Hashable], *, what: str = "indices",
+                   split: str = "public", fix: str = "set `dedupe: true` (one text on both sides) or lower "
+                                                    "`public_fraction`") -> None:
     """Raise :class:`PrivacyConfigError` if the private and public collections share an element.
 
     Args:
         private: indices (or identifiers) of the private examples.
-        public: indices (or identifiers) of the public examples.
+        public: indices (or identifiers) of the public (or validation) examples.
         what: what the elements are, for the message ("indices", "texts", ...).
+        split: the other split's name, for the message.
+        fix: the options that resolve it, for the message.
     """
     overlap = set(private) & set(public)
     if not overlap:
         return
-    shown = ""
     if all(isinstance(item, int) for item in overlap):
         shown = f" (e.g. {sorted(overlap)[:5]})"
+    else:
+        example = repr(min(overlap, key=repr))
+        shown = f" (e.g. {example[:60] + '...' if len(example) > 60 else example})"
     raise PrivacyConfigError(
-        f"The public split shares {len(overlap)} {what} with the private split{shown}. Public data must "
-        "be disjoint from the private set, or its use is not free of privacy cost."
+        f"The {split} split shares {len(overlap)} {what} with the private split{shown}. It must be disjoint "
+        f"from the private set, or its use is not free of privacy cost: {fix}."
     )
+
+
+def _groups_together(order: list[int], groups: Sequence[Hashable]) -> list[int]:
+    """``order`` with each group's rows moved next to its first row (groups in order of first row)."""
+    rows: dict[Hashable, list[int]] = {}
+    for i in order:
+        rows.setdefault(groups[i], []).append(i)
+    return [i for members in rows.values() for i in members]
+
+
+def _boundary_at_or_below(order: list[int], groups: Optional[Sequence[Hashable]], cut: int, floor: int) -> int:
+    """The largest position ``<= cut`` (and ``>= floor``) not inside a group of ``order``."""
+    cut = min(cut, len(order))
+    if groups is None:
+        return cut
+    while floor < cut < len(order) and groups[order[cut]] == groups[order[cut - 1]]:
+        cut -= 1
+    return cut
 
 
 def _check_fraction(name: str, value: Any) -> Optional[str]:
@@ -340,7 +373,7 @@ class PublicPrivateDataModule(LightningDataModule):
     def _build(self, splits: DataSplits) -> None:
         raise_if_any([check_positive_int("num_classes", splits.num_classes)])
         pool_size = len(splits.train)
-        self._carve(pool_size)
+        self._carve(pool_size, splits.train_groups)
         self._check_separation(splits)
         raise_if_any(self._size_errors(pool_size))
         self.pool_dataset = splits.train
@@ -353,24 +386,46 @@ class PublicPrivateDataModule(LightningDataModule):
         else:
             self.val_dataset = self._eval_split(splits.val) if splits.val is not None else self.test_dataset
 
-    def _carve(self, pool_size: int) -> None:
-        """Split pool indices into public / validation / private parts with ``data_seed``."""
+    def _carve(self, pool_size: int, groups: Optional[Sequence[Hashable]] = None) -> None:
+        """Split pool indices into public / validation / private parts with ``data_seed``; with
+        ``groups``, each cut falls at the group boundary at or below it (whole groups on each side)."""
         order = torch.randperm(pool_size, generator=torch.Generator().manual_seed(self.data_seed)).tolist()
+        if groups is not None:
+            if len(groups) != pool_size:
+                raise ValueError(f"{len(groups)} train_groups for a pool of {pool_size} examples")
+            order = _groups_together(order, groups)
         n_public = round(self.public_fraction * pool_size)
         if self.max_public_samples is not None:
             n_public = min(n_public, self.max_public_samples)
         n_val = round(self.val_fraction * pool_size)
-        private = order[n_public + n_val :]
+        public_end = _boundary_at_or_below(order, groups, n_public, 0)
+        val_end = _boundary_at_or_below(order, groups, public_end + n_val, public_end)
+        private = order[val_end:]
         if self.max_private_samples is not None:
             private = private[: self.max_private_samples]
-        self.public_indices = sorted(order[:n_public])
-        self.val_indices = sorted(order[n_public : n_public + n_val])
+        self.public_indices = sorted(order[:public_end])
+        self.val_indices = sorted(order[public_end:val_end])
         self.private_indices = sorted(private)
 
     def _check_separation(self, splits: DataSplits) -> None:
-        """Private examples must appear in no public (or validation) split, by index and by id."""
+        """Private examples must appear in no public split, by index and by id; a validation example
+        with a private example's id warns (its metrics are logged: public use of a private text)."""
         check_disjoint(self.private_indices, self.public_indices)
-        check_disjoint(self.private_indices, self.val_indices, what="indices (validation)")
+        check_disjoint(self.private_indices, self.val_indices, what="indices", split="validation",
+                       fix="lower `val_fraction`")
+        if splits.train_groups is not None:
+            private_groups = {splits.train_groups[i] for i in self.private_indices}
+            check_disjoint(private_groups, [splits.train_groups[i] for i in self.public_indices], what="groups",
+                           fix="carve the public split by whole groups")
+            shared = sum(1 for g in set(splits.val_groups or ()) if g in private_groups)
+            if shared:
+                warnings.warn(f"{type(self).__name__}: {shared} groups (e.g. passages) of the validation split "
+                              "also have rows in the private set; their logged metrics use those texts outside "
+                              "the privacy guarantee", UserWarning)
+        unchecked = splits.public is not None and (splits.train_ids is None or splits.public_ids is None)
+        if unchecked:
+            warnings.warn(f"{type(self).__name__}: the separate public source comes without `public_ids` and "
+                          "`train_ids`, so its disjointness from the private set is not checked", UserWarning)
         if splits.train_ids is None:
             return
         if len(splits.train_ids) != len(splits.train):
@@ -381,6 +436,20 @@ class PublicPrivateDataModule(LightningDataModule):
             if len(splits.public_ids) != len(splits.public):
                 raise ValueError(f"{len(splits.public_ids)} public_ids for {len(splits.public)} public examples")
             check_disjoint(private_ids, splits.public_ids, what="identifiers (separate public source)")
+        self._warn_validation_repeats(splits, set(private_ids))
+
+    def _warn_validation_repeats(self, splits: DataSplits, private_ids: set) -> None:
+        """Validation examples whose id (text) is a private example's: the row-level guarantee holds
+        (they are other rows), but their logged metrics are a public use of a private text."""
+        if self.val_indices:
+            val_ids = [splits.train_ids[i] for i in self.val_indices]
+        else:
+            val_ids = splits.val_ids or []
+        shared = sum(1 for key in val_ids if key in private_ids)
+        if shared:
+            warnings.warn(f"{type(self).__name__}: {shared} validation examples repeat a private example's text "
+                          "(other rows of the same text); their logged metrics use that text outside the "
+                          "privacy guarantee: set `dedupe: true` to drop repeats before splitting", UserWarning)
 
     def _size_errors(self, pool_size: int) -> list[Optional[str]]:
         n_private = len(self.private_indices)

@@ -138,6 +138,13 @@ def record_key(spec: TaskSpec, record: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(record[name].strip() for name in spec.fields)
 
 
+def record_groups(spec: TaskSpec, records: Sequence[Mapping[str, str]]) -> Optional[list[str]]:
+    """The group (``spec.group_field``, e.g. MultiRC's paragraph) of each record, or ``None``."""
+    if spec.group_field is None:
+        return None
+    return [record[spec.group_field].strip() for record in records]
+
+
 def repeated_examples(spec: TaskSpec, split: TaskSplit, seen: Iterable[tuple[str, ...]] = ()) -> set[int]:
     """Indices of the examples whose text repeats an earlier example of the split (or one of ``seen``)."""
     known = set(seen)
@@ -769,7 +776,10 @@ class PromptTextDataModule(PublicPrivateDataModule):
         pool = PromptRecords.from_split(train, pool_idx)
         test = PromptRecords.from_split(data.test, row_subset(data.test, self.num_test, self.resolved_test_seed))
         pool_ids = [record_key(spec, r) for r in pool.records]
-        splits = DataSplits(train=pool, val=dev, test=test, num_classes=spec.num_classes, train_ids=pool_ids)
+        splits = DataSplits(train=pool, val=dev, test=test, num_classes=spec.num_classes, train_ids=pool_ids,
+                            val_ids=None if dev is None else [record_key(spec, r) for r in dev.records],
+                            train_groups=record_groups(spec, pool.records),
+                            val_groups=None if dev is None else record_groups(spec, dev.records))
         if self.public_task is not None:
             splits.public, splits.public_ids = self._load_public(set(pool_ids))
         return splits

@@ -281,6 +281,9 @@ class TaskSpec:
         source: where the templates come from.
         flatten: turns one raw row into the rows of its examples (MultiRC) or renames keys (BoolQ).
         folder_names: sub-folders of ``data_dir`` tried first for the task (SST-2: ``GLUE-SST-2``).
+        group_field: the field naming the unit several rows share (MultiRC: the paragraph, one row per
+            answer option), or ``None``. The privacy unit stays one row; the public and validation
+            hold-outs are carved by whole groups, so no paragraph is on both sides of the private set.
     """
 
     name: str
@@ -300,6 +303,7 @@ class TaskSpec:
     source: str = ""
     flatten: Optional[Callable[[Mapping[str, Any]], list[dict[str, Any]]]] = None
     folder_names: tuple[str, ...] = ()
+    group_field: Optional[str] = None
 
     @property
     def num_classes(self) -> int:
@@ -388,7 +392,9 @@ _SST_CAUSAL = (Field("sentence"), " It was")
 
 
 def _flatten_multirc(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """SuperGLUE MultiRC: one example per (paragraph, question, answer)."""
+    """SuperGLUE MultiRC: one example per (paragraph, question, answer), as MeZO trains it. The DP
+    unit is then one answer row: a paragraph with k answer rows is protected as a group of k
+    (group privacy, about k epsilon); the hold-outs are carved by paragraph (``group_field``)."""
     passage = record.get("passage")
     if not isinstance(passage, Mapping):  # already flat (Hugging Face layout)
         return [dict(record)]
@@ -672,6 +678,7 @@ _register(
         hf=("super_glue", "multirc", _SUPERGLUE[1]),
         source="mlm: ours; causal: MeZO",
         flatten=_flatten_multirc,
+        group_field="paragraph",
     )
 )
 

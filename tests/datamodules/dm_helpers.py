@@ -34,6 +34,7 @@ class IndexedDataModule(PublicPrivateDataModule):
         n_public_source: int = 0,
         train_ids: Optional[list] = None,
         public_ids: Optional[list] = None,
+        train_groups: Optional[list] = None,
         **kwargs: Any,
     ) -> None:
         self.n = n
@@ -41,6 +42,7 @@ class IndexedDataModule(PublicPrivateDataModule):
         self.n_public_source = n_public_source
         self.train_ids = train_ids
         self.public_ids = public_ids
+        self.train_groups = train_groups
         super().__init__(**kwargs)
 
     def load_splits(self) -> DataSplits:
@@ -52,6 +54,7 @@ class IndexedDataModule(PublicPrivateDataModule):
             num_classes=3,
             train_ids=self.train_ids,
             public_ids=self.public_ids,
+            train_groups=self.train_groups,
         )
 
 

@@ -148,6 +148,31 @@ def test_check_disjoint_raises_on_overlap():
         check_disjoint(["a review", "another"], ["a review"], what="texts")
 
 
+def test_an_overlap_message_names_the_options_and_shows_an_identifier():
+    with pytest.raises(PrivacyConfigError, match=r"e\.g\. 'a review'.*`dedupe: true`.*`public_fraction`") as info:
+        check_disjoint(["a review", "another"], ["a review"], what="texts")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("public_fraction,val_fraction", [(0.3, 0.0), (0.25, 0.2), (0.0, 0.3)])
+def test_groups_are_carved_whole_so_no_group_straddles_the_private_split(public_fraction, val_fraction):
+    """MultiRC-like pools (several rows per paragraph): every cut falls between groups."""
+    groups = [i // 7 for i in range(100)]  # 15 groups of 7 rows (and one of 2)
+    dm = make(n=100, batch_size=5, public_fraction=public_fraction, val_fraction=val_fraction, train_groups=groups)
+    private = {groups[i] for i in dm.private_indices}
+    public, val = {groups[i] for i in dm.public_indices}, {groups[i] for i in dm.val_indices}
+    assert not private & public and not private & val and not public & val
+    assert sorted(dm.public_indices + dm.val_indices + dm.private_indices) == list(range(100))
+    assert abs(len(dm.public_indices) - 100 * public_fraction) < 7 and abs(len(dm.val_indices) - 100 * val_fraction) < 7
+    ungrouped = make(n=100, batch_size=5, public_fraction=public_fraction, val_fraction=val_fraction)
+    assert len(ungrouped.public_indices) == round(100 * public_fraction)  # without groups: exact counts
+
+
+def test_a_separate_public_source_without_identifiers_warns_that_it_is_unchecked():
+    with pytest.warns(UserWarning, match="not checked"):
+        make(n=100, batch_size=5, n_public_source=3)
+
+
 def test_duplicate_identifier_across_public_and_private_raises():
     dm = IndexedDataModule(n=100, batch_size=5, public_fraction=0.5, train_ids=["same"] * 100)
     with pytest.raises(PrivacyConfigError, match="identifiers"):

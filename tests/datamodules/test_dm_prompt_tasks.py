@@ -8,6 +8,7 @@ BPE tokenizers trained here (RoBERTa, OPT and GPT-2 style).
 from __future__ import annotations
 
 import json
+import warnings
 from collections import Counter
 from importlib.util import find_spec
 
@@ -542,3 +543,48 @@ def test_a_tokenizer_that_cannot_be_loaded_is_one_line_naming_the_option(tmp_pat
     with pytest.raises(ConfigError, match=r"could not load `tokenizer`=.*no-such-tokenizer") as excinfo:
         dm.setup()
     assert "\n" not in str(excinfo.value)
+
+
+# ------------------------------------------------------------------------ separation by text and group
+
+
+def _write_multirc(root, passages=4, questions=3, answers=3):
+    folder = root / "MultiRC"
+    folder.mkdir()
+
+    def passage(p):
+        return {"text": f"Paragraph {p} about person {p}.", "questions": [
+            {"question": f"Question {q} on {p}?", "answers": [{"text": f"answer {a}", "label": a % 2}
+                                                              for a in range(answers)]} for q in range(questions)]}
+
+    (folder / "train.jsonl").write_text("".join(json.dumps({"idx": p, "passage": passage(p)}) + "\n"
+                                                for p in range(passages)))
+    (folder / "val.jsonl").write_text(json.dumps({"idx": 99, "passage": passage(99)}) + "\n")
+
+
+@pytest.mark.parametrize("data_seed", [0, 1, 2])
+def test_multirc_hold_outs_are_carved_by_paragraph(tmp_path, data_seed):
+    """One paragraph has many answer rows: none may sit in both the public and the private split
+    (row-level carving put all 4 paragraphs on both sides in audit 3)."""
+    _write_multirc(tmp_path)
+    dm = make_dm(tmp_path, "MultiRC", data_format="superglue", prompt="none", tokenizer="minilm",
+                 public_fraction=0.5, val_fraction=0.25, data_seed=data_seed)
+    dm.setup("fit")
+    paragraph = [record["paragraph"] for record in dm.pool_dataset.records]
+    private = {paragraph[i] for i in dm.private_indices}
+    assert private and not private & {paragraph[i] for i in dm.public_indices}
+    assert not private & {paragraph[i] for i in dm.val_indices}
+    assert len(dm.public_indices) % 9 == 0 and len(dm.public_indices) == 18  # whole paragraphs of 9 rows
+
+
+def test_a_validation_text_repeating_a_private_text_warns_naming_dedupe(tmp_path):
+    folder = tmp_path / "SST-2"
+    folder.mkdir()
+    rows = [(f"a distinct sentence {i}", i % 2) for i in range(12)] + [("the same sentence", 1)] * 12
+    (folder / "train.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows))
+    (folder / "dev.tsv").write_text("sentence\tlabel\n" + "".join(f"dev {i}\t{i % 2}\n" for i in range(4)))
+    with pytest.warns(UserWarning, match=r"validation examples repeat a private example.*`dedupe: true`"):
+        make_dm(tmp_path, "SST-2", prompt="none", tokenizer="minilm", num_dev=8, data_seed=0).setup("fit")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*validation examples repeat")
+        make_dm(tmp_path, "SST-2", prompt="none", tokenizer="minilm", num_dev=8, data_seed=0, dedupe=True).setup("fit")
