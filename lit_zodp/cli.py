@@ -23,6 +23,7 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
 from lit_zodp.errors import ConfigError, PrivacyConfigError  # noqa: E402
+from lit_zodp.privacy.component import epsilon_text  # noqa: E402
 
 
 class LitZODPCLI(LightningCLI):
@@ -108,7 +109,7 @@ def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: fl
     fields = {
         "task": type(datamodule).__name__ if datamodule is not None else "-",
         "algorithm": type(model).__name__,
-        "epsilon": f"{privacy.epsilon():.3f}" if getattr(privacy, "private", False) else "non-private",
+        "epsilon": epsilon_text(privacy.epsilon(), ".3f") if getattr(privacy, "private", False) else "non-private",
         "delta": f"{privacy.delta:.3g}" if getattr(privacy, "delta", None) else "-",
         "accuracy": f"{accuracy:.4f}" if accuracy is not None else "-",
         "steps": trainer.global_step,

@@ -63,6 +63,17 @@ class DirectionRelease:
     noise_coefficient: float
 
 
+def epsilon_text(epsilon: float, spec: str = ".4g") -> str:
+    """``format(epsilon, spec)`` (``".3f"``, ``".4g"``) rounded UP: a shown bound is never below the bound."""
+    text = format(epsilon, spec)
+    if not math.isfinite(epsilon) or float(text) >= epsilon:
+        return text
+    shown = float(text)  # rounded down by at most half a unit of the last digit: one unit up
+    places = int(spec[1:-1])
+    unit = 10.0 ** -places if spec.endswith("f") else 10.0 ** (math.floor(math.log10(abs(shown))) - places + 1)
+    return format(shown + unit, spec)
+
+
 class PrivacyComponent:
     """Privacy configuration, plan, secret noise, release, ledger, epsilon and budget of one module.
 
@@ -167,9 +178,11 @@ class PrivacyComponent:
         if self.ledger.accountant == "rdp":
             from opacus.accountants.utils import get_noise_multiplier
 
-            steps = 1 if getattr(self.sampling.mechanism(1.0), "composes_in_parallel", False) else self.planned_steps
+            # one pass composes in parallel: the ledger counts one unsubsampled Gaussian (audit 3 F3)
+            parallel = getattr(self.sampling.mechanism(1.0), "composes_in_parallel", False)
             multiplier = get_noise_multiplier(target_epsilon=self.target_epsilon, target_delta=self.delta,
-                                              sample_rate=self.sampling.sample_rate, steps=steps, accountant="rdp")
+                                              sample_rate=1.0 if parallel else self.sampling.sample_rate,
+                                              steps=1 if parallel else self.planned_steps, accountant="rdp")
             return multiplier / composed_multiplier(self.step_plan, 1.0)
         return bisect_sigma(lambda sigma: self._steps_cost(self.planned_steps, sigma),
                             target_epsilon=self.target_epsilon, delta=self.delta,
@@ -312,7 +325,7 @@ class PrivacyComponent:
 
     def summary(self) -> str:
         sampling = f"{self.sampling.name}, q = {self.sampling.sample_rate:.4g}" if self.sampling else "-"
-        return (f"epsilon = {self.epsilon():.4g} at delta = {self.delta:.3g} after {self.steps} steps "
+        return (f"epsilon = {epsilon_text(self.epsilon(), '.4g')} at delta = {self.delta:.3g} after {self.steps} steps "
                 f"(PRV accountant, upper bound; sigma = {self.noise_multiplier:.4g}, {sampling})")
 
     # ----------------------------------------------------------------------- checkpoints

@@ -217,3 +217,27 @@ def test_the_default_delta_is_well_below_one_over_n(n, expected):
 def test_a_delta_of_one_over_n_or_more_warns():
     with pytest.warns(UserWarning, match="publishes one whole random record"):
         planned(noise_multiplier=1.0, delta=1e-3, sampling=POISSON)
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_a_calibrated_single_pass_spends_its_target_in_one_pass_under_either_accountant(accountant):
+    """One pass composes in parallel (one unsubsampled Gaussian in the ledger): rdp calibrated at
+    q = 1/steps gave sigma 0.72 instead of ~2, so the budget allowed 0 steps (audit 3 F3)."""
+    if accountant == "rdp":
+        pytest.importorskip("opacus")
+    component = planned(target_epsilon=2.0, sampling=SinglePassSampling(n=1000, steps=100),
+                        neighbours="replace_one", accountant=accountant)
+    assert component.steps_allowed >= 100
+    for _ in range(100):
+        component.release(torch.zeros(()), "g")
+        component.commit_step()
+    assert 1.9 <= component.epsilon() <= 2.0
+
+
+@pytest.mark.parametrize("value", [1.97135837, 2.2541, 1.9996, 9.99951, 0.000123456, 2.0, 3.0000000001])
+@pytest.mark.parametrize("spec", [".3f", ".4g"])
+def test_a_shown_epsilon_is_never_below_the_bound(value, spec):
+    from lit_zodp.privacy.component import epsilon_text
+
+    text = epsilon_text(value, spec)
+    assert float(text) >= value and float(text) - value <= (1e-3 if spec == ".3f" else 1e-3 * value)
