@@ -88,16 +88,16 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
     """released * B == all-reduced clipped sum + the one noise draw, with B = q n, whatever the realized size."""
     calls, draws = [], []
     original_release, original_along = PrivacyComponent.release, PrivacyComponent.release_along
-    original_host_draw = NoiseSource._host_draw  # every CPU draw (gaussian() and noised()) comes from here
+    original_host_noised = NoiseSource._host_noised  # every CPU release fl(x + std z) is made here
 
-    def host_draw(self, *args, **kwargs):
-        draws.append(original_host_draw(self, *args, **kwargs))
-        return draws[-1]
+    def host_noised(self, x, std):
+        draws.append((x.copy(), original_host_noised(self, x, std)))
+        return draws[-1][1]
 
     def release(self, clipped_sum, *args, **kwargs):
         out = original_release(self, clipped_sum, *args, **kwargs)
-        noise = torch.from_numpy(draws[-1].copy()).to(clipped_sum.dtype).view(clipped_sum.shape)
-        calls.append(("scalar", clipped_sum.detach().clone(), out.detach().clone(), noise))
+        given, noised = (torch.from_numpy(a).view(clipped_sum.shape) for a in draws[-1])
+        calls.append(("scalar", clipped_sum.detach().clone(), out.detach().clone(), (given, noised)))
         return out
 
     def along(self, clipped_sum, *args, **kwargs):
@@ -105,7 +105,7 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
         calls.append(("vector", clipped_sum.detach().clone(), out, None))
         return out
 
-    monkeypatch.setattr(NoiseSource, "_host_draw", host_draw)
+    monkeypatch.setattr(NoiseSource, "_host_noised", host_noised)
     monkeypatch.setattr(PrivacyComponent, "release", release)
     monkeypatch.setattr(PrivacyComponent, "release_along", along)
     dataset, q = blobs(n=256), 0.25
@@ -115,8 +115,10 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
     assert len(calls) == 6 and any(size != B for size in trace.sizes)
     for kind, clipped_sum, out, noise in calls:
         if kind == "scalar":
-            assert noise.abs().sum() > 0  # a real draw was added
-            torch.testing.assert_close(out * B, clipped_sum + noise, rtol=1e-6, atol=1e-6)
+            given, noised = noise
+            torch.testing.assert_close(given, clipped_sum, rtol=0, atol=0)  # the all-reduced sum is noised
+            assert (noised - given).abs().sum() > 0  # a real draw was added
+            torch.testing.assert_close(out * B, noised, rtol=1e-6, atol=1e-6)
         else:
             torch.testing.assert_close(out.coefficient * B, clipped_sum, rtol=1e-6, atol=1e-6)
             assert out.noise_coefficient == pytest.approx(sigma * clip / B)

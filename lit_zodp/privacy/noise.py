@@ -3,27 +3,38 @@
 Threat model (DESIGN.md): the attacker has the code, the config, the run seed and every
 checkpoint. So the noise is never derived from the run seed, and its generator state is never
 saved. torch's CPU generator keeps only 32 bits of its seed (a space searched in hours), so the
-noise is drawn with NumPy's bit generators instead, keyed by the whole secret:
+noise is drawn with NumPy's bit generators instead, keyed by secrets from the OS:
 
-* scalar and small releases: a PCG64DXSM stream whose 128-bit state is derived by ``SeedSequence``
-  from a 256-bit OS-entropy secret (every bit of the secret changes the stream);
-* large releases on the host (more than ``HOST_PART`` values: DP-SGD's d-dimensional sum): parts of
-  ``HOST_PART`` values, each from its own PCG64DXSM keyed by 128 bits fresh from that stream, filled
-  on torch's intra-op threads (NumPy releases the GIL while it fills);
-* d-dimensional noise vectors (DPGD-0th): a Philox-4x64 key of 128 bits, fresh from the stream for
-  each release, with the chunk index in the counter, so the perturbation engine generates the
-  vector chunk by chunk, in any order and on any device, without storing it;
-* on CUDA (with Triton), both are drawn on the device instead, by a Philox kernel keyed by 128 bits
-  fresh from the stream for each release (:mod:`lit_zodp.privacy.device_noise`): no host draw and
-  no host-to-device copy of a d-dimensional vector.
+Every key is the next output of a keyed-BLAKE2b counter stream whose 256-bit key hashes a 256-bit
+OS-entropy secret (a cryptographic PRF: no key can be computed from the noise another key made,
+unlike the state of a PCG stream from its outputs):
+
+* scalar and small releases: a pool of float64 standard normals from a PCG64DXSM generator with a
+  fresh 256-bit key (``SeedSequence`` with a 256-bit pool), re-keyed at every refill;
+* mid-size releases (up to ``HOST_PART`` values): such a generator, re-keyed after every
+  ``HOST_PART`` values; larger ones
+  (DP-SGD's d-dimensional sum): parts of ``HOST_PART`` values, each from its own generator with a
+  fresh 128-bit key, filled on torch's intra-op threads (NumPy releases the GIL while it fills);
+* d-dimensional noise vectors (DPGD-0th): a Philox-4x64 key of 128 fresh bits per release, with
+  the chunk index in the counter, so the perturbation engine generates the vector chunk by chunk, in
+  any order and on any device, without storing it;
+* on CUDA (with Triton), both are drawn on the device instead, by a Philox kernel with a fresh
+  128-bit key per release (:mod:`lit_zodp.privacy.device_noise`).
+
+A host release is ``fl(x + std z)`` computed in float64 from a float64 normal ``z`` and rounded ONCE
+to ``x``'s dtype, as the device kernel does. A float32 normal scaled and added in float32 (rounded
+three times) has holes: which float32 outputs can occur depends on ``x``, so an output can be
+impossible without a given example (13-17% of releases in the third audit; Mironov 2012, Jin et al.
+2022). Rounding a float64 result once leaves every float32 output near ``x`` reachable.
 
 Under DDP rank 0's secret is broadcast once at fit start and every rank adds the same draw after
-the all-reduce (the secret is shared inside the training job, never outside it). NumPy's
-generators are not cryptographically secure PRNGs: the secrecy is that of the 256-bit seed.
+the all-reduce (the secret is shared inside the training job, never outside it). A test-only
+``noise_seed`` takes the secret's place (reproducible, and it warns).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import warnings
@@ -45,7 +56,7 @@ HOST_PART = 1 << 20
 #: ``SCALAR_POOL`` standard normals at a time: one NumPy call per ~thousand steps instead of one per
 #: step. The pool is secret like the generator's state: in memory only, never in a checkpoint.
 SCALAR_DRAW, SCALAR_POOL = 64, 4096
-HOST_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # drawn in the tensor's own precision
+HOST_DTYPES = (torch.float32, torch.float64)  # released in place on the host (float64 sum, one rounding)
 
 TEST_SEED_WARNING = (
     "`{name}` is set: the {what} is reproducible from it, so the run is NOT differentially private. "
@@ -59,7 +70,7 @@ def secret_seed() -> int:
 
 def secret_generator(seed: int) -> np.random.Generator:
     """A NumPy generator whose state depends on every bit of ``seed`` (``SeedSequence`` hashing)."""
-    return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(int(seed))))
+    return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(int(seed), pool_size=SECRET_BITS // 32)))
 
 
 def warn_test_seed(name: str, what: str) -> None:
@@ -81,61 +92,81 @@ class NoiseSource:
         self.seeded_by_user = seed is not None
         if self.seeded_by_user:
             warn_test_seed("noise_seed", "DP noise")
-        self._rng = secret_generator(secret_seed() if seed is None else int(seed))
+        self._key_with(secret_seed() if seed is None else int(seed))
 
     @classmethod
     def from_secret(cls, secret: int) -> "NoiseSource":
         """A source keyed by a secret drawn from the OS elsewhere (rank 0's, broadcast under DDP)."""
         source = cls.__new__(cls)
         source.seeded_by_user = False
-        source._rng = secret_generator(secret)
+        source._key_with(secret)
         return source
 
+    def _key_with(self, secret: int) -> None:
+        """Every draw is keyed by keyed-BLAKE2b(secret, counter): the same keys on every rank sharing the
+        secret, and no key can be computed from the noise another key produced."""
+        self._key = hashlib.blake2b(str(int(secret)).encode(), digest_size=SECRET_BITS // 8).digest()
+        self._counter = 0
+
     def gaussian(self, shape, std: float, *, device="cpu", dtype=torch.float32) -> Tensor:
-        """A draw of ``N(0, std^2)`` with the given shape, on ``device``."""
+        """A draw of ``N(0, std^2)`` with the given shape, on ``device`` (drawn and scaled in float64)."""
         raise_if_any([check_non_negative("noise std", std)])
-        precision = np.float64 if dtype == torch.float64 else np.float32  # float32 for fp32/bf16/fp16
-        host = torch.from_numpy(self._host_draw(math.prod(shape), std, precision)).view(tuple(shape))
+        host = torch.from_numpy(self._host_noised(np.zeros(math.prod(shape)), float(std))).view(tuple(shape))
         if torch.device(device).type == "cuda":  # pinned + non_blocking: no wait on the device's queue
             return host.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
         return host.to(device=device, dtype=dtype)
 
     def noised(self, x: Tensor, std: float) -> Tensor:
-        """``x + N(0, std^2 I)`` (a new tensor): drawn on the GPU where it can be, else on the host."""
+        """``x + N(0, std^2 I)`` (a new tensor of ``x``'s dtype), computed in float64 and rounded once:
+        drawn on the GPU where it can be, else on the host."""
         if device_noise_available(x):  # add_gaussian checks std, as gaussian() does
             return add_gaussian(x.contiguous(), std, self.device_key())
-        if x.device.type == "cpu" and x.dtype in HOST_DTYPES and isinstance(std, float) and 0 <= std < math.inf:
-            noise = torch.from_numpy(self._host_draw(x.numel(), std, HOST_DTYPES[x.dtype]))
-            return x + (noise if x.dim() == 1 else noise.view(x.shape))
-        return x + self.gaussian(x.shape, std, device=x.device, dtype=x.dtype)
+        raise_if_any([check_non_negative("noise std", std)])
+        if x.device.type == "cpu" and x.dtype in HOST_DTYPES:  # numpy views: DPZero's scalars cost no more
+            host = x.detach().numpy()
+            return torch.from_numpy(self._host_noised(host.reshape(-1), float(std)).reshape(host.shape))
+        host = x.detach().to("cpu", torch.float64).reshape(-1).numpy()
+        return torch.from_numpy(self._host_noised(host, float(std))).view(x.shape).to(x.device, x.dtype)
 
-    def _host_draw(self, numel: int, std: float, precision) -> np.ndarray:
-        """``numel`` draws of ``N(0, std^2)``: from the scalar pool, one stream up to ``HOST_PART``, else
-        keyed parts on threads."""
-        if numel <= SCALAR_DRAW and precision is np.float32:
-            return self._pooled(numel) * precision(std)
+    def _host_noised(self, x: np.ndarray, std: float) -> np.ndarray:
+        """``fl(x + std z)`` with ``z ~ N(0, I)`` in float64, rounded once to ``x``'s dtype: from the
+        scalar pool, one stream up to ``HOST_PART``, else keyed parts on threads."""
+        numel = x.size
+        if numel <= SCALAR_DRAW:
+            return (x + std * self._pooled(numel)).astype(x.dtype)  # float64: x is promoted
         if numel <= HOST_PART:
-            draw = np.asarray(self._rng.standard_normal(numel, dtype=precision))
-            draw *= precision(std)
-            return draw
-        out = np.empty(numel, dtype=precision)
+            return self._noised_part(self._stream(numel), x, std)
+        out = np.empty(numel, dtype=x.dtype)
         starts = range(0, numel, HOST_PART)
-        keys = self._rng.integers(0, 2**64, size=(len(starts), 2), dtype=np.uint64)  # 128 fresh bits per part
+        keys = [self._fresh_secret(128) for _ in starts]
 
         def fill(j: int) -> None:
-            part = out[starts[j]:starts[j] + HOST_PART]
-            secret = int(keys[j, 0]) | (int(keys[j, 1]) << 64)
-            secret_generator(secret).standard_normal(out=part, dtype=precision)
-            part *= precision(std)
+            part = slice(starts[j], starts[j] + HOST_PART)
+            out[part] = self._noised_part(secret_generator(keys[j]), x[part], std)
 
         map_on_threads(fill, len(starts))
         return out
 
+    @staticmethod
+    def _noised_part(rng: np.random.Generator, x: np.ndarray, std: float) -> np.ndarray:
+        total = rng.standard_normal(x.size)  # float64
+        total *= std
+        total += x
+        return total.astype(x.dtype)
+
+    def _stream(self, numel: int) -> np.random.Generator:
+        """A generator for the next ``numel`` values: re-keyed whenever ``HOST_PART`` values were drawn from it."""
+        drawn = getattr(self, "_stream_drawn", HOST_PART)
+        if drawn + numel > HOST_PART:
+            self._stream_rng, drawn = secret_generator(self._fresh_secret(SECRET_BITS)), 0
+        self._stream_drawn = drawn + numel
+        return self._stream_rng
+
     def _pooled(self, numel: int) -> np.ndarray:
-        """The next ``numel`` standard normals (float32) of the pool, refilled from the stream when short."""
+        """The next ``numel`` float64 standard normals of the pool, refilled (from a fresh key) when short."""
         pool, start = getattr(self, "_pool", None), getattr(self, "_pool_next", 0)
         if pool is None or start + numel > len(pool):
-            pool, start = self._rng.standard_normal(SCALAR_POOL, dtype=np.float32), 0
+            pool, start = secret_generator(self._fresh_secret(SECRET_BITS)).standard_normal(SCALAR_POOL), 0
             self._pool = pool
         self._pool_next = start + numel
         return pool[start:start + numel]
@@ -149,8 +180,15 @@ class NoiseSource:
         return SecretGaussianVector(self._fresh_128_bits())
 
     def _fresh_128_bits(self) -> tuple[int, int]:
-        """Two 64-bit words from the secret stream."""
-        return tuple(int(k) for k in self._rng.integers(0, 2**64, size=2, dtype=np.uint64))
+        """Two fresh secret 64-bit words."""
+        key = self._fresh_secret(128)
+        return key & (2**64 - 1), key >> 64
+
+    def _fresh_secret(self, bits: int) -> int:
+        """``bits`` (at most 512) fresh secret bits: the next output of the keyed-BLAKE2b counter stream."""
+        self._counter += 1
+        digest = hashlib.blake2b(self._counter.to_bytes(8, "little"), key=self._key, digest_size=bits // 8).digest()
+        return int.from_bytes(digest, "little")
 
 
 class SecretGaussianVector:
