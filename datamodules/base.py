@@ -424,8 +424,9 @@ class PublicPrivateDataModule(LightningDataModule):
                               "the privacy guarantee", UserWarning)
         unchecked = splits.public is not None and (splits.train_ids is None or splits.public_ids is None)
         if unchecked:
-            warnings.warn(f"{type(self).__name__}: the separate public source comes without `public_ids` and "
-                          "`train_ids`, so its disjointness from the private set is not checked", UserWarning)
+            warnings.warn(f"{type(self).__name__}: the separate public source comes without identifiers "
+                          "(`train_ids` and `public_ids`), so its disjointness from the private set is not "
+                          "checked", UserWarning)
         if splits.train_ids is None:
             return
         if len(splits.train_ids) != len(splits.train):

@@ -383,7 +383,8 @@ def test_per_token_losses_are_refused_in_one_line(name):
 def test_private_forwards_run_in_eval_mode_whatever_a_subclass_hook_does(name):
     """A subclass whose ``on_train_batch_start`` leaves the backbone in train mode (dropout, batch
     statistics) still gets its private losses in eval mode."""
-    leaky = type("Leaky" + name, (ALGORITHMS[name],), {"on_train_batch_start": lambda self, b, i: self.backbone.train()})
+    hook = {"on_train_batch_start": lambda self, batch, batch_idx: self.backbone.train()}
+    leaky = type("Leaky" + name, (ALGORITHMS[name],), hook)
     modes = []
     module = build(name, cls=leaky)
     module.backbone.register_forward_pre_hook(lambda m, args: modes.append(m.training))

@@ -325,7 +325,8 @@ class PrivacyComponent:
 
     def summary(self) -> str:
         sampling = f"{self.sampling.name}, q = {self.sampling.sample_rate:.4g}" if self.sampling else "-"
-        return (f"epsilon = {epsilon_text(self.epsilon(), '.4g')} at delta = {self.delta:.3g} after {self.steps} steps "
+        epsilon = epsilon_text(self.epsilon(), ".4g")
+        return (f"epsilon = {epsilon} at delta = {self.delta:.3g} after {self.steps} steps "
                 f"(PRV accountant, upper bound; sigma = {self.noise_multiplier:.4g}, {sampling})")
 
     # ----------------------------------------------------------------------- checkpoints

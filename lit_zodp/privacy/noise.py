@@ -3,18 +3,16 @@
 Threat model (DESIGN.md): the attacker has the code, the config, the run seed and every
 checkpoint. So the noise is never derived from the run seed, and its generator state is never
 saved. torch's CPU generator keeps only 32 bits of its seed (a space searched in hours), so the
-noise is drawn with NumPy's bit generators instead, keyed by secrets from the OS:
-
-Every key is the next output of a keyed-BLAKE2b counter stream whose 256-bit key hashes a 256-bit
-OS-entropy secret (a cryptographic PRF: no key can be computed from the noise another key made,
-unlike the state of a PCG stream from its outputs):
+noise is drawn with NumPy's bit generators instead. Every key is the next output of a keyed-BLAKE2b
+counter stream whose 256-bit key hashes a 256-bit OS-entropy secret (a cryptographic PRF: no key
+can be computed from the noise another key made, unlike the state of a PCG stream from its outputs):
 
 * scalar and small releases: a pool of float64 standard normals from a PCG64DXSM generator with a
   fresh 256-bit key (``SeedSequence`` with a 256-bit pool), re-keyed at every refill;
 * mid-size releases (up to ``HOST_PART`` values): such a generator, re-keyed after every
-  ``HOST_PART`` values; larger ones
-  (DP-SGD's d-dimensional sum): parts of ``HOST_PART`` values, each from its own generator with a
-  fresh 128-bit key, filled on torch's intra-op threads (NumPy releases the GIL while it fills);
+  ``HOST_PART`` values drawn from it;
+* larger releases (DP-SGD's d-dimensional sum): parts of ``HOST_PART`` values, each from its own
+  generator with a fresh 128-bit key, filled on torch's intra-op threads (NumPy releases the GIL);
 * d-dimensional noise vectors (DPGD-0th): a Philox-4x64 key of 128 fresh bits per release, with
   the chunk index in the counter, so the perturbation engine generates the vector chunk by chunk, in
   any order and on any device, without storing it;

@@ -588,3 +588,12 @@ def test_a_validation_text_repeating_a_private_text_warns_naming_dedupe(tmp_path
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*validation examples repeat")
         make_dm(tmp_path, "SST-2", prompt="none", tokenizer="minilm", num_dev=8, data_seed=0, dedupe=True).setup("fit")
+
+
+def test_multirc_validation_rows_drawn_from_private_paragraphs_warn(tmp_path):
+    """``num_dev`` draws validation rows from the training file row by row: a paragraph can then
+    have rows on both sides, which warns (the carved ``val_fraction`` takes whole paragraphs)."""
+    _write_multirc(tmp_path)
+    with pytest.warns(UserWarning, match=r"groups \(e\.g\. passages\) of the validation split"):
+        make_dm(tmp_path, "MultiRC", data_format="superglue", prompt="none", tokenizer="minilm",
+                num_dev=8, data_seed=0).setup("fit")
