@@ -36,10 +36,15 @@ def check_transform(transform: Any, mode: Any) -> Optional[str]:
     return None
 
 
+def _batchnorms(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, layer)`` of the BatchNorm layers (incl. ``SyncBatchNorm``) in ``module``."""
+    return [(name or "<root>", m) for name, m in module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
 def batchnorm_layers(module: nn.Module) -> list[str]:
     """Qualified names of the BatchNorm layers (incl. ``SyncBatchNorm``) in ``module``."""
-    return [name or "<root>" for name, m in module.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return [name for name, _ in _batchnorms(module)]
 
 
 def refuse_batchnorm(module: nn.Module) -> None:
@@ -55,9 +60,8 @@ def refuse_batchnorm(module: nn.Module) -> None:
 def batch_statistics_layers(module: nn.Module) -> list[str]:
     """Qualified names of the BatchNorm layers that normalise with the batch's own statistics even in
     eval mode (``track_running_stats=False``, or running statistics removed)."""
-    return [name or "<root>" for name, m in module.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            and (not m.track_running_stats or m.running_mean is None or m.running_var is None)]
+    return [name for name, m in _batchnorms(module)
+            if not m.track_running_stats or m.running_mean is None or m.running_var is None]
 
 
 def refuse_batch_statistics(module: nn.Module) -> None:
