@@ -52,9 +52,10 @@ def test_noise_and_secret_vectors_on_cuda_follow_the_cpu_law():
     from lit_zodp.privacy.device_noise import SecretKey, reference_normals
 
     vector = SecretGaussianVector((5, 6))
-    gpu_chunk = vector.fill_chunk_(torch.empty(1000, device="cuda"), 0, 2)
-    expected = reference_normals(1000, SecretKey.from_words64((5, 6)), pair_base=2 << 40).float()
-    torch.testing.assert_close(gpu_chunk.cpu(), expected, rtol=2.5e-7, atol=1e-7)
+    gpu_chunk = vector.add_scaled_(torch.zeros(1000, device="cuda", dtype=torch.float64), -1.5, 2)
+    expected = -1.5 * reference_normals(1000, SecretKey.from_words64((5, 6)), pair_base=2 << 40)
+    assert gpu_chunk.dtype == torch.float64
+    torch.testing.assert_close(gpu_chunk.cpu(), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.slow

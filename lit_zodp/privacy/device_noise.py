@@ -17,7 +17,8 @@ has its own counter-based law:
   ``r = sqrt(-2 ln u1) <= 8.66``. The float32 draws of ``tl.randn`` (31-bit uniforms floored at
   1e-7) would cut the tail at 5.7 sigma; here the law is cut at 8.66 sigma, where the Gaussian's
   tail mass is about 5e-18 per coordinate.
-* **Add.** ``out = x + std * z`` is computed in float64 and rounded once to float32.
+* **Add.** ``out = x + std * z`` is computed in float64 and rounded once to ``x``'s dtype (float32, or
+  float64 where a caller sums more terms before its own rounding: DPGD-0th's noise vector).
 
 :func:`reference_noised` is the same law in plain torch on any device (tests; the Triton kernel runs on
 CPU under ``TRITON_INTERPRET=1``). The CUDA kernel's ``log``/``sin``/``cos`` are libdevice's float64
@@ -78,20 +79,25 @@ class SecretKey:
         return philox.seed_as_int64(self.k0 | (self.k1 << 32))
 
 
+KERNEL_DTYPES = (torch.float32, torch.float64)
+
+
 def device_noise_available(tensor: Tensor) -> bool:
-    """Whether :func:`add_gaussian` can draw on ``tensor``'s device (CUDA, Triton, float32)."""
-    return triton is not None and tensor.is_cuda and tensor.dtype == torch.float32
+    """Whether :func:`add_gaussian` can draw on ``tensor``'s device (CUDA, Triton, float32 or float64)."""
+    return triton is not None and tensor.is_cuda and tensor.dtype in KERNEL_DTYPES
 
 
 def add_gaussian(x: Tensor, std: float, key: SecretKey, *, pair_base: int = 0, out: Tensor | None = None) -> Tensor:
     """``x + std * z`` with ``z`` the secret normal vector of ``key`` (flat order), by the Triton kernel.
 
     ``pair_base`` shifts the pair counter (a chunk of a longer vector starts at pair ``pair_base``).
-    ``out``: where to write (``x`` itself for in place); default a new tensor.
+    ``out``: where to write (``x`` itself for in place; ``x``'s dtype); default a new tensor.
     """
-    if not x.is_contiguous() or x.dtype != torch.float32:
-        raise ValueError("add_gaussian needs a contiguous float32 tensor")
+    if not x.is_contiguous() or x.dtype not in KERNEL_DTYPES:
+        raise ValueError("add_gaussian needs a contiguous float32 or float64 tensor")
     out = torch.empty_like(x) if out is None else out
+    if out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError("add_gaussian writes a contiguous `out` of x's dtype")
     numel = x.numel()
     if numel:
         pairs = (numel + 1) // 2
@@ -129,9 +135,10 @@ def reference_normals(numel: int, key: SecretKey, *, pair_base: int = 0, device=
 
 
 def reference_noised(x: Tensor, std: float, key: SecretKey, *, pair_base: int = 0) -> Tensor:
-    """``x + std * z`` as :func:`add_gaussian` computes it (float64, one rounding to float32)."""
+    """``x + std * z`` as :func:`add_gaussian` computes it (in float64, rounded once to float32 unless
+    ``x`` is float64)."""
     z = reference_normals(x.numel(), key, pair_base=pair_base, device=x.device).view(x.shape)
-    return (x.double() + kernel_std(std) * z).to(torch.float32)
+    return (x.double() + kernel_std(std) * z).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
 def _uniform53_bits(lo: Tensor, hi: Tensor) -> Tensor:
@@ -162,8 +169,8 @@ if triton is not None:
         mask = offs < numel
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         y = x.to(tl.float64) + std * z
-        tl.store(out_ptr + offs, y.to(tl.float32), mask=mask)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)  # one rounding (none for float64)
 
 
-__all__ = ["PAIRS_PER_BLOCK", "SecretKey", "add_gaussian", "device_noise_available", "kernel_std",
+__all__ = ["KERNEL_DTYPES", "PAIRS_PER_BLOCK", "SecretKey", "add_gaussian", "device_noise_available", "kernel_std",
            "reference_noised", "reference_normals"]

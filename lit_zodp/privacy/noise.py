@@ -15,7 +15,8 @@ can be computed from the noise another key made, unlike the state of a PCG strea
   generator with a fresh 128-bit key, filled on torch's intra-op threads (NumPy releases the GIL);
 * d-dimensional noise vectors (DPGD-0th): a Philox-4x64 key of 128 fresh bits per release, with
   the chunk index in the counter, so the perturbation engine generates the vector chunk by chunk, in
-  any order and on any device, without storing it;
+  any order and on any device, without storing it, and adds it to its float64 sum of the update
+  before the one rounding into the parameter;
 * on CUDA (with Triton), both are drawn on the device instead, by a Philox kernel with a fresh
   128-bit key per release (:mod:`lit_zodp.privacy.device_noise`).
 
@@ -190,37 +191,37 @@ class NoiseSource:
 
 
 class SecretGaussianVector:
-    """``xi ~ N(0, I_d)`` keyed by 128 secret bits; chunk ``i`` is drawn from Philox(key, counter=i).
+    """``xi ~ N(0, I_d)`` keyed by 128 secret bits, added chunk by chunk in float64 and never stored.
 
-    A direction law for the perturbation engine (``independent_chunks``, ``fill_chunk_``): the
-    engine adds ``c * xi`` chunk by chunk without ever storing ``xi``. Chunk ``i`` uses the Philox
-    counter block ``i * 2**192``, so no two chunks share a counter.
+    DPGD-0th's noise vector: the perturbation engine sums each chunk of its update in float64 and
+    calls :meth:`add_scaled_` on that sum, then rounds the chunk once (``fl(theta + private + c xi)``,
+    as every host release is rounded). Chunk ``i`` is drawn from Philox(key, counter block ``i``), so
+    any chunk can be drawn alone, in any order, on any device.
     """
 
     name = "secret_gaussian"
-    independent_chunks = True
 
     def __init__(self, key: tuple[int, int]) -> None:
         self.key = np.array(key, dtype=np.uint64)
 
-    def chunk_scale(self, chunks, seed) -> float:
-        return 1.0
-
-    def fill_chunk_(self, out: Tensor, seed: int, index: int, generator: Optional[torch.Generator] = None) -> Tensor:
-        """Chunk ``index`` (float32) into ``out``; ``seed`` and ``generator`` are unused (the key is the seed).
+    def add_scaled_(self, total: Tensor, alpha: float, index: int) -> Tensor:
+        """``total += alpha * xi_index`` in place, ``total`` a float64 chunk and ``xi_index`` float64.
 
         On CUDA the chunk is drawn on the device (:mod:`~lit_zodp.privacy.device_noise`, the same 128-bit
-        key, pairs from ``index * 2**40``); on CPU by NumPy's Philox-4x64.
+        key, pairs from ``index * 2**40``; a negative ``alpha`` adds ``|alpha| xi`` to ``-total``, then
+        negates: both exact); on CPU by NumPy's Philox-4x64 from counter block ``index * 2**192``.
         """
-        if device_noise_available(out) and out.is_contiguous():
-            out.zero_()
-            return add_gaussian(out, 1.0, SecretKey.from_words64(tuple(self.key)), pair_base=index << 40, out=out)
+        if total.dtype != torch.float64:
+            raise ValueError(f"A secret noise vector is summed in float64, but got a {total.dtype} chunk")
+        alpha = float(alpha)
+        if device_noise_available(total) and total.is_contiguous():
+            if alpha < 0:
+                total.neg_()
+            add_gaussian(total, abs(alpha), SecretKey.from_words64(tuple(self.key)), pair_base=index << 40, out=total)
+            return total.neg_() if alpha < 0 else total
         rng = np.random.Generator(np.random.Philox(key=self.key, counter=[0, 0, 0, index]))
-        host = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=torch.float32)
-        rng.standard_normal(out=host.numpy(), dtype=np.float32)
-        if host is not out:
-            out.copy_(host)
-        return out
+        xi = torch.from_numpy(rng.standard_normal(total.numel())).view(total.shape)  # float64
+        return total.add_(xi.to(total.device), alpha=alpha)
 
 
 __all__ = ["HOST_PART", "NoiseSource", "SECRET_BITS", "SecretGaussianVector", "secret_generator", "secret_seed"]

@@ -47,15 +47,15 @@ class ZOSGD(Optimizer):
                          extra_terms: Sequence[tuple] = ()) -> None:
         """Directional derivatives ``{seed: c}`` that the next ``step()`` applies.
 
-        ``extra_terms`` are ``(law, c)`` pairs adding ``-lr * c * xi`` (the secret noise vector of
-        DPGD-0th, generated chunk by chunk from its 128-bit key; chunked engine only). The chunked
+        ``extra_terms`` are ``(noise, c)`` pairs adding ``-lr * c * xi`` (the secret noise vector of
+        DPGD-0th, drawn chunk by chunk from its 128-bit key into the float64 update; chunked engine only). The chunked
         engine takes Python floats (a device tensor is read once here); others get them as given.
         """
         chunked = isinstance(self.engine, PerturbationEngine)
         self._coefficients = {int(k): float(v) if chunked else v for k, v in coefficients.items()}
         if extra_terms and not chunked:
             raise ValueError(f"{type(self.engine).__name__} does not apply extra noise terms")
-        self._extra = [(law, float(c)) for law, c in extra_terms]
+        self._extra = [(noise, float(c)) for noise, c in extra_terms]
 
     @torch.no_grad()
     def step(self, closure=None):

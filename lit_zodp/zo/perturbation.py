@@ -104,13 +104,12 @@ class PerturbationEngine:
             self.cache.fill(self, seed)
         self._track(seed, scale)
 
-    def _direction_source(self, seed: int, law=None, *, fill_cache: bool = False):
+    def _direction_source(self, seed: int, *, fill_cache: bool = False):
         """``(index, scratch) -> chunk index of u(seed)``: from the cache when it holds ``u(seed)``.
 
         ``fill_cache``: draw into the cache (which then holds nothing until the caller's pass ends).
         """
-        law = law or self.law
-        cache = self.cache if law is self.law else None
+        law, cache = self.law, self.cache
         if cache is not None and cache.holds(self, seed):
             views = self._cached_chunks()
             return lambda index, scratch: views[index]
@@ -137,48 +136,50 @@ class PerturbationEngine:
         """One pass: remove every pending perturbation, then ``theta <- (1-lr*wd) theta - lr * sum_k c_k u_k``.
 
         ``lr`` and ``weight_decay`` are scalars or one value per parameter (from param groups).
-        ``extra_terms`` are ``(law, c)`` pairs adding ``-lr * c * xi`` for vectors ``xi`` of their own
-        law (the secret d-dimensional noise of DPGD-0th). With no coefficients this is an exact restore.
+        ``extra_terms`` are ``(noise, c)`` pairs adding ``-lr * c * xi`` for a secret vector ``xi`` that
+        ``noise.add_scaled_(total, alpha, index)`` adds to a float64 chunk (DPGD-0th's noise vector).
+        With no coefficients this is an exact restore.
         """
         lrs = _per_param(lr, len(self.params))
         decays = _per_param(weight_decay, len(self.params))
-        terms = [(self.law, seed, self.pending.get(seed, 0.0), (coefficients or {}).get(seed, 0.0))
+        terms = [(seed, self.pending.get(seed, 0.0), (coefficients or {}).get(seed, 0.0))
                  for seed in sorted(set(self.pending) | set(coefficients or {}))]
-        terms += [(law, 0, 0.0, c) for law, c in extra_terms]
-        self._restore_and_update_chunkwise(terms, lrs, decays)
+        noise = [(_noise_law(law), float(c)) for law, c in extra_terms]
+        self._restore_and_update_chunkwise(terms, noise, lrs, decays)
         self.pending.clear()
 
-    def _restore_and_update_chunkwise(self, terms: list, lrs: list[float], decays: list[float]) -> None:
+    def _restore_and_update_chunkwise(self, terms: list, noise: list, lrs: list[float], decays: list[float]) -> None:
         """The fused pass chunk by chunk (chunk-parallel on CPU threads).
 
-        With a noise vector among the terms (DPGD-0th), every term is summed in float32 and the sum is
-        added to the parameter ONCE: rounding the private term into the parameter before the noise
-        would release ``round(theta - lr c u)``, a noise-free function of the private sum (a bf16
-        parameter would drop a noise below half an ulp altogether). The parameter then changes only
-        through ``fl32(sum)``, post-processing of the noised release.
+        With a noise vector (DPGD-0th) the chunk's new value is summed in float64, the noise drawn in
+        float64 and added to that sum, and the sum rounded into the parameter ONCE, as every host
+        release is (``fl(x + std z)``, :mod:`lit_zodp.privacy.noise`). Rounding ``theta - lr c u``
+        first would release a noise-free function of the private ``c`` (a bf16 parameter would drop a
+        noise below half an ulp altogether); float32 noise summed in float32 leaves holes whose place
+        depends on the private term. The parameter changes only through this one rounding,
+        post-processing of the noised release.
         """
         chunks, owners = self._chunks, self._owner
-        sources = [self._direction_source(seed, law) for law, seed, _, _ in terms]
-        noised = any(law is not self.law for law, _, _, _ in terms)
+        sources = [self._direction_source(seed) for seed, _, _ in terms]
 
         def work(index: int, scratch: Scratch) -> None:
             chunk, owner = chunks[index], owners[index]
             shrink = 1.0 - lrs[owner] * decays[owner]
             if shrink != 1.0:
                 chunk.mul_(shrink)
-            total = torch.zeros(chunk.shape, dtype=torch.float32, device=chunk.device) if noised else None
-            for (law, seed, pending, coefficient), direction in zip(terms, sources):
+            total = chunk.double() if noise else None
+            for (seed, pending, coefficient), direction in zip(terms, sources):
                 alpha = -shrink * pending - lrs[owner] * coefficient
                 if alpha == 0.0:
                     continue
                 if total is not None:
-                    total.add_(direction(index, scratch), alpha=alpha)
+                    total.add_(direction(index, scratch), alpha=alpha)  # float32 u, added in float64
                 else:
                     chunk.add_(_as_dtype(direction(index, scratch), chunk), alpha=alpha)
-            if total is not None and chunk.dtype == torch.float32:
-                chunk.add_(total)
-            elif total is not None:
-                chunk.copy_(chunk.float().add_(total))
+            if total is not None:
+                for law, c in noise:
+                    law.add_scaled_(total, -lrs[owner] * c, index)
+                chunk.copy_(total)  # the one rounding
 
         for_each_chunk(chunks, work)
 
@@ -209,6 +210,12 @@ class PerturbationEngine:
             self.pending.pop(seed, None)
         else:
             self.pending[seed] = total
+
+
+def _noise_law(law):
+    if not callable(getattr(law, "add_scaled_", None)):
+        raise ValueError(f"{type(law).__name__} is not a noise vector: extra terms need `add_scaled_(total, alpha, index)`")
+    return law
 
 
 def _chunkwise(law) -> bool:

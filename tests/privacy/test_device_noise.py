@@ -37,6 +37,8 @@ def interpreted_runs() -> dict:
     inplace = torch.ones(10)
     add_gaussian(inplace, 2.0, KEY, out=inplace)
     out["inplace"] = inplace
+    wide = torch.linspace(-3, 3, 3001, dtype=torch.float64)  # DPGD-0th's float64 sums: no rounding
+    out["float64"] = add_gaussian(wide, 0.7, KEY, pair_base=FAR_BASE, out=wide)
     return out
 
 
@@ -132,13 +134,27 @@ def test_interpreted_kernel_equals_the_reference(interpreted):
     far = reference_noised(torch.zeros(3001), 1.0, KEY, pair_base=FAR_BASE)
     assert float32_ulps(interpreted["far"], far).max().item() <= 1
     assert float32_ulps(interpreted["inplace"], reference_noised(torch.ones(10), 2.0, KEY)).max().item() <= 1
+    wide = reference_noised(torch.linspace(-3, 3, 3001, dtype=torch.float64), 0.7, KEY, pair_base=FAR_BASE)
+    assert interpreted["float64"].dtype == torch.float64
+    torch.testing.assert_close(interpreted["float64"], wide, rtol=0, atol=1e-14)
+    assert (interpreted["float64"] != interpreted["float64"].float().double()).double().mean() > 0.99
 
 
-def test_kernel_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
+def test_the_kernel_refuses_other_dtypes_and_a_mismatched_out():
+    from lit_zodp.privacy.device_noise import add_gaussian
+
+    with pytest.raises(ValueError, match="float32 or float64"):
+        add_gaussian(torch.zeros(4, dtype=torch.float16), 1.0, KEY)
+    with pytest.raises(ValueError, match="x's dtype"):
+        add_gaussian(torch.zeros(4), 1.0, KEY, out=torch.zeros(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("pointer", ["*fp32", "*fp64"])
+def test_kernel_compiles_for_sm90_without_a_gpu(pointer, tmp_path, monkeypatch):
     """Triton's CUDA frontend and ptxas accept the float64 maths (what the interpreter cannot check)."""
     from lit_zodp.privacy import device_noise
 
-    signature = {"x_ptr": "*fp32", "out_ptr": "*fp32", "numel": "i64", "pair_base": "i64", "seed": "i64",
+    signature = {"x_ptr": pointer, "out_ptr": pointer, "numel": "i64", "pair_base": "i64", "seed": "i64",
                  "s0": "i64", "s1": "i64", "std": "fp32", "PAIRS": "constexpr"}
     kernel = compile_for_sm90(getattr(device_noise, "_noise_kernel", None), signature,
                               {"PAIRS": device_noise.PAIRS_PER_BLOCK}, monkeypatch, tmp_path)

@@ -56,17 +56,21 @@ def test_noise_lands_on_the_requested_device_and_dtype():
     assert draw.dtype == torch.float64 and draw.device.type == "cpu"
 
 
-def test_secret_vector_chunks_are_standard_normal_independent_and_keyed_by_128_bits():
-    vector = SecretGaussianVector((7, 11))
-    a = vector.fill_chunk_(torch.empty(50_000), 0, 0)
-    again = vector.fill_chunk_(torch.empty(50_000), 0, 0)
-    other_chunk = vector.fill_chunk_(torch.empty(50_000), 0, 1)
-    high_word = SecretGaussianVector((7, 12)).fill_chunk_(torch.empty(50_000), 0, 0)
-    assert torch.equal(a, again)
+def test_secret_vector_chunks_are_float64_standard_normal_independent_and_keyed_by_128_bits():
+    def chunk(key, index, alpha=1.0, n=50_000):
+        return SecretGaussianVector(key).add_scaled_(torch.zeros(n, dtype=torch.float64), alpha, index)
+
+    a = chunk((7, 11), 0)
+    other_chunk, high_word = chunk((7, 11), 1), chunk((7, 12), 0)
+    assert torch.equal(a, chunk((7, 11), 0))
     assert not torch.equal(a, other_chunk) and not torch.equal(a, high_word)
+    assert torch.equal(chunk((7, 11), 1, alpha=-2.0), -2.0 * other_chunk)
+    assert (a != a.float().double()).double().mean() > 0.99  # float64 draws, not promoted float32 ones
     tolerance = 5 / math.sqrt(2 * a.numel())
-    assert a.double().std().item() == pytest.approx(1.0, rel=tolerance)
+    assert a.std().item() == pytest.approx(1.0, rel=tolerance)
     assert abs(np.corrcoef(a.numpy(), other_chunk.numpy())[0, 1]) < 5 / math.sqrt(a.numel())
+    with pytest.raises(ValueError, match="float64"):
+        SecretGaussianVector((7, 11)).add_scaled_(torch.zeros(4), 1.0, 0)
 
 
 def test_vector_keys_are_fresh_per_release():

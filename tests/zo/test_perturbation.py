@@ -1,9 +1,11 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from lit_zodp.privacy import SecretGaussianVector
 from lit_zodp.zo import ZOSGD, GaussianDirections, PerturbationEngine, SphereDirections, derive_seed
 
 
@@ -191,6 +193,9 @@ class _Constant:
     def fill_chunk_(self, out, seed, index, generator):
         return out.fill_(1.0)
 
+    def add_scaled_(self, total, alpha, index):  # as a noise vector: total += alpha * 1
+        return total.add_(alpha)
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_a_noise_vector_is_summed_with_the_private_term_before_one_rounding(dtype):
@@ -206,3 +211,34 @@ def test_a_noise_vector_is_summed_with_the_private_term_before_one_rounding(dtyp
     term_by_term = torch.ones(8, dtype=dtype).add_(torch.ones(8, dtype=dtype), alpha=0.6 * ulp)
     assert torch.equal(term_by_term.add_(torch.ones(8, dtype=dtype), alpha=-0.4 * ulp),
                        torch.full((8,), 1 + ulp, dtype=dtype))  # the order this test rules out
+
+
+def _secret_normals(key, index: int, numel: int) -> torch.Tensor:
+    """Chunk ``index`` of a secret vector as the CPU law defines it: float64 normals of Philox(key, block index)."""
+    rng = np.random.Generator(np.random.Philox(key=np.array(key, dtype=np.uint64), counter=[0, 0, 0, index]))
+    return torch.from_numpy(rng.standard_normal(numel))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_noise_vector_is_a_float64_normal_added_to_the_float64_update_and_rounded_once(dtype):
+    """DPGD-0th: each chunk becomes ``fl(theta + restore + private + c xi)`` with ``xi`` float64 normals
+    and the sum in float64 (audit 3: float32 normals scaled and summed in float32 leave holes whose
+    place depends on the private term). A noise as large as theta makes any float32 draw or extra
+    rounding visible in most elements."""
+    theta = torch.linspace(-1, 1, 2500).to(dtype)
+    x = nn.Parameter(theta.clone())
+    engine = PerturbationEngine([x], chunk_numel=1000)
+    key = (0x0123456789ABCDEF, 0xFEDCBA9876543210)
+    engine.perturb_(3, 1e-3)
+    perturbed = x.detach().clone()
+    u = engine.direction(3)[0].double()
+    engine.restore_and_update_({3: 0.25}, lr=0.5, extra_terms=[(SecretGaussianVector(key), 2.0)])
+    xi = torch.cat([_secret_normals(key, i, n) for i, n in enumerate([1000, 1000, 500])])
+    expected = perturbed.double() - 1e-3 * u - 0.5 * 0.25 * u - 0.5 * 2.0 * xi
+    assert torch.equal(x.detach(), expected.to(dtype))
+
+
+def test_an_extra_term_that_is_not_a_noise_vector_is_refused():
+    engine = PerturbationEngine([nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match="not a noise vector"):
+        engine.restore_and_update_({}, lr=1.0, extra_terms=[(GaussianDirections(), 1.0)])
