@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_zodp.privacy import PoissonBatchSampler
+from lit_zodp.privacy import SPEND_DIR_ENV, PoissonBatchSampler
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LitLogger.*")
@@ -53,6 +53,14 @@ def quiet_trainer(**kwargs):
     defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     return pl.Trainer(**(defaults | kwargs))
+
+
+@pytest.fixture(autouse=True)
+def spend_log_per_test(tmp_path_factory, monkeypatch):
+    """Each test's private runs keep their spend records apart (never in the user's state directory)."""
+    directory = tmp_path_factory.mktemp("spend")
+    monkeypatch.setenv(SPEND_DIR_ENV, str(directory))
+    return directory
 
 
 @pytest.fixture

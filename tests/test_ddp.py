@@ -17,6 +17,7 @@ import yaml
 
 from lit_zodp.algorithms import ALGORITHMS
 from lit_zodp.cli import build_cli
+from lit_zodp.privacy import SpendLog
 from tests.test_cli import TINY
 
 PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)  # the privacy contract's DDP check
@@ -49,7 +50,7 @@ def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None):
 
 
 @pytest.mark.parametrize("algorithm", PRIVATE)
-def test_two_ranks_equal_one_process(tmp_path, algorithm):
+def test_two_ranks_equal_one_process(tmp_path, algorithm, spend_log_per_test):
     single = run(tmp_path, "single", algorithm, devices=1)
     ddp = run(tmp_path, "ddp", algorithm, devices=2)
     assert single["global_step"] == ddp["global_step"] == 16
@@ -65,6 +66,9 @@ def test_two_ranks_equal_one_process(tmp_path, algorithm):
     ledger_single = single["privacy"]["ledger"]["entries"]
     assert ledger_single == ddp["privacy"]["ledger"]["entries"]
     assert ledger_single[0]["count"] == 16
+    lineage = ddp["privacy"]["plan"]["lineage"]
+    assert len(list((spend_log_per_test / lineage).glob("*.json"))) == 1  # rank 0 alone records the branch
+    assert sum(SpendLog(spend_log_per_test).released(lineage).values()) == 16
 
 
 def run_initial_state():

@@ -255,6 +255,44 @@ def test_the_budget_binds_across_a_resume_with_more_steps(name, tmp_path):
     assert stricter.privacy.ledger.total_count == 20  # already past 0.5: not one more step
 
 
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_second_continuation_of_one_checkpoint_counts_the_first(name, tmp_path):
+    """A fork: 4 steps, then two continuations of the step-4 checkpoint to 8. The second one's ledger
+    holds all 12 releases of the run (spend log), not the 8 of its own path."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    first = build(name)
+    fit(first, poisson_loader(blobs(), 0.1), 4, [checkpoint], enable_checkpointing=True)
+    branch = build(name)
+    quiet_trainer(max_steps=8).fit(branch, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+    assert branch.privacy.ledger.total_count == 8 and branch.privacy.other_branch_steps == 0
+    second = build(name)
+    with pytest.warns(UserWarning, match="counts 4 steps, but its run .* released 8 in all branches"):
+        quiet_trainer(max_steps=8).fit(second, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+    assert second.privacy.ledger.total_count == 12 and second.privacy.other_branch_steps == 4
+    (mechanism, _), = first.privacy.ledger.counts.items()
+    reference = PrivacyLedger()
+    reference.record(mechanism, 12)
+    assert second.privacy.epsilon() == pytest.approx(reference.epsilon(1e-5).upper, rel=1e-9)
+    assert "12 steps, 4 of them in other branches" in second.privacy.summary()
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_the_budget_binds_across_a_rollback(name, tmp_path):
+    """Planned for epsilon 1 over 12 steps with a checkpoint at 6: the run spends the budget; resuming
+    the step-6 checkpoint must not spend the last 6 steps' share again."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1)
+    first = build(name, noise_multiplier=None, target_epsilon=1.0)
+    fit(first, poisson_loader(blobs(), 0.1), 12, [checkpoint], enable_checkpointing=True)
+    assert first.privacy.budget_exhausted
+    older, = (path for path in tmp_path.glob("*.ckpt") if "step=6" in path.name)
+    rolled_back = build(name, noise_multiplier=None, target_epsilon=1.0)
+    with pytest.warns(UserWarning, match="a rollback or a second continuation"):
+        trainer = quiet_trainer(max_steps=12)
+        trainer.fit(rolled_back, poisson_loader(blobs(), 0.1), ckpt_path=older)
+    assert trainer.global_step == 6 and rolled_back.privacy.ledger.total_count == 12
+    assert rolled_back.privacy.epsilon() <= 1.0
+
+
 # ----------------------------------------------------------------------------- secrets
 def _secrets_in(obj, path="checkpoint"):
     """Paths of anything in a checkpoint that looks like generator state or a large secret."""

@@ -25,7 +25,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lit_zodp.backbones.base import batch_size_of, num_classes_of, per_example_loss, predict
 from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
-from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, StepPlan
+from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
 from lit_zodp.privacy.fixed_shape import FixedShapeForwards
 from lit_zodp.privacy.sampling import SamplingDescription
 
@@ -183,8 +183,12 @@ class AlgorithmModule(pl.LightningModule):
         self.privacy.plan(step_plan=self.step_plan(), sampling=sampling,
                           planned_steps=_planned_steps(self.trainer) if self.private else None,
                           reduce_sum=self.reduce_sum,
-                          broadcast=lambda value: self.trainer.strategy.broadcast(value, src=0))
+                          broadcast=lambda value: self.trainer.strategy.broadcast(value, src=0),
+                          spend_log=SpendLog() if self.private and self.trainer.is_global_zero else None)
         self._sigma_logged = False
+
+    def teardown(self, stage: str) -> None:
+        self.privacy.end_fit()
 
     def attach_privacy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Every ``optimizer.step()`` commits the step plan to the ledger."""

@@ -1,7 +1,7 @@
 """Privacy: the component every private module composes, and the pure pieces it is built from.
 
 clipping, noise (secret, OS entropy), mechanisms, ledger (PRV accountant), calibration, step plans,
-sampling descriptions and samplers.
+sampling descriptions and samplers, and the spend log (every branch of a run, for rollbacks and forks).
 """
 
 from lit_zodp.errors import AccountingError, PrivacyConfigError
@@ -28,6 +28,7 @@ from lit_zodp.privacy.sampling import (
     SinglePassBatchSampler,
     SinglePassSampling,
 )
+from lit_zodp.privacy.spend_log import SPEND_DIR_ENV, SpendLog
 
 __all__ = [
     "AccountingError",
@@ -53,6 +54,8 @@ __all__ = [
     "SinglePassBatchSampler",
     "SinglePassGaussian",
     "SinglePassSampling",
+    "SPEND_DIR_ENV",
+    "SpendLog",
     "StepPlan",
     "SubsampledGaussian",
     "bisect_sigma",

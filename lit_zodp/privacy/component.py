@@ -40,6 +40,7 @@ from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
 from lit_zodp.privacy.plan import StepPlan, composed_multiplier
 from lit_zodp.privacy.sampling import SamplingDescription
+from lit_zodp.privacy.spend_log import SpendLog, decode_counts, encode_counts, new_id
 
 #: The default delta's ceiling: the papers' 1e-5 (DPZero, DP-GRAPE), below ``1 / (10 n)`` for larger ``n``.
 DEFAULT_DELTA = 1e-5
@@ -124,14 +125,20 @@ class PrivacyComponent:
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
         self._released: list[str] = []
+        self.lineage: Optional[str] = None  # the run's id across resumes (spend log); public
+        self.other_branch_steps = 0  # steps of other branches of the lineage counted in the ledger
+        self._spend_log: Optional[SpendLog] = None
+        self._branch_start: dict = {}
 
     # ------------------------------------------------------------------------------ plan
     def plan(self, *, step_plan: StepPlan, sampling: SamplingDescription, planned_steps: int,
-             reduce_sum: ReduceSum = _identity, broadcast: Callable[[Any], Any] = _identity) -> None:
+             reduce_sum: ReduceSum = _identity, broadcast: Callable[[Any], Any] = _identity,
+             spend_log: Optional[SpendLog] = None) -> None:
         """Fix sigma, delta and the budget for this fit, and draw a fresh secret noise source.
 
         ``broadcast`` shares rank 0's value (DDP); the secret noise seed is shared this way once
-        per fit start, so every rank adds the same draw after the all-reduce.
+        per fit start, so every rank adds the same draw after the all-reduce. ``spend_log`` (rank 0's;
+        ``None`` elsewhere): the other branches' releases join the ledger, and this fit's are recorded.
         """
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
         self._reduce_sum = reduce_sum
@@ -140,6 +147,7 @@ class PrivacyComponent:
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
+        self._continue_lineage(spend_log, broadcast)
         self._check_single_pass()
         self._check_accountable()
         self.steps_allowed = self._steps_allowed()
@@ -147,6 +155,31 @@ class PrivacyComponent:
         if self.is_private:
             self.noise = (NoiseSource(self.noise_seed) if self.noise_seed is not None
                           else NoiseSource.from_secret(broadcast(secret_seed())))
+
+    def _continue_lineage(self, spend_log: Optional[SpendLog], broadcast: Callable[[Any], Any]) -> None:
+        """Count in the ledger every release of this run's other branches (a rollback or a fork:
+        :mod:`~lit_zodp.privacy.spend_log`), then start this fit's branch record."""
+        self.lineage = self.lineage or broadcast(new_id())
+        released = decode_counts(broadcast(encode_counts(spend_log.released(self.lineage)) if spend_log else []))
+        missing = {m: c - self.ledger.counts.get(m, 0) for m, c in released.items() if c > self.ledger.counts.get(m, 0)}
+        for mechanism, count in missing.items():
+            self.ledger.record(mechanism, count)
+        if missing:
+            self.other_branch_steps += sum(missing.values())
+            warnings.warn(
+                f"This checkpoint's ledger counts {self.ledger.total_count - sum(missing.values())} steps, but its run "
+                f"(lineage {self.lineage[:8]}) released {self.ledger.total_count} in all branches: a rollback or a "
+                f"second continuation of one checkpoint. The {sum(missing.values())} other steps now count in epsilon "
+                f"and the budget (spend log {getattr(spend_log, 'directory', 'of rank 0')}).", UserWarning, stacklevel=4)
+        self._branch_start = dict(self.ledger.counts)
+        self._spend_log = spend_log
+        if spend_log is not None:
+            spend_log.open_branch(self.lineage, new_id())
+
+    def end_fit(self) -> None:
+        """Close this fit's branch record (it keeps its last count)."""
+        if self._spend_log is not None:
+            self._spend_log.close()
 
     def _resolve_delta(self, restored: Optional[float]) -> float:
         delta = self.delta if self.delta is not None else restored
@@ -303,6 +336,8 @@ class PrivacyComponent:
         if self.is_private:
             for mechanism, count in self._one_step_cost():
                 self.ledger.record(mechanism, count)
+            if self._spend_log is not None:
+                self._spend_log.write({m: c - self._branch_start.get(m, 0) for m, c in self.ledger.counts.items()})
         if self.steps_allowed is not None:
             self.steps_allowed -= 1
 
@@ -326,7 +361,8 @@ class PrivacyComponent:
     def summary(self) -> str:
         sampling = f"{self.sampling.name}, q = {self.sampling.sample_rate:.4g}" if self.sampling else "-"
         epsilon = epsilon_text(self.epsilon(), ".4g")
-        return (f"epsilon = {epsilon} at delta = {self.delta:.3g} after {self.steps} steps "
+        others = f", {self.other_branch_steps} of them in other branches of this run" if self.other_branch_steps else ""
+        return (f"epsilon = {epsilon} at delta = {self.delta:.3g} after {self.steps} steps{others} "
                 f"(PRV accountant, upper bound; sigma = {self.noise_multiplier:.4g}, {sampling})")
 
     # ----------------------------------------------------------------------- checkpoints
@@ -336,7 +372,8 @@ class PrivacyComponent:
         if self.sampling is not None:
             plan = {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget,
                     "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
-                    "sample_rate": self.sampling.sample_rate, "n": self.sampling.n}
+                    "sample_rate": self.sampling.sample_rate, "n": self.sampling.n,
+                    "lineage": self.lineage, "other_branch_steps": self.other_branch_steps}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
         return {"ledger": self.ledger.state_dict(), "plan": plan}
@@ -352,6 +389,8 @@ class PrivacyComponent:
                 "Resume with the checkpoint's.")
         self.ledger.load_state_dict(state["ledger"])
         self._restored_plan = state.get("plan")
+        self.lineage = (self._restored_plan or {}).get("lineage")
+        self.other_branch_steps = (self._restored_plan or {}).get("other_branch_steps", 0)
         if self._restored_plan is not None:  # for epsilon after load_from_checkpoint; plan() resolves again
             self.delta = self.delta if self.delta is not None else self._restored_plan.get("delta")
             if self.configured_noise_multiplier is None:
@@ -382,8 +421,11 @@ class NonPrivate:
         self.steps = 0
 
     def plan(self, *, step_plan: StepPlan, sampling=None, planned_steps=None,
-             reduce_sum: ReduceSum = _identity, broadcast=_identity) -> None:
+             reduce_sum: ReduceSum = _identity, broadcast=_identity, spend_log=None) -> None:
         self.step_plan, self.sampling, self._reduce_sum = tuple(step_plan), sampling, reduce_sum
+
+    def end_fit(self) -> None:
+        pass
 
     def release(self, clipped_sum: Tensor, name: str, *, batch_size: int) -> Tensor:
         size = torch.full((1,), float(batch_size), device=clipped_sum.device, dtype=clipped_sum.dtype)

@@ -69,7 +69,8 @@ def test_release_all_reduces_then_adds_one_draw():
 
 def test_the_noise_secret_is_rank_zeros_broadcast_and_fresh_at_every_plan():
     component = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
-    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=5, broadcast=lambda secret: 42)
+    rank_zeros = lambda value: 42 if isinstance(value, int) else value  # noqa: E731 (the secret is the int)
+    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=5, broadcast=rank_zeros)
     torch.testing.assert_close(component.noise.gaussian((3,), 1.0), NoiseSource.from_secret(42).gaussian((3,), 1.0))
     first = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
     first.plan(step_plan=PLAN, sampling=POISSON, planned_steps=5)
@@ -115,10 +116,12 @@ def test_state_dict_holds_the_ledger_and_the_plan_and_nothing_secret():
     state = component.state_dict()
     assert set(state) == {"ledger", "plan"}
     assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "neighbours", "planned_steps",
-                                  "sampling", "sample_rate", "n"}
+                                  "sampling", "sample_rate", "n", "lineage", "other_branch_steps"}
+    assert len(state["plan"]["lineage"]) == 32  # a random 128-bit id: public, it names the run's spend records
     restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
     restored.load_state_dict(state)
     assert restored.epsilon() == pytest.approx(component.epsilon(), rel=1e-3) and restored.delta == 1e-5
+    assert restored.lineage == component.lineage
 
 
 def test_a_changed_delta_on_resume_is_refused():
