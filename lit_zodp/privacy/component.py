@@ -128,7 +128,6 @@ class PrivacyComponent:
         self.lineage: Optional[str] = None  # the run's id across resumes (spend log); public
         self.other_branch_steps = 0  # steps of other branches of the lineage counted in the ledger
         self._spend_log: Optional[SpendLog] = None
-        self._branch_start: dict = {}
 
     # ------------------------------------------------------------------------------ plan
     def plan(self, *, step_plan: StepPlan, sampling: SamplingDescription, planned_steps: int,
@@ -162,19 +161,19 @@ class PrivacyComponent:
         self.lineage = self.lineage or broadcast(new_id())
         released = decode_counts(broadcast(encode_counts(spend_log.released(self.lineage)) if spend_log else []))
         missing = {m: c - self.ledger.counts.get(m, 0) for m, c in released.items() if c > self.ledger.counts.get(m, 0)}
-        for mechanism, count in missing.items():
-            self.ledger.record(mechanism, count)
         if missing:
-            self.other_branch_steps += sum(missing.values())
+            others, before = sum(missing.values()), self.ledger.total_count
+            for mechanism, count in missing.items():
+                self.ledger.record(mechanism, count)
+            self.other_branch_steps += others
             warnings.warn(
-                f"This checkpoint's ledger counts {self.ledger.total_count - sum(missing.values())} steps, but its run "
-                f"(lineage {self.lineage[:8]}) released {self.ledger.total_count} in all branches: a rollback or a "
-                f"second continuation of one checkpoint. The {sum(missing.values())} other steps now count in epsilon "
-                f"and the budget (spend log {getattr(spend_log, 'directory', 'of rank 0')}).", UserWarning, stacklevel=4)
-        self._branch_start = dict(self.ledger.counts)
-        self._spend_log = spend_log
-        if spend_log is not None:
-            spend_log.open_branch(self.lineage, new_id())
+                f"This checkpoint's ledger counts {before} steps, but its run (lineage {self.lineage[:8]}) released "
+                f"{before + others} in all branches: a rollback or a second continuation of one checkpoint. The "
+                f"{others} other steps now count in epsilon and the budget (spend log "
+                f"{getattr(spend_log, 'directory', 'of rank 0')}).", UserWarning, stacklevel=4)
+        self._spend_log = spend_log if self.is_private else None  # sigma = 0 records nothing
+        if self._spend_log is not None:
+            self._spend_log.open_branch(self.lineage, new_id(), dict(self._one_step_cost()))
 
     def end_fit(self) -> None:
         """Close this fit's branch record (it keeps its last count)."""
@@ -337,7 +336,7 @@ class PrivacyComponent:
             for mechanism, count in self._one_step_cost():
                 self.ledger.record(mechanism, count)
             if self._spend_log is not None:
-                self._spend_log.write({m: c - self._branch_start.get(m, 0) for m, c in self.ledger.counts.items()})
+                self._spend_log.count_step()
         if self.steps_allowed is not None:
             self.steps_allowed -= 1
 

@@ -2,48 +2,54 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import warnings
 
 import pytest
 
 from lit_zodp.privacy import SpendLog, SubsampledGaussian
-from lit_zodp.privacy.spend_log import SPEND_DIR_ENV, default_spend_dir, new_id
+from lit_zodp.privacy.spend_log import SPEND_DIR_ENV, STEPS_WIDTH, default_spend_dir, new_id
 
 A, B = SubsampledGaussian(1.0, 0.1), SubsampledGaussian(2.0, 0.05)
+
+
+def steps(log: SpendLog, count: int) -> None:
+    for _ in range(count):
+        log.count_step()
 
 
 def test_a_lineage_released_the_sum_of_its_branches_own_releases(tmp_path):
     log = SpendLog(tmp_path)
     lineage, other = new_id(), new_id()
-    log.open_branch(lineage, "first")
-    for step in range(1, 13):
-        log.write({A: step})  # rewritten in place: the last count stands
-    log.open_branch(lineage, "second")
-    log.write({A: 3, B: 2})
-    log.open_branch(other, "elsewhere")
-    log.write({A: 100})
+    log.open_branch(lineage, "first", {A: 1})
+    steps(log, 12)
+    log.open_branch(lineage, "second", {A: 1, B: 2})  # a step that releases two kinds (one and two of them)
+    steps(log, 3)
+    SpendLog(tmp_path).open_branch(other, "elsewhere", {A: 1})  # another run; a branch that made no step
+    log.open_branch(other, "later", {A: 1})
+    steps(log, 100)
+    assert log.released(lineage) == {A: 15, B: 6}
+    assert log.released(other) == {A: 100}  # read while its branch is still open
     log.close()
-    assert log.released(lineage) == {A: 15, B: 2}
-    assert log.released(other) == {A: 100}
     assert log.released(new_id()) == {}
 
 
-def test_a_record_rewritten_shorter_still_parses(tmp_path):
+def test_a_record_is_json_with_the_steps_padded_in_place(tmp_path):
     log = SpendLog(tmp_path)
-    log.open_branch("run", "branch")
-    log.write({A: 5, B: 7})
-    log.write({A: 6})  # a shorter text over a longer one
+    log.open_branch("run", "branch", {A: 1})
+    steps(log, 10 ** 4)
     log.close()
-    assert SpendLog(tmp_path).released("run") == {A: 6}
+    text = (tmp_path / "run" / "branch.json").read_text()
+    assert json.loads(text)["steps"] == 10 ** 4 and text.endswith(f"{10 ** 4:{STEPS_WIDTH}d}}}\n")
 
 
 def test_an_unreadable_record_warns_and_counts_nothing(tmp_path):
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "torn.json").write_text('{"releases": [[{"kind"')
+    (tmp_path / "run" / "torn.json").write_text('{"per_step": [[{"kind"')
     log = SpendLog(tmp_path)
-    log.open_branch("run", "good")
-    log.write({A: 4})
+    log.open_branch("run", "good", {A: 1})
+    steps(log, 4)
     with pytest.warns(UserWarning, match="unreadable spend record"):
         assert log.released("run") == {A: 4}
 
@@ -52,23 +58,22 @@ def test_an_unwritable_directory_warns_once_and_never_raises(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     log = SpendLog(blocker / "spend")  # a directory below a file cannot be made
-    log.open_branch("run", "branch")
     with pytest.warns(UserWarning, match=f"Cannot write the spend log.*{SPEND_DIR_ENV}"):
-        log.write({A: 1})
+        log.open_branch("run", "branch", {A: 1})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        log.write({A: 2})  # no second warning
+        steps(log, 2)  # no second warning, no error
 
 
-def test_a_copy_for_another_process_opens_its_own_file(tmp_path):
+def test_a_copy_does_not_write_the_branch_record(tmp_path):
     log = SpendLog(tmp_path)
-    log.open_branch("run", "branch")
-    log.write({A: 1})
+    log.open_branch("run", "branch", {A: 1})
+    steps(log, 2)
     copy = pickle.loads(pickle.dumps(log))
-    assert copy._fd is None
-    copy.write({A: 2})
-    log.close(), copy.close()
-    assert SpendLog(tmp_path).released("run") == {A: 2}
+    steps(copy, 5)
+    steps(log, 1)
+    log.close()
+    assert SpendLog(tmp_path).released("run") == {A: 3}
 
 
 def test_the_directory_comes_from_the_environment_or_the_xdg_state_home(monkeypatch, tmp_path):
