@@ -53,7 +53,7 @@ class SpendLog:
 
     A branch's record is the JSON ``{"per_step": [[mechanism, count], ...], "steps": N}``: what one
     step releases (fixed within a fit) and the steps this fit made. ``N`` is a fixed-width field of
-    the memory-mapped file, rewritten after every step (under a microsecond, no system call; a
+    the memory-mapped file, rewritten after every step (about a microsecond, no system call; a
     killed process leaves it in the page cache, which the kernel writes out).
 
     Args:
