@@ -160,7 +160,8 @@ class PrivacyComponent:
         :mod:`~lit_zodp.privacy.spend_log`), then start this fit's branch record."""
         self.lineage = self.lineage or broadcast(new_id())
         released = decode_counts(broadcast(encode_counts(spend_log.released(self.lineage)) if spend_log else []))
-        missing = {m: c - self.ledger.counts.get(m, 0) for m, c in released.items() if c > self.ledger.counts.get(m, 0)}
+        counted = self.ledger.counts
+        missing = {m: c - counted.get(m, 0) for m, c in released.items() if c > counted.get(m, 0)}
         if missing:
             others, before = sum(missing.values()), self.ledger.total_count
             for mechanism, count in missing.items():

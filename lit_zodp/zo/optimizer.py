@@ -48,8 +48,9 @@ class ZOSGD(Optimizer):
         """Directional derivatives ``{seed: c}`` that the next ``step()`` applies.
 
         ``extra_terms`` are ``(noise, c)`` pairs adding ``-lr * c * xi`` (the secret noise vector of
-        DPGD-0th, drawn chunk by chunk from its 128-bit key into the float64 update; chunked engine only). The chunked
-        engine takes Python floats (a device tensor is read once here); others get them as given.
+        DPGD-0th, drawn chunk by chunk from its 128-bit key into the float64 update; chunked engine
+        only). The chunked engine takes Python floats (a device tensor is read once here); others get
+        them as given.
         """
         chunked = isinstance(self.engine, PerturbationEngine)
         self._coefficients = {int(k): float(v) if chunked else v for k, v in coefficients.items()}

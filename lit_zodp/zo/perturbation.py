@@ -214,7 +214,8 @@ class PerturbationEngine:
 
 def _noise_law(law):
     if not callable(getattr(law, "add_scaled_", None)):
-        raise ValueError(f"{type(law).__name__} is not a noise vector: extra terms need `add_scaled_(total, alpha, index)`")
+        raise ValueError(f"{type(law).__name__} is not a noise vector: extra terms need "
+                         "`add_scaled_(total, alpha, index)`")
     return law
 
 
