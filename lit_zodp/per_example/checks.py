@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
-import torch
 from torch import Tensor, nn
 
 from lit_zodp.errors import raise_if_any
@@ -104,24 +102,3 @@ def check_losses(losses: Any) -> None:
     if losses.numel() and not losses.requires_grad:
         raise_if_any(["Expected the per-example losses to depend on trainable parameters, but they do "
                       "not require grad (was `loss_fn` run under torch.no_grad, or is everything frozen?)"])
-
-
-def warn_half_precision_ghost(mode: str, params: Iterable[Tensor]) -> None:
-    """"ghost" mode forms the clipped sums from a second backward of ``sum_i f_i loss_i`` through the
-    model, whose half-precision rounding of ``f_i g_i`` is not bounded by the clip: each example's
-    contribution is within about ``(1 + 2^-8) C`` (1.0025-1.004 C measured in bfloat16), not ``C``."""
-    half = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
-    if mode == "ghost" and half:
-        _warn_ghost_rounding(f"{', '.join(half)} parameters")
-
-
-def warn_autocast_ghost(mode: str, autocast: Optional[torch.dtype]) -> None:
-    """The same for a forward under a half-precision ``autocast`` (Lightning's "bf16-mixed")."""
-    if mode == "ghost" and autocast in (torch.float16, torch.bfloat16):
-        _warn_ghost_rounding(f"autocast to {autocast}")
-
-
-def _warn_ghost_rounding(where: str) -> None:
-    warnings.warn(f"mode='ghost' with {where} bounds each example's clipped gradient by C only up to that "
-                  f"dtype's rounding (about 1.004 C); mode='bookkeeping' or 'hooks' bound it by C",
-                  UserWarning, stacklevel=4)

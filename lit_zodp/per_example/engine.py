@@ -35,7 +35,9 @@ Bu et al. 2022 mixed); they differ in how the clipped sums of those layers are f
   are taken inside the backward as each output gradient arrives, which is then dropped; a second
   backward of ``sum_i f_i loss_i`` (on the retained graph, to the layer outputs only) gives rows
   scaled by ``f_i``, summed layer by layer as they arrive. Peak memory: the retained graph, no
-  output gradient beyond the layer at hand.
+  output gradient beyond the layer at hand. When that backward rounds below float32 (half
+  precision, TF32), each layer's rows are shrunk to their first-pass norm bound
+  (:func:`_within_first_pass_norms`).
 * ``"bookkeeping"`` (Bu et al. 2023, "Differentially private optimization on large model at small
   cost"): one backward, the output gradients of every layer are kept, and the sums are formed from
   them scaled by the clip factors. Faster (no second backward), more memory.
@@ -68,13 +70,12 @@ from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import CallKey, misaligned_calls
 from lit_zodp.per_example.checks import (check_losses, check_mode, check_transform, refuse_batchnorm,
-                                         refuse_reentrant_checkpointing, warn_autocast_ghost,
-                                         warn_half_precision_ghost)
+                                         refuse_reentrant_checkpointing)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
-from lit_zodp.per_example.rounding import (autocast_dtype, forward_autocast, outside_autocast, sum_rounding,
-                                           working_eps)
+from lit_zodp.per_example.rounding import (HALF_DTYPES, forward_autocast, outside_autocast, rounds_below_float32,
+                                           sum_rounding, working_eps)
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
 from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape
@@ -165,6 +166,7 @@ class _SecondPass:
 
     losses: Tensor
     calls: List[Tuple[LayerCall, Dict[str, int]]] = field(default_factory=list)
+    coarse: bool = False  # the backward rounds below float32: its rows are checked (_within_first_pass_norms)
 
 
 @dataclass
@@ -214,6 +216,22 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _rows_view(mask: Tensor, like: Tensor) -> Tensor:
     return mask.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _within_first_pass_norms(part: _Part, factors: Tensor, batch: _Batch) -> Tensor:
+    """Factors ``s_i <= 1`` for the rows of "ghost" mode's second backward, so that the part's share
+    of example ``i`` is at most ``f_i n_i``, ``n_i^2 = sum_p n_{i,p}^2`` over its parameters'
+    first-pass norm bounds: the flat clip then holds whatever the second backward's rounding. Its
+    rows are ``f_i`` times the first pass's only up to the rounding of a backward through the model
+    (``f_i`` in the losses' dtype, then every op): with bfloat16 parameters or under a bfloat16
+    autocast that released 1.0022-1.0036 C; TF32 matmuls round at ``2^-11``. ``s_i = min(1, f_i n_i / n'_i)``, ``n'_i`` the guarded
+    norm of the rows at hand (``f_i n_i`` but for rounding). Per part, not per parameter: a
+    parameter whose gradient is 0 but for rounding (an attention key's bias) has norms of rounding
+    alone, whose ratio would shrink the whole layer (by up to 22% on MiniLM)."""
+    first = sum(batch.ghost_norm_sq[i].double() for i in part.mine.values())
+    second = sum(norm_sq.double() for norm_sq in part.norms_sq().values())
+    allowed = factors.double().pow(2) * first
+    return torch.where(second > allowed, allowed / second, torch.ones_like(allowed)).sqrt()
 
 
 def _zero_rows(x: Tensor, ok: Optional[Tensor]) -> Tensor:
@@ -278,7 +296,6 @@ class PerExampleGradientEngine:
         self.module, self.mode, self.transform = module, mode, as_transform(transform)
         self.names, self.params = _trainable_parameters(module)
         raise_if_any([None if self.params else "Expected `module` to have trainable parameters, but it has none"])
-        warn_half_precision_ghost(mode, self.params)
         self._owners = self._find_owners()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         owners = {id(m): m for owned in self._owners for m, _ in owned}.values()
@@ -291,7 +308,6 @@ class PerExampleGradientEngine:
         self._projections: Dict[int, Projection] = {}
         self._checked: Set[int] = set()  # hashes of the call/use structures checked numerically
         self._misaligned: Dict[int, FrozenSet[CallKey]] = {}  # per structure: calls failing the alignment check
-        self._autocast_warned: Set[torch.dtype] = set()
 
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
         """For each parameter, the ``(module, local name)`` pairs holding it directly."""
@@ -319,7 +335,6 @@ class PerExampleGradientEngine:
                 forward (:mod:`lit_zodp.privacy.fixed_shape`): factor 0, not counted. ``None``: all.
         """
         check_clip(clip)
-        self._warn_autocast_ghost()
         tape = self._tape()
         try:
             with tape, outside_autocast(self._device_type):
@@ -364,13 +379,6 @@ class PerExampleGradientEngine:
     @property
     def _device_type(self) -> str:
         return self.params[0].device.type
-
-    def _warn_autocast_ghost(self) -> None:
-        """Once: "ghost" mode's second backward under a half-precision autocast (as with half parameters)."""
-        dtype = autocast_dtype(self._device_type)
-        if dtype is not None and dtype not in self._autocast_warned:
-            self._autocast_warned.add(dtype)
-            warn_autocast_ghost(self.mode, dtype)
 
     def _per_example(self, loss_fn: Callable[[], Tensor], tape: Tape, *, mode: str) -> Tuple[Tensor, _Batch]:
         """Record, back-propagate, compute the per-example gradients (or norms) and check coverage.
@@ -483,7 +491,7 @@ class PerExampleGradientEngine:
                            *, unit_sums: bool) -> _SecondPass:
         """"ghost" mode, first backward: each single-use layer call takes its norms (and, on a
         checked batch, its unit sums) as its output gradient arrives and keeps no gradient."""
-        second = _SecondPass(losses)
+        second = _SecondPass(losses, coarse=rounds_below_float32(self.module, self._device_type))
         for call, mine in self._single_use_calls(plan, tape):
             second.calls.append((call, mine))
             call.consume = self._first_pass_consumer(call, mine, batch, unit_sums)
@@ -491,6 +499,7 @@ class PerExampleGradientEngine:
 
     def _first_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, unit_sums: bool):
         def consume(grad: Tensor) -> None:
+            batch.second_pass.coarse |= grad.dtype in HALF_DTYPES or call.activation.dtype in HALF_DTYPES
             for part in self._parts(call, mine, batch, grad):
                 batch.ghost_norm_sq.update(part.norms_sq())
                 if unit_sums:
@@ -751,7 +760,7 @@ class PerExampleGradientEngine:
         calls = [(call, {k: i for k, i in mine.items() if i in batch.ghost_norm_sq}) for call, mine in second.calls]
         calls = [(call, mine) for call, mine in calls if mine and call.edge is not None]
         for call, mine in calls:
-            call.consume = self._second_pass_consumer(call, mine, batch, ok, sums)
+            call.consume = self._second_pass_consumer(call, mine, batch, factors, ok, sums, second.coarse)
         losses = second.losses
         weighted = factors.to(losses.dtype) * losses
         if ok is not None:
@@ -769,11 +778,12 @@ class PerExampleGradientEngine:
                                       device=self.params[i].device)
         return sums
 
-    def _second_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch,
-                              ok: Optional[Tensor], sums: Dict[int, Tensor]):
+    def _second_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, factors: Tensor,
+                              ok: Optional[Tensor], sums: Dict[int, Tensor], coarse: bool):
         def consume(grad: Tensor) -> None:
             for part in self._parts(call, mine, batch, grad):
-                for i, total in part.summed(None, ok).items():
+                within = _within_first_pass_norms(part, factors, batch) if coarse else None
+                for i, total in part.summed(within, ok).items():
                     sums[i] = total if i not in sums else sums[i] + total
         return consume
 

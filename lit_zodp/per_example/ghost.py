@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lit_zodp.per_example.rounding import MatmulRounding, sum_rounding
+from lit_zodp.per_example.rounding import HALF_DTYPES, MatmulRounding, sum_rounding
 
 
 def prefer_ghost(positions: int, weight_numel: int) -> bool:
@@ -30,7 +30,7 @@ def prefer_ghost(positions: int, weight_numel: int) -> bool:
 def at_least_float32(x: Tensor) -> Tensor:
     """Half precision widened to float32 (other dtypes, integer indices included, unchanged): half-precision
     Gram matrices overflow (float16) or lose the norm (bfloat16), and half-precision sums round at ``2^-8``."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return x.float() if x.dtype in HALF_DTYPES else x
 
 
 def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, rounding: MatmulRounding) -> Tensor:

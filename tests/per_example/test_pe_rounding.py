@@ -175,16 +175,13 @@ def _autocast_sensitivity(mode: str, batch: int) -> float:
     return worst
 
 
-@pytest.mark.parametrize("mode", ["hooks", "bookkeeping"])
+@pytest.mark.parametrize("mode", ["hooks", "bookkeeping", "ghost"])
 def test_sums_under_a_bfloat16_autocast_stay_at_the_clip(mode):
     """Lightning's ``precision="bf16-mixed"`` runs the step under autocast, which ran the engine's
-    float32 sums in bfloat16: 1.08-1.10 C at B = 128 and 1.95-2.05 C at B = 1024 in every mode."""
+    float32 sums in bfloat16: 1.08-1.10 C at B = 128 and 1.95-2.05 C at B = 1024 in every mode
+    ("ghost": 1.0022 C at B = 256 from its bfloat16 second backward until its rows were held to
+    their first-pass norms)."""
     assert _autocast_sensitivity(mode, 256) <= 1 + 1e-4
-
-
-def test_ghost_under_a_bfloat16_autocast_warns_and_stays_within_its_rounding():
-    with pytest.warns(UserWarning, match="autocast to torch.bfloat16"):
-        assert _autocast_sensitivity("ghost", 256) <= 1 + 2 ** -7
 
 
 def test_the_autocast_is_back_after_the_engine_and_the_forward_ran_under_it():

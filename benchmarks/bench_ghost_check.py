@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""What "ghost" mode's second-pass check costs and how much it shrinks, in one process.
+
+"ghost" mode forms the clipped sums from a second backward of ``sum_i f_i loss_i``; when that
+backward rounds below float32 (half precision, TF32) its rows are held to the first pass's norm bounds
+(``lit_zodp.per_example.engine._within_first_pass_norms``: a second set of guarded norms). This
+times ``PerExampleGradientEngine.clipped_sum`` with the check and with it replaced by "no shrink",
+interleaved (order alternating), on the same model and batch, and reports the median paired ratio
+and the largest shrink ``1 - min_i s_i`` seen over the measured calls (a small clip, so every
+example is clipped). ``--force`` runs the check whatever the dtype (what a float32 model would pay
+if it always ran). The model builders come from ``bench_dpzero.py``.
+
+Usage::
+
+    python benchmarks/bench_ghost_check.py --model vit_tiny --batch 32 --dtype bfloat16
+    python benchmarks/bench_ghost_check.py --model minilm --batch 32 --seq-len 128 --dtype float32 --force
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import bench_dpzero as bd  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vit_tiny", choices=["vit_tiny", "minilm"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per example (MiniLM)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--clip", type=float, default=1e-3, help="small: every example clipped")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--force", action="store_true", help="run the check for float32 models too")
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    from lit_zodp.per_example import engine as engine_module
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    backbone, inputs, targets, _ = bd.build_model(args.model, args.batch, args.seq_len, "cpu")
+    backbone = backbone.eval().to(dtype)  # eval: no dropout (a random forward is recomputed by vmap)
+    if not isinstance(inputs, dict):
+        inputs = inputs.to(dtype)
+    engine = engine_module.PerExampleGradientEngine(backbone, mode="ghost")
+    if args.force:
+        engine_module.rounds_below_float32 = lambda module, device_type: True
+
+    check, shrinks = engine_module._within_first_pass_norms, []
+
+    def measured_check(part, factors, batch):
+        s = check(part, factors, batch)
+        shrinks.append(float(1 - s.min()))
+        return s
+
+    def step(with_check: bool) -> float:
+        engine_module._within_first_pass_norms = measured_check if with_check else (lambda *_: None)
+        start = time.perf_counter()
+        engine.clipped_sum(lambda: F.cross_entropy(backbone(inputs).float(), targets, reduction="none"), args.clip)
+        return time.perf_counter() - start
+
+    step(True), step(False)  # warm-up (the first call also runs the coverage and alignment checks)
+    shrinks.clear()
+    times = {True: [], False: []}
+    for r in range(args.repeats):
+        for with_check in ([True, False] if r % 2 == 0 else [False, True]):
+            times[with_check].append(step(with_check))
+    ratios = [a / b for a, b in zip(times[True], times[False])]
+    print(f"{args.model} batch {args.batch} {args.dtype}{' (forced)' if args.force else ''}: with the check "
+          f"{statistics.median(times[True]):.3f} s, without {statistics.median(times[False]):.3f} s per call; "
+          f"ratio median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}, "
+          f"{args.repeats} pairs); largest shrink {max(shrinks, default=0.0):.2e} over {len(shrinks)} parts")
+
+
+if __name__ == "__main__":
+    main()
