@@ -126,6 +126,7 @@ def build_cli(args=None) -> LitZODPCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         trainer_defaults={"use_distributed_sampler": False},
+        auto_configure_optimizers=False,  # an `optimizer:` override would bypass the privacy ledger
         save_config_kwargs={"overwrite": True},
         args=args,
     )

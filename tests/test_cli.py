@@ -142,6 +142,14 @@ def test_a_resume_through_the_cli_never_spends_past_the_budget(tmp_path, monkeyp
     assert stricter.model.privacy.ledger.total_count == 30  # 3 > 2 already: not one more step
 
 
+def test_an_optimizer_override_is_not_an_option(tmp_path, monkeypatch):
+    """LightningCLI's `optimizer:` would replace the module's optimizer, whose steps the ledger counts (audit 4)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        build_cli(["fit", "--config", str(write_config(tmp_path)), "--optimizer", "torch.optim.SGD",
+                   "--optimizer.lr", "0.05"])
+
+
 @pytest.mark.parametrize("name", ["quickstart_dpsgd", "quickstart_dpadam", "vit_mnist_dpadam"])
 def test_first_order_configs_run_a_few_steps(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)

@@ -7,6 +7,7 @@ parametrized over the same registry.
 """
 
 import math
+import pickle
 import warnings
 
 import lightning.pytorch as pl
@@ -326,6 +327,66 @@ def test_checkpoints_hold_no_secret_and_two_continuations_draw_fresh_noise(name,
         quiet_trainer(max_steps=5).fit(module, poisson_loader(blobs(), 0.25, seed=9), ckpt_path=tmp_path / "last.ckpt")
         continuations.append(flat(module))
     assert not torch.equal(*continuations)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_module_pickled_after_its_fit_holds_no_noise_key(name):
+    """Audit 4: the noise source outlived the fit, so ``torch.save(module)`` gave away every draw."""
+    module = build(name, noise_seed=None)
+    fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert module.privacy.noise is None and b"NoiseSource" not in pickle.dumps(module)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_testing_an_earlier_checkpoint_after_the_fit_keeps_the_whole_runs_epsilon(name, tmp_path):
+    """``test_ckpt: best``: the model picked among all iterates depends on all releases (audit 4)."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    module = build(name)
+    trainer = fit(module, poisson_loader(blobs(), 0.1), 4, [checkpoint], enable_checkpointing=True)
+    spent = module.privacy.epsilon()
+    earlier, = (path for path in tmp_path.glob("*.ckpt") if "step=2" in path.name)
+    trainer.test(module, DataLoader(blobs(n=32, seed=5), batch_size=16), ckpt_path=earlier, verbose=False)
+    assert module.privacy.ledger.total_count == 4 and module.privacy.epsilon() == spent
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_an_optimizer_the_module_did_not_build_is_refused_before_the_first_step(name):
+    """LightningCLI's ``optimizer:`` replaces configure_optimizers: its steps were never counted (audit 4)."""
+    module = build(name)
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(PrivacyConfigError, match="SGD was not built by the private module"):
+        fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert module.privacy.ledger.total_count == 0
+
+
+class _RateSchedule(pl.LightningDataModule):
+    """A private loader rebuilt every epoch at a growing rate (a batch-size warm-up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rate = 0.05
+
+    def train_dataloader(self):
+        loader = poisson_loader(blobs(), self.rate, steps_per_epoch=2)
+        self.rate *= 4
+        return loader
+
+
+def test_a_private_loader_rebuilt_at_another_rate_is_refused():
+    """The ledger accounts every step of a fit at its start's rate (audit 4: 0.02 -> 0.32 reported 1.29, spent 4.91)."""
+    module = build("DPZero")
+    trainer = quiet_trainer(max_epochs=3, reload_dataloaders_every_n_epochs=1)
+    with pytest.raises(PrivacyConfigError, match="rebuilt with sampling PoissonSampling.*sample_rate=0.2"):
+        trainer.fit(module, datamodule=_RateSchedule())
+    assert module.privacy.ledger.total_count == 2
+
+
+def test_lightnings_tuner_is_refused_on_a_private_module():
+    """The learning-rate finder trains on private batches, then restores a ledger without those steps."""
+    from lightning.pytorch.tuner import Tuner
+
+    with pytest.raises(PrivacyConfigError, match="LearningRateFinder"):
+        Tuner(quiet_trainer(max_steps=20)).lr_find(build("DPZero"), poisson_loader(blobs(), 0.25), num_training=5)
 
 
 # -------------------------------------------------------------------------- refusals

@@ -149,6 +149,8 @@ class AlgorithmModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         _refuse_loss_scaling(self.trainer)
+        if self.private:
+            _refuse_tuner(self.trainer)
         data_classes = getattr(self.trainer.datamodule, "num_classes", None) if self._trainer else None
         if data_classes and self.num_classes and data_classes != self.num_classes:
             raise PrivacyConfigError(
@@ -185,7 +187,18 @@ class AlgorithmModule(pl.LightningModule):
                           reduce_sum=self.reduce_sum,
                           broadcast=lambda value: self.trainer.strategy.broadcast(value, src=0),
                           spend_log=SpendLog() if self.private and self.trainer.is_global_zero else None)
+        if self.private:
+            self.privacy.require_attached(self.trainer.optimizers)
         self._sigma_logged = False
+
+    def on_train_epoch_start(self) -> None:
+        """A private loader rebuilt for this epoch (``reload_dataloaders_every_n_epochs``) must sample as planned:
+        the ledger accounts every step at the fit's rate, and releases divide by the fit's expected batch size."""
+        if self.private and read_sampling(self.trainer) != self.privacy.sampling:
+            raise PrivacyConfigError(
+                f"The private loader was rebuilt with sampling {read_sampling(self.trainer)} but this fit is accounted "
+                f"at {self.privacy.sampling}: keep the batch size and data fixed within a fit (no batch-size "
+                "schedule or tuner re-run); change them by resuming from a checkpoint in a new fit.")
 
     def teardown(self, stage: str) -> None:
         self.privacy.end_fit()
@@ -376,6 +389,18 @@ def _refuse_loss_scaling(trainer: "pl.Trainer") -> None:
         raise ConfigError(
             "Invalid configuration: `trainer.precision='16-mixed'` scales the loss of a backward these modules "
             "do not run through Lightning: use precision 'bf16-mixed', '16-true' or 'bf16-true'")
+
+
+def _refuse_tuner(trainer: "pl.Trainer") -> None:
+    """Lightning's batch-size and learning-rate finders run real private steps, then restore a checkpoint
+    taken before them: the restored ledger forgets steps whose releases chose the batch size or rate."""
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+
+    tuners = [type(c).__name__ for c in trainer.callbacks if isinstance(c, (BatchSizeFinder, LearningRateFinder))]
+    if tuners:
+        raise PrivacyConfigError(
+            f"{tuners[0]} (Lightning's Tuner) trains on private batches and then forgets those steps: tune the "
+            "batch size or learning rate on public data or with the non-private twin (MeZO, SGD, Adam) instead")
 
 
 def _require_no_distributed_sampler(trainer: "pl.Trainer") -> None:

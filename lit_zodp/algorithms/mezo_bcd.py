@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from itertools import islice
 from typing import Any, Iterable, Optional, Union
 
@@ -219,13 +220,8 @@ class DPMeZOBCD(DPZero):
         covered = sorted(index[id(p)] for b in blocks for p in b.params if id(p) in index)
         if covered != list(range(len(params))) or sum(len(b.params) for b in blocks) != len(params):
             raise RuntimeError("The block partition must hold every trainable parameter exactly once")
-        layout = global_offsets(params)
-        parent = super().make_engine
-        cache = self.direction_cache(params, blocks)
-
-        def build(indices: list[int]):
-            return parent([params[i] for i in indices], offsets=[layout[i] for i in indices], cache=cache)
-
+        build = partial(_block_engine, super().make_engine, params, global_offsets(params),
+                        self.direction_cache(params, blocks))  # a partial, not a closure: the module pickles
         return BlockPerturbation(params, [[index[id(p)] for p in b.params] for b in blocks], build,
                                  [b.name for b in blocks])
 
@@ -452,5 +448,10 @@ def _check_block_lr(block_lr: Any) -> Optional[str]:
     return (f"Expected `block_lr` in {list(BLOCK_LRS)} or a list of positive factors (one per block), "
             f"but got {block_lr!r}")
 
+
+
+def _block_engine(make_engine, params: list[nn.Parameter], layout: list[int], cache, indices: list[int]):
+    """The engine of one block: its parameters at their global offsets, sharing the direction cache."""
+    return make_engine([params[i] for i in indices], offsets=[layout[i] for i in indices], cache=cache)
 
 __all__ = ["DPMeZOBCD", "MeZOBCD"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -40,7 +41,7 @@ from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
 from lit_zodp.privacy.plan import StepPlan, composed_multiplier
 from lit_zodp.privacy.sampling import SamplingDescription
-from lit_zodp.privacy.spend_log import SpendLog, decode_counts, encode_counts, new_id
+from lit_zodp.privacy.spend_log import Counts, SpendLog, decode_counts, encode_counts, new_id, summed
 
 #: The default delta's ceiling: the papers' 1e-5 (DPZero, DP-GRAPE), below ``1 / (10 n)`` for larger ``n``.
 DEFAULT_DELTA = 1e-5
@@ -127,7 +128,10 @@ class PrivacyComponent:
         self._released: list[str] = []
         self.lineage: Optional[str] = None  # the run's id across resumes (spend log); public
         self.other_branch_steps = 0  # steps of other branches of the lineage counted in the ledger
+        self.branches: Optional[dict[str, int]] = {}  # each branch's steps in this ledger (None: an old checkpoint)
+        self.branch: Optional[str] = None  # this fit's branch id
         self._spend_log: Optional[SpendLog] = None
+        self._attached: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
     # ------------------------------------------------------------------------------ plan
     def plan(self, *, step_plan: StepPlan, sampling: SamplingDescription, planned_steps: int,
@@ -159,9 +163,10 @@ class PrivacyComponent:
         """Count in the ledger every release of this run's other branches (a rollback or a fork:
         :mod:`~lit_zodp.privacy.spend_log`), then start this fit's branch record."""
         self.lineage = self.lineage or broadcast(new_id())
-        released = decode_counts(broadcast(encode_counts(spend_log.released(self.lineage)) if spend_log else []))
-        counted = self.ledger.counts
-        missing = {m: c - counted.get(m, 0) for m, c in released.items() if c > counted.get(m, 0)}
+        logged = spend_log.branches(self.lineage) if spend_log else {}
+        missing, logged_steps = broadcast((encode_counts(self._unseen(logged)),
+                                           {branch: steps for branch, (_, steps) in logged.items()}))
+        missing = decode_counts(missing)
         if missing:
             others, before = sum(missing.values()), self.ledger.total_count
             for mechanism, count in missing.items():
@@ -172,14 +177,47 @@ class PrivacyComponent:
                 f"{before + others} in all branches: a rollback or a second continuation of one checkpoint. The "
                 f"{others} other steps now count in epsilon and the budget (spend log "
                 f"{getattr(spend_log, 'directory', 'of rank 0')}).", UserWarning, stacklevel=4)
+        known = self.branches or {}  # the ledger now holds every logged step of every branch
+        self.branches = {b: max(known.get(b, 0), logged_steps.get(b, 0)) for b in {*known, *logged_steps}}
         self._spend_log = spend_log if self.is_private else None  # sigma = 0 records nothing
-        if self._spend_log is not None:
-            self._spend_log.open_branch(self.lineage, new_id(), dict(self._one_step_cost()))
+        if self.is_private:
+            self.branch = broadcast(new_id())
+            self.branches[self.branch] = 0
+            if self._spend_log is not None:
+                self._spend_log.open_branch(self.lineage, self.branch, dict(self._one_step_cost()))
+
+    def _unseen(self, logged: dict[str, tuple[Counts, int]]) -> Counts:
+        """The logged releases this ledger lacks: per branch, the steps beyond those the ledger holds.
+
+        Per branch, not per mechanism: steps the ledger holds from branches this machine never
+        logged (another machine, another spend directory) must not hide a local fork. A checkpoint
+        from before branch maps (``branches is None``) is compared per mechanism.
+        """
+        if self.branches is None:
+            counted, total = self.ledger.counts, summed(logged)
+            return {m: c - counted.get(m, 0) for m, c in total.items() if c > counted.get(m, 0)}
+        missing: Counts = {}
+        for branch, (per_step, steps) in logged.items():
+            extra = steps - self.branches.get(branch, 0)
+            for mechanism, count in per_step.items():
+                if extra > 0:
+                    missing[mechanism] = missing.get(mechanism, 0) + count * extra
+        return missing
 
     def end_fit(self) -> None:
-        """Close this fit's branch record (it keeps its last count)."""
+        """Close this fit's branch record (it keeps its last count) and forget the secret noise source:
+        a module pickled or copied after the fit must not carry the key of the noise it released."""
+        self.noise = None
         if self._spend_log is not None:
             self._spend_log.close()
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles never hold the secret noise source (a copy made during a fit cannot release)."""
+        return {**self.__dict__, "noise": None, "_attached": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._attached = weakref.WeakSet()
 
     def _resolve_delta(self, restored: Optional[float]) -> float:
         delta = self.delta if self.delta is not None else restored
@@ -314,8 +352,8 @@ class PrivacyComponent:
         return DirectionRelease(coefficient, self.noise.vector_key(), self._noise_std(release) / B)
 
     def _declared(self, name: str):
-        if self.sampling is None:
-            raise AccountingError("release() before plan(): the module must plan at fit start")
+        if self.sampling is None or (self.is_private and self.noise is None):
+            raise AccountingError("release() outside a fit: the module plans (and draws its secret noise) at fit start")
         for release in self.step_plan:
             if release.name == name:
                 self._released.append(name)
@@ -326,20 +364,38 @@ class PrivacyComponent:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Commit the step plan to the ledger after every ``optimizer.step()``."""
         optimizer.register_step_post_hook(lambda *_: self.commit_step())
+        self._attached.add(optimizer)
+
+    def require_attached(self, optimizers) -> None:
+        """Refuse a fit whose optimizer does not commit to the ledger (e.g. LightningCLI's ``optimizer:``
+        replacing ``configure_optimizers``): its steps would release without being counted."""
+        for optimizer in optimizers:
+            if optimizer not in self._attached:
+                raise PrivacyConfigError(
+                    f"The optimizer {type(optimizer).__name__} was not built by the private module's "
+                    "configure_optimizers, so its steps would not be counted in epsilon: remove the `optimizer:` "
+                    "/ `lr_scheduler:` override (set the module's `lr`), or attach it with attach_privacy().")
 
     def commit_step(self) -> None:
-        """Record one step: the releases made must be exactly the step plan's."""
+        """Record one step: the releases made must be exactly the step plan's.
+
+        A step that released more than its plan is recorded as the steps that cover its releases
+        before this raises: those releases are in the weights already.
+        """
         released, planned = sorted(self._released), sorted(r.name for r in self.step_plan)
         self._released = []
+        steps = 1 if released == planned else _steps_covering(released, planned)
+        if self.is_private:
+            for _ in range(steps):
+                for mechanism, count in self._one_step_cost():
+                    self.ledger.record(mechanism, count)
+                if self._spend_log is not None:
+                    self._spend_log.count_step()
+                self.branches[self.branch] += 1
+        if self.steps_allowed is not None:
+            self.steps_allowed -= steps
         if released != planned:
             raise AccountingError(f"This step released {released}, but the step plan declares {planned}")
-        if self.is_private:
-            for mechanism, count in self._one_step_cost():
-                self.ledger.record(mechanism, count)
-            if self._spend_log is not None:
-                self._spend_log.count_step()
-        if self.steps_allowed is not None:
-            self.steps_allowed -= 1
 
     @property
     def budget_exhausted(self) -> bool:
@@ -373,7 +429,8 @@ class PrivacyComponent:
             plan = {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget,
                     "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
                     "sample_rate": self.sampling.sample_rate, "n": self.sampling.n,
-                    "lineage": self.lineage, "other_branch_steps": self.other_branch_steps}
+                    "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
+                    "branches": None if self.branches is None else dict(self.branches)}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
         return {"ledger": self.ledger.state_dict(), "plan": plan}
@@ -387,14 +444,31 @@ class PrivacyComponent:
                 f"The checkpoint was accounted with accountant={accountant!r}, neighbours={neighbours!r}; this "
                 f"run is configured with accountant={self.ledger.accountant!r}, neighbours={self.neighbours!r}. "
                 "Resume with the checkpoint's.")
+        if self._holds_all_of(state.get("plan") or {}):
+            return  # an earlier checkpoint of this run (e.g. the best one, tested after the fit): keep the later ledger
         self.ledger.load_state_dict(state["ledger"])
         self._restored_plan = state.get("plan")
         self.lineage = (self._restored_plan or {}).get("lineage")
         self.other_branch_steps = (self._restored_plan or {}).get("other_branch_steps", 0)
+        self.branches = dict(self._restored_plan["branches"]) if (self._restored_plan or {}).get("branches") is not None \
+            else (None if self.lineage else {})
         if self._restored_plan is not None:  # for epsilon after load_from_checkpoint; plan() resolves again
             self.delta = self.delta if self.delta is not None else self._restored_plan.get("delta")
             if self.configured_noise_multiplier is None:
                 self.noise_multiplier = self._restored_plan.get("noise_multiplier")
+
+    def _holds_all_of(self, plan: dict) -> bool:
+        """True when this ledger already holds every step of the checkpoint's: same run (lineage), and
+        every branch of the checkpoint at least as far here. Loading the checkpoint's ledger would
+        then forget steps whose releases made the model that selected it (``test_ckpt: best``)."""
+        theirs = plan.get("branches")
+        return (self.lineage is not None and plan.get("lineage") == self.lineage and self.branches is not None
+                and theirs is not None and all(self.branches.get(b, 0) >= n for b, n in theirs.items()))
+
+
+def _steps_covering(released: list[str], planned: list[str]) -> int:
+    """Steps of the plan that cover ``released`` (at least one): each release counted as often as it ran."""
+    return max([1] + [math.ceil(released.count(name) / planned.count(name)) for name in set(released)])
 
 
 class NonPrivate:

@@ -69,11 +69,16 @@ class SpendLog:
 
     def released(self, lineage: str) -> Counts:
         """Every release of ``lineage``: the sum over its branches of each one's own releases."""
-        total: Counts = {}
+        return summed(self.branches(lineage))
+
+    def branches(self, lineage: str) -> dict[str, tuple[Counts, int]]:
+        """``{branch: (what one step releases, steps)}`` of every readable record of ``lineage``."""
+        found = {}
         for path in sorted((self.directory / lineage).glob("*.json")):
-            for mechanism, count in _read_branch(path).items():
-                total[mechanism] = total.get(mechanism, 0) + count
-        return total
+            record = _read_branch(path)
+            if record is not None:
+                found[path.stem] = record
+        return found
 
     def open_branch(self, lineage: str, branch: str, per_step: Mapping[Mechanism, int]) -> None:
         """Start this fit's record at 0 steps (never raises: warns where it cannot be written)."""
@@ -120,17 +125,25 @@ def decode_counts(entries: list) -> Counts:
     return counts
 
 
-def _read_branch(path: Path) -> Counts:
-    """One branch's own releases (per-step releases times steps); an unreadable record warns and counts nothing."""
+def summed(branches: Mapping[str, tuple[Counts, int]]) -> Counts:
+    """The releases of ``{branch: (per-step releases, steps)}`` over all its branches."""
+    total: Counts = {}
+    for per_step, steps in branches.values():
+        for mechanism, count in per_step.items():
+            total[mechanism] = total.get(mechanism, 0) + count * steps
+    return total
+
+
+def _read_branch(path: Path) -> Optional[tuple[Counts, int]]:
+    """One branch's ``(per-step releases, steps)``; an unreadable record warns and counts nothing."""
     try:
         record = json.loads(path.read_text())
-        steps = int(record["steps"])
-        return {mechanism: count * steps for mechanism, count in decode_counts(record["per_step"]).items()}
+        return decode_counts(record["per_step"]), int(record["steps"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         warnings.warn(f"Skipping the unreadable spend record {path} ({error}): its releases are not counted",
                       UserWarning, stacklevel=3)
-        return {}
+        return None
 
 
 __all__ = ["SPEND_DIR_ENV", "STEPS_WIDTH", "SpendLog", "decode_counts", "default_spend_dir", "encode_counts",
-           "new_id"]
+           "new_id", "summed"]

@@ -1,6 +1,8 @@
 """The privacy component alone: plan, release, commit, budget and its checkpointed state."""
 
 import math
+import pickle
+from copy import deepcopy
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from lit_zodp.privacy import (
     SubsampledGaussian,
     composed_multiplier,
 )
+from lit_zodp.privacy.spend_log import SpendLog
 
 PLAN = (GaussianRelease("g"),)
 POISSON = PoissonSampling(n=1000, sample_rate=0.05)
@@ -116,8 +119,9 @@ def test_state_dict_holds_the_ledger_and_the_plan_and_nothing_secret():
     state = component.state_dict()
     assert set(state) == {"ledger", "plan"}
     assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "neighbours", "planned_steps",
-                                  "sampling", "sample_rate", "n", "lineage", "other_branch_steps"}
+                                  "sampling", "sample_rate", "n", "lineage", "other_branch_steps", "branches"}
     assert len(state["plan"]["lineage"]) == 32  # a random 128-bit id: public, it names the run's spend records
+    assert list(state["plan"]["branches"].values()) == [1]  # this fit's branch: its one step is in the ledger
     restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
     restored.load_state_dict(state)
     assert restored.epsilon() == pytest.approx(component.epsilon(), rel=1e-3) and restored.delta == 1e-5
@@ -244,3 +248,73 @@ def test_a_shown_epsilon_is_never_below_the_bound(value, spec):
 
     text = epsilon_text(value, spec)
     assert float(text) >= value and float(text) - value <= (1e-3 if spec == ".3f" else 1e-3 * value)
+
+
+# ------------------------------------------------------------------ forks, copies, rollbacks (audit 4)
+def _fit_steps(component: PrivacyComponent, steps: int, spend_dir, state=None) -> dict:
+    """One fit of ``steps`` steps with the spend log in ``spend_dir``, continuing ``state``; its state after."""
+    if state is not None:
+        component.load_state_dict(state)
+    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100, spend_log=SpendLog(spend_dir))
+    for _ in range(steps):
+        component.release(torch.zeros(()), "g")
+        component.commit_step()
+    component.end_fit()
+    return component.state_dict()
+
+
+def test_steps_made_on_another_machine_do_not_hide_a_fork_made_here(tmp_path):
+    """4 steps logged elsewhere, then two continuations here of 2 steps each: the second counts the first
+    (4 + 2 + 2 = 8). Compared per mechanism, the 4 foreign steps hid the local fork (6)."""
+    elsewhere = _fit_steps(PrivacyComponent(clip=1.0, noise_multiplier=1.0), 4, tmp_path / "elsewhere")
+    first = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    _fit_steps(first, 2, tmp_path / "here", elsewhere)
+    second = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    with pytest.warns(UserWarning, match="counts 4 steps, but its run .* released 6"):
+        state = _fit_steps(second, 2, tmp_path / "here", elsewhere)
+    assert second.ledger.total_count == 8 and second.other_branch_steps == 2
+    assert sorted(state["plan"]["branches"].values()) == [2, 2, 4]  # every branch's steps in this ledger
+
+
+def test_a_checkpoint_of_the_same_run_never_shrinks_a_ledger_that_went_further(tmp_path):
+    """Testing the best (earlier) checkpoint after a fit: the model chosen by validation over every
+    iterate carries the whole run's epsilon, not the epsilon of the step it was saved at."""
+    component = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    early = _fit_steps(component, 3, tmp_path)
+    _fit_steps(component, 5, tmp_path)
+    epsilon = component.epsilon()
+    component.load_state_dict(early)
+    assert component.ledger.total_count == 8 and component.epsilon() == epsilon
+    fresh = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    fresh.load_state_dict(early)  # another module (load_from_checkpoint): the checkpoint's own ledger
+    assert fresh.ledger.total_count == 3
+
+
+def test_a_step_that_released_twice_is_counted_twice_before_it_raises():
+    component = planned(noise_multiplier=1.0)
+    component.release(torch.zeros(()), "g")
+    component.release(torch.zeros(()), "g")
+    with pytest.raises(AccountingError, match="released"):
+        component.commit_step()
+    assert component.ledger.total_count == 2 and component.steps_allowed is None
+
+
+def test_the_secret_noise_source_is_gone_after_the_fit_and_from_every_copy(tmp_path):
+    component = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
+    assert isinstance(component.noise, NoiseSource)
+    for copy in (pickle.loads(pickle.dumps(component)), deepcopy(component)):
+        assert copy.noise is None and b"NoiseSource" not in pickle.dumps(copy)
+        with pytest.raises(AccountingError, match="outside a fit"):
+            copy.release(torch.zeros(()), "g")
+    component.end_fit()
+    assert component.noise is None and b"NoiseSource" not in pickle.dumps(component)
+
+
+def test_an_optimizer_not_attached_to_the_ledger_is_refused():
+    component = planned(noise_multiplier=1.0)
+    attached, other = (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1) for _ in range(2))
+    component.attach(attached)
+    component.require_attached([attached])
+    with pytest.raises(PrivacyConfigError, match="SGD was not built by the private module's configure_optimizers"):
+        component.require_attached([attached, other])
