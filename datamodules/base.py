@@ -2,8 +2,9 @@
 
 A subclass implements :meth:`PublicPrivateDataModule.load_splits` (the training *pool*, an optional
 separate public source, val/test sets and the number of classes). The base class carves the pool into
-disjoint public / validation / private parts with ``data_seed``, checks the parts are disjoint, and
-serves:
+disjoint public / validation / private parts with ``data_seed``, drops the private rows equal to a
+separate public example (the private side gives way: the public split depends on its source alone),
+checks the parts are disjoint, and serves:
 
 * ``train_dataloader()``: the PRIVATE loader, sampled as ``sampling`` says (its description is what
   the privacy component accounts, read from the loader's batch sampler):
@@ -23,10 +24,10 @@ serves:
 DDP requires ``Trainer(use_distributed_sampler=False)``: the data module does the distributed sampling.
 
 The Poisson and shuffle streams are secret (amplification by subsampling assumes the batches are):
-a fresh 256-bit OS-entropy secret at every fit start, never written to a checkpoint, so a resumed run
-or two continuations of one checkpoint never share a mask (but both spend privacy: each ledger counts
-its own lineage only, see the README). ``sampling_seed`` makes them reproducible for tests only (it
-warns, and is kept out of ``hparams``).
+a fresh 256-bit OS-entropy secret at every fit start, never written to a checkpoint, never pickled and
+dropped when the fit ends (``teardown``), so a resumed run or two continuations of one checkpoint never
+share a mask (but both spend privacy: each ledger counts its own lineage only, see the README).
+``sampling_seed`` makes them reproducible for tests only (it warns, and is kept out of ``hparams``).
 """
 
 from __future__ import annotations
@@ -74,8 +75,11 @@ class DataSplits:
         val: a given validation set, or ``None`` (then ``val_fraction`` or the test set is used).
         public: a separate public source (e.g. another corpus), or ``None``.
         train_ids: one hashable identifier per pool example (e.g. the text), to check that the
-            private set and ``public`` share no example; ``None`` checks indices only.
-        public_ids: identifiers of the ``public`` examples, in the same space as ``train_ids``.
+            private set shares no example with the public splits; ``None`` checks indices only.
+        public_ids: identifiers of the ``public`` examples, in the same space as ``train_ids``. The
+            private rows with one of these ids are dropped: the private set is defined after this filter
+            by the fixed public source (``n_private`` counts the rows left), and the public split never
+            depends on the private rows.
         val_ids: identifiers of the given ``val`` examples, in the same space (repeats warn).
         train_groups: one hashable per pool example naming the unit it belongs to (MultiRC: its
             passage), or ``None``: the public and validation hold-outs are carved as whole groups,
@@ -98,7 +102,8 @@ class DataSplits:
 def check_disjoint(private: Iterable[Hashable], public: Iterable[Hashable], *, what: str = "indices",
                    split: str = "public", fix: str = "set `dedupe: true` (one text on both sides) or lower "
                                                     "`public_fraction`") -> None:
-    """Raise :class:`PrivacyConfigError` if the private and public collections share an element.
+    """Raise :class:`PrivacyConfigError` if the private and public collections share an element; the
+    message names no private identifier and no count (shared indices only, which are positions).
 
     Args:
         private: indices (or identifiers) of the private examples.
@@ -110,15 +115,19 @@ def check_disjoint(private: Iterable[Hashable], public: Iterable[Hashable], *, w
     overlap = set(private) & set(public)
     if not overlap:
         return
-    if all(isinstance(item, int) for item in overlap):
-        shown = f" (e.g. {sorted(overlap)[:5]})"
-    else:
-        example = repr(min(overlap, key=repr))
-        shown = f" (e.g. {example[:60] + '...' if len(example) > 60 else example})"
+    shown = f" (e.g. {sorted(overlap)[:5]})" if what == "indices" else ""
     raise PrivacyConfigError(
-        f"The {split} split shares {len(overlap)} {what} with the private split{shown}. It must be disjoint "
-        f"from the private set, or its use is not free of privacy cost: {fix}."
+        f"The {split} split shares {what} with the private split{shown}. It must be disjoint from the private "
+        f"set, or its use is not free of privacy cost: {fix}."
     )
+
+
+def _check_id_lengths(splits: DataSplits) -> None:
+    """Refuse identifiers that do not match their examples one for one."""
+    if splits.train_ids is not None and len(splits.train_ids) != len(splits.train):
+        raise ValueError(f"{len(splits.train_ids)} train_ids for a pool of {len(splits.train)} examples")
+    if splits.public is not None and splits.public_ids is not None and len(splits.public_ids) != len(splits.public):
+        raise ValueError(f"{len(splits.public_ids)} public_ids for {len(splits.public)} public examples")
 
 
 def _groups_together(order: list[int], groups: Sequence[Hashable]) -> list[int]:
@@ -360,6 +369,12 @@ class PublicPrivateDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         self.download_data()
 
+    def teardown(self, stage: str) -> None:
+        """When a fit ends, drop the private sampler's secret stream: a pickled or copied data module (or
+        trainer) could otherwise replay every private batch of the fit."""
+        if stage == "fit" and self._batch_sampler is not None:
+            self._batch_sampler.forget_stream()
+
     def setup(self, stage: Optional[str] = None) -> None:
         """Load and split the data once (later calls for other stages are no-ops)."""
         if self._ready:
@@ -373,7 +388,9 @@ class PublicPrivateDataModule(LightningDataModule):
     def _build(self, splits: DataSplits) -> None:
         raise_if_any([check_positive_int("num_classes", splits.num_classes)])
         pool_size = len(splits.train)
+        _check_id_lengths(splits)
         self._carve(pool_size, splits.train_groups)
+        self._drop_public_ids(splits)
         self._check_separation(splits)
         raise_if_any(self._size_errors(pool_size))
         self.pool_dataset = splits.train
@@ -407,6 +424,14 @@ class PublicPrivateDataModule(LightningDataModule):
         self.val_indices = sorted(order[public_end:val_end])
         self.private_indices = sorted(private)
 
+    def _drop_public_ids(self, splits: DataSplits) -> None:
+        """Drop the private rows whose id is a separate public example's (a filter by the fixed public
+        source: the private side gives way, so the public split is a function of its source alone)."""
+        if splits.train_ids is None or splits.public_ids is None:
+            return
+        public = set(splits.public_ids)
+        self.private_indices = [i for i in self.private_indices if splits.train_ids[i] not in public]
+
     def _check_separation(self, splits: DataSplits) -> None:
         """Private examples must appear in no public split, by index and by id; a validation example
         with a private example's id warns (its metrics are logged: public use of a private text)."""
@@ -417,26 +442,19 @@ class PublicPrivateDataModule(LightningDataModule):
             private_groups = {splits.train_groups[i] for i in self.private_indices}
             check_disjoint(private_groups, [splits.train_groups[i] for i in self.public_indices], what="groups",
                            fix="carve the public split by whole groups")
-            shared = sum(1 for g in set(splits.val_groups or ()) if g in private_groups)
-            if shared:
-                warnings.warn(f"{type(self).__name__}: {shared} groups (e.g. passages) of the validation split "
-                              "also have rows in the private set; their logged metrics use those texts outside "
-                              "the privacy guarantee", UserWarning)
+            if any(g in private_groups for g in splits.val_groups or ()):
+                warnings.warn(f"{type(self).__name__}: groups (e.g. passages) of the validation split also have "
+                              "rows in the private set; their logged metrics use those texts outside the privacy "
+                              "guarantee: hold validation out with `val_fraction` (whole groups)", UserWarning)
         unchecked = splits.public is not None and (splits.train_ids is None or splits.public_ids is None)
         if unchecked:
             warnings.warn(f"{type(self).__name__}: the separate public source comes without identifiers "
-                          "(`train_ids` and `public_ids`), so its disjointness from the private set is not "
-                          "checked", UserWarning)
+                          "(`train_ids` and `public_ids`), so the private rows equal to one of its examples "
+                          "are not dropped (disjointness not checked)", UserWarning)
         if splits.train_ids is None:
             return
-        if len(splits.train_ids) != len(splits.train):
-            raise ValueError(f"{len(splits.train_ids)} train_ids for a pool of {len(splits.train)} examples")
         private_ids = [splits.train_ids[i] for i in self.private_indices]
         check_disjoint(private_ids, [splits.train_ids[i] for i in self.public_indices], what="identifiers")
-        if splits.public is not None and splits.public_ids is not None:
-            if len(splits.public_ids) != len(splits.public):
-                raise ValueError(f"{len(splits.public_ids)} public_ids for {len(splits.public)} public examples")
-            check_disjoint(private_ids, splits.public_ids, what="identifiers (separate public source)")
         self._warn_validation_repeats(splits, set(private_ids))
 
     def _warn_validation_repeats(self, splits: DataSplits, private_ids: set) -> None:
@@ -446,11 +464,10 @@ class PublicPrivateDataModule(LightningDataModule):
             val_ids = [splits.train_ids[i] for i in self.val_indices]
         else:
             val_ids = splits.val_ids or []
-        shared = sum(1 for key in val_ids if key in private_ids)
-        if shared:
-            warnings.warn(f"{type(self).__name__}: {shared} validation examples repeat a private example's text "
-                          "(other rows of the same text); their logged metrics use that text outside the "
-                          "privacy guarantee: set `dedupe: true` to drop repeats before splitting", UserWarning)
+        if any(key in private_ids for key in val_ids):
+            warnings.warn(f"{type(self).__name__}: validation examples repeat a private example's text (other "
+                          "rows of the same text); their logged metrics use that text outside the privacy "
+                          "guarantee: set `dedupe: true` to drop repeats before splitting", UserWarning)
 
     def _size_errors(self, pool_size: int) -> list[Optional[str]]:
         n_private = len(self.private_indices)
@@ -494,7 +511,7 @@ class PublicPrivateDataModule(LightningDataModule):
     # ------------------------------------------------------------------------------ properties
     @property
     def n_private(self) -> int:
-        """Number of private examples ``n``."""
+        """Number of private examples ``n`` (after the rows equal to a separate public example are dropped)."""
         self._require_setup()
         return len(self.private_indices)
 

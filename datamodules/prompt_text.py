@@ -29,8 +29,10 @@ reference puts it (:func:`numpy_permutation`, :func:`shuffled_examples`).
 The references keep repeated examples (GLUE's SST-2, for one, repeats phrases); so does the
 default here. ``dedupe=True`` skips the repeats of an earlier row (they stay in the permutation, so the
 other examples keep their places); set it when part of the pool becomes public (``public_fraction``),
-where a repeat could otherwise sit on both sides. A separate public source (``public_task``) always
-drops its repeats and the examples equal to a pool example.
+where a repeat could otherwise sit on both sides. A separate public source (``public_task``) drops its
+own repeats only, so it depends on its file alone; the private rows equal to one of its examples are
+dropped from the private set instead (which is then defined after that filter; ``n_private`` counts
+the rows left).
 
 Prompt modes and batches
 ------------------------
@@ -70,7 +72,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Any, Callable, Literal, Optional
 
 import numpy as np
@@ -145,9 +147,9 @@ def record_groups(spec: TaskSpec, records: Sequence[Mapping[str, str]]) -> Optio
     return [record[spec.group_field].strip() for record in records]
 
 
-def repeated_examples(spec: TaskSpec, split: TaskSplit, seen: Iterable[tuple[str, ...]] = ()) -> set[int]:
-    """Indices of the examples whose text repeats an earlier example of the split (or one of ``seen``)."""
-    known = set(seen)
+def repeated_examples(spec: TaskSpec, split: TaskSplit) -> set[int]:
+    """Indices of the examples whose text repeats an earlier example of the split."""
+    known: set[tuple[str, ...]] = set()
     repeats = set()
     for i, record in enumerate(split.records):
         key = record_key(spec, record)
@@ -190,10 +192,11 @@ def k_shot_draw(
         groups.setdefault(labels[index], []).append(index)
     train = [i for group in groups.values() for i in group[:k]]
     dev = [i for group in groups.values() for i in group[k : k + (k_dev or 0)]]
-    short = {c: len(g) for c, g in sorted(groups.items()) if len(g) < k + (k_dev or 0)}
+    short = [c for c, g in sorted(groups.items()) if len(g) < k + (k_dev or 0)]
     if short:
         need = k if not k_dev else f"{k} + {k_dev} (dev)"
-        warnings.warn(f"{what}: fewer than {need} examples for classes {short} (class: count); kept all of them")
+        warnings.warn(f"{what}: fewer than {need} examples for classes {short}; kept all of them: lower `k_shot`/"
+                      "`k_dev` (`public_k_shot` for a public task) for the same number in every class")
     return train, dev
 
 
@@ -570,7 +573,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
         pad_to_max_length: pad every batch to ``max_length``; ``False`` (default) pads each batch to its
             longest row.
         public_task: a task whose training file is a separate public source (PAZO: SNLI for MNLI); it
-            must have the same classes and fields. Examples equal to a pool example are dropped.
+            must have the same classes and fields. Its own repeats are dropped; private rows equal to one
+            of its examples leave the private set (never the reverse: the public split depends on its
+            file alone).
         public_data_dir: folder of ``public_task`` (``data_dir`` when ``None``).
         public_data_format: layout of ``public_task``'s folder.
         public_k_shot: public examples per class (PAZO: 100); ``None`` keeps all (``max_public_samples``
@@ -781,7 +786,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
                             train_groups=record_groups(spec, pool.records),
                             val_groups=None if dev is None else record_groups(spec, dev.records))
         if self.public_task is not None:
-            splits.public, splits.public_ids = self._load_public(set(pool_ids))
+            splits.public, splits.public_ids = self._load_public()
         return splits
 
     @property
@@ -791,13 +796,13 @@ class PromptTextDataModule(PublicPrivateDataModule):
             return self.test_seed
         return LMBFF_TEST_SEED if self.k_shot is not None else self.data_seed
 
-    def _load_public(self, pool_ids: set) -> tuple[PromptRecords, list[Hashable]]:
-        """The separate public source (PAZO): repeats and examples equal to a pool example are dropped."""
+    def _load_public(self) -> tuple[PromptRecords, list[Hashable]]:
+        """The separate public source (PAZO), a function of its file alone (its own repeats dropped)."""
         spec = self.public_spec
         folder = self.public_data_dir or self.data_dir
         data = load_task(spec, folder, self.public_data_format, self.public_k_shot, self.data_seed)
         train = data.train
-        drop = repeated_examples(self.spec, train, seen=pool_ids)
+        drop = repeated_examples(self.spec, train)
         if self.public_k_shot is not None and data.data_format != "lm-bff":
             order = shuffled_examples(train, self.data_seed + PUBLIC_SEED_OFFSET, exclude=drop)
             index, _ = k_shot_draw(train.labels, order, self.public_k_shot, what=f"public {spec.name}")

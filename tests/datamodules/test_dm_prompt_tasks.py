@@ -23,6 +23,7 @@ from datamodules.prompt_text import (
     encode_mlm,
     fit_lengths,
     prepare_tokenizer,
+    record_key,
     sample_pool,
     special_affixes,
 )
@@ -280,7 +281,7 @@ def test_lm_bff_folders_are_picked_by_k_and_seed(tmp_path, tokenizers):
 
 
 def test_duplicates_dropped_and_public_task_disjoint(tmp_path, tokenizers):
-    """PAZO's setting: MNLI private, SNLI k-shot public; no public example equals a pool example."""
+    """PAZO's setting: MNLI private, SNLI k-shot public; no public example equals a private example."""
     write_task_files(tmp_path, "MNLI", "glue", per_class=5)
     write_task_files(tmp_path, "SNLI", "glue", per_class=5)  # same synthetic texts as MNLI
     snli_train = tmp_path / "SNLI" / "train.tsv"
@@ -295,12 +296,48 @@ def test_duplicates_dropped_and_public_task_disjoint(tmp_path, tokenizers):
     dm = make_dm(tmp_path, "MNLI", k_shot=5, public_task="SNLI", public_k_shot=2, tokenizer=tokenizers["roberta"])
     dm.setup()
     assert len(dm.public_dataset) == 6 and Counter(dm.public_dataset.targets.tolist()) == {0: 2, 1: 2, 2: 2}
-    pool = {tuple(r.values()) for r in dm.pool_dataset.records}
-    public_texts = {(f["premise"], f["hypothesis"]) for f, _ in extra}
-    assert not pool & public_texts
+    public = {record_key(dm.spec, r) for r in dm._load_public()[0].records}  # drawn from the SNLI file alone
+    pool = [record_key(dm.spec, r) for r in dm.pool_dataset.records]
+    assert [pool[i] for i in dm.private_indices] == [key for key in pool if key not in public]
     assert len(load_task("SNLI", tmp_path).train) == 25  # 15 + duplicate + 9, read as written
     with pytest.raises(PrivacyConfigError, match="share the classes"):
         make_dm(tmp_path, "RTE", public_task="SNLI")
+
+
+def _swap_pair(path, old, new):
+    """Rewrite the (M/S)NLI file ``path`` with ``new`` in the text fields of the row holding ``old``."""
+    rows = [line.split("\t") for line in path.read_text().splitlines()]
+    first, second = rows[0].index("sentence1"), rows[0].index("sentence2")
+    for row in rows[1:]:
+        if (row[first].strip(), row[second].strip()) == old:
+            row[first], row[second] = new
+    path.write_text("".join("\t".join(row) + "\n" for row in rows))
+
+
+@pytest.mark.parametrize("public_k_shot", [None, 5])
+def test_the_public_task_split_does_not_depend_on_the_private_rows(tmp_path, tokenizers, public_k_shot):
+    """Replace-one neighbours: one private MNLI row replaced by a pair of the public SNLI split. The public
+    split (size, rows, first public batch) stays as it was; the private set loses that row instead."""
+    mnli = write_task_files(tmp_path, "MNLI", "glue", per_class=20) / "train.tsv"
+    snli = write_task_files(tmp_path, "SNLI", "glue", per_class=20) / "train.tsv"
+    snli.write_text(snli.read_text().replace("\tA ", "\tPublic: A "))  # the two files share no pair
+
+    def build():
+        dm = make_dm(tmp_path, "MNLI", prompt="none", tokenizer=tokenizers["roberta"], public_task="SNLI",
+                     public_k_shot=public_k_shot, batch_size=4, public_in_step=True)
+        dm.setup("fit")
+        return dm, next(iter(dm.train_dataloader()["public"]))
+
+    before, first_batch = build()
+    private_row = before.pool_dataset.records[before.private_indices[0]]
+    public_pair = record_key(before.spec, before._load_public()[0].records[0])
+    _swap_pair(mnli, record_key(before.spec, private_row), public_pair)
+    after, first_batch_after = build()
+    assert len(after.public_dataset) == len(before.public_dataset)
+    for name, value in before.public_dataset.inputs.items():
+        assert torch.equal(after.public_dataset.inputs[name], value)
+    assert torch.equal(first_batch_after[0]["input_ids"], first_batch[0]["input_ids"])
+    assert after.n_private == before.n_private - 1
 
 
 # ---------------------------------------------------------------------------------- masked LM
@@ -583,7 +620,8 @@ def test_a_validation_text_repeating_a_private_text_warns_naming_dedupe(tmp_path
     rows = [(f"a distinct sentence {i}", i % 2) for i in range(12)] + [("the same sentence", 1)] * 12
     (folder / "train.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows))
     (folder / "dev.tsv").write_text("sentence\tlabel\n" + "".join(f"dev {i}\t{i % 2}\n" for i in range(4)))
-    with pytest.warns(UserWarning, match=r"validation examples repeat a private example.*`dedupe: true`"):
+    no_count = r"^PromptTextDataModule: validation examples repeat a private example.*`dedupe: true`"
+    with pytest.warns(UserWarning, match=no_count):
         make_dm(tmp_path, "SST-2", prompt="none", tokenizer="minilm", num_dev=8, data_seed=0).setup("fit")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*validation examples repeat")
@@ -594,6 +632,7 @@ def test_multirc_validation_rows_drawn_from_private_paragraphs_warn(tmp_path):
     """``num_dev`` draws validation rows from the training file row by row: a paragraph can then
     have rows on both sides, which warns (the carved ``val_fraction`` takes whole paragraphs)."""
     _write_multirc(tmp_path)
-    with pytest.warns(UserWarning, match=r"groups \(e\.g\. passages\) of the validation split"):
+    no_count = r"^PromptTextDataModule: groups \(e\.g\. passages\) of the validation split.*`val_fraction`"
+    with pytest.warns(UserWarning, match=no_count):
         make_dm(tmp_path, "MultiRC", data_format="superglue", prompt="none", tokenizer="minilm",
                 num_dev=8, data_seed=0).setup("fit")

@@ -218,7 +218,8 @@ def test_k_shot_draws_are_lm_bff_rows_in_lm_bff_order(tmp_path, task):
 def test_repeats_kept_by_default_and_skipped_with_dedupe(tmp_path):
     folder = write_sst2(tmp_path / "SST-2")
     spec = get_task("SST-2")
-    with pytest.warns(UserWarning, match="fewer than 100"):
+    short = r"fewer than 100 examples for classes \[0, 1\]; kept all of them: lower `k_shot`"  # no counts
+    with pytest.warns(UserWarning, match=short):
         kept = PromptTextDataModule("SST-2", str(tmp_path), k_shot=100, data_seed=13).load_splits()
     ref_train, _ = reference_k_shot(folder / "train.tsv", 100, 13)
     assert ours(kept.train.records, kept.train.labels, spec) == texts_of(ref_train, "SST-2")

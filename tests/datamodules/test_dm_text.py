@@ -46,6 +46,31 @@ def test_separate_public_source():
     check_text_batch(next(iter(dm.public_dataloader(batch_size=40))), 16)
 
 
+def test_the_public_source_does_not_depend_on_the_private_reviews(tmp_path):
+    """Replace-one neighbours: one private IMDB review replaced by a Rotten Tomatoes one. The public split
+    (size, rows, first public batch) stays as it was; the private set loses that review instead."""
+    imdb = [(f"an imdb review {i}", i % 2, "imdb") for i in range(40)]
+    rotten = [(f"a rotten tomatoes snippet {i}", i % 2, "rotten_tomatoes") for i in range(20)]
+
+    def build(rows):
+        path = tmp_path / "reviews.csv"
+        pd.DataFrame(rows, columns=["text", "label", "source"]).to_csv(path, index=False)
+        dm = MovieReviewsDataModule(source="imdb", public_source="rotten_tomatoes", data_path=str(path),
+                                    max_length=8, batch_size=4, sampling_seed=0, public_in_step=True)
+        dm.setup("fit")
+        return dm, next(iter(dm.train_dataloader()["public"]))
+
+    before, first_batch = build(imdb + rotten)
+    private_text = before.pool_dataset.texts[before.private_indices[0]]
+    imdb = [(rotten[0][0] if text == private_text else text, label, source) for text, label, source in imdb]
+    after, first_batch_after = build(imdb + rotten)
+    assert len(after.public_dataset) == len(before.public_dataset) == 20
+    for name, value in before.public_dataset.inputs.items():
+        assert torch.equal(after.public_dataset.inputs[name], value)
+    assert torch.equal(first_batch_after[0]["input_ids"], first_batch[0]["input_ids"])
+    assert after.n_private == before.n_private - 1
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"source": "both", "public_source": "imdb"}, {"source": "imdb", "public_source": "imdb"}, {"source": "x"}],

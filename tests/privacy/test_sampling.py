@@ -1,6 +1,8 @@
 """Samplers and sampling descriptions: the law of each, DDP shards, the secret stream's entropy."""
 
+import copy
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -118,3 +120,47 @@ def test_bad_arguments(kwargs, match):
     args = dict(num_samples=10, sample_rate=0.5) | kwargs
     with pytest.raises(PrivacyConfigError, match=match):
         PoissonBatchSampler(**args)
+
+
+def replay(generator: np.random.Generator, num_samples: int, sample_rate: float, steps: int) -> list[list[int]]:
+    """The audit's attack on a leaked stream: wind it back over ``steps`` Poisson batches and draw them again."""
+    bits = generator.bit_generator
+    bits.advance(2**128 - steps * num_samples)  # one 64-bit output per uniform
+    rewound = np.random.Generator(bits)
+    return [np.flatnonzero(rewound.random(num_samples) < sample_rate).tolist() for _ in range(steps)]
+
+
+def test_a_pickled_or_copied_poisson_sampler_holds_no_stream_to_replay():
+    sampler = PoissonBatchSampler(200, 0.1, steps_per_epoch=4)
+    seen = list(sampler)
+    live = copy.copy(sampler.generator)  # the attack works on the stream a fit holds in memory
+    assert replay(live, 200, 0.1, 4) == seen
+    assert b"PCG64" not in pickle.dumps(sampler)
+    for clone in (pickle.loads(pickle.dumps(sampler)), copy.deepcopy(sampler)):
+        assert clone.generator is None
+        with pytest.raises(PrivacyConfigError, match="no secret stream .*train_dataloader"):
+            next(iter(clone))
+    assert len(list(sampler)) == 4  # the original keeps its stream
+
+
+def test_a_copied_shuffle_sampler_refuses_and_a_forgotten_stream_refuses():
+    sampler = ShuffleBatchSampler(100, 10)
+    with pytest.raises(PrivacyConfigError, match="no secret stream"):
+        next(iter(pickle.loads(pickle.dumps(sampler))))
+    sampler.forget_stream()
+    with pytest.raises(PrivacyConfigError, match="no secret stream"):
+        next(iter(sampler))
+
+
+def test_a_copied_test_seeded_sampler_restarts_from_its_public_seed():
+    sampler = PoissonBatchSampler(200, 0.1, steps_per_epoch=4, seed=5)
+    first = list(sampler)
+    list(sampler)
+    clone = pickle.loads(pickle.dumps(sampler))
+    assert clone.generator is None and list(clone) == first
+
+
+def test_copied_samplers_without_a_secret_iterate_as_before():
+    single, full = SinglePassBatchSampler(100, 10, seed=3), FullBatchSampler(7)
+    assert list(pickle.loads(pickle.dumps(single))) == list(single)
+    assert list(pickle.loads(pickle.dumps(full))) == list(full)
