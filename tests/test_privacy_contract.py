@@ -438,6 +438,28 @@ def test_a_batchnorm_using_batch_statistics_in_eval_mode_is_refused_in_one_line(
     assert "\n" not in str(info.value)
 
 
+class _InputAverage(nn.Module):
+    """Keeps a running average of its inputs in a buffer in every mode (a custom normalisation layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("average", torch.zeros(10))
+
+    def forward(self, x):
+        self.average.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return x
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_layer_writing_a_buffer_in_the_private_forward_is_refused_in_one_line(name):
+    """The buffer would keep an un-noised average of private examples in every checkpoint (audit 4)."""
+    torch.manual_seed(1)
+    module = build(name, nn.Sequential(_InputAverage(), nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3)))
+    with pytest.raises(PrivacyConfigError, match="`0` \\(_InputAverage\\) wrote `average` in the private forward") as info:
+        fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
+
+
 @pytest.mark.parametrize("name", sorted(n for n in PRIVATE if issubclass(ALGORITHMS[n], ZerothOrderModule)))
 def test_a_batchnorm_with_running_statistics_keeps_zeroth_order_losses_per_example(name):
     """Zeroth-order steps forward in eval mode, where running statistics treat each example alone."""

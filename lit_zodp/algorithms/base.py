@@ -23,8 +23,9 @@ from lightning.pytorch.cli import LRSchedulerCallable
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lit_zodp.backbones.base import batch_size_of, num_classes_of, per_example_loss, predict
+from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per_example_loss, predict
 from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
+from lit_zodp.per_example.checks import BufferState, buffer_state, refuse_buffer_writes
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
 from lit_zodp.privacy.fixed_shape import FixedShapeForwards
 from lit_zodp.privacy.sampling import SamplingDescription
@@ -111,6 +112,9 @@ class AlgorithmModule(pl.LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self.fixed_shape = (None if fixed_forward_rows is None
                             else FixedShapeForwards(fixed_forward_rows, fixed_forward_lengths))
+        if self.fixed_shape is not None and isinstance(backbone, Backbone):
+            backbone.row_shapes = True
+        self._buffers_before: Optional[BufferState] = None
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
         if self.private and self.log_private_stats:
             warnings.warn(f"{type(self).__name__}(log_private_stats=True) logs clip_fraction and step_time of "
@@ -189,6 +193,7 @@ class AlgorithmModule(pl.LightningModule):
                           spend_log=SpendLog() if self.private and self.trainer.is_global_zero else None)
         if self.private:
             self.privacy.require_attached(self.trainer.optimizers)
+            self._buffers_before = buffer_state(self.backbone)
         self._sigma_logged = False
 
     def on_train_epoch_start(self) -> None:
@@ -227,10 +232,13 @@ class AlgorithmModule(pl.LightningModule):
         if batch_size_of(inputs) == 0:
             return torch.zeros(0, device=targets.device)
         if self.fixed_shape is None:
-            return per_example_loss(self.backbone, inputs, targets).float()
-        losses = torch.empty(len(targets), device=targets.device)
-        for rows, row_targets, positions in self.fixed_shape.chunks(inputs, targets):
-            losses[positions] = per_example_loss(self.backbone, rows, row_targets).float()[:len(positions)]
+            losses = per_example_loss(self.backbone, inputs, targets).float()
+        else:
+            losses = torch.empty(len(targets), device=targets.device)
+            for rows, row_targets, positions in self.fixed_shape.chunks(inputs, targets):
+                losses[positions] = per_example_loss(self.backbone, rows, row_targets).float()[:len(positions)]
+        if self._buffers_before is not None:  # a layer that writes a buffer even in eval mode (microseconds)
+            refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
         return losses
 
     def split_batch(self, batch) -> tuple[Any, Optional[Any]]:

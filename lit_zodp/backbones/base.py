@@ -36,6 +36,10 @@ class Backbone(nn.Module):
     #: Whether the model's own forwards hold several rows per example (an example's K candidates):
     #: the per-example gradient engine, which takes row ``i`` of a call for example ``i``, refuses it.
     several_rows_per_example: bool = False
+    #: Set by ``fixed_forward_rows``: a computation whose shape would depend on several rows of a forward
+    #: (e.g. a head over the candidate tokens of all rows) runs row by row instead, so each example's
+    #: value is computed the same way whatever its batch-mates (:mod:`lit_zodp.privacy.fixed_shape`).
+    row_shapes: bool = False
 
     def per_example_loss(self, inputs: Inputs, targets: Tensor) -> Tensor:
         """Cross-entropy of each example, shape ``[B]`` (no reduction)."""

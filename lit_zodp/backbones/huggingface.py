@@ -316,6 +316,7 @@ class HFSequenceClassifier(Backbone):
             model_kwargs=model_kwargs,
         )
         _ensure_pad_token_id(self.model.config)
+        _check_pad_token_id(self.model)
         self.input_keys = accepted_input_keys(self.model)
         self.tokenizer_path = _tokenizer_path(tokenizer_name_or_path, model_name_or_path)
         self.train()  # from_pretrained leaves the inner model in eval mode
@@ -325,11 +326,29 @@ class HFSequenceClassifier(Backbone):
         batch = model_inputs(inputs, self.model.device, self.input_keys)
         if _batch_size(batch) == 0:
             return empty_logits(self, self.num_classes)
-        return self.model(**batch).logits
+        pad_id = getattr(self.model.config, "pad_token_id", None)
+        return self.model(**_padding_as_pad_id(batch, pad_id)).logits
 
     def load_tokenizer(self, **kwargs: Any) -> Any:
         """The tokenizer matching this model."""
         return load_tokenizer(_require_tokenizer_path(self.tokenizer_path), **kwargs)
+
+
+def _padding_as_pad_id(batch: dict[str, Tensor], pad_id: Optional[int]) -> dict[str, Tensor]:
+    """``batch`` with ``pad_id`` in every column its attention mask leaves out.
+
+    Decoder classifiers (OPT, GPT-2, Llama...) read the logit at the last token whose id is not
+    ``config.pad_token_id``, whatever the mask: in data padded with another id that is the last padded
+    column, set by the batch's longest row, so one example's loss depended on its batch-mates (audit 4
+    F2). With ``pad_id`` there it is the row's own last real token (one equal to ``pad_id`` is passed
+    over, as transformers does), for right or left padding. Rewriting the padding, rather than gathering
+    the last attended state as :class:`HFPromptClassifier` does, keeps every architecture's own head and
+    pooling (no head to find per family). Real tokens never attend to padded columns.
+    """
+    ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    if pad_id is None or ids is None or mask is None:
+        return batch
+    return {**batch, "input_ids": ids.masked_fill(mask == 0, pad_id)}
 
 
 class SentenceEncoderClassifier(Backbone):
@@ -625,10 +644,11 @@ class HFCandidateScorer(Backbone):
     as classification and to predict: set ``length_normalize=True`` to reproduce it.
 
     Memory: the final hidden states are gathered at the ``N`` positions that predict candidate
-    tokens and only those go through the LM head (in chunks of :data:`HEAD_CHUNK` positions), with a
-    log-sum-exp per position; no ``[B*K, L, vocab]`` logits or log-softmax exist. Rows go through the
-    transformer ``max_rows_per_forward`` at a time. LMs whose logits are transformed after the head
-    (soft-capping, scaling: see :func:`lm_head_name`) use their full forward instead.
+    tokens and only those go through the LM head (in chunks of :data:`HEAD_CHUNK` positions; row by row
+    under ``fixed_forward_rows``, a shape set by the row alone), with a log-sum-exp per position; no
+    ``[B*K, L, vocab]`` logits or log-softmax exist. Rows go through the transformer
+    ``max_rows_per_forward`` at a time. LMs whose logits are transformed after the head (soft-capping,
+    scaling: see :func:`lm_head_name`) use their full forward instead.
 
     Args:
         model_name_or_path: Hub id or local directory of a causal LM (also the default tokenizer).
@@ -760,20 +780,27 @@ class HFCandidateScorer(Backbone):
         return scores
 
     def _chunk_scores(self, batch: dict[str, Tensor], candidates: Tensor) -> Tensor:
+        """Summed log-likelihood ``[R]`` of each row's candidate tokens.
+
+        The head, log-sum-exp and sum run over all candidate positions of the chunk at once; with
+        ``row_shapes`` (``fixed_forward_rows``) they run row by row, so their shapes are set by the row
+        alone, not by how many candidate tokens its chunk-mates have (GPU kernels pick their reduction
+        order by shape; audit 4).
+        """
         # the state at position t predicts token t + 1: gather the states before each candidate token
         rows, positions = candidates[:, 1:].nonzero(as_tuple=True)
         tokens = batch["input_ids"][rows, positions + 1]
         if self.head_name is None:  # the model's own forward (logit soft-capping or scaling after the head)
-            logits = self.model(**batch, **self.no_cache).logits[rows, positions]
-            log_probs = token_log_probs(logits, tokens)
+            outputs, head = self.model(**batch, **self.no_cache).logits[rows, positions], nn.Identity()
         else:
-            states = self.model.base_model(**batch, **self.no_cache).last_hidden_state[rows, positions]
+            outputs = self.model.base_model(**batch, **self.no_cache).last_hidden_state[rows, positions]
             head = self.model.get_submodule(self.head_name)
-            log_probs = torch.cat([
-                token_log_probs(head(part), part_tokens)
-                for part, part_tokens in zip(states.split(HEAD_CHUNK), tokens.split(HEAD_CHUNK))
-            ])
-        return log_probs.new_zeros(candidates.shape[0]).index_add(0, rows, log_probs)
+        if not self.row_shapes:
+            log_probs = _head_log_probs(head, outputs, tokens)
+            return log_probs.new_zeros(candidates.shape[0]).index_add(0, rows, log_probs)
+        counts = candidates[:, 1:].sum(1).tolist()
+        return torch.stack([_head_log_probs(head, row, row_tokens).sum()
+                            for row, row_tokens in zip(outputs.split(counts), tokens.split(counts))])
 
     def load_tokenizer(self, **kwargs: Any) -> Any:
         """The tokenizer matching this model."""
@@ -782,6 +809,12 @@ class HFCandidateScorer(Backbone):
 
 #: Positions sent through the LM head at once when scoring candidates (``HEAD_CHUNK x vocab`` logits).
 HEAD_CHUNK = 512
+
+
+def _head_log_probs(head: nn.Module, states: Tensor, tokens: Tensor) -> Tensor:
+    """``log p(token)`` at each position, through ``head`` :data:`HEAD_CHUNK` positions at a time."""
+    return torch.cat([token_log_probs(head(part), part_tokens)
+                      for part, part_tokens in zip(states.split(HEAD_CHUNK), tokens.split(HEAD_CHUNK))])
 
 #: Masked-LM families whose ``ForMaskedLM`` forward is ``head(base_model(...).last_hidden_state)``
 #: with one head module (DistilBERT, ELECTRA, DeBERTa-v2, ModernBERT... are not: full forward).
@@ -971,6 +1004,15 @@ def _ensure_pad_token_id(config: Any) -> None:
     eos = getattr(config, "eos_token_id", None)
     if getattr(config, "pad_token_id", None) is None and isinstance(eos, int):
         config.pad_token_id = eos
+
+
+def _check_pad_token_id(model: nn.Module) -> None:
+    """:func:`_padding_as_pad_id` embeds ``config.pad_token_id`` in padded columns: it must be a token."""
+    pad = getattr(model.config, "pad_token_id", None)
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    if pad is not None and vocab is not None and not 0 <= pad < vocab:
+        raise ConfigError(f"`config_overrides.pad_token_id`: {pad} (or eos_token_id, when it is unset) is not a "
+                          f"token of this model's vocabulary of {vocab}; set it to the tokenizer's pad id")
 
 
 __all__ = [

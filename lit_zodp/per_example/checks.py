@@ -55,6 +55,47 @@ def refuse_batchnorm(module: nn.Module) -> None:
     ])
 
 
+BufferState = dict[str, tuple[nn.Module, str, Tensor, Optional[int]]]
+
+
+def buffer_state(module: nn.Module) -> BufferState:
+    """``{qualified name: (owner, local name, buffer, version)}`` of ``module``'s buffers, read before a private
+    forward. ``Tensor._version`` counts in-place writes; holding the tensor catches a reassigned buffer (an
+    inference tensor, made by a lazy layer under ``inference_mode``, has no counter and cannot be written in
+    place)."""
+    return {f"{owner_name}.{local}".lstrip("."): (owner, local, b, None if b.is_inference() else b._version)
+            for owner_name, owner in module.named_modules() for local, b in owner._buffers.items() if b is not None}
+
+
+def refuse_buffer_writes(module: nn.Module, before: BufferState, *, added: bool = True) -> None:
+    """A forward that writes a buffer from the batch (running statistics of ``InstanceNorm`` with
+    ``track_running_stats``, timm's EvoNorm B*, any custom layer) keeps an un-noised function of private
+    data in the model and its checkpoints (audit 4 F4). Matching layer types would miss the next such
+    layer, so the writes themselves are detected: any change of a buffer's version or identity across
+    the private forward is refused (one line per layer), before anything is released. No copy;
+    ``added=False`` skips the module walk that finds new buffers (a zeroth-order step's check: microseconds).
+    """
+    written = [name for name, entry in before.items() if _written(*entry)]
+    if added:
+        written += [name for name, _ in module.named_buffers() if name not in before]
+    by_owner: dict[str, list[str]] = {}
+    for name in sorted(written):
+        owner, _, local = name.rpartition(".")
+        by_owner.setdefault(owner, []).append(f"`{local}`")
+    raise_if_any([
+        f"`{owner or '<root>'}` ({type(module.get_submodule(owner)).__name__}) wrote "
+        f"{', '.join(names)} in the private forward (running statistics in train mode?): an un-noised average "
+        f"of private examples kept in the model; use a layer without them (track_running_stats=False, "
+        f"nn.GroupNorm or LayerNorm)"
+        for owner, names in by_owner.items()
+    ])
+
+
+def _written(owner: nn.Module, local: str, buffer: Tensor, version: Optional[int]) -> bool:
+    """Reassigned, removed, or written in place since :func:`buffer_state`."""
+    return owner._buffers.get(local) is not buffer or (version is not None and buffer._version != version)
+
+
 def batch_statistics_layers(module: nn.Module) -> list[str]:
     """Qualified names of the BatchNorm layers that normalise with the batch's own statistics even in
     eval mode (``track_running_stats=False``, or running statistics removed)."""

@@ -52,7 +52,8 @@ module (the reference path).
    row ``i``. Parameters of a call failing it are recomputed on the whole module (as in 3).
 
 Assumptions (as in Opacus): the engine's module is batch-first at its own inputs and outputs
-(checked as in 5); the forward is deterministic where it is recomputed; no BatchNorm; activation
+(checked as in 5); the forward is deterministic where it is recomputed; no BatchNorm and no buffer
+written by the forward (running statistics: refused on the batch that writes one); activation
 checkpointing only non-reentrant (reentrant is refused). Shared ``[1, T]`` embedding indices are
 expanded to ``[B, T]`` while recording.
 """
@@ -69,8 +70,8 @@ from torch import Tensor, nn
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import CallKey, misaligned_calls
-from lit_zodp.per_example.checks import (check_losses, check_mode, check_transform, refuse_batchnorm,
-                                         refuse_reentrant_checkpointing)
+from lit_zodp.per_example.checks import (buffer_state, check_losses, check_mode, check_transform,
+                                         refuse_batchnorm, refuse_buffer_writes, refuse_reentrant_checkpointing)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
@@ -287,7 +288,8 @@ class PerExampleGradientEngine:
             diagnostic of the slow path.
 
     Raises:
-        PrivacyConfigError: Bad ``mode``/``transform``, or a BatchNorm layer in ``module``.
+        PrivacyConfigError: Bad ``mode``/``transform``, or a BatchNorm layer in ``module``; on a batch,
+            a private forward that writes a buffer of ``module`` (:func:`.checks.refuse_buffer_writes`).
     """
 
     def __init__(self, module: nn.Module, *, mode: str = "hooks", transform: Optional[Transform] = None):
@@ -388,8 +390,10 @@ class PerExampleGradientEngine:
         self.last_recomputed = {}
         uses = ParameterUses(self.params, tape.stack)
         tape.recording = True
+        buffers = buffer_state(self.module)
         with uses, forward_autocast(self._device_type):
             losses = loss_fn()
+        refuse_buffer_writes(self.module, buffers)
         check_losses(losses)
         if losses.numel() == 0:
             return losses.detach(), _Batch()

@@ -336,3 +336,11 @@ def test_the_datamodule_sampling_description_drives_the_accounting(sampling, exp
     once.record(mechanism, 1)
     spent_once = once.epsilon(1e-5).upper
     assert (module.privacy.epsilon() == pytest.approx(spent_once)) == (sampling == "single_pass")
+
+
+def test_fixed_forward_rows_make_the_backbone_compute_row_by_row():
+    """A candidate scorer's head over all rows' candidate tokens would have a shape set by the batch-mates."""
+    from lit_zodp.backbones import TinyMLP
+
+    assert DPZero(TinyMLP(4, 2), lr=0.1, clip=1.0, noise_multiplier=1.0, fixed_forward_rows=4).backbone.row_shapes
+    assert not DPZero(TinyMLP(4, 2), lr=0.1, clip=1.0, noise_multiplier=1.0).backbone.row_shapes

@@ -108,6 +108,31 @@ def test_tiny_opt_classifier_ignores_token_type_ids(contract, text_batch):
     contract(model, inputs, targets)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_decoder_classifier_loss_does_not_depend_on_a_longer_batch_mate(side):
+    """transformers reads a decoder's logit at the last token whose id is not ``config.pad_token_id``: padded
+    with another id, a row's logit sat in the last padded column, set by the batch's longest row (audit 4 F2)."""
+    torch.manual_seed(0)
+    config = dict(TINY_OPT, pad_token_id=None, eos_token_id=2)  # pad id becomes eos (2), the data pad with 1
+    model = HFSequenceClassifier(config=config, num_classes=2, dtype="float64").eval()
+    short, long = [2, 10, 11, 12], [2, 20, 21, 22, 23, 24, 25]
+    pad, real = [1] * (len(long) - len(short)), [1] * len(short)
+    row, mask = (short + pad, real + [0] * len(pad)) if side == "right" else (pad + short, [0] * len(pad) + real)
+    together = {"input_ids": torch.tensor([row, long]), "attention_mask": torch.tensor([mask, [1] * len(long)])}
+    alone = {"input_ids": torch.tensor([short]), "attention_mask": torch.tensor([real])}
+    targets = torch.tensor([0, 1])
+    with torch.no_grad():
+        expected = model.per_example_loss(alone, targets[:1])
+        torch.testing.assert_close(model.per_example_loss(together, targets)[:1], expected, rtol=0, atol=1e-12)
+
+
+def test_a_pad_id_outside_the_vocabulary_is_refused_in_one_line():
+    config = dict(TINY_OPT, pad_token_id=None, eos_token_id=50000)  # a config default beyond a shrunk vocabulary
+    with pytest.raises(ValueError) as excinfo:
+        HFSequenceClassifier(config=config, num_classes=2)
+    one_line_config_error(excinfo, "`config_overrides.pad_token_id`: 50000", "vocabulary of 30522")
+
+
 def test_extra_keys_are_ignored_and_bad_inputs_rejected(text_batch):
     model = HFSequenceClassifier(config=tiny_bert_config(), num_classes=2).eval()
     inputs, targets = text_batch

@@ -134,7 +134,7 @@ def test_per_example_losses_do_not_depend_on_the_batch(tiny_paths, batch, loss, 
 @pytest.mark.parametrize("loss", ["classification", "lm"])
 def test_empty_batch(scorer, batch, loss):
     model = copy.deepcopy(scorer).eval()
-    model.loss = loss
+    model.loss, model.row_shapes = loss, True  # as AlgorithmModule(fixed_forward_rows=...) sets it
     empty = {key: value[:0] for key, value in batch.items()}
     with torch.no_grad():
         assert model(empty).shape == (0, 3)
@@ -171,6 +171,40 @@ def test_head_only_at_candidate_positions_and_full_forward_fallback(scorer, batc
     monkeypatch.setattr(hf, "HEAD_CHUNK", 3)  # chunks of positions through the head
     with torch.no_grad():
         torch.testing.assert_close(scorer(batch), fast, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["classification", "lm"])
+def test_head_calls_of_a_fixed_shape_chunk_do_not_depend_on_the_batch_mates(scorer, batch, loss):
+    """Under ``fixed_forward_rows`` every private computation must have a shape set by the row alone; one head
+    call on all candidate tokens of a chunk had a size set by the chunk-mates' candidates (audit zo F2)."""
+    from lit_zodp.privacy.fixed_shape import FixedShapeForwards
+
+    model = copy.deepcopy(scorer).eval()
+    model.loss, model.row_shapes = loss, True  # as AlgorithmModule(fixed_forward_rows=...) sets it
+    multi_token_targets = torch.tensor([1, 2, 0, 1])  # the mates' ("lm": only the target) rows differ in length
+    calls = []
+    head = model.model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, args, out: calls[-1].append(tuple(args[0].shape)))
+
+    def head_inputs_of_first_example(examples):
+        calls.clear()
+        inputs = {key: value[examples] for key, value in batch.items()}
+        for rows, targets, _ in FixedShapeForwards(rows=2).chunks(inputs, multi_token_targets[examples]):
+            calls.append([])
+            with torch.no_grad():
+                model.per_example_loss(rows, targets)
+        return calls[0][: 1 if loss == "lm" else 3]  # the first example's rows come first
+
+    try:
+        alone = head_inputs_of_first_example(torch.tensor([0]))
+        for mates in ([0, 1], [0, 2], [0, 3]):
+            assert head_inputs_of_first_example(torch.tensor(mates)) == alone
+        with torch.no_grad():
+            by_row = model.per_example_loss(batch, multi_token_targets)
+            model.row_shapes = False
+            torch.testing.assert_close(model.per_example_loss(batch, multi_token_targets), by_row)
+    finally:
+        handle.remove()
 
 
 def test_bad_candidate_inputs(scorer, batch):

@@ -31,6 +31,60 @@ def test_batchnorm_is_refused_naming_the_layer(norm):
         PerExampleGradientEngine(model)
 
 
+class RunningMean(nn.Module):
+    """A layer keeping an average of its inputs by reassigning a buffer (no in-place write)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(2, 4))
+
+    def forward(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping", "vmap"])
+@pytest.mark.parametrize("layer", ["instance_norm", "reassigned"])
+def test_a_forward_writing_a_buffer_is_refused_in_one_line(mode, layer):
+    """InstanceNorm with running statistics, in the train mode of first-order steps, writes an un-noised
+    average of the private batch into checkpointed buffers (audit 4 F4): refused, naming layer and buffers."""
+    torch.manual_seed(0)
+    if layer == "instance_norm":
+        norm, written = nn.InstanceNorm1d(2, track_running_stats=True), r"`running_mean`, `running_var`"
+    else:
+        norm, written = RunningMean(), r"`mean`"
+    model = nn.Sequential(nn.Linear(6, 8), nn.Unflatten(1, (2, 4)), norm, nn.Flatten(), nn.Linear(8, 3))
+    x, y = torch.randn(4, 6), torch.tensor([0, 1, 2, 0])
+    with pytest.raises(PrivacyConfigError, match=rf"`2` \({type(norm).__name__}\) wrote {written} in") as info:
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(lambda: ce(model(x), y), 1.0)
+    assert "\n" not in str(info.value)
+
+
+class Buffered(nn.Module):
+    """Reads a constant and position ids from buffers, writes neither."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("position_ids", torch.arange(6)[None], persistent=False)
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.linear(self.scale * x + self.position_ids)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping", "vmap"])
+def test_buffers_read_but_not_written_still_train(mode):
+    torch.manual_seed(0)
+    model, x, y = Buffered(), torch.randn(4, 6), torch.tensor([0, 1, 2, 0])
+    per_example = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    expected, _ = flat_clipped_sum(per_example, ["linear.weight", "linear.bias"], 1.0)
+    engine = PerExampleGradientEngine(model, mode=mode)
+    for _ in range(2):
+        result = engine.clipped_sum(lambda: ce(model(x), y), 1.0)
+        assert_grads_match(dict(zip(engine.names, result.grads)), expected)
+
+
 def test_bad_arguments_are_collected():
     with pytest.raises(PrivacyConfigError, match="mode") as info:
         PerExampleGradientEngine(mlp(), mode="fast", transform=3)
