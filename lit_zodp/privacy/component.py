@@ -199,9 +199,8 @@ class PrivacyComponent:
         missing: Counts = {}
         for branch, (per_step, steps) in logged.items():
             extra = steps - self.branches.get(branch, 0)
-            for mechanism, count in per_step.items():
-                if extra > 0:
-                    missing[mechanism] = missing.get(mechanism, 0) + count * extra
+            for mechanism, count in per_step.items() if extra > 0 else ():
+                missing[mechanism] = missing.get(mechanism, 0) + count * extra
         return missing
 
     def end_fit(self) -> None:
@@ -448,10 +447,10 @@ class PrivacyComponent:
             return  # an earlier checkpoint of this run (e.g. the best one, tested after the fit): keep the later ledger
         self.ledger.load_state_dict(state["ledger"])
         self._restored_plan = state.get("plan")
-        self.lineage = (self._restored_plan or {}).get("lineage")
-        self.other_branch_steps = (self._restored_plan or {}).get("other_branch_steps", 0)
-        self.branches = dict(self._restored_plan["branches"]) if (self._restored_plan or {}).get("branches") is not None \
-            else (None if self.lineage else {})
+        plan = self._restored_plan or {}
+        self.lineage, self.other_branch_steps = plan.get("lineage"), plan.get("other_branch_steps", 0)
+        branches = plan.get("branches")  # None in a checkpoint from before branch maps
+        self.branches = dict(branches) if branches is not None else (None if self.lineage else {})
         if self._restored_plan is not None:  # for epsilon after load_from_checkpoint; plan() resolves again
             self.delta = self.delta if self.delta is not None else self._restored_plan.get("delta")
             if self.configured_noise_multiplier is None:
