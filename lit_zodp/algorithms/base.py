@@ -237,7 +237,7 @@ class AlgorithmModule(pl.LightningModule):
             losses = torch.empty(len(targets), device=targets.device)
             for rows, row_targets, positions in self.fixed_shape.chunks(inputs, targets):
                 losses[positions] = per_example_loss(self.backbone, rows, row_targets).float()[:len(positions)]
-        if self._buffers_before is not None:  # a layer that writes a buffer even in eval mode (microseconds)
+        if self._buffers_before:  # a layer that writes a buffer even in eval mode (microseconds; none: nothing)
             refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
         return losses
 
