@@ -199,9 +199,10 @@ class AlgorithmModule(pl.LightningModule):
     def on_train_epoch_start(self) -> None:
         """A private loader rebuilt for this epoch (``reload_dataloaders_every_n_epochs``) must sample as planned:
         the ledger accounts every step at the fit's rate, and releases divide by the fit's expected batch size."""
-        if self.private and read_sampling(self.trainer) != self.privacy.sampling:
+        sampling = read_sampling(self.trainer) if self.private else None
+        if sampling != self.privacy.sampling:
             raise PrivacyConfigError(
-                f"The private loader was rebuilt with sampling {read_sampling(self.trainer)} but this fit is accounted "
+                f"The private loader was rebuilt with sampling {sampling} but this fit is accounted "
                 f"at {self.privacy.sampling}: keep the batch size and data fixed within a fit (no batch-size "
                 "schedule or tuner re-run); change them by resuming from a checkpoint in a new fit.")
 
