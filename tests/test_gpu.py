@@ -159,3 +159,16 @@ def test_with_tf32_matmuls_the_engine_keeps_its_fast_path_and_its_sums_on_cuda(t
     assert engine.last_recomputed == exact_engine.last_recomputed
     for a, b in zip(fast.grads, exact.grads):
         assert float((a - b).norm()) <= 0.05 * float(b.norm()) + 1e-6
+
+
+def test_leading_padding_is_rotated_on_cuda_as_on_the_cpu():
+    """On CUDA the rotation always runs (no host synchronisation); it equals the CPU's."""
+    from lit_zodp.backbones.huggingface import right_padded
+
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [1, 0, 1, 0]])
+    batch = {"input_ids": torch.arange(12).view(3, 4), "attention_mask": mask}
+    on_cuda = right_padded({k: v.cuda() for k, v in batch.items()})
+    for key, value in right_padded(batch).items():
+        assert torch.equal(on_cuda[key].cpu(), value)
+    right = {k: v[1:] for k, v in batch.items()}
+    assert all(torch.equal(v.cpu(), right[k]) for k, v in right_padded({k: v.cuda() for k, v in right.items()}).items())
