@@ -163,6 +163,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.num_classes is None and data_classes:
             self.num_classes = data_classes
             self._build_metrics(data_classes)
+        _refuse_text_mismatch(self.backbone, self.trainer.datamodule if self._trainer else None)
         if self.fixed_shape is not None and getattr(self.trainer.datamodule, "pad_to_max_length", True) is False:
             raise PrivacyConfigError(
                 "`fixed_forward_rows` needs rows of one length, but the data module pads each batch to its "
@@ -398,6 +399,18 @@ def _refuse_loss_scaling(trainer: "pl.Trainer") -> None:
         raise ConfigError(
             "Invalid configuration: `trainer.precision='16-mixed'` scales the loss of a backward these modules "
             "do not run through Lightning: use precision 'bf16-mixed', '16-true' or 'bf16-true'")
+
+
+def _refuse_text_mismatch(backbone: nn.Module, datamodule: Any) -> None:
+    """A text data module whose tokenizer or ``max_length`` the backbone's transformer cannot read: one line."""
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    if not hasattr(tokenizer, "convert_tokens_to_ids"):  # no Hugging Face tokenizer: not a text data module
+        return
+    from lit_zodp.backbones.huggingface import text_data_mismatch
+
+    error = text_data_mismatch(backbone, tokenizer, getattr(datamodule, "max_length", None))
+    if error is not None:
+        raise ConfigError(error)
 
 
 def _refuse_tuner(trainer: "pl.Trainer") -> None:

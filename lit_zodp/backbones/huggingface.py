@@ -1047,6 +1047,43 @@ def _check_pad_token_id(model: nn.Module) -> None:
                           f"token of this model's vocabulary of {vocab}; set it to the tokenizer's pad id")
 
 
+
+#: Names of learned absolute position tables (BERT family, BART/OPT, GPT-2's ``wpe``).
+_POSITION_TABLES = ("position_embeddings", "embed_positions", "wpe")
+
+
+def text_data_mismatch(backbone: nn.Module, tokenizer: Any, max_length: Optional[int]) -> Optional[str]:
+    """One line when a text data module's tokens cannot be read by ``backbone``'s transformer, else ``None``.
+
+    Caught at setup instead of a bare ``IndexError`` at the first forward, or a crash only when a sampled
+    batch happens to hold a long row: a tokenizer with more tokens than the model embeds, and a
+    ``max_length`` beyond a learned absolute position table (rotary and sinusoidal models have none).
+    """
+    model = next((m for m in (getattr(backbone, "model", None), getattr(backbone, "encoder", None))
+                  if isinstance(m, nn.Module) and hasattr(m, "get_input_embeddings")), None)
+    if model is None:
+        return None
+    rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    tokens = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
+    if rows is not None and tokens is not None and tokens > rows:
+        return (f"Model/data mismatch: the data's tokenizer has {tokens} tokens but the model embeds {rows}: "
+                "set the data's `tokenizer` to the model's own")
+    positions = _learned_positions(model)
+    if positions is not None and max_length is not None and max_length > positions:
+        return (f"Model/data mismatch: the data's `max_length` {max_length} is beyond the model's "
+                f"{positions} learned positions: set `max_length` to {positions} or less")
+    return None
+
+
+def _learned_positions(model: nn.Module) -> Optional[int]:
+    """Positions a learned absolute table holds (RoBERTa's start after ``padding_idx``, OPT/BART's after ``offset``)."""
+    sizes = [table.num_embeddings - getattr(table, "offset", 0)
+             - (table.padding_idx + 1 if table.padding_idx is not None else 0)
+             for name, table in model.named_modules()
+             if isinstance(table, nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES]
+    return min(sizes) if sizes else None
+
+
 __all__ = [
     "HEAD_CHUNK",
     "HFCandidateScorer",
@@ -1065,6 +1102,8 @@ __all__ = [
     "no_cache_kwargs",
     "packaged_minilm_path",
     "resolve_model_path",
+    "right_padded",
+    "text_data_mismatch",
     "tiny_bert_config",
     "token_log_probs",
 ]

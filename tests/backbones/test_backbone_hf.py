@@ -331,3 +331,46 @@ def test_prompt_classifier_errors(tokenizer):
 def test_new_backbones_start_in_train_mode_throughout(minilm_path):
     for model in (HFSequenceClassifier("minilm"), SentenceEncoderClassifier("minilm")):
         assert all(module.training for module in model.modules())
+
+
+def test_learned_position_tables_and_their_offsets_bound_max_length():
+    from lit_zodp.backbones.huggingface import _learned_positions
+
+    def positions(model_type, **config):
+        return _learned_positions(HFSequenceClassifier(config=dict(model_type=model_type, **config)).model)
+
+    assert positions(**tiny_bert_config(max_position_embeddings=40)) == 40
+    assert positions(**tiny_bert_config(model_type="roberta", max_position_embeddings=40, pad_token_id=1)) == 38
+    assert positions(**TINY_OPT) == TINY_OPT["max_position_embeddings"]  # OPT's table holds 2 extra rows
+    assert positions("gpt2", n_embd=32, n_layer=1, n_head=2, n_positions=24, vocab_size=64, pad_token_id=0) == 24
+    assert positions("llama", hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     vocab_size=64, pad_token_id=0) is None  # rotary: no table
+
+
+def test_a_tokenizer_or_max_length_the_model_cannot_read_is_refused_at_setup(tokenizer):
+    """Before: a bare IndexError at the first forward, or a crash only when a sampled batch held a long row."""
+    import lightning.pytorch as pl
+
+    from lit_zodp.algorithms import DPZero
+    from lit_zodp.errors import ConfigError
+
+    class Text(pl.LightningDataModule):
+        def __init__(self, max_length):
+            super().__init__()
+            self.tokenizer, self.max_length = tokenizer, max_length
+
+        def train_dataloader(self):  # never reached
+            raise AssertionError("the mismatch must be refused before any batch")
+
+    def fit(config, max_length):
+        module = DPZero(HFSequenceClassifier(config=config, num_classes=2), target_epsilon=2.0)
+        trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        with pytest.raises(ConfigError) as excinfo:
+            trainer.fit(module, datamodule=Text(max_length))
+        return excinfo
+
+    one_line_config_error(fit(tiny_bert_config(vocab_size=64), 32),
+                          f"tokenizer has {len(tokenizer)} tokens but the model embeds 64", "`tokenizer`")
+    one_line_config_error(fit(tiny_bert_config(max_position_embeddings=64), 128),
+                          "`max_length` 128 is beyond the model's 64 learned positions")
