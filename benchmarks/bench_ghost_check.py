@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""What "ghost" mode's second-pass check costs and how much it shrinks, in one process.
+"""What the engine's per-step checks cost ("ghost" mode's second-pass checks, the forward re-check), in one process.
+
+``--check norms`` (the default):
 
 "ghost" mode forms the clipped sums from a second backward of ``sum_i f_i loss_i``; when that
 backward rounds below float32 (half precision, TF32) its rows are held to the first pass's norm bounds
@@ -10,10 +12,20 @@ and the largest shrink ``1 - min_i s_i`` seen over the measured calls (a small c
 example is clipped). ``--force`` runs the check whatever the dtype (what a float32 model would pay
 if it always ran). The model builders come from ``bench_dpzero.py``.
 
+``--check rows``: the second-pass verification of every "ghost" step (audit 5 F3: per row,
+``u^T G2[r] v = f_r u^T G1[r] v``; ``PerExampleGradientEngine._verify_second_pass``), timed against the
+same engine with the row summaries and the comparison replaced by no-ops.
+
+``--check forward``: a step that re-runs the forward's batch-independence check (audit 5 F1;
+``recheck_probability=1``) against one that does not (``0``); the expected cost per step is
+``recheck_probability x (ratio - 1)``.
+
 Usage::
 
     python benchmarks/bench_ghost_check.py --model vit_tiny --batch 32 --dtype bfloat16
     python benchmarks/bench_ghost_check.py --model minilm --batch 32 --seq-len 128 --dtype float32 --force
+    python benchmarks/bench_ghost_check.py --model vit_tiny --dtype float32 --check rows
+    python benchmarks/bench_ghost_check.py --model minilm --dtype bfloat16 --check forward
 """
 
 from __future__ import annotations
@@ -41,7 +53,8 @@ def main(argv=None) -> None:
     parser.add_argument("--clip", type=float, default=1e-3, help="small: every example clipped")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--force", action="store_true", help="run the check for float32 models too")
+    parser.add_argument("--force", action="store_true", help="run the norm check for float32 models too")
+    parser.add_argument("--check", default="norms", choices=["norms", "rows", "forward"])
     args = parser.parse_args(argv)
 
     import torch
@@ -56,7 +69,9 @@ def main(argv=None) -> None:
     backbone = backbone.eval().to(dtype)  # eval: no dropout (a random forward is recomputed by vmap)
     if not isinstance(inputs, dict):
         inputs = inputs.to(dtype)
-    engine = engine_module.PerExampleGradientEngine(backbone, mode="ghost")
+    engine = engine_module.PerExampleGradientEngine(backbone, mode="ghost", recheck_probability=0.0)
+    if args.check != "norms":
+        return _time_switch(args, engine, _switch(args.check, engine_module, engine), backbone, inputs, targets)
     if args.force:
         engine_module.rounds_below_float32 = lambda module, device_type: True
 
@@ -84,6 +99,51 @@ def main(argv=None) -> None:
           f"{statistics.median(times[True]):.3f} s, without {statistics.median(times[False]):.3f} s per call; "
           f"ratio median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}, "
           f"{args.repeats} pairs); largest shrink {max(shrinks, default=0.0):.2e} over {len(shrinks)} parts")
+
+
+class _NoSummaries:
+    """Row summaries that record nothing (the "without" side of ``--check rows``)."""
+
+    def __init__(self, keys, seed):
+        self.keys, self.values = keys, {}
+
+    def __call__(self, *args):
+        return None
+
+
+def _switch(check, engine_module, engine):
+    """``switch(on)``: turn the measured check on or off."""
+    cls, summaries, verify = engine_module.PerExampleGradientEngine, engine_module._RowSummaries, None
+    verify = cls._verify_second_pass
+
+    def switch(on: bool) -> None:
+        if check == "rows":
+            engine_module._RowSummaries = summaries if on else _NoSummaries
+            cls._verify_second_pass = verify if on else (lambda *a: None)
+        else:
+            engine.recheck_probability = 1.0 if on else 0.0
+    return switch
+
+
+def _time_switch(args, engine, switch, backbone, inputs, targets) -> None:
+    import torch.nn.functional as F
+
+    def step(on: bool) -> float:
+        switch(on)
+        start = time.perf_counter()
+        engine.clipped_sum(lambda: F.cross_entropy(backbone(inputs).float(), targets, reduction="none"), args.clip)
+        return time.perf_counter() - start
+
+    step(True), step(False)  # warm-up (the first call also runs the structure's checks)
+    times = {True: [], False: []}
+    for r in range(args.repeats):
+        for on in ([True, False] if r % 2 == 0 else [False, True]):
+            times[on].append(step(on))
+    ratios = [a / b for a, b in zip(times[True], times[False])]
+    print(f"{args.model} batch {args.batch} {args.dtype} --check {args.check}: with "
+          f"{statistics.median(times[True]):.3f} s, without {statistics.median(times[False]):.3f} s per step; "
+          f"ratio median {statistics.median(ratios):.4f} (range {min(ratios):.4f}-{max(ratios):.4f}, "
+          f"{args.repeats} pairs)")
 
 
 if __name__ == "__main__":

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+import secrets
+from typing import Any, Callable, Optional
 
+import torch
 from torch import Tensor, nn
 
 from lit_zodp.errors import raise_if_any
+from lit_zodp.per_example.rounding import working_eps
 
 MODES = ("hooks", "ghost", "bookkeeping", "vmap")
 
@@ -53,6 +57,14 @@ def refuse_batchnorm(module: nn.Module) -> None:
         f"BatchNorm layer `{name}` mixes the examples of a batch, so per-example gradients (and DP) "
         f"are undefined; replace it with nn.GroupNorm (or LayerNorm)" for name in names
     ])
+
+
+def refuse_compiled(module: nn.Module) -> None:
+    """A ``torch.compile``'d submodule runs under dynamo, which the engine's hooks and parameter-use
+    check (a ``TorchFunctionMode``) cannot see through: it crashed inside dynamo (audit 5 L2)."""
+    raise_if_any([f"`{name or '<root>'}` is a torch.compile'd module, which the per-example engine cannot "
+                  f"record; compile the model without it (or use a zeroth-order method)"
+                  for name, m in module.named_modules() if type(m).__name__ == "OptimizedModule"])
 
 
 BufferState = dict[str, tuple[nn.Module, str, Tensor, Optional[int]]]
@@ -143,3 +155,78 @@ def check_losses(losses: Any) -> None:
     if losses.numel() and not losses.requires_grad:
         raise_if_any(["Expected the per-example losses to depend on trainable parameters, but they do "
                       "not require grad (was `loss_fn` run under torch.no_grad, or is everything frozen?)"])
+
+
+def random_halves(size: int) -> tuple[Tensor, Tensor]:
+    """Two random halves of ``range(size)``, from a generator seeded by the OS: the split neither depends
+    on nor advances the user's seeded streams, and a model cannot predict it."""
+    generator = torch.Generator().manual_seed(secrets.randbits(63))
+    order = torch.randperm(size, generator=generator)
+    return order[: size // 2], order[size // 2:]
+
+
+def _rows(values: Tensor, size: int) -> Tensor:
+    return values.detach().reshape(size, -1).to(torch.promote_types(values.dtype, torch.float32))
+
+
+def rows_differ(full: Tensor, again: Tensor, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Per row, by how much (relative) ``again[r]`` differs from ``full[r]`` beyond rounding, as a
+    multiple of the tolerance ``sqrt(eps) (||full[r]|| + ||again[r]|| + mean_r ||full[r]||)`` (the
+    coverage check's tolerance, :mod:`.coverage`; ``eps`` of ``dtype`` and the forward's autocast,
+    :func:`.rounding.working_eps`): > 1 is a mismatch. Rows non-finite in both are 0; a row finite in
+    only one of them is ``inf``."""
+    size = len(full)
+    full, again = _rows(full, size).to(device), _rows(again, size).to(device)
+    finite_full, finite_again = torch.isfinite(full).all(1), torch.isfinite(again).all(1)
+    both = finite_full & finite_again
+    zero = torch.zeros((), dtype=full.dtype, device=device)
+    full, again = torch.where(both[:, None], full, zero), torch.where(both[:, None], again, zero)
+    gap = (full - again).double().norm(dim=1)
+    norm_full, norm_again = full.double().norm(dim=1), again.double().norm(dim=1)
+    typical = norm_full[both].mean() if bool(both.any()) else norm_full.sum()
+    tolerance = working_eps(device.type, dtype) ** 0.5 * (norm_full + norm_again + typical)
+    ratio = torch.where(gap > 0, gap / tolerance, torch.zeros_like(gap))
+    ratio = torch.where(both, ratio, torch.where(finite_full | finite_again, math.inf, 0.0))
+    return ratio
+
+
+def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dtype: torch.dtype,
+                        device: torch.device, what: str = "per-example losses",
+                        full: Optional[Tensor] = None) -> bool:
+    """Refuse a forward whose per-example values depend on their batch-mates (audit 5 F1).
+
+    Clipping each example's gradient (or loss) bounds its influence only if no other example's value
+    depends on it. Mixing in forward values alone (``x - x.mean(0)``, detached batch statistics, a
+    mixture of experts with capacity, an off-by-one gather) sends no gradient across rows, so the
+    gradient-path checks (:mod:`.alignment`, :mod:`.coverage`) cannot see it. Here the rows are
+    recomputed on two random halves of the batch (:func:`random_halves`) and compared with the whole
+    batch's, to the rounding tolerance of :func:`rows_differ`. Sampled, not proved: data-dependent
+    mixing shows only on the batches that trigger it.
+
+    Args:
+        values_of: ``index [n] -> values [n, ...]``: the per-example values (losses, or a module's
+            outputs) of those rows of the batch, computed on those rows alone (no grad needed).
+        size: The batch size ``B``.
+        dtype, device: Of the computation, for the tolerance.
+        what: Names the values in the refusal.
+        full: The values of the whole batch, if already at hand (else ``values_of(arange(B))``).
+
+    Returns:
+        Whether the verdict counts: at least 2 rows finite in the whole batch were compared. A batch of
+        one example (or one finite example) proves nothing; check again on the next batch (F2).
+    """
+    if size < 2:
+        return False
+    full = values_of(torch.arange(size)) if full is None else full
+    first, second = random_halves(size)
+    split = torch.empty_like(_rows(full, size))
+    for half in (first, second):
+        split[half.to(split.device)] = _rows(values_of(half), len(half)).to(split.dtype)
+    ratio = rows_differ(full, split, dtype=dtype, device=device)
+    changed = float(ratio.max())
+    raise_if_any([None if changed <= 1.0 else
+                  f"The {what} depend on their batch-mates (an example's value changed by {changed:.3g} times "
+                  f"the rounding tolerance when the batch was split in two): per-example clipping cannot bound "
+                  f"one example's influence (BatchNorm-like statistics, batch centring, MoE capacity); make the "
+                  f"forward per-example"])
+    return int(torch.isfinite(_rows(full, size)).all(1).sum()) >= 2

@@ -51,6 +51,16 @@ module (the reference path).
    calls have ``B`` leading rows, so a coincidence ``T = B`` is new), only ``loss_i`` reaches its
    row ``i``. Parameters of a call failing it are recomputed on the whole module (as in 3).
 
+6. Batch independence (:func:`.checks.refuse_batch_mixing`): with 5, and at steps drawn by the OS with
+   probability ``recheck_probability``, each call of the engine's module is recomputed without grad on
+   two random halves of the batch and must give the rows it gave on the whole batch; forward values
+   that depend on batch-mates (batch centring, detached statistics, MoE capacity) send no gradient
+   across rows, so 4 and 5 cannot see them (audit 5 F1). Sampled, not proved: data-dependent mixing
+   shows only on the batches that trigger it; ``loss_fn``'s own arithmetic is not recomputed. A
+   verdict (5, 6 and 4) is kept for a structure only when at least 2 examples were finite (F2).
+7. "ghost" mode verifies its second backward on every step: per row, ``u^T G2[r] v = f_r u^T G1[r] v``
+   (random ``u, v``, secret per step), else it refuses (F3).
+
 Assumptions (as in Opacus): the engine's module is batch-first at its own inputs and outputs
 (checked as in 5); the forward is deterministic where it is recomputed; no BatchNorm and no buffer
 written by the forward (running statistics: refused on the batch that writes one); activation
@@ -60,18 +70,22 @@ expanded to ``[B, T]`` while recording.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
-from lit_zodp.per_example.alignment import CallKey, misaligned_calls
+from lit_zodp.per_example.alignment import CallKey, _RowSummaries, _rows_agree, misaligned_calls
 from lit_zodp.per_example.checks import (buffer_state, check_losses, check_mode, check_transform,
-                                         refuse_batchnorm, refuse_buffer_writes, refuse_reentrant_checkpointing)
+                                         refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
+                                         refuse_reentrant_checkpointing, rows_differ)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
@@ -168,6 +182,10 @@ class _SecondPass:
     losses: Tensor
     calls: List[Tuple[LayerCall, Dict[str, int]]] = field(default_factory=list)
     coarse: bool = False  # the backward rounds below float32: its rows are checked (_within_first_pass_norms)
+    #: ``u^T G[r] v`` per row of each call's output gradient in the first and the second backward
+    #: (:class:`.alignment._RowSummaries`, one secret seed per step): :meth:`_verify_second_pass`.
+    first: Optional[_RowSummaries] = None
+    again: Optional[_RowSummaries] = None
 
 
 @dataclass
@@ -198,6 +216,44 @@ class _Recompute:
 
     module: nn.Module
     name: str
+
+
+#: Default :attr:`PerExampleGradientEngine.recheck_probability`: one step in 50 re-runs the forward's
+#: batch-independence check (one forward without grad, split in two: ~0.3 of a step, so < 1% per step).
+RECHECK_PROBABILITY = 0.02
+_OS_RANDOM = secrets.SystemRandom()
+
+
+def _check_probability(value: Any) -> Optional[str]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
+        return None
+    return f"Expected `recheck_probability` to be a float in [0, 1], but got {value!r}"
+
+
+def _comparable(losses: Tensor) -> bool:
+    """At least 2 finite examples: only then can a check see one example reach another."""
+    return int(torch.isfinite(losses.detach()).sum()) >= 2
+
+
+def _flat_rows(x: Tensor) -> Tensor:
+    return x.detach().reshape(x.shape[0], -1).to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _coarsest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The floating dtype with the largest machine epsilon."""
+    return max((d for d in dtypes if d.is_floating_point), key=lambda d: torch.finfo(d).eps)
+
+
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module):
+    """``module.eval()`` for the block, each submodule's mode restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _trainable_parameters(module: nn.Module) -> Tuple[List[str], List[nn.Parameter]]:
@@ -274,12 +330,15 @@ class PerExampleGradientEngine:
     """Clipped sums of per-example gradients for a module's trainable parameters.
 
     Args:
-        module: The model. Trainable parameters are those with ``requires_grad`` at construction.
+        module: The model. Trainable parameters are those with ``requires_grad`` at construction
+            (freezing or unfreezing one later is refused).
         mode: ``"hooks"`` (layer rules, materialised), ``"ghost"`` or ``"bookkeeping"`` (layer rules, norms without
             materialising where cheaper), or ``"vmap"`` (torch.func recomputation of everything).
         transform: A :class:`~.transforms.GradientTransform` (projections in every mode, projected
             rows for Linear weights; a generic ``apply`` needs "hooks" or "vmap"), or a callable
             ``(name, param, per_example_grad [B, *shape]) -> [B, *any]`` (a generic rewrite).
+        recheck_probability: Per step, the probability (OS randomness) of re-running the batch-independence
+            check (6) on a structure already verified: one forward without grad, about a third of a step.
 
     Attributes:
         params, names: The trainable parameters (tied ones once) and their qualified names.
@@ -292,10 +351,13 @@ class PerExampleGradientEngine:
             a private forward that writes a buffer of ``module`` (:func:`.checks.refuse_buffer_writes`).
     """
 
-    def __init__(self, module: nn.Module, *, mode: str = "hooks", transform: Optional[Transform] = None):
-        raise_if_any([check_mode(mode), check_transform(transform, mode)])
+    def __init__(self, module: nn.Module, *, mode: str = "hooks", transform: Optional[Transform] = None,
+                 recheck_probability: float = RECHECK_PROBABILITY):
+        raise_if_any([check_mode(mode), check_transform(transform, mode), _check_probability(recheck_probability)])
         refuse_batchnorm(module)
+        refuse_compiled(module)
         self.module, self.mode, self.transform = module, mode, as_transform(transform)
+        self.recheck_probability = recheck_probability
         self.names, self.params = _trainable_parameters(module)
         raise_if_any([None if self.params else "Expected `module` to have trainable parameters, but it has none"])
         self._owners = self._find_owners()
@@ -309,7 +371,7 @@ class PerExampleGradientEngine:
         self.last_recomputed: Dict[str, str] = {}
         self._projections: Dict[int, Projection] = {}
         self._checked: Set[int] = set()  # hashes of the call/use structures checked numerically
-        self._misaligned: Dict[int, FrozenSet[CallKey]] = {}  # per structure: calls failing the alignment check
+        self._misaligned: Dict[int, FrozenSet[CallKey]] = {}  # per verified structure: calls failing alignment
 
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
         """For each parameter, the ``(module, local name)`` pairs holding it directly."""
@@ -388,6 +450,7 @@ class PerExampleGradientEngine:
         Runs with autocast off (:func:`.rounding.outside_autocast`) but for the forward: the engine's
         sums and norms keep the dtypes it chose."""
         self.last_recomputed = {}
+        self._refuse_changed_trainables()
         uses = ParameterUses(self.params, tape.stack)
         tape.recording = True
         buffers = buffer_state(self.module)
@@ -402,10 +465,9 @@ class PerExampleGradientEngine:
         check = structure not in self._checked
         if check:
             refuse_reentrant_checkpointing(losses)
-        if structure not in self._misaligned:
-            self._misaligned[structure] = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, size)))
+        misaligned = self._verified(tape, losses, structure)
         self._projections = self._projections_now()
-        self._mark_aligned(tape, size, self._misaligned[structure])
+        self._mark_aligned(tape, size, misaligned)
         plan = self._plan(tape)
         batch = _Batch()
         if mode == "ghost":
@@ -421,13 +483,100 @@ class PerExampleGradientEngine:
         failed = sorted(set(self._unseen_uses(plan, uses)) | set(numeric or ()))
         if failed:
             self._recover(plan, batch, failed, tape, uses, batch_grads, losses)
-        if numeric is not None:
+        if numeric is not None and _comparable(losses):  # one example proves nothing (audit 5 F2)
             self._checked.add(structure)
         for param in self.params:  # the checked batch's gradient: not held through the sums
             param.grad = None
         self.last_recomputed = {self.names[i]: self._module_names[id(source.module)]
                                 for i, source in plan.items() if isinstance(source, _Recompute)}
         return losses, batch
+
+    def _refuse_changed_trainables(self) -> None:
+        """The trainable parameters are fixed at construction: one frozen since has no gradient to clip
+        (a bare ``KeyError`` in the layer rules, audit 5 L1), one unfrozen since would silently never be
+        trained. One walk of ``named_parameters`` per batch."""
+        known = {id(p) for p in self.params}
+        raise_if_any([f"Parameter `{name}` was frozen after the per-example engine was built; build a new "
+                      f"engine (optimizer) for the new set of trainable parameters"
+                      for name, p in zip(self.names, self.params) if not p.requires_grad]
+                     + [f"Parameter `{name}` was unfrozen after the per-example engine was built, so it would "
+                        f"never be trained; build a new engine (optimizer) for the new set of trainable parameters"
+                        for name, p in zip(*_trainable_parameters(self.module)) if id(p) not in known])
+
+    def _verified(self, tape: Tape, losses: Tensor, structure: int) -> FrozenSet[CallKey]:
+        """The calls failing the alignment check (:mod:`.alignment`), after the forward's batch
+        independence (:meth:`_refuse_forward_mixing`), on a structure not yet verified on at least 2 finite
+        examples, or at a step drawn by the OS with probability ``recheck_probability`` (the forward check
+        alone). A verdict on fewer examples is not kept: a first Poisson batch of one example must not
+        turn the checks off for good (audit 5 F2)."""
+        known = self._misaligned.get(structure)
+        if known is not None and not self._recheck_drawn():
+            self._drop_outputs(tape)
+            return known
+        self._refuse_forward_mixing(tape, len(losses))
+        if known is not None:
+            return known
+        misaligned = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, len(losses))))
+        if _comparable(losses):
+            self._misaligned[structure] = misaligned
+        return misaligned
+
+    def _recheck_drawn(self) -> bool:
+        """OS randomness: a model cannot predict which steps are re-checked."""
+        return self.recheck_probability > 0 and _OS_RANDOM.random() < self.recheck_probability
+
+    @staticmethod
+    def _drop_outputs(tape: Tape) -> None:
+        for call in tape.module_calls:
+            call.outputs = {}
+
+    def _refuse_forward_mixing(self, tape: Tape, size: int) -> None:
+        """Each call of the engine's module, recomputed (no grad) on two random halves of the batch,
+        must give the rows it gave on the whole batch (:func:`.checks.refuse_batch_mixing`): per-row
+        values that depend on batch-mates send no gradient across rows, so alignment and coverage miss
+        them (audit 5 F1). ``loss_fn``'s own arithmetic after the module is not recomputed."""
+        recording, tape.recording = tape.recording, False  # the recomputations are not the batch's calls
+        try:
+            for call in list(tape.module_calls):
+                outputs = {j: v for j, v in call.outputs.items() if is_batched(v, size)}
+                call.outputs = {}
+                if call.module is self.module and outputs and size >= 2:
+                    self._refuse_call_mixing(call, outputs, size)
+        finally:
+            tape.recording = recording
+
+    def _refuse_call_mixing(self, call: ModuleCall, outputs: Dict[int, Tensor], size: int) -> None:
+        """A random forward (dropout in train mode) differs on any recomputation: when the whole batch
+        does not reproduce itself, both sides are recomputed in eval mode."""
+        full = torch.cat([_flat_rows(outputs[j]) for j in sorted(outputs)], 1)
+        values_of = self._rows_of(call, sorted(outputs), size, full.device)
+        dtype = _coarsest([*(v.dtype for v in outputs.values()), *(p.dtype for p in self.params)])
+        what = "outputs of the engine's module"
+        try:
+            refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what, full=full)
+        except PrivacyConfigError:
+            again = values_of(torch.arange(size))
+            random = bool((rows_differ(full, again, dtype=dtype, device=full.device) > 1).any())
+            if not (self.module.training and random):
+                raise
+            with _eval_mode(self.module):
+                refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what)
+
+    def _rows_of(self, call: ModuleCall, leaves: List[int], size: int,
+                 device: torch.device) -> Callable[[Tensor], Tensor]:
+        """``index -> [n, ...]``: the call's batch-first outputs on those rows of its batched inputs
+        alone, under no grad, in the forward's autocast, with the user's random streams restored."""
+        devices = sorted({x.device for x in call.inputs if isinstance(x, Tensor) and x.device.type == "cuda"},
+                         key=str)
+
+        def values_of(index: Tensor) -> Tensor:
+            inputs = [x[index.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
+            args, kwargs = tree_unflatten(inputs, call.spec)
+            with torch.no_grad(), forward_autocast(self._device_type), torch.random.fork_rng(devices=devices):
+                flat = tree_flatten(call.module(*args, **kwargs))[0]
+            return torch.cat([_flat_rows(flat[j]) if j < len(flat) and is_batched(flat[j], len(index))
+                              else torch.full((len(index), 1), math.nan, device=device) for j in leaves], 1)
+        return values_of
 
     def _structure(self, tape: Tape, uses: ParameterUses, size: int) -> int:
         """The batch's call structure: which modules were called, in order, where each parameter was
@@ -499,11 +648,15 @@ class PerExampleGradientEngine:
         for call, mine in self._single_use_calls(plan, tape):
             second.calls.append((call, mine))
             call.consume = self._first_pass_consumer(call, mine, batch, unit_sums)
+        keys = {id(call): ("layer", k) for k, call in enumerate(tape.layer_calls)}
+        seed = secrets.randbits(62)  # secret per step: a backward cannot aim at what is compared
+        second.first, second.again = _RowSummaries(keys, seed), _RowSummaries(keys, seed)
         return second
 
     def _first_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, unit_sums: bool):
         def consume(grad: Tensor) -> None:
             batch.second_pass.coarse |= grad.dtype in HALF_DTYPES or call.activation.dtype in HALF_DTYPES
+            batch.second_pass.first(call, 0, grad)
             for part in self._parts(call, mine, batch, grad):
                 batch.ghost_norm_sq.update(part.norms_sq())
                 if unit_sums:
@@ -764,7 +917,7 @@ class PerExampleGradientEngine:
         calls = [(call, {k: i for k, i in mine.items() if i in batch.ghost_norm_sq}) for call, mine in second.calls]
         calls = [(call, mine) for call, mine in calls if mine and call.edge is not None]
         for call, mine in calls:
-            call.consume = self._second_pass_consumer(call, mine, batch, factors, ok, sums, second.coarse)
+            call.consume = self._second_pass_consumer(call, mine, batch, factors, ok, sums, second)
         losses = second.losses
         weighted = factors.to(losses.dtype) * losses
         if ok is not None:
@@ -776,6 +929,7 @@ class PerExampleGradientEngine:
         finally:
             tape.recording = False
             batch.second_pass = None
+        self._verify_second_pass(second, [call for call, _ in calls], factors, ok)
         for i in batch.ghost_norm_sq:  # a call whose output got no gradient in the second pass
             if i not in sums:
                 sums[i] = torch.zeros(self._summed_shape(i), dtype=sum_dtype(self.params[i].dtype),
@@ -783,13 +937,30 @@ class PerExampleGradientEngine:
         return sums
 
     def _second_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, factors: Tensor,
-                              ok: Optional[Tensor], sums: Dict[int, Tensor], coarse: bool):
+                              ok: Optional[Tensor], sums: Dict[int, Tensor], second: _SecondPass):
         def consume(grad: Tensor) -> None:
+            second.again(call, 0, grad)
             for part in self._parts(call, mine, batch, grad):
-                within = _within_first_pass_norms(part, factors, batch) if coarse else None
+                within = _within_first_pass_norms(part, factors, batch) if second.coarse else None
                 for i, total in part.summed(within, ok).items():
                     sums[i] = total if i not in sums else sums[i] + total
         return consume
+
+    def _verify_second_pass(self, second: _SecondPass, calls: List[LayerCall], factors: Tensor,
+                            ok: Optional[Tensor]) -> None:
+        """"ghost" mode's sums are clipped only if each row of the second backward is ``f_r`` times the
+        first's: ``u^T G2[r] v = f_r u^T G1[r] v`` (random ``u, v``, secret per step; the alignment
+        check's comparison and tolerance, :func:`.alignment._rows_agree`). A backward hook or custom
+        ``autograd.Function`` not linear in its incoming gradient released 18.7-23 C, one mixing rows
+        only in the second pass 4.1 C (audit 5 F3). Cost: two matrix-vector products per call and pass."""
+        ok = torch.isfinite(factors) if ok is None else ok
+        for call in calls:
+            key = second.first.keys[id(call)]
+            raise_if_any([None if _rows_agree(second.first.values, second.again.values, key, factors, ok) else
+                          f"\"ghost\" mode's second backward did not give `{self._module_names[id(call.module)]}` "
+                          f"each example's first-pass output gradient times its clip factor (a backward hook or "
+                          f"custom autograd.Function that is not linear in its incoming gradient, or mixes rows), "
+                          f"so its sums would not be clipped; use mode='hooks' (grad_mode='hooks')"])
 
     def _summed_shape(self, i: int) -> Tuple[int, ...]:
         p = self.params[i]

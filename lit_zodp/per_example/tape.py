@@ -61,6 +61,9 @@ class ModuleCall:
     edges: List[GradientEdge] = field(default_factory=list)
     out_shapes: List[Tuple[int, ...]] = field(default_factory=list)
     aligned: bool = False  # row i of each output is example i's alone (set by the engine's checks)
+    #: The root's calls only, until the batch-independence check: ``{flat output index: value}``
+    #: (detached, no copy) of the floating outputs.
+    outputs: Dict[int, Tensor] = field(default_factory=dict)
 
     def output_edges(self) -> List[GradientEdge]:
         """The autograd edges of the tensor outputs (none once the graph is released)."""
@@ -138,7 +141,7 @@ class Tape:
         for call in self.layer_calls:
             call.edge, call.consume = None, None
         for call in self.module_calls:
-            call.edges = []
+            call.edges, call.outputs = [], {}
 
     def clear(self) -> None:
         """Drop the recorded activations and gradients."""
@@ -208,6 +211,8 @@ class Tape:
                 leaf.register_hook(self._store_module_grad(call, j))
                 call.edges.append(get_gradient_edge(leaf))
                 call.out_shapes.append(tuple(leaf.shape))
+            if module is self.root and isinstance(leaf, Tensor) and leaf.is_floating_point():
+                call.outputs[j] = leaf.detach()
 
     def _store_layer_grad(self, call: LayerCall):
         def hook(grad: Tensor) -> None:

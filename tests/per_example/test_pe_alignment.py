@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine, alignment
 from lit_zodp.per_example import engine as engine_module
 from tests.per_example.helpers import assert_rel_close, flat_clipped_sum, loop_reference, mlp
@@ -100,6 +101,10 @@ def test_without_the_check_the_sensitivity_exceeds_the_clip_and_with_it_does_not
 
     assert sensitivity() <= 1 + 1e-9
     monkeypatch.setattr(engine_module, "misaligned_calls", lambda tape, losses, candidates: set())
+    if mode == "ghost":  # its second-pass verification would catch the mixed rows too (audit 5 F3)
+        with pytest.raises(PrivacyConfigError, match="second backward"):
+            sensitivity()
+        monkeypatch.setattr(engine_module.PerExampleGradientEngine, "_verify_second_pass", lambda *a: None)
     assert sensitivity() > 1.03
 
 

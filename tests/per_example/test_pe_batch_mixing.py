@@ -1,0 +1,282 @@
+"""Batch mixing the gradient-path checks cannot see (audit 5): forward values that depend on
+batch-mates (F1), checks turned off by a first batch of one example (F2), and "ghost" mode's second
+backward not being ``f_i`` times its first (F3)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_zodp.errors import PrivacyConfigError
+from lit_zodp.per_example import PerExampleGradientEngine
+from lit_zodp.per_example.checks import refuse_batch_mixing
+
+MODES = ["hooks", "ghost", "bookkeeping"]
+B = 6
+
+
+def _batch():
+    torch.manual_seed(0)
+    return torch.randn(B, 6) * torch.linspace(0.5, 5, B).unsqueeze(1), torch.randint(0, 3, (B,))
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.l1, self.l2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+
+class InputCenter(_TwoLayers):
+    """Inputs centred by the batch mean: no gradient crosses rows."""
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x - x.mean(0))))
+
+
+class DetachedCenter(_TwoLayers):
+    """Hidden rows centred by detached batch statistics."""
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        return self.l2(h - h.detach().mean(0))
+
+
+class CapacityMoE(nn.Module):
+    """Switch-style experts with a capacity over the whole batch: whether a token is kept depends on
+    the other examples' router scores."""
+
+    def __init__(self, capacity=6):
+        super().__init__()
+        torch.manual_seed(1)
+        self.inp, self.router, self.head = nn.Linear(2, 8), nn.Linear(8, 2), nn.Linear(8, 3)
+        self.experts = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.capacity = capacity
+
+    def forward(self, x):
+        z = self.inp(x.view(len(x), 3, 2))
+        probs = torch.softmax(self.router(z), -1)
+        choice, out = probs.argmax(-1), z
+        for e, expert in enumerate(self.experts):
+            score = torch.where(choice == e, probs[..., e], torch.zeros_like(probs[..., e])).detach()
+            rank = score.flatten().argsort(descending=True).argsort().view_as(score)
+            keep = ((choice == e) & (rank < self.capacity)).unsqueeze(-1).to(z.dtype)
+            out = out + keep * probs[..., e:e + 1] * torch.tanh(expert(z))
+        return self.head(out.mean(1))
+
+
+class BatchNormLike(_TwoLayers):
+    """A hand-written batch norm: mixes rows through the gradient path (the alignment check's case)."""
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        return self.l2(h - 0.9 * h.mean(0))
+
+
+class PerExample(_TwoLayers):
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def _losses(model, x, y):
+    return lambda: F.cross_entropy(model(x), y, reduction="none")
+
+
+# ----------------------------------------------------------------------------- F1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("make", [InputCenter, DetachedCenter, CapacityMoE], ids=lambda m: m.__name__)
+def test_forward_values_that_depend_on_batch_mates_are_refused(mode, make):
+    x, y = _batch()
+    model = make()
+    engine = PerExampleGradientEngine(model, mode=mode)
+    with pytest.raises(PrivacyConfigError, match="depend on their batch-mates.*make the forward per-example"):
+        engine.clipped_sum(_losses(model, x, y), 0.1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_per_example_forward_passes_and_a_random_one_in_train_mode_is_compared_in_eval_mode(mode):
+    x, y = _batch()
+    model = PerExample()
+    PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
+    noisy = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 3)).train()
+    PerExampleGradientEngine(noisy, mode=mode).clipped_sum(_losses(noisy, x, y), 0.1)
+    assert noisy.training and noisy[2].training
+
+
+def test_a_mixing_model_with_dropout_in_train_mode_is_still_refused():
+    x, y = _batch()
+    model = nn.Sequential(InputCenter(), nn.Dropout(0.5)).train()
+    with pytest.raises(PrivacyConfigError, match="batch-mates"):
+        PerExampleGradientEngine(model).clipped_sum(_losses(model, x, y), 0.1)
+    assert model.training and model[1].training
+
+
+class DataMix(_TwoLayers):
+    """Mixes values (no gradient across rows) only when the batch holds an outlier (a data-dependent trigger)."""
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        return self.l2(h + 5 * h.detach().mean(0) if bool((x.abs() > 20).any()) else h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_drawn_at_random_are_checked_again(mode):
+    x, y = _batch()
+    trigger = x.clone()
+    trigger[0, 0] = 30.0
+    model = DataMix()
+    unchecked = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
+    unchecked.clipped_sum(_losses(model, x, y), 0.1)
+    unchecked.clipped_sum(_losses(model, trigger, y), 0.1)  # never drawn: not seen
+    always = PerExampleGradientEngine(model, mode=mode, recheck_probability=1.0)
+    always.clipped_sum(_losses(model, x, y), 0.1)
+    with pytest.raises(PrivacyConfigError, match="batch-mates"):
+        always.clipped_sum(_losses(model, trigger, y), 0.1)
+
+
+def test_recheck_probability_is_validated():
+    with pytest.raises(PrivacyConfigError, match="recheck_probability"):
+        PerExampleGradientEngine(PerExample(), recheck_probability=1.5)
+
+
+def test_refuse_batch_mixing_works_on_any_per_example_function():
+    """The standalone check, as a zeroth-order module would call it with its own per-example losses."""
+    x, y = _batch()
+    model = PerExample()
+
+    def losses_of(mixing):
+        def of(index):
+            with torch.no_grad():
+                rows = x[index]
+                return F.cross_entropy(model(rows - mixing * rows.mean(0)), y[index], reduction="none")
+        return of
+
+    check = dict(dtype=torch.float64, device=x.device, what="per-example losses")
+    assert refuse_batch_mixing(losses_of(0.0), B, **check)
+    assert not refuse_batch_mixing(losses_of(1.0), 1, **check)  # one example: no verdict
+    with pytest.raises(PrivacyConfigError, match="per-example losses depend on their batch-mates"):
+        refuse_batch_mixing(losses_of(1.0), B, **check)
+    nan_rows = lambda index: torch.where(index > 0, math.nan, 1.0)  # noqa: E731  (one finite row)
+    assert not refuse_batch_mixing(nan_rows, B, **check)
+
+
+# ----------------------------------------------------------------------------- F2
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("first", ["one_example", "one_finite"])
+@pytest.mark.parametrize("make", [BatchNormLike, InputCenter], ids=lambda m: m.__name__)
+def test_a_first_batch_with_one_finite_example_does_not_turn_the_checks_off(mode, first, make):
+    x, y = _batch()
+    model = make()
+    engine = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
+    if first == "one_example":
+        engine.clipped_sum(_losses(model, x[:1], y[:1]), 0.1)
+    else:
+        nan = x.clone()
+        nan[1:] = math.nan
+        engine.clipped_sum(_losses(model, nan, y), 0.1)
+    assert not engine._misaligned and not engine._checked
+    with pytest.raises(PrivacyConfigError, match="batch-mates|not batch-first"):
+        engine.clipped_sum(_losses(model, x, y), 0.1)
+
+
+# ----------------------------------------------------------------------------- F3
+
+
+class GradFloor(torch.autograd.Function):
+    """Identity forward; the backward lifts each row's gradient to norm at least ``m``."""
+
+    @staticmethod
+    def forward(ctx, x, m):
+        ctx.m = m
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        norm = g.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *([1] * (g.dim() - 1)))
+        return g * torch.clamp(ctx.m / norm, min=1.0), None
+
+
+class _ThreeLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b, self.h = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.h(torch.tanh(self.b(self.between(torch.tanh(self.a(x))))))
+
+
+class FloorFunction(_ThreeLayers):
+    def between(self, z):
+        return GradFloor.apply(z, 0.05)
+
+
+class FloorHook(_ThreeLayers):
+    def between(self, z):
+        if z.requires_grad:
+            z.register_hook(lambda g: g * torch.clamp(0.05 / g.norm(dim=1, keepdim=True).clamp_min(1e-30), min=1.0))
+        return z
+
+
+class SmallGradientMix(_ThreeLayers):
+    """Mixes rows only when their gradients are small: in the second backward alone."""
+
+    def between(self, z):
+        if z.requires_grad:
+            z.register_hook(lambda g: torch.where(g.norm(dim=1, keepdim=True) < 1e-3,
+                                                  g + 3 * g.sum(0, keepdim=True), g))
+        return z
+
+
+@pytest.mark.parametrize("make, clip", [(FloorFunction, 0.01), (FloorHook, 0.01), (SmallGradientMix, 1e-3)],
+                         ids=["function", "hook", "mix"])
+def test_a_second_backward_that_is_not_f_times_the_first_is_refused_in_ghost_mode(make, clip):
+    x, y = _batch()
+    model = make()
+    for mode in ("hooks", "bookkeeping"):  # one backward: nothing to verify, and clipped
+        share = PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x[:1], y[:1]), clip)
+        assert torch.cat([g.flatten() for g in share.grads]).norm() <= clip * (1 + 1e-9)
+    engine = PerExampleGradientEngine(model, mode="ghost")
+    with pytest.raises(PrivacyConfigError, match="second backward did not give `a`.*mode='hooks'"):
+        for j in range(B):
+            engine.clipped_sum(_losses(model, x[j:j + 1], y[j:j + 1]), clip)
+            engine.clipped_sum(_losses(model, x, y), clip)
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1.0, math.inf])
+def test_ghost_mode_verifies_every_step_without_false_refusals(clip):
+    x, y = _batch()
+    model = PerExample()
+    engine = PerExampleGradientEngine(model, mode="ghost")
+    for _ in range(3):
+        engine.clipped_sum(_losses(model, x, y), clip)
+
+
+# ----------------------------------------------------------------------------- L1, L2
+
+
+@pytest.mark.parametrize("mode", MODES + ["vmap"])
+def test_a_parameter_frozen_or_unfrozen_after_construction_is_refused_by_name(mode):
+    x, y = _batch()
+    model = PerExample()
+    engine = PerExampleGradientEngine(model, mode=mode)
+    model.l1.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="`l1.weight` was frozen after"):
+        engine.clipped_sum(_losses(model, x, y), 0.1)
+    engine = PerExampleGradientEngine(model, mode=mode)
+    model.l1.weight.requires_grad_(True)
+    with pytest.raises(PrivacyConfigError, match="`l1.weight` was unfrozen after.*never be trained"):
+        engine.clipped_sum(_losses(model, x, y), 0.1)
+
+
+def test_a_compiled_submodule_is_refused_up_front():
+    model = PerExample()
+    model.l1 = torch.compile(model.l1, backend="eager")
+    with pytest.raises(PrivacyConfigError, match="`l1` is a torch.compile'd module"):
+        PerExampleGradientEngine(model)
