@@ -460,6 +460,23 @@ def test_a_layer_writing_a_buffer_in_the_private_forward_is_refused_in_one_line(
     assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
 
 
+class _BatchCentring(nn.Module):
+    """Subtracts the batch mean of its (detached) inputs: no gradient crosses rows, the values do."""
+
+    def forward(self, x):
+        return x - x.detach().mean(0)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_forward_mixing_the_batch_in_its_values_is_refused_before_a_step_is_released(name):
+    """Every example's value then moved with each batch-mate: up to 1.37 C on one removal (audit 5)."""
+    torch.manual_seed(1)
+    module = build(name, nn.Sequential(_BatchCentring(), nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3)))
+    with pytest.raises(PrivacyConfigError, match="depend on their batch-mates") as info:
+        fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
+
+
 @pytest.mark.parametrize("name", sorted(n for n in PRIVATE if issubclass(ALGORITHMS[n], ZerothOrderModule)))
 def test_a_batchnorm_with_running_statistics_keeps_zeroth_order_losses_per_example(name):
     """Zeroth-order steps forward in eval mode, where running statistics treat each example alone."""

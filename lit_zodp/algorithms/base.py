@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, Optional
 
 import lightning.pytorch as pl
@@ -25,9 +26,10 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per_example_loss, predict
 from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
-from lit_zodp.per_example.checks import BufferState, buffer_state, refuse_buffer_writes
+from lit_zodp.per_example.checks import (BufferState, buffer_state, refuse_batch_mixing, refuse_buffer_writes,
+                                         rows_differ)
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
-from lit_zodp.privacy.fixed_shape import FixedShapeForwards
+from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, take_rows, used_lengths
 from lit_zodp.privacy.sampling import SamplingDescription
 
 #: Every concrete algorithm, by class name (filled by ``AlgorithmModule.__init_subclass__``).
@@ -115,6 +117,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.fixed_shape is not None and isinstance(backbone, Backbone):
             backbone.row_shapes = True
         self._buffers_before: Optional[BufferState] = None
+        self._mixing_checked = True  # until a private fit starts (on_train_start)
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
         if self.private and self.log_private_stats:
             warnings.warn(f"{type(self).__name__}(log_private_stats=True) logs clip_fraction and step_time of "
@@ -195,6 +198,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.private:
             self.privacy.require_attached(self.trainer.optimizers)
             self._buffers_before = buffer_state(self.backbone)
+            self._mixing_checked = False
         self._sigma_logged = False
 
     def on_train_epoch_start(self) -> None:
@@ -233,15 +237,52 @@ class AlgorithmModule(pl.LightningModule):
             self.backbone.eval()
         if batch_size_of(inputs) == 0:
             return torch.zeros(0, device=targets.device)
-        if self.fixed_shape is None:
-            losses = per_example_loss(self.backbone, inputs, targets).float()
-        else:
-            losses = torch.empty(len(targets), device=targets.device)
-            for rows, row_targets, positions in self.fixed_shape.chunks(inputs, targets):
-                losses[positions] = per_example_loss(self.backbone, rows, row_targets).float()[:len(positions)]
+        losses = self._losses(inputs, targets)
         if self._buffers_before:  # a layer that writes a buffer even in eval mode (microseconds; none: nothing)
             refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
+        if not self._mixing_checked:
+            self._mixing_checked = self._refuse_batch_mixing(inputs, targets, losses)
         return losses
+
+    def _losses(self, inputs, targets) -> Tensor:
+        if self.fixed_shape is None:
+            return per_example_loss(self.backbone, inputs, targets).float()
+        losses = torch.empty(len(targets), device=targets.device)
+        for rows, row_targets, positions in self.fixed_shape.chunks(inputs, targets):
+            losses[positions] = per_example_loss(self.backbone, rows, row_targets).float()[:len(positions)]
+        return losses
+
+    def _refuse_batch_mixing(self, inputs, targets, losses: Tensor) -> bool:
+        """The first private batch with 2+ finite losses of a fit, again on two random halves, each cut to
+        its own longest row as the data modules pad it (:func:`~lit_zodp.per_example.checks.refuse_batch_mixing`):
+        a forward that mixes rows (batch statistics, a model that ignores the attention mask: FNet 4.6e-3
+        in a loss, audit 5) is refused in one line. One extra forward of the batch, once per fit."""
+        def losses_of(rows: Tensor) -> Tensor:
+            part = take_rows(inputs, rows.to(targets.device))
+            if self.fixed_shape is None and isinstance(part, Mapping) and "attention_mask" in part:
+                part = cut_columns(part, max(int(used_lengths(part["attention_mask"]).max()), 1))
+            return self._losses(part, targets[rows.to(targets.device)])
+
+        dtype = next((p.dtype for p in self.backbone.parameters()), torch.float32)
+        self._refuse_padding_dependence(inputs, targets, losses, dtype)
+        return refuse_batch_mixing(losses_of, len(targets), dtype=dtype, device=losses.device, full=losses)
+
+    def _refuse_padding_dependence(self, inputs, targets, losses: Tensor, dtype: torch.dtype) -> None:
+        """Text batches padded to their longest row: the losses again with :data:`EXTRA_PADDING` more
+        unattended columns must not move. A model that reads padded columns (FNet takes no attention
+        mask) ties a row's loss to its batch's longest row, whatever the split of the batch shows."""
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if (self.fixed_shape is not None or not isinstance(inputs, Mapping) or "attention_mask" not in inputs
+                or getattr(datamodule, "pad_to_max_length", False)):
+            return
+        ratio = float(rows_differ(losses, self._losses(wider(inputs, EXTRA_PADDING), targets),
+                                  dtype=dtype, device=losses.device).max())
+        raise_if_any([None if ratio <= 1.0 else
+                      f"The per-example losses change with the padding of their batch (by {ratio:.3g} times the "
+                      f"rounding tolerance with {EXTRA_PADDING} more padded columns): the model reads padded "
+                      "columns (it ignores the attention mask, as FNet does), so an example's loss depends on "
+                      "its batch's longest row; pad every row to max_length (the data's `pad_to_max_length: "
+                      "true`) or use a model that masks padding"])
 
     def split_batch(self, batch) -> tuple[Any, Optional[Any]]:
         """``(private, public)``: a DataModule with ``public_in_step`` hands both; otherwise public is None."""
@@ -399,6 +440,26 @@ def _refuse_loss_scaling(trainer: "pl.Trainer") -> None:
         raise ConfigError(
             "Invalid configuration: `trainer.precision='16-mixed'` scales the loss of a backward these modules "
             "do not run through Lightning: use precision 'bf16-mixed', '16-true' or 'bf16-true'")
+
+
+#: Unattended columns appended by the padding check of the first private batch.
+EXTRA_PADDING = 8
+
+
+def wider(inputs: Mapping[str, Tensor], extra: int, mask_key: str = "attention_mask") -> dict[str, Tensor]:
+    """``inputs`` with ``extra`` more padded columns: every tensor laid out like ``inputs[mask_key]`` repeats
+    its last column, and the masks (keys ending in ``mask``: attention, candidates) are 0 there."""
+    mask = inputs[mask_key]
+    dim = mask.dim() - 1
+
+    def pad(key: str, value: Tensor) -> Tensor:
+        if not isinstance(value, Tensor) or value.shape[:mask.dim()] != mask.shape:
+            return value
+        tail = value.narrow(dim, value.shape[dim] - 1, 1)
+        tail = torch.zeros_like(tail) if key.endswith("mask") else tail
+        return torch.cat([value, tail.expand(*value.shape[:dim], extra, *value.shape[dim + 1:])], dim)
+
+    return {key: pad(key, value) for key, value in inputs.items()}
 
 
 def _refuse_text_mismatch(backbone: nn.Module, datamodule: Any) -> None:
