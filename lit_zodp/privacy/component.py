@@ -86,7 +86,7 @@ class PrivacyComponent:
         noise_multiplier: a fixed sigma; ``0`` is a noiseless ablation (epsilon = inf).
         delta: target delta; ``None`` means ``min(1e-5, 1 / (10 n_private))`` (the papers' 1e-5, and
             well below ``1 / n``: a mechanism that publishes one whole random record is
-            ``(0, 1/n)``-DP). A ``delta >= 1 / n`` warns.
+            ``(0, 1/n)``-DP). A ``delta >= 1 / n`` is refused.
         max_epsilon: a budget: training stops before a step would exceed it.
         noise_seed: TEST ONLY (warns): makes the noise reproducible, so the run is not private.
         eps_error: accountant precision (epsilon upper bound minus estimate).
@@ -226,10 +226,11 @@ class PrivacyComponent:
                 "at one delta. Resume with the same delta.")
         delta = delta if delta is not None else min(DEFAULT_DELTA, 0.1 / self.sampling.n)
         raise_if_any([check_delta(delta)])
-        if self.is_private and delta >= 1.0 / self.sampling.n:
-            warnings.warn(f"delta={delta:g} >= 1/n = {1.0 / self.sampling.n:g}: a mechanism that publishes one whole "
-                          "random record meets this delta; choose delta well below 1/n (e.g. 1e-5)",
-                          UserWarning, stacklevel=3)
+        noised = self.target_epsilon is not None or bool(self.configured_noise_multiplier)  # sigma: not yet resolved
+        if noised and delta >= 1.0 / self.sampling.n:  # audit 5: a calibrated run skipped the warning (sigma 0.028)
+            raise PrivacyConfigError(
+                f"`delta`={delta:g} >= 1/n = {1.0 / self.sampling.n:g} (n = the private examples): a mechanism "
+                "that publishes one whole random record meets this delta; choose delta well below 1/n (e.g. 1e-5)")
         return delta
 
     def _resolve_sigma(self, restored: Optional[float]) -> float:

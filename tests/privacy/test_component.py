@@ -221,9 +221,13 @@ def test_the_default_delta_is_well_below_one_over_n(n, expected):
     assert component.delta == pytest.approx(expected)
 
 
-def test_a_delta_of_one_over_n_or_more_warns():
-    with pytest.warns(UserWarning, match="publishes one whole random record"):
-        planned(noise_multiplier=1.0, delta=1e-3, sampling=POISSON)
+@pytest.mark.parametrize("privacy", [dict(noise_multiplier=1.0), dict(target_epsilon=2.0)])
+def test_a_delta_of_one_over_n_or_more_is_refused(privacy):
+    """A calibrated run used to skip the warning (sigma is resolved after delta): delta 0.01 at n = 1300
+    calibrated sigma 0.028 and reported epsilon 0.036; delta 0.5 a negative epsilon (audit 5)."""
+    with pytest.raises(PrivacyConfigError, match="publishes one whole random record") as info:
+        planned(**privacy, delta=1e-3, sampling=POISSON)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
