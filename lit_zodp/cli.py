@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Optional
+from typing import Literal, Optional
 
 # before lightning, which imports huggingface_hub (it reads HF_HUB_OFFLINE once, at import)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
@@ -26,13 +27,17 @@ from lit_zodp.errors import ConfigError, PrivacyConfigError  # noqa: E402
 from lit_zodp.privacy.component import epsilon_text  # noqa: E402
 
 
+#: ``ckpt_path`` values Lightning resolves itself rather than reading a file.
+_SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
+
+
 class LitZODPCLI(LightningCLI):
     """LightningCLI with a test pass and a result line after ``fit``."""
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--test_after_fit", type=bool, default=True,
                             help="After fit, evaluate the test set and print a one-line result.")
-        parser.add_argument("--test_ckpt", type=str, default="last",
+        parser.add_argument("--test_ckpt", type=Literal["last", "best"], default="last",
                             help="Which model the test after fit evaluates: 'last' (the final iterate) or 'best' "
                                  "(the best checkpoint of a ModelCheckpoint with a `monitor`, e.g. val_acc).")
 
@@ -43,6 +48,9 @@ class LitZODPCLI(LightningCLI):
         command line's and the checkpoint's ``target_epsilon`` and ``max_epsilon``. (The checkpoint's
         privacy state keeps its own budget binding too, whatever these arguments say.)
         """
+        path = self.config[self.config.subcommand].get("ckpt_path")
+        if path is not None and path not in _SPECIAL_CKPT_PATHS and not os.path.exists(path):
+            raise ConfigError(f"`ckpt_path`: no checkpoint at {path!r}")  # before: a traceback after data setup
         given = _budget_arguments(self.config)
         super()._parse_ckpt_path()
         restored = _budget_arguments(self.config)
@@ -151,12 +159,13 @@ def cli_main(args=None) -> None:
         raise SystemExit(2) from None
 
 
-def configuration_error(err: BaseException) -> Optional[ConfigError]:
-    """The :class:`ConfigError` (:class:`PrivacyConfigError` included) behind ``err`` (itself or in its
+def configuration_error(err: BaseException) -> Optional[Exception]:
+    """The :class:`ConfigError` (:class:`PrivacyConfigError` included) or Lightning ``MisconfigurationException``
+    (``--trainer.max_steps -5``, a GPU accelerator without one) behind ``err`` (itself or in its
     cause/context chain), if any."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, ConfigError):
+        if isinstance(err, (ConfigError, MisconfigurationException)):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__

@@ -243,3 +243,32 @@ def test_a_missing_model_id_is_one_line_naming_the_option(prompt_world, tmp_path
                       "give a local folder written by save_pretrained, a model id already downloaded, or 'minilm' "
                       "(packaged, offline), or download it once with HF_HUB_OFFLINE=0"]
     assert "Traceback" not in result.stderr and "Namespace(" not in result.stderr
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--ckpt_path", "no-such.ckpt"], "`ckpt_path`: no checkpoint at 'no-such.ckpt'"),
+    (["--trainer.max_steps", "-5"], "max_steps"),
+])
+def test_a_missing_checkpoint_or_a_trainer_misconfiguration_is_one_line(arguments, message, tmp_path, monkeypatch,
+                                                                        capsys):
+    """Before (audit 5): a 30-39 line traceback, the missing checkpoint only after the data was set up."""
+    from lit_zodp.cli import cli_main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(config), "--trainer.accelerator", "cpu", *arguments])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lit-zodp: error:")]
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_an_unknown_test_ckpt_is_refused_when_parsed(tmp_path, monkeypatch):
+    """Before: refused only after the whole fit, and the result line was lost."""
+    from lit_zodp.cli import cli_main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(config), "--test_ckpt", "foo"])
+    assert exit_info.value.code == 2
