@@ -69,6 +69,7 @@ class FirstOrderModule(AlgorithmModule):
         self.grad_mode = grad_mode
         self.micro_batch_size = micro_batch_size
         self.engine = PerExampleGradientEngine(self.backbone, mode=grad_mode)  # refuses BatchNorm now
+        self.engine.keep_call_shape = self.fixed_shape is not None  # the checks' forwards keep the one shape too
 
     def step_plan(self) -> StepPlan:
         """One Gaussian release of the flat clipped gradient sum: sensitivity C (flat clip)."""

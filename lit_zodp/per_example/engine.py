@@ -218,9 +218,10 @@ class _Recompute:
     name: str
 
 
-#: Default :attr:`PerExampleGradientEngine.recheck_probability`: one step in 50 re-runs the forward's
-#: batch-independence check (one forward without grad, split in two: ~0.3 of a step, so < 1% per step).
-RECHECK_PROBABILITY = 0.02
+#: Default :attr:`PerExampleGradientEngine.recheck_probability`: one step in 100 re-runs the forward's
+#: batch-independence check (one forward without grad in two halves, two with ``keep_call_shape``:
+#: under a step, so < 1% per step).
+RECHECK_PROBABILITY = 0.01
 _OS_RANDOM = secrets.SystemRandom()
 
 
@@ -358,6 +359,9 @@ class PerExampleGradientEngine:
         refuse_compiled(module)
         self.module, self.mode, self.transform = module, mode, as_transform(transform)
         self.recheck_probability = recheck_probability
+        #: Recompute the halves of the batch-independence check at the call's own shape (set by modules
+        #: running ``fixed_forward_rows``, whose private forwards must all have one shape).
+        self.keep_call_shape = False
         self.names, self.params = _trainable_parameters(module)
         raise_if_any([None if self.params else "Expected `module` to have trainable parameters, but it has none"])
         self._owners = self._find_owners()
@@ -565,17 +569,22 @@ class PerExampleGradientEngine:
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int,
                  device: torch.device) -> Callable[[Tensor], Tensor]:
         """``index -> [n, ...]``: the call's batch-first outputs on those rows of its batched inputs
-        alone, under no grad, in the forward's autocast, with the user's random streams restored."""
+        alone, under no grad, in the forward's autocast, with the user's random streams restored. With
+        :attr:`keep_call_shape` the rows are filled up to the call's ``B`` with copies of the first one
+        (dropped), so every forward has the call's shape, as ``fixed_forward_rows`` promises; without it
+        a half runs alone, which shows capacity-type mixing more surely (fewer rows, less overflow)."""
         devices = sorted({x.device for x in call.inputs if isinstance(x, Tensor) and x.device.type == "cuda"},
                          key=str)
 
         def values_of(index: Tensor) -> Tensor:
-            inputs = [x[index.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
+            rows = len(index)
+            padded = torch.cat([index, index[:1].expand(size - rows)]) if self.keep_call_shape else index
+            inputs = [x[padded.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
             args, kwargs = tree_unflatten(inputs, call.spec)
             with torch.no_grad(), forward_autocast(self._device_type), torch.random.fork_rng(devices=devices):
                 flat = tree_flatten(call.module(*args, **kwargs))[0]
-            return torch.cat([_flat_rows(flat[j]) if j < len(flat) and is_batched(flat[j], len(index))
-                              else torch.full((len(index), 1), math.nan, device=device) for j in leaves], 1)
+            return torch.cat([_flat_rows(flat[j][:rows]) if j < len(flat) and is_batched(flat[j], len(padded))
+                              else torch.full((rows, 1), math.nan, device=device) for j in leaves], 1)
         return values_of
 
     def _structure(self, tape: Tape, uses: ParameterUses, size: int) -> int:
