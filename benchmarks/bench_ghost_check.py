@@ -58,7 +58,6 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import torch
-    import torch.nn.functional as F
 
     from lit_zodp.per_example import engine as engine_module
 
@@ -70,35 +69,10 @@ def main(argv=None) -> None:
     if not isinstance(inputs, dict):
         inputs = inputs.to(dtype)
     engine = engine_module.PerExampleGradientEngine(backbone, mode="ghost", recheck_probability=0.0)
-    if args.check != "norms":
-        return _time_switch(args, engine, _switch(args.check, engine_module, engine), backbone, inputs, targets)
-    if args.force:
+    if args.check == "norms" and args.force:
         engine_module.rounds_below_float32 = lambda module, device_type: True
-
-    check, shrinks = engine_module._within_first_pass_norms, []
-
-    def measured_check(part, factors, batch):
-        s = check(part, factors, batch)
-        shrinks.append(float(1 - s.min()))
-        return s
-
-    def step(with_check: bool) -> float:
-        engine_module._within_first_pass_norms = measured_check if with_check else (lambda *_: None)
-        start = time.perf_counter()
-        engine.clipped_sum(lambda: F.cross_entropy(backbone(inputs).float(), targets, reduction="none"), args.clip)
-        return time.perf_counter() - start
-
-    step(True), step(False)  # warm-up (the first call also runs the coverage and alignment checks)
-    shrinks.clear()
-    times = {True: [], False: []}
-    for r in range(args.repeats):
-        for with_check in ([True, False] if r % 2 == 0 else [False, True]):
-            times[with_check].append(step(with_check))
-    ratios = [a / b for a, b in zip(times[True], times[False])]
-    print(f"{args.model} batch {args.batch} {args.dtype}{' (forced)' if args.force else ''}: with the check "
-          f"{statistics.median(times[True]):.3f} s, without {statistics.median(times[False]):.3f} s per call; "
-          f"ratio median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}, "
-          f"{args.repeats} pairs); largest shrink {max(shrinks, default=0.0):.2e} over {len(shrinks)} parts")
+    switch, shrinks = _switch(args.check, engine_module, engine)
+    _time_switch(args, engine, switch, backbone, inputs, targets, shrinks)
 
 
 class _NoSummaries:
@@ -112,20 +86,28 @@ class _NoSummaries:
 
 
 def _switch(check, engine_module, engine):
-    """``switch(on)``: turn the measured check on or off."""
-    cls, summaries, verify = engine_module.PerExampleGradientEngine, engine_module._RowSummaries, None
-    verify = cls._verify_second_pass
+    """``(switch(on), shrinks)``: turn the measured check on or off; ``--check norms`` records each part's
+    largest shrink ``1 - min s`` in ``shrinks``."""
+    cls, summaries, shrinks = engine_module.PerExampleGradientEngine, engine_module._RowSummaries, []
+    verify, norms = cls._verify_second_pass, engine_module._within_first_pass_norms
+
+    def measured_norms(part, factors, batch):
+        s = norms(part, factors, batch)
+        shrinks.append(float(1 - s.min()))
+        return s
 
     def switch(on: bool) -> None:
-        if check == "rows":
+        if check == "norms":
+            engine_module._within_first_pass_norms = measured_norms if on else (lambda *_: None)
+        elif check == "rows":
             engine_module._RowSummaries = summaries if on else _NoSummaries
             cls._verify_second_pass = verify if on else (lambda *a: None)
         else:
             engine.recheck_probability = 1.0 if on else 0.0
-    return switch
+    return switch, shrinks
 
 
-def _time_switch(args, engine, switch, backbone, inputs, targets) -> None:
+def _time_switch(args, engine, switch, backbone, inputs, targets, shrinks) -> None:
     import torch.nn.functional as F
 
     def step(on: bool) -> float:
@@ -135,15 +117,18 @@ def _time_switch(args, engine, switch, backbone, inputs, targets) -> None:
         return time.perf_counter() - start
 
     step(True), step(False)  # warm-up (the first call also runs the structure's checks)
+    shrinks.clear()
     times = {True: [], False: []}
     for r in range(args.repeats):
         for on in ([True, False] if r % 2 == 0 else [False, True]):
             times[on].append(step(on))
     ratios = [a / b for a, b in zip(times[True], times[False])]
-    print(f"{args.model} batch {args.batch} {args.dtype} --check {args.check}: with "
+    forced = " (forced)" if args.force and args.check == "norms" else ""
+    largest = f"; largest shrink {max(shrinks, default=0.0):.2e} over {len(shrinks)} parts" if args.check == "norms" else ""
+    print(f"{args.model} batch {args.batch} {args.dtype}{forced} --check {args.check}: with "
           f"{statistics.median(times[True]):.3f} s, without {statistics.median(times[False]):.3f} s per step; "
           f"ratio median {statistics.median(ratios):.4f} (range {min(ratios):.4f}-{max(ratios):.4f}, "
-          f"{args.repeats} pairs)")
+          f"{args.repeats} pairs){largest}")
 
 
 if __name__ == "__main__":
