@@ -117,7 +117,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.fixed_shape is not None and isinstance(backbone, Backbone):
             backbone.row_shapes = True
         self._buffers_before: Optional[BufferState] = None
-        self._mixing_checked = True  # until a private fit starts (on_train_start)
+        self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
         if self.private and self.log_private_stats:
             warnings.warn(f"{type(self).__name__}(log_private_stats=True) logs clip_fraction and step_time of "
@@ -198,7 +198,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.private:
             self.privacy.require_attached(self.trainer.optimizers)
             self._buffers_before = buffer_state(self.backbone)
-            self._mixing_checked = False
+            self._pending_checks = {"halves", "padding"}
         self._sigma_logged = False
 
     def on_train_epoch_start(self) -> None:
@@ -240,8 +240,8 @@ class AlgorithmModule(pl.LightningModule):
         losses = self._losses(inputs, targets)
         if self._buffers_before:  # a layer that writes a buffer even in eval mode (microseconds; none: nothing)
             refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
-        if not self._mixing_checked:
-            self._mixing_checked = self._refuse_batch_mixing(inputs, targets, losses)
+        if self._pending_checks:
+            self._run_pending_checks(inputs, targets, losses)
         return losses
 
     def _losses(self, inputs, targets) -> Tensor:
@@ -252,37 +252,54 @@ class AlgorithmModule(pl.LightningModule):
             losses[positions] = per_example_loss(self.backbone, rows, row_targets).float()[:len(positions)]
         return losses
 
-    def _refuse_batch_mixing(self, inputs, targets, losses: Tensor) -> bool:
-        """The first private batch with 2+ finite losses of a fit, again on two random halves, each cut to
-        its own longest row as the data modules pad it (:func:`~lit_zodp.per_example.checks.refuse_batch_mixing`):
-        a forward that mixes rows (batch statistics, a model that ignores the attention mask: FNet 4.6e-3
-        in a loss, audit 5) is refused in one line. One extra forward of the batch, once per fit."""
-        def losses_of(rows: Tensor) -> Tensor:
-            part = take_rows(inputs, rows.to(targets.device))
-            if self.fixed_shape is None and isinstance(part, Mapping) and "attention_mask" in part:
-                part = cut_columns(part, max(int(used_lengths(part["attention_mask"]).max()), 1))
-            return self._losses(part, targets[rows.to(targets.device)])
-
+    def _run_pending_checks(self, inputs, targets, losses: Tensor) -> None:
+        """The per-example independence checks of a private fit, each on private batches until one lets it
+        compare (audit 5): a forward that mixes rows (batch statistics, batch centring) or reads padding
+        (FNet takes no attention mask: 4.6e-3 in a loss) is refused in one line. About two extra forwards
+        of one batch per fit."""
         dtype = next((p.dtype for p in self.backbone.parameters()), torch.float32)
-        self._refuse_padding_dependence(inputs, targets, losses, dtype)
+        if "padding" in self._pending_checks and self._refuse_padding_dependence(inputs, targets, losses, dtype):
+            self._pending_checks.discard("padding")
+        if "halves" in self._pending_checks and self._refuse_batch_mixing(inputs, targets, losses, dtype):
+            self._pending_checks.discard("halves")
+
+    def _refuse_batch_mixing(self, inputs, targets, losses: Tensor, dtype: torch.dtype) -> bool:
+        """The losses again on two random halves, each cut to its own longest row as the data modules pad
+        it (:func:`~lit_zodp.per_example.checks.refuse_batch_mixing`); whether 2+ finite ones compared."""
+        def losses_of(rows: Tensor) -> Tensor:
+            return self._losses(self._own_padding(take_rows(inputs, rows.to(targets.device))),
+                                targets[rows.to(targets.device)])
+
         return refuse_batch_mixing(losses_of, len(targets), dtype=dtype, device=losses.device, full=losses)
 
-    def _refuse_padding_dependence(self, inputs, targets, losses: Tensor, dtype: torch.dtype) -> None:
-        """Text batches padded to their longest row: the losses again with :data:`EXTRA_PADDING` more
-        unattended columns must not move. A model that reads padded columns (FNet takes no attention
-        mask) ties a row's loss to its batch's longest row, whatever the split of the batch shows."""
+    def _refuse_padding_dependence(self, inputs, targets, losses: Tensor, dtype: torch.dtype) -> bool:
+        """Text batches padded to their longest row: the rows shorter than it, again cut to their own
+        longest, must keep their losses (fewer padded columns, never more: no position table is passed).
+        A model that reads padded columns ties a row's loss to its batch's longest row, whatever a split
+        of the batch shows. Whether a row could be compared (or nothing is to check)."""
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         if (self.fixed_shape is not None or not isinstance(inputs, Mapping) or "attention_mask" not in inputs
                 or getattr(datamodule, "pad_to_max_length", False)):
-            return
-        ratio = float(rows_differ(losses, self._losses(wider(inputs, EXTRA_PADDING), targets),
-                                  dtype=dtype, device=losses.device).max())
+            return True
+        mask = inputs["attention_mask"]
+        shorter = torch.nonzero(used_lengths(mask) < mask.shape[-1]).flatten()
+        if len(shorter) == 0:
+            return False
+        again = self._losses(self._own_padding(take_rows(inputs, shorter)), targets[shorter.to(targets.device)])
+        ratio = float(rows_differ(losses[shorter.to(losses.device)], again, dtype=dtype, device=losses.device).max())
         raise_if_any([None if ratio <= 1.0 else
                       f"The per-example losses change with the padding of their batch (by {ratio:.3g} times the "
-                      f"rounding tolerance with {EXTRA_PADDING} more padded columns): the model reads padded "
-                      "columns (it ignores the attention mask, as FNet does), so an example's loss depends on "
-                      "its batch's longest row; pad every row to max_length (the data's `pad_to_max_length: "
-                      "true`) or use a model that masks padding"])
+                      "rounding tolerance with fewer padded columns): the model reads padded columns (it "
+                      "ignores the attention mask, as FNet does), so an example's loss depends on its batch's "
+                      "longest row; pad every row to max_length (the data's `pad_to_max_length: true`) or use "
+                      "a model that masks padding"])
+        return True
+
+    def _own_padding(self, part):
+        """``part`` cut to its longest row (text padded per batch, as the data modules pad it)."""
+        if self.fixed_shape is None and isinstance(part, Mapping) and "attention_mask" in part:
+            return cut_columns(part, max(int(used_lengths(part["attention_mask"]).max()), 1))
+        return part
 
     def split_batch(self, batch) -> tuple[Any, Optional[Any]]:
         """``(private, public)``: a DataModule with ``public_in_step`` hands both; otherwise public is None."""
@@ -440,26 +457,6 @@ def _refuse_loss_scaling(trainer: "pl.Trainer") -> None:
         raise ConfigError(
             "Invalid configuration: `trainer.precision='16-mixed'` scales the loss of a backward these modules "
             "do not run through Lightning: use precision 'bf16-mixed', '16-true' or 'bf16-true'")
-
-
-#: Unattended columns appended by the padding check of the first private batch.
-EXTRA_PADDING = 8
-
-
-def wider(inputs: Mapping[str, Tensor], extra: int, mask_key: str = "attention_mask") -> dict[str, Tensor]:
-    """``inputs`` with ``extra`` more padded columns: every tensor laid out like ``inputs[mask_key]`` repeats
-    its last column, and the masks (keys ending in ``mask``: attention, candidates) are 0 there."""
-    mask = inputs[mask_key]
-    dim = mask.dim() - 1
-
-    def pad(key: str, value: Tensor) -> Tensor:
-        if not isinstance(value, Tensor) or value.shape[:mask.dim()] != mask.shape:
-            return value
-        tail = value.narrow(dim, value.shape[dim] - 1, 1)
-        tail = torch.zeros_like(tail) if key.endswith("mask") else tail
-        return torch.cat([value, tail.expand(*value.shape[:dim], extra, *value.shape[dim + 1:])], dim)
-
-    return {key: pad(key, value) for key, value in inputs.items()}
 
 
 def _refuse_text_mismatch(backbone: nn.Module, datamodule: Any) -> None:

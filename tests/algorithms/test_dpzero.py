@@ -397,8 +397,8 @@ def test_a_model_whose_loss_moves_with_the_batchs_padding_is_refused_in_one_line
 
 
 def test_the_batch_mixing_checks_cost_two_extra_forwards_once_per_fit():
-    """Halves of the first batch (2 calls) and the batch with more padding (1 call) besides the step's two
-    passes; then two passes per step."""
+    """The first batch's shorter rows with less padding (1 call) and its halves (2 calls) besides the step's
+    two passes; then two passes per step."""
     backbone = TokenBag(masked=True)
     calls = []
 
@@ -409,3 +409,16 @@ def test_the_batch_mixing_checks_cost_two_extra_forwards_once_per_fit():
     module = DPZero(backbone, clip=1.0, noise_multiplier=1.0, delta=1e-5, lr=0.01)
     fit(module, token_loader(), 4, callbacks=[Calls()])
     assert calls == [5, 2, 2, 2]
+
+
+def test_the_padding_check_never_passes_the_models_position_table():
+    """It compares shorter rows with less padding: appending columns (its first form) ran a batch whose
+    longest row filled BERT's 10 positions through 18, an IndexError."""
+    from lit_zodp.backbones import HFSequenceClassifier
+    from lit_zodp.backbones.huggingface import tiny_bert_config
+
+    torch.manual_seed(0)
+    backbone = HFSequenceClassifier(config=tiny_bert_config(vocab_size=20, max_position_embeddings=10), num_classes=2)
+    module = DPZero(backbone, clip=1.0, noise_multiplier=1.0, delta=1e-5, lr=0.01)
+    fit(module, token_loader(), 2)
+    assert module.privacy.ledger.total_count == 2 and not module._pending_checks
