@@ -438,6 +438,15 @@ def test_a_batchnorm_using_batch_statistics_in_eval_mode_is_refused_in_one_line(
     assert "\n" not in str(info.value)
 
 
+def refused_before_a_step(name, first_layer, match):
+    """``first_layer`` in front of the MLP: the fit is refused in one line matching ``match``, no step released."""
+    torch.manual_seed(1)
+    module = build(name, nn.Sequential(first_layer, nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3)))
+    with pytest.raises(PrivacyConfigError, match=match) as info:
+        fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
+
+
 class _InputAverage(nn.Module):
     """Keeps a running average of its inputs in a buffer in every mode (a custom normalisation layer)."""
 
@@ -453,11 +462,7 @@ class _InputAverage(nn.Module):
 @pytest.mark.parametrize("name", PRIVATE)
 def test_a_layer_writing_a_buffer_in_the_private_forward_is_refused_in_one_line(name):
     """The buffer would keep an un-noised average of private examples in every checkpoint (audit 4)."""
-    torch.manual_seed(1)
-    module = build(name, nn.Sequential(_InputAverage(), nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3)))
-    with pytest.raises(PrivacyConfigError, match="`0` \\(_InputAverage\\) wrote `average` in the private forward") as info:
-        fit(module, poisson_loader(blobs(), 0.25), 2)
-    assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
+    refused_before_a_step(name, _InputAverage(), "`0` \\(_InputAverage\\) wrote `average` in the private forward")
 
 
 class _BatchCentring(nn.Module):
@@ -470,11 +475,7 @@ class _BatchCentring(nn.Module):
 @pytest.mark.parametrize("name", PRIVATE)
 def test_a_forward_mixing_the_batch_in_its_values_is_refused_before_a_step_is_released(name):
     """Every example's value then moved with each batch-mate: up to 1.37 C on one removal (audit 5)."""
-    torch.manual_seed(1)
-    module = build(name, nn.Sequential(_BatchCentring(), nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3)))
-    with pytest.raises(PrivacyConfigError, match="depend on their batch-mates") as info:
-        fit(module, poisson_loader(blobs(), 0.25), 2)
-    assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
+    refused_before_a_step(name, _BatchCentring(), "depend on their batch-mates")
 
 
 @pytest.mark.parametrize("name", sorted(n for n in PRIVATE if issubclass(ALGORITHMS[n], ZerothOrderModule)))

@@ -267,8 +267,8 @@ class AlgorithmModule(pl.LightningModule):
         """The losses again on two random halves, each cut to its own longest row as the data modules pad
         it (:func:`~lit_zodp.per_example.checks.refuse_batch_mixing`); whether 2+ finite ones compared."""
         def losses_of(rows: Tensor) -> Tensor:
-            return self._losses(self._own_padding(take_rows(inputs, rows.to(targets.device))),
-                                targets[rows.to(targets.device)])
+            rows = rows.to(targets.device)
+            return self._losses(self._own_padding(take_rows(inputs, rows)), targets[rows])
 
         return refuse_batch_mixing(losses_of, len(targets), dtype=dtype, device=losses.device, full=losses)
 

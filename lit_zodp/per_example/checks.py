@@ -165,8 +165,9 @@ def random_halves(size: int) -> tuple[Tensor, Tensor]:
     return order[: size // 2], order[size // 2:]
 
 
-def _rows(values: Tensor, size: int) -> Tensor:
-    return values.detach().reshape(size, -1).to(torch.promote_types(values.dtype, torch.float32))
+def flat_rows(values: Tensor) -> Tensor:
+    """``values [B, ...]`` as detached rows ``[B, -1]`` of at least float32."""
+    return values.detach().reshape(values.shape[0], -1).to(torch.promote_types(values.dtype, torch.float32))
 
 
 def rows_differ(full: Tensor, again: Tensor, *, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -175,8 +176,7 @@ def rows_differ(full: Tensor, again: Tensor, *, dtype: torch.dtype, device: torc
     coverage check's tolerance, :mod:`.coverage`; ``eps`` of ``dtype`` and the forward's autocast,
     :func:`.rounding.working_eps`): > 1 is a mismatch. Rows non-finite in both are 0; a row finite in
     only one of them is ``inf``."""
-    size = len(full)
-    full, again = _rows(full, size).to(device), _rows(again, size).to(device)
+    full, again = flat_rows(full).to(device), flat_rows(again).to(device)
     finite_full, finite_again = torch.isfinite(full).all(1), torch.isfinite(again).all(1)
     both = finite_full & finite_again
     zero = torch.zeros((), dtype=full.dtype, device=device)
@@ -219,9 +219,9 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
         return False
     full = values_of(torch.arange(size)) if full is None else full
     first, second = random_halves(size)
-    split = torch.empty_like(_rows(full, size))
+    split = torch.empty_like(flat_rows(full))
     for half in (first, second):
-        split[half.to(split.device)] = _rows(values_of(half), len(half)).to(split.dtype)
+        split[half.to(split.device)] = flat_rows(values_of(half)).to(split.dtype)
     ratio = rows_differ(full, split, dtype=dtype, device=device)
     changed = float(ratio.max())
     raise_if_any([None if changed <= 1.0 else
@@ -229,4 +229,4 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
                   f"the rounding tolerance when the batch was split in two): per-example clipping cannot bound "
                   f"one example's influence (BatchNorm-like statistics, batch centring, MoE capacity); make the "
                   f"forward per-example"])
-    return int(torch.isfinite(_rows(full, size)).all(1).sum()) >= 2
+    return int(torch.isfinite(flat_rows(full)).all(1).sum()) >= 2

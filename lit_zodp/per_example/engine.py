@@ -83,7 +83,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import CallKey, _RowSummaries, _rows_agree, misaligned_calls
-from lit_zodp.per_example.checks import (buffer_state, check_losses, check_mode, check_transform,
+from lit_zodp.per_example.checks import (buffer_state, check_losses, check_mode, check_transform, flat_rows,
                                          refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
                                          refuse_reentrant_checkpointing, rows_differ)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
@@ -234,10 +234,6 @@ def _check_probability(value: Any) -> Optional[str]:
 def _comparable(losses: Tensor) -> bool:
     """At least 2 finite examples: only then can a check see one example reach another."""
     return int(torch.isfinite(losses.detach()).sum()) >= 2
-
-
-def _flat_rows(x: Tensor) -> Tensor:
-    return x.detach().reshape(x.shape[0], -1).to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _coarsest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
@@ -552,7 +548,7 @@ class PerExampleGradientEngine:
     def _refuse_call_mixing(self, call: ModuleCall, outputs: Dict[int, Tensor], size: int) -> None:
         """A random forward (dropout in train mode) differs on any recomputation: when the whole batch
         does not reproduce itself, both sides are recomputed in eval mode."""
-        full = torch.cat([_flat_rows(outputs[j]) for j in sorted(outputs)], 1)
+        full = torch.cat([flat_rows(outputs[j]) for j in sorted(outputs)], 1)
         values_of = self._rows_of(call, sorted(outputs), size, full.device)
         dtype = _coarsest([*(v.dtype for v in outputs.values()), *(p.dtype for p in self.params)])
         what = "outputs of the engine's module"
@@ -583,7 +579,7 @@ class PerExampleGradientEngine:
             args, kwargs = tree_unflatten(inputs, call.spec)
             with torch.no_grad(), forward_autocast(self._device_type), torch.random.fork_rng(devices=devices):
                 flat = tree_flatten(call.module(*args, **kwargs))[0]
-            return torch.cat([_flat_rows(flat[j][:rows]) if j < len(flat) and is_batched(flat[j], len(padded))
+            return torch.cat([flat_rows(flat[j][:rows]) if j < len(flat) and is_batched(flat[j], len(padded))
                               else torch.full((rows, 1), math.nan, device=device) for j in leaves], 1)
         return values_of
 
