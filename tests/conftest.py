@@ -49,6 +49,44 @@ def mlp(features=10, classes=3, seed=0):
     return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))
 
 
+class TokenBag(nn.Module):
+    """Token-id inputs ``{"input_ids", "attention_mask"}``; ``masked=False`` averages the padding too
+    (as FNet, which takes no attention mask), so a row's loss moved with its batch's longest row."""
+
+    num_classes = 2
+
+    def __init__(self, masked: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.masked = masked
+        self.embed, self.head = nn.Embedding(20, 8), nn.Linear(8, 2)
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask):
+        self.calls += 1
+        states, mask = self.embed(input_ids), attention_mask.unsqueeze(-1).float()
+        pooled = (states * mask).sum(1) / mask.sum(1) if self.masked else states.mean(1)
+        return self.head(pooled)
+
+
+def token_loader(sample_rate=0.3, n=64):
+    """Rows of 2-10 tokens (id 0 pads), Poisson batches padded to their longest row."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 11, (n,), generator=g)
+    rows = [torch.randint(1, 20, (int(k),), generator=g) for k in lengths]
+    labels = torch.randint(0, 2, (n,), generator=g)
+
+    def collate(indices):
+        width = max([len(rows[i]) for i in indices], default=1)
+        ids = torch.zeros(len(indices), width, dtype=torch.long)
+        for r, i in enumerate(indices):
+            ids[r, :len(rows[i])] = rows[i]
+        return {"input_ids": ids, "attention_mask": (ids != 0).long()}, labels[list(indices)]
+
+    sampler = PoissonBatchSampler(n, sample_rate, seed=0)
+    return DataLoader(list(range(n)), batch_sampler=sampler, collate_fn=collate)
+
+
 def quiet_trainer(**kwargs):
     defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)

@@ -28,6 +28,7 @@ from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per
 from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
 from lit_zodp.per_example.checks import (BufferState, buffer_state, refuse_batch_mixing, refuse_buffer_writes,
                                          rows_differ)
+from lit_zodp.per_example.engine import _eval_mode as eval_mode
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
 from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, take_rows, used_lengths
 from lit_zodp.privacy.sampling import SamplingDescription
@@ -70,6 +71,9 @@ class AlgorithmModule(pl.LightningModule):
 
     #: False for the non-private twin of an algorithm (MeZO for DPZero).
     private: ClassVar[bool] = True
+    #: The per-example independence checks a private fit runs on its first batches (audit 5): ``halves`` (a
+    #: forward mixing rows in its values) and ``padding`` (a model reading padded columns).
+    independence_checks: ClassVar[tuple[str, ...]] = ("halves", "padding")
     #: The algorithm a private one equals at sigma = 0 and clip = inf (checked by the contract suite).
     non_private_twin: ClassVar[Optional[str]] = None
     #: Registered for the contract suite unless abstract.
@@ -198,7 +202,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.private:
             self.privacy.require_attached(self.trainer.optimizers)
             self._buffers_before = buffer_state(self.backbone)
-            self._pending_checks = {"halves", "padding"}
+            self._pending_checks = set(self.independence_checks)
         self._sigma_logged = False
 
     def on_train_epoch_start(self) -> None:
@@ -263,6 +267,18 @@ class AlgorithmModule(pl.LightningModule):
         if "halves" in self._pending_checks and self._refuse_batch_mixing(inputs, targets, losses, dtype):
             self._pending_checks.discard("halves")
 
+    def check_padding_once(self, inputs, targets) -> None:
+        """The padding check for modules whose step has no ``private_losses`` (first-order): the losses of the
+        batch and of its shorter rows, in eval mode (dropout would differ) without grad; once per fit. A
+        decoder classifier given ``inputs_embeds`` reads its logit at the last column, a padded one when the
+        row is shorter than its batch (0.05-0.11 in a logit, audit 5): it was checked in zeroth-order fits only."""
+        if "padding" not in self._pending_checks or batch_size_of(inputs) == 0:
+            return
+        dtype = next((p.dtype for p in self.backbone.parameters()), torch.float32)
+        with torch.no_grad(), eval_mode(self.backbone):
+            if self._refuse_padding_dependence(inputs, targets, self._losses(inputs, targets), dtype):
+                self._pending_checks.discard("padding")
+
     def _refuse_batch_mixing(self, inputs, targets, losses: Tensor, dtype: torch.dtype) -> bool:
         """The losses again on two random halves, each cut to its own longest row as the data modules pad
         it (:func:`~lit_zodp.per_example.checks.refuse_batch_mixing`); whether 2+ finite ones compared."""
@@ -289,9 +305,9 @@ class AlgorithmModule(pl.LightningModule):
         ratio = float(rows_differ(losses[shorter.to(losses.device)], again, dtype=dtype, device=losses.device).max())
         raise_if_any([None if ratio <= 1.0 else
                       f"The per-example losses change with the padding of their batch (by {ratio:.3g} times the "
-                      "rounding tolerance with fewer padded columns): the model reads padded columns (it "
-                      "ignores the attention mask, as FNet does), so an example's loss depends on its batch's "
-                      "longest row; pad every row to max_length (the data's `pad_to_max_length: true`) or use "
+                      "rounding tolerance with fewer padded columns): the model reads padded columns (FNet "
+                      "ignores the attention mask; a decoder classifier given inputs_embeds reads the last "
+                      "column), so an example's loss depends on its batch's longest row; pad every row to max_length (the data's `pad_to_max_length: true`) or use "
                       "a model that masks padding"])
         return True
 

@@ -50,6 +50,8 @@ class FirstOrderModule(AlgorithmModule):
     """
 
     abstract = True
+    #: The engine checks each new call structure's forward on two halves itself (and re-checks at random).
+    independence_checks = ("padding",)
 
     def __init__(self, backbone: nn.Module, *, weight_decay: float = 0.0, grad_mode: str = "hooks",
                  micro_batch_size: Optional[int] = None, **kwargs: Any) -> None:
@@ -84,6 +86,7 @@ class FirstOrderModule(AlgorithmModule):
     # ------------------------------------------------------------------------------ verbs
     def private_gradient(self, inputs, targets) -> ClippedSum:
         """``sum_i clip_C(grad f(x; xi_i))``, flat over all parameters, micro-batch by micro-batch."""
+        self.check_padding_once(inputs, targets)
         if self.fixed_shape is not None:
             loss_fns = [(lambda x=x, y=y: per_example_loss(self.backbone, x, y).float(), len(positions))
                         for x, y, positions in self.fixed_shape.chunks(inputs, targets)]

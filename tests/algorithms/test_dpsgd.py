@@ -3,7 +3,6 @@ their noise law, micro-batching, the norm-only path and the refusal of BatchNorm
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -11,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from lit_zodp.algorithms import DPAdam, DPSGD
 from lit_zodp.errors import PrivacyConfigError
-from lit_zodp.privacy import FullBatchSampler, NoiseSource, PrivacyLedger
+from lit_zodp.privacy import FullBatchSampler, NoiseSource
 from tests.conftest import blobs, collate_tensors, mlp, poisson_loader, quiet_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set", "ignore:.*Secure RNG.*",
@@ -214,3 +213,30 @@ def test_under_bf16_mixed_precision_the_engine_runs_inside_the_autocast_and_sees
     module = DPSGD(mlp(seed=4), lr=0.3, clip=0.2, noise_multiplier=1.0, grad_mode="ghost")
     quiet_trainer(max_steps=2, precision="bf16-mixed").fit(module, full_batch(blobs(n=48), 2))
     assert seen == [(True, {torch.float32})] * 2
+
+
+def test_a_decoder_classifier_on_right_padded_inputs_embeds_is_refused_before_a_step():
+    """Given ``inputs_embeds``, GPT-2's classifier reads its logit at the last column, padding in a row shorter
+    than its batch (transformers cannot find pad ids in embeddings): the row's loss moved with its batch's
+    longest row (audit 5, 0.05-0.11 in a logit). First-order fits did not check padding before 2026-11-25."""
+    from lit_zodp.backbones import HFSequenceClassifier
+    from lit_zodp.privacy import PoissonBatchSampler
+
+    torch.manual_seed(0)
+    backbone = HFSequenceClassifier(config=dict(model_type="gpt2", vocab_size=64, n_embd=32, n_layer=2, n_head=2,
+                                                n_positions=32, pad_token_id=0, eos_token_id=1), num_classes=2)
+    g = torch.Generator().manual_seed(0)
+    embeds = [torch.randn(int(k), 32, generator=g) for k in torch.randint(2, 11, (64,), generator=g)]
+
+    def collate(indices):
+        width = max([len(embeds[i]) for i in indices], default=1)
+        x, mask = torch.zeros(len(indices), width, 32), torch.zeros(len(indices), width, dtype=torch.long)
+        for r, i in enumerate(indices):
+            x[r, :len(embeds[i])], mask[r, :len(embeds[i])] = embeds[i], 1
+        return {"inputs_embeds": x, "attention_mask": mask}, torch.tensor([i % 2 for i in indices])
+
+    loader = DataLoader(list(range(64)), batch_sampler=PoissonBatchSampler(64, 0.3, seed=0), collate_fn=collate)
+    module = DPSGD(backbone, lr=0.05, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    with pytest.raises(PrivacyConfigError, match="inputs_embeds reads the last column"):
+        quiet_trainer(max_steps=2).fit(module, loader)
+    assert module.privacy.ledger.total_count == 0
