@@ -32,7 +32,7 @@ def difference_norm(total: Tensor, full: Tensor, chunk: int = DIFFERENCE_CHUNK) 
 
 def uncovered(sums: Sequence[Optional[Tensor]], norms: Sequence[Optional[Tensor]],
               batch_grads: Sequence[Optional[Tensor]], device: torch.device,
-              diffs: Optional[Dict[int, Tensor]] = None) -> List[int]:
+              diffs: Optional[Dict[int, Tensor]] = None, others_norm_sq: float | Tensor = 0.0) -> List[int]:
     """Indices ``p`` with ``||sum_i g_{i,p} - g_p|| > sqrt(eps) (sum_i ||g_{i,p}|| + ||g||)``.
 
     Args:
@@ -40,6 +40,8 @@ def uncovered(sums: Sequence[Optional[Tensor]], norms: Sequence[Optional[Tensor]
         norms: Per-example norms ``||g_{i,p}||`` ``[B]`` per parameter.
         batch_grads: The batch gradient ``g_p`` (``None``: unused parameter, not checked).
         diffs: ``||sum_i g_{i,p} - g_p||`` already taken (as the gradient arrived), in place of ``sums[p]``.
+        others_norm_sq: ``||g_q||^2`` summed over the parameters not passed here (ghost mode drops those
+            found covered as their gradients arrive): part of ``||g||``.
 
     ``g`` is the whole batch gradient: the tolerance covers rounding of a sum of ``B`` terms with
     cancellation, and parameters whose exact gradient is 0 (an attention key bias) but whose
@@ -61,7 +63,8 @@ def uncovered(sums: Sequence[Optional[Tensor]], norms: Sequence[Optional[Tensor]
         eps.append(working_eps(device.type, full.dtype if total is None else total.dtype, full.dtype) ** 0.5)
     diffs, scales, fulls = torch.stack(gaps), torch.stack(scales), torch.stack(fulls)
     finite = torch.isfinite(fulls)
-    whole = torch.where(finite, fulls, 0).pow(2).sum().sqrt()
+    others = torch.as_tensor(others_norm_sq, dtype=torch.float64).to(device)
+    whole = (torch.where(finite, fulls, 0).pow(2).sum() + others).sqrt()
     tolerance = torch.tensor(eps, dtype=torch.float64, device=device) * (scales + whole)
     failed = finite & ~(diffs <= tolerance)
     return [checked[k] for k in failed.nonzero().flatten().tolist()]

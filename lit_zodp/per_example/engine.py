@@ -200,6 +200,9 @@ class _Batch:
     projected: Set[int] = field(default_factory=set)
     unit_sums: Dict[int, Tensor] = field(default_factory=dict)
     unit_diffs: Dict[int, Tensor] = field(default_factory=dict)
+    #: ``sum ||g_p||^2`` of the batch gradients dropped as covered on arrival (``_compare_on_arrival``): the
+    #: whole-gradient term of the final check's tolerance must still see them.
+    covered_norm_sq: float | Tensor = 0.0
     second_pass: Optional[_SecondPass] = None
 
 
@@ -640,6 +643,7 @@ class PerExampleGradientEngine:
             gap = difference_norm(total, full)
             scale = batch.ghost_norm_sq[i].double().sqrt().sum() + full.norm().double()
             if bool(gap.double() <= eps * scale):
+                batch.covered_norm_sq = batch.covered_norm_sq + full.norm().double() ** 2
                 param.grad = None  # covered: neither its sum nor its gradient is needed any more
             else:
                 batch.unit_diffs[i] = gap
@@ -856,7 +860,7 @@ class PerExampleGradientEngine:
         expected = [self._projections[i].of_gradients(g) if i in batch.projected and g is not None else g
                     for i, g in enumerate(batch_grads)]
         diffs = {i: d for i, d in batch.unit_diffs.items() if i not in batch.dense}
-        return uncovered(sums, norms, expected, losses.device, diffs=diffs)
+        return uncovered(sums, norms, expected, losses.device, diffs=diffs, others_norm_sq=batch.covered_norm_sq)
 
     def _drop(self, batch: _Batch, indices: List[int]) -> None:
         for i in indices:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import weakref
+from copy import deepcopy
 
 import pytest
 import torch
@@ -208,3 +209,28 @@ def test_the_guard_follows_the_float32_matmul_setting(monkeypatch):
     monkeypatch.setattr(rounding, "float32_matmul_setting", lambda device_type: "tf32")
     assert bool((gram_norm_sq(a, grad) > tight * (1 + 1e-3)).all())
     assert torch.equal(gram_norm_sq(a.double(), grad.double()), tight64)  # float64 sums: no TF32
+
+def test_a_parameter_whose_exact_gradient_is_zero_passes_ghost_modes_checked_step():
+    """An attention key bias shifts every score of a query equally, so softmax cancels it: its computed
+    gradient is rounding noise. The coverage tolerance's whole-gradient term covers it, but ghost mode
+    dropped the parameters found covered on arrival from that term, so every checked step of a BERT
+    sentence encoder was refused (DPSGD on the packaged MiniLM, 2026-11-25)."""
+    from lit_zodp.backbones import SentenceEncoderClassifier
+    from lit_zodp.backbones.base import per_example_loss
+    from lit_zodp.backbones.huggingface import tiny_bert_config
+
+    torch.manual_seed(0)
+    model = SentenceEncoderClassifier(config=tiny_bert_config(vocab_size=64), num_classes=2).float()  # float32, dropout
+    g = torch.Generator().manual_seed(0)
+    ids = torch.zeros(8, 12, dtype=torch.long)
+    for row, length in enumerate(torch.randint(2, 12, (8,), generator=g).tolist()):
+        ids[row, :length] = torch.randint(1, 64, (length,), generator=g)
+    inputs, y = {"input_ids": ids, "attention_mask": (ids != 0).long()}, torch.randint(0, 2, (8,), generator=g)
+    sums = {}
+    for mode in ("ghost", "hooks"):  # one engine per model: an engine's hooks stay on the model it was built on
+        copy = deepcopy(model)
+        torch.manual_seed(1)  # the same dropout masks in both
+        sums[mode] = PerExampleGradientEngine(copy, mode=mode).clipped_sum(
+            lambda copy=copy: per_example_loss(copy, inputs, y).float(), 1.0).grads
+    for a, b in zip(sums["ghost"], sums["hooks"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
