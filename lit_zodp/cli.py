@@ -10,6 +10,7 @@ iterate, as the papers' reference code does with ``load_best_model_at_end``).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -21,10 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from lightning.fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
-from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn  # noqa: E402
 
-from lit_zodp.errors import ConfigError, PrivacyConfigError  # noqa: E402
-from lit_zodp.privacy.component import epsilon_text  # noqa: E402
+from lit_zodp.cli_errors import OneLineErrorParser, imported  # noqa: E402
+from lit_zodp.errors import ConfigError, PrivacyConfigError, raise_if_any  # noqa: E402
+from lit_zodp.privacy.component import budget_order_error, epsilon_text  # noqa: E402
 
 
 #: ``ckpt_path`` values Lightning resolves itself rather than reading a file.
@@ -42,22 +44,37 @@ class LitZODPCLI(LightningCLI):
                                  "(the best checkpoint of a ModelCheckpoint with a `monitor`, e.g. val_acc).")
 
     def _parse_ckpt_path(self) -> None:
-        """Resuming: LightningCLI replaces the model arguments by the checkpoint's saved hyperparameters.
+        """Resuming continues ONE run: LightningCLI rebuilds the model from the checkpoint's saved
+        hyperparameters, which its privacy ledger depends on. So:
 
-        A privacy budget given on the command line must still bind: keep the smaller of the
-        command line's and the checkpoint's ``target_epsilon`` and ``max_epsilon``. (The checkpoint's
-        privacy state keeps its own budget binding too, whatever these arguments say.)
+        * a configured model class other than the checkpoint's is refused (a private run must not
+          continue as a non-private one, nor the reverse);
+        * each configured model option the checkpoint replaces is named in one warning line;
+        * a privacy budget given must still bind: ``target_epsilon`` and ``max_epsilon`` keep the smaller
+          of the configured and the checkpoint's value (listed as replaced only when the checkpoint's
+          smaller one was kept). The checkpoint's privacy state keeps its own budget binding too.
+
+        Without a checkpoint, a ``fit`` whose ``max_epsilon`` is below its ``target_epsilon`` is refused
+        here, before any data is loaded (:func:`~lit_zodp.privacy.component.budget_order_error`).
         """
-        path = self.config[self.config.subcommand].get("ckpt_path")
+        subcommand = self.config.subcommand
+        path = self.config[subcommand].get("ckpt_path")
         if path is not None and path not in _SPECIAL_CKPT_PATHS and not os.path.exists(path):
             raise ConfigError(f"`ckpt_path`: no checkpoint at {path!r}")  # before: a traceback after data setup
-        given = _budget_arguments(self.config)
+        configured = _model_arguments(self.config)
+        if path is None:
+            if subcommand == "fit":
+                raise_if_any([budget_order_error(configured.get("target_epsilon"), configured.get("max_epsilon"))])
+            return
+        if os.path.isfile(path):
+            _refuse_another_class(configured.get("class_path"), _checkpoint_class(path), path)
         super()._parse_ckpt_path()
-        restored = _budget_arguments(self.config)
-        for key, value in given.items():
-            if value is not None:
-                smaller = value if restored.get(key) is None else min(value, restored[key])
-                self.config[self.config.subcommand].model.init_args[key] = smaller
+        restored = _model_arguments(self.config)
+        for key in BUDGET_ARGUMENTS:
+            if configured.get(key) is not None and key in restored:
+                kept = configured[key] if restored[key] is None else min(configured[key], restored[key])
+                self.config[subcommand].model.init_args[key] = kept
+        _warn_replaced(configured, _model_arguments(self.config), path)
 
     def before_fit(self) -> None:
         self._fit_started = time.perf_counter()
@@ -97,10 +114,63 @@ class LitZODPCLI(LightningCLI):
 BUDGET_ARGUMENTS = ("target_epsilon", "max_epsilon")
 
 
-def _budget_arguments(config) -> dict:
-    subcommand = config.get("subcommand")
-    init_args = config.get(subcommand, {}).get("model", {}).get("init_args", {}) if subcommand else {}
-    return {key: init_args.get(key) for key in BUDGET_ARGUMENTS if key in init_args}
+def _model_arguments(config) -> dict:
+    """The model's ``class_path`` and ``init_args`` in ``config``, as plain values."""
+    model = config[config.subcommand].get("model") or {}
+    init_args = model.get("init_args") or {}
+    init_args = init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args)
+    return {"class_path": model.get("class_path"), **init_args}
+
+
+def _checkpoint_class(path: str) -> Optional[str]:
+    """The model class a checkpoint saved (LightningCLI's ``_class_path`` hyperparameter), its tensors
+    memory-mapped, not read; ``None`` when it saved none (or cannot be read: Lightning will say why)."""
+    import torch
+
+    for mmap in (True, False):  # a checkpoint of the old, non-zip format cannot be memory-mapped
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return (checkpoint.get("hyper_parameters") or {}).get("_class_path")
+        except Exception:  # noqa: BLE001 (not a checkpoint: Lightning's own load reports it)
+            continue
+    return None
+
+
+def _refuse_another_class(configured: Optional[str], saved: Optional[str], path: str) -> None:
+    """A resume continues the checkpoint's run: the configured model class must be the checkpoint's."""
+    if configured is None or saved is None or configured == saved:
+        return
+    if imported(configured) is not None and imported(configured) is imported(saved):
+        return  # one class under two import paths
+    raise ConfigError(
+        f"`model.class_path`: the checkpoint {path!r} was trained by {saved}, but the configuration names "
+        f"{configured}; a resume continues the checkpoint's run (privacy included): configure {saved}, or "
+        "start a new run without ckpt_path")
+
+
+def _warn_replaced(configured: dict, kept: dict, path: str) -> None:
+    """One warning line naming each configured model option whose value the checkpoint's replaced."""
+    replaced = [f"{key}: configured {_shown(configured.get(key))}, checkpoint {_shown(value)} (kept)"
+                for key, value in kept.items() if key in configured and not _same(configured[key], value)]
+    if replaced:
+        rank_zero_warn(f"Resuming {path}: a resume continues its run with the checkpoint's model options, not "
+                       f"the configured ones: {'; '.join(replaced)}", category=UserWarning, stacklevel=5)
+
+
+def _same(a, b) -> bool:
+    """Equal values, numbers up to type (``1 == 1.0``; a bool equals only itself)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if all(isinstance(v, (int, float)) for v in (a, b)):
+        return float(a) == float(b)
+    return a == b
+
+
+def _shown(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def _has_test_data(datamodule: Optional[LightningDataModule]) -> bool:
@@ -111,19 +181,32 @@ def _has_test_data(datamodule: Optional[LightningDataModule]) -> bool:
 
 
 def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: float) -> str:
-    """``RESULT task=... algorithm=... epsilon=... delta=... accuracy=... steps=... wall_s=...``."""
+    """``RESULT task=... algorithm=... epsilon=... delta=... accuracy=... steps=... wall_s=...``.
+
+    ``epsilon`` is ``non-private`` for a non-private module, ``inf`` at sigma = 0, and carries the suffix
+    ``(poisson-assumed)`` for ``sampling: shuffle`` (grep ``poisson-assumed``): never a bare number that
+    is not a guarantee.
+    """
     privacy = getattr(model, "privacy", None)
     accuracy = test_metrics.get("test_acc")
     fields = {
         "task": type(datamodule).__name__ if datamodule is not None else "-",
         "algorithm": type(model).__name__,
-        "epsilon": epsilon_text(privacy.epsilon(), ".3f") if getattr(privacy, "private", False) else "non-private",
+        "epsilon": _epsilon_field(privacy),
         "delta": f"{privacy.delta:.3g}" if getattr(privacy, "delta", None) else "-",
         "accuracy": f"{accuracy:.4f}" if accuracy is not None else "-",
         "steps": trainer.global_step,
         "wall_s": f"{wall_seconds:.1f}",
     }
     return "RESULT " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def _epsilon_field(privacy) -> str:
+    """``1.234``; ``1.234(poisson-assumed)`` for ``sampling: shuffle`` (accounted as Poisson: no guarantee)."""
+    if not getattr(privacy, "private", False):
+        return "non-private"
+    text = epsilon_text(privacy.epsilon(), ".3f")
+    return f"{text}(poisson-assumed)" if getattr(privacy, "poisson_assumed", False) else text
 
 
 def build_cli(args=None) -> LitZODPCLI:
@@ -133,6 +216,7 @@ def build_cli(args=None) -> LitZODPCLI:
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        parser_class=OneLineErrorParser,
         trainer_defaults={"use_distributed_sampler": False},
         auto_configure_optimizers=False,  # an `optimizer:` override would bypass the privacy ledger
         save_config_kwargs={"overwrite": True},

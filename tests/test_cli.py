@@ -24,8 +24,11 @@ TINY = {
 }
 
 
-def write_config(tmp_path, config=TINY):
-    path = tmp_path / "tiny.yaml"
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+def write_config(tmp_path, config=TINY, name="tiny.yaml"):
+    path = tmp_path / name
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -120,12 +123,13 @@ def test_a_configuration_error_ends_in_one_line_and_exit_code_2(tmp_path):
     assert "Traceback" not in result.stderr and "Namespace(" not in result.stderr
 
 
-def _fit_with_checkpoint(tmp_path, *extra):
-    config = yaml.safe_load(yaml.safe_dump(TINY))
+def _fit_with_checkpoint(tmp_path, *extra, config=TINY, name="tiny.yaml"):
+    config = yaml.safe_load(yaml.safe_dump(config))
     config["trainer"].update(enable_checkpointing=True, callbacks=[{
         "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
         "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True}}])
-    return build_cli(["fit", "--config", str(write_config(tmp_path, config)), "--test_after_fit", "false", *extra])
+    return build_cli(["fit", "--config", str(write_config(tmp_path, config, name)), "--test_after_fit", "false",
+                      *extra])
 
 
 def test_a_resume_through_the_cli_never_spends_past_the_budget(tmp_path, monkeypatch):
@@ -272,3 +276,134 @@ def test_an_unknown_test_ckpt_is_refused_when_parsed(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["fit", "--config", str(config), "--test_ckpt", "foo"])
     assert exit_info.value.code == 2
+
+
+def _stderr_of_a_refused_run(arguments, capsys) -> list[str]:
+    """Run the CLI in process; it must exit with code 2; its stderr's lines."""
+    from lit_zodp.cli import cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(arguments)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("arguments, typo, message", [
+    (["--model.init_args.clipp", "1.0"], None,
+     "`model.init_args.clipp`: Option 'clipp' is not accepted by lit_zodp.algorithms.DPZero "
+     "(did you mean `model.init_args.clip`?)"),
+    (["--model.init_args.clip", "abc"], None, "`model.init_args.clip`: Expected a float. Got value: abc"),
+    (["--trainer.max_stepz", "5"], None,
+     "unrecognized arguments: --trainer.max_stepz 5 (did you mean `--trainer.max_steps`?)"),
+    ([], ("    lam: 0.001", "    lamm: 0.001"),
+     "`model.init_args.lamm`: Option 'lamm' is not accepted by lit_zodp.algorithms.DPZero "
+     "(did you mean `model.init_args.lam`?)"),
+    ([], ("        hidden: 64", "        hiden: 64"),
+     "`model.init_args.backbone.init_args.hiden`: Option 'hiden' is not accepted by lit_zodp.backbones.TinyMLP "
+     "(did you mean `model.init_args.backbone.init_args.hidden`?)"),
+    ([], ("trainer:", "trainr:"),
+     "Subcommand 'fit' does not accept option 'trainr.accelerator' (did you mean `trainer.accelerator`?)"),
+])
+def test_an_option_typo_is_one_line_naming_the_option_and_the_closest_valid_one(arguments, typo, message, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """Before: jsonargparse's usage (about 60 lines), the reason nested in a union's alternatives."""
+    monkeypatch.chdir(tmp_path)
+    config = QUICKSTART
+    if typo is not None:  # a misspelled key in the config file
+        config = tmp_path / "typo.yaml"
+        config.write_text(QUICKSTART.read_text().replace(*typo, 1))
+    assert _stderr_of_a_refused_run(["fit", "--config", str(config), *arguments], capsys) == [
+        f"lit-zodp: error: {message}"]
+
+
+def test_help_and_print_config_are_unchanged(capsys):
+    from lit_zodp.cli import cli_main
+
+    for arguments in (["fit", "--help"], ["fit", "--config", str(QUICKSTART), "--print_config"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(arguments)
+        assert exit_info.value.code == 0
+    output = capsys.readouterr().out
+    assert "usage:" in output and "--trainer.max_steps" in output and "--model.help" in output
+    printed = yaml.safe_load(output[output.index("# lightning.pytorch=="):])
+    assert printed["model"]["class_path"] == "lit_zodp.algorithms.DPZero"
+
+
+def test_a_budget_below_the_target_of_a_new_run_is_one_line_naming_both(tmp_path, monkeypatch, capsys):
+    """Before: calibrated for epsilon 4 over the plan, stopped at 2 after 37 of 6000 steps, exit code 0."""
+    monkeypatch.chdir(tmp_path)
+    arguments = ["fit", "--config", str(QUICKSTART), "--model.init_args.max_epsilon", "2"]
+    assert _stderr_of_a_refused_run(arguments, capsys) == [
+        "lit-zodp: error: Invalid configuration: Expected `max_epsilon` >= `target_epsilon` for a new run (sigma is "
+        "calibrated to spend target_epsilon over the planned steps), but got max_epsilon=2 < target_epsilon=4: set "
+        "target_epsilon=2, or drop max_epsilon"]
+
+
+def _mezo(config=TINY):
+    config = yaml.safe_load(yaml.safe_dump(config))
+    config["model"]["class_path"] = "lit_zodp.algorithms.MeZO"
+    del config["model"]["init_args"]["target_epsilon"]
+    return config
+
+
+def test_a_resume_refuses_a_model_class_other_than_the_checkpoints(tmp_path, monkeypatch, capsys):
+    """Before: a DPZero config (noise_multiplier 1) resumed from a MeZO checkpoint trained on as MeZO, not private."""
+    monkeypatch.chdir(tmp_path)
+    _fit_with_checkpoint(tmp_path, config=_mezo())
+    private = yaml.safe_load(yaml.safe_dump(TINY))
+    private["model"]["init_args"].update(target_epsilon=None, noise_multiplier=1.0)
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    errors = _stderr_of_a_refused_run(["fit", "--config", str(write_config(tmp_path, private, "private.yaml")),
+                                       "--ckpt_path", last], capsys)
+    assert errors == [f"lit-zodp: error: `model.class_path`: the checkpoint {last!r} was trained by "
+                      "lit_zodp.algorithms.MeZO, but the configuration names lit_zodp.algorithms.DPZero; a resume "
+                      "continues the checkpoint's run (privacy included): configure lit_zodp.algorithms.MeZO, or start "
+                      "a new run without ckpt_path"]
+    private_run = tmp_path / "private"  # the reverse: a private checkpoint, a non-private configuration
+    private_run.mkdir()
+    _fit_with_checkpoint(private_run)
+    errors = _stderr_of_a_refused_run(["fit", "--config", str(write_config(tmp_path, _mezo(), "mezo.yaml")),
+                                       "--ckpt_path", str(private_run / "ckpt" / "last.ckpt")], capsys)
+    assert len(errors) == 1 and "was trained by lit_zodp.algorithms.DPZero, but the configuration names " \
+        "lit_zodp.algorithms.MeZO" in errors[0]
+
+
+def test_a_resume_names_each_configured_option_the_checkpoint_replaces(tmp_path, monkeypatch):
+    """Before: --model.init_args.lr 0.1 on a resume was silently replaced by the checkpoint's 0.05. The
+    checkpoint's values are kept (its ledger depends on them); a budget keeps the smaller value and is named
+    only when the checkpoint's was kept (target_epsilon 5 > 3), not when the configured one was (max_epsilon)."""
+    from lit_zodp.cli import _same
+
+    monkeypatch.chdir(tmp_path)
+    _fit_with_checkpoint(tmp_path)
+    with pytest.warns(UserWarning, match="with the checkpoint's model options") as record:
+        resumed = _fit_with_checkpoint(tmp_path, "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"),
+                                       "--model.init_args.lr", "0.1", "--model.init_args.clip", "1",
+                                       "--model.init_args.target_epsilon", "5", "--model.init_args.max_epsilon", "2.5")
+    message, = (str(w.message) for w in record if "model options" in str(w.message))
+    assert message.endswith("not the configured ones: lr: configured 0.1, checkpoint 0.05 (kept); "
+                           "target_epsilon: configured 5.0, checkpoint 3.0 (kept)")
+    hparams = resumed.model.hparams
+    assert (hparams.lr, hparams.clip, hparams.target_epsilon, hparams.max_epsilon) == (0.05, 1.0, 3.0, 2.5)
+    assert _same(1, 1.0) and not _same(True, 1) and not _same(None, 0) and _same([16, 32], [16, 32])
+
+
+@pytest.mark.parametrize("arguments, epsilon, spent", [
+    (["--data.init_args.sampling", "shuffle"], r"epsilon=\d+\.\d{3}\(poisson-assumed\) ",
+     "upper bound ASSUMING POISSON SAMPLING, which shuffled batches do not satisfy: not a guarantee"),
+    (["--model.init_args.target_epsilon", "null", "--model.init_args.noise_multiplier", "0"], "epsilon=inf ",
+     "Privacy spent: not private: epsilon = inf after 3 steps"),
+])
+def test_the_result_line_and_summary_say_when_epsilon_is_no_guarantee(arguments, epsilon, spent, tmp_path,
+                                                                       monkeypatch, caplog):
+    """Before: a shuffled run's epsilon printed like a guarantee; sigma 0 reported "after 0 steps"."""
+    import logging
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO):
+        build_cli(["fit", "--config", str(write_config(tmp_path)), "--trainer.max_steps", "3", *arguments])
+    messages = [r.getMessage() for r in caplog.records]
+    result, = (m for m in messages if m.startswith("RESULT"))
+    assert re.search(epsilon, result) and "steps=3 " in result
+    assert any(spent in m for m in messages if m.startswith("Privacy spent"))

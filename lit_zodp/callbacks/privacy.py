@@ -27,6 +27,10 @@ class PrivacySpendCallback(Callback):
             upper bound at its step; the last step is always logged), so accounting costs nothing
             visible next to a step. The first step only measures the step time; the accountant's
             cost starts from the one measured at fit start (``PrivacyComponent.accounting_seconds``).
+
+    The metric is ``epsilon`` (logged and in the progress bar). A ``sampling: shuffle`` run logs it as
+    ``epsilon_poisson_assumed`` instead: its shuffled batches are accounted as Poisson, so the value is
+    no guarantee, and a dashboard, monitor or progress bar reading ``epsilon`` must not show it as one.
     """
 
     ACCOUNTING_TIME_SHARE = 0.005
@@ -53,8 +57,9 @@ class PrivacySpendCallback(Callback):
             self._budget_announced = True
             remaining = privacy.planned_steps - trainer.global_step
             if privacy.steps_allowed < remaining:
-                rank_zero_info(f"Privacy budget epsilon={privacy.budget:g} allows {privacy.steps_allowed} more "
-                               f"steps of the {remaining} requested; training will stop there.")
+                rank_zero_info(f"Privacy budget {epsilon_metric(privacy)}={privacy.budget:g} allows "
+                               f"{privacy.steps_allowed} more steps of the {remaining} requested; training will stop "
+                               "there.")
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -72,7 +77,7 @@ class PrivacySpendCallback(Callback):
             if privacy.ledger.computations != computations:  # a memoised value says nothing of the cost
                 self._accounting_seconds = time.perf_counter() - now
             self._last_logged_step = trainer.global_step
-            pl_module.log("epsilon", self.epsilon, prog_bar=True, batch_size=1)
+            pl_module.log(epsilon_metric(privacy), self.epsilon, prog_bar=True, batch_size=1)
         self._last_batch_end = time.perf_counter()
 
     def _cadence(self) -> int:
@@ -85,3 +90,8 @@ class PrivacySpendCallback(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.epsilon = pl_module.privacy.epsilon()  # the ledger's cached bounds when the last step computed them
         rank_zero_info(f"Privacy spent: {pl_module.privacy.summary()}.")
+
+
+def epsilon_metric(privacy) -> str:
+    """The logged name of epsilon: ``epsilon``, or ``epsilon_poisson_assumed`` when it is no guarantee."""
+    return "epsilon_poisson_assumed" if getattr(privacy, "poisson_assumed", False) else "epsilon"

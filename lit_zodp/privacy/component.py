@@ -40,7 +40,7 @@ from lit_zodp.privacy.clipping import check_clip
 from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
 from lit_zodp.privacy.plan import StepPlan, composed_multiplier
-from lit_zodp.privacy.sampling import SamplingDescription
+from lit_zodp.privacy.sampling import SamplingDescription, ShuffledSampling
 from lit_zodp.privacy.spend_log import Counts, SpendLog, decode_counts, encode_counts, new_id, summed
 
 #: The default delta's ceiling: the papers' 1e-5 (DPZero, DP-GRAPE), below ``1 / (10 n)`` for larger ``n``.
@@ -123,6 +123,7 @@ class PrivacyComponent:
         self.planned_steps: Optional[int] = None
         self.budget: Optional[float] = None
         self.steps_allowed: Optional[int] = None
+        self.noiseless_steps = 0  # steps taken at sigma = 0: counted here, never in the ledger
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
         self._released: list[str] = []
@@ -244,8 +245,10 @@ class PrivacyComponent:
         """Smallest sigma whose epsilon (PRV upper bound) over the planned steps is <= target.
 
         With ``accountant="rdp"``, Opacus's ``get_noise_multiplier`` (RDP, tolerance 0.01), exactly as
-        the DPZero reference code calibrates, divided by the step plan's composition factor.
+        the DPZero reference code calibrates, divided by the step plan's composition factor. A
+        ``max_epsilon`` below the target is refused here (:func:`budget_order_error`).
         """
+        raise_if_any([budget_order_error(self.target_epsilon, self.max_epsilon)])
         if self.ledger.accountant == "rdp":
             from opacus.accountants.utils import get_noise_multiplier
 
@@ -392,6 +395,8 @@ class PrivacyComponent:
                 if self._spend_log is not None:
                     self._spend_log.count_step()
                 self.branches[self.branch] += 1
+        else:
+            self.noiseless_steps += steps
         if self.steps_allowed is not None:
             self.steps_allowed -= steps
         if released != planned:
@@ -404,7 +409,15 @@ class PrivacyComponent:
 
     @property
     def steps(self) -> int:
-        return self.ledger.total_count
+        """Steps taken: the ledger's, plus those taken at sigma = 0 (which release nothing to account)."""
+        return self.ledger.total_count + self.noiseless_steps
+
+    @property
+    def poisson_assumed(self) -> bool:
+        """True for ``sampling: shuffle``: its shuffled batches are accounted as Poisson, so its epsilon
+        is no guarantee (:data:`~lit_zodp.privacy.sampling.SHUFFLE_WARNING`); every shown epsilon says so."""
+        name = self.sampling.name if self.sampling is not None else (self._restored_plan or {}).get("sampling")
+        return name == ShuffledSampling.name
 
     def epsilon(self) -> float:
         """Epsilon spent so far (PRV upper bound); 0 before any step, inf without noise."""
@@ -415,11 +428,18 @@ class PrivacyComponent:
         return self.ledger.epsilon(self.delta).upper
 
     def summary(self) -> str:
+        """One line: epsilon, delta, steps, accountant, sigma and sampling; says when epsilon is no guarantee."""
         sampling = f"{self.sampling.name}, q = {self.sampling.sample_rate:.4g}" if self.sampling else "-"
+        if not self.is_private and self.noise_multiplier is not None:
+            return (f"not private: epsilon = inf after {self.steps} steps (sigma = 0, a noiseless ablation: "
+                    f"nothing accounted; {sampling})")
         epsilon = epsilon_text(self.epsilon(), ".4g")
         others = f", {self.other_branch_steps} of them in other branches of this run" if self.other_branch_steps else ""
+        bound = ("upper bound ASSUMING POISSON SAMPLING, which shuffled batches do not satisfy: not a guarantee"
+                 if self.poisson_assumed else "upper bound")
         return (f"epsilon = {epsilon} at delta = {self.delta:.3g} after {self.steps} steps{others} "
-                f"(PRV accountant, upper bound; sigma = {self.noise_multiplier:.4g}, {sampling})")
+                f"({self.ledger.accountant.upper()} accountant, {bound}; sigma = {self.noise_multiplier:.4g}, "
+                f"{sampling})")
 
     # ----------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
@@ -430,7 +450,8 @@ class PrivacyComponent:
                     "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
                     "sample_rate": self.sampling.sample_rate, "n": self.sampling.n,
                     "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
-                    "branches": None if self.branches is None else dict(self.branches)}
+                    "branches": None if self.branches is None else dict(self.branches),
+                    "noiseless_steps": self.noiseless_steps}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
         return {"ledger": self.ledger.state_dict(), "plan": plan}
@@ -450,6 +471,7 @@ class PrivacyComponent:
         self._restored_plan = state.get("plan")
         plan = self._restored_plan or {}
         self.lineage, self.other_branch_steps = plan.get("lineage"), plan.get("other_branch_steps", 0)
+        self.noiseless_steps = plan.get("noiseless_steps", 0)
         branches = plan.get("branches")  # None in a checkpoint from before branch maps
         self.branches = dict(branches) if branches is not None else (None if self.lineage else {})
         if self._restored_plan is not None:  # for epsilon after load_from_checkpoint; plan() resolves again
@@ -546,6 +568,21 @@ def config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, ep
     return errors
 
 
+def budget_order_error(target_epsilon: Optional[float], max_epsilon: Optional[float]) -> Optional[str]:
+    """A new run whose budget is below its calibration target: sigma is calibrated to spend ``target_epsilon``
+    over the planned steps, so ``max_epsilon`` would stop it early (or before its first step).
+
+    Not part of :func:`config_errors`: on a resume, sigma is the checkpoint's and both only bind as
+    budgets, so a stricter ``max_epsilon`` there is legitimate. The component checks it when it
+    calibrates; the CLI when it parses a ``fit`` without ``ckpt_path``.
+    """
+    if target_epsilon is None or max_epsilon is None or max_epsilon >= target_epsilon:
+        return None
+    return (f"Expected `max_epsilon` >= `target_epsilon` for a new run (sigma is calibrated to spend "
+            f"target_epsilon over the planned steps), but got max_epsilon={max_epsilon:g} < "
+            f"target_epsilon={target_epsilon:g}: set target_epsilon={max_epsilon:g}, or drop max_epsilon")
+
+
 NEIGHBOURS = {"add_remove": 1.0, "replace_one": 2.0}
 ACCOUNTANTS = ("prv", "rdp")
 
@@ -566,4 +603,5 @@ def _smallest(*values: Optional[float]) -> Optional[float]:
     return min(present) if present else None
 
 
-__all__ = ["DirectionRelease", "MAX_EPSILON", "NonPrivate", "PrivacyComponent", "config_errors"]
+__all__ = ["DirectionRelease", "MAX_EPSILON", "NonPrivate", "PrivacyComponent", "budget_order_error",
+           "config_errors"]

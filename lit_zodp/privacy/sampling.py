@@ -103,7 +103,8 @@ class SinglePassSampling:
 
 @dataclass(frozen=True)
 class ShuffledSampling(PoissonSampling):
-    """Fixed-size shuffled batches, accounted (wrongly, and with a warning) as Poisson at ``B / n``."""
+    """Fixed-size shuffled batches, accounted (wrongly, and with a warning) as Poisson at ``B / n``; every
+    epsilon shown for it is marked (``PrivacyComponent.poisson_assumed``)."""
 
     name: ClassVar[str] = "shuffle"
 

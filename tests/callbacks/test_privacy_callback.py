@@ -121,3 +121,35 @@ def test_default_cadence_spends_nothing_on_the_first_step_nor_at_the_last(monkey
     fresh = ledger_module.PrivacyLedger()
     fresh.counts = dict(module.privacy.ledger.counts)
     assert callback.epsilon == fresh.epsilon(1e-5).upper > 0
+
+
+def test_a_noiseless_ablation_reports_the_steps_it_took(caplog):
+    """Before: "Privacy spent: epsilon = inf ... after 0 steps" after 5 steps at sigma = 0."""
+    import logging
+
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=0.0)
+    trainer = quiet_trainer(max_steps=5, callbacks=[PrivacySpendCallback(log_every_n_steps=1)])
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, poisson_loader(blobs(), 0.1))
+    assert trainer.global_step == module.privacy.steps == 5 and module.privacy.ledger.counts == {}
+    assert float(trainer.callback_metrics["epsilon"]) == float("inf")
+    spent = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Privacy spent")]
+    assert spent == ["Privacy spent: not private: epsilon = inf after 5 steps (sigma = 0, a noiseless ablation: "
+                     "nothing accounted; poisson, q = 0.1)."]
+
+
+def test_a_shuffled_runs_epsilon_is_logged_under_a_name_that_says_poisson_assumed():
+    """Before: logged (and shown in the progress bar) as `epsilon`, like a guarantee."""
+    from torch.utils.data import DataLoader
+
+    from lit_zodp.privacy import ShuffleBatchSampler
+    from tests.conftest import collate_tensors
+
+    data = blobs()
+    with pytest.warns(UserWarning, match="sampling='shuffle'"):
+        sampler = ShuffleBatchSampler(len(data), 25)
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    trainer = quiet_trainer(max_steps=3, callbacks=[PrivacySpendCallback(log_every_n_steps=1)])
+    trainer.fit(module, DataLoader(data, batch_sampler=sampler, collate_fn=collate_tensors))
+    assert "epsilon" not in trainer.callback_metrics
+    assert float(trainer.callback_metrics["epsilon_poisson_assumed"]) == pytest.approx(module.privacy.epsilon())

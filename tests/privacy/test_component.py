@@ -16,6 +16,7 @@ from lit_zodp.privacy import (
     PoissonSampling,
     PrivacyComponent,
     PrivacyLedger,
+    ShuffledSampling,
     SinglePassSampling,
     SubsampledGaussian,
     composed_multiplier,
@@ -119,7 +120,8 @@ def test_state_dict_holds_the_ledger_and_the_plan_and_nothing_secret():
     state = component.state_dict()
     assert set(state) == {"ledger", "plan"}
     assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "neighbours", "planned_steps",
-                                  "sampling", "sample_rate", "n", "lineage", "other_branch_steps", "branches"}
+                                  "sampling", "sample_rate", "n", "lineage", "other_branch_steps", "branches",
+                                  "noiseless_steps"}
     assert len(state["plan"]["lineage"]) == 32  # a random 128-bit id: public, it names the run's spend records
     assert list(state["plan"]["branches"].values()) == [1]  # this fit's branch: its one step is in the ledger
     restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
@@ -322,3 +324,52 @@ def test_an_optimizer_not_attached_to_the_ledger_is_refused():
     component.require_attached([attached])
     with pytest.raises(PrivacyConfigError, match="SGD was not built by the private module's configure_optimizers"):
         component.require_attached([attached, other])
+
+
+def steps(component, count):
+    for _ in range(count):
+        component.release(torch.zeros(()), "g")
+        component.commit_step()
+    return component
+
+
+def test_a_budget_below_the_calibration_target_is_refused_for_a_new_run_only():
+    """Before: calibrated to spend 2 over the plan, stopped by max_epsilon 1 (or before its first step), exit 0."""
+    with pytest.raises(PrivacyConfigError, match=r"`max_epsilon` >= `target_epsilon`.* max_epsilon=1 < target_eps"):
+        planned(target_epsilon=2.0, max_epsilon=1.0)
+    state = steps(planned(steps=20, target_epsilon=2.0), 10).state_dict()
+    stricter = PrivacyComponent(clip=1.0, delta=1e-5, target_epsilon=2.0, max_epsilon=1.0)  # a resume: sigma is kept
+    stricter.load_state_dict(state)
+    stricter.plan(step_plan=PLAN, sampling=POISSON, planned_steps=20)
+    assert stricter.budget == 1.0
+
+
+def test_a_noiseless_ablation_counts_its_steps_outside_the_ledger():
+    """Before: sigma = 0 reported "after 0 steps" (the ledger records nothing at sigma 0, rightly)."""
+    component = steps(planned(noise_multiplier=0.0), 5)
+    assert component.steps == 5 and component.ledger.counts == {} and component.epsilon() == math.inf
+    assert component.summary().startswith("not private: epsilon = inf after 5 steps (sigma = 0")
+    resumed = PrivacyComponent(clip=1.0, noise_multiplier=0.0)
+    resumed.load_state_dict(component.state_dict())
+    resumed.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
+    assert steps(resumed, 3).steps == 8 and resumed.ledger.counts == {}
+    noised = steps(planned(noise_multiplier=1.0), 5)
+    assert noised.steps == noised.ledger.total_count == 5 and noised.noiseless_steps == 0
+
+
+def test_a_shuffled_runs_epsilon_says_it_assumes_poisson_sampling():
+    """Before: the summary printed the Poisson epsilon of shuffled batches like a guarantee."""
+    shuffled = steps(planned(noise_multiplier=1.0, sampling=ShuffledSampling(n=1000, sample_rate=0.05)), 3)
+    assert shuffled.poisson_assumed
+    assert "upper bound ASSUMING POISSON SAMPLING, which shuffled batches do not satisfy" in shuffled.summary()
+    loaded = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    loaded.load_state_dict(shuffled.state_dict())  # e.g. load_from_checkpoint, then `lightning test`
+    assert loaded.poisson_assumed
+    poisson = steps(planned(noise_multiplier=1.0), 3)
+    assert not poisson.poisson_assumed and "POISSON" not in poisson.summary()
+
+
+def test_the_summary_names_the_accountant_used():
+    """Before: "PRV accountant" under accountant="rdp" too."""
+    assert "(PRV accountant, upper bound;" in steps(planned(noise_multiplier=1.0), 2).summary()
+    assert "(RDP accountant, upper bound;" in steps(planned(noise_multiplier=1.0, accountant="rdp"), 2).summary()
