@@ -709,9 +709,12 @@ class PerExampleGradientEngine:
             self._call(tape, key).aligned = False
 
     def _plan(self, tape: Tape) -> Dict[int, object]:
-        """Where each parameter's per-example gradient comes from: the layer rules when all its
-        owners have one and all their calls are batch-first (:meth:`_mark_aligned`), else a
-        recomputation on its single owner (batch-first calls) or on the whole module."""
+        """Where each parameter's per-example gradient comes from: the layer rules when an owner has one
+        and all the layer owners' calls are batch-first (:meth:`_mark_aligned`), else a recomputation on
+        its single owner (batch-first calls) or on the whole module. An owner without a rule that holds
+        a tied copy (BERT's and RoBERTa's MLM ``predictions.bias`` is the ``decoder``'s bias) no longer
+        sends it to the whole module: a use outside the layer calls is still found
+        (:meth:`_unseen_uses`, then :meth:`_recover`), as is a sum that does not add up."""
         plan: Dict[int, object] = {}
         layers = set(map(id, self._layers))
         layer_calls, module_calls = _by_module(tape.layer_calls), _by_module(tape.module_calls)
@@ -720,8 +723,8 @@ class PerExampleGradientEngine:
             plan[i] = self._whole(i)
             if self.mode == "vmap":
                 continue
-            if all(m in layers for m in modules):
-                calls = [c for m in modules for c in layer_calls.get(m, [])]
+            if any(m in layers for m in modules):
+                calls = [c for m in modules if m in layers for c in layer_calls.get(m, [])]
                 if all(c.aligned for c in calls):
                     plan[i] = _FromLayers(calls)
             elif len(owned) == 1 and owned[0][0] is not self.module:

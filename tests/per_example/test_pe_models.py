@@ -106,3 +106,45 @@ def test_ghost_on_sequence_mlp_uses_ghost_norm_and_book_keeping():
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
     x, w = torch.randn(4, 9, 16), torch.randn(9, 2)
     _assert_same_clipped_sum(model, lambda: (model(x) * w).sum((1, 2)), 0.5)
+
+
+def test_a_masked_lm_prompt_head_with_a_tied_bias_matches_per_example_backward():
+    """BERT's and RoBERTa's MLM ``predictions.bias`` is the ``decoder``'s bias: owned by a module without a
+    layer rule too, it went to the whole-model vmap, which Hugging Face's mask code cannot run, so every
+    first-order fit of a prompt classifier (the DPZero paper's RoBERTa setting) was refused (2026-11-25)."""
+    from lit_zodp.backbones import HFPromptClassifier
+
+    torch.manual_seed(0)
+    model = HFPromptClassifier(config=dict(model_type="bert", vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                           num_attention_heads=2, intermediate_size=32, max_position_embeddings=16,
+                                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+                               label_word_ids=[7, 9], mask_token_id=3).double()
+    assert model.model.cls.predictions.bias is model.model.cls.predictions.decoder.bias
+    ids = torch.tensor([[5, 6, 3, 0, 0], [8, 3, 10, 11, 12], [3, 4, 0, 0, 0]])
+    mask, y = (ids != 0).long(), torch.tensor([0, 1, 1])
+
+    def loss(i, m, yi):
+        return ce(model({"input_ids": i, "attention_mask": m}), yi)
+
+    expected = loop_reference(model, lambda i, m, yi: loss(i, m, yi).sum(), ids, mask, y)
+    assert_grads_match(engine_per_example(model, lambda: loss(ids, mask, y)), expected)
+
+
+class _ScaledHead(torch.nn.Module):
+    """Holds its layer's bias as its own attribute too, and uses it outside the layer's call."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 3).double()
+        self.bias = self.layer.bias
+
+    def forward(self, x):
+        return self.layer(x) + 0.5 * self.bias
+
+
+def test_a_tied_parameter_also_used_outside_its_layers_call_is_still_found():
+    """The layer rule alone would miss the ``+ 0.5 * bias`` use: it is recomputed on the whole module."""
+    torch.manual_seed(0)
+    model, x, y = _ScaledHead(), torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
+    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    assert_grads_match(engine_per_example(model, lambda: ce(model(x), y), recomputed={"bias": ""}), expected)
