@@ -464,6 +464,8 @@ class PerExampleGradientEngine:
         if losses.numel() == 0:
             return losses.detach(), _Batch()
         size = len(losses)
+        for call in tape.layer_calls:  # flattened batch rows (OPT): [B*k, ...] viewed as [B, k, ...]
+            call.fold(size)
         structure = self._structure(tape, uses, size)
         check = structure not in self._checked
         if check:

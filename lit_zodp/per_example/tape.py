@@ -43,10 +43,23 @@ class LayerCall:
     out_shape: Tuple[int, ...] = ()
     consume: Optional[Callable[[Tensor], None]] = None
     aligned: bool = False  # row i of the output is example i's alone (set by the engine's checks)
+    folded: bool = False  # called on the batch's rows flattened to ``[B*k, ...]``: viewed as ``[B, k, ...]``
 
     def output_edges(self) -> List[GradientEdge]:
         """The autograd edge of the output (none once the graph is released)."""
         return [self.edge] if self.edge is not None else []
+
+    def fold(self, batch_size: int) -> None:
+        """View a call on ``[B*k, ...]`` rows as ``[B, k, ...]``: OPT's decoder layers run ``final_layer_norm``,
+        ``fc1`` and ``fc2`` on ``[B, L, H]`` flattened to ``[B*L, H]``. Row block ``b`` is example ``b``'s only
+        if the flattening kept the batch first; the alignment check verifies it like any other call."""
+        rows = self.activation.shape[0] if self.activation.dim() >= 2 else 0
+        if self.folded or rows == batch_size or rows % batch_size or not self.out_shape or self.out_shape[0] != rows:
+            return
+        k = rows // batch_size
+        self.activation = self.activation.reshape(batch_size, k, *self.activation.shape[1:])
+        self.out_shape = (batch_size, k, *self.out_shape[1:])
+        self.folded = True
 
 
 @dataclass(eq=False)
@@ -216,6 +229,8 @@ class Tape:
 
     def _store_layer_grad(self, call: LayerCall):
         def hook(grad: Tensor) -> None:
+            if call.folded:
+                grad = grad.reshape(call.out_shape)
             if self.observer is not None:
                 self.observer(call, 0, grad)
             elif not self.recording:

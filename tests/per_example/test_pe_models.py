@@ -148,3 +148,48 @@ def test_a_tied_parameter_also_used_outside_its_layers_call_is_still_found():
     model, x, y = _ScaledHead(), torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
     expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
     assert_grads_match(engine_per_example(model, lambda: ce(model(x), y), recomputed={"bias": ""}), expected)
+
+
+def test_opts_layers_on_flattened_batch_rows_match_per_example_backward():
+    """OPT's decoder layers run ``final_layer_norm``, ``fc1`` and ``fc2`` on ``[B, L, H]`` flattened to
+    ``[B*L, H]``: no rule could attribute the rows, and every first-order fit of OPT was refused
+    (2026-11-25). The calls are now viewed as ``[B, L, H]``, the alignment check verifying each block."""
+    from lit_zodp.backbones import HFSequenceClassifier
+
+    torch.manual_seed(0)
+    model = HFSequenceClassifier(config=dict(model_type="opt", vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, ffn_dim=32, max_position_embeddings=16,
+                                             word_embed_proj_dim=16, pad_token_id=0, dropout=0.0,
+                                             attention_dropout=0.0), num_classes=2).double()
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12], [13, 14, 0, 0, 0]])
+    mask, y = (ids != 0).long(), torch.tensor([0, 1, 1])
+
+    def loss(i, m, yi):
+        return ce(model({"input_ids": i, "attention_mask": m}), yi)
+
+    expected = loop_reference(model, lambda i, m, yi: loss(i, m, yi).sum(), ids, mask, y)
+    positions = "model.model.decoder.embed_positions"  # positions from the mask: recomputed on that module
+    got = engine_per_example(model, lambda: loss(ids, mask, y), recomputed={f"{positions}.weight": positions})
+    assert_grads_match(got, expected)
+
+
+class _SequenceFirstLinear(torch.nn.Module):
+    """Flattens ``[B, T, H]`` sequence-first (``[T*B, H]``): row block ``b`` of the flat rows is NOT example ``b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 3).double()
+
+    def forward(self, x):
+        flat = x.transpose(0, 1).reshape(-1, x.shape[-1])
+        return self.layer(flat).view(x.shape[1], x.shape[0], -1).transpose(0, 1).sum(1)
+
+
+def test_flattened_rows_not_in_batch_order_are_found_misaligned_and_recomputed():
+    """Viewing ``[T*B, H]`` as ``[B, T, H]`` would mix examples; the alignment check sends the layer to the
+    fallback, which gives the true per-example gradients."""
+    torch.manual_seed(0)
+    model, x, y = _SequenceFirstLinear(), torch.randn(4, 3, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 1])
+    expected = reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    assert_grads_match(engine_per_example(model, lambda: ce(model(x), y), recomputed={"layer.weight": "",
+                                                                                        "layer.bias": ""}), expected)
