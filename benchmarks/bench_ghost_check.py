@@ -78,7 +78,7 @@ def main(argv=None) -> None:
 class _NoSummaries:
     """Row summaries that record nothing (the "without" side of ``--check rows``)."""
 
-    def __init__(self, keys, seed):
+    def __init__(self, keys, seed, **options):
         self.keys, self.values = keys, {}
 
     def __call__(self, *args):

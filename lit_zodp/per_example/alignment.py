@@ -12,13 +12,18 @@ The check is exact up to rounding and shape-independent. Back-propagate ``sum_i 
 reaches row ``r``, its two gradients satisfy ``G_w[r] = w_r G_1[r]``. Otherwise
 ``G_w[r] - w_r G_1[r] = sum_{i != r} (w_i - w_r) dloss_i/dout[r]``, which is non-zero for almost
 every ``w``. Rows are compared through a random bilinear projection, so no gradient is kept beyond
-the call at hand: ``|u^T (G_w[r] - w_r G_1[r]) v| <= sqrt(eps) (||G_w[r]|| + |w_r| ||G_1[r]||)``, the
-tolerance of the coverage check (:mod:`.coverage`). Cost: two backwards, on a batch whose call
-structure (with which calls are aligned by shape) is new to the engine.
+the call at hand: ``|u^T (G_w[r] - w_r G_1[r]) v| <= 2 sqrt(eps) |w_r| ||G_1[r]||``, the tolerance of
+the coverage check (:mod:`.coverage`) with ``||G_w[r]||`` taken as ``|w_r| ||G_1[r]||``, which it is
+when the rows agree (so only the first pass takes norms). When they do not, ``G_w[r] - w_r G_1[r] = E
+!= 0`` passes only if ``|u^T E v|`` falls below a bound that does not grow with ``E``: probability 0
+as ``||E||`` grows (the bound with ``||G_w[r]||`` let any ``E`` pass with probability about
+``P(|u^T E v| <= sqrt(eps) ||E||)``), and the two bounds differ by at most ``sqrt(eps) ||E||``. Cost:
+two backwards, on a batch whose call structure (with which calls are aligned by shape) is new to
+the engine.
 
 Examples whose loss is not finite are left out of both sums (``where``), and their rows are not
-compared (their rows may be nan). A nan or a mismatch in another row reads as misaligned, the safe
-answer: those parameters are recomputed on the whole module.
+compared (their rows may be nan). A non-finite projection, a nan or a mismatch in another row reads as
+misaligned, the safe answer: those parameters are recomputed on the whole module.
 
 The weights and projections come from a generator seeded by the OS, so the check neither depends
 on nor advances the user's seeded random streams.
@@ -26,8 +31,9 @@ on nor advances the user's seeded random streams.
 
 from __future__ import annotations
 
+import math
 import secrets
-from typing import Dict, Iterable, List, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -46,31 +52,52 @@ def _random_weights(losses: Tensor, generator: torch.Generator) -> Tensor:
     return (sign * magnitude).to(device=losses.device, dtype=losses.dtype)
 
 
+def _projection_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The gradient's own dtype, so a bfloat16 gradient is not copied to float32: its projection is
+    accumulated in float32 and rounded once to bfloat16 (``2^-8`` relative), far inside the tolerance
+    ``2 sqrt(eps) = 2^-2.5``. Float16 is widened: the projection can overflow where ``G`` does not."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 class _RowSummaries:
     """Per row of each observed output gradient, ``u^T G[r] v`` (the row as positions x features,
     ``u``, ``v`` Gaussian: non-zero for almost every ``u, v`` when ``G[r] != 0``, and of size
-    ``||G[r]||``, without a random tensor of the gradient's size) and ``||G[r]||``, in float64, with
-    ``u, v`` redrawn identically in every pass from ``(seed, call, output index)``."""
+    ``||G[r]||``; one matrix-vector product with ``u v^T``, the size of one example's row), with
+    ``u, v`` redrawn identically in every pass from ``(seed, T, D)``; with ``norms``, ``||G[r]||`` too
+    (the pass compared against: :func:`_disagreeing` needs no other norm, which saves a read of every
+    gradient). The hooks run between backward kernels: a few operations each, compared after the pass."""
 
-    def __init__(self, keys: Dict[int, CallKey], seed: int):
-        self.keys, self.seed = keys, seed
-        self.values: Dict[Tuple[CallKey, int], Tuple[Tensor, Tensor, float]] = {}
+    def __init__(self, keys: Dict[int, CallKey], seed: int, *, norms: bool = True):
+        self.keys, self.seed, self.norms = keys, seed, norms
+        self.values: Dict[Tuple[CallKey, int], Tuple[Tensor, Optional[Tensor], float]] = {}
+        self._drawn: Dict[tuple, Tuple[Tensor, float]] = {}
 
     def __call__(self, call: object, index: int, grad: Tensor) -> None:
         key = self.keys.get(id(call))
         if key is None or grad.dim() == 0:
             return
-        kind, position = key
-        dtype = torch.promote_types(grad.dtype, torch.float32)
-        rows = grad.to(dtype).reshape(grad.shape[0], -1, grad.shape[-1] if grad.dim() > 1 else 1)
-        generator = torch.Generator(device=grad.device)
-        generator.manual_seed((self.seed + 1_000_003 * position + 7919 * index + (kind == "module")) % 2**63)
-        u = torch.randn(rows.shape[1], generator=generator, device=grad.device, dtype=dtype)
-        v = torch.randn(rows.shape[2], generator=generator, device=grad.device, dtype=dtype)
-        projection = ((rows @ v) @ u).double()
-        norm = torch.linalg.vector_norm(rows, dim=(1, 2)).double()
-        eps = working_eps(grad.device.type, grad.dtype) ** 0.5  # the projection is a matmul (TF32 operands)
-        self.values[(key, index)] = (projection, norm, eps)
+        uv, eps = self._outer(grad)
+        rows = (grad if grad.dtype == uv.dtype else grad.to(uv.dtype)).reshape(grad.shape[0], -1)
+        norm = torch.linalg.vector_norm(rows, dim=1) if self.norms else None
+        self.values[(key, index)] = (torch.mv(rows, uv), norm, eps)
+
+    def _outer(self, grad: Tensor) -> Tuple[Tensor, float]:
+        """``u v^T`` flattened for rows ``[T, D]`` of ``grad`` (``D`` its last dimension), drawn once
+        per shape and pass (calls of one shape share it: each call's comparison is still against a
+        secret Gaussian pair drawn independently of its gradients), and the tolerance's ``sqrt(eps)``
+        (the projection is a matmul: TF32 operands)."""
+        found = (grad.shape[1:], grad.dtype, grad.device)
+        if found not in self._drawn:
+            features = grad.shape[-1] if grad.dim() > 1 else 1
+            positions = math.prod(grad.shape[1:]) // features
+            wide = torch.promote_types(grad.dtype, torch.float32)
+            generator = torch.Generator(device=grad.device)
+            generator.manual_seed((self.seed + 1_000_003 * positions + 7919 * features) % 2**63)
+            u = torch.randn(positions, generator=generator, device=grad.device, dtype=wide)
+            v = torch.randn(features, generator=generator, device=grad.device, dtype=wide)
+            uv = torch.outer(u, v).flatten().to(_projection_dtype(grad.dtype))
+            self._drawn[found] = (uv, working_eps(grad.device.type, grad.dtype) ** 0.5)
+        return self._drawn[found]
 
 
 def _backward_observed(total: Tensor, tape: Tape, summaries: _RowSummaries, edges: List) -> None:
@@ -96,25 +123,28 @@ def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey]) 
     generator = torch.Generator().manual_seed(secrets.randbits(63))
     weights = _random_weights(losses, generator)
     seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    unit, weighted = _RowSummaries(keys, seed), _RowSummaries(keys, seed)
+    unit, weighted = _RowSummaries(keys, seed), _RowSummaries(keys, seed, norms=False)
     _backward_observed(torch.where(ok, losses, zero).sum(), tape, unit, edges)
     _backward_observed(torch.where(ok, weights * losses, zero).sum(), tape, weighted, edges)
     observed = {key for key, _ in unit.values} | {key for key, _ in weighted.values}
-    return {key for key in observed if not _rows_agree(unit.values, weighted.values, key, weights, ok)}
+    return _disagreeing(unit.values, weighted.values, observed, weights, ok)
 
 
-def _rows_agree(unit: dict, weighted: dict, call: CallKey, weights: Tensor, ok: Tensor) -> bool:
-    """``G_w[r] = w_r G_1[r]`` on every output of the call, rows of non-finite examples aside; an
-    output reached in one pass only disagrees."""
-    outputs = {entry for entry in set(unit) | set(weighted) if entry[0] == call}
-    for entry in outputs:
-        if entry not in unit or entry not in weighted or len(unit[entry][0]) != len(weights):
-            return False
-        (p1, n1, eps), (pw, nw, _) = unit[entry], weighted[entry]
-        w = weights.to(torch.float64).to(p1.device)
-        gap = (pw - w * p1).abs()
-        tolerance = eps * (nw + w.abs() * n1)
-        agree = (gap <= tolerance) | ~ok.to(p1.device)
-        if not bool(agree.all()):
-            return False
-    return True
+def _disagreeing(unit: dict, weighted: dict, calls: Iterable[CallKey], weights: Tensor, ok: Tensor) -> Set[CallKey]:
+    """The ``calls`` with ``G_w[r] != w_r G_1[r]`` on some output, rows of non-finite examples aside,
+    in one comparison: an output reached in one pass only disagrees; the tolerance takes the norms of
+    ``unit`` alone (module docstring), and a gap that is not finite disagrees (``inf <= inf``)."""
+    calls = set(calls)
+    entries = [entry for entry in set(unit) | set(weighted) if entry[0] in calls]
+    whole = [entry for entry in entries if entry in unit and entry in weighted
+             and unit[entry][0].shape == weighted[entry][0].shape == weights.shape]
+    failed = {entry[0] for entry in set(entries) - set(whole)}
+    if not whole:
+        return failed
+    p1, n1, pw = (torch.stack([values[entry][i].to(weights.device) for entry in whole]).double()
+                  for values, i in ((unit, 0), (unit, 1), (weighted, 0)))
+    eps = torch.tensor([unit[entry][2] for entry in whole], dtype=torch.float64, device=weights.device)
+    w = weights.to(torch.float64)
+    gap = (pw - w * p1).abs()
+    agree = (gap <= 2 * eps[:, None] * w.abs() * n1) & gap.isfinite() | ~ok
+    return failed | {whole[i][0] for i in (~agree.all(1)).nonzero().flatten().tolist()}

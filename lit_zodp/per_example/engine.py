@@ -82,7 +82,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
-from lit_zodp.per_example.alignment import CallKey, _RowSummaries, _rows_agree, misaligned_calls
+from lit_zodp.per_example.alignment import CallKey, _disagreeing, _RowSummaries, misaligned_calls
 from lit_zodp.per_example.checks import (buffer_state, check_losses, check_mode, check_transform, flat_rows,
                                          refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
                                          refuse_reentrant_checkpointing, rows_differ)
@@ -661,7 +661,7 @@ class PerExampleGradientEngine:
             call.consume = self._first_pass_consumer(call, mine, batch, unit_sums)
         keys = {id(call): ("layer", k) for k, call in enumerate(tape.layer_calls)}
         seed = secrets.randbits(62)  # secret per step: a backward cannot aim at what is compared
-        second.first, second.again = _RowSummaries(keys, seed), _RowSummaries(keys, seed)
+        second.first, second.again = _RowSummaries(keys, seed), _RowSummaries(keys, seed, norms=False)
         return second
 
     def _first_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, unit_sums: bool):
@@ -964,17 +964,18 @@ class PerExampleGradientEngine:
                             ok: Optional[Tensor]) -> None:
         """"ghost" mode's sums are clipped only if each row of the second backward is ``f_r`` times the
         first's: ``u^T G2[r] v = f_r u^T G1[r] v`` (random ``u, v``, secret per step; the alignment
-        check's comparison and tolerance, :func:`.alignment._rows_agree`). A backward hook or custom
+        check's comparison and tolerance, :func:`.alignment._disagreeing`). A backward hook or custom
         ``autograd.Function`` not linear in its incoming gradient released 18.7-23 C, one mixing rows
-        only in the second pass 4.1 C (audit 5 F3). Cost: two matrix-vector products per call and pass."""
+        only in the second pass 4.1 C (audit 5 F3). Cost: per call, a matrix-vector product in each
+        pass and the row norms in the first (the tolerance scales them by ``|f_r|``); one comparison."""
         ok = torch.isfinite(factors) if ok is None else ok
-        for call in calls:
-            key = second.first.keys[id(call)]
-            raise_if_any([None if _rows_agree(second.first.values, second.again.values, key, factors, ok) else
-                          f"\"ghost\" mode's second backward did not give `{self._module_names[id(call.module)]}` "
-                          f"each example's first-pass output gradient times its clip factor (a backward hook or "
-                          f"custom autograd.Function that is not linear in its incoming gradient, or mixes rows), "
-                          f"so its sums would not be clipped; use mode='hooks' (grad_mode='hooks')"])
+        keys = [second.first.keys[id(call)] for call in calls]
+        failed = _disagreeing(second.first.values, second.again.values, keys, factors, ok)
+        raise_if_any([f"\"ghost\" mode's second backward did not give `{self._module_names[id(call.module)]}` "
+                      f"each example's first-pass output gradient times its clip factor (a backward hook or "
+                      f"custom autograd.Function that is not linear in its incoming gradient, or mixes rows), "
+                      f"so its sums would not be clipped; use mode='hooks' (grad_mode='hooks')"
+                      for key, call in zip(keys, calls) if key in failed])
 
     def _summed_shape(self, i: int) -> Tuple[int, ...]:
         p = self.params[i]

@@ -1,6 +1,8 @@
 """The alignment check (:mod:`lit_zodp.per_example.alignment`): rows credited to examples must be
 reached by their example's loss alone, whatever the shapes say (audit 2, F1)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,10 +176,60 @@ def test_a_row_reached_by_a_second_example_fails_the_weighted_comparison():
             unit_rows[1] += extra
             weighted_rows[1] += w[2] * extra
         unit = alignment._RowSummaries({id(call): ("layer", 0)}, seed=7)
-        weighted = alignment._RowSummaries({id(call): ("layer", 0)}, seed=7)
+        weighted = alignment._RowSummaries({id(call): ("layer", 0)}, seed=7, norms=False)
         unit(call, 0, unit_rows)
         weighted(call, 0, weighted_rows)
-        assert alignment._rows_agree(unit.values, weighted.values, ("layer", 0), w, ok) is not mixed
+        found = alignment._disagreeing(unit.values, weighted.values, [("layer", 0)], w, ok)
+        assert found == ({("layer", 0)} if mixed else set())
+
+
+def _disagreeing_rows(first, second, w, ok, dtype=torch.float64):
+    call = object()
+    unit = alignment._RowSummaries({id(call): ("layer", 0)}, seed=11)
+    weighted = alignment._RowSummaries({id(call): ("layer", 0)}, seed=11, norms=False)
+    unit(call, 0, first.to(dtype))
+    weighted(call, 0, second.to(dtype))
+    return alignment._disagreeing(unit.values, weighted.values, [("layer", 0)], w, ok)
+
+
+@pytest.mark.parametrize("change", ["times 1e6", "nan", "inf", "inf in both passes"])
+def test_a_second_pass_row_off_w_times_the_first_disagrees_whatever_its_own_norm(change):
+    """The second pass takes no norms: its tolerance is ``2 sqrt(eps) |w_r| ||G_1[r]||``. A row scaled
+    by 1e6 (a bound with ``||G_w[r]||`` grew with it), or with a nan or an inf, disagrees, an inf also
+    when the first pass's norm is infinite (``inf <= inf``: the bound with ``||G_w[r]||`` passed both
+    infs); the row of a non-finite example is not compared."""
+    torch.manual_seed(0)
+    first = torch.randn(4, 5, 3, dtype=torch.float64)
+    w = torch.tensor([1.5, -1.2, 1.9, -1.1], dtype=torch.float64)
+    ok = torch.ones(4, dtype=torch.bool)
+    second = w[:, None, None] * first
+    assert _disagreeing_rows(first, second, w, ok) == set()
+    if change == "times 1e6":
+        second[1] *= 1e6
+    elif change == "nan":
+        second[1, 0, 1] = math.nan
+    else:
+        second[1, 2, 0] = math.inf
+        if change == "inf in both passes":
+            first[1, 2, 0] = math.inf
+    assert _disagreeing_rows(first, second, w, ok) == {("layer", 0)}
+    ok[1] = False
+    assert _disagreeing_rows(first, second, w, ok) == set()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rows_of_many_positions_agree_when_scaled(dtype):
+    """Projected in bfloat16 (no float32 copy; rounded once, ``2^-8``) or widened from float16 (whose
+    projection would overflow here), rows of 4096 x 64 values scaled by ``w`` and rounded to the dtype
+    agree; a row scaled by 10 more does not."""
+    torch.manual_seed(0)
+    first = (1e3 * torch.randn(4, 4096, 64)).to(dtype)
+    w = torch.tensor([1.5, -1.2, 1.9, -1.1], dtype=torch.float64)
+    ok = torch.ones(4, dtype=torch.bool)
+    second = (w[:, None, None] * first.double()).to(dtype)
+    assert _disagreeing_rows(first, second, w, ok, dtype) == set()
+    second[2] = second[2] * 10
+    assert _disagreeing_rows(first, second, w, ok, dtype) == {("layer", 0)}
 
 
 @pytest.mark.parametrize("mode", MODES)

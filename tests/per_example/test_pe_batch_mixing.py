@@ -234,8 +234,32 @@ class SmallGradientMix(_ThreeLayers):
         return z
 
 
-@pytest.mark.parametrize("make, clip", [(FloorFunction, 0.01), (FloorHook, 0.01), (SmallGradientMix, 1e-3)],
-                         ids=["function", "hook", "mix"])
+def _small_first_row(g):
+    """Example 0's row while the gradients are small: in the second backward alone."""
+    return (g.norm(dim=1, keepdim=True) < 1e-3) & (torch.arange(len(g)) == 0).unsqueeze(1)
+
+
+class SmallGradientScale(_ThreeLayers):
+    """Scales example 0's row by 1e6 in the second backward: a bound with the second pass's own norm grew with it."""
+
+    def between(self, z):
+        if z.requires_grad:
+            z.register_hook(lambda g: torch.where(_small_first_row(g), 1e6 * g, g))
+        return z
+
+
+class SmallGradientNan(_ThreeLayers):
+    """Makes example 0's row nan in the second backward (which takes no norms: the nan is in its projection)."""
+
+    def between(self, z):
+        if z.requires_grad:
+            z.register_hook(lambda g: torch.where(_small_first_row(g), math.nan, g))
+        return z
+
+
+@pytest.mark.parametrize("make, clip", [(FloorFunction, 0.01), (FloorHook, 0.01), (SmallGradientMix, 1e-3),
+                                        (SmallGradientScale, 1e-3), (SmallGradientNan, 1e-3)],
+                         ids=["function", "hook", "mix", "scale", "nan"])
 def test_a_second_backward_that_is_not_f_times_the_first_is_refused_in_ghost_mode(make, clip):
     x, y = _batch()
     model = make()
