@@ -26,9 +26,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per_example_loss, predict
 from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
-from lit_zodp.per_example.checks import (BufferState, buffer_state, refuse_batch_mixing, refuse_buffer_writes,
-                                         rows_differ)
-from lit_zodp.per_example.engine import _eval_mode as eval_mode
+from lit_zodp.per_example.checks import (BufferState, buffer_state, eval_mode, refuse_batch_mixing,
+                                         refuse_buffer_writes, rows_differ)
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
 from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, take_rows, used_lengths
 from lit_zodp.privacy.sampling import SamplingDescription

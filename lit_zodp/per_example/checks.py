@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -230,3 +231,16 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
                   f"one example's influence (BatchNorm-like statistics, batch centring, MoE capacity); make the "
                   f"forward per-example"])
     return int(torch.isfinite(flat_rows(full)).all(1).sum()) >= 2
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module.eval()`` for the block, each submodule's mode restored after (the checks' recomputations:
+    dropout would differ on any rerun)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training

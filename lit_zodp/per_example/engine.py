@@ -70,7 +70,6 @@ expanded to ``[B, T]`` while recording.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -83,7 +82,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import CallKey, _disagreeing, _RowSummaries, misaligned_calls
-from lit_zodp.per_example.checks import (buffer_state, check_losses, check_mode, check_transform, flat_rows,
+from lit_zodp.per_example.checks import (buffer_state, check_losses, check_mode, check_transform, eval_mode, flat_rows,
                                          refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
                                          refuse_reentrant_checkpointing, rows_differ)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
@@ -242,18 +241,6 @@ def _comparable(losses: Tensor) -> bool:
 def _coarsest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """The floating dtype with the largest machine epsilon."""
     return max((d for d in dtypes if d.is_floating_point), key=lambda d: torch.finfo(d).eps)
-
-
-@contextlib.contextmanager
-def _eval_mode(module: nn.Module):
-    """``module.eval()`` for the block, each submodule's mode restored after."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def _trainable_parameters(module: nn.Module) -> Tuple[List[str], List[nn.Parameter]]:
@@ -564,7 +551,7 @@ class PerExampleGradientEngine:
             random = bool((rows_differ(full, again, dtype=dtype, device=full.device) > 1).any())
             if not (self.module.training and random):
                 raise
-            with _eval_mode(self.module):
+            with eval_mode(self.module):
                 refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what)
 
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int,
@@ -943,7 +930,8 @@ class PerExampleGradientEngine:
         finally:
             tape.recording = False
             batch.second_pass = None
-        self._verify_second_pass(second, [call for call, _ in calls], factors, ok)
+        # the backward's seeds are the factors rounded to the losses' dtype (a float64 model's float32 losses)
+        self._verify_second_pass(second, [call for call, _ in calls], factors.to(losses.dtype), ok)
         for i in batch.ghost_norm_sq:  # a call whose output got no gradient in the second pass
             if i not in sums:
                 sums[i] = torch.zeros(self._summed_shape(i), dtype=sum_dtype(self.params[i].dtype),

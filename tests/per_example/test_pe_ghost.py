@@ -234,3 +234,21 @@ def test_a_parameter_whose_exact_gradient_is_zero_passes_ghost_modes_checked_ste
             lambda copy=copy: per_example_loss(copy, inputs, y).float(), 1.0).grads
     for a, b in zip(sums["ghost"], sums["hooks"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_ghost_modes_second_pass_check_passes_a_float64_model_with_float32_losses():
+    """The modules take ``per_example_loss(...).float()``: the second backward's seeds are the clip factors
+    rounded to float32 (2^-24), beyond a float64 tolerance (1.5e-8) when compared with the float64 factors,
+    so every checked step of a float64 BERT was refused (2026-11-25)."""
+    from lit_zodp.backbones import SentenceEncoderClassifier
+    from lit_zodp.backbones.base import per_example_loss
+    from lit_zodp.backbones.huggingface import tiny_bert_config
+
+    torch.manual_seed(0)
+    model = SentenceEncoderClassifier(config=tiny_bert_config(vocab_size=64), num_classes=2).double()
+    ids = torch.randint(1, 64, (8, 12), generator=torch.Generator().manual_seed(0))
+    ids[::2, 6:] = 0
+    inputs, y = {"input_ids": ids, "attention_mask": (ids != 0).long()}, torch.tensor([0, 1] * 4)
+    engine = PerExampleGradientEngine(model, mode="ghost")
+    for _ in range(3):  # every ghost step verifies its second pass, with its own secret projections
+        engine.clipped_sum(lambda: per_example_loss(model, inputs, y).float(), 0.1)
