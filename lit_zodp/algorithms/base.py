@@ -260,11 +260,15 @@ class AlgorithmModule(pl.LightningModule):
         compare (audit 5): a forward that mixes rows (batch statistics, batch centring) or reads padding
         (FNet takes no attention mask: 4.6e-3 in a loss) is refused in one line. About two extra forwards
         of one batch per fit."""
-        dtype = next((p.dtype for p in self.backbone.parameters()), torch.float32)
+        dtype = self._parameter_dtype()
         if "padding" in self._pending_checks and self._refuse_padding_dependence(inputs, targets, losses, dtype):
             self._pending_checks.discard("padding")
         if "halves" in self._pending_checks and self._refuse_batch_mixing(inputs, targets, losses, dtype):
             self._pending_checks.discard("halves")
+
+    def _parameter_dtype(self) -> torch.dtype:
+        """The backbone's (first) parameter dtype: the rounding the independence checks tolerate."""
+        return next((p.dtype for p in self.backbone.parameters()), torch.float32)
 
     def check_padding_once(self, inputs, targets) -> None:
         """The padding check for modules whose step has no ``private_losses`` (first-order): the losses of the
@@ -273,7 +277,7 @@ class AlgorithmModule(pl.LightningModule):
         row is shorter than its batch (0.05-0.11 in a logit, audit 5): it was checked in zeroth-order fits only."""
         if "padding" not in self._pending_checks or batch_size_of(inputs) == 0:
             return
-        dtype = next((p.dtype for p in self.backbone.parameters()), torch.float32)
+        dtype = self._parameter_dtype()
         with torch.no_grad(), eval_mode(self.backbone):
             if self._refuse_padding_dependence(inputs, targets, self._losses(inputs, targets), dtype):
                 self._pending_checks.discard("padding")
@@ -306,8 +310,8 @@ class AlgorithmModule(pl.LightningModule):
                       f"The per-example losses change with the padding of their batch (by {ratio:.3g} times the "
                       "rounding tolerance with fewer padded columns): the model reads padded columns (FNet "
                       "ignores the attention mask; a decoder classifier given inputs_embeds reads the last "
-                      "column), so an example's loss depends on its batch's longest row; pad every row to max_length (the data's `pad_to_max_length: true`) or use "
-                      "a model that masks padding"])
+                      "column), so an example's loss depends on its batch's longest row; pad every row to "
+                      "max_length (the data's `pad_to_max_length: true`) or use a model that masks padding"])
         return True
 
     def _own_padding(self, part):

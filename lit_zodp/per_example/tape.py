@@ -54,7 +54,7 @@ class LayerCall:
         ``fc1`` and ``fc2`` on ``[B, L, H]`` flattened to ``[B*L, H]``. Row block ``b`` is example ``b``'s only
         if the flattening kept the batch first; the alignment check verifies it like any other call."""
         rows = self.activation.shape[0] if self.activation.dim() >= 2 else 0
-        if self.folded or rows == batch_size or rows % batch_size or not self.out_shape or self.out_shape[0] != rows:
+        if self.folded or rows <= batch_size or rows % batch_size or not self.out_shape or self.out_shape[0] != rows:
             return
         k = rows // batch_size
         self.activation = self.activation.reshape(batch_size, k, *self.activation.shape[1:])
