@@ -951,11 +951,12 @@ class PerExampleGradientEngine:
     def _verify_second_pass(self, second: _SecondPass, calls: List[LayerCall], factors: Tensor,
                             ok: Optional[Tensor]) -> None:
         """"ghost" mode's sums are clipped only if each row of the second backward is ``f_r`` times the
-        first's: ``u^T G2[r] v = f_r u^T G1[r] v`` (random ``u, v``, secret per step; the alignment
-        check's comparison and tolerance, :func:`.alignment._disagreeing`). A backward hook or custom
-        ``autograd.Function`` not linear in its incoming gradient released 18.7-23 C, one mixing rows
-        only in the second pass 4.1 C (audit 5 F3). Cost: per call, a matrix-vector product in each
-        pass and the row norms in the first (the tolerance scales them by ``|f_r|``); one comparison."""
+        first's: ``u_k^T G2[r] v_k = f_r u_k^T G1[r] v_k`` to within the tolerance in root mean square over
+        ``k`` (random ``u_k, v_k``, secret per step; the alignment check's comparison and tolerance,
+        :func:`.alignment._disagreeing`). A backward hook or custom ``autograd.Function`` not linear in
+        its incoming gradient released 18.7-23 C, one mixing rows only in the second pass 4.1 C (audit 5
+        F3). Cost: per call, a product with ``K`` columns in each pass and the row norms in the first
+        (the tolerance scales them by ``|f_r|``); one comparison."""
         ok = torch.isfinite(factors) if ok is None else ok
         keys = [second.first.keys[id(call)] for call in calls]
         failed = _disagreeing(second.first.values, second.again.values, keys, factors, ok)
