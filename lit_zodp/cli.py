@@ -24,6 +24,7 @@ from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn  # noqa: E402
 
+from lit_zodp.callbacks.ranks import rank_label  # noqa: E402
 from lit_zodp.cli_errors import OneLineErrorParser, imported  # noqa: E402
 from lit_zodp.errors import ConfigError, PrivacyConfigError, raise_if_any  # noqa: E402
 from lit_zodp.privacy.component import budget_order_error, epsilon_text  # noqa: E402
@@ -232,15 +233,37 @@ def cli_main(args=None) -> None:
     label words) ends in one readable line on stderr and exit code 2, not a traceback or a dump of the
     namespace (jsonargparse wraps errors raised while instantiating classes; the cause is found in the
     chain).
+
+    In a DDP fit the line names the rank; a rank stopped because another one failed (its collective
+    lost the peer) says so in one line instead of a traceback, and exits with code 1.
     """
     try:
         build_cli(args)
     except Exception as err:
         cause = configuration_error(err)
-        if cause is None:
-            raise
-        sys.stderr.write(f"lit-zodp: error: {' '.join(str(cause).split())}\n")
-        raise SystemExit(2) from None
+        if cause is not None:
+            sys.stderr.write(f"lit-zodp: error: {rank_label()}{' '.join(str(cause).split())}\n")
+            raise SystemExit(2) from None
+        if rank_label() and lost_peer(err):
+            sys.stderr.write(f"lit-zodp: error: {rank_label()}stopped because another rank failed (its error is "
+                             f"above): {str(err).splitlines()[0][:200]}\n")
+            raise SystemExit(1) from None
+        raise
+
+
+#: What gloo and the TCP store say when another rank's process has gone.
+LOST_PEER = ("closed by peer", "reset by peer", "remote worker", "Broken pipe")
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective's failure on a lost peer: a ``torch.distributed.DistNetworkError``
+    or a ``RuntimeError`` naming one of :data:`LOST_PEER` (gloo raises a plain ``RuntimeError``). NCCL
+    reports no lost peer (it waits); :class:`~lit_zodp.callbacks.StopRanksOnError` and Lightning's
+    process observer stop those ranks."""
+    import torch.distributed as dist
+
+    return isinstance(err, dist.DistNetworkError) or (isinstance(err, RuntimeError)
+                                                      and any(s in str(err) for s in LOST_PEER))
 
 
 def configuration_error(err: BaseException) -> Optional[Exception]:

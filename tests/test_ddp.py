@@ -6,9 +6,11 @@ disjoint shards of the same mask, all-reduce their clipped sums and add the same
 steps the parameters equal those of one process with the same global batch.
 """
 
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,63 @@ def test_two_ranks_probe_the_same_curvature_rates_as_one_process(tmp_path):
     assert ddp["block_state"]["curvature_factors"] == pytest.approx(single["block_state"]["curvature_factors"])
     for key, value in single["state_dict"].items():
         torch.testing.assert_close(ddp["state_dict"][key], value, rtol=0, atol=2e-5)
+
+
+REFUSING_MODULE = '''
+from lit_zodp.algorithms import DPZero
+from lit_zodp.errors import PrivacyConfigError
+
+
+class RefusingDPZero(DPZero):
+    """Refuses its third step on rank {rank} only, as a check on that rank's own batch would."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == {rank} and self.global_step == 2:
+            raise PrivacyConfigError("refused on this rank's batch")
+        return super().training_step(batch, batch_idx)
+'''
+
+
+def _processes_running(marker: str) -> list:
+    """PIDs whose command line holds ``marker`` (Linux ``/proc``)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker in cmdline.read_bytes().decode(errors="replace"):
+                found.append(cmdline.parent.name)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the ranks left running")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_refusal_on_one_rank_stops_every_rank_in_one_line_each(tmp_path, rank):
+    """A refusal raised on one rank only (a check on its own batch) ends the DDP fit without a
+    traceback and without a rank left waiting in a collective (NCCL waits 30 minutes there). Rank 0's
+    refusal: its one line, and the rank it started is stopped before it says anything. Rank 1's
+    refusal: its one line, and rank 0's "stopped because another rank failed" line (gloo reports the
+    closed connection; Lightning's process observer then stops the rest)."""
+    executable = shutil.which("lit-zodp") or str(Path(sys.executable).parent / "lit-zodp")
+    if not Path(executable).exists():
+        pytest.skip("lit-zodp console script not installed (pip install -e .)")
+    (tmp_path / "refusing.py").write_text(REFUSING_MODULE.replace("{rank}", str(rank)))
+    config = yaml.safe_load(yaml.safe_dump(TINY))
+    config["trainer"].update(devices=2, strategy="ddp")
+    config["model"]["class_path"] = "refusing.RefusingDPZero"
+    path = tmp_path / f"refusal-on-rank-{rank}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([executable, "fit", "--config", str(path)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lit-zodp: error:")]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert errors[0] == f"lit-zodp: error: rank {rank}: refused on this rank's batch"
+    if rank == 0:
+        assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+        assert "stopping the 1 rank(s) it started" in result.stderr
+    else:
+        assert result.returncode == 1 and len(errors) == 2, result.stderr[-3000:]
+        assert errors[1].startswith("lit-zodp: error: rank 0: stopped because another rank failed")
+    time.sleep(1)
+    assert not _processes_running(str(path)), "a rank is still running"

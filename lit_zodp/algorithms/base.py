@@ -179,14 +179,17 @@ class AlgorithmModule(pl.LightningModule):
         self.run_seed = int(self.trainer.strategy.broadcast(self.run_seed, src=0))
 
     def configure_callbacks(self):
-        """The privacy callback of a private module, unless the Trainer already has one (a user's instance)."""
-        from lit_zodp.callbacks import PrivacySpendCallback
+        """:class:`~lit_zodp.callbacks.StopRanksOnError` (a DDP fit whose rank 0 fails leaves no rank
+        waiting), and the privacy callback of a private module unless the Trainer already has one (a
+        user's instance)."""
+        from lit_zodp.callbacks import PrivacySpendCallback, StopRanksOnError
 
+        callbacks = [StopRanksOnError()]
         if not self.private:
-            return []
+            return callbacks
         if self._trainer is not None and any(isinstance(c, PrivacySpendCallback) for c in self.trainer.callbacks):
-            return []
-        return [PrivacySpendCallback()]
+            return callbacks
+        return [PrivacySpendCallback(), *callbacks]
 
     def on_train_start(self) -> None:
         """Plan the privacy of this fit: sampling from the real sampler, sigma, budget, fresh noise."""
