@@ -36,6 +36,11 @@ SMALL = {
     "llama": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   intermediate_size=64, max_position_embeddings=64, pad_token_id=0),
     "distilbert": dict(dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64, pad_token_id=0),
+    "bart": dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0, eos_token_id=102,
+                 bos_token_id=101, decoder_start_token_id=102),
+    "t5": dict(d_model=32, num_layers=1, num_decoder_layers=1, num_heads=2, d_ff=64, d_kv=16, pad_token_id=0,
+               eos_token_id=102),
 }
 
 

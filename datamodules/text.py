@@ -99,6 +99,10 @@ def tokenize(tokenizer, texts: list[str], labels: torch.Tensor, max_length: int)
 
 
 def _encode(tokenizer, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
+    """Text as text: a review holding a special token's string (``[SEP]``, ``</s>``, ``<mask>``) gets that
+    string's ordinary tokens (``split_special_tokens``), not the special token. An eos string in one row
+    would otherwise stop a BART or T5 classifier mid-run (one eos count per batch), and a separator in
+    another would change how the model reads that row; the tokenizer's own special tokens are added as usual."""
     encoded = tokenizer(
         texts,
         max_length=max_length,
@@ -107,6 +111,7 @@ def _encode(tokenizer, texts: list[str], max_length: int) -> dict[str, torch.Ten
         return_attention_mask=True,
         return_token_type_ids=False,
         return_tensors="pt",
+        split_special_tokens=True,
     )
     return {key: encoded[key].long() for key in ("input_ids", "attention_mask")}
 

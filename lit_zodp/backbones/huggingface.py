@@ -358,11 +358,29 @@ class HFSequenceClassifier(Backbone):
         if _batch_size(batch) == 0:
             return empty_logits(self, self.num_classes)
         pad_id = getattr(self.model.config, "pad_token_id", None)
-        return self.model(**_padding_as_pad_id(batch, pad_id)).logits
+        batch = _padding_as_pad_id(batch, pad_id)
+        try:
+            return self.model(**batch).logits
+        except ValueError as err:
+            raise _eos_count_error(self.model.config, batch["input_ids"], err) or err
 
     def load_tokenizer(self, **kwargs: Any) -> Any:
         """The tokenizer matching this model."""
         return load_tokenizer(_require_tokenizer_path(self.tokenizer_path), **kwargs)
+
+
+def _eos_count_error(config: Any, ids: Tensor, err: ValueError) -> Optional[ConfigError]:
+    """One line for transformers' "All examples must have the same number of <eos> tokens": the
+    classification head of BART, mBART, PLBart, LED, T5 and mT5 reads each row's last ``<eos>``, and
+    transformers takes that position from one count for the whole batch. A text holding the eos string
+    (``</s>``) adds one: the movie-review data module tokenizes text as text
+    (``split_special_tokens``); a data module of your own should too."""
+    if "same number of <eos>" not in str(err):
+        return None
+    counts = sorted(set((ids == config.eos_token_id).sum(1).tolist()))
+    return ConfigError(f"{config.model_type}'s classification head reads each row's last <eos> (id "
+                       f"{config.eos_token_id}) and needs one count per batch, but these rows hold {counts}: a "
+                       f"text holding the eos string adds one; tokenize text with split_special_tokens=True")
 
 
 def _padding_as_pad_id(batch: dict[str, Tensor], pad_id: Optional[int]) -> dict[str, Tensor]:
@@ -1032,10 +1050,15 @@ def _require_tokenizer_path(path: Optional[str]) -> str:
 
 
 def _ensure_pad_token_id(config: Any) -> None:
-    """Decoder models (OPT, GPT-2) need ``pad_token_id`` to pick the last real token of padded rows."""
+    """Decoder models (OPT, GPT-2) need ``pad_token_id`` to pick the last real token of padded rows;
+    an encoder-decoder config without ``decoder_start_token_id`` (a T5 config written by hand:
+    transformers' own T5 checkpoints set it) starts its decoder at ``pad_token_id``, T5's convention
+    (transformers' T5 documentation), instead of failing at the first forward."""
     eos = getattr(config, "eos_token_id", None)
     if getattr(config, "pad_token_id", None) is None and isinstance(eos, int):
         config.pad_token_id = eos
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = config.pad_token_id
 
 
 def _check_pad_token_id(model: nn.Module) -> None:

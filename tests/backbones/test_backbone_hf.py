@@ -133,6 +133,38 @@ def test_a_pad_id_outside_the_vocabulary_is_refused_in_one_line():
     one_line_config_error(excinfo, "`config_overrides.pad_token_id`: 50000", "vocabulary of 30522")
 
 
+TINY_ENCODER_DECODERS = {
+    "bart": dict(model_type="bart", vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                 encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                 max_position_embeddings=32),  # pad 1, eos 2, decoder_start 2 (transformers' defaults)
+    "t5": dict(model_type="t5", vocab_size=64, d_model=16, num_layers=1, num_decoder_layers=1, num_heads=2,
+               d_ff=32, d_kv=8),  # pad 0, eos 1, no decoder_start_token_id
+}
+
+
+@pytest.mark.parametrize("family", sorted(TINY_ENCODER_DECODERS))
+def test_encoder_decoder_classifiers_read_each_rows_last_eos_and_refuse_unequal_counts_in_one_line(family):
+    """A T5 config written by hand lacks ``decoder_start_token_id``: the decoder starts at
+    ``pad_token_id`` (T5's convention) where transformers raised AttributeError. Both heads read each
+    row's last ``<eos>``; rows holding 1 and 2 of them (a text with the eos string) stop in one line,
+    not transformers' ValueError."""
+    torch.manual_seed(0)
+    model = HFSequenceClassifier(config=TINY_ENCODER_DECODERS[family], num_classes=2).eval()
+    config = model.model.config
+    assert config.decoder_start_token_id == (2 if family == "bart" else config.pad_token_id)
+    ids = torch.randint(5, 64, (2, 8))
+    ids[0, -1], ids[1, 5], ids[1, 6:] = config.eos_token_id, config.eos_token_id, config.pad_token_id
+    batch = {"input_ids": ids, "attention_mask": (ids != config.pad_token_id).long()}
+    logits = model(batch)
+    alone = model({"input_ids": ids[1:, :6], "attention_mask": torch.ones(1, 6, dtype=torch.long)})
+    torch.testing.assert_close(logits[1:], alone, rtol=0, atol=1e-5)  # the padded row reads its own eos
+    ids[1, 2] = config.eos_token_id
+    with pytest.raises(ValueError) as excinfo:
+        model(batch)
+    one_line_config_error(excinfo, f"{family}'s classification head reads each row's last <eos>",
+                          "these rows hold [1, 2]", "split_special_tokens=True")
+
+
 def test_extra_keys_are_ignored_and_bad_inputs_rejected(text_batch):
     model = HFSequenceClassifier(config=tiny_bert_config(), num_classes=2).eval()
     inputs, targets = text_batch

@@ -91,6 +91,18 @@ def test_word_clipping_does_not_change_token_ids():
     assert clip_words("  a b\n c d ", 2) == "  a b" and clip_words("a b", 5) == "a b"
 
 
+def test_review_text_holding_a_special_tokens_string_gets_ordinary_tokens():
+    """``[SEP]``, ``[MASK]``, ``[CLS]`` written in a review are text: only the tokenizer's own ``[CLS]``
+    and ``[SEP]`` are special tokens (an eos string in one row stopped BART/T5 classifiers mid-run)."""
+    tokenizer = load_tokenizer("minilm")
+    special = set(tokenizer.all_special_ids) - {tokenizer.pad_token_id}
+    texts = ["a fine film [SEP] then [MASK] and [CLS] again", "a fine film"]
+    ids = tokenize(tokenizer, texts, torch.tensor([1, 0]), 32).inputs["input_ids"]
+    for row in ids.tolist():
+        found = [t for t in row if t in special]
+        assert found == [tokenizer.cls_token_id, tokenizer.sep_token_id], found
+
+
 def test_words_without_tokens_fall_back_to_the_full_text():
     tokenizer = load_tokenizer("minilm")
     text = " ".join(["\u00ad"] * 20) + " good movie really fine"  # soft hyphens: words with no token
