@@ -514,6 +514,32 @@ class _PerTokenLosses(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y, reduction="none").unsqueeze(1).expand(-1, 4)
 
 
+class _BatchNormalisedLoss(nn.Module):
+    """A ``per_example_loss`` dividing each loss by the batch's mean loss, detached (a "normalised" loss):
+    no gradient crosses rows, but every example's clipped contribution moves with each batch-mate."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp(seed=1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def per_example_loss(self, x, y):
+        losses = nn.functional.cross_entropy(self.net(x), y, reduction="none")
+        return losses / losses.detach().mean()
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_loss_mixing_the_batch_after_the_model_is_refused_before_a_step_is_released(name):
+    """The loss's own arithmetic, outside every module the engine records, is checked like a forward:
+    the losses of two random halves of the first batch must equal the whole batch's."""
+    module = build(name, _BatchNormalisedLoss(), num_classes=3)
+    with pytest.raises(PrivacyConfigError, match="depend on their batch-mates") as info:
+        fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_per_token_losses_are_refused_in_one_line(name):
     """L clipped values per example would release L C (audit 3: 10 C with L = 10, C = 1)."""

@@ -273,17 +273,16 @@ class AlgorithmModule(pl.LightningModule):
         """The backbone's (first) parameter dtype: the rounding the independence checks tolerate."""
         return next((p.dtype for p in self.backbone.parameters()), torch.float32)
 
-    def check_padding_once(self, inputs, targets) -> None:
-        """The padding check for modules whose step has no ``private_losses`` (first-order): the losses of the
-        batch and of its shorter rows, in eval mode (dropout would differ) without grad; once per fit. A
-        decoder classifier given ``inputs_embeds`` reads its logit at the last column, a padded one when the
-        row is shorter than its batch (0.05-0.11 in a logit, audit 5): it was checked in zeroth-order fits only."""
-        if "padding" not in self._pending_checks or batch_size_of(inputs) == 0:
+    def check_independence_once(self, inputs, targets) -> None:
+        """The independence checks for modules whose step has no ``private_losses`` (first-order), on the
+        losses of the batch in eval mode (dropout would differ) without grad, until each could compare; about
+        three extra forwards of one batch per fit. Before 2026-11-25 first-order fits checked neither a
+        decoder classifier given ``inputs_embeds``, which reads its logit at a padded column (0.05-0.11 in a
+        logit, audit 5), nor a ``per_example_loss`` mixing the batch after the model."""
+        if not self._pending_checks or batch_size_of(inputs) == 0:
             return
-        dtype = self._parameter_dtype()
         with torch.no_grad(), eval_mode(self.backbone):
-            if self._refuse_padding_dependence(inputs, targets, self._losses(inputs, targets), dtype):
-                self._pending_checks.discard("padding")
+            self._run_pending_checks(inputs, targets, self._losses(inputs, targets))
 
     def _refuse_batch_mixing(self, inputs, targets, losses: Tensor, dtype: torch.dtype) -> bool:
         """The losses again on two random halves, each cut to its own longest row as the data modules pad

@@ -50,8 +50,10 @@ class FirstOrderModule(AlgorithmModule):
     """
 
     abstract = True
-    #: The engine checks each new call structure's forward on two halves itself (and re-checks at random).
-    independence_checks = ("padding",)
+    #: The engine checks each new call structure's forward on two halves itself (and re-checks at random);
+    #: "halves" here checks the losses too, once per fit: ``per_example_loss``'s own arithmetic runs after
+    #: every module the engine records (a loss divided by the batch's detached mean moved each example).
+    independence_checks = ("padding", "halves")
 
     def __init__(self, backbone: nn.Module, *, weight_decay: float = 0.0, grad_mode: str = "hooks",
                  micro_batch_size: Optional[int] = None, **kwargs: Any) -> None:
@@ -86,7 +88,7 @@ class FirstOrderModule(AlgorithmModule):
     # ------------------------------------------------------------------------------ verbs
     def private_gradient(self, inputs, targets) -> ClippedSum:
         """``sum_i clip_C(grad f(x; xi_i))``, flat over all parameters, micro-batch by micro-batch."""
-        self.check_padding_once(inputs, targets)
+        self.check_independence_once(inputs, targets)
         if self.fixed_shape is not None:
             loss_fns = [(lambda x=x, y=y: per_example_loss(self.backbone, x, y).float(), len(positions))
                         for x, y, positions in self.fixed_shape.chunks(inputs, targets)]
