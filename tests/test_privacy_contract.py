@@ -478,6 +478,40 @@ def test_a_forward_mixing_the_batch_in_its_values_is_refused_before_a_step_is_re
     refused_before_a_step(name, _BatchCentring(), "depend on their batch-mates")
 
 
+class _LateCentring(nn.Module):
+    """Centres on the batch mean only once it has seen ``after`` private forwards (without grad in a
+    zeroth-order step, with grad in a first-order one): mixing that the first batch does not trigger."""
+
+    def __init__(self, after: int):
+        super().__init__()
+        self.after, self.calls = after, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x - x.detach().mean(0) if self.calls > self.after else x
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+@pytest.mark.parametrize("recheck_probability", [1.0, 0.0])
+def test_mixing_that_starts_after_the_first_batch_is_refused_at_a_rechecked_step(name, recheck_probability):
+    """After the first batch, the halves check runs again at steps drawn with ``recheck_probability``
+    (OS randomness). At 1 the first mixing step is refused before it is released; at 0 mixing that begins
+    after the first batch goes unseen, which is what the re-check is for (zeroth-order modules ran it
+    only on the first batch before 2026-11-25)."""
+    torch.manual_seed(1)
+    centring = _LateCentring(after=8)
+    module = build(name, nn.Sequential(centring, nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3)),
+                   recheck_probability=recheck_probability)
+    steps = 8
+    if recheck_probability == 0.0:
+        fit(module, poisson_loader(blobs(), 0.25), steps)
+        assert module.privacy.ledger.total_count == steps and centring.calls >= centring.after + 3  # mixed steps released
+        return
+    with pytest.raises(PrivacyConfigError, match="depend on their batch-mates") as info:
+        fit(module, poisson_loader(blobs(), 0.25), steps)
+    assert "\n" not in str(info.value) and 0 < module.privacy.ledger.total_count < steps
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_a_model_reading_its_batchs_padding_is_refused_before_a_step_is_released(name):
     """A row's loss moved with its batch's longest row (FNet reads padding: 4.6e-3, times 1/lam in a ZO

@@ -26,7 +26,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per_example_loss, predict
 from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
-from lit_zodp.per_example.checks import (BufferState, buffer_state, eval_mode, refuse_batch_mixing,
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, buffer_state, check_recheck_probability,
+                                         eval_mode, recheck_drawn, refuse_batch_mixing,
                                          refuse_buffer_writes, rows_differ)
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
 from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, take_rows, used_lengths
@@ -66,6 +67,10 @@ class AlgorithmModule(pl.LightningModule):
             ``[16, 32, 64]``): each row is forwarded cut to the shortest bucket holding its last
             attended token, with rows of its bucket only (the bucket depends on the row alone).
             ``None``: every row at the data's full length.
+        recheck_probability: after the first batch, the probability per step (OS randomness) that a
+            private module runs the halves check on its losses again (a first-order module's engine
+            re-checks its calls with the same probability). The check costs about one forward without
+            grad. ``0``: the first batch only.
     """
 
     #: False for the non-private twin of an algorithm (MeZO for DPZero).
@@ -104,11 +109,13 @@ class AlgorithmModule(pl.LightningModule):
         log_private_stats: Optional[bool] = None,
         fixed_forward_rows: Optional[int] = None,
         fixed_forward_lengths: Optional[list[int]] = None,
+        recheck_probability: float = RECHECK_PROBABILITY,
     ) -> None:
         super().__init__()
         raise_if_any([check_positive("lr", lr), None if fixed_forward_rows is None
                       else check_positive_int("fixed_forward_rows", fixed_forward_rows),
-                      _check_lengths(fixed_forward_lengths, fixed_forward_rows)])
+                      _check_lengths(fixed_forward_lengths, fixed_forward_rows),
+                      check_recheck_probability(recheck_probability)])
         self.save_hyperparameters(ignore=["backbone", "lr_scheduler"])
         self.automatic_optimization = False
         self.backbone = backbone
@@ -121,6 +128,9 @@ class AlgorithmModule(pl.LightningModule):
             backbone.row_shapes = True
         self._buffers_before: Optional[BufferState] = None
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
+        self.recheck_probability = recheck_probability
+        self._recheck_step: Optional[int] = None  # the step drawn for a re-check, until its batch ran it
+        self._drawn_step: Optional[int] = None
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
         if self.private and self.log_private_stats:
             warnings.warn(f"{type(self).__name__}(log_private_stats=True) logs clip_fraction and step_time of "
@@ -246,8 +256,7 @@ class AlgorithmModule(pl.LightningModule):
         losses = self._losses(inputs, targets)
         if self._buffers_before:  # a layer that writes a buffer even in eval mode (microseconds; none: nothing)
             refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
-        if self._pending_checks:
-            self._run_pending_checks(inputs, targets, losses)
+        self._run_due_checks(inputs, targets, losses)
         return losses
 
     def _losses(self, inputs, targets) -> Tensor:
@@ -258,31 +267,49 @@ class AlgorithmModule(pl.LightningModule):
             losses[positions] = per_example_loss(self.backbone, rows, row_targets).float()[:len(positions)]
         return losses
 
-    def _run_pending_checks(self, inputs, targets, losses: Tensor) -> None:
-        """The per-example independence checks of a private fit, each on private batches until one lets it
-        compare (audit 5): a forward that mixes rows (batch statistics, batch centring) or reads padding
-        (FNet takes no attention mask: 4.6e-3 in a loss) is refused in one line. About two extra forwards
-        of one batch per fit."""
+    def _run_due_checks(self, inputs, targets, losses: Tensor) -> None:
+        """The per-example independence checks of a private fit (audit 5): a forward or loss that mixes rows
+        (batch statistics, batch centring, a loss divided by the batch's mean) or reads padding (FNet takes
+        no attention mask: 4.6e-3 in a loss) is refused in one line. Each runs on private batches until one
+        lets it compare (about two extra forwards of one batch per fit); then the halves check runs again at
+        steps drawn by the OS with probability ``recheck_probability``, once in the step: mixing that only
+        some batches trigger (a capacity-limited mixture of experts) is sampled, not excluded."""
+        if not self._pending_checks and not self._recheck_due():
+            return
         dtype = self._parameter_dtype()
         if "padding" in self._pending_checks and self._refuse_padding_dependence(inputs, targets, losses, dtype):
             self._pending_checks.discard("padding")
-        if "halves" in self._pending_checks and self._refuse_batch_mixing(inputs, targets, losses, dtype):
-            self._pending_checks.discard("halves")
+        if "halves" in self._pending_checks or self._recheck_step is not None:
+            if self._refuse_batch_mixing(inputs, targets, losses, dtype):
+                self._pending_checks.discard("halves")
+                self._recheck_step = None
+
+    def _recheck_due(self) -> bool:
+        """Whether this batch re-runs the halves check: drawn once per step (OS randomness), and kept for the
+        step's next private batch when this one could not compare (fewer than two finite losses)."""
+        if not self.private or self._trainer is None:
+            return False
+        step = self.trainer.global_step
+        if self._drawn_step != step:
+            self._drawn_step = step
+            if self._recheck_step is None and recheck_drawn(self.recheck_probability):
+                self._recheck_step = step
+        return self._recheck_step is not None
 
     def _parameter_dtype(self) -> torch.dtype:
         """The backbone's (first) parameter dtype: the rounding the independence checks tolerate."""
         return next((p.dtype for p in self.backbone.parameters()), torch.float32)
 
-    def check_independence_once(self, inputs, targets) -> None:
-        """The independence checks for modules whose step has no ``private_losses`` (first-order), on the
-        losses of the batch in eval mode (dropout would differ) without grad, until each could compare; about
-        three extra forwards of one batch per fit. Before 2026-11-25 first-order fits checked neither a
-        decoder classifier given ``inputs_embeds``, which reads its logit at a padded column (0.05-0.11 in a
-        logit, audit 5), nor a ``per_example_loss`` mixing the batch after the model."""
-        if not self._pending_checks or batch_size_of(inputs) == 0:
+    def run_independence_checks(self, inputs, targets) -> None:
+        """The independence checks (:meth:`_run_due_checks`) for modules whose step has no
+        ``private_losses`` (first-order), on the losses of the batch in eval mode (dropout would differ)
+        without grad. Before 2026-11-25 first-order fits checked neither a decoder classifier given
+        ``inputs_embeds``, which reads its logit at a padded column (0.05-0.11 in a logit, audit 5), nor a
+        ``per_example_loss`` mixing the batch after the model."""
+        if batch_size_of(inputs) == 0 or not (self._pending_checks or self._recheck_due()):
             return
         with torch.no_grad(), eval_mode(self.backbone):
-            self._run_pending_checks(inputs, targets, self._losses(inputs, targets))
+            self._run_due_checks(inputs, targets, self._losses(inputs, targets))
 
     def _refuse_batch_mixing(self, inputs, targets, losses: Tensor, dtype: torch.dtype) -> bool:
         """The losses again on two random halves, each cut to its own longest row as the data modules pad

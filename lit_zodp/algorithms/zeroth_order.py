@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-import torch
 from torch import Tensor, nn
 
 from lit_zodp.algorithms.base import AlgorithmModule

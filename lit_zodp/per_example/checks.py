@@ -13,6 +13,23 @@ from torch import Tensor, nn
 from lit_zodp.errors import raise_if_any
 from lit_zodp.per_example.rounding import working_eps
 
+#: Default ``recheck_probability`` (the engine's and every module's): one step in 100 re-runs the
+#: batch-independence check (one forward without grad in two halves, two with ``keep_call_shape``:
+#: under a step, so < 1% per step).
+RECHECK_PROBABILITY = 0.01
+_OS_RANDOM = secrets.SystemRandom()
+
+
+def check_recheck_probability(value: Any) -> Optional[str]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
+        return None
+    return f"Expected `recheck_probability` to be a float in [0, 1], but got {value!r}"
+
+
+def recheck_drawn(probability: float) -> bool:
+    """Whether this step re-runs the independence checks: OS randomness, so a model cannot predict it."""
+    return probability > 0 and _OS_RANDOM.random() < probability
+
 MODES = ("hooks", "ghost", "bookkeeping", "vmap")
 
 

@@ -82,9 +82,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import CallKey, _disagreeing, _RowSummaries, misaligned_calls
-from lit_zodp.per_example.checks import (buffer_state, check_losses, check_mode, check_transform, eval_mode, flat_rows,
-                                         refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
-                                         refuse_reentrant_checkpointing, rows_differ)
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, buffer_state, check_losses, check_mode,
+                                         check_recheck_probability, check_transform, eval_mode, flat_rows,
+                                         recheck_drawn, refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes,
+                                         refuse_compiled, refuse_reentrant_checkpointing, rows_differ)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
@@ -220,19 +221,6 @@ class _Recompute:
     name: str
 
 
-#: Default :attr:`PerExampleGradientEngine.recheck_probability`: one step in 100 re-runs the forward's
-#: batch-independence check (one forward without grad in two halves, two with ``keep_call_shape``:
-#: under a step, so < 1% per step).
-RECHECK_PROBABILITY = 0.01
-_OS_RANDOM = secrets.SystemRandom()
-
-
-def _check_probability(value: Any) -> Optional[str]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
-        return None
-    return f"Expected `recheck_probability` to be a float in [0, 1], but got {value!r}"
-
-
 def _comparable(losses: Tensor) -> bool:
     """At least 2 finite examples: only then can a check see one example reach another."""
     return int(torch.isfinite(losses.detach()).sum()) >= 2
@@ -340,7 +328,7 @@ class PerExampleGradientEngine:
 
     def __init__(self, module: nn.Module, *, mode: str = "hooks", transform: Optional[Transform] = None,
                  recheck_probability: float = RECHECK_PROBABILITY):
-        raise_if_any([check_mode(mode), check_transform(transform, mode), _check_probability(recheck_probability)])
+        raise_if_any([check_mode(mode), check_transform(transform, mode), check_recheck_probability(recheck_probability)])
         refuse_batchnorm(module)
         refuse_compiled(module)
         self.module, self.mode, self.transform = module, mode, as_transform(transform)
@@ -515,7 +503,7 @@ class PerExampleGradientEngine:
 
     def _recheck_drawn(self) -> bool:
         """OS randomness: a model cannot predict which steps are re-checked."""
-        return self.recheck_probability > 0 and _OS_RANDOM.random() < self.recheck_probability
+        return recheck_drawn(self.recheck_probability)
 
     @staticmethod
     def _drop_outputs(tape: Tape) -> None:
