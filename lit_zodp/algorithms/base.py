@@ -129,8 +129,7 @@ class AlgorithmModule(pl.LightningModule):
         self._buffers_before: Optional[BufferState] = None
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
         self.recheck_probability = recheck_probability
-        self._recheck_step: Optional[int] = None  # the step drawn for a re-check, until its batch ran it
-        self._drawn_step: Optional[int] = None
+        self._recheck_step: Optional[int] = None  # the step drawn for a re-check, until a batch ran it
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
         if self.private and self.log_private_stats:
             warnings.warn(f"{type(self).__name__}(log_private_stats=True) logs clip_fraction and step_time of "
@@ -285,15 +284,9 @@ class AlgorithmModule(pl.LightningModule):
                 self._recheck_step = None
 
     def _recheck_due(self) -> bool:
-        """Whether this batch re-runs the halves check: drawn once per step (OS randomness), and kept for the
-        step's next private batch when this one could not compare (fewer than two finite losses)."""
-        if not self.private or self._trainer is None:
-            return False
-        step = self.trainer.global_step
-        if self._drawn_step != step:
-            self._drawn_step = step
-            if self._recheck_step is None and recheck_drawn(self.recheck_probability):
-                self._recheck_step = step
+        """Whether this batch re-runs the halves check: drawn once per step in :meth:`on_train_batch_start`
+        (OS randomness), and kept for the next private batch when this one could not compare (fewer than
+        two finite losses)."""
         return self._recheck_step is not None
 
     def _parameter_dtype(self) -> torch.dtype:
@@ -385,6 +378,8 @@ class AlgorithmModule(pl.LightningModule):
         if self.privacy.budget_exhausted:
             self.trainer.should_stop = True
             return -1  # one more step would spend past the budget: stop here
+        if self.private and self._recheck_step is None and recheck_drawn(self.recheck_probability):
+            self._recheck_step = self.trainer.global_step  # the halves check runs again in this step
         self._step_started = time.perf_counter()
         return None
 
