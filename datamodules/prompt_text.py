@@ -390,7 +390,7 @@ def encode_mlm(
         attention[i, : len(row)] = 1
     counts = (input_ids == mask_id).sum(1)
     if n and not bool((counts == 1).all()):
-        raise ValueError(f"{spec.name}: a prompt lost its mask or has several: counts {counts.tolist()}")
+        raise ValueError(f"{spec.name}: a prompt lost its mask or has several")  # no count of private rows
     return {"input_ids": input_ids, "attention_mask": attention}
 
 

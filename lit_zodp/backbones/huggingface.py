@@ -362,25 +362,26 @@ class HFSequenceClassifier(Backbone):
         try:
             return self.model(**batch).logits
         except ValueError as err:
-            raise _eos_count_error(self.model.config, batch["input_ids"], err) or err
+            raise _eos_count_error(self.model.config, err) or err
 
     def load_tokenizer(self, **kwargs: Any) -> Any:
         """The tokenizer matching this model."""
         return load_tokenizer(_require_tokenizer_path(self.tokenizer_path), **kwargs)
 
 
-def _eos_count_error(config: Any, ids: Tensor, err: ValueError) -> Optional[ConfigError]:
+def _eos_count_error(config: Any, err: ValueError) -> Optional[ConfigError]:
     """One line for transformers' "All examples must have the same number of <eos> tokens": the
     classification head of BART, mBART, PLBart, LED, T5 and mT5 reads each row's last ``<eos>``, and
     transformers takes that position from one count for the whole batch. A text holding the eos string
     (``</s>``) adds one: the movie-review data module tokenizes text as text
-    (``split_special_tokens``); a data module of your own should too."""
+    (``split_special_tokens``); a data module of your own should too. Like every error here, it names
+    no count of private rows."""
     if "same number of <eos>" not in str(err):
         return None
-    counts = sorted(set((ids == config.eos_token_id).sum(1).tolist()))
     return ConfigError(f"{config.model_type}'s classification head reads each row's last <eos> (id "
-                       f"{config.eos_token_id}) and needs one count per batch, but these rows hold {counts}: a "
-                       f"text holding the eos string adds one; tokenize text with split_special_tokens=True")
+                       f"{config.eos_token_id}) and needs the same number of them in every row of a batch, but "
+                       f"this batch's rows differ: a text holding the eos string adds one; tokenize text with "
+                       f"split_special_tokens=True")
 
 
 def _padding_as_pad_id(batch: dict[str, Tensor], pad_id: Optional[int]) -> dict[str, Tensor]:
@@ -637,7 +638,8 @@ class HFPromptClassifier(Backbone):
         counts = is_mask.sum(1)
         if bool((counts != 1).any()):
             raise ValueError(
-                f"every prompt needs exactly one mask token (id {self.mask_token_id}); got {counts.tolist()}"
+                f"every prompt needs exactly one mask token (id {self.mask_token_id}); a row of this batch has "
+                f"none or several"
             )
         rows, positions = is_mask.nonzero(as_tuple=True)  # one mask per row, rows in order
         return self._logits_at(batch, rows, positions)
@@ -783,7 +785,7 @@ class HFCandidateScorer(Backbone):
             return empty_logits(self, k).sum(1)
         targets = targets.to(candidates.device)
         if targets.shape != (size,) or bool(((targets < 0) | (targets >= k)).any()):
-            raise ValueError(f"targets must be {size} candidate indices in [0, {k}), got {targets.tolist()}")
+            raise ValueError(f"targets must hold one candidate index in [0, {k}) per example")  # no private values
         rows = torch.arange(size, device=targets.device) * k + targets  # the target rows only
         return -self._row_scores({key: v[rows] for key, v in batch.items()}, candidates[rows])
 

@@ -229,7 +229,7 @@ def test_bad_candidate_inputs(scorer, batch):
             HFCandidateScorer(scorer.tokenizer_path, num_classes=2)(batch)
         lm = copy.deepcopy(scorer)
         lm.loss = "lm"
-        with pytest.raises(ValueError, match="candidate indices"):
+        with pytest.raises(ValueError, match="one candidate index"):
             lm.per_example_loss(batch, torch.tensor([0, 1, 3, 0]))
     with pytest.raises(ValueError, match="loss must be"):
         HFCandidateScorer(scorer.tokenizer_path, loss="mse")
