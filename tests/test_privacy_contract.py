@@ -534,8 +534,8 @@ def test_a_batchnorm_with_running_statistics_keeps_zeroth_order_losses_per_examp
     torch.testing.assert_close(together[1:], alone[1:], rtol=1e-6, atol=1e-7)
 
 
-class _PerTokenLosses(nn.Module):
-    """A backbone whose ``per_example_loss`` returns ``[B, L]``: L values, each clipped on its own."""
+class _MLPWithOwnLoss(nn.Module):
+    """The contract MLP as a backbone whose subclasses define ``per_example_loss``."""
 
     def __init__(self):
         super().__init__()
@@ -543,23 +543,20 @@ class _PerTokenLosses(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+class _PerTokenLosses(_MLPWithOwnLoss):
+    """A backbone whose ``per_example_loss`` returns ``[B, L]``: L values, each clipped on its own."""
 
     def per_example_loss(self, x, y):
         return nn.functional.cross_entropy(self.net(x), y, reduction="none").unsqueeze(1).expand(-1, 4)
 
 
-class _BatchNormalisedLoss(nn.Module):
+class _BatchNormalisedLoss(_MLPWithOwnLoss):
     """A ``per_example_loss`` dividing each loss by the batch's total loss, detached (a "normalised" loss):
     no gradient crosses rows, but every example's clipped contribution moves with each batch-mate. (By the
     total, not the mean: at initialisation the losses are nearly equal, and a half's mean moved a loss by
     less than the rounding tolerance in 1 of 12 runs.)"""
-
-    def __init__(self):
-        super().__init__()
-        self.net = mlp(seed=1)
-
-    def forward(self, x):
-        return self.net(x)
 
     def per_example_loss(self, x, y):
         losses = nn.functional.cross_entropy(self.net(x), y, reduction="none")

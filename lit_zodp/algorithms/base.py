@@ -69,8 +69,8 @@ class AlgorithmModule(pl.LightningModule):
             ``None``: every row at the data's full length.
         recheck_probability: after the first batch, the probability per step (OS randomness) that a
             private module runs the halves check on its losses again (a first-order module's engine
-            re-checks its calls with the same probability). The check costs about one forward without
-            grad. ``0``: the first batch only.
+            re-checks its calls at the same steps). The check costs about one forward without grad.
+            ``0``: the first batch only.
     """
 
     #: False for the non-private twin of an algorithm (MeZO for DPZero).
@@ -129,7 +129,7 @@ class AlgorithmModule(pl.LightningModule):
         self._buffers_before: Optional[BufferState] = None
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
         self.recheck_probability = recheck_probability
-        self._recheck_step: Optional[int] = None  # the step drawn for a re-check, until a batch ran it
+        self._recheck_pending = False  # a step drawn for a re-check, until a batch of it could compare
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
         if self.private and self.log_private_stats:
             warnings.warn(f"{type(self).__name__}(log_private_stats=True) logs clip_fraction and step_time of "
@@ -268,26 +268,22 @@ class AlgorithmModule(pl.LightningModule):
 
     def _run_due_checks(self, inputs, targets, losses: Tensor) -> None:
         """The per-example independence checks of a private fit (audit 5): a forward or loss that mixes rows
-        (batch statistics, batch centring, a loss divided by the batch's mean) or reads padding (FNet takes
+        (batch statistics, batch centring, a loss divided by the batch's total) or reads padding (FNet takes
         no attention mask: 4.6e-3 in a loss) is refused in one line. Each runs on private batches until one
         lets it compare (about two extra forwards of one batch per fit); then the halves check runs again at
         steps drawn by the OS with probability ``recheck_probability``, once in the step: mixing that only
-        some batches trigger (a capacity-limited mixture of experts) is sampled, not excluded."""
-        if not self._pending_checks and not self._recheck_due():
+        some batches trigger (a capacity-limited mixture of experts) is sampled, not excluded. A step is drawn
+        in :meth:`on_train_batch_start`; a drawn batch with fewer than two finite losses passes the re-check
+        on to the next."""
+        if not (self._pending_checks or self._recheck_pending):
             return
         dtype = self._parameter_dtype()
         if "padding" in self._pending_checks and self._refuse_padding_dependence(inputs, targets, losses, dtype):
             self._pending_checks.discard("padding")
-        if "halves" in self._pending_checks or self._recheck_step is not None:
+        if "halves" in self._pending_checks or self._recheck_pending:
             if self._refuse_batch_mixing(inputs, targets, losses, dtype):
                 self._pending_checks.discard("halves")
-                self._recheck_step = None
-
-    def _recheck_due(self) -> bool:
-        """Whether this batch re-runs the halves check: drawn once per step in :meth:`on_train_batch_start`
-        (OS randomness), and kept for the next private batch when this one could not compare (fewer than
-        two finite losses)."""
-        return self._recheck_step is not None
+                self._recheck_pending = False
 
     def _parameter_dtype(self) -> torch.dtype:
         """The backbone's (first) parameter dtype: the rounding the independence checks tolerate."""
@@ -299,7 +295,7 @@ class AlgorithmModule(pl.LightningModule):
         without grad. Before 2026-11-25 first-order fits checked neither a decoder classifier given
         ``inputs_embeds``, which reads its logit at a padded column (0.05-0.11 in a logit, audit 5), nor a
         ``per_example_loss`` mixing the batch after the model."""
-        if batch_size_of(inputs) == 0 or not (self._pending_checks or self._recheck_due()):
+        if batch_size_of(inputs) == 0 or not (self._pending_checks or self._recheck_pending):
             return
         with torch.no_grad(), eval_mode(self.backbone):
             self._run_due_checks(inputs, targets, self._losses(inputs, targets))
@@ -378,8 +374,8 @@ class AlgorithmModule(pl.LightningModule):
         if self.privacy.budget_exhausted:
             self.trainer.should_stop = True
             return -1  # one more step would spend past the budget: stop here
-        if self.private and self._recheck_step is None and recheck_drawn(self.recheck_probability):
-            self._recheck_step = self.trainer.global_step  # the halves check runs again in this step
+        if self.private and not self._recheck_pending:
+            self._recheck_pending = recheck_drawn(self.recheck_probability)  # the halves check runs again
         self._step_started = time.perf_counter()
         return None
 

@@ -72,8 +72,8 @@ class FirstOrderModule(AlgorithmModule):
         self.weight_decay = weight_decay
         self.grad_mode = grad_mode
         self.micro_batch_size = micro_batch_size
-        self.engine = PerExampleGradientEngine(self.backbone, mode=grad_mode,  # refuses BatchNorm now
-                                               recheck_probability=self.recheck_probability)
+        # refuses BatchNorm now; re-checks its calls at the steps this module draws (one draw for both)
+        self.engine = PerExampleGradientEngine(self.backbone, mode=grad_mode, recheck_probability=0.0)
         self.engine.keep_call_shape = self.fixed_shape is not None  # the checks' forwards keep the one shape too
 
     def step_plan(self) -> StepPlan:
@@ -89,6 +89,7 @@ class FirstOrderModule(AlgorithmModule):
     # ------------------------------------------------------------------------------ verbs
     def private_gradient(self, inputs, targets) -> ClippedSum:
         """``sum_i clip_C(grad f(x; xi_i))``, flat over all parameters, micro-batch by micro-batch."""
+        self.engine.recheck_next = self._recheck_pending  # this step's draw re-checks the engine's calls too
         self.run_independence_checks(inputs, targets)
         if self.fixed_shape is not None:
             loss_fns = [(lambda x=x, y=y: per_example_loss(self.backbone, x, y).float(), len(positions))

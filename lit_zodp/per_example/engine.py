@@ -333,6 +333,7 @@ class PerExampleGradientEngine:
         refuse_compiled(module)
         self.module, self.mode, self.transform = module, mode, as_transform(transform)
         self.recheck_probability = recheck_probability
+        self.recheck_next = False
         #: Recompute the halves of the batch-independence check at the call's own shape (set by modules
         #: running ``fixed_forward_rows``, whose private forwards must all have one shape).
         self.keep_call_shape = False
@@ -502,7 +503,11 @@ class PerExampleGradientEngine:
         return misaligned
 
     def _recheck_drawn(self) -> bool:
-        """OS randomness: a model cannot predict which steps are re-checked."""
+        """OS randomness: a model cannot predict which steps are re-checked. ``recheck_next``: a caller's own
+        draw (a module drawing once per step for its checks and the engine's), used once."""
+        if self.recheck_next:
+            self.recheck_next = False
+            return True
         return recheck_drawn(self.recheck_probability)
 
     @staticmethod

@@ -240,3 +240,30 @@ def test_a_decoder_classifier_on_right_padded_inputs_embeds_is_refused_before_a_
     with pytest.raises(PrivacyConfigError, match="inputs_embeds reads the last column"):
         quiet_trainer(max_steps=2).fit(module, loader)
     assert module.privacy.ledger.total_count == 0
+
+
+def test_one_draw_per_step_rechecks_the_losses_and_the_engines_calls(monkeypatch):
+    """A first-order module draws each step's re-check once (``recheck_probability``, OS randomness):
+    the halves check on its losses and the engine's check of its module's calls run at the same steps;
+    two independent draws re-checked about twice as many steps. Here the draws alternate: True, False, ..."""
+    from lit_zodp.algorithms import base
+    from lit_zodp.per_example import engine as engine_module
+
+    draws, runs = iter([True, False] * 10), {"losses": [], "calls": []}
+    monkeypatch.setattr(base, "recheck_drawn", lambda probability: next(draws))
+
+    def counted(kind, function):
+        def run(self, *args, **kwargs):
+            runs[kind].append(module.trainer.global_step)
+            return function(self, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(base.AlgorithmModule, "_refuse_batch_mixing",
+                        counted("losses", base.AlgorithmModule._refuse_batch_mixing))
+    monkeypatch.setattr(engine_module.PerExampleGradientEngine, "_refuse_forward_mixing",
+                        counted("calls", engine_module.PerExampleGradientEngine._refuse_forward_mixing))
+    torch.manual_seed(0)
+    module = DPSGD(mlp(seed=1), lr=0.1, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    quiet_trainer(max_steps=6).fit(module, full_batch(blobs(64), 6))  # every batch can compare
+    assert module.engine.recheck_probability == 0.0  # the engine draws nothing of its own
+    assert runs["losses"] == runs["calls"] == [0, 2, 4]  # the first batch, then the drawn steps
