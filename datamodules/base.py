@@ -43,7 +43,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 from datamodules.collate import EmptySafeCollate
-from lit_zodp.errors import PrivacyConfigError, check_positive_int, raise_if_any
+from lit_zodp.errors import LitZodpWarning, PrivacyConfigError, check_positive_int, raise_if_any
 from lit_zodp.privacy.noise import secret_seed, warn_test_seed
 from lit_zodp.privacy.sampling import (
     SHUFFLE_WARNING,
@@ -291,7 +291,7 @@ class PublicPrivateDataModule(LightningDataModule):
         raise_if_any(self.config_errors())
         self.save_hyperparameters(ignore=["sampling_seed"])
         if sampling == "shuffle":
-            warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
+            warnings.warn(SHUFFLE_WARNING, LitZodpWarning, stacklevel=2)
         if sampling_seed is not None:
             warn_test_seed("sampling_seed", "private batch sampling")
         self._reset()
@@ -445,12 +445,12 @@ class PublicPrivateDataModule(LightningDataModule):
             if any(g in private_groups for g in splits.val_groups or ()):
                 warnings.warn(f"{type(self).__name__}: groups (e.g. passages) of the validation split also have "
                               "rows in the private set; their logged metrics use those texts outside the privacy "
-                              "guarantee: hold validation out with `val_fraction` (whole groups)", UserWarning)
+                              "guarantee: hold validation out with `val_fraction` (whole groups)", LitZodpWarning)
         unchecked = splits.public is not None and (splits.train_ids is None or splits.public_ids is None)
         if unchecked:
             warnings.warn(f"{type(self).__name__}: the separate public source comes without identifiers "
                           "(`train_ids` and `public_ids`), so the private rows equal to one of its examples "
-                          "are not dropped (disjointness not checked)", UserWarning)
+                          "are not dropped (disjointness not checked)", LitZodpWarning)
         if splits.train_ids is None:
             return
         private_ids = [splits.train_ids[i] for i in self.private_indices]
@@ -467,7 +467,7 @@ class PublicPrivateDataModule(LightningDataModule):
         if any(key in private_ids for key in val_ids):
             warnings.warn(f"{type(self).__name__}: validation examples repeat a private example's text (other "
                           "rows of the same text); their logged metrics use that text outside the privacy "
-                          "guarantee: set `dedupe: true` to drop repeats before splitting", UserWarning)
+                          "guarantee: set `dedupe: true` to drop repeats before splitting", LitZodpWarning)
 
     def _size_errors(self, pool_size: int) -> list[Optional[str]]:
         n_private = len(self.private_indices)

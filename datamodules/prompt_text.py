@@ -98,7 +98,7 @@ from datamodules.text_tasks import (
     render_text,
     source_warning,
 )
-from lit_zodp.errors import ConfigError, check_positive_int
+from lit_zodp.errors import ConfigError, LitZodpWarning, check_positive_int
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -196,7 +196,7 @@ def k_shot_draw(
     if short:
         need = k if not k_dev else f"{k} + {k_dev} (dev)"
         warnings.warn(f"{what}: fewer than {need} examples for classes {short}; kept all of them: lower `k_shot`/"
-                      "`k_dev` (`public_k_shot` for a public task) for the same number in every class")
+                      "`k_dev` (`public_k_shot` for a public task) for the same number in every class", LitZodpWarning)
     return train, dev
 
 
@@ -229,7 +229,7 @@ def sample_pool(
         return k_shot_draw(labels, order, k_shot, k_dev, what)
     if num_train is not None:
         if num_train > len(order):
-            warnings.warn(f"{what}: num_train={num_train} but the file holds {len(order)} examples; kept all of them")
+            warnings.warn(f"{what}: num_train={num_train} but the file holds {len(order)} examples; kept all of them", LitZodpWarning)
         train, rest = list(order[:num_train]), list(order[num_train:])
     else:
         train, rest = None, list(order)
@@ -238,7 +238,7 @@ def sample_pool(
         _, dev = k_shot_draw(labels, rest, 0, k_dev, f"{what} (dev)")
     elif num_dev is not None:
         if num_dev > len(rest):
-            warnings.warn(f"{what}: num_dev={num_dev} but only {len(rest)} examples are left for dev")
+            warnings.warn(f"{what}: num_dev={num_dev} but only {len(rest)} examples are left for dev", LitZodpWarning)
         dev = rest[:num_dev]
     if train is None:
         taken = set(dev)
@@ -753,7 +753,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
         self.task_data = data
         note = source_warning(data)
         if note is not None:
-            warnings.warn(note)
+            warnings.warn(note, LitZodpWarning)
         train = data.train
         what = f"{spec.name} ({train.path})"
         repeats = repeated_examples(spec, train) if self.dedupe else set()
@@ -840,8 +840,8 @@ class PromptTextDataModule(PublicPrivateDataModule):
         if not ready and self.val_dataset is not None and self.val_dataset is self.test_dataset:
             warnings.warn(
                 f"{self.spec.name}: no validation split (no k_dev/num_dev, no dev file in the lm-bff folder, "
-                "val_fraction 0): validation runs on the test set; set k_dev (LM-BFF: k_dev = k_shot) or num_dev"
-            )
+                "val_fraction 0): validation runs on the test set; set k_dev (LM-BFF: k_dev = k_shot) or num_dev",
+                LitZodpWarning)
 
 
 #: backbones that put a new, randomly initialised classification head on the model

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn  # noqa: 
 
 from lit_zodp.callbacks.ranks import rank_label  # noqa: E402
 from lit_zodp.cli_errors import OneLineErrorParser, imported  # noqa: E402
-from lit_zodp.errors import ConfigError, PrivacyConfigError, raise_if_any  # noqa: E402
+from lit_zodp.errors import ConfigError, LitZodpWarning, PrivacyConfigError, raise_if_any  # noqa: E402
 from lit_zodp.privacy.component import budget_order_error, epsilon_text  # noqa: E402
 
 
@@ -155,7 +155,7 @@ def _warn_replaced(configured: dict, kept: dict, path: str) -> None:
                 for key, value in kept.items() if key in configured and not _same(configured[key], value)]
     if replaced:
         rank_zero_warn(f"Resuming {path}: a resume continues its run with the checkpoint's model options, not "
-                       f"the configured ones: {'; '.join(replaced)}", category=UserWarning, stacklevel=5)
+                       f"the configured ones: {'; '.join(replaced)}", category=LitZodpWarning, stacklevel=5)
 
 
 def _same(a, b) -> bool:

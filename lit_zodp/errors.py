@@ -1,4 +1,4 @@
-"""The package's error classes and the validation vocabulary that builds their messages.
+"""The package's error and warning classes and the validation vocabulary that builds their messages.
 
 Validation collects every problem before raising, so a bad config is fixed in one round:
 each helper returns ``None`` when the value is fine, or a message naming the bad value. One
@@ -8,7 +8,25 @@ problem gives a one-line message; several give one line each.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterable, Optional
+
+
+class LitZodpWarning(UserWarning):
+    """A warning of this package, about the user's configuration, data or run: shown as one line,
+    ``lit-zodp: warning: ...``, like its errors (Python's format adds the file and source line that
+    warned, which say nothing to a user)."""
+
+
+def _one_line_warnings(previous):
+    def format_warning(message, category, filename, lineno, line=None):
+        if isinstance(category, type) and issubclass(category, LitZodpWarning):
+            return f"lit-zodp: warning: {message}\n"
+        return previous(message, category, filename, lineno, line)
+    return format_warning
+
+
+warnings.formatwarning = _one_line_warnings(warnings.formatwarning)  # as Lightning formats its own
 
 
 class ConfigError(ValueError):

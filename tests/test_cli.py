@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -380,7 +381,10 @@ def test_a_resume_names_each_configured_option_the_checkpoint_replaces(tmp_path,
         resumed = _fit_with_checkpoint(tmp_path, "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"),
                                        "--model.init_args.lr", "0.1", "--model.init_args.clip", "1",
                                        "--model.init_args.target_epsilon", "5", "--model.init_args.max_epsilon", "2.5")
-    message, = (str(w.message) for w in record if "model options" in str(w.message))
+    warning, = (w for w in record if "model options" in str(w.message))
+    message = str(warning.message)
+    shown = warnings.formatwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    assert shown == f"lit-zodp: warning: {message}\n"  # one line, as the errors (it printed the source line)
     assert message.endswith("not the configured ones: lr: configured 0.1, checkpoint 0.05 (kept); "
                            "target_epsilon: configured 5.0, checkpoint 3.0 (kept)")
     hparams = resumed.model.hparams
@@ -407,3 +411,17 @@ def test_the_result_line_and_summary_say_when_epsilon_is_no_guarantee(arguments,
     result, = (m for m in messages if m.startswith("RESULT"))
     assert re.search(epsilon, result) and "steps=3 " in result
     assert any(spent in m for m in messages if m.startswith("Privacy spent"))
+
+
+def test_package_warnings_are_one_line_and_others_keep_their_format():
+    """``LitZodpWarning`` prints as ``lit-zodp: warning: ...``; a plain ``UserWarning`` and Lightning's
+    own warnings keep Python's and Lightning's formats (the formatter is chained, not replaced)."""
+    import lightning
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    from lit_zodp.errors import LitZodpWarning
+
+    assert warnings.formatwarning("check it", LitZodpWarning, "x.py", 3, "src") == "lit-zodp: warning: check it\n"
+    assert warnings.formatwarning("plain", UserWarning, "x.py", 3, "src") == "x.py:3: UserWarning: plain\n  src\n"
+    inside = str(Path(lightning.__file__).parent / "pytorch" / "trainer" / "trainer.py")
+    assert warnings.formatwarning("theirs", PossibleUserWarning, inside, 7, "src") == f"{inside}:7: theirs\n"

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per_example_loss, predict
-from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
+from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, check_positive, check_positive_int,
+                             raise_if_any)
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, buffer_state, check_recheck_probability,
                                          eval_mode, recheck_drawn, refuse_batch_mixing,
                                          refuse_buffer_writes, rows_differ)
@@ -134,7 +135,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.private and self.log_private_stats:
             warnings.warn(f"{type(self).__name__}(log_private_stats=True) logs clip_fraction and step_time of "
                           "private batches without noise or accounting: the logs are outside the privacy "
-                          "guarantee (debugging only)", UserWarning, stacklevel=2)
+                          "guarantee (debugging only)", LitZodpWarning, stacklevel=2)
         if self.private:
             self.privacy = PrivacyComponent(clip=clip, target_epsilon=target_epsilon,
                                             noise_multiplier=noise_multiplier, delta=delta,

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lit_zodp.errors import (
     AccountingError,
+    LitZodpWarning,
     PrivacyConfigError,
     check_delta,
     check_non_negative,
@@ -177,7 +178,7 @@ class PrivacyComponent:
                 f"This checkpoint's ledger counts {before} steps, but its run (lineage {self.lineage[:8]}) released "
                 f"{before + others} in all branches: a rollback or a second continuation of one checkpoint. The "
                 f"{others} other steps now count in epsilon and the budget (spend log "
-                f"{getattr(spend_log, 'directory', 'of rank 0')}).", UserWarning, stacklevel=4)
+                f"{getattr(spend_log, 'directory', 'of rank 0')}).", LitZodpWarning, stacklevel=4)
         known = self.branches or {}  # the ledger now holds every logged step of every branch
         self.branches = {b: max(known.get(b, 0), logged_steps.get(b, 0)) for b in {*known, *logged_steps}}
         self._spend_log = spend_log if self.is_private else None  # sigma = 0 records nothing

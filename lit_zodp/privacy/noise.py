@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lit_zodp.errors import check_non_negative, raise_if_any
+from lit_zodp.errors import LitZodpWarning, check_non_negative, raise_if_any
 from lit_zodp.privacy.device_noise import SecretKey, add_gaussian, device_noise_available
 from lit_zodp.zo.parallel import map_on_threads
 
@@ -73,7 +73,7 @@ def secret_generator(seed: int) -> np.random.Generator:
 
 
 def warn_test_seed(name: str, what: str) -> None:
-    warnings.warn(TEST_SEED_WARNING.format(name=name, what=what, bits=SECRET_BITS), UserWarning, stacklevel=3)
+    warnings.warn(TEST_SEED_WARNING.format(name=name, what=what, bits=SECRET_BITS), LitZodpWarning, stacklevel=3)
 
 
 class NoiseSource:

@@ -30,6 +30,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from lit_zodp.errors import (
+    LitZodpWarning,
     PrivacyConfigError,
     check_positive_int,
     check_probability,
@@ -294,7 +295,7 @@ class ShuffleBatchSampler(PrivateBatchSampler):
         if not errors[0] and isinstance(num_samples, int) and batch_size > num_samples:
             errors.append(f"Expected `batch_size` <= num_samples={num_samples}, but got {batch_size}")
         raise_if_any(errors)
-        warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
+        warnings.warn(SHUFFLE_WARNING, LitZodpWarning, stacklevel=2)
         super().__init__(num_samples, rank=rank, world_size=world_size, seed=seed)
         self.batch_size = batch_size
 

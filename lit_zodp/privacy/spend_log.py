@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Mapping, Optional
 
+from lit_zodp.errors import LitZodpWarning
 from lit_zodp.privacy.mechanisms import Mechanism, mechanism_from_dict, mechanism_to_dict
 
 SPEND_DIR_ENV = "LIT_ZODP_SPEND_DIR"
@@ -95,7 +96,7 @@ class SpendLog:
         except OSError as error:
             warnings.warn(f"Cannot write the spend log {self.path} ({error}): a later rollback or fork of this "
                           f"run will not be counted. Set {SPEND_DIR_ENV} to a writable directory.",
-                          UserWarning, stacklevel=2)
+                          LitZodpWarning, stacklevel=2)
 
     def count_step(self) -> None:
         """One more step of this branch."""
@@ -141,7 +142,7 @@ def _read_branch(path: Path) -> Optional[tuple[Counts, int]]:
         return decode_counts(record["per_step"]), int(record["steps"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         warnings.warn(f"Skipping the unreadable spend record {path} ({error}): its releases are not counted",
-                      UserWarning, stacklevel=3)
+                      LitZodpWarning, stacklevel=3)
         return None
 
 
