@@ -22,6 +22,7 @@ Usage::
     python benchmarks/ghost_check_margin.py --model vit_tiny --dtype bfloat16 --steps 100
     python benchmarks/ghost_check_margin.py --model minilm --dtype bfloat16 --seq-len 64 --steps 60
     python benchmarks/ghost_check_margin.py --model roberta_base --batch 8 --seq-len 32 --steps 30
+    python benchmarks/ghost_check_margin.py --model vit_tiny --dtype float16 --steps 20 --lr 0.1
 
 ``roberta_base`` and ``gpt2`` are 12-layer, 768-wide sequence classifiers built from their
 configurations (random weights, no download): deeper than the packaged MiniLM (6 layers, 384).
@@ -123,7 +124,7 @@ def build(model: str, seq_len: int):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vit_tiny", choices=["vit_tiny", "minilm", *CONFIGS])
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per example (MiniLM)")
