@@ -30,7 +30,8 @@ class PrivacySpendCallback(Callback):
 
     The metric is ``epsilon`` (logged and in the progress bar). A ``sampling: shuffle`` run logs it as
     ``epsilon_poisson_assumed`` instead: its shuffled batches are accounted as Poisson, so the value is
-    no guarantee, and a dashboard, monitor or progress bar reading ``epsilon`` must not show it as one.
+    no guarantee, and a dashboard, monitor or progress bar reading ``epsilon`` must not show it as one. The
+    progress bar shows it as ``epsilon*`` (:data:`ASSUMED_BAR_NAME`: the long name was cut at 80 columns).
     """
 
     ACCOUNTING_TIME_SHARE = 0.005
@@ -77,7 +78,10 @@ class PrivacySpendCallback(Callback):
             if privacy.ledger.computations != computations:  # a memoised value says nothing of the cost
                 self._accounting_seconds = time.perf_counter() - now
             self._last_logged_step = trainer.global_step
-            pl_module.log(epsilon_metric(privacy), self.epsilon, prog_bar=True, batch_size=1)
+            name = epsilon_metric(privacy)
+            pl_module.log(name, self.epsilon, prog_bar=name == "epsilon", batch_size=1)
+            if name != "epsilon":  # the long name did not fit an 80-column bar ("epsilon_poisson_…")
+                pl_module.log(ASSUMED_BAR_NAME, self.epsilon, prog_bar=True, logger=False, batch_size=1)
         self._last_batch_end = time.perf_counter()
 
     def _cadence(self) -> int:
@@ -90,6 +94,11 @@ class PrivacySpendCallback(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.epsilon = pl_module.privacy.epsilon()  # the ledger's cached bounds when the last step computed them
         rank_zero_info(f"Privacy spent: {pl_module.privacy.summary()}.")
+
+
+#: The progress bar's name for an epsilon that is no guarantee (the logged metric is ``epsilon_poisson_assumed``;
+#: the summary and the RESULT line say why): it fits beside the bar at 80 columns.
+ASSUMED_BAR_NAME = "epsilon*"
 
 
 def epsilon_metric(privacy) -> str:

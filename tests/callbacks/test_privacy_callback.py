@@ -153,3 +153,5 @@ def test_a_shuffled_runs_epsilon_is_logged_under_a_name_that_says_poisson_assume
     trainer.fit(module, DataLoader(data, batch_sampler=sampler, collate_fn=collate_tensors))
     assert "epsilon" not in trainer.callback_metrics
     assert float(trainer.callback_metrics["epsilon_poisson_assumed"]) == pytest.approx(module.privacy.epsilon())
+    # the bar: a name that fits 80 columns and is still not `epsilon` (the long one showed "epsilon_poisson_…")
+    assert set(trainer.progress_bar_metrics) & {"epsilon", "epsilon_poisson_assumed", "epsilon*"} == {"epsilon*"}
