@@ -229,7 +229,8 @@ def sample_pool(
         return k_shot_draw(labels, order, k_shot, k_dev, what)
     if num_train is not None:
         if num_train > len(order):
-            warnings.warn(f"{what}: num_train={num_train} but the file holds {len(order)} examples; kept all of them", LitZodpWarning)
+            warnings.warn(f"{what}: num_train={num_train} but the file holds {len(order)} examples; kept all of them",
+                          LitZodpWarning)
         train, rest = list(order[:num_train]), list(order[num_train:])
     else:
         train, rest = None, list(order)

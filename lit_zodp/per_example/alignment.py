@@ -109,7 +109,8 @@ class _RowSummaries:
             generator.manual_seed((self.seed + 1_000_003 * positions + 7919 * features) % 2**63)
             u = torch.randn(positions, PROJECTIONS, generator=generator, device=grad.device, dtype=wide)
             v = torch.randn(features, PROJECTIONS, generator=generator, device=grad.device, dtype=wide)
-            self._drawn[found] = (u, v.to(_projection_dtype(grad.dtype)), working_eps(grad.device.type, grad.dtype) ** 0.5)
+            eps = working_eps(grad.device.type, grad.dtype) ** 0.5
+            self._drawn[found] = (u, v.to(_projection_dtype(grad.dtype)), eps)
         return self._drawn[found]
 
 

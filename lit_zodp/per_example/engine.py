@@ -328,7 +328,8 @@ class PerExampleGradientEngine:
 
     def __init__(self, module: nn.Module, *, mode: str = "hooks", transform: Optional[Transform] = None,
                  recheck_probability: float = RECHECK_PROBABILITY):
-        raise_if_any([check_mode(mode), check_transform(transform, mode), check_recheck_probability(recheck_probability)])
+        raise_if_any([check_mode(mode), check_transform(transform, mode),
+                      check_recheck_probability(recheck_probability)])
         refuse_batchnorm(module)
         refuse_compiled(module)
         self.module, self.mode, self.transform = module, mode, as_transform(transform)
