@@ -50,9 +50,10 @@ class FirstOrderModule(AlgorithmModule):
     """
 
     abstract = True
-    #: The engine checks each new call structure's forward on two halves itself (and re-checks at random);
-    #: "halves" here checks the losses too, once per fit: ``per_example_loss``'s own arithmetic runs after
-    #: every module the engine records (a loss divided by the batch's detached total moved each example).
+    #: The engine checks each new call structure's forward on two halves itself; "halves" here checks the
+    #: losses too (first batch, then the steps this module draws): ``per_example_loss``'s own arithmetic
+    #: runs after every module the engine records (a loss divided by the batch's detached total moved each
+    #: example).
     independence_checks = ("padding", "halves")
 
     def __init__(self, backbone: nn.Module, *, weight_decay: float = 0.0, grad_mode: str = "hooks",
