@@ -89,16 +89,15 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
     """released * B == all-reduced clipped sum + the one noise draw, with B = q n, whatever the realized size."""
     calls, draws = [], []
     original_release, original_along = PrivacyComponent.release, PrivacyComponent.release_along
-    original_host_noised = NoiseSource._host_noised  # every CPU release fl(x + std z) is made here
+    original_noised = NoiseSource.noised  # every scalar or vector release's noise is added here
 
-    def host_noised(self, x, std):
-        draws.append((x.copy(), original_host_noised(self, x, std)))
-        return draws[-1][1]
+    def noised(self, x, std, *, divisor=1.0):
+        draws.append((x.detach().clone(), divisor, original_noised(self, x, std, divisor=divisor)))
+        return draws[-1][2]
 
     def release(self, clipped_sum, *args, **kwargs):
         out = original_release(self, clipped_sum, *args, **kwargs)
-        given, noised = (torch.from_numpy(a).view(clipped_sum.shape) for a in draws[-1])
-        calls.append(("scalar", clipped_sum.detach().clone(), out.detach().clone(), (given, noised)))
+        calls.append(("scalar", clipped_sum.detach().clone(), out, draws[-1]))
         return out
 
     def along(self, clipped_sum, *args, **kwargs):
@@ -106,7 +105,7 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
         calls.append(("vector", clipped_sum.detach().clone(), out, None))
         return out
 
-    monkeypatch.setattr(NoiseSource, "_host_noised", host_noised)
+    monkeypatch.setattr(NoiseSource, "noised", noised)
     monkeypatch.setattr(PrivacyComponent, "release", release)
     monkeypatch.setattr(PrivacyComponent, "release_along", along)
     dataset, q = blobs(n=256), 0.25
@@ -116,10 +115,10 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
     assert len(calls) == 6 and any(size != B for size in trace.sizes)
     for kind, clipped_sum, out, noise in calls:
         if kind == "scalar":
-            given, noised = noise
+            given, divisor, noised_out = noise
             torch.testing.assert_close(given, clipped_sum, rtol=0, atol=0)  # the all-reduced sum is noised
-            assert (noised - given).abs().sum() > 0  # a real draw was added
-            torch.testing.assert_close(out * B, noised, rtol=1e-6, atol=1e-6)
+            assert divisor == B and out is noised_out  # ... and divided by B (in float64, before the rounding)
+            assert (out.double() * B - given.double()).abs().sum() > 0  # a real draw was added
         else:
             torch.testing.assert_close(out.coefficient * B, clipped_sum, rtol=1e-6, atol=1e-6)
             assert out.noise_coefficient == pytest.approx(sigma * clip / B)

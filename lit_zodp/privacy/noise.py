@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lit_zodp.errors import LitZodpWarning, check_non_negative, raise_if_any
+from lit_zodp.errors import LitZodpWarning, check_non_negative, check_positive, raise_if_any
 from lit_zodp.privacy.device_noise import SecretKey, add_gaussian, device_noise_available
 from lit_zodp.zo.parallel import map_on_threads
 
@@ -115,42 +115,57 @@ class NoiseSource:
             return host.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
         return host.to(device=device, dtype=dtype)
 
-    def noised(self, x: Tensor, std: float) -> Tensor:
-        """``x + N(0, std^2 I)`` (a new tensor of ``x``'s dtype), computed in float64 and rounded once:
-        drawn on the GPU where it can be, else on the host."""
+    def noised(self, x: Tensor, std: float, *, divisor: float = 1.0) -> Tensor:
+        """``(x + N(0, std^2 I)) / divisor``, a new tensor of ``x``'s dtype. On the host it is computed in
+        float64 and rounded once; on the GPU (where the kernel can draw) ``x + std z`` is rounded once by the
+        kernel and then divided. The division is post-processing of the noised value either way."""
         if device_noise_available(x):  # add_gaussian checks std, as gaussian() does
-            return add_gaussian(x.contiguous(), std, self.device_key())
-        raise_if_any([check_non_negative("noise std", std)])
-        if x.device.type == "cpu" and x.dtype in HOST_DTYPES:  # numpy views: DPZero's scalars cost no more
+            noisy = add_gaussian(x.contiguous(), std, self.device_key())
+            return noisy if divisor == 1 else noisy / divisor
+        if not (0 <= std < math.inf and 0 < divisor < math.inf):  # (the checks' messages, only on failure)
+            raise_if_any([check_non_negative("noise std", std), check_positive("divisor", divisor)])
+        if x.device.type == "cpu" and x.dtype in HOST_DTYPES:
+            if x.numel() <= SCALAR_DRAW:  # DPZero's scalars: Python floats, two tensor calls per release
+                flat = x.dim() == 1
+                noisy = self._scalars_noised((x if flat else x.reshape(-1)).tolist(), float(std), float(divisor))
+                out = torch.tensor(noisy, dtype=x.dtype)
+                return out if flat else out.view(x.shape)
             host = x.detach().numpy()
-            return torch.from_numpy(self._host_noised(host.reshape(-1), float(std)).reshape(host.shape))
+            return torch.from_numpy(self._host_noised(host.reshape(-1), float(std), divisor).reshape(host.shape))
         host = x.detach().to("cpu", torch.float64).reshape(-1).numpy()
-        return torch.from_numpy(self._host_noised(host, float(std))).view(x.shape).to(x.device, x.dtype)
+        return torch.from_numpy(self._host_noised(host, float(std), divisor)).view(x.shape).to(x.device, x.dtype)
 
-    def _host_noised(self, x: np.ndarray, std: float) -> np.ndarray:
-        """``fl(x + std z)`` with ``z ~ N(0, I)`` in float64, rounded once to ``x``'s dtype: from the
-        scalar pool, one stream up to ``HOST_PART``, else keyed parts on threads."""
+    def _scalars_noised(self, values: list, std: float, divisor: float) -> list:
+        """``(x_i + std z_i) / divisor`` in float64 for at most ``SCALAR_DRAW`` values, ``z`` the next values of
+        the pool (Python floats: in a step's cold caches, a few NumPy calls on a scalar cost tens of us)."""
+        return [(value + std * z) / divisor for value, z in zip(values, self._pooled(len(values)))]
+
+    def _host_noised(self, x: np.ndarray, std: float, divisor: float = 1.0) -> np.ndarray:
+        """``fl((x + std z) / divisor)`` with ``z ~ N(0, I)`` in float64, rounded once to ``x``'s dtype: from
+        the scalar pool, one stream up to ``HOST_PART``, else keyed parts on threads."""
         numel = x.size
         if numel <= SCALAR_DRAW:
-            return (x + std * self._pooled(numel)).astype(x.dtype)  # float64: x is promoted
+            return np.asarray(self._scalars_noised(x.tolist(), std, divisor)).astype(x.dtype)
         if numel <= HOST_PART:
-            return self._noised_part(self._stream(numel), x, std)
+            return self._noised_part(self._stream(numel), x, std, divisor)
         out = np.empty(numel, dtype=x.dtype)
         starts = range(0, numel, HOST_PART)
         keys = [self._fresh_secret(128) for _ in starts]
 
         def fill(j: int) -> None:
             part = slice(starts[j], starts[j] + HOST_PART)
-            out[part] = self._noised_part(secret_generator(keys[j]), x[part], std)
+            out[part] = self._noised_part(secret_generator(keys[j]), x[part], std, divisor)
 
         map_on_threads(fill, len(starts))
         return out
 
     @staticmethod
-    def _noised_part(rng: np.random.Generator, x: np.ndarray, std: float) -> np.ndarray:
+    def _noised_part(rng: np.random.Generator, x: np.ndarray, std: float, divisor: float) -> np.ndarray:
         total = rng.standard_normal(x.size)  # float64
         total *= std
         total += x
+        if divisor != 1:
+            total /= divisor
         return total.astype(x.dtype)
 
     def _stream(self, numel: int) -> np.random.Generator:
@@ -161,11 +176,11 @@ class NoiseSource:
         self._stream_drawn = drawn + numel
         return self._stream_rng
 
-    def _pooled(self, numel: int) -> np.ndarray:
-        """The next ``numel`` float64 standard normals of the pool, refilled (from a fresh key) when short."""
+    def _pooled(self, numel: int) -> list:
+        """The next ``numel`` standard normals of the pool (Python floats), refilled (from a fresh key) when short."""
         pool, start = getattr(self, "_pool", None), getattr(self, "_pool_next", 0)
         if pool is None or start + numel > len(pool):
-            pool, start = secret_generator(self._fresh_secret(SECRET_BITS)).standard_normal(SCALAR_POOL), 0
+            pool, start = secret_generator(self._fresh_secret(SECRET_BITS)).standard_normal(SCALAR_POOL).tolist(), 0
             self._pool = pool
         self._pool_next = start + numel
         return pool[start:start + numel]

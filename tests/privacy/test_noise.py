@@ -103,15 +103,17 @@ def test_a_large_host_draw_is_keyed_by_part_and_does_not_depend_on_the_thread_co
 
 @pytest.mark.parametrize("shape,dtype", [((5,), torch.float32), ((3_000_000,), torch.float32), ((2, 3), torch.float32),
                                          ((4,), torch.float64), ((3, 2), torch.bfloat16), ((), torch.float32)])
-def test_noised_adds_exactly_the_draw_of_the_same_stream(shape, dtype):
-    """``fl(x + std z)`` summed in float64 and rounded once: a float32 normal scaled and added in float32
-    (three roundings) leaves holes whose place depends on ``x`` (audit 3: 13-17% of releases were
-    impossible without the target example)."""
+@pytest.mark.parametrize("divisor", [1.0, 64.0, 3.7])
+def test_noised_adds_exactly_the_draw_of_the_same_stream(shape, dtype, divisor):
+    """``fl((x + std z) / B)`` computed in float64 and rounded once: a float32 normal scaled and added in
+    float32 (three roundings) leaves holes whose place depends on ``x`` (audit 3: 13-17% of releases were
+    impossible without the target example). The division by the expected batch size is post-processing,
+    done before the one rounding."""
     x = torch.linspace(-1, 1, math.prod(shape)).view(shape).to(dtype)
-    noised = NoiseSource(9).noised(x, 0.5)
+    noised = NoiseSource(9).noised(x, 0.5, divisor=divisor)
     assert noised.dtype == dtype and noised.shape == x.shape
     draw = NoiseSource(9).gaussian(shape, 0.5, dtype=torch.float64)
-    assert torch.equal(noised, (x.double() + draw).to(dtype))
+    assert torch.equal(noised, ((x.double() + draw) / divisor).to(dtype))
     assert torch.equal(x, torch.linspace(-1, 1, math.prod(shape)).view(shape).to(dtype))  # the input is not modified
 
 
@@ -119,6 +121,12 @@ def test_noised_adds_exactly_the_draw_of_the_same_stream(shape, dtype):
 def test_noised_refuses_a_bad_std(std):
     with pytest.raises(ValueError, match="noise std"):
         NoiseSource(9).noised(torch.zeros(3), std)
+
+
+@pytest.mark.parametrize("divisor", [0.0, -2.0, math.inf, math.nan])
+def test_noised_refuses_a_bad_divisor(divisor):
+    with pytest.raises(ValueError, match="divisor"):
+        NoiseSource(9).noised(torch.zeros(3), 1.0, divisor=divisor)
 
 
 def test_small_draws_come_in_order_from_a_pool_of_the_secret_stream():
