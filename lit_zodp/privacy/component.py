@@ -267,11 +267,21 @@ class PrivacyComponent:
         return [(self.sampling.mechanism(composed_multiplier(self.step_plan, sigma)), steps)]
 
     def _one_step_cost(self) -> list:
-        """``_steps_cost(1, sigma)``, built once per (plan, sigma): a step commits it (tens of microseconds)."""
-        key = (self.step_plan, self.sampling, self.noise_multiplier)
-        if getattr(self, "_step_cost_key", None) != key:
-            self._step_cost_key, self._step_cost = key, self._steps_cost(1, self.noise_multiplier)
+        """``_steps_cost(1, sigma)``, built once per (plan, sampling, sigma): a step commits it. The plan and
+        the sampling are compared by identity (held here, so no new object can take an old one's id) and
+        sigma by value: no hashing of dataclasses in a step."""
+        made_for = getattr(self, "_step_cost_for", None)
+        if (made_for is None or made_for[0] is not self.step_plan or made_for[1] is not self.sampling
+                or made_for[2] != self.noise_multiplier):
+            self._step_cost_for = (self.step_plan, self.sampling, self.noise_multiplier)
+            self._step_cost = self._steps_cost(1, self.noise_multiplier)
         return self._step_cost
+
+    def _plan_names(self) -> list[str]:
+        """The step plan's release names, sorted (made once per plan)."""
+        if getattr(self, "_names_of", None) is not self.step_plan:
+            self._names_of, self._planned_names = self.step_plan, sorted(release.name for release in self.step_plan)
+        return self._planned_names
 
     def _check_single_pass(self) -> None:
         """A single pass is accounted once (parallel composition), so it must BE one pass, by one example.
@@ -335,7 +345,7 @@ class PrivacyComponent:
         release = self._declared(name)
         total = self._reduce_sum(clipped_sum)
         if self.is_private:
-            total = self.noise.noised(total, self._noise_std(release))
+            return self.noise.noised(total, self._noise_std(release), divisor=self.expected_batch_size)
         return total / self.expected_batch_size
 
     def _noise_std(self, release) -> float:
@@ -386,8 +396,7 @@ class PrivacyComponent:
         A step that released more than its plan is recorded as the steps that cover its releases
         before this raises: those releases are in the weights already.
         """
-        released, planned = sorted(self._released), sorted(r.name for r in self.step_plan)
-        self._released = []
+        released, planned, self._released = sorted(self._released), self._plan_names(), []
         steps = 1 if released == planned else _steps_covering(released, planned)
         if self.is_private:
             for _ in range(steps):
