@@ -304,3 +304,30 @@ def test_a_compiled_submodule_is_refused_up_front():
     model.l1 = torch.compile(model.l1, backend="eager")
     with pytest.raises(PrivacyConfigError, match="`l1` is a torch.compile'd module"):
         PerExampleGradientEngine(model)
+
+
+def test_recheck_draws_are_uniform_os_values_and_a_forked_child_does_not_repeat_them():
+    """The re-check draws are read from the OS 512 at a time: uniform on [0, 1), each used once, and a
+    forked child (a DataLoader worker) reads its own instead of replaying its parent's buffer."""
+    import json
+    import os
+
+    from lit_zodp.per_example import checks
+
+    draws = [checks._OS_UNIFORM() for _ in range(20_000)]
+    assert all(0.0 <= u < 1.0 for u in draws) and len(set(draws)) == len(draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 5 * (1 / 12 / len(draws)) ** 0.5
+    assert sum(u < 0.01 for u in draws) == pytest.approx(200, abs=5 * 200 ** 0.5)  # the default rate's draws
+    read, write = os.pipe()
+    checks._OS_UNIFORM()  # the parent holds a partly used buffer
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        os.write(write, json.dumps([checks._OS_UNIFORM() for _ in range(8)]).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    in_child = json.loads(os.read(read, 10_000).decode())
+    in_parent = [checks._OS_UNIFORM() for _ in range(8)]
+    assert not set(in_child) & set(in_parent)
+    assert [checks.recheck_drawn(0.0) for _ in range(100)] == [False] * 100
+    assert [checks.recheck_drawn(1.0) for _ in range(100)] == [True] * 100
