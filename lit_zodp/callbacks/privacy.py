@@ -42,7 +42,8 @@ class PrivacySpendCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.epsilon: float = 0.0
         self._accounting_seconds = 0.0
-        self._last_logged_step = -1
+        self._last_logged_step = 0  # epsilon is due ``cadence`` steps after this one (set again at train start)
+        self._next_due_step = 0  # the first step at which epsilon may be due
         self._last_batch_end: Optional[float] = None
         self._step_seconds = 0.0
         self._budget_announced = False
@@ -50,6 +51,10 @@ class PrivacySpendCallback(Callback):
     @property
     def state_key(self) -> str:
         return "PrivacySpendCallback"
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Count the cadence from the step this fit starts at (0, or a resumed checkpoint's step)."""
+        self._last_logged_step = self._next_due_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                              batch: Any, batch_idx: int) -> None:
@@ -68,23 +73,33 @@ class PrivacySpendCallback(Callback):
         if self._last_batch_end is not None:
             elapsed = now - self._last_batch_end
             self._step_seconds = 0.9 * self._step_seconds + 0.1 * elapsed if self._step_seconds else elapsed
-        privacy = pl_module.privacy
+        self._last_batch_end = now
+        privacy, step = pl_module.privacy, trainer.global_step
+        last = trainer.should_stop or privacy.budget_exhausted or step >= trainer.max_steps > 0
+        if step < self._next_due_step and not last:  # most steps: nothing more (a few microseconds a step)
+            return
         if not self._accounting_seconds:
             self._accounting_seconds = getattr(privacy, "accounting_seconds", 0.0)
-        last = trainer.should_stop or privacy.budget_exhausted or trainer.global_step >= trainer.max_steps > 0
-        if last or trainer.global_step - self._last_logged_step >= self._cadence():
-            computations = privacy.ledger.computations
-            self.epsilon = privacy.epsilon()
-            if privacy.ledger.computations != computations:  # a memoised value says nothing of the cost
-                self._accounting_seconds = time.perf_counter() - now
-            self._last_logged_step = trainer.global_step
-            name = epsilon_metric(privacy)
-            pl_module.log(name, self.epsilon, prog_bar=name == "epsilon", batch_size=1)
-            if name != "epsilon":  # the long name did not fit an 80-column bar ("epsilon_poisson_…")
-                pl_module.log(ASSUMED_BAR_NAME, self.epsilon, prog_bar=True, logger=False, batch_size=1)
-        self._last_batch_end = time.perf_counter()
+        cadence = self._cadence()
+        if last or step - self._last_logged_step >= cadence:
+            self._log_epsilon(pl_module, privacy, now)
+            self._last_logged_step = step
+            self._last_batch_end = time.perf_counter()  # the step time excludes the accountant's
+        # the cadence is known once a step was timed: until then, ask again at the next step
+        self._next_due_step = self._last_logged_step + cadence if math.isfinite(cadence) else step + 1
 
-    def _cadence(self) -> int:
+    def _log_epsilon(self, pl_module: "pl.LightningModule", privacy, started: float) -> None:
+        computations = privacy.ledger.computations
+        self.epsilon = privacy.epsilon()
+        if privacy.ledger.computations != computations:  # a memoised value says nothing of the cost
+            self._accounting_seconds = time.perf_counter() - started
+        name = epsilon_metric(privacy)
+        pl_module.log(name, self.epsilon, prog_bar=name == "epsilon", batch_size=1)
+        if name != "epsilon":  # the long name did not fit an 80-column bar ("epsilon_poisson_…")
+            pl_module.log(ASSUMED_BAR_NAME, self.epsilon, prog_bar=True, logger=False, batch_size=1)
+
+    def _cadence(self) -> float:
+        """Steps between two epsilons: their accountant's time at most ``ACCOUNTING_TIME_SHARE`` of the steps'."""
         if self.log_every_n_steps is not None:
             return self.log_every_n_steps
         if not self._step_seconds:

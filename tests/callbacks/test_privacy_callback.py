@@ -155,3 +155,30 @@ def test_a_shuffled_runs_epsilon_is_logged_under_a_name_that_says_poisson_assume
     assert float(trainer.callback_metrics["epsilon_poisson_assumed"]) == pytest.approx(module.privacy.epsilon())
     # the bar: a name that fits 80 columns and is still not `epsilon` (the long one showed "epsilon_poisson_…")
     assert set(trainer.progress_bar_metrics) & {"epsilon", "epsilon_poisson_assumed", "epsilon*"} == {"epsilon*"}
+
+
+class StepRecorder(PrivacySpendCallback):
+    """Records the global step of every epsilon it logs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.logged_at = []
+
+    def _log_epsilon(self, pl_module, privacy, started):
+        super()._log_epsilon(pl_module, privacy, started)
+        self.logged_at.append(pl_module.trainer.global_step)
+
+
+def test_a_fixed_cadence_logs_every_nth_step_from_the_fits_start_and_the_last_step(tmp_path):
+    data = blobs()
+    kwargs = dict(lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5, seed=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=5)
+    first = StepRecorder(log_every_n_steps=4)
+    quiet_trainer(max_steps=10, enable_checkpointing=True, callbacks=[checkpoint, first]).fit(
+        DPZero(mlp(), **kwargs), poisson_loader(data, 0.1, seed=3))
+    assert first.logged_at == [4, 8, 10]
+
+    resumed = StepRecorder(log_every_n_steps=4)
+    quiet_trainer(max_steps=15, callbacks=[resumed]).fit(
+        DPZero(mlp(), **kwargs), poisson_loader(data, 0.1, seed=3), ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.logged_at == [14, 15]  # resumed at step 10
