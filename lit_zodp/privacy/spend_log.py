@@ -87,12 +87,11 @@ class SpendLog:
         self.path = self.directory / lineage / f"{branch}.json"
         head = f'{{"per_step": {json.dumps(encode_counts(per_step))}, "steps": '
         self._at, self._steps = len(head.encode()), 0
+        record = f"{head}{0:{STEPS_WIDTH}d}}}\n".encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "w+b") as file:
-                file.write(f"{head}{0:{STEPS_WIDTH}d}}}\n".encode())
-                file.flush()
-                self._map = mmap.mmap(file.fileno(), 0)
+            self._map = _mapped_file(self.path, len(record))
+            self._map[:] = record
         except OSError as error:
             warnings.warn(f"Cannot write the spend log {self.path} ({error}): a later rollback or fork of this "
                           f"run will not be counted. Set {SPEND_DIR_ENV} to a writable directory.",
@@ -111,6 +110,22 @@ class SpendLog:
 
     def __getstate__(self) -> dict:  # a copy (pickled, deep-copied) does not write this fit's record
         return {**self.__dict__, "_map": None}
+
+
+def _mapped_file(path: Path, size: int) -> mmap.mmap:
+    """A new file of ``size`` bytes, its blocks allocated (a full disk fails here, not at a later store) and
+    mapped, with nothing written through ``write()``. On this project's test VM (Linux 6.18, ext4) a page
+    first written by ``write()`` took a page fault at every later store through the map (4 us of a 1.4 ms
+    quickstart step); one allocated by ``posix_fallocate`` and written only through the map does not."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:  # (macOS)
+            os.write(fd, bytes(size))
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 def encode_counts(counts: Mapping[Mechanism, int]) -> list:
