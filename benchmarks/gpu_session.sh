@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU number of the benchmarks, piece by piece, for a session that is lent a GPU machine
-# (nvidia-h100-x1 / nvidia-h200 through the device tool: 30 min of device time in all, at most
+# (nvidia-h100-x1 / nvidia-h200 through the device tool: 15 min of device time in all, at most
 # 10 min per command, no internet there; see /work/.library/device/README.md).
 #
 #   benchmarks/gpu_session.sh PIECE [PIECE ...]      (from anywhere; it cd's to the repository root)
@@ -41,25 +41,29 @@
 #                64, max_length 128, fixed_forward_rows 16/32/64 with and without length buckets 32,64)
 #                -> results/bench_fixed_shape_gpu_{fp32,bf16}.{md,json}                         ~2-3 min
 #   all          tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy, in that order
-#                (~30-40 min: more than one device command; see the call plan)
+#                (~30-40 min: more than one session's device time; see the call plan)
 #
 # The estimates are arithmetic, not readings (no GPU run of these scripts has been recorded yet):
 # fp32 matmuls at ~50 TFLOP/s (no TF32), ~1-2 s per Lightning fit, 5 repeats + 1 warm-up of every
 # method. No repeats were reduced: every piece's estimate is under 9 minutes at the defaults. If a piece
 # is cut by its timeout, run it again with fewer repeats, e.g. EXTRA_ARGS="--repeats 3".
 #
-# Call plan (device time is 30 min; a fresh machine takes 1-2 min to start; its files are gone 30 s
-# after a call, so every call must bring its results back through $OUT). HERE first: `wheels` and
-# `carry`. Then, in order of what the open issues need (speed: tests, zo_*; MeZO-BCD: bcd, bcd_accuracy):
-#   1. run(command="benchmarks/gpu_session.sh tests zo_minilm",   carry=[".whl"], timeout_s=600)
-#   2. run(command="benchmarks/gpu_session.sh zo_roberta",        carry=[".whl"], timeout_s=600)
-#   3. run(command="benchmarks/gpu_session.sh zo_opt bcd",        carry=[".whl"], timeout_s=600)
-#   4. run(command="benchmarks/gpu_session.sh bcd_accuracy",      carry=[".whl", ".gpu_carry"], timeout_s=600)
-#   5. if device time is left: run(command="benchmarks/gpu_session.sh fixed_shape first_order",
-#      carry=[".whl", ".gpu_carry"])
-#   then HERE: unpack the tarballs (Results) and `benchmarks/gpu_session.sh merge`.
+# Call plan. A session lent a GPU has 15 min of device time in all (start, idle and give-back count;
+# a fresh machine takes 1-2 min to start and goes back 30 s after a call, so have the next call ready;
+# every call brings its results back through $OUT): two calls fit, so one session takes one issue.
+# HERE first: `wheels` (and `carry` for the pieces that read .gpu_carry). For the speed issue (8):
+#   1. run(command="DEADLINE=480 CAPS='zo_minilm=90 zo_roberta=190' EXTRA_ARGS='--repeats 3'
+#          benchmarks/gpu_session.sh zo_minilm zo_roberta zo_opt", carry=[".whl"], timeout_s=510)
+#   2. at once, with T = status's budget_left_s - 45 (skip it under 150):
+#      run(command="DEADLINE=<T-20> benchmarks/gpu_session.sh tests", carry=[".whl"], timeout_s=T)
+#   then give_back, and HERE: unpack the tarballs (Results) and `benchmarks/gpu_session.sh merge`.
+# For MeZO-BCD (issue 9), in a later session lent a GPU:
+#   1. run(command="DEADLINE=550 CAPS='bcd=240' BCD_ACC_SECONDS=90 benchmarks/gpu_session.sh bcd bcd_accuracy",
+#          carry=[".whl", ".gpu_carry"], timeout_s=580)    (the second lr pair runs if the deadline allows)
+#   2. what is left: fixed_shape, then first_order (EXTRA_ARGS="--repeats 2").
 # Pieces of one call share its deadline (DEADLINE, default 570 s when $OUT is set): a piece that would
-# start with less than 60 s left is skipped (it says so) and can go into the next call.
+# start with less than 60 s left is skipped (it says so) and can go into the next call. CAPS="piece=s ..."
+# lowers a piece's own cap (below) so that the pieces after it keep their time.
 #
 # Wheels. The device image has torch, lightning, transformers, timm, triton, scipy, numpy, opt-einsum,
 # pytest and hypothesis, but not opacus (bench_dpzero's worker setup imports it; Opacus ghost is a
@@ -90,8 +94,8 @@
 #   done
 #
 # Environment: PY (python; default python3), DEADLINE (seconds for the whole invocation; default 570
-# when $OUT is set, else none), EXTRA_ARGS (appended to every benchmark command), DRY_RUN=1 (print the
-# commands, run nothing), GPU_SESSION_RESULTS (results folder).
+# when $OUT is set, else none), CAPS (per-piece caps, "piece=seconds ..."), EXTRA_ARGS (appended to every
+# benchmark command), DRY_RUN=1 (print the commands, run nothing), GPU_SESSION_RESULTS (results folder).
 
 set -uo pipefail
 
@@ -110,6 +114,14 @@ mkdir -p "$RES" "$LOGS"
 #: Per-piece caps in seconds (each under 9 minutes), further cut by what is left of DEADLINE.
 declare -A CAP=([tests]=540 [zo_roberta]=540 [zo_opt]=540 [zo_minilm]=300 [merge]=60 [first_order]=540
                 [bcd]=480 [bcd_accuracy]=540 [fixed_shape]=300)
+for cap in ${CAPS:-}; do  # CAPS="zo_minilm=100 zo_roberta=220": this call's own caps
+    if [[ "$cap" =~ ^([a-z_]+)=([0-9]+)$ && -n "${CAP[${BASH_REMATCH[1]}]:-}" ]]; then
+        CAP[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}
+    else
+        echo "gpu_session: CAPS entry '$cap' is not PIECE=SECONDS with a known piece (${!CAP[*]})" >&2
+        exit 2
+    fi
+done
 
 say() { printf '[gpu_session %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -348,7 +360,7 @@ run_piece() {
 }
 
 if (($# == 0)); then
-    sed -n '2,61p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && !/^#/ { exit } NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'  # the header above
     exit 2
 fi
 pieces=()
