@@ -190,16 +190,15 @@ class AlgorithmModule(pl.LightningModule):
 
     def configure_callbacks(self):
         """:class:`~lit_zodp.callbacks.StopRanksOnError` (a DDP fit whose rank 0 fails leaves no rank
-        waiting), and the privacy callback of a private module unless the Trainer already has one (a
-        user's instance)."""
+        waiting) and, for a private module, the privacy callback: each unless the Trainer already has one
+        (a user's instance, or this module's from an earlier fit or test: Lightning would announce that
+        it overrides it)."""
         from lit_zodp.callbacks import PrivacySpendCallback, StopRanksOnError
 
-        callbacks = [StopRanksOnError()]
-        if not self.private:
-            return callbacks
-        if self._trainer is not None and any(isinstance(c, PrivacySpendCallback) for c in self.trainer.callbacks):
-            return callbacks
-        return [PrivacySpendCallback(), *callbacks]
+        wanted = [PrivacySpendCallback()] if self.private else []
+        wanted.append(StopRanksOnError())
+        present = self.trainer.callbacks if self._trainer is not None else []
+        return [c for c in wanted if not any(isinstance(p, type(c)) for p in present)]
 
     def on_train_start(self) -> None:
         """Plan the privacy of this fit: sampling from the real sampler, sigma, budget, fresh noise."""

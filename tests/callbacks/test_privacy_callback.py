@@ -182,3 +182,25 @@ def test_a_fixed_cadence_logs_every_nth_step_from_the_fits_start_and_the_last_st
     quiet_trainer(max_steps=15, callbacks=[resumed]).fit(
         DPZero(mlp(), **kwargs), poisson_loader(data, 0.1, seed=3), ckpt_path=tmp_path / "last.ckpt")
     assert resumed.logged_at == [14, 15]  # resumed at step 10
+
+
+def test_a_test_after_fit_keeps_the_modules_callbacks_without_announcing_an_override(caplog):
+    """configure_callbacks adds its callbacks only where the Trainer has none of their type: after a fit the
+    Trainer holds them, and Lightning announced "will override existing callbacks" at every test."""
+    from lit_zodp.algorithms import MeZO
+    from lit_zodp.callbacks import StopRanksOnError
+
+    data = blobs()
+    assert [type(c) for c in MeZO(mlp()).configure_callbacks()] == [StopRanksOnError]
+    assert [type(c) for c in DPZero(mlp(), target_epsilon=1.0).configure_callbacks()] == [
+        PrivacySpendCallback, StopRanksOnError]
+    mine = PrivacySpendCallback(log_every_n_steps=2)
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    trainer = quiet_trainer(max_steps=3, callbacks=[mine])
+    with caplog.at_level("INFO"):
+        trainer.fit(module, poisson_loader(data, 0.1, steps_per_epoch=3))
+        trainer.test(module, torch.utils.data.DataLoader(data, batch_size=64), verbose=False)
+    assert "override" not in caplog.text
+    assert [c for c in trainer.callbacks if isinstance(c, PrivacySpendCallback)] == [mine]
+    assert sum(isinstance(c, StopRanksOnError) for c in trainer.callbacks) == 1
+    assert module.configure_callbacks() == []
