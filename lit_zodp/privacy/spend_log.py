@@ -19,6 +19,7 @@ fit of the lineage.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -112,6 +113,10 @@ class SpendLog:
         return {**self.__dict__, "_map": None}
 
 
+#: posix_fallocate's answers for a file system that cannot allocate ahead (then the record is written once).
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
 def _mapped_file(path: Path, size: int) -> mmap.mmap:
     """A new file of ``size`` bytes, its blocks allocated (a full disk fails here, not at a later store) and
     mapped, with nothing written through ``write()``. On this project's test VM (Linux 6.18, ext4) a page
@@ -119,11 +124,16 @@ def _mapped_file(path: Path, size: int) -> mmap.mmap:
     quickstart step); one allocated by ``posix_fallocate`` and written only through the map does not."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        if hasattr(os, "posix_fallocate"):
+        try:
             os.posix_fallocate(fd, 0, size)
-        else:  # (macOS)
+        except (AttributeError, OSError) as error:  # macOS has none; a file system may not support it
+            if isinstance(error, OSError) and error.errno not in _NO_FALLOCATE:
+                raise  # a full disk, a quota: the caller warns
             os.write(fd, bytes(size))
         return mmap.mmap(fd, size)
+    except OSError:
+        os.unlink(path)  # no empty record left for the next fit to read as torn
+        raise
     finally:
         os.close(fd)
 

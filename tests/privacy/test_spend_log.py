@@ -44,6 +44,45 @@ def test_a_record_is_json_with_the_steps_padded_in_place(tmp_path):
     assert json.loads(text)["steps"] == 10 ** 4 and text.endswith(f"{10 ** 4:{STEPS_WIDTH}d}}}\n")
 
 
+@pytest.mark.parametrize("missing", ["unsupported", "absent"])
+def test_a_file_system_without_fallocate_still_keeps_the_record(tmp_path, monkeypatch, missing):
+    import errno
+
+    from lit_zodp.privacy import spend_log
+
+    def refuse(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    if missing == "absent":  # (macOS)
+        monkeypatch.delattr(spend_log.os, "posix_fallocate", raising=False)
+    else:
+        monkeypatch.setattr(spend_log.os, "posix_fallocate", refuse)
+    log = SpendLog(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log.open_branch("run", "branch", {A: 1})
+    steps(log, 7)
+    assert log.released("run") == {A: 7}
+
+
+def test_a_full_disk_warns_instead_of_writing_a_record(tmp_path, monkeypatch):
+    import errno
+
+    from lit_zodp.privacy import spend_log
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(spend_log.os, "posix_fallocate", full)
+    log = SpendLog(tmp_path)
+    with pytest.warns(UserWarning, match="No space left"):
+        log.open_branch("run", "branch", {A: 1})
+    steps(log, 2)  # counts nothing, raises nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert log.released("run") == {}  # no empty record left behind to warn about as torn
+
+
 def test_an_unreadable_record_warns_and_counts_nothing(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "torn.json").write_text('{"per_step": [[{"kind"')
