@@ -76,6 +76,15 @@ def warn_test_seed(name: str, what: str) -> None:
     warnings.warn(TEST_SEED_WARNING.format(name=name, what=what, bits=SECRET_BITS), LitZodpWarning, stacklevel=3)
 
 
+def _finite_at_least(value, bound: float, *, inclusive: bool) -> bool:
+    """``bound <= value < inf`` (``<`` where not inclusive) by two comparisons: a step's check, its messages
+    (``lit_zodp.errors``) built only on failure. False for NaN and for what does not compare with floats."""
+    try:
+        return bool((bound <= value if inclusive else bound < value) and value < math.inf)
+    except TypeError:
+        return False
+
+
 class NoiseSource:
     """The secret Gaussian noise of one training run.
 
@@ -119,11 +128,11 @@ class NoiseSource:
         """``(x + N(0, std^2 I)) / divisor``, a new tensor of ``x``'s dtype. On the host it is computed in
         float64 and rounded once; on the GPU (where the kernel can draw) ``x + std z`` is rounded once by the
         kernel and then divided. The division is post-processing of the noised value either way."""
-        if device_noise_available(x):  # add_gaussian checks std, as gaussian() does
+        if not _finite_at_least(std, 0, inclusive=True) or not _finite_at_least(divisor, 0, inclusive=False):
+            raise_if_any([check_non_negative("noise std", std), check_positive("divisor", divisor)])
+        if device_noise_available(x):
             noisy = add_gaussian(x.contiguous(), std, self.device_key())
             return noisy if divisor == 1 else noisy / divisor
-        if not (0 <= std < math.inf and 0 < divisor < math.inf):  # (the checks' messages, only on failure)
-            raise_if_any([check_non_negative("noise std", std), check_positive("divisor", divisor)])
         if x.device.type == "cpu" and x.dtype in HOST_DTYPES:
             if x.numel() <= SCALAR_DRAW:  # DPZero's scalars: Python floats, two tensor calls per release
                 flat = x.dim() == 1

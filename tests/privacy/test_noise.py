@@ -117,13 +117,13 @@ def test_noised_adds_exactly_the_draw_of_the_same_stream(shape, dtype, divisor):
     assert torch.equal(x, torch.linspace(-1, 1, math.prod(shape)).view(shape).to(dtype))  # the input is not modified
 
 
-@pytest.mark.parametrize("std", [-1.0, math.inf, math.nan])
+@pytest.mark.parametrize("std", [-1.0, math.inf, math.nan, "1.0", None])
 def test_noised_refuses_a_bad_std(std):
     with pytest.raises(ValueError, match="noise std"):
         NoiseSource(9).noised(torch.zeros(3), std)
 
 
-@pytest.mark.parametrize("divisor", [0.0, -2.0, math.inf, math.nan])
+@pytest.mark.parametrize("divisor", [0.0, -2.0, math.inf, math.nan, "64"])
 def test_noised_refuses_a_bad_divisor(divisor):
     with pytest.raises(ValueError, match="divisor"):
         NoiseSource(9).noised(torch.zeros(3), 1.0, divisor=divisor)
