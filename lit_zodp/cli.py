@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Literal, Optional
 
 # before lightning, which imports huggingface_hub (it reads HF_HUB_OFFLINE once, at import)
@@ -237,6 +238,7 @@ def cli_main(args=None) -> None:
     In a DDP fit the line names the rank; a rank stopped because another one failed (its collective
     lost the peer) says so in one line instead of a traceback, and exits with code 1.
     """
+    _quiet_lightning_internals()
     try:
         build_cli(args)
     except Exception as err:
@@ -249,6 +251,14 @@ def cli_main(args=None) -> None:
                              f"above): {str(err).splitlines()[0][:200]}\n")
             _exit(1)
         raise
+
+
+def _quiet_lightning_internals() -> None:
+    """Hide warnings that Lightning's own code raises and a user cannot act on (the command line only; a
+    user's own Trainer keeps them): torch (2.14 here) deprecates ``LeafSpec()``, which Lightning's pytree helper
+    still builds (once per fit and per test)."""
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            module=r"lightning\.pytorch\.utilities\._pytree")
 
 
 def _exit(code: int) -> None:
