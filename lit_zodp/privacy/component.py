@@ -152,6 +152,7 @@ class PrivacyComponent:
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
+        raise_if_any([self._noiseless_budget_error()])
         self._continue_lineage(spend_log, broadcast)
         self._check_single_pass()
         self._check_accountable()
@@ -160,6 +161,17 @@ class PrivacyComponent:
         if self.is_private:
             self.noise = (NoiseSource(self.noise_seed) if self.noise_seed is not None
                           else NoiseSource.from_secret(broadcast(secret_seed())))
+
+    def _noiseless_budget_error(self) -> Optional[str]:
+        """A budget with sigma = 0 (audit 6): a resume that sets ``target_epsilon`` takes the checkpoint's
+        sigma, and a noiseless run's checkpoint has 0; its steps would release the clipped sums as they are."""
+        if self.budget is None or self.is_private:
+            return None
+        source = ("configured" if self.configured_noise_multiplier is not None
+                  else "the checkpoint's: its run was a noiseless ablation")
+        return (f"A privacy budget (epsilon {self.budget:g}: `target_epsilon`/`max_epsilon`) with `noise_multiplier`=0 "
+                f"({source}) would train without noise, and no budget binds an infinite epsilon: start a private "
+                "run from weights that never saw the private data without noise, or drop the budget for an ablation")
 
     def _continue_lineage(self, spend_log: Optional[SpendLog], broadcast: Callable[[Any], Any]) -> None:
         """Count in the ledger every release of this run's other branches (a rollback or a fork:
@@ -573,6 +585,9 @@ def config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, ep
             errors.append(check_positive(name, value) or _accountable_epsilon(name, value))
     if noise_multiplier is not None:
         errors.append(check_non_negative("noise_multiplier", noise_multiplier))
+    if max_epsilon is not None and noise_multiplier == 0:  # (a number: a bad value is named above)
+        errors.append(f"`max_epsilon`={max_epsilon} cannot bind a noiseless run (`noise_multiplier`=0: its epsilon is "
+                      "infinite): drop max_epsilon for an ablation, or give a noise_multiplier > 0")
     if delta is not None:
         errors.append(check_delta(delta))
     return errors

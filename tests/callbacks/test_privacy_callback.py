@@ -204,3 +204,17 @@ def test_a_test_after_fit_keeps_the_modules_callbacks_without_announcing_an_over
     assert [c for c in trainer.callbacks if isinstance(c, PrivacySpendCallback)] == [mine]
     assert sum(isinstance(c, StopRanksOnError) for c in trainer.callbacks) == 1
     assert module.configure_callbacks() == []
+
+
+def test_resuming_a_noiseless_ablation_with_a_budget_is_refused_before_a_step(tmp_path):
+    """Audit 6: ``DPZero(target_epsilon=3, max_epsilon=3)`` resumed from a sigma = 0 checkpoint took sigma 0 and ran
+    its 400 steps without noise (epsilon inf, no budget); now the fit stops at its start, in one line."""
+    data = blobs()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    quiet_trainer(max_steps=5, enable_checkpointing=True, callbacks=[checkpoint]).fit(
+        DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=0.0, seed=1), poisson_loader(data, 0.1, seed=3))
+    private = DPZero(mlp(), lr=0.01, clip=1.0, target_epsilon=3.0, max_epsilon=3.0, delta=1e-5, seed=1)
+    trainer = quiet_trainer(max_steps=400)
+    with pytest.raises(PrivacyConfigError, match="would train without noise"):
+        trainer.fit(private, poisson_loader(data, 0.1, seed=3), ckpt_path=tmp_path / "last.ckpt")
+    assert trainer.global_step == 5 and private.privacy.noise is None

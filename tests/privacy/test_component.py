@@ -357,6 +357,25 @@ def test_a_noiseless_ablation_counts_its_steps_outside_the_ledger():
     assert noised.steps == noised.ledger.total_count == 5 and noised.noiseless_steps == 0
 
 
+def test_a_budget_never_binds_a_noiseless_run_configured_or_restored():
+    """Audit 6: resuming a noiseless ablation's checkpoint with ``target_epsilon`` took its sigma (0) and trained
+    on without noise and without a budget (epsilon inf, steps_allowed None); ``noise_multiplier=0`` with
+    ``max_epsilon`` was accepted the same way."""
+    with pytest.raises(PrivacyConfigError, match=r"`max_epsilon`=3.0 cannot bind a noiseless run"):
+        PrivacyComponent(clip=1.0, noise_multiplier=0.0, max_epsilon=3.0)
+    ablation = steps(planned(noise_multiplier=0.0), 5).state_dict()
+    for budget in (dict(target_epsilon=3.0), dict(target_epsilon=3.0, max_epsilon=3.0)):
+        resumed = PrivacyComponent(clip=1.0, delta=1e-5, **budget)
+        resumed.load_state_dict(ablation)
+        with pytest.raises(PrivacyConfigError, match=r"budget \(epsilon 3\b.*`noise_multiplier`=0 \(the checkpoint's"):
+            resumed.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100)
+        assert resumed.noise is None
+    unbudgeted = PrivacyComponent(clip=1.0, noise_multiplier=0.0)  # continuing the ablation as one stays allowed
+    unbudgeted.load_state_dict(ablation)
+    unbudgeted.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100)
+    assert steps(unbudgeted, 2).steps == 7
+
+
 def test_a_shuffled_runs_epsilon_says_it_assumes_poisson_sampling():
     """Before: the summary printed the Poisson epsilon of shuffled batches like a guarantee."""
     shuffled = steps(planned(noise_multiplier=1.0, sampling=ShuffledSampling(n=1000, sample_rate=0.05)), 3)
