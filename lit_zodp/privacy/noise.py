@@ -85,6 +85,22 @@ def _finite_at_least(value, bound: float, *, inclusive: bool) -> bool:
         return False
 
 
+#: Forks this process descends from (counted in each child): a noise source keyed before a fork refuses to draw
+#: after it, since parent and child would add the same noise.
+_FORKS = [0]
+
+
+def _count_fork() -> None:
+    _FORKS[0] += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
+class ForkedNoiseError(RuntimeError):
+    """A noise source used in a process forked after it was keyed."""
+
+
 class NoiseSource:
     """The secret Gaussian noise of one training run.
 
@@ -115,6 +131,15 @@ class NoiseSource:
         secret, and no key can be computed from the noise another key produced."""
         self._key = hashlib.blake2b(str(int(secret)).encode(), digest_size=SECRET_BITS // 8).digest()
         self._counter = 0
+        self._forks = _FORKS[0]
+
+    def _refuse_after_fork(self) -> None:
+        """A forked child holds its parent's key, counter, pool and stream: its draws would repeat the
+        parent's. (Lightning's DDP ranks key their own source after they start; DataLoader workers draw none.)"""
+        if self._forks != _FORKS[0]:
+            raise ForkedNoiseError(
+                "This secret noise source was keyed before the process forked: the child would add the same noise as "
+                "its parent. Make the noise source in the process that releases (PrivacyComponent.plan does).")
 
     def gaussian(self, shape, std: float, *, device="cpu", dtype=torch.float32) -> Tensor:
         """A draw of ``N(0, std^2)`` with the given shape, on ``device`` (drawn and scaled in float64)."""
@@ -179,6 +204,7 @@ class NoiseSource:
 
     def _stream(self, numel: int) -> np.random.Generator:
         """A generator for the next ``numel`` values: re-keyed whenever ``HOST_PART`` values were drawn from it."""
+        self._refuse_after_fork()
         drawn = getattr(self, "_stream_drawn", HOST_PART)
         if drawn + numel > HOST_PART:
             self._stream_rng, drawn = secret_generator(self._fresh_secret(SECRET_BITS)), 0
@@ -187,6 +213,8 @@ class NoiseSource:
 
     def _pooled(self, numel: int) -> list:
         """The next ``numel`` standard normals of the pool (Python floats), refilled (from a fresh key) when short."""
+        if self._forks != _FORKS[0]:  # (inline: every DPZero release passes here)
+            self._refuse_after_fork()
         pool, start = getattr(self, "_pool", None), getattr(self, "_pool_next", 0)
         if pool is None or start + numel > len(pool):
             pool, start = secret_generator(self._fresh_secret(SECRET_BITS)).standard_normal(SCALAR_POOL).tolist(), 0
@@ -209,6 +237,7 @@ class NoiseSource:
 
     def _fresh_secret(self, bits: int) -> int:
         """``bits`` (at most 512) fresh secret bits: the next output of the keyed-BLAKE2b counter stream."""
+        self._refuse_after_fork()
         self._counter += 1
         digest = hashlib.blake2b(self._counter.to_bytes(8, "little"), key=self._key, digest_size=bits // 8).digest()
         return int.from_bytes(digest, "little")
@@ -248,4 +277,4 @@ class SecretGaussianVector:
         return total.add_(xi.to(total.device), alpha=alpha)
 
 
-__all__ = ["HOST_PART", "NoiseSource", "SECRET_BITS", "SecretGaussianVector", "secret_generator", "secret_seed"]
+__all__ = ["ForkedNoiseError", "HOST_PART", "NoiseSource", "SECRET_BITS", "SecretGaussianVector", "secret_generator", "secret_seed"]

@@ -174,3 +174,32 @@ def test_commit_step_records_the_planned_mechanism_once_per_step():
     privacy.release(torch.tensor([1.0]), DERIVATIVES, batch_size=10)
     privacy.commit_step()
     assert privacy.ledger.counts[privacy._steps_cost(1, 2.0)[0][0]] == 1
+
+
+def test_a_source_keyed_before_a_fork_refuses_to_draw_in_the_child():
+    """Audit 6: a forked child held its parent's key, counter, scalar pool and stream, so its draws repeated
+    the parent's exactly (pool, stream and device keys). Every way to draw now refuses in the child."""
+    import json
+    import os
+
+    source = NoiseSource()
+    source.noised(torch.zeros(1), 1.0)  # the parent holds a partly used scalar pool
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        refused = []
+        for draw in (lambda: source.noised(torch.zeros(1), 1.0), lambda: source.noised(torch.zeros(5000), 1.0),
+                     source.device_key, source.vector_key, lambda: source.gaussian((3,), 1.0)):
+            try:
+                draw()
+                refused.append(None)
+            except Exception as error:  # noqa: BLE001 (reported to the parent)
+                refused.append(type(error).__name__)
+        child_source = NoiseSource()  # a source keyed in the child draws
+        child_source.noised(torch.zeros(1), 1.0)
+        os.write(write, json.dumps(refused).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    assert json.loads(os.read(read, 10_000).decode()) == ["ForkedNoiseError"] * 5
+    assert source.noised(torch.zeros(1), 1.0).shape == (1,)  # the parent goes on
