@@ -27,8 +27,8 @@ from torchmetrics.classification import MulticlassAccuracy
 from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per_example_loss, predict
 from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, check_positive, check_positive_int,
                              raise_if_any)
-from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, buffer_state, check_recheck_probability,
-                                         eval_mode, recheck_drawn, refuse_batch_mixing,
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, beyond_tolerance, buffer_state,
+                                         check_recheck_probability, eval_mode, recheck_drawn, refuse_batch_mixing,
                                          refuse_buffer_writes, rows_differ)
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
 from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, take_rows, used_lengths
@@ -325,8 +325,8 @@ class AlgorithmModule(pl.LightningModule):
         again = self._losses(self._own_padding(take_rows(inputs, shorter)), targets[shorter.to(targets.device)])
         ratio = float(rows_differ(losses[shorter.to(losses.device)], again, dtype=dtype, device=losses.device).max())
         raise_if_any([None if ratio <= 1.0 else
-                      f"The per-example losses change with the padding of their batch (by {ratio:.3g} times the "
-                      "rounding tolerance with fewer padded columns): the model reads padded columns (FNet "
+                      f"The per-example losses change with the padding of their batch (by {beyond_tolerance(ratio)} "
+                      "with fewer padded columns): the model reads padded columns (FNet "
                       "ignores the attention mask; a decoder classifier given inputs_embeds reads the last "
                       "column), so an example's loss depends on its batch's longest row; pad every row to "
                       "max_length (the data's `pad_to_max_length: true`) or use a model that masks padding"])

@@ -213,6 +213,15 @@ def flat_rows(values: Tensor) -> Tensor:
     return values.detach().reshape(values.shape[0], -1).to(torch.promote_types(values.dtype, torch.float32))
 
 
+def beyond_tolerance(ratio: float) -> str:
+    """How far a mismatch (:func:`rows_differ`'s value, > 1) is beyond rounding, in three words' worth: the ratio
+    is computed from private examples, and a refusal's message reaches logs (audit 6), so only its order of
+    magnitude is shown."""
+    if ratio < 10:
+        return "up to 10 times the rounding tolerance"
+    return "10 to 1000 times the rounding tolerance" if ratio <= 1000 else "over 1000 times the rounding tolerance"
+
+
 def rows_differ(full: Tensor, again: Tensor, *, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Per row, by how much (relative) ``again[r]`` differs from ``full[r]`` beyond rounding, as a
     multiple of the tolerance ``sqrt(eps) (||full[r]|| + ||again[r]|| + mean_r ||full[r]||)`` (the
@@ -268,8 +277,8 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
     ratio = rows_differ(full, split, dtype=dtype, device=device)
     changed = float(ratio.max())
     raise_if_any([None if changed <= 1.0 else
-                  f"The {what} depend on their batch-mates (an example's value changed by {changed:.3g} times "
-                  f"the rounding tolerance when the batch was split in two): per-example clipping cannot bound "
+                  f"The {what} depend on their batch-mates (an example's value changed by "
+                  f"{beyond_tolerance(changed)} when the batch was split in two): per-example clipping cannot bound "
                   f"one example's influence (BatchNorm-like statistics, batch centring, MoE capacity); make the "
                   f"forward per-example"])
     return int(torch.isfinite(flat_rows(full)).all(1).sum()) >= 2

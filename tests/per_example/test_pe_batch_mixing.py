@@ -3,6 +3,7 @@ batch-mates (F1), checks turned off by a first batch of one example (F2), and "g
 backward not being ``f_i`` times its first (F3)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -93,8 +94,18 @@ def test_forward_values_that_depend_on_batch_mates_are_refused(mode, make):
     x, y = _batch()
     model = make()
     engine = PerExampleGradientEngine(model, mode=mode)
-    with pytest.raises(PrivacyConfigError, match="depend on their batch-mates.*make the forward per-example"):
+    with pytest.raises(PrivacyConfigError, match="depend on their batch-mates.*make the forward per-example") as info:
         engine.clipped_sum(_losses(model, x, y), 0.1)
+    # audit 6: the mismatch, computed from private examples, shows as an order of magnitude only
+    assert re.search(r"changed by (up to 10|10 to 1000|over 1000) times the rounding tolerance when", str(info.value))
+
+
+def test_a_mismatch_is_shown_as_its_order_of_magnitude_only():
+    from lit_zodp.per_example.checks import beyond_tolerance
+
+    assert beyond_tolerance(1.0001) == beyond_tolerance(9.9) == "up to 10 times the rounding tolerance"
+    assert beyond_tolerance(10.0) == beyond_tolerance(1000.0) == "10 to 1000 times the rounding tolerance"
+    assert beyond_tolerance(1000.5) == beyond_tolerance(math.inf) == "over 1000 times the rounding tolerance"
 
 
 @pytest.mark.parametrize("mode", MODES)
