@@ -572,6 +572,33 @@ def test_a_loss_mixing_the_batch_after_the_model_is_refused_before_a_step_is_rel
     assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
 
 
+class _TrainOnlyNormalisedLoss(_MLPWithOwnLoss):
+    """``_BatchNormalisedLoss`` in training only, behind dropout: the shape of a train-only loss normalisation."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(*mlp(seed=1), nn.Dropout(0.1))
+
+    def per_example_loss(self, x, y):
+        losses = nn.functional.cross_entropy(self.net(x), y, reduction="none")
+        return losses / losses.detach().sum() if self.training else losses
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_loss_mixing_the_batch_only_in_training_is_refused_where_training_mode_is_released(name):
+    """Audit 8: first-order checks recomputed the losses in eval mode without grad, so a loss that mixed the
+    batch only in training passed every re-check (62 C released on one removal). Zeroth-order steps run
+    their forwards in eval mode: what they release does not mix, and they train."""
+    module = build(name, _TrainOnlyNormalisedLoss(), num_classes=3)
+    if issubclass(ALGORITHMS[name], ZerothOrderModule):
+        fit(module, poisson_loader(blobs(), 0.25), 2)
+        assert module.privacy.ledger.total_count == 2
+        return
+    with pytest.raises(PrivacyConfigError, match="depend on their batch-mates") as info:
+        fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_per_token_losses_are_refused_in_one_line(name):
     """L clipped values per example would release L C (audit 3: 10 C with L = 10, C = 1)."""

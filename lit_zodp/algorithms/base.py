@@ -29,7 +29,8 @@ from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, ch
                              raise_if_any)
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, beyond_tolerance, buffer_state,
                                          check_recheck_probability, eval_mode, recheck_drawn, refuse_batch_mixing,
-                                         refuse_buffer_writes, rows_differ)
+                                         refuse_buffer_writes, rows_differ, step_mode_recompute,
+                                         warn_unchecked_training_mode)
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
 from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, take_rows, used_lengths
 from lit_zodp.privacy.sampling import SamplingDescription
@@ -291,14 +292,24 @@ class AlgorithmModule(pl.LightningModule):
 
     def run_independence_checks(self, inputs, targets) -> None:
         """The independence checks (:meth:`_run_due_checks`) for modules whose step has no
-        ``private_losses`` (first-order), on the losses of the batch in eval mode (dropout would differ)
-        without grad. Before 2026-11-25 first-order fits checked neither a decoder classifier given
-        ``inputs_embeds``, which reads its logit at a padded column (0.05-0.11 in a logit, audit 5), nor a
-        ``per_example_loss`` mixing the batch after the model."""
+        ``private_losses`` (first-order), on the losses of the batch computed as the step computes them:
+        the backbone in its own (training) mode, autograd on, every Bernoulli draw (dropout) at its mean
+        (:func:`~lit_zodp.per_example.checks.step_mode_recompute`). Before audit 8 they ran in eval mode
+        without grad, so a loss or forward that mixed the batch only in training passed (62 C released on
+        one removal). A forward random in other ways is checked in eval mode, with a warning. Before
+        2026-11-25 first-order fits checked neither a decoder classifier given ``inputs_embeds``, which
+        reads its logit at a padded column (0.05-0.11 in a logit, audit 5), nor a ``per_example_loss``
+        mixing the batch after the model."""
         if batch_size_of(inputs) == 0 or not (self._pending_checks or self._recheck_pending):
             return
-        with torch.no_grad(), eval_mode(self.backbone):
-            self._run_due_checks(inputs, targets, self._losses(inputs, targets))
+        with step_mode_recompute():
+            losses = self._losses(inputs, targets).detach()
+            if not _reproduces(losses, self._losses(inputs, targets).detach(), self._parameter_dtype()):
+                warn_unchecked_training_mode("the backbone and its per_example_loss")
+                with torch.no_grad(), eval_mode(self.backbone):
+                    self._run_due_checks(inputs, targets, self._losses(inputs, targets))
+                return
+            self._run_due_checks(inputs, targets, losses)
 
     def _refuse_batch_mixing(self, inputs, targets, losses: Tensor, dtype: torch.dtype) -> bool:
         """The losses again on two random halves, each cut to its own longest row as the data modules pad
@@ -445,6 +456,11 @@ class AlgorithmModule(pl.LightningModule):
             raise PrivacyConfigError("This checkpoint has no privacy state: a private run cannot resume from it "
                                      "without losing the privacy already spent.")
         self.run_seed = checkpoint.get("public_state", {}).get("run_seed", self.run_seed)
+
+
+def _reproduces(losses: Tensor, again: Tensor, dtype: torch.dtype) -> bool:
+    """Whether a recomputation gave the same losses up to rounding (rows non-finite in both agree)."""
+    return not bool((rows_differ(losses, again, dtype=dtype, device=losses.device) > 1).any())
 
 
 def _check_lengths(lengths: Optional[list[int]], rows: Optional[int]) -> Optional[str]:

@@ -6,13 +6,15 @@ import contextlib
 import math
 import os
 import secrets
+import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_zodp.errors import raise_if_any
+from lit_zodp.errors import LitZodpWarning, raise_if_any
 from lit_zodp.per_example.rounding import working_eps
 
 #: Default ``recheck_probability`` (the engine's and every module's): one step in 100 re-runs the
@@ -282,6 +284,84 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
                   f"one example's influence (BatchNorm-like statistics, batch centring, MoE capacity); make the "
                   f"forward per-example"])
     return int(torch.isfinite(flat_rows(full)).all(1).sum()) >= 2
+
+
+class MeanOfRandomDraws(TorchDispatchMode):
+    """Every Bernoulli draw replaced by its mean, and the dropout of fused attention kernels turned off, for
+    the independence checks' recomputations in the step's own mode (audit 8).
+
+    The checks recompute values on parts of a batch and compare them with the whole batch's: dropout
+    would differ on any rerun, so they used to run in eval mode, and a model that mixes its batch only in
+    training (train-only MoE capacity, a train-only loss normalisation) passed them. Here the modules
+    stay in their mode: inverted dropout (``native_dropout``, and the ``bernoulli_`` masks of the
+    composite dropouts and of timm's DropPath) gives its mean, the identity, and any op taking a
+    ``dropout_p`` (scaled-dot-product attention kernels) gets 0. At the ATen level, so a dropout called
+    inside another function (``nn.MultiheadAttention``) is caught too. Other random draws (``rand``,
+    ``randn``: RReLU, noise layers) are left alone: the callers check that a recomputation reproduces.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        packet = func.overloadpacket
+        if packet is torch.ops.aten.native_dropout:
+            return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
+        if packet in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli):
+            return _bernoulli_mean(packet is torch.ops.aten.bernoulli_, _bound(func, args, kwargs))
+        for k, argument in enumerate(func._schema.arguments):
+            if argument.name == "dropout_p":
+                if k < len(args):
+                    args = (*args[:k], 0.0, *args[k + 1:])
+                else:
+                    kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
+
+
+def _bound(func, args: tuple, kwargs: dict) -> dict:
+    """The op's arguments by name, with the schema's defaults (the dispatcher drops arguments at their default)."""
+    return {a.name: args[k] if k < len(args) else kwargs.get(a.name, a.default_value)
+            for k, a in enumerate(func._schema.arguments)}
+
+
+def _bernoulli_mean(in_place: bool, bound: dict) -> Tensor:
+    """``bernoulli(x)`` (probabilities ``x``), ``bernoulli(x, p)`` and ``x.bernoulli_(p)`` by their mean."""
+    x, p = bound["self"], bound.get("p")
+    if "p" not in bound:  # bernoulli(probabilities)
+        mean = x.clone()
+    elif isinstance(p, Tensor):
+        mean = p.to(x.dtype).expand_as(x)
+    else:
+        mean = torch.full_like(x, float(p))
+    return x.copy_(mean) if in_place else mean.clone()
+
+
+def step_mode_recompute(devices: Optional[list] = None) -> contextlib.ExitStack:
+    """The context of a check's recomputation in the step's mode: Bernoulli draws at their mean, autograd on
+    (a forward may differ with it; the caller detaches the outputs), the user's random streams restored
+    (``devices``: the CUDA devices whose streams to keep; default all)."""
+    if devices is None:
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.random.fork_rng(devices=devices))
+    _reseed(devices)  # two recomputations draw differently, so a forward random beyond dropout shows
+    stack.enter_context(torch.enable_grad())
+    stack.enter_context(MeanOfRandomDraws())
+    return stack
+
+
+def _reseed(devices: list) -> None:
+    """Fresh seeds (from the OS) for the CPU generator and those CUDA devices' (their streams are restored after)."""
+    torch.random.default_generator.manual_seed(secrets.randbits(63))
+    for device in devices:
+        index = device if isinstance(device, int) else torch.device(device).index
+        torch.cuda.default_generators[torch.cuda.current_device() if index is None else index].manual_seed(
+            secrets.randbits(63))
+
+
+def warn_unchecked_training_mode(what: str) -> None:
+    """A forward random beyond Bernoulli draws cannot be compared in training mode: said once per place."""
+    warnings.warn(f"The forward of {what} draws random numbers other than dropout masks in training mode (rand, "
+                  "randn: RReLU, noise layers), so the batch-independence checks compared it in eval mode: mixing "
+                  "of examples that happens only in training would go unseen", LitZodpWarning, stacklevel=3)
 
 
 @contextlib.contextmanager

@@ -85,7 +85,8 @@ from lit_zodp.per_example.alignment import CallKey, _disagreeing, _RowSummaries,
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, buffer_state, check_losses, check_mode,
                                          check_recheck_probability, check_transform, eval_mode, flat_rows,
                                          recheck_drawn, refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes,
-                                         refuse_compiled, refuse_reentrant_checkpointing, rows_differ)
+                                         refuse_compiled, refuse_reentrant_checkpointing, rows_differ,
+                                         step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
@@ -224,6 +225,11 @@ class _Recompute:
 def _comparable(losses: Tensor) -> bool:
     """At least 2 finite examples: only then can a check see one example reach another."""
     return int(torch.isfinite(losses.detach()).sum()) >= 2
+
+
+def _differ(a: Tensor, b: Tensor, dtype: torch.dtype) -> bool:
+    """Whether some row of ``b`` differs from ``a``'s beyond rounding (:func:`.checks.rows_differ`)."""
+    return bool((rows_differ(a, b, dtype=dtype, device=a.device) > 1).any())
 
 
 def _coarsest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
@@ -532,8 +538,12 @@ class PerExampleGradientEngine:
             tape.recording = recording
 
     def _refuse_call_mixing(self, call: ModuleCall, outputs: Dict[int, Tensor], size: int) -> None:
-        """A random forward (dropout in train mode) differs on any recomputation: when the whole batch
-        does not reproduce itself, both sides are recomputed in eval mode."""
+        """The recomputations run in the step's mode with every Bernoulli draw at its mean
+        (:class:`.checks.MeanOfRandomDraws`). A step whose forward drew dropout masks does not reproduce:
+        the halves are then compared with the whole batch recomputed the same way. Only a forward random
+        in other ways (``rand``: RReLU, noise layers) is checked in eval mode, with a warning that its
+        training-mode behaviour went unchecked (before audit 8 every model with dropout was, and mixing
+        only in training passed: 4.33 C released on one removal)."""
         full = torch.cat([flat_rows(outputs[j]) for j in sorted(outputs)], 1)
         values_of = self._rows_of(call, sorted(outputs), size, full.device)
         dtype = _coarsest([*(v.dtype for v in outputs.values()), *(p.dtype for p in self.params)])
@@ -542,16 +552,20 @@ class PerExampleGradientEngine:
             refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what, full=full)
         except PrivacyConfigError:
             again = values_of(torch.arange(size))
-            random = bool((rows_differ(full, again, dtype=dtype, device=full.device) > 1).any())
-            if not (self.module.training and random):
-                raise
+            if not (self.module.training and _differ(full, again, dtype)):
+                raise  # the step's own rows reproduce: the halves' difference is mixing
+            if not _differ(again, values_of(torch.arange(size)), dtype):
+                refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what, full=again)
+                return
+            warn_unchecked_training_mode("the engine's module")
             with eval_mode(self.module):
                 refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what)
 
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int,
                  device: torch.device) -> Callable[[Tensor], Tensor]:
         """``index -> [n, ...]``: the call's batch-first outputs on those rows of its batched inputs
-        alone, under no grad, in the forward's autocast, with the user's random streams restored. With
+        alone, in the step's mode (:func:`.checks.step_mode_recompute`: grad on, Bernoulli draws at their mean,
+        the user's random streams restored), in the forward's autocast, detached. With
         :attr:`keep_call_shape` the rows are filled up to the call's ``B`` with copies of the first one
         (dropped), so every forward has the call's shape, as ``fixed_forward_rows`` promises; without it
         a half runs alone, which shows capacity-type mixing more surely (fewer rows, less overflow)."""
@@ -563,8 +577,9 @@ class PerExampleGradientEngine:
             padded = torch.cat([index, index[:1].expand(size - rows)]) if self.keep_call_shape else index
             inputs = [x[padded.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
             args, kwargs = tree_unflatten(inputs, call.spec)
-            with torch.no_grad(), forward_autocast(self._device_type), torch.random.fork_rng(devices=devices):
+            with step_mode_recompute(devices), forward_autocast(self._device_type):
                 flat = tree_flatten(call.module(*args, **kwargs))[0]
+            flat = [v.detach() if isinstance(v, Tensor) else v for v in flat]
             return torch.cat([flat_rows(flat[j][:rows]) if j < len(flat) and is_batched(flat[j], len(padded))
                               else torch.full((rows, 1), math.nan, device=device) for j in leaves], 1)
         return values_of

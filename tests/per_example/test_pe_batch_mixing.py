@@ -109,7 +109,7 @@ def test_a_mismatch_is_shown_as_its_order_of_magnitude_only():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_per_example_forward_passes_and_a_random_one_in_train_mode_is_compared_in_eval_mode(mode):
+def test_a_per_example_forward_passes_with_and_without_dropout(mode):
     x, y = _batch()
     model = PerExample()
     PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
@@ -124,6 +124,81 @@ def test_a_mixing_model_with_dropout_in_train_mode_is_still_refused():
     with pytest.raises(PrivacyConfigError, match="batch-mates"):
         PerExampleGradientEngine(model).clipped_sum(_losses(model, x, y), 0.1)
     assert model.training and model[1].training
+
+
+class TrainOnlyCentre(_TwoLayers):
+    """Centres its hidden rows by their detached batch mean in training only (or only under autograd): the
+    shape of a train-only MoE capacity. Before audit 8 the checks recomputed in eval mode without grad."""
+
+    def __init__(self, gate="train", dropout=0.1):
+        super().__init__()
+        self.gate, self.drop = gate, nn.Dropout(dropout)
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.training if self.gate == "train" else torch.is_grad_enabled():
+            h = h - h.detach().mean(0)
+        return self.l2(self.drop(torch.tanh(h)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("gate,dropout", [("train", 0.1), ("train", 0.0), ("grad", 0.1)])
+def test_mixing_only_in_training_or_under_grad_is_refused_with_dropout_on(mode, gate, dropout):
+    """Audit 8: with dropout the recomputation fell back to eval mode (4.33 C released on one removal)."""
+    x, y = _batch()
+    model = TrainOnlyCentre(gate, dropout).train()
+    with pytest.raises(PrivacyConfigError, match="batch-mates"):
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
+    assert model.training and model.drop.training
+
+
+def test_bernoulli_draws_at_their_mean_make_every_dropout_deterministic_and_equal_to_eval():
+    """nn.Dropout, dropout inside nn.MultiheadAttention and TransformerEncoderLayer (nested calls), timm's
+    DropPath (bernoulli_), alpha dropout and the attention kernel's dropout_p: two runs agree and equal eval
+    mode; the random stream outside is untouched (drawn from after, it continues as if nothing ran)."""
+    from timm.layers import DropPath
+
+    from lit_zodp.per_example.checks import MeanOfRandomDraws, step_mode_recompute
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    mha = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.5, batch_first=True)
+    calls = {"dropout": (nn.Dropout(0.5), lambda m: m(x)), "mha": (mha, lambda m: m(x, x, x)[0]),
+             "encoder": (layer, lambda m: m(x)), "drop_path": (DropPath(0.3), lambda m: m(x)),
+             "alpha": (nn.AlphaDropout(0.5), lambda m: m(x)),
+             "sdpa": (nn.Identity(), lambda m: F.scaled_dot_product_attention(x, x, x, dropout_p=0.5 * m.training))}
+    for name, (module, call) in calls.items():
+        module.train()
+        with MeanOfRandomDraws():
+            first, second = call(module), call(module)
+        assert torch.equal(first, second), name
+        assert first.requires_grad, name
+        module.eval()
+        if name != "alpha":  # alpha dropout's mean is an affine map, not the identity: deterministic is what counts
+            assert torch.allclose(first, call(module), atol=1e-6), name
+    state = torch.random.get_rng_state()
+    with step_mode_recompute():
+        nn.Dropout(0.5).train()(x)
+        torch.rand(4)  # a draw inside does not move the stream outside
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+class NoisyPerExample(_TwoLayers):
+    """Per-example, but adds Gaussian noise to its hidden units in training (a draw other than dropout)."""
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        return self.l2(h + 0.1 * torch.randn_like(h) if self.training else h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_random_beyond_dropout_is_compared_in_eval_mode_with_a_warning(mode):
+    x, y = _batch()
+    model = NoisyPerExample().train()
+    with pytest.warns(UserWarning, match="random numbers other than dropout masks.*compared it in eval mode"):
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
+    assert model.training
 
 
 class DataMix(_TwoLayers):
