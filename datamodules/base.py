@@ -333,9 +333,18 @@ class PublicPrivateDataModule(LightningDataModule):
             _check_optional_positive_int("max_public_samples", self.max_public_samples),
             _check_int("data_seed", self.data_seed),
             _check_int("num_workers", self.num_workers, minimum=0),
+            self._single_pass_workers_error(),
             _check_optional_positive_int("max_private_samples", self.max_private_samples),
             _check_optional_positive_int("max_eval_samples", self.max_eval_samples),
         ]
+
+    def _single_pass_workers_error(self) -> Optional[str]:
+        """Workers prefetch batches, which moves a single pass's position (checked against the ledger, and
+        checkpointed) ahead of the steps taken: every such fit was refused with a wrong count (audit 7)."""
+        if self.sampling != "single_pass" or not isinstance(self.num_workers, int) or self.num_workers == 0:
+            return None
+        return (f"Expected `num_workers`=0 with sampling='single_pass' (got {self.num_workers}): workers prefetch "
+                "batches ahead of the steps, and the pass's position must count the steps taken")
 
     def _fraction_sum_error(self) -> Optional[str]:
         fractions = (self.public_fraction, self.val_fraction)

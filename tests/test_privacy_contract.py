@@ -238,6 +238,17 @@ def test_the_budget_stop_never_overspends(name):
 
 
 @pytest.mark.parametrize("name", PRIVATE)
+@pytest.mark.parametrize("minimum", [dict(min_steps=100), dict(min_epochs=20)])
+def test_a_budget_that_stops_before_the_trainers_minimum_is_refused_before_a_step(name, minimum):
+    """Audit 7: Lightning ignores should_stop before min_steps/min_epochs, and the budget let no step run:
+    the fit looped over empty epochs forever (ledger still at the budget)."""
+    module = build(name, noise_multiplier=2.0, max_epsilon=0.5)
+    with pytest.raises(PrivacyConfigError, match=f"allows \\d+ more steps.*`{next(iter(minimum))}` asks for"):
+        fit(module, poisson_loader(blobs(), 0.1, steps_per_epoch=10), 500, **minimum)
+    assert module.privacy.ledger.total_count == 0
+
+
+@pytest.mark.parametrize("name", PRIVATE)
 def test_the_budget_binds_across_a_resume_with_more_steps(name, tmp_path):
     """The audit's case: planned for epsilon 1 over 20 steps, resumed to 40 steps: it must stop at the budget."""
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)

@@ -212,6 +212,7 @@ class AlgorithmModule(pl.LightningModule):
                           broadcast=lambda value: self.trainer.strategy.broadcast(value, src=0),
                           spend_log=SpendLog() if self.private and self.trainer.is_global_zero else None)
         if self.private:
+            _refuse_unreachable_minimum(self.trainer, self.privacy.steps_allowed)
             self.privacy.require_attached(self.trainer.optimizers)
             self._buffers_before = buffer_state(self.backbone)
             self._pending_checks = set(self.independence_checks)
@@ -494,6 +495,21 @@ def _train_loaders(trainer: "pl.Trainer") -> list:
     if isinstance(loaders, (list, tuple)):
         return list(loaders)
     return [loaders]
+
+
+def _refuse_unreachable_minimum(trainer: "pl.Trainer", steps_allowed: Optional[int]) -> None:
+    """A budget that stops training before ``min_steps`` / ``min_epochs``: Lightning ignores ``should_stop``
+    until the minimum is met, and the budget lets no further step run, so the fit looped over empty epochs
+    forever (nothing more was released; audit 7)."""
+    if steps_allowed is None:
+        return
+    reachable = trainer.global_step + steps_allowed
+    minimum = max(trainer.fit_loop.min_steps or 0, (trainer.fit_loop.min_epochs or 0) * trainer.num_training_batches)
+    if reachable < minimum:
+        name = "min_steps" if (trainer.fit_loop.min_steps or 0) == minimum else "min_epochs"
+        raise PrivacyConfigError(
+            f"The privacy budget allows {steps_allowed} more steps (to step {reachable}), but the Trainer's "
+            f"`{name}` asks for {minimum}: Lightning would not stop at the budget. Lower `{name}` or raise the budget.")
 
 
 def _planned_steps(trainer: "pl.Trainer") -> int:

@@ -313,6 +313,11 @@ class PrivacyComponent:
                 "neighbours='replace_one', or use Poisson sampling.")
         recorded = sum(count for mechanism, count in self.ledger.counts.items()
                        if getattr(mechanism, "composes_in_parallel", False))
+        if self.planned_steps is not None and self.planned_steps > self.sampling.steps:
+            raise PrivacyConfigError(
+                f"The fit plans {self.planned_steps} steps, but the single pass has {self.sampling.steps}: "
+                "set max_steps <= the pass length (or max_epochs=1); a second pass would reuse examples accounted "
+                "as used once (before audit 7 the fit waited forever at the pass's end).")
         if recorded != self.sampling.start:
             raise PrivacyConfigError(
                 f"The ledger holds {recorded} single-pass steps but the sampler starts its pass at step "

@@ -90,6 +90,7 @@ def test_max_private_samples_below_batch_size_raises():
         ({"max_private_samples": 0}, "max_private_samples"),
         ({"num_workers": -1}, "num_workers"),
         ({"sampling_seed": -1}, "sampling_seed"),
+        ({"sampling": "single_pass", "num_workers": 2}, "`num_workers`=0 with sampling='single_pass'"),
     ],
 )
 def test_invalid_arguments_raise_privacy_config_error(kwargs, fragment):

@@ -139,7 +139,8 @@ def test_a_changed_delta_on_resume_is_refused():
 
 
 def test_single_pass_steps_compose_in_parallel():
-    component = planned(noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50), neighbours="replace_one")
+    component = planned(steps=50, noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50),
+                        neighbours="replace_one")
     for _ in range(50):
         component.release(torch.zeros(()), "g")
         component.commit_step()
@@ -201,7 +202,8 @@ def test_single_pass_is_refused_under_add_remove_neighbours():
 
 def test_a_single_pass_must_continue_the_ledgers_pass():
     """A restarted pass (second fit, reloaded loader, fresh DataModule) would reuse examples counted once."""
-    first = planned(noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50), neighbours="replace_one")
+    first = planned(steps=50, noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50),
+                    neighbours="replace_one")
     for _ in range(20):
         first.release(torch.zeros(()), "g")
         first.commit_step()
@@ -215,6 +217,14 @@ def test_a_single_pass_must_continue_the_ledgers_pass():
                 resumed.plan(**plan)
         else:
             resumed.plan(**plan)
+
+
+def test_a_single_pass_fit_planning_more_steps_than_the_pass_is_refused():
+    """Audit 7: max_steps beyond the pass made the sampler's length 0 at its end, and the fit waited forever."""
+    single = dict(noise_multiplier=1.0, neighbours="replace_one")
+    with pytest.raises(PrivacyConfigError, match="plans 51 steps, but the single pass has 50"):
+        planned(steps=51, sampling=SinglePassSampling(n=1000, steps=50), **single)
+    assert planned(steps=50, sampling=SinglePassSampling(n=1000, steps=50), **single).planned_steps == 50
 
 
 @pytest.mark.parametrize("n, expected", [(1000, 1e-5), (10**6, 1e-7)])
