@@ -110,9 +110,10 @@ def _holds_only(layer: nn.Module, names: Optional[FrozenSet[str]]) -> bool:
 
 
 def _row_norm_sq(per_example: Tensor) -> Tensor:
-    """``||G_i||^2`` per row, accumulated in at least float32."""
+    """``||G_i||^2`` per row, accumulated in at least float32 (rows of any shape: ``[B]`` for a 0-dim parameter)."""
     low = per_example.dtype in (torch.float16, torch.bfloat16)
-    return torch.linalg.vector_norm(per_example.flatten(1), dim=1, dtype=torch.float32 if low else None).pow(2)
+    rows = per_example.reshape(len(per_example), -1)
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32 if low else None).pow(2)
 
 
 def _trainable(layer: nn.Module, name: str) -> bool:

@@ -42,10 +42,11 @@ def clip_factors(norms: Tensor, clip: float) -> Tensor:
 
 def clip_vectors(per_example: Tensor, clip: float) -> Tensor:
     """Clip each row ``per_example[i]`` (any trailing shape) to L2 norm at most ``clip``."""
-    finite_rows = torch.isfinite(per_example.flatten(1)).all(dim=1)
+    rows = per_example.reshape(len(per_example), -1)  # (a 0-dim parameter's per-example values are [B])
+    finite_rows = torch.isfinite(rows).all(dim=1)
     per_example = torch.where(finite_rows.view(-1, *([1] * (per_example.dim() - 1))), per_example,
                               torch.zeros_like(per_example))  # a non-finite row contributes zero
-    norms = per_example.flatten(1).norm(dim=1)
+    norms = rows.where(finite_rows.unsqueeze(1), 0.0).norm(dim=1)
     factors = clip_factors(norms, clip)
     return per_example * factors.view(-1, *([1] * (per_example.dim() - 1)))
 

@@ -63,7 +63,7 @@ def loop_reference(model, loss_of_one, *batch):
 
 def flat_clipped_sum(per_example: dict, names, clip):
     """DP-SGD flat clipping (Abadi et al. 2016): clip each example's concatenated gradient to ``clip``."""
-    flat = torch.cat([per_example[n].flatten(1) for n in names], 1)
+    flat = torch.cat([per_example[n].reshape(len(per_example[n]), -1) for n in names], 1)
     norms = flat.norm(dim=1)
     factors = torch.ones_like(norms) if math.isinf(clip) else (clip / norms).clamp(max=1)
     sums = {n: torch.einsum("b,b...->...", factors, per_example[n]) for n in names}

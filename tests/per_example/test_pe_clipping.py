@@ -193,3 +193,31 @@ def test_bfloat16_autocast_is_close_to_float32(mode):
     for a, b in zip(mixed.grads, exact.grads):
         assert a.dtype == torch.float32
         assert_rel_close(a, b, 3e-2)
+
+
+class _ScaledLogits(nn.Module):
+    """Logits times a learnable 0-dim temperature (CLIP's ``logit_scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.scale = nn.Linear(6, 3), nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_zero_dim_parameter_is_clipped_with_the_others(mode):
+    """Audit 8: a 0-dim trainable parameter crashed every mode (``flatten(1)`` of its ``[B]`` rows)."""
+    from tests.per_example.helpers import loop_reference
+
+    model, (x, y) = _ScaledLogits().double(), _mlp_batch()
+    x = x.double()
+    result = PerExampleGradientEngine(model, mode=mode).clipped_sum(lambda: ce(model(x), y), 0.5)
+    expected = loop_reference(model, lambda xi, yi: ce(model(xi), yi).sum(), x, y)
+    names = [n for n, _ in model.named_parameters()]
+    sums, norms = flat_clipped_sum(expected, names, 0.5)
+    _assert_sums(result, sums, names)
+    assert_rel_close(result.norms, norms)
+    assert result.grads[names.index("scale")].shape == ()
