@@ -29,7 +29,7 @@ from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, ch
                              raise_if_any)
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, beyond_tolerance, buffer_state,
                                          check_recheck_probability, eval_mode, recheck_drawn, refuse_batch_mixing,
-                                         refuse_buffer_writes, rows_differ, step_mode_recompute,
+                                         refuse_buffer_writes, rows_agree, rows_differ, step_mode_recompute,
                                          warn_unchecked_training_mode)
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
 from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, take_rows, used_lengths
@@ -305,7 +305,7 @@ class AlgorithmModule(pl.LightningModule):
             return
         with step_mode_recompute():
             losses = self._losses(inputs, targets).detach()
-            if not _reproduces(losses, self._losses(inputs, targets).detach(), self._parameter_dtype()):
+            if not rows_agree(losses, self._losses(inputs, targets).detach(), dtype=self._parameter_dtype()):
                 warn_unchecked_training_mode("the backbone and its per_example_loss")
                 with torch.no_grad(), eval_mode(self.backbone):
                     self._run_due_checks(inputs, targets, self._losses(inputs, targets))
@@ -457,11 +457,6 @@ class AlgorithmModule(pl.LightningModule):
             raise PrivacyConfigError("This checkpoint has no privacy state: a private run cannot resume from it "
                                      "without losing the privacy already spent.")
         self.run_seed = checkpoint.get("public_state", {}).get("run_seed", self.run_seed)
-
-
-def _reproduces(losses: Tensor, again: Tensor, dtype: torch.dtype) -> bool:
-    """Whether a recomputation gave the same losses up to rounding (rows non-finite in both agree)."""
-    return not bool((rows_differ(losses, again, dtype=dtype, device=losses.device) > 1).any())
 
 
 def _check_lengths(lengths: Optional[list[int]], rows: Optional[int]) -> Optional[str]:

@@ -244,6 +244,12 @@ def rows_differ(full: Tensor, again: Tensor, *, dtype: torch.dtype, device: torc
     return ratio
 
 
+def rows_agree(full: Tensor, again: Tensor, *, dtype: torch.dtype) -> bool:
+    """Whether every row of ``again`` equals ``full``'s up to rounding (:func:`rows_differ` <= 1): a
+    recomputation that reproduces."""
+    return not bool((rows_differ(full, again, dtype=dtype, device=full.device) > 1).any())
+
+
 def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dtype: torch.dtype,
                         device: torch.device, what: str = "per-example losses",
                         full: Optional[Tensor] = None) -> bool:

@@ -85,7 +85,7 @@ from lit_zodp.per_example.alignment import CallKey, _disagreeing, _RowSummaries,
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, buffer_state, check_losses, check_mode,
                                          check_recheck_probability, check_transform, eval_mode, flat_rows,
                                          recheck_drawn, refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes,
-                                         refuse_compiled, refuse_reentrant_checkpointing, rows_differ,
+                                         refuse_compiled, refuse_reentrant_checkpointing, rows_agree,
                                          step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
@@ -225,11 +225,6 @@ class _Recompute:
 def _comparable(losses: Tensor) -> bool:
     """At least 2 finite examples: only then can a check see one example reach another."""
     return int(torch.isfinite(losses.detach()).sum()) >= 2
-
-
-def _differ(a: Tensor, b: Tensor, dtype: torch.dtype) -> bool:
-    """Whether some row of ``b`` differs from ``a``'s beyond rounding (:func:`.checks.rows_differ`)."""
-    return bool((rows_differ(a, b, dtype=dtype, device=a.device) > 1).any())
 
 
 def _coarsest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
@@ -552,9 +547,9 @@ class PerExampleGradientEngine:
             refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what, full=full)
         except PrivacyConfigError:
             again = values_of(torch.arange(size))
-            if not (self.module.training and _differ(full, again, dtype)):
+            if not self.module.training or rows_agree(full, again, dtype=dtype):
                 raise  # the step's own rows reproduce: the halves' difference is mixing
-            if not _differ(again, values_of(torch.arange(size)), dtype):
+            if rows_agree(again, values_of(torch.arange(size)), dtype=dtype):
                 refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what, full=again)
                 return
             warn_unchecked_training_mode("the engine's module")
