@@ -18,8 +18,8 @@ from lit_zodp.errors import LitZodpWarning, raise_if_any
 from lit_zodp.per_example.rounding import working_eps
 
 #: Default ``recheck_probability`` (the engine's and every module's): one step in 100 re-runs the
-#: batch-independence check (one forward without grad in two halves, two with ``keep_call_shape``:
-#: under a step, so < 1% per step).
+#: batch-independence check (one forward in two halves, two with ``keep_call_shape``; a model with dropout
+#: adds one of the whole batch and compares the halves twice: under a few steps, so a few % at most).
 RECHECK_PROBABILITY = 0.01
 
 
@@ -340,18 +340,17 @@ def _bernoulli_mean(in_place: bool, bound: dict) -> Tensor:
     return x.copy_(mean) if in_place else mean.clone()
 
 
-def step_mode_recompute(devices: Optional[list] = None) -> contextlib.ExitStack:
+@contextlib.contextmanager
+def step_mode_recompute(devices: Optional[list] = None) -> Iterator[None]:
     """The context of a check's recomputation in the step's mode: Bernoulli draws at their mean, autograd on
-    (a forward may differ with it; the caller detaches the outputs), the user's random streams restored
-    (``devices``: the CUDA devices whose streams to keep; default all)."""
+    (a forward may differ with it; the caller detaches the outputs), fresh seeds, and the user's random
+    streams restored after (``devices``: the CUDA devices whose streams to keep; default all)."""
     if devices is None:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.random.fork_rng(devices=devices))
-    _reseed(devices)  # two recomputations draw differently, so a forward random beyond dropout shows
-    stack.enter_context(torch.enable_grad())
-    stack.enter_context(MeanOfRandomDraws())
-    return stack
+    with torch.random.fork_rng(devices=devices):
+        _reseed(devices)  # two recomputations draw differently, so a forward random beyond dropout shows
+        with torch.enable_grad(), MeanOfRandomDraws():
+            yield
 
 
 def _reseed(devices: list) -> None:

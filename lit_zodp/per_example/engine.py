@@ -545,16 +545,20 @@ class PerExampleGradientEngine:
         what = "outputs of the engine's module"
         try:
             refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what, full=full)
+            return
         except PrivacyConfigError:
             again = values_of(torch.arange(size))
             if not self.module.training or rows_agree(full, again, dtype=dtype):
                 raise  # the step's own rows reproduce: the halves' difference is mixing
+        try:  # the step drew dropout masks: compare with the whole batch recomputed the same way
+            refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what, full=again)
+            return
+        except PrivacyConfigError:
             if rows_agree(again, values_of(torch.arange(size)), dtype=dtype):
-                refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what, full=again)
-                return
-            warn_unchecked_training_mode("the engine's module")
-            with eval_mode(self.module):
-                refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what)
+                raise  # the recomputation reproduces: mixing
+        warn_unchecked_training_mode("the engine's module")
+        with eval_mode(self.module):
+            refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what)
 
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int,
                  device: torch.device) -> Callable[[Tensor], Tensor]:
