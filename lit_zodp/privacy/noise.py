@@ -277,4 +277,5 @@ class SecretGaussianVector:
         return total.add_(xi.to(total.device), alpha=alpha)
 
 
-__all__ = ["ForkedNoiseError", "HOST_PART", "NoiseSource", "SECRET_BITS", "SecretGaussianVector", "secret_generator", "secret_seed"]
+__all__ = ["ForkedNoiseError", "HOST_PART", "NoiseSource", "SECRET_BITS", "SecretGaussianVector", "secret_generator",
+           "secret_seed"]
