@@ -73,11 +73,6 @@ class SecretKey:
         a, b = (int(w) & ((1 << 64) - 1) for w in hi_lo)
         return cls(a & _MASK32, a >> 32, b & _MASK32, b >> 32)
 
-    @property
-    def seed(self) -> int:
-        """The Philox key as Triton's 64-bit seed (``k0`` low half, ``k1`` high half), as a signed int64."""
-        return philox.seed_as_int64(self.k0 | (self.k1 << 32))
-
 
 KERNEL_DTYPES = (torch.float32, torch.float64)
 
@@ -102,9 +97,22 @@ def add_gaussian(x: Tensor, std: float, key: SecretKey, *, pair_base: int = 0, o
     if numel:
         pairs = (numel + 1) // 2
         grid = (triton.cdiv(pairs, PAIRS_PER_BLOCK),)
-        _noise_kernel[grid](x, out, numel, int(pair_base), key.seed, key.s0, key.s1, kernel_std(std),
-                            PAIRS=PAIRS_PER_BLOCK)
+        _noise_kernel[grid](x, out, *scalar_arguments(numel, pair_base, key, std), PAIRS=PAIRS_PER_BLOCK)
     return out
+
+
+def scalar_arguments(numel: int, pair_base: int, key: SecretKey, std: float) -> tuple:
+    """The kernel's scalar arguments, typed so that Triton compiles ONE kernel whatever the key.
+
+    Triton types a Python int by its value (int32 below 2**31, int64 above) and specialises it on
+    ``== 1`` and divisibility by 16: a key word passed as is would pick one of 32 compiled variants per
+    release, costing a compilation (tenths of a second) the first time each appears and showing, in the
+    step time and in Triton's cache folder, a few bits of the secret key. So the words travel as signed
+    int32 (their bits unchanged; the kernel reads them back as uint32) and are not specialised
+    (``do_not_specialize``); nor are the public sizes, whose int32/int64 typing compiles at most twice.
+    """
+    words = tuple(w - (1 << 32) if w >= 1 << 31 else w for w in (key.k0, key.k1, key.s0, key.s1))
+    return (numel, int(pair_base), *words, kernel_std(std))
 
 
 def kernel_std(std: float) -> float:
@@ -148,15 +156,19 @@ def _uniform53_bits(lo: Tensor, hi: Tensor) -> Tensor:
 
 if triton is not None:
 
-    @triton.jit
-    def _noise_kernel(x_ptr, out_ptr, numel, pair_base, seed, s0, s1, std, PAIRS: tl.constexpr):
-        """``PAIRS`` pairs of values: one Philox call, two 53-bit uniforms, one Box-Muller pair each."""
+    @triton.jit(do_not_specialize=["numel", "pair_base", "k0", "k1", "s0", "s1"])
+    def _noise_kernel(x_ptr, out_ptr, numel, pair_base, k0, k1, s0, s1, std, PAIRS: tl.constexpr):
+        """``PAIRS`` pairs of values: one Philox call, two 53-bit uniforms, one Box-Muller pair each.
+
+        ``k0, k1, s0, s1``: the key's words as int32 bit patterns (:func:`scalar_arguments`).
+        """
         pid = tl.program_id(0).to(tl.int64)
-        q = pid * PAIRS + tl.arange(0, PAIRS).to(tl.int64) + pair_base
+        q = pid * PAIRS + tl.arange(0, PAIRS).to(tl.int64) + pair_base.to(tl.int64)
         c0 = (q & 0xFFFFFFFF).to(tl.uint32)
         c1 = (q >> 32).to(tl.uint32)
-        c2 = tl.zeros([PAIRS], dtype=tl.uint32) + s0.to(tl.uint32)
-        c3 = tl.zeros([PAIRS], dtype=tl.uint32) + s1.to(tl.uint32)
+        c2 = tl.zeros([PAIRS], dtype=tl.uint32) + s0.to(tl.uint32, bitcast=True)
+        c3 = tl.zeros([PAIRS], dtype=tl.uint32) + s1.to(tl.uint32, bitcast=True)
+        seed = (k1.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | k0.to(tl.uint32, bitcast=True).to(tl.uint64)
         w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
         a = (w1.to(tl.uint64) << 21) | (w0.to(tl.uint64) >> 11)
         b = (w3.to(tl.uint64) << 21) | (w2.to(tl.uint64) >> 11)
@@ -166,11 +178,11 @@ if triton is not None:
         theta = 6.283185307179586 * u2
         z = tl.interleave(r * tl.cos(theta), r * tl.sin(theta))  # values 2q, 2q + 1
         offs = pid * 2 * PAIRS + tl.arange(0, 2 * PAIRS).to(tl.int64)
-        mask = offs < numel
+        mask = offs < numel.to(tl.int64)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         y = x.to(tl.float64) + std * z
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)  # one rounding (none for float64)
 
 
 __all__ = ["KERNEL_DTYPES", "PAIRS_PER_BLOCK", "SecretKey", "add_gaussian", "device_noise_available", "kernel_std",
-           "reference_noised", "reference_normals"]
+           "reference_noised", "reference_normals", "scalar_arguments"]

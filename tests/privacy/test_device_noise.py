@@ -7,6 +7,7 @@ reference computed here. ``gpu``-marked tests run the compiled kernel.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 
@@ -149,13 +150,37 @@ def test_the_kernel_refuses_other_dtypes_and_a_mismatched_out():
         add_gaussian(torch.zeros(4), 1.0, KEY, out=torch.zeros(4, dtype=torch.float64))
 
 
+def test_the_kernel_is_compiled_once_whatever_the_key():
+    """Triton types an int argument by its value and specialises it (== 1, divisible by 16): a key word
+    passed as is would select one of 32 compiled variants per release, a compilation the first time each
+    appears, with a few secret bits showing in the step time and Triton's cache folder."""
+    pytest.importorskip("triton")
+    from triton.runtime import jit
+
+    from lit_zodp.privacy import device_noise
+
+    unspecialised = {p.name for p in device_noise._noise_kernel.params if p.do_not_specialize}
+    assert {"numel", "pair_base", "k0", "k1", "s0", "s1"} <= unspecialised
+    edges = [0, 1, 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32 - 1]
+    keys = [SecretKey(*words) for words in itertools.product(edges, repeat=4)]
+    mangle = getattr(jit, "mangle_type", None)
+    types = set()
+    for key in keys:
+        words = device_noise.scalar_arguments(10, 0, key, 1.0)[2:6]
+        assert [w & 0xFFFFFFFF for w in words] == [key.k0, key.k1, key.s0, key.s1]  # the bits, unchanged
+        assert all(-2**31 <= w < 2**31 for w in words)
+        if mangle is not None:
+            types.add(tuple(mangle(w) for w in words))
+    assert mangle is None or types == {("i32",) * 4}
+
+
 @pytest.mark.parametrize("pointer", ["*fp32", "*fp64"])
 def test_kernel_compiles_for_sm90_without_a_gpu(pointer, tmp_path, monkeypatch):
     """Triton's CUDA frontend and ptxas accept the float64 maths (what the interpreter cannot check)."""
     from lit_zodp.privacy import device_noise
 
-    signature = {"x_ptr": pointer, "out_ptr": pointer, "numel": "i64", "pair_base": "i64", "seed": "i64",
-                 "s0": "i64", "s1": "i64", "std": "fp32", "PAIRS": "constexpr"}
+    signature = {"x_ptr": pointer, "out_ptr": pointer, "numel": "i64", "pair_base": "i64", "k0": "i32",
+                 "k1": "i32", "s0": "i32", "s1": "i32", "std": "fp32", "PAIRS": "constexpr"}
     kernel = compile_for_sm90(getattr(device_noise, "_noise_kernel", None), signature,
                               {"PAIRS": device_noise.PAIRS_PER_BLOCK}, monkeypatch, tmp_path)
     assert "lg2.approx" not in kernel.asm["ptx"]  # float64 log from libdevice, not the float32 approximation
@@ -176,3 +201,20 @@ def test_cuda_noise_equals_the_reference_and_the_release_draws_on_the_device():
 
 if __name__ == "__main__":  # the TRITON_INTERPRET=1 subprocess of the `interpreted` fixture
     torch.save(interpreted_runs(), sys.argv[1])
+
+
+@pytest.mark.gpu
+def test_fresh_keys_reuse_the_one_compiled_cuda_kernel():
+    pytest.importorskip("triton")
+    from lit_zodp.privacy import device_noise
+
+    caches = getattr(device_noise._noise_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this triton keeps its compiled kernels elsewhere")
+    x = torch.zeros(5, device="cuda")
+    source = NoiseSource()
+    device_noise.add_gaussian(x, 1.0, source.device_key())
+    compiled = sum(len(entry[0]) for entry in caches.values())
+    for _ in range(64):
+        device_noise.add_gaussian(x, 1.0, source.device_key())
+    assert sum(len(entry[0]) for entry in caches.values()) == compiled
