@@ -351,7 +351,7 @@ def _free(device) -> None:
 class Engines:
     """The fused and chunked engines over the model's parameters, alone, and the copy of their bytes."""
 
-    def __init__(self, params, device) -> None:
+    def __init__(self, params, device, tiles=()) -> None:
         import torch
 
         from lit_zodp.zo import PerturbationEngine
@@ -370,6 +370,11 @@ class Engines:
         self.engines["chunked"] = PerturbationEngine(params)
         self.fused_backend = getattr(self.engines.get("fused"), "backend", None)
         self.coefficient = {"fused": torch.tensor(1.0, device=device), "chunked": 1.0}
+        if self.fused_backend == "triton":  # other tile sizes of the same kernel (the reference has none)
+            for block, warps in tiles:
+                name = f"fused@{block}x{warps}"
+                self.engines[name] = FusedPerturbation(params, backend="auto", block=block, num_warps=warps)
+                self.coefficient[name] = self.coefficient["fused"]
         self.seed = 12345
         self.calls: dict[str, int] = {}
 
@@ -398,6 +403,7 @@ class Engines:
         import torch
 
         out = {key: [] for key in ENGINE_KEYS}
+        out.update({f"{name}_{what}": [] for name in self.engines for what in ("pass", "update")})
         # The copy runs over at most COPY_CAP elements (bandwidth is flat well before that) and is scaled
         # to the parameters' size: two full-size buffers would need 10 GB more for OPT-1.3B in fp32.
         n = min(self.numel, COPY_CAP)
@@ -480,8 +486,11 @@ def run_config(args, device, batch: int) -> dict:
             row["errors"]["paper_mezo"] = _describe(err)
             log(f"{tag} paper_mezo fails: {row['errors']['paper_mezo']}")
             _free(device)
-    engines = Engines(params, device)
-    row.update(bytes_per_pass=engines.bytes_per_pass, fused_backend=engines.fused_backend)
+    from lit_zodp.zo import fused as fused_default
+
+    engines = Engines(params, device, parse_tiles(args.tiles))
+    row.update(bytes_per_pass=engines.bytes_per_pass, fused_backend=engines.fused_backend,
+               default_tile=f"{fused_default.DEFAULT_BLOCK}x{fused_default.DEFAULT_WARPS}")
     row["errors"].update({f"engine_{k_}": v for k_, v in engines.errors.items()})
 
     first_order = {}
@@ -585,6 +594,17 @@ def run_config(args, device, batch: int) -> dict:
     return row
 
 
+def parse_tiles(text: str) -> list[tuple[int, int]]:
+    """``"1024x8,512x4"`` -> ``[(1024, 8), (512, 4)]`` (elements per program x warps)."""
+    tiles = []
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        block, _, warps = item.partition("x")
+        if not (block.isdigit() and warps.isdigit()):
+            raise SystemExit(f"--tiles: '{item}' is not BLOCKxWARPS (e.g. 1024x8)")
+        tiles.append((int(block), int(warps)))
+    return tiles
+
+
 def _median_ms(xs):
     return "n/a" if not xs else f"{1e3 * statistics.median(xs):.1f}"
 
@@ -650,7 +670,7 @@ def spawn(args, model: str, dtype: str, batches: list[int]) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", model, "--dtype", dtype,
            "--worker-batches", ",".join(map(str, batches)), "--result-file", result_file,
            "--threads", str(args.threads), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-           "--device", args.device, "--engine", args.engine, "--memory", args.memory]
+           "--device", args.device, "--engine", args.engine, "--memory", args.memory, "--tiles", args.tiles]
     if args.seq_len:
         cmd += ["--seq-len", str(args.seq_len)]
     if args.steps_per_repeat:
@@ -799,6 +819,7 @@ def render(rows: list[dict]) -> str:
             f"{fmt(s['fused_update_vs_copy'], '.2f')} | {_ms(s['chunked_pass'])} | "
             f"{fmt(s['chunked_pass_vs_copy'], '.2f')} | {_ms(s['chunked_update'])} | "
             f"{row.get('zo_engine', 'n/a')}; standalone {fused} |")
+    lines += render_tiles(rows)
     bcd_rows = [row for row in rows if not row.get("error") and has_bcd(row)]
     if bcd_rows:
         lines += ["", "**MeZO-BCD (issue 9)** (BCD: `MeZOBCD(partition=\"layer\", order=\"random\")`, each "
@@ -848,6 +869,28 @@ def render(rows: list[dict]) -> str:
     if notes:
         lines += ["", "Notes:"] + notes
     return "\n".join(lines)
+
+
+def render_tiles(rows: list[dict]) -> list[str]:
+    """The fused kernel at other tile sizes (``--tiles``) beside its default: pass and update vs the copy."""
+    tiled = [row for row in rows if not row.get("error")
+             and any(k.startswith("fused@") for k in row.get("times", {}))]
+    if not tiled:
+        return []
+    lines = ["", "**Fused kernel tiles** (elements per program x warps; pass / copy and update / copy as above, "
+             "the default tile first)", "", "| model | dtype | batch | tile | pass ms | pass / copy | update / copy |",
+             "|---|---|---:|---|---:|---:|---:|"]
+    for row in tiled:
+        label = LABELS.get(row["model"], row["model"]) + (" (tiny)" if row.get("tiny") else "")
+        names = ["fused"] + sorted({k[:-len("_pass")] for k in row["times"] if k.startswith("fused@")
+                                    and k.endswith("_pass")})
+        for name in names:
+            tile = f"{row.get('default_tile', 'default')} (default)" if name == "fused" else name[len("fused@"):]
+            passes = median_of(row["times"].get(f"{name}_pass"))
+            lines.append(f"| {label} | {row['dtype']} | {row['batch']} | {tile} | {_ms(passes)} | "
+                         f"{fmt(_paired(row, f'{name}_pass', 'copy'), '.2f')} | "
+                         f"{fmt(_paired(row, f'{name}_update', 'copy'), '.2f')} |")
+    return lines
 
 
 def header(meta: dict) -> str:
@@ -907,6 +950,9 @@ def main(argv=None) -> None:
     parser.add_argument("--memory", default="inprocess", choices=["inprocess", "none"],
                         help="peak memory of each method alone after the timings (none: skip)")
     parser.add_argument("--no-memory", dest="memory", action="store_const", const="none")
+    parser.add_argument("--tiles", default="1024x8,512x4",
+                        help="extra tiles (BLOCKxWARPS, comma list; '' for none) of the fused kernel, timed "
+                             "beside the default in the engine measurement")
     parser.add_argument("--no-opacus", action="store_true")
     parser.add_argument("--no-adamw", action="store_true")
     parser.add_argument("--bcd", action="store_true",
