@@ -29,6 +29,9 @@
 #   bcd          bench_zo_gpu.py --models opt_1_3b --dtypes fp32 --batches 16 --bcd --no-opacus
 #                --no-adamw (MeZO-BCD cycle, MeZO, the paper's MeZO, two forwards; 5 repeats)
 #                -> results/bench_zo_gpu_bcd_opt.{md,json}                                   ~2-4 min
+#   profile      profile_zo_step.py: MeZO and DPZero steps profiled (cProfile under training_step, torch.profiler
+#                kernels and operators) on MiniLM b32 fp32 and bf16 and RoBERTa-large b16 bf16
+#                -> results/profile_<model>_<dtype>_b<batch>.txt                              ~2.5 min
 #   carry        HERE, not on the device (needs the `data` extras installed here): writes .gpu_carry/
 #                (all-MiniLM-L6-v2 rounded to fp16, 45 MB, and the Rotten Tomatoes rows) and adds /.gpu_carry/
 #                to .git/info/exclude; the device lacks both packages and takes 64 MiB of carry.     ~10 s
@@ -43,24 +46,28 @@
 #   all          tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy, in that order
 #                (~30-40 min: more than one session's device time; see the call plan)
 #
-# The estimates are arithmetic, not readings (no GPU run of these scripts has been recorded yet):
-# fp32 matmuls at ~50 TFLOP/s (no TF32), ~1-2 s per Lightning fit, 5 repeats + 1 warm-up of every
-# method. No repeats were reduced: every piece's estimate is under 9 minutes at the defaults. If a piece
-# is cut by its timeout, run it again with fewer repeats, e.g. EXTRA_ARGS="--repeats 3".
+# Readings (H100, 2026-11-27, --repeats 3, a warm disk cache for Triton after the first piece): zo_minilm
+# 74 s, zo_roberta 90 s, zo_opt 126 s, tests 96 s (42 passed), profile ~150 s; a fresh machine took about
+# 30 s to start. The other pieces' estimates are still arithmetic (fp32 matmuls at ~50 TFLOP/s, ~1-2 s
+# per Lightning fit, 5 repeats + 1 warm-up). If a piece is cut by its timeout, run it again with fewer
+# repeats, e.g. EXTRA_ARGS="--repeats 3".
 #
 # Call plan. A session lent a GPU has 15 min of device time in all (start, idle and give-back count;
-# a fresh machine takes 1-2 min to start and goes back 30 s after a call, so have the next call ready;
-# every call brings its results back through $OUT): two calls fit, so one session takes one issue.
-# HERE first: `wheels` (and `carry` for the pieces that read .gpu_carry). For the speed issue (8):
-#   1. run(command="DEADLINE=480 CAPS='zo_minilm=90 zo_roberta=190' EXTRA_ARGS='--repeats 3'
-#          benchmarks/gpu_session.sh zo_minilm zo_roberta zo_opt", carry=[".whl"], timeout_s=510)
-#   2. at once, with T = status's budget_left_s - 45 (skip it under 150):
-#      run(command="DEADLINE=<T-20> benchmarks/gpu_session.sh tests", carry=[".whl"], timeout_s=T)
+# a fresh machine takes 0.5-2 min to start and goes back 30 s after a call, so have the next call ready;
+# every call brings its results back through $OUT). HERE first: `wheels` (and `carry` for the pieces
+# that read .gpu_carry).
+# Speed (issue 8), re-measuring after the noise kernel's fix and timing the fused kernel's tiles:
+#   1. run(command="DEADLINE=400 EXTRA_ARGS='--repeats 3' benchmarks/gpu_session.sh zo_minilm zo_roberta
+#          zo_opt", carry=[".whl"], timeout_s=430)
+#      If a tile of the "Fused kernel tiles" table beats the default (lit_zodp/zo/fused.py DEFAULT_BLOCK,
+#      DEFAULT_WARPS) by more than 5% in both dtypes, switch the default HERE and re-run zo_roberta.
+#   2. what is left (T = status's budget_left_s - 45, skip under 150): MeZO-BCD (issue 9):
+#      run(command="DEADLINE=<T-20> CAPS='bcd=240' BCD_ACC_SECONDS=90 benchmarks/gpu_session.sh bcd
+#          bcd_accuracy", carry=[".whl", ".gpu_carry"], timeout_s=T)
 #   then give_back, and HERE: unpack the tarballs (Results) and `benchmarks/gpu_session.sh merge`.
-# For MeZO-BCD (issue 9), in a later session lent a GPU:
-#   1. run(command="DEADLINE=550 CAPS='bcd=240' BCD_ACC_SECONDS=90 benchmarks/gpu_session.sh bcd bcd_accuracy",
-#          carry=[".whl", ".gpu_carry"], timeout_s=580)    (the second lr pair runs if the deadline allows)
-#   2. what is left: fixed_shape, then first_order (EXTRA_ARGS="--repeats 2").
+# Later sessions: bcd_accuracy at full length (BCD_ACC_SECONDS=150), fixed_shape, first_order
+# (EXTRA_ARGS="--repeats 2"), tests again after kernel changes; `profile` where a step is slower than
+# its parts.
 # Pieces of one call share its deadline (DEADLINE, default 570 s when $OUT is set): a piece that would
 # start with less than 60 s left is skipped (it says so) and can go into the next call. CAPS="piece=s ..."
 # lowers a piece's own cap (below) so that the pieces after it keep their time.
@@ -113,7 +120,7 @@ mkdir -p "$RES" "$LOGS"
 
 #: Per-piece caps in seconds (each under 9 minutes), further cut by what is left of DEADLINE.
 declare -A CAP=([tests]=540 [zo_roberta]=540 [zo_opt]=540 [zo_minilm]=300 [merge]=60 [first_order]=540
-                [bcd]=480 [bcd_accuracy]=540 [fixed_shape]=300)
+                [bcd]=480 [bcd_accuracy]=540 [fixed_shape]=300 [profile]=240)
 for cap in ${CAPS:-}; do  # CAPS="zo_minilm=100 zo_roberta=220": this call's own caps
     if [[ "$cap" =~ ^([a-z_]+)=([0-9]+)$ && -n "${CAP[${BASH_REMATCH[1]}]:-}" ]]; then
         CAP[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}
@@ -286,6 +293,19 @@ piece_bcd_accuracy() {
     return $rc
 }
 
+piece_profile() {
+    ensure_deps || return 1
+    local spec stem rc=0 files=()
+    for spec in "minilm fp32 32 20" "minilm bf16 32 20" "roberta_large bf16 16 8"; do
+        set -- $spec
+        files+=("$RES/profile_$1_$2_b$3.txt")
+        run_logged profile "$(budget profile)" "$PY" benchmarks/profile_zo_step.py --model "$1" --dtype "$2" \
+            --batch "$3" --steps "$4" --device cuda --out "$RES" || rc=$?
+    done
+    export_out profile "${files[@]}"
+    return $rc
+}
+
 piece_fixed_shape() {
     ensure_deps || return 1
     if [[ ! -f .gpu_carry/minilm/model.fp16.safetensors ]]; then
@@ -350,9 +370,10 @@ run_piece() {
         bcd) piece_bcd ;;
         bcd_accuracy) piece_bcd_accuracy ;;
         fixed_shape) piece_fixed_shape ;;
+        profile) piece_profile ;;
         wheels) piece_wheels ;;
         carry) piece_carry ;;
-        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy fixed_shape all wheels carry)"; return 2 ;;
+        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy fixed_shape profile all wheels carry)"; return 2 ;;
     esac
     rc=$?
     say "=== $piece: done, rc=$rc, wall $((SECONDS - start)) s"
