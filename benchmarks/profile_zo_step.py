@@ -3,8 +3,8 @@
 For one model, dtype and batch of ``bench_zo_gpu.py`` (built from its configuration, no weights), fits
 MeZO and DPZero through Lightning and reports, per method:
 
-- the Python functions under ``training_step`` by cumulative host time (``cProfile`` over ``--steps``
-  steps after a warm-up fit; on CUDA, time spent waiting for the device shows under ``synchronize`` or
+- the Python functions under ``training_step`` by cumulative and by own host time (``cProfile`` over
+  ``--steps`` steps after a warm-up fit; on CUDA, time spent waiting for the device shows under ``synchronize`` or
   the first call that reads a device value);
 - the device kernels by total CUDA time and the host operators by self CPU time (``torch.profiler``
   over ``--steps`` steps).
@@ -52,7 +52,9 @@ def host_profile(module, dataset, steps: int, device) -> str:
     finally:
         del module.training_step
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(30)  # where the host time itself is spent (launchers, tables)
     return text.getvalue()
 
 
