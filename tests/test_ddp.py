@@ -25,17 +25,18 @@ from tests.test_cli import TINY
 PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)  # the privacy contract's DDP check
 
 
-def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None):
+def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None, callbacks=()):
     config = yaml.safe_load(yaml.safe_dump(TINY))
     config["trainer"].update(max_steps=16, devices=devices, default_root_dir=str(tmp_path / name),
                              enable_checkpointing=True,
                              callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                         "init_args": {"dirpath": str(tmp_path / name), "save_last": True}}])
+                                         "init_args": {"dirpath": str(tmp_path / name), "save_last": True}},
+                                        *callbacks])
     if devices > 1:
         config["trainer"]["strategy"] = "ddp"
     config["model"]["class_path"] = f"lit_zodp.algorithms.{algorithm}"
-    config["model"]["init_args"].update(seed=7, noise_seed=5, **(model_args or {}))
-    config["data"]["init_args"].update(sampling_seed=123, n_samples=256, **(data_args or {}))
+    config["model"]["init_args"].update({"seed": 7, "noise_seed": 5, **(model_args or {})})
+    config["data"]["init_args"].update({"sampling_seed": 123, "n_samples": 256, **(data_args or {})})
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     arguments = ["fit", "--config", str(path), "--test_after_fit", "false"]
@@ -45,7 +46,9 @@ def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None):
         executable = shutil.which("lit-zodp") or str(Path(sys.executable).parent / "lit-zodp")
         if not Path(executable).exists():
             pytest.skip("lit-zodp console script not installed (pip install -e .)")
-        result = subprocess.run([executable, *arguments], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+        result = subprocess.run([executable, *arguments], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=600)
         assert result.returncode == 0, result.stderr[-4000:]
     checkpoint = torch.load(tmp_path / name / "last.ckpt", weights_only=False, map_location="cpu")
     return checkpoint
@@ -71,6 +74,48 @@ def test_two_ranks_equal_one_process(tmp_path, algorithm, spend_log_per_test):
     lineage = ddp["privacy"]["plan"]["lineage"]
     assert len(list((spend_log_per_test / lineage).glob("*.json"))) == 1  # rank 0 alone records the branch
     assert sum(SpendLog(spend_log_per_test).released(lineage).values()) == 16
+
+
+RANK_STATE_MODULE = '''
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class SaveRankState(Callback):
+    """Every rank writes its own parameters at the end of the fit (a checkpoint holds rank 0's only)."""
+
+    def __init__(self, dirpath):
+        self.dirpath = dirpath
+
+    def on_train_end(self, trainer, pl_module):
+        state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        torch.save(state, f"{self.dirpath}/rank{trainer.global_rank}.pt")
+'''
+
+
+def run_with_os_secrets(tmp_path, name, algorithm) -> list[dict]:
+    """A 2-rank fit with no test seeds for the noise or the sampling: each rank's final parameters."""
+    (tmp_path / "rank_state.py").write_text(RANK_STATE_MODULE)
+    run(tmp_path, name, algorithm, devices=2, model_args={"noise_seed": None}, data_args={"sampling_seed": None},
+        callbacks=[{"class_path": "rank_state.SaveRankState", "init_args": {"dirpath": str(tmp_path / name)}}])
+    return [torch.load(tmp_path / name / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("algorithm", PRIVATE)
+def test_with_os_secrets_every_rank_applies_the_same_noise_and_batches(tmp_path, algorithm, spend_log_per_test):
+    """The real path: rank 0 draws the noise and sampling secrets from the OS and broadcasts them. A rank
+    drawing its own would add different noise or sample another mask: the replicas would drift apart
+    silently (the test-seeded check above cannot see it: there every rank holds the same seeds)."""
+    rank0, rank1 = run_with_os_secrets(tmp_path, "ddp", algorithm)
+    start = run_initial_state()
+    assert rank0.keys() == rank1.keys()
+    for key, value in rank0.items():
+        assert torch.equal(value, rank1[key]), f"{key} differs between the ranks"
+    assert any(not torch.equal(rank0[k], v) for k, v in start.items()), "training did not change the parameters"
+    if algorithm == "DPZero":  # the secrets are fresh per run: the same config does not reproduce the noise
+        again, _ = run_with_os_secrets(tmp_path, "again", algorithm)
+        difference = max((again[k] - v).abs().max().item() for k, v in rank0.items())
+        assert difference > 1e-4
 
 
 def run_initial_state():
