@@ -103,3 +103,10 @@ class Recorder(LightningModule):
         record = {"stream": str(sampler.generator.bit_generator.state["state"]), "batches": self.batches}
         with open(os.path.join(self.out_dir, f"rank{self.global_rank}.json"), "w") as handle:
             json.dump(record, handle)
+
+    def teardown(self, stage: str) -> None:
+        """A spawned rank ends its gloo group itself: Lightning's atexit hook does not run in a
+        multiprocessing child, and the group's threads torn down at its exit aborted the rank now and
+        then ("terminate called without an active exception", SIGABRT after a finished fit)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
