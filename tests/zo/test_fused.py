@@ -102,6 +102,7 @@ def interpreted_runs() -> dict:
     out["split_pieces"] = scenario(pieces, lr=0.1, backend="triton", block=BLOCK)
     out["far"] = scenario(make_params(torch.float32, [(13,), (300,), (7, 9)]), backend="triton", block=BLOCK,
                           offsets=FAR_OFFSETS)
+    out["other_tile"] = scenario(make_params(torch.bfloat16), backend="triton", block=256, num_warps=2)
     return out
 
 
@@ -248,6 +249,12 @@ def test_direction_does_not_depend_on_the_split(interpreted):
     assert global_offsets([torch.empty(s) for s in SPLIT_SHAPES]) == [0, 64, 1064]
     for whole, pieces in zip(interpreted["split_whole"], interpreted["split_pieces"]):
         assert torch.equal(whole[0], torch.cat(pieces))
+
+
+def test_direction_does_not_depend_on_the_tile(interpreted):
+    """Another tile (elements per program, warps) computes the same bits: a default tile can change."""
+    for other, default in zip(interpreted["other_tile"], interpreted["scenarios"][str(torch.bfloat16)]):
+        assert all(torch.equal(a, b) for a, b in zip(other, default))
 
 
 def test_kernel_beyond_two_to_the_32(interpreted):
@@ -398,6 +405,19 @@ def test_cuda_kernel_matches_reference(dtype):
     for k, r in zip(kernel, reference):
         for a, b in zip(k, r):
             assert_within(a.cpu(), b, ulps=2, extra=SCENARIO_SCALE * Z_TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_tiles_compute_the_same_bits(dtype):
+    """The tiles bench_zo_gpu.py times (--tiles) beside the default: the same numbers, so that a faster
+    tile can become the default without changing any run's directions."""
+    pytest.importorskip("triton")
+    default = scenario([p.cuda() for p in make_params(dtype)], backend="triton")
+    for block, warps in [(1024, 8), (512, 4)]:
+        other = scenario([p.cuda() for p in make_params(dtype)], backend="triton", block=block, num_warps=warps)
+        for a, b in zip(other, default):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (block, warps)
 
 
 @pytest.mark.gpu
