@@ -35,7 +35,7 @@ from _common import resolve_device, sync  # noqa: E402
 
 
 def host_profile(module, dataset, steps: int, device) -> str:
-    """Cumulative host time of the functions called by ``training_step`` over ``steps`` steps."""
+    """Host time of the functions called by ``training_step`` over ``steps`` steps: cumulative, then own."""
     profiler = cProfile.Profile()
     original = module.training_step
 
@@ -60,7 +60,6 @@ def host_profile(module, dataset, steps: int, device) -> str:
 
 def device_profile(module, dataset, steps: int, device) -> str:
     """Kernels by CUDA time and operators by self CPU time over ``steps`` steps."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -71,7 +70,6 @@ def device_profile(module, dataset, steps: int, device) -> str:
     parts = [averages.table(sort_by="self_cpu_time_total", row_limit=25)]
     if device.type == "cuda":
         parts.append(averages.table(sort_by="self_cuda_time_total", row_limit=25))
-    del torch
     return "\n".join(parts)
 
 

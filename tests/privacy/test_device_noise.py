@@ -199,10 +199,6 @@ def test_cuda_noise_equals_the_reference_and_the_release_draws_on_the_device():
     assert noised.is_cuda and abs(noised.std().item() / 3.0 - 1) < 5e-3
 
 
-if __name__ == "__main__":  # the TRITON_INTERPRET=1 subprocess of the `interpreted` fixture
-    torch.save(interpreted_runs(), sys.argv[1])
-
-
 @pytest.mark.gpu
 def test_fresh_keys_reuse_the_one_compiled_cuda_kernel():
     pytest.importorskip("triton")
@@ -218,3 +214,7 @@ def test_fresh_keys_reuse_the_one_compiled_cuda_kernel():
     for _ in range(64):
         device_noise.add_gaussian(x, 1.0, source.device_key())
     assert sum(len(entry[0]) for entry in caches.values()) == compiled
+
+
+if __name__ == "__main__":  # the TRITON_INTERPRET=1 subprocess of the `interpreted` fixture
+    torch.save(interpreted_runs(), sys.argv[1])
