@@ -25,6 +25,11 @@ from tests.test_cli import TINY
 PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)  # the privacy contract's DDP check
 
 
+def importable_from(folder) -> dict:
+    """The environment of a CLI subprocess that can import the modules a test wrote into ``folder``."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
+
+
 def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None, callbacks=()):
     config = yaml.safe_load(yaml.safe_dump(TINY))
     config["trainer"].update(max_steps=16, devices=devices, default_root_dir=str(tmp_path / name),
@@ -46,7 +51,7 @@ def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None, cal
         executable = shutil.which("lit-zodp") or str(Path(sys.executable).parent / "lit-zodp")
         if not Path(executable).exists():
             pytest.skip("lit-zodp console script not installed (pip install -e .)")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+        env = importable_from(tmp_path)
         result = subprocess.run([executable, *arguments], cwd=tmp_path, env=env, capture_output=True, text=True,
                                 timeout=600)
         assert result.returncode == 0, result.stderr[-4000:]
@@ -188,7 +193,7 @@ def test_a_refusal_on_one_rank_stops_every_rank_in_one_line_each(tmp_path, rank)
     config["model"]["class_path"] = "refusing.RefusingDPZero"
     path = tmp_path / f"refusal-on-rank-{rank}.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env = importable_from(tmp_path)
     result = subprocess.run([executable, "fit", "--config", str(path)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     errors = [line for line in result.stderr.splitlines() if line.startswith("lit-zodp: error:")]
