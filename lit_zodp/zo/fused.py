@@ -31,10 +31,13 @@ decays come per parameter (param groups) as a cached float32 table.
 
 The CPU reference (``backend="reference"``) runs the same float32 arithmetic in torch with
 :mod:`lit_zodp.zo.philox`; with ``math="numpy"`` it matches the Triton kernel run by
-``TRITON_INTERPRET=1`` bitwise. On CUDA, Triton's own ``log/cos/sin``, ``sqrt.approx`` and fused
-multiply-adds move ``z`` by a few float32 ulps (tests allow 1e-5). The compiled kernel (sm_90 PTX,
-checked without a GPU) uses 128-bit loads and stores and one Philox call per four elements; the
-interleave of ``randn4x``'s outputs goes through 4 KiB of shared memory per program.
+``TRITON_INTERPRET=1`` bitwise. On CUDA the Box-Muller angle goes to the hardware's ``cos/sin.approx``
+(:func:`_pair_to_normal`, within 2.4e-6 of ``z``), and ``log``, ``sqrt.approx`` and fused multiply-adds
+move ``z`` by a few float32 ulps more (tests allow 1e-5). The compiled kernel (sm_90, checked without a
+GPU in ``tests/zo/test_fused.py``) keeps each thread's elements in its registers: rows of one 128-bit
+vector (:func:`row_length`), one or two Philox calls per row, no shared memory and no local memory;
+about 41-54 instructions per element per direction in its loop, against about 85 with the software sine
+and cosine.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from lit_zodp.zo.perturbation import _per_param
 try:  # Triton ships with CUDA builds of torch; the reference path needs none of it.
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
@@ -117,11 +121,13 @@ class FusedPerturbation:
             with :mod:`lit_zodp.zo.philox`), or ``"auto"``: Triton on CUDA when available.
         math: the reference's transcendental functions (:func:`lit_zodp.zo.philox.box_muller`).
         block, num_warps: Triton tile size and warps per program.
+        fast_trig: on CUDA, the hardware's ``cos/sin.approx`` in Box-Muller (``False``: Triton's software
+            ``cos/sin``, ~1.6x the instructions per element; the same law within 2.4e-6 of ``z``).
     """
 
     def __init__(self, params: Sequence[Tensor], *, offsets: Sequence[int] | None = None,
                  backend: str = "auto", math: str = "exact", block: int = DEFAULT_BLOCK,
-                 num_warps: int = DEFAULT_WARPS) -> None:
+                 num_warps: int = DEFAULT_WARPS, fast_trig: bool = True) -> None:
         self.params = list(params)
         _check_params(self.params)
         self.offsets = [int(o) for o in offsets] if offsets is not None else global_offsets(self.params)
@@ -130,6 +136,7 @@ class FusedPerturbation:
             raise ValueError(f"Expected `block` a power of two >= {ALIGN}, but got {block}")
         self.backend = _resolve_backend(backend, self.params[0].device)
         self.math, self.block, self.num_warps = math, block, num_warps
+        self.fast_trig = bool(fast_trig) and not interpreting()  # the interpreter runs no PTX
         self.pending: dict[int, float] = {}
         self._groups: list[_Group] | None = None
         self._layout_key: tuple = ()
@@ -200,7 +207,8 @@ class FusedPerturbation:
         seeds, scalars = _term_tables(terms, self.device)
         for group in self._layout():
             rates = self._rate_tables(group, lrs, decays)
-            _launch(group, seeds, scalars, len(terms), rates, terms.restores, self.block, self.num_warps)
+            _launch(group, seeds, scalars, len(terms), rates, terms.restores, self.block, self.num_warps,
+                    self.fast_trig)
 
     def _layout(self) -> list["_Group"]:
         """Device tables per dtype, rebuilt if a parameter moved (``.to()``, ``.data =``)."""
@@ -304,10 +312,16 @@ def _sticky(a: Tensor) -> Tensor:
     return torch.where(a == 0, a, odd)
 
 
+def _signed_zero(x: Tensor) -> Tensor:
+    """``+0.0`` or ``-0.0`` with the sign of ``x``: the sum of terms starts here, so ``x + 0`` keeps a
+    ``-0.0`` parameter (and the kernel keeps its accumulator in the parameters' register layout)."""
+    return (x.view(torch.int32) & -(1 << 31)).view(torch.float32)
+
+
 def _reference_chunk(chunk: Tensor, offset: int, seeds, pending, alphas, shrink, restores: bool,
                      update_pass: bool, math: str) -> Tensor:
     x = chunk.to(torch.float32)
-    update = torch.zeros_like(x)
+    update = _signed_zero(x)
     for seed, p, alpha in zip(seeds, pending, alphas):
         z = philox.normal_range(seed, offset, chunk.numel(), math, chunk.device)
         if restores:
@@ -384,12 +398,24 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 def _launch(group: _Group, seeds: Tensor, scalars: Tensor, num_terms: int, rates, restores: bool,
-            block: int, num_warps: int) -> None:
+            block: int, num_warps: int, fast_trig: bool) -> None:
     lrs, decays = rates if rates is not None else (scalars, scalars)  # unused when UPDATE is False
     grid = (group.owners.numel(),)
     _zo_pass_kernel[grid](group.table, group.owners, seeds, scalars, num_terms, lrs, decays,
                           DTYPE=_tl_dtype(group.dtype), BLOCK=block, RESTORE=restores,
-                          UPDATE=rates is not None, ALIGNED=group.aligned, num_warps=num_warps)
+                          UPDATE=rates is not None, ALIGNED=group.aligned, FAST_TRIG=fast_trig,
+                          ROW=row_length(group.dtype, block, num_warps), num_warps=num_warps)
+
+
+def row_length(dtype: torch.dtype, block: int, num_warps: int) -> int:
+    """Elements a kernel row holds: one 128-bit access (4 fp32, 8 bf16/fp16), at most a thread's share.
+
+    A row is 1 or 2 Philox calls (:func:`_normal_rows`). Rows of one 16-byte vector let each thread load,
+    compute and store its elements in its own registers (shorter rows give 64-bit accesses, longer
+    ones an exchange through shared memory: seen in the sm_90 PTX).
+    """
+    per_thread = block // (32 * num_warps)
+    return max(ALIGN, min(16 // torch.empty((), dtype=dtype).element_size(), per_thread))
 
 
 if triton is not None:
@@ -428,10 +454,47 @@ if triton is not None:
             return x.to(tl.float32)
 
     @triton.jit
-    def _normal4(seed, counters):
-        """``z`` for ``4 * len(counters)`` consecutive elements: ``randn4x`` outputs interleaved."""
-        n1, n2, n3, n4 = tl.randn4x(seed, counters)
-        return tl.interleave(tl.interleave(n1, n3), tl.interleave(n2, n4))
+    def _pair_to_normal(u1, u2, FAST_TRIG: tl.constexpr):
+        """Box-Muller as ``tl.pair_uniform_to_normal``: ``r = sqrt(-2 log u1)``, ``(r cos th, r sin th)``.
+
+        ``FAST_TRIG`` (CUDA): the hardware's ``cos/sin.approx`` (one special-function instruction each,
+        against ~25 for a software sine), at ``th = 2 pi (u2 - 1)`` when ``u2 >= 1/2``: the same angle
+        (``u2 - 1`` is exact), within ``[-pi, pi)`` where CUDA documents their absolute error (``__cosf``
+        2^-21.19, ``__sinf`` 2^-21.41; so ``|dz| <= 2.4e-6`` at ``r <= 5.7``).
+        """
+        u1 = tl.maximum(1.0e-7, u1)
+        r = tl.sqrt(-2.0 * tl.log(u1))
+        if FAST_TRIG:
+            th = 6.283185307179586 * tl.where(u2 >= 0.5, u2 - 1.0, u2)
+            return r * libdevice.fast_cosf(th), r * libdevice.fast_sinf(th)
+        else:
+            th = 6.283185307179586 * u2
+            return r * tl.cos(th), r * tl.sin(th)
+
+    @triton.jit
+    def _randn4x(seed, counters, FAST_TRIG: tl.constexpr):
+        """``tl.randn4x``: four normals per Philox call (with the choice of sine and cosine)."""
+        u1, u2, u3, u4 = tl.rand4x(seed, counters)
+        n1, n2 = _pair_to_normal(u1, u2, FAST_TRIG)
+        n3, n4 = _pair_to_normal(u3, u4, FAST_TRIG)
+        return n1, n2, n3, n4
+
+    @triton.jit
+    def _normal_rows(seed, first, CALLS: tl.constexpr, FAST_TRIG: tl.constexpr):
+        """``z`` for rows of ``4 * CALLS`` consecutive elements; row ``r`` starts at counter ``first[r]``
+        and counter ``first[r] + c`` gives its elements ``4c .. 4c + 3``.
+
+        ``tl.join`` adds a minor axis, so the rows are built from the minor index up (counter, then
+        output ``2a + b``): every element stays in the thread that computed it.
+        """
+        a1, a2, a3, a4 = _randn4x(seed, first, FAST_TRIG)
+        if CALLS == 1:
+            z = tl.join(tl.join(a1, a3), tl.join(a2, a4))  # [r, a, b] = output 2a + b
+        else:
+            tl.static_assert(CALLS == 2)
+            b1, b2, b3, b4 = _randn4x(seed, first + 1, FAST_TRIG)
+            z = tl.join(tl.join(tl.join(a1, b1), tl.join(a3, b3)), tl.join(tl.join(a2, b2), tl.join(a4, b4)))
+        return tl.reshape(z, (first.shape[0], 4 * CALLS))
 
     @triton.jit
     def _sticky_tl(a):
@@ -440,12 +503,14 @@ if triton is not None:
         return tl.where(a == 0.0, a, odd)
 
     @triton.jit
-    def _combine(x, counters, seeds, scalars, num_terms, lr, shrink, DTYPE: tl.constexpr,
-                 RESTORE: tl.constexpr, UPDATE: tl.constexpr):
+    def _combine(x, first, seeds, scalars, num_terms, lr, shrink, DTYPE: tl.constexpr,
+                 RESTORE: tl.constexpr, UPDATE: tl.constexpr, FAST_TRIG: tl.constexpr, ROW: tl.constexpr):
         """Remove each pending ``p_k z_k`` (rounded to ``DTYPE``), then ``shrink x + sum_k a_k z_k``."""
-        update = tl.zeros_like(x)
+        # +-0 with the sign of x (:func:`_signed_zero`): derived from x, the sum lives in x's registers
+        # (a constant zero got another layout, and every z crossed shared memory to reach it)
+        update = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
         for k in range(num_terms):
-            z = _normal4(tl.load(seeds + k), counters)
+            z = _normal_rows(tl.load(seeds + k), first, ROW // 4, FAST_TRIG)
             if RESTORE:
                 x = _round_as(x - _sticky_tl(tl.load(scalars + k) * z), DTYPE)
             term = (tl.load(scalars + num_terms + k) - lr * tl.load(scalars + 2 * num_terms + k)) * z
@@ -457,7 +522,7 @@ if triton is not None:
     @triton.jit
     def _zo_pass_kernel(table, owners, seeds, scalars, num_terms, lrs, decays, DTYPE: tl.constexpr,
                         BLOCK: tl.constexpr, RESTORE: tl.constexpr, UPDATE: tl.constexpr,
-                        ALIGNED: tl.constexpr):
+                        ALIGNED: tl.constexpr, FAST_TRIG: tl.constexpr, ROW: tl.constexpr):
         """One ``BLOCK`` of one tensor: read once, apply every term, write once."""
         pid = tl.program_id(0)
         row = table + 4 * tl.load(owners + pid).to(tl.int64)
@@ -466,7 +531,8 @@ if triton is not None:
             base = tl.multiple_of(base, 16)
         numel = tl.load(row + 1)
         start = (pid - tl.load(row + 3)) * BLOCK
-        counters = ((tl.load(row + 2) + start) >> 2) + tl.arange(0, BLOCK // 4)
+        rows: tl.constexpr = BLOCK // ROW
+        first = ((tl.load(row + 2) + start) >> 2) + (ROW // 4) * tl.arange(0, rows)  # each row's first counter
         if UPDATE:
             owner = tl.load(owners + pid).to(tl.int64)
             lr = tl.load(lrs + owner)
@@ -474,15 +540,15 @@ if triton is not None:
         else:
             lr = 0.0
             shrink = 1.0
-        offs = start + tl.arange(0, BLOCK)
+        offs = start + ROW * tl.arange(0, rows)[:, None] + tl.arange(0, ROW)[None, :]
         if start + BLOCK <= numel:  # full block: no mask, vectorisable
             x = _load_f32(tl.load(base + offs), DTYPE)
-            y = _combine(x, counters, seeds, scalars, num_terms, lr, shrink, DTYPE, RESTORE, UPDATE)
+            y = _combine(x, first, seeds, scalars, num_terms, lr, shrink, DTYPE, RESTORE, UPDATE, FAST_TRIG, ROW)
             tl.store(base + offs, _store_as(y, DTYPE))
         else:
             mask = offs < numel
             x = _load_f32(tl.load(base + offs, mask=mask, other=0.0), DTYPE)
-            y = _combine(x, counters, seeds, scalars, num_terms, lr, shrink, DTYPE, RESTORE, UPDATE)
+            y = _combine(x, first, seeds, scalars, num_terms, lr, shrink, DTYPE, RESTORE, UPDATE, FAST_TRIG, ROW)
             tl.store(base + offs, _store_as(y, DTYPE), mask=mask)
 
 

@@ -15,8 +15,8 @@ computes (triton 3.x):
 
 The integer words and the uniforms are bitwise Triton's. The transcendental functions are not
 correctly rounded in any backend: Triton's interpreter calls numpy's float32 ``log/cos/sin``, and
-CUDA compiles polynomial ``log/cos/sin`` (flush-to-zero FMAs) and ``sqrt.approx`` (seen in the PTX
-for sm_90). ``math="exact"`` (the default) evaluates them, and the square root, in float64 and
+CUDA compiles a polynomial ``log`` (flush-to-zero FMAs) and ``sqrt.approx`` (seen in the PTX for sm_90),
+with the hardware's ``cos/sin.approx`` in the fused engine (``tl.cos/sin`` are polynomials too). ``math="exact"`` (the default) evaluates them, and the square root, in float64 and
 rounds once: a correctly rounded, device-independent reference. ``math="numpy"`` calls numpy's
 float32 functions on CPU, which is what ``TRITON_INTERPRET=1`` executes: bitwise ``tl.randn``. The
 two differ by up to 4 float32 ulps of ``z`` (the maximum over 4e5 draws); the Philox words never
