@@ -56,14 +56,17 @@
 # a fresh machine takes 0.5-2 min to start and goes back 30 s after a call, so have the next call ready;
 # every call brings its results back through $OUT). HERE first: `wheels` (and `carry` for the pieces
 # that read .gpu_carry).
-# Speed (issue 8), re-measuring after the noise kernel's fix and timing the fused kernel's tiles:
-#   1. run(command="DEADLINE=400 EXTRA_ARGS='--repeats 3' benchmarks/gpu_session.sh zo_minilm zo_roberta
-#          zo_opt", carry=[".whl"], timeout_s=430)
-#      If a tile of the "Fused kernel tiles" table beats the default (lit_zodp/zo/fused.py DEFAULT_BLOCK,
-#      DEFAULT_WARPS) by more than 5% in both dtypes, switch the default HERE and re-run zo_roberta.
+# Speed (issue 8), re-measuring after the noise kernel's fix and the fused kernel's hardware cos/sin
+# (2026-11-27: rows of one 128-bit vector, no shared memory; ~41-54 instructions per element, from ~85),
+# with the tiles and the software-sine kernel timed beside the default:
+#   1. run(command="DEADLINE=480 EXTRA_ARGS='--repeats 3' benchmarks/gpu_session.sh tests zo_minilm
+#          zo_roberta zo_opt", carry=[".whl"], timeout_s=510)
+#      `tests` first: the kernel changed (test_cuda_kernel_matches_reference checks both sines against
+#      the reference). If a tile of the "Fused kernel tiles" table beats the default (lit_zodp/zo/fused.py
+#      DEFAULT_BLOCK, DEFAULT_WARPS) by more than 5% in both dtypes, switch the default HERE.
 #   2. what is left (T = status's budget_left_s - 45, skip under 150): MeZO-BCD (issue 9):
-#      run(command="DEADLINE=<T-20> CAPS='bcd=240' BCD_ACC_SECONDS=90 benchmarks/gpu_session.sh bcd
-#          bcd_accuracy", carry=[".whl", ".gpu_carry"], timeout_s=T)
+#      run(command="DEADLINE=<T-20> CAPS='bcd=240' benchmarks/gpu_session.sh bcd", carry=[".whl"],
+#          timeout_s=T)
 #   then give_back, and HERE: unpack the tarballs (Results) and `benchmarks/gpu_session.sh merge`.
 # Later sessions: bcd_accuracy at full length (BCD_ACC_SECONDS=150), fixed_shape, first_order
 # (EXTRA_ARGS="--repeats 2"), tests again after kernel changes; `profile` where a step is slower than
