@@ -54,10 +54,13 @@ from lit_zodp.zo.perturbation import _per_param
 try:  # Triton ships with CUDA builds of torch; the reference path needs none of it.
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
+try:  # the hardware cos/sin (``fast_trig``); without it the kernel keeps Triton's software ones
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - an older or partial triton
+    libdevice = None
 
 #: Global offsets of tensors are multiples of this (one Philox call = four consecutive elements).
 ALIGN = 4
@@ -136,7 +139,7 @@ class FusedPerturbation:
             raise ValueError(f"Expected `block` a power of two >= {ALIGN}, but got {block}")
         self.backend = _resolve_backend(backend, self.params[0].device)
         self.math, self.block, self.num_warps = math, block, num_warps
-        self.fast_trig = bool(fast_trig) and not interpreting()  # the interpreter runs no PTX
+        self.fast_trig = bool(fast_trig) and libdevice is not None and not interpreting()  # no PTX there
         self.pending: dict[int, float] = {}
         self._groups: list[_Group] | None = None
         self._layout_key: tuple = ()
