@@ -35,9 +35,9 @@ The CPU reference (``backend="reference"``) runs the same float32 arithmetic in 
 (:func:`_pair_to_normal`, within 2.4e-6 of ``z``), and ``log``, ``sqrt.approx`` and fused multiply-adds
 move ``z`` by a few float32 ulps more (tests allow 1e-5). The compiled kernel (sm_90, checked without a
 GPU in ``tests/zo/test_fused.py``) keeps each thread's elements in its registers: rows of one 128-bit
-vector (:func:`row_length`), one or two Philox calls per row, no shared memory and no local memory;
-about 41-54 instructions per element per direction in its loop, against about 85 with the software sine
-and cosine.
+vector (:func:`row_length`), one or two Philox calls per row, no shared memory and no local memory:
+41-54 instructions per element per direction in its loop, 67-91 before (software sine, ``z`` through
+shared memory; ``benchmarks/kernel_instructions.py``).
 """
 
 from __future__ import annotations
