@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -401,6 +402,28 @@ def test_kernel_compiles_for_sm90_without_a_gpu(dtype, block, warps, tmp_path, m
     assert "sin.approx" in ptx and "cos.approx" in ptx
     assert "bar.sync" not in ptx and ".shared" not in ptx
     assert ".local" not in ptx and kernel.metadata.shared == 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_hardware_sine_shortens_the_direction_loop(dtype, tmp_path, monkeypatch):
+    """The pass is bound by arithmetic in bf16: the hardware ``cos/sin.approx`` must cut the instructions
+    per element of the loop over directions (sm_90 SASS, ``benchmarks/kernel_instructions.py``), and
+    leave no large-argument branch in it."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        import kernel_instructions
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    try:
+        fast = kernel_instructions.measure(dtype, 1024, 4, fast_trig=True)
+        software = kernel_instructions.measure(dtype, 1024, 4, fast_trig=False)
+    except (RuntimeError, FileNotFoundError, ImportError) as error:  # no NVIDIA backend, ptxas or nvdisasm
+        pytest.skip(str(error))
+    assert fast["loop"] > 0 and fast["per_element"] == fast["loop"] / fast["per_thread"]  # nothing skipped
+    assert fast["mufu"] > 0 and fast["stack"] == 0 and fast["shared"] == 0
+    assert fast["per_element"] < 0.75 * software["per_element"], (fast["per_element"], software["per_element"])
 
 
 @pytest.mark.gpu
