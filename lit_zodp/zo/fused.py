@@ -418,7 +418,7 @@ def row_length(dtype: torch.dtype, block: int, num_warps: int) -> int:
     ones an exchange through shared memory: seen in the sm_90 PTX).
     """
     per_thread = block // (32 * num_warps)
-    return max(ALIGN, min(16 // torch.empty((), dtype=dtype).element_size(), per_thread))
+    return max(ALIGN, min(16 // dtype.itemsize, per_thread))
 
 
 if triton is not None:

@@ -17,7 +17,7 @@ import torch
 
 from lit_zodp.zo import philox
 from lit_zodp.zo.fused import FusedPerturbation, global_offsets
-from tests._triton import compile_for_sm90, run_interpreted
+from tests._triton import run_interpreted
 
 try:
     import triton
@@ -377,25 +377,34 @@ def test_direction_matches_global_offsets():
 
 
 # ------------------------------------------------------------------------------------ CUDA
+def kernel_instructions():
+    """``benchmarks/kernel_instructions.py``: the pass kernel compiled for sm_90 without a GPU, and its SASS."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        import kernel_instructions as module
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def skip_without_cuda_compiler(error: Exception):
+    pytest.skip(f"no NVIDIA backend, ptxas or nvdisasm in this triton: {error}")
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("block, warps", [(2048, 4), (1024, 8), (512, 4)])
 def test_kernel_compiles_for_sm90_without_a_gpu(dtype, block, warps, tmp_path, monkeypatch):
-    """Triton's CUDA frontend and ptxas accept the kernel (what the interpreter cannot check). At each
-    tile bench_zo_gpu.py times: 128-bit loads and stores where a thread holds 8 bf16 (64-bit at 4); the hardware's ``cos/sin.approx``; ``z`` stays
-    in registers (no shared-memory round trip, no barrier); no local memory (spills, or the large-argument
-    branch of a software sine)."""
-    from lit_zodp.zo import fused
-
-    signature = {"table": "*i64", "owners": "*i32", "seeds": "*i64", "scalars": "*fp32", "num_terms": "i32",
-                 "lrs": "*fp32", "decays": "*fp32", "DTYPE": "constexpr", "BLOCK": "constexpr",
-                 "RESTORE": "constexpr", "UPDATE": "constexpr", "ALIGNED": "constexpr", "FAST_TRIG": "constexpr",
-                 "ROW": "constexpr"}
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    constants = {"DTYPE": getattr(tl, {"fp32": "float32", "bf16": "bfloat16"}[dtype]), "BLOCK": block,
-                 "RESTORE": True, "UPDATE": True, "ALIGNED": True, "FAST_TRIG": True,
-                 "ROW": fused.row_length(torch_dtype, block, warps)}
-    kernel = compile_for_sm90(getattr(fused, "_zo_pass_kernel", None), signature, constants, monkeypatch, tmp_path,
-                              num_warps=warps)
+    """Triton's CUDA frontend and ptxas accept the kernel (what the interpreter cannot check). At each tile
+    bench_zo_gpu.py times: 128-bit loads and stores where a thread holds 8 bf16 (64-bit at 4); the
+    hardware's ``cos/sin.approx``; ``z`` stays in registers (no shared-memory round trip, no barrier); no
+    local memory (spills, or the large-argument branch of a software sine)."""
+    tool = kernel_instructions()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    try:
+        kernel, _ = tool.compile_pass_kernel(dtype, block, warps, fast_trig=True)
+    except (RuntimeError, FileNotFoundError, ImportError) as error:
+        skip_without_cuda_compiler(error)
     ptx = kernel.asm["ptx"]
     vector = "v4" if dtype == "fp32" or block // (32 * warps) >= 8 else "v2"
     assert f"ld.global.{vector}" in ptx and f"st.global.{vector}" in ptx
@@ -409,18 +418,13 @@ def test_hardware_sine_shortens_the_direction_loop(dtype, tmp_path, monkeypatch)
     """The pass is bound by arithmetic in bf16: the hardware ``cos/sin.approx`` must cut the instructions
     per element of the loop over directions (sm_90 SASS, ``benchmarks/kernel_instructions.py``), and
     leave no large-argument branch in it."""
-    pytest.importorskip("triton")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    try:
-        import kernel_instructions
-    finally:
-        sys.path.pop(0)
+    tool = kernel_instructions()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     try:
-        fast = kernel_instructions.measure(dtype, 1024, 4, fast_trig=True)
-        software = kernel_instructions.measure(dtype, 1024, 4, fast_trig=False)
-    except (RuntimeError, FileNotFoundError, ImportError) as error:  # no NVIDIA backend, ptxas or nvdisasm
-        pytest.skip(str(error))
+        fast = tool.measure(dtype, 1024, 4, fast_trig=True)
+        software = tool.measure(dtype, 1024, 4, fast_trig=False)
+    except (RuntimeError, FileNotFoundError, ImportError) as error:
+        skip_without_cuda_compiler(error)
     assert fast["loop"] > 0 and fast["per_element"] == fast["loop"] / fast["per_thread"]  # nothing skipped
     assert fast["mufu"] > 0 and fast["stack"] == 0 and fast["shared"] == 0
     assert fast["per_element"] < 0.75 * software["per_element"], (fast["per_element"], software["per_element"])
