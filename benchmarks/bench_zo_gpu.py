@@ -377,7 +377,7 @@ class Engines:
                 name = f"fused@{block}x{warps}"
                 self.engines[name] = FusedPerturbation(params, backend="auto", block=block, num_warps=warps)
                 self.coefficient[name] = self.coefficient["fused"]
-            name = f"fused@{SOFTWARE_TRIG}"  # the default tile with Triton's software cos/sin (the kernel before)
+            name = f"fused@{SOFTWARE_TRIG}"  # what the hardware sine saves, at the same tile and layout
             self.engines[name] = FusedPerturbation(params, backend="auto", fast_trig=False)
             self.coefficient[name] = self.coefficient["fused"]
         self.seed = 12345
