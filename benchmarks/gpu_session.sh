@@ -57,7 +57,8 @@
 # every call brings its results back through $OUT). HERE first: `wheels` (and `carry` for the pieces
 # that read .gpu_carry).
 # Speed (issue 8), re-measuring after the noise kernel's fix and the fused kernel's hardware cos/sin
-# (2026-11-27: rows of one 128-bit vector, no shared memory; 41-54 instructions per element, from 67-91: benchmarks/kernel_instructions.py),
+# (2026-11-27: rows of one 128-bit vector, no shared memory; 41-54 instructions per element, from
+# 67-91: benchmarks/kernel_instructions.py),
 # with the tiles and the software-sine kernel timed beside the default:
 #   1. run(command="DEADLINE=480 EXTRA_ARGS='--repeats 3' benchmarks/gpu_session.sh tests zo_minilm
 #          zo_roberta zo_opt", carry=[".whl"], timeout_s=510)
