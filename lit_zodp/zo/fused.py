@@ -32,7 +32,7 @@ decays come per parameter (param groups) as a cached float32 table.
 The CPU reference (``backend="reference"``) runs the same float32 arithmetic in torch with
 :mod:`lit_zodp.zo.philox`; with ``math="numpy"`` it matches the Triton kernel run by
 ``TRITON_INTERPRET=1`` bitwise. On CUDA the Box-Muller angle goes to the hardware's ``cos/sin.approx``
-(:func:`_pair_to_normal`, within 2.4e-6 of ``z``), and ``log``, ``sqrt.approx`` and fused multiply-adds
+(:func:`_pair_to_normal`, within 3.4e-6 of ``z``), and ``log``, ``sqrt.approx`` and fused multiply-adds
 move ``z`` by a few float32 ulps more (tests allow 1e-5). The compiled kernel (sm_90, checked without a
 GPU in ``tests/zo/test_fused.py``) keeps each thread's elements in its registers: rows of one 128-bit
 vector (:func:`row_length`), one or two Philox calls per row, no shared memory and no local memory:
@@ -125,7 +125,7 @@ class FusedPerturbation:
         math: the reference's transcendental functions (:func:`lit_zodp.zo.philox.box_muller`).
         block, num_warps: Triton tile size and warps per program.
         fast_trig: on CUDA, the hardware's ``cos/sin.approx`` in Box-Muller (``False``: Triton's software
-            ``cos/sin``, ~1.6x the instructions per element; the same law within 2.4e-6 of ``z``).
+            ``cos/sin``, ~1.6x the instructions per element; the same law within 3.4e-6 of ``z``).
     """
 
     def __init__(self, params: Sequence[Tensor], *, offsets: Sequence[int] | None = None,
@@ -137,9 +137,13 @@ class FusedPerturbation:
         _check_offsets(self.params, self.offsets)
         if block % ALIGN or block & (block - 1):
             raise ValueError(f"Expected `block` a power of two >= {ALIGN}, but got {block}")
+        if num_warps < 1 or num_warps & (num_warps - 1):
+            raise ValueError(f"Expected `num_warps` a power of two, but got {num_warps}")
         self.backend = _resolve_backend(backend, self.params[0].device)
         self.math, self.block, self.num_warps = math, block, num_warps
-        self.fast_trig = bool(fast_trig) and libdevice is not None and not interpreting()  # no PTX there
+        # no PTX under the interpreter; ROCm's libdevice has no fast cos/sin
+        self.fast_trig = (bool(fast_trig) and libdevice is not None and not interpreting()
+                          and torch.version.hip is None)
         self.pending: dict[int, float] = {}
         self._groups: list[_Group] | None = None
         self._layout_key: tuple = ()
@@ -461,14 +465,17 @@ if triton is not None:
         """Box-Muller as ``tl.pair_uniform_to_normal``: ``r = sqrt(-2 log u1)``, ``(r cos th, r sin th)``.
 
         ``FAST_TRIG`` (CUDA): the hardware's ``cos/sin.approx`` (one special-function instruction each,
-        against ~25 for a software sine), at ``th = 2 pi (u2 - 1)`` when ``u2 >= 1/2``: the same angle
-        (``u2 - 1`` is exact), within ``[-pi, pi)`` where CUDA documents their absolute error (``__cosf``
-        2^-21.19, ``__sinf`` 2^-21.41; so ``|dz| <= 2.4e-6`` at ``r <= 5.7``).
+        against ~25 for a software sine), which CUDA documents on ``[-pi, pi]`` (absolute error: ``__cosf``
+        2^-21.19, ``__sinf`` 2^-21.41). The angle is the reference's ``t = fl(c u2)`` (``c = fl(2 pi)``, an
+        unfused multiply), moved to ``t - c`` (exact: ``t`` is in ``[c/2, c]``) when ``u2 >= 1/2``: off
+        the true period by ``c - 2 pi = 1.7e-7``. So ``|dz| <= r (4.2e-7 + 1.7e-7) <= 3.4e-6`` at
+        ``r <= 5.7``, before ``log`` and ``sqrt``'s own ulps.
         """
         u1 = tl.maximum(1.0e-7, u1)
         r = tl.sqrt(-2.0 * tl.log(u1))
         if FAST_TRIG:
-            th = 6.283185307179586 * tl.where(u2 >= 0.5, u2 - 1.0, u2)
+            t = libdevice.mul_rn(u2, 6.283185307179586)  # not fused into t - c below
+            th = tl.where(u2 >= 0.5, t - 6.283185307179586, t)
             return r * libdevice.fast_cosf(th), r * libdevice.fast_sinf(th)
         else:
             th = 6.283185307179586 * u2
