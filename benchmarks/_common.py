@@ -385,3 +385,14 @@ def ratio_of(a, b):
 def fmt(x, spec=".3f", none="n/a"):
     """``x`` formatted with ``spec``, or ``none`` for None."""
     return none if x is None else format(x, spec)
+
+
+def parse_tiles(text: str) -> list[tuple[int, int]]:
+    """``"1024x8,512x4"`` -> ``[(1024, 8), (512, 4)]`` (the fused kernel's elements per program x warps)."""
+    tiles = []
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        block, _, warps = item.partition("x")
+        if not (block.isdigit() and warps.isdigit()):
+            raise SystemExit(f"--tiles: '{item}' is not BLOCKxWARPS (e.g. 1024x8)")
+        tiles.append((int(block), int(warps)))
+    return tiles

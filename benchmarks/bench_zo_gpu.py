@@ -70,9 +70,9 @@ if str(HERE) not in sys.path:
 
 import bench_dpzero as bd  # noqa: E402  (light at import: heavy imports happen in its functions)
 from _common import (ROOT, announce_written, command_line, cuda_available, exit_message,  # noqa: E402
-                     finish_meta, fmt, machine_info, make_nonprivate_step, median_of, pop_json, proc_status,
-                     ratio_of, read_peak, reset_peak, resolve_device, results_stem, setup_worker, sync,
-                     temp_result_file, wall_times, worker_env, write_results)
+                     finish_meta, fmt, machine_info, make_nonprivate_step, median_of, parse_tiles, pop_json,
+                     proc_status, ratio_of, read_peak, reset_peak, resolve_device, results_stem, setup_worker,
+                     sync, temp_result_file, wall_times, worker_env, write_results)
 from bench_mezo_bcd import PaperMeZO, paper_mezo_step  # noqa: E402  (--bcd: the paper's MeZO baseline)
 
 MODELS = ("roberta_large", "opt_1_3b", "minilm")
@@ -597,17 +597,6 @@ def run_config(args, device, batch: int) -> dict:
     if args.memory != "none":
         row["memory"] = measure_memory(args, device, base, inputs, targets, dataset, batch, zo, row, tag)
     return row
-
-
-def parse_tiles(text: str) -> list[tuple[int, int]]:
-    """``"1024x8,512x4"`` -> ``[(1024, 8), (512, 4)]`` (elements per program x warps)."""
-    tiles = []
-    for item in filter(None, (t.strip() for t in (text or "").split(","))):
-        block, _, warps = item.partition("x")
-        if not (block.isdigit() and warps.isdigit()):
-            raise SystemExit(f"--tiles: '{item}' is not BLOCKxWARPS (e.g. 1024x8)")
-        tiles.append((int(block), int(warps)))
-    return tiles
 
 
 def _median_ms(xs):

@@ -139,17 +139,8 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_tiles(text: str) -> list[tuple[int, int]]:
-    tiles = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        block, _, warps = item.partition("x")
-        if not (block.isdigit() and warps.isdigit()):
-            raise SystemExit(f"--tiles: '{item}' is not BLOCKxWARPS (e.g. 1024x8)")
-        tiles.append((int(block), int(warps)))
-    return tiles
-
-
 def main(argv: list[str] | None = None) -> None:
+    from _common import parse_tiles
     from lit_zodp.zo import fused
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

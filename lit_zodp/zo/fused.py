@@ -426,6 +426,7 @@ def row_length(dtype: torch.dtype, block: int, num_warps: int) -> int:
 
 
 if triton is not None:
+    _TWO_PI = tl.constexpr(philox.TWO_PI)  # the float32 angle's scale, as in ``tl.pair_uniform_to_normal``
 
     @triton.jit
     def _round_as(x, DTYPE: tl.constexpr):
@@ -474,11 +475,11 @@ if triton is not None:
         u1 = tl.maximum(1.0e-7, u1)
         r = tl.sqrt(-2.0 * tl.log(u1))
         if FAST_TRIG:
-            t = libdevice.mul_rn(u2, 6.283185307179586)  # not fused into t - c below
-            th = tl.where(u2 >= 0.5, t - 6.283185307179586, t)
+            t = libdevice.mul_rn(u2, _TWO_PI)  # not fused into t - c below
+            th = tl.where(u2 >= 0.5, t - _TWO_PI, t)
             return r * libdevice.fast_cosf(th), r * libdevice.fast_sinf(th)
         else:
-            th = 6.283185307179586 * u2
+            th = _TWO_PI * u2
             return r * tl.cos(th), r * tl.sin(th)
 
     @triton.jit

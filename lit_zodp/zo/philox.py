@@ -44,7 +44,8 @@ _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
 #: ``uint_to_uniform_float``'s scale, ``(2^23 - 1) / 2^23 * 2^-31`` rounded to float32.
 _UNIFORM_SCALE = 4.6566127342e-10
-_TWO_PI = 6.283185307179586
+#: Box-Muller's angle scale, 2 pi (float32 ``c = fl(2 pi)`` once multiplied in float32).
+TWO_PI = 6.283185307179586
 _U1_FLOOR = 1.0e-7
 _MATHS = ("exact", "numpy")
 
@@ -130,7 +131,7 @@ def _sqrt(x: Tensor) -> Tensor:
 def box_muller(u1: Tensor, u2: Tensor, math: str = "exact") -> tuple[Tensor, Tensor]:
     """``tl.pair_uniform_to_normal``: two float32 standard normals from two float32 uniforms."""
     u1 = torch.maximum(u1, torch.tensor(_U1_FLOOR, dtype=torch.float32, device=u1.device))
-    th = torch.tensor(_TWO_PI, dtype=torch.float32, device=u2.device) * u2
+    th = torch.tensor(TWO_PI, dtype=torch.float32, device=u2.device) * u2
     r = _sqrt(-2.0 * _unary("log", u1, math))
     return r * _unary("cos", th, math), r * _unary("sin", th, math)
 
