@@ -111,8 +111,8 @@ ZO_METHODS = ("fwd2", "dpzero", "mezo", "engine")
 FO_METHODS = ("adamw", "opacus")
 MEMORY_METHODS = ("inference", "dpzero", "mezo", "adamw", "opacus")
 COPY_CAP = 1 << 28
-#: The tiles table's label for the default tile with Triton's software cos/sin (``fast_trig=False``).
-SOFTWARE_TRIG = "default, software cos/sin"
+#: The tiles table's label for the default tile with libdevice's software log/cos/sin (``fast_math=False``).
+SOFTWARE_MATH = "default, software log/cos/sin"
 ENGINE_KEYS = ("copy", "fused_pass", "fused_update", "chunked_pass", "chunked_update")
 #: ``--bcd`` (issue 9): MeZO-BCD (one full random-order cycle per repetition) and the paper's MeZO baseline.
 BCD_METHODS = ("bcd", "paper_mezo")
@@ -377,8 +377,8 @@ class Engines:
                 name = f"fused@{block}x{warps}"
                 self.engines[name] = FusedPerturbation(params, backend="auto", block=block, num_warps=warps)
                 self.coefficient[name] = self.coefficient["fused"]
-            name = f"fused@{SOFTWARE_TRIG}"  # what the hardware sine saves, at the same tile and layout
-            self.engines[name] = FusedPerturbation(params, backend="auto", fast_trig=False)
+            name = f"fused@{SOFTWARE_MATH}"  # what the hardware log and sine save, same tile and layout
+            self.engines[name] = FusedPerturbation(params, backend="auto", fast_math=False)
             self.coefficient[name] = self.coefficient["fused"]
         self.seed = 12345
         self.calls: dict[str, int] = {}
@@ -948,7 +948,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-memory", dest="memory", action="store_const", const="none")
     parser.add_argument("--tiles", default="1024x8,1024x4,512x4",
                         help="extra tiles (BLOCKxWARPS, comma list; '' for none) of the fused kernel, timed "
-                             "beside the default in the engine measurement (and the default with software cos/sin)")
+                             "beside the default in the engine measurement (and the default with software log/cos/sin)")
     parser.add_argument("--no-opacus", action="store_true")
     parser.add_argument("--no-adamw", action="store_true")
     parser.add_argument("--bcd", action="store_true",

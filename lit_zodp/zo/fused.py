@@ -31,13 +31,14 @@ decays come per parameter (param groups) as a cached float32 table.
 
 The CPU reference (``backend="reference"``) runs the same float32 arithmetic in torch with
 :mod:`lit_zodp.zo.philox`; with ``math="numpy"`` it matches the Triton kernel run by
-``TRITON_INTERPRET=1`` bitwise. On CUDA the Box-Muller angle goes to the hardware's ``cos/sin.approx``
-(:func:`_pair_to_normal`, within 3.4e-6 of ``z``), and ``log``, ``sqrt.approx`` and fused multiply-adds
-move ``z`` by a few float32 ulps more (tests allow 1e-5). The compiled kernel (sm_90, checked without a
-GPU in ``tests/zo/test_fused.py``) keeps each thread's elements in its registers: rows of one 128-bit
-vector (:func:`row_length`), one or two Philox calls per row, no shared memory and no local memory:
-41-54 instructions per element per direction in its loop, 67-91 before (software sine, ``z`` through
-shared memory; ``benchmarks/kernel_instructions.py``).
+``TRITON_INTERPRET=1`` bitwise. On CUDA Box-Muller takes the hardware's ``lg2.approx`` (a series near
+``u1 = 1``) and ``cos/sin.approx`` (:func:`_pair_to_normal`: ``z`` within 5e-6 of exact functions; tests
+allow 1e-5 against the reference), and bf16 rounds with ``cvt.rn`` (the same bits as the reference's
+integer rounding). The compiled kernel (sm_90, checked without a GPU in ``tests/zo/test_fused.py``) keeps
+each thread's elements in its registers: rows of one 128-bit vector (:func:`row_length`), one or two
+Philox calls per row, no shared memory and no local memory: 34-44 instructions per element per
+direction in its loop (fp32 34, bf16 37 at the default tile), 67-91 before the hardware functions and
+the register rows (``benchmarks/kernel_instructions.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ try:  # Triton ships with CUDA builds of torch; the reference path needs none of
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
-try:  # the hardware cos/sin (``fast_trig``); without it the kernel keeps Triton's software ones
+try:  # the hardware log2/cos/sin (``fast_math``); without it the kernel keeps libdevice's software ones
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - an older or partial triton
     libdevice = None
@@ -70,6 +71,9 @@ DEFAULT_WARPS = 4
 #: Elements per step of the reference path's loop over a tensor.
 REFERENCE_CHUNK = 1 << 16
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: ``fast_math``: below this ``v = 1 - u1``, Box-Muller's ``-2 ln u1`` comes from its series in ``v``, not
+#: from the hardware ``lg2.approx`` (whose absolute error would move a small ``r``; ``_minus_two_log``).
+LOG_SERIES_BELOW = 2.0 ** -6
 
 
 def triton_available() -> bool:
@@ -124,13 +128,14 @@ class FusedPerturbation:
             with :mod:`lit_zodp.zo.philox`), or ``"auto"``: Triton on CUDA when available.
         math: the reference's transcendental functions (:func:`lit_zodp.zo.philox.box_muller`).
         block, num_warps: Triton tile size and warps per program.
-        fast_trig: on CUDA, the hardware's ``cos/sin.approx`` in Box-Muller (``False``: Triton's software
-            ``cos/sin``, ~1.6x the instructions per element; the same law within 3.4e-6 of ``z``).
+        fast_math: on CUDA, the hardware's ``lg2/cos/sin.approx`` in Box-Muller (``False``: libdevice's
+            software ``log/cos/sin``, about twice the instructions per element; the same law, ``z`` within
+            5e-6).
     """
 
     def __init__(self, params: Sequence[Tensor], *, offsets: Sequence[int] | None = None,
                  backend: str = "auto", math: str = "exact", block: int = DEFAULT_BLOCK,
-                 num_warps: int = DEFAULT_WARPS, fast_trig: bool = True) -> None:
+                 num_warps: int = DEFAULT_WARPS, fast_math: bool = True) -> None:
         self.params = list(params)
         _check_params(self.params)
         self.offsets = [int(o) for o in offsets] if offsets is not None else global_offsets(self.params)
@@ -141,8 +146,8 @@ class FusedPerturbation:
             raise ValueError(f"Expected `num_warps` a power of two, but got {num_warps}")
         self.backend = _resolve_backend(backend, self.params[0].device)
         self.math, self.block, self.num_warps = math, block, num_warps
-        # no PTX under the interpreter; ROCm's libdevice has no fast cos/sin
-        self.fast_trig = (bool(fast_trig) and libdevice is not None and not interpreting()
+        # no PTX under the interpreter; ROCm's libdevice has no fast log2/cos/sin
+        self.fast_math = (bool(fast_math) and libdevice is not None and not interpreting()
                           and torch.version.hip is None)
         self.pending: dict[int, float] = {}
         self._groups: list[_Group] | None = None
@@ -215,7 +220,7 @@ class FusedPerturbation:
         for group in self._layout():
             rates = self._rate_tables(group, lrs, decays)
             _launch(group, seeds, scalars, len(terms), rates, terms.restores, self.block, self.num_warps,
-                    self.fast_trig)
+                    self.fast_math)
 
     def _layout(self) -> list["_Group"]:
         """Device tables per dtype, rebuilt if a parameter moved (``.to()``, ``.data =``)."""
@@ -405,13 +410,14 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 def _launch(group: _Group, seeds: Tensor, scalars: Tensor, num_terms: int, rates, restores: bool,
-            block: int, num_warps: int, fast_trig: bool) -> None:
+            block: int, num_warps: int, fast_math: bool) -> None:
     lrs, decays = rates if rates is not None else (scalars, scalars)  # unused when UPDATE is False
     grid = (group.owners.numel(),)
     _zo_pass_kernel[grid](group.table, group.owners, seeds, scalars, num_terms, lrs, decays,
                           DTYPE=_tl_dtype(group.dtype), BLOCK=block, RESTORE=restores,
-                          UPDATE=rates is not None, ALIGNED=group.aligned, FAST_TRIG=fast_trig,
-                          ROW=row_length(group.dtype, block, num_warps), num_warps=num_warps)
+                          UPDATE=rates is not None, ALIGNED=group.aligned, FAST_MATH=fast_math,
+                          HW_ROUND=not interpreting(), ROW=row_length(group.dtype, block, num_warps),
+                          num_warps=num_warps)
 
 
 def row_length(dtype: torch.dtype, block: int, num_warps: int) -> int:
@@ -427,28 +433,35 @@ def row_length(dtype: torch.dtype, block: int, num_warps: int) -> int:
 
 if triton is not None:
     _TWO_PI = tl.constexpr(philox.TWO_PI)  # the float32 angle's scale, as in ``tl.pair_uniform_to_normal``
+    _MINUS_TWO_LN2 = tl.constexpr(-1.3862943611198906)  # -2 ln 2: -2 ln u = -2 ln 2 log2 u
+    _LOG_SERIES_BELOW = tl.constexpr(LOG_SERIES_BELOW)
 
     @triton.jit
-    def _round_as(x, DTYPE: tl.constexpr):
+    def _round_as(x, DTYPE: tl.constexpr, HW_ROUND: tl.constexpr):
         """float32 ``x`` rounded to the nearest ``DTYPE`` value (ties to even), kept in float32.
 
-        bf16 rounds with integer arithmetic: it is what CUDA's ``cvt.rn`` does, and Triton's
-        interpreter would otherwise truncate.
+        bf16: ``HW_ROUND`` (compiled kernels) takes the hardware's ``cvt.rn.bf16.f32``, one instruction;
+        otherwise (Triton's interpreter, whose conversion truncates) the same rounding in integer
+        arithmetic, about six (a GPU test checks that both give the same bits).
         """
         if DTYPE == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+            if HW_ROUND:
+                return x.to(tl.bfloat16).to(tl.float32)
+            else:
+                bits = x.to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+                return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
         elif DTYPE == tl.float16:
             return x.to(tl.float16).to(tl.float32)
         else:
             return x
 
     @triton.jit
-    def _store_as(x, DTYPE: tl.constexpr):
-        """float32 -> ``DTYPE``, rounding to nearest even."""
-        if DTYPE == tl.bfloat16:
-            bits = _round_as(x, DTYPE).to(tl.uint32, bitcast=True)
+    def _store_as(x, DTYPE: tl.constexpr, HW_ROUND: tl.constexpr):
+        """float32 -> ``DTYPE``, rounding to nearest even (bf16: as :func:`_round_as`)."""
+        if DTYPE == tl.bfloat16 and not HW_ROUND:
+            bits = _round_as(x, DTYPE, HW_ROUND).to(tl.uint32, bitcast=True)
+            bits = tl.where(x == x, bits, bits | 0x400000)  # a NaN stays a NaN (quiet), not an infinity
             return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             return x.to(DTYPE)
@@ -462,19 +475,45 @@ if triton is not None:
             return x.to(tl.float32)
 
     @triton.jit
-    def _pair_to_normal(u1, u2, FAST_TRIG: tl.constexpr):
+    def _minus_two_log_near_one(v):
+        """``-2 ln(1 - v)`` for ``0 <= v < 2^-6`` from its series ``2 sum_k v^k / k`` (4 terms, Horner):
+        truncation below ``v^4 / 5 < 2e-8`` relative, and float32 rounding a few ulps."""
+        return v * (2.0 + v * (1.0 + v * (0.6666666666666666 + v * 0.5)))
+
+    @triton.jit
+    def _minus_two_log(u1, FAST_MATH: tl.constexpr):
+        """``-2 ln u1`` for ``u1`` in ``[1e-7, 1)``: Box-Muller's ``r^2``.
+
+        ``FAST_MATH`` (CUDA): the hardware's ``lg2.approx`` (one special-function instruction against ~20
+        for libdevice's ``logf``), which CUDA documents within ``2^-22`` absolute on ``[1/2, 2]`` and 2 ulps
+        elsewhere. Near ``u1 = 1`` that absolute error would move a vanishing ``r`` by up to 3e-4, or make
+        ``r^2`` negative; there (``v = 1 - u1 < LOG_SERIES_BELOW``, ``v`` exact for ``u1 >= 1/2``) ``r^2``
+        comes from the series in ``v``. So ``|dr| <= 2 ln 2 2^-22 / (2 r) <= 1.1e-6`` where ``r >= 0.177``
+        (``u1`` in ``[1/2, 1 - 2^-6]``), and ``r`` moves by about 1e-7 relative below ``u1 = 1/2``.
+        """
+        if FAST_MATH:
+            v = 1.0 - u1
+            hardware = _MINUS_TWO_LN2 * libdevice.fast_log2f(u1)
+            return tl.where(v < _LOG_SERIES_BELOW, _minus_two_log_near_one(v), hardware)
+        else:
+            return -2.0 * tl.log(u1)
+
+    @triton.jit
+    def _pair_to_normal(u1, u2, FAST_MATH: tl.constexpr):
         """Box-Muller as ``tl.pair_uniform_to_normal``: ``r = sqrt(-2 log u1)``, ``(r cos th, r sin th)``.
 
-        ``FAST_TRIG`` (CUDA): the hardware's ``cos/sin.approx`` (one special-function instruction each,
-        against ~25 for a software sine), which CUDA documents on ``[-pi, pi]`` (absolute error: ``__cosf``
-        2^-21.19, ``__sinf`` 2^-21.41). The angle is the reference's ``t = fl(c u2)`` (``c = fl(2 pi)``, an
-        unfused multiply), moved to ``t - c`` (exact: ``t`` is in ``[c/2, c]``) when ``u2 >= 1/2``: off
-        the true period by ``c - 2 pi = 1.7e-7``. So ``|dz| <= r (4.2e-7 + 1.7e-7) <= 3.4e-6`` at
-        ``r <= 5.7``, before ``log`` and ``sqrt``'s own ulps.
+        ``FAST_MATH`` (CUDA): the hardware's ``lg2.approx`` (:func:`_minus_two_log`) and ``cos/sin.approx``
+        (one special-function instruction each, against ~25 for a software sine), which CUDA documents on
+        ``[-pi, pi]`` (absolute error: ``__cosf`` 2^-21.19, ``__sinf`` 2^-21.41). The angle is the
+        reference's ``t = fl(c u2)`` (``c = fl(2 pi)``, an unfused multiply), moved to ``t - c`` (exact:
+        ``t`` is in ``[c/2, c]``) when ``u2 >= 1/2``: off the true period by ``c - 2 pi = 1.7e-7``. Against
+        exact functions of the same ``u1`` and ``t``, ``z`` moves by at most 5.0e-6 where ``r`` is largest
+        (``r = 5.68``: sine 3.4e-6, log 0.6e-6, ``sqrt.approx`` 0.8e-6, the product's rounding 0.2e-6) and
+        1.3e-6 near ``r = 0.18``, the log's switch.
         """
         u1 = tl.maximum(1.0e-7, u1)
-        r = tl.sqrt(-2.0 * tl.log(u1))
-        if FAST_TRIG:
+        r = tl.sqrt(_minus_two_log(u1, FAST_MATH))
+        if FAST_MATH:
             t = libdevice.mul_rn(u2, _TWO_PI)  # not fused into t - c below
             th = tl.where(u2 >= 0.5, t - _TWO_PI, t)
             return r * libdevice.fast_cosf(th), r * libdevice.fast_sinf(th)
@@ -483,27 +522,27 @@ if triton is not None:
             return r * tl.cos(th), r * tl.sin(th)
 
     @triton.jit
-    def _randn4x(seed, counters, FAST_TRIG: tl.constexpr):
+    def _randn4x(seed, counters, FAST_MATH: tl.constexpr):
         """``tl.randn4x``: four normals per Philox call (with the choice of sine and cosine)."""
         u1, u2, u3, u4 = tl.rand4x(seed, counters)
-        n1, n2 = _pair_to_normal(u1, u2, FAST_TRIG)
-        n3, n4 = _pair_to_normal(u3, u4, FAST_TRIG)
+        n1, n2 = _pair_to_normal(u1, u2, FAST_MATH)
+        n3, n4 = _pair_to_normal(u3, u4, FAST_MATH)
         return n1, n2, n3, n4
 
     @triton.jit
-    def _normal_rows(seed, first, CALLS: tl.constexpr, FAST_TRIG: tl.constexpr):
+    def _normal_rows(seed, first, CALLS: tl.constexpr, FAST_MATH: tl.constexpr):
         """``z`` for rows of ``4 * CALLS`` consecutive elements; row ``r`` starts at counter ``first[r]``
         and counter ``first[r] + c`` gives its elements ``4c .. 4c + 3``.
 
         ``tl.join`` adds a minor axis, so the rows are built from the minor index up (counter, then
         output ``2a + b``): every element stays in the thread that computed it.
         """
-        a1, a2, a3, a4 = _randn4x(seed, first, FAST_TRIG)
+        a1, a2, a3, a4 = _randn4x(seed, first, FAST_MATH)
         if CALLS == 1:
             z = tl.join(tl.join(a1, a3), tl.join(a2, a4))  # [r, a, b] = output 2a + b
         else:
             tl.static_assert(CALLS == 2)
-            b1, b2, b3, b4 = _randn4x(seed, first + 1, FAST_TRIG)
+            b1, b2, b3, b4 = _randn4x(seed, first + 1, FAST_MATH)
             z = tl.join(tl.join(tl.join(a1, b1), tl.join(a3, b3)), tl.join(tl.join(a2, b2), tl.join(a4, b4)))
         return tl.reshape(z, (first.shape[0], 4 * CALLS))
 
@@ -514,16 +553,16 @@ if triton is not None:
         return tl.where(a == 0.0, a, odd)
 
     @triton.jit
-    def _combine(x, first, seeds, scalars, num_terms, lr, shrink, DTYPE: tl.constexpr,
-                 RESTORE: tl.constexpr, UPDATE: tl.constexpr, FAST_TRIG: tl.constexpr, ROW: tl.constexpr):
+    def _combine(x, first, seeds, scalars, num_terms, lr, shrink, DTYPE: tl.constexpr, RESTORE: tl.constexpr,
+                 UPDATE: tl.constexpr, FAST_MATH: tl.constexpr, HW_ROUND: tl.constexpr, ROW: tl.constexpr):
         """Remove each pending ``p_k z_k`` (rounded to ``DTYPE``), then ``shrink x + sum_k a_k z_k``."""
         # +-0 with the sign of x (:func:`_signed_zero`): derived from x, the sum lives in x's registers
         # (a constant zero got another layout, and every z crossed shared memory to reach it)
         update = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
         for k in range(num_terms):
-            z = _normal_rows(tl.load(seeds + k), first, ROW // 4, FAST_TRIG)
+            z = _normal_rows(tl.load(seeds + k), first, ROW // 4, FAST_MATH)
             if RESTORE:
-                x = _round_as(x - _sticky_tl(tl.load(scalars + k) * z), DTYPE)
+                x = _round_as(x - _sticky_tl(tl.load(scalars + k) * z), DTYPE, HW_ROUND)
             term = (tl.load(scalars + num_terms + k) - lr * tl.load(scalars + 2 * num_terms + k)) * z
             if not UPDATE:
                 term = _sticky_tl(term)
@@ -533,7 +572,8 @@ if triton is not None:
     @triton.jit
     def _zo_pass_kernel(table, owners, seeds, scalars, num_terms, lrs, decays, DTYPE: tl.constexpr,
                         BLOCK: tl.constexpr, RESTORE: tl.constexpr, UPDATE: tl.constexpr,
-                        ALIGNED: tl.constexpr, FAST_TRIG: tl.constexpr, ROW: tl.constexpr):
+                        ALIGNED: tl.constexpr, FAST_MATH: tl.constexpr, HW_ROUND: tl.constexpr,
+                        ROW: tl.constexpr):
         """One ``BLOCK`` of one tensor: read once, apply every term, write once."""
         pid = tl.program_id(0)
         row = table + 4 * tl.load(owners + pid).to(tl.int64)
@@ -554,13 +594,15 @@ if triton is not None:
         offs = start + ROW * tl.arange(0, rows)[:, None] + tl.arange(0, ROW)[None, :]
         if start + BLOCK <= numel:  # full block: no mask, vectorisable
             x = _load_f32(tl.load(base + offs), DTYPE)
-            y = _combine(x, first, seeds, scalars, num_terms, lr, shrink, DTYPE, RESTORE, UPDATE, FAST_TRIG, ROW)
-            tl.store(base + offs, _store_as(y, DTYPE))
+            y = _combine(x, first, seeds, scalars, num_terms, lr, shrink, DTYPE, RESTORE, UPDATE, FAST_MATH,
+                         HW_ROUND, ROW)
+            tl.store(base + offs, _store_as(y, DTYPE, HW_ROUND))
         else:
             mask = offs < numel
             x = _load_f32(tl.load(base + offs, mask=mask, other=0.0), DTYPE)
-            y = _combine(x, first, seeds, scalars, num_terms, lr, shrink, DTYPE, RESTORE, UPDATE, FAST_TRIG, ROW)
-            tl.store(base + offs, _store_as(y, DTYPE), mask=mask)
+            y = _combine(x, first, seeds, scalars, num_terms, lr, shrink, DTYPE, RESTORE, UPDATE, FAST_MATH,
+                         HW_ROUND, ROW)
+            tl.store(base + offs, _store_as(y, DTYPE, HW_ROUND), mask=mask)
 
 
 __all__ = ["FusedPerturbation", "global_offsets", "interpreting", "triton_available"]
