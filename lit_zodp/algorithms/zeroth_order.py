@@ -137,7 +137,8 @@ class ZerothOrderModule(AlgorithmModule):
     def update(self, coefficients: Mapping[int, Tensor | float], scale: float = 1.0,
                noise: Optional[DirectionRelease] = None) -> None:
         """``x <- x - lr * scale * sum_k c_k u_k`` (minus the release's secret noise vector), fused with the restore."""
-        terms = {seed: c * scale for seed, c in coefficients.items()}  # tensors stay on the device
+        # tensors stay on the device; scale 1 (one direction) launches nothing
+        terms = {seed: c if scale == 1.0 else c * scale for seed, c in coefficients.items()}
         noise_terms = []
         if noise is not None and noise.noise is not None:
             noise_terms = [(noise.noise, noise.noise_coefficient)]

@@ -375,26 +375,39 @@ def _build_groups(params, offsets, block: int) -> list[_Group]:
 
 
 def _term_tables(terms: _Terms, device: torch.device) -> tuple[Tensor, Tensor]:
-    """int64 seeds (K,) and float32 scalars (3, K): pending, plain scale, coefficient."""
-    seeds = _host_to_device([philox.seed_as_int64(s) for s in terms.seeds], torch.int64, device)
-    if all(not isinstance(c, Tensor) for c in terms.coefficients):
-        rows = [terms.pending, terms.scales, [float(c) for c in terms.coefficients]]
-        return seeds, _host_to_device(rows, torch.float32, device)
-    host = _host_to_device([terms.pending, terms.scales], torch.float32, device)
-    coefficients = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device).reshape(())
-                                for c in terms.coefficients])
-    return seeds, torch.cat([host, coefficients.unsqueeze(0)]).contiguous()
+    """int64 seeds (K,) and float32 scalars (3, K): pending, plain scale, coefficient.
+
+    One host-to-device copy per pass: the seeds and the scalars' float32 bits travel in one int64
+    buffer, of which both tables are views. Device-resident coefficients are copied into their row on
+    the device (one small kernel each, no host synchronisation; before: a stack, a second host-to-device
+    copy and a concatenation).
+    """
+    k = len(terms)
+    on_device = [i for i, c in enumerate(terms.coefficients) if isinstance(c, Tensor)]
+    coefficients = [0.0 if i in on_device else float(c) for i, c in enumerate(terms.coefficients)]
+    host = torch.zeros(k + -(-3 * k // 2), dtype=torch.int64)
+    host[:k] = torch.tensor([philox.seed_as_int64(s) for s in terms.seeds], dtype=torch.int64)
+    host[k:].view(torch.float32)[:3 * k] = torch.tensor(terms.pending + terms.scales + coefficients,
+                                                         dtype=torch.float32)
+    packed = _to_device(host, device)
+    seeds, scalars = packed[:k], packed[k:].view(torch.float32)[:3 * k]
+    for i in on_device:  # one small device copy each (a step has one per direction)
+        scalars[2 * k + i].copy_(terms.coefficients[i].detach().reshape(()))
+    return seeds, scalars
 
 
 def _host_to_device(rows, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small table from Python values onto ``device`` WITHOUT waiting for the device's queue.
+    """A small table from Python values onto ``device`` WITHOUT waiting for the device's queue (:func:`_to_device`)."""
+    return _to_device(torch.tensor(rows, dtype=dtype), device)
 
-    ``torch.tensor(rows, device="cuda")`` copies from pageable memory and synchronises the stream:
-    the host would wait for the previous forward before launching each pass. From pinned memory
-    the copy is asynchronous, and torch's caching host allocator keeps the pinned block until the
-    copy has run.
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor onto ``device`` WITHOUT waiting for the device's queue.
+
+    ``tensor.to("cuda")`` copies from pageable memory and synchronises the stream: the host would wait
+    for the previous forward before launching each pass. From pinned memory the copy is asynchronous,
+    and torch's caching host allocator keeps the pinned block until the copy has run.
     """
-    host = torch.tensor(rows, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
