@@ -385,12 +385,13 @@ def _term_tables(terms: _Terms, device: torch.device) -> tuple[Tensor, Tensor]:
     k = len(terms)
     on_device = [i for i, c in enumerate(terms.coefficients) if isinstance(c, Tensor)]
     coefficients = [0.0 if i in on_device else float(c) for i, c in enumerate(terms.coefficients)]
-    host = torch.zeros(k + -(-3 * k // 2), dtype=torch.int64)
-    host[:k] = torch.tensor([philox.seed_as_int64(s) for s in terms.seeds], dtype=torch.int64)
-    host[k:].view(torch.float32)[:3 * k] = torch.tensor(terms.pending + terms.scales + coefficients,
-                                                         dtype=torch.float32)
+    words = 2 * -(-3 * k // 4)  # the scalars, padded to 16 bytes: both tables start 16-byte aligned, as
+    host = torch.zeros(words + k, dtype=torch.int64)  # Triton specialises pointers on that
+    host[:words].view(torch.float32)[:3 * k] = torch.tensor(terms.pending + terms.scales + coefficients,
+                                                             dtype=torch.float32)
+    host[words:] = torch.tensor([philox.seed_as_int64(s) for s in terms.seeds], dtype=torch.int64)
     packed = _to_device(host, device)
-    seeds, scalars = packed[:k], packed[k:].view(torch.float32)[:3 * k]
+    scalars, seeds = packed[:words].view(torch.float32)[:3 * k], packed[words:]
     for i in on_device:  # one small device copy each (a step has one per direction)
         scalars[2 * k + i].copy_(terms.coefficients[i].detach().reshape(()))
     return seeds, scalars

@@ -351,6 +351,25 @@ def test_tensor_coefficients_equal_float_coefficients():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 5])
+def test_term_tables_are_one_buffer_with_aligned_views(k):
+    """A pass's seeds and scalars travel in one host-to-device copy: two views of one buffer, each
+    16-byte aligned (Triton specialises pointer arguments on it: an unaligned table would compile another
+    kernel), holding the seeds bitwise and the scalars as float32, device coefficients copied in."""
+    from lit_zodp.zo.fused import _Terms, _term_tables
+
+    seeds = [2**64 - 1 - i for i in range(k)]
+    coefficients = [torch.tensor(0.25 * i, dtype=torch.float64) if i % 2 else 1.5 + i for i in range(k)]
+    terms = _Terms(seeds, [1e-3 * i for i in range(k)], [-1e-3] * k, coefficients)
+    seed_table, scalars = _term_tables(terms, torch.device("cpu"))
+    assert seed_table.dtype == torch.int64 and scalars.dtype == torch.float32 and scalars.numel() == 3 * k
+    assert k == 0 or (seed_table.data_ptr() % 16 == 0 and scalars.data_ptr() % 16 == 0)
+    assert k == 0 or seed_table.untyped_storage().data_ptr() == scalars.untyped_storage().data_ptr()
+    assert seed_table.tolist() == [philox.seed_as_int64(s) for s in seeds]
+    expected = torch.tensor(terms.pending + terms.scales + [float(c) for c in coefficients], dtype=torch.float32)
+    assert torch.equal(scalars, expected)
+
+
 def test_pending_cancels_and_empty_passes_are_no_ops():
     params = make_params(torch.float32)
     before = [p.clone() for p in params]
