@@ -47,7 +47,7 @@ def make_params(dtype, shapes=SHAPES, seed=0):
 #: Bound on the sum of |scales| of any pass of `scenario` (pending 1e-2 plus lr * c <= 0.7 * 0.75).
 SCENARIO_SCALE = 0.6
 #: Bound on |z_a - z_b| between two implementations of the law: CUDA's lg2/cos/sin.approx and sqrt.approx
-#: (<= 5e-6, fused._pair_to_normal), or numpy's float32 functions (<= 4 ulps of z, |z| <= 5.7, so < 2e-6).
+#: (<= 5.7e-6, fused._pair_to_normal), or numpy's float32 functions (<= 4 ulps of z, |z| <= 5.7, so < 2e-6).
 Z_TOLERANCE = 1e-5
 
 
@@ -553,8 +553,8 @@ def box_muller_float64(u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
 def test_cuda_box_muller_within_its_documented_bound(fast_math):
     """:func:`_pair_to_normal` on the GPU against exact functions of the same uniforms, on a grid dense
     where ``lg2.approx``'s absolute error would show (``u1`` -> 1) and at the floor: the hardware functions
-    within the docstring's 5.0e-6 (summed from CUDA's documented errors; 10% margin for ``sqrt.approx``,
-    whose error CUDA states least precisely), libdevice's within 4 ulps of ``z``."""
+    within the docstring's 5.7e-6 (summed from CUDA's documented errors); libdevice's within 7 ulps of ``z``
+    (log 1 ulp of ``r^2``, ``sqrt.approx`` 3, cosine or sine 2, two roundings)."""
     pytest.importorskip("triton")
     u1, u2 = box_muller_grid()
     out = torch.empty(2 * u1.numel(), device="cuda")
@@ -563,9 +563,9 @@ def test_cuda_box_muller_within_its_documented_bound(fast_math):
     exact = box_muller_float64(u1, u2)
     if fast_math:
         gap = (out.cpu().double() - exact).abs()
-        assert gap.max().item() <= 5.5e-6, gap.max().item()
+        assert gap.max().item() <= 5.7e-6, gap.max().item()
     else:
-        assert_within(out.cpu(), exact.float(), ulps=4, extra=1e-7)
+        assert_within(out.cpu(), exact.float(), ulps=7)
 
 
 def bf16_rounding_cases() -> torch.Tensor:
