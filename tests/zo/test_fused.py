@@ -479,8 +479,8 @@ def skip_without_cuda_compiler(error: Exception):
 def test_kernel_compiles_for_sm90_without_a_gpu(dtype, block, warps, tmp_path, monkeypatch):
     """Triton's CUDA frontend and ptxas accept the kernel (what the interpreter cannot check). At each tile
     bench_zo_gpu.py times: 128-bit loads and stores where a thread holds 8 bf16 (64-bit at 4); the
-    hardware's ``lg2/cos/sin.approx`` and bf16 ``cvt.rn``; ``z`` stays in registers (no shared-memory round trip, no barrier); no
-    local memory (spills, or the large-argument branch of a software sine)."""
+    hardware's ``lg2/cos/sin.approx`` and bf16 ``cvt.rn``; ``z`` stays in registers (no shared-memory round
+    trip, no barrier); no local memory (spills, or the large-argument branch of a software sine)."""
     tool = kernel_instructions()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     try:
