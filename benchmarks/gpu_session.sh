@@ -57,14 +57,15 @@
 # every call brings its results back through $OUT). HERE first: `wheels` (and `carry` for the pieces
 # that read .gpu_carry).
 # Speed (issue 8), re-measuring after the noise kernel's fix and the fused kernel's hardware functions
-# (2026-11-27: lg2/cos/sin.approx, bf16 cvt.rn, rows of one 128-bit vector, no shared memory; 34-44
-# instructions per element, from 67-91: benchmarks/kernel_instructions.py), with the tiles and the
-# software-math kernel (fast_math=False) timed beside the default:
+# (2026-11-27: lg2/cos/sin.approx, bf16 cvt.rn, Philox with widening multiplies, rows of one 128-bit
+# vector, no shared memory; 31-46 instructions per element, from 67-91: benchmarks/kernel_instructions.py),
+# with the tiles and the software-math kernel (fast_math=False) timed beside the default:
 #   1. run(command="DEADLINE=480 EXTRA_ARGS='--repeats 3' benchmarks/gpu_session.sh tests zo_minilm
 #          zo_roberta zo_opt", carry=[".whl"], timeout_s=510)
 #      `tests` first: the kernel changed (test_cuda_box_muller_within_its_documented_bound checks the
 #      hardware log/cos/sin against exact functions, test_cuda_hardware_bf16_rounding_equals_integer_rounding
-#      the bf16 cvt.rn, test_cuda_kernel_matches_reference the whole passes). If a tile of the "Fused kernel
+#      the bf16 cvt.rn, test_cuda_fused_philox_is_tritons_bitwise the Philox, test_cuda_kernel_matches_reference
+#      the whole passes). If a tile of the "Fused kernel
 #      tiles" table beats the default (lit_zodp/zo/fused.py DEFAULT_BLOCK, DEFAULT_WARPS) by more than 5% in
 #      both dtypes, switch the default HERE.
 #   2. what is left (T = status's budget_left_s - 45, skip under 150): MeZO-BCD (issue 9):

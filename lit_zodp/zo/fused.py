@@ -2,7 +2,8 @@
 
 The direction is generated in registers from Philox keyed by ``(seed, global element offset)``
 (Salmon et al. 2011; :func:`lit_zodp.zo.philox.normal`, Triton's ``tl.randn4x`` four elements per
-call), so a pass over all parameters is one Triton launch per parameter dtype and touches no
+call; the kernel's Philox, :func:`_rand4x`, is ``tl.rand4x`` bit for bit with one widening multiply where
+Triton's takes two), so a pass over all parameters is one Triton launch per parameter dtype and touches no
 scratch memory. Same passes as :class:`lit_zodp.zo.perturbation.PerturbationEngine` (the MeZO
 seed trick with the restore fused into the update); a new direction law, not the chunked one.
 
@@ -36,9 +37,9 @@ The CPU reference (``backend="reference"``) runs the same float32 arithmetic in 
 allow 1e-5 against the reference), and bf16 rounds with ``cvt.rn`` (the same bits as the reference's
 integer rounding). The compiled kernel (sm_90, checked without a GPU in ``tests/zo/test_fused.py``) keeps
 each thread's elements in its registers: rows of one 128-bit vector (:func:`row_length`), one or two
-Philox calls per row, no shared memory and no local memory: 34-44 instructions per element per
-direction in its loop (fp32 34, bf16 37 at the default tile), 67-91 before the hardware functions and
-the register rows (``benchmarks/kernel_instructions.py``).
+Philox calls per row, no shared memory and no local memory: 31-46 instructions per element per
+direction in its loop (fp32 31, bf16 33 at the default tile), 67-91 before the hardware functions, the
+register rows and the widening multiplies (``benchmarks/kernel_instructions.py``).
 """
 
 from __future__ import annotations
@@ -536,9 +537,38 @@ if triton is not None:
             return r * tl.cos(th), r * tl.sin(th)
 
     @triton.jit
+    def _mulhilo(a, B: tl.constexpr):
+        """``(umulhi(a, B), a * B)`` of uint32 ``a`` from ONE 32x32 -> 64-bit product (``mul.wide.u32``)."""
+        p = a.to(tl.uint64) * B
+        return (p >> 32).to(tl.uint32), p.to(tl.uint32)
+
+    @triton.jit
+    def _rand4x(seed, offset):
+        """``tl.rand4x(seed, offset)`` (Philox4x32-10 on counter ``(offset, 0, 0)``, four uniforms), bit for bit,
+        its multiplies each one widening product."""
+        seed = seed.to(tl.uint64)
+        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        c0 = offset.to(tl.uint32)
+        c1 = (offset >> 32).to(tl.uint32)
+        c2 = c0 * 0
+        c3 = c0 * 0
+        for _ in tl.static_range(10):
+            hi_b, lo_b = _mulhilo(c2, 0xCD9E8D57)
+            hi_a, lo_a = _mulhilo(c0, 0xD2511F53)
+            c0 = hi_b ^ c1 ^ k0
+            c2 = hi_a ^ c3 ^ k1
+            c1 = lo_b
+            c3 = lo_a
+            k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+            k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+        return (tl.uint_to_uniform_float(c0), tl.uint_to_uniform_float(c1), tl.uint_to_uniform_float(c2),
+                tl.uint_to_uniform_float(c3))
+
+    @triton.jit
     def _randn4x(seed, counters, FAST_MATH: tl.constexpr):
         """``tl.randn4x``: four normals per Philox call (with the choice of sine and cosine)."""
-        u1, u2, u3, u4 = tl.rand4x(seed, counters)
+        u1, u2, u3, u4 = _rand4x(seed, counters)
         n1, n2 = _pair_to_normal(u1, u2, FAST_MATH)
         n3, n4 = _pair_to_normal(u3, u4, FAST_MATH)
         return n1, n2, n3, n4

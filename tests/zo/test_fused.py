@@ -23,7 +23,7 @@ try:
     import triton
     import triton.language as tl
 
-    from lit_zodp.zo.fused import _minus_two_log_near_one, _pair_to_normal, _round_as, _store_as
+    from lit_zodp.zo.fused import _minus_two_log_near_one, _pair_to_normal, _rand4x, _round_as, _store_as
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -89,7 +89,7 @@ FAR_OFFSETS = [0, 2**32 - 8, 2**34 + 4]  # tensors placed across Philox's counte
 
 def interpreted_runs() -> dict:
     """Everything the interpreted kernels compute (run in the TRITON_INTERPRET=1 subprocess)."""
-    out = {"words": {}, "randn": {}, "randn4x": {}, "scenarios": {}}
+    out = {"words": {}, "randn": {}, "randn4x": {}, "uniforms": {}, "scenarios": {}}
     offsets = probe_offsets()
     n = offsets.numel()
     for seed in SEEDS:
@@ -97,6 +97,7 @@ def interpreted_runs() -> dict:
         normals = torch.zeros(5, n)
         _probe_kernel[(triton.cdiv(n, 1024),)](words, normals, seed, offsets, n, BLOCK=1024)
         out["words"][seed], out["randn"][seed], out["randn4x"][seed] = words, normals[0], normals[1:]
+        out["uniforms"][seed] = uniforms_of_both(seed, offsets)
     for dtype in DTYPES:
         out["scenarios"][str(dtype)] = scenario(make_params(dtype), backend="triton", block=BLOCK)
     whole = [torch.randn(1088, generator=torch.Generator().manual_seed(3))]
@@ -113,6 +114,14 @@ def interpreted_runs() -> dict:
     v = series_grid()
     out["series"] = torch.empty_like(v)
     _series_kernel[(triton.cdiv(v.numel(), 1024),)](v, out["series"], v.numel(), BLOCK=1024)
+    return out
+
+
+def uniforms_of_both(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """``tl.rand4x`` (rows 0-3) and the fused kernel's own Philox ``_rand4x`` (rows 4-7) at ``offsets``."""
+    n = offsets.numel()
+    out = torch.empty(8, n, device=offsets.device)
+    _uniforms_kernel[(triton.cdiv(n, 1024),)](out, seed, offsets, n, BLOCK=1024)
     return out
 
 
@@ -141,6 +150,23 @@ if triton is not None:
         tl.store(normals + 2 * n + index, n2, mask=mask)
         tl.store(normals + 3 * n + index, n3, mask=mask)
         tl.store(normals + 4 * n + index, n4, mask=mask)
+
+    @triton.jit
+    def _uniforms_kernel(out, seed, offsets_ptr, n, BLOCK: tl.constexpr):
+        """Rows 0-3 of ``out``: the four uniforms of ``tl.rand4x``; rows 4-7: the fused kernel's ``_rand4x``."""
+        index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = index < n
+        offsets = tl.load(offsets_ptr + index, mask=mask)
+        a1, a2, a3, a4 = tl.rand4x(seed, offsets)
+        b1, b2, b3, b4 = _rand4x(seed, offsets)
+        tl.store(out + index, a1, mask=mask)
+        tl.store(out + n + index, a2, mask=mask)
+        tl.store(out + 2 * n + index, a3, mask=mask)
+        tl.store(out + 3 * n + index, a4, mask=mask)
+        tl.store(out + 4 * n + index, b1, mask=mask)
+        tl.store(out + 5 * n + index, b2, mask=mask)
+        tl.store(out + 6 * n + index, b3, mask=mask)
+        tl.store(out + 7 * n + index, b4, mask=mask)
 
     @triton.jit
     def _series_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -210,6 +236,14 @@ def test_integer_stream_matches_triton_bitwise(interpreted):
     offsets = probe_offsets()
     for seed in SEEDS:
         assert torch.equal(interpreted["words"][seed], torch.stack(philox.randint4x(seed, offsets))), seed
+
+
+def test_fused_philox_is_tritons_bitwise(interpreted):
+    """The fused kernel's Philox (each round's two multiplies as widening 32x32 -> 64-bit products, one
+    instruction each) gives ``tl.rand4x``'s bits: same law, fewer instructions."""
+    for seed in SEEDS:
+        both = interpreted["uniforms"][seed]
+        assert torch.equal(both[:4], both[4:]), seed
 
 
 def test_normals_match_triton_interpreter_bitwise(interpreted):
@@ -492,6 +526,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu(dtype, block, warps, tmp_path, m
     assert f"ld.global.{vector}" in ptx and f"st.global.{vector}" in ptx
     assert "sin.approx" in ptx and "cos.approx" in ptx and "lg2.approx" in ptx
     assert dtype != "bf16" or "cvt.rn.bf16" in ptx  # the hardware's rounding, not integer arithmetic
+    assert "mul.wide.u32" in ptx and "mul.hi.u32" not in ptx  # Philox: one widening multiply, not hi and lo
     assert "bar.sync" not in ptx and ".shared" not in ptx
     assert ".local" not in ptx and kernel.metadata.shared == 0
 
@@ -578,6 +613,16 @@ def bf16_rounding_cases() -> torch.Tensor:
                       torch.randint(0, 1 << 31, (1 << 16,), generator=torch.Generator().manual_seed(1))])
     values = torch.cat([bits, bits | (1 << 31)]).to(torch.int32).view(torch.float32)
     return torch.cat([values, torch.tensor([0.0, -0.0, math.inf, -math.inf])])
+
+
+@pytest.mark.gpu
+def test_cuda_fused_philox_is_tritons_bitwise():
+    """Compiled, the fused kernel's widening-multiply Philox gives ``tl.rand4x``'s bits too."""
+    pytest.importorskip("triton")
+    offsets = probe_offsets().cuda()
+    for seed in SEEDS:
+        both = uniforms_of_both(seed, offsets)
+        assert torch.equal(both[:4], both[4:]), seed
 
 
 @pytest.mark.gpu
