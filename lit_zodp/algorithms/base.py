@@ -208,7 +208,7 @@ class AlgorithmModule(pl.LightningModule):
         sampling = read_sampling(self.trainer) if self.private else None
         self.privacy.plan(step_plan=self.step_plan(), sampling=sampling,
                           planned_steps=_planned_steps(self.trainer) if self.private else None,
-                          reduce_sum=self.reduce_sum,
+                          reduce_sum=self.reduce_sum if self.trainer.world_size > 1 else None,  # None: one process
                           broadcast=lambda value: self.trainer.strategy.broadcast(value, src=0),
                           spend_log=SpendLog() if self.private and self.trainer.is_global_zero else None)
         if self.private:

@@ -35,6 +35,11 @@ DERIVATIVES = "directional derivatives"
 GRADIENT = "gradient estimate"
 
 
+def stack_sums(sums: list) -> torch.Tensor:
+    """The k directions' clipped sums as one k-vector (k = 1: a view, no kernel)."""
+    return sums[0].unsqueeze(0) if len(sums) == 1 else torch.stack(sums)
+
+
 class DPZero(ZerothOrderModule):
     """DPZero, Algorithm 2 of Zhang et al.
 
@@ -61,7 +66,7 @@ class DPZero(ZerothOrderModule):
             clipped_sums.append(clip_scalars(differences[-1], self.clip).sum())
             if k < len(seeds) - 1:
                 self.restore()
-        derivatives = self.privacy.release(torch.stack(clipped_sums), DERIVATIVES, batch_size=size)  # + z_t, / B
+        derivatives = self.privacy.release(stack_sums(clipped_sums), DERIVATIVES, batch_size=size)  # + z_t, / B
         self.update(dict(zip(seeds, derivatives.unbind())), scale=1.0 / len(seeds))    # x_{t+1}
         self.log_step(size, lambda: clipped_fraction(torch.cat(differences), self.clip))
 

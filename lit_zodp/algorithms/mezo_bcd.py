@@ -67,7 +67,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from lit_zodp.algorithms.dpzero import DERIVATIVES, DPZero
+from lit_zodp.algorithms.dpzero import DERIVATIVES, DPZero, stack_sums
 from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
 from lit_zodp.privacy import PrivateBatchSampler, clip_scalars, clipped_fraction
@@ -330,7 +330,7 @@ class DPMeZOBCD(DPZero):
             clipped_sums.append(clip_scalars(differences[-1], self.clip).sum())
             if k < len(seeds) - 1:
                 self.restore()
-        projected = self.privacy.release(torch.stack(clipped_sums), DERIVATIVES, batch_size=size)  # ours: + z, / B
+        projected = self.privacy.release(stack_sums(clipped_sums), DERIVATIVES, batch_size=size)  # ours: + z, / B
         if self.selection == "adaptive":
             self.record_score(block, projected)                                         # Alg. 4 lines 15-21
         coefficients = dict(zip(seeds, projected.unbind()))

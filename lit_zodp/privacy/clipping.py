@@ -21,8 +21,9 @@ def check_clip(clip: float) -> None:
 
 def finite_or_zero(values: Tensor) -> Tensor:
     """Non-finite per-example values (NaN, +-inf) contribute zero: a crafted record that makes its
-    loss NaN or infinite must not get unbounded influence on the released sum."""
-    return torch.where(torch.isfinite(values), values, torch.zeros_like(values))
+    loss NaN or infinite must not get unbounded influence on the released sum. (One kernel: on a GPU
+    a step's small ops cost their launches; ``where(isfinite(v), v, 0)`` took six.)"""
+    return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def clip_scalars(values: Tensor, clip: float) -> Tensor:

@@ -137,16 +137,17 @@ class PrivacyComponent:
 
     # ------------------------------------------------------------------------------ plan
     def plan(self, *, step_plan: StepPlan, sampling: SamplingDescription, planned_steps: int,
-             reduce_sum: ReduceSum = _identity, broadcast: Callable[[Any], Any] = _identity,
+             reduce_sum: Optional[ReduceSum] = _identity, broadcast: Callable[[Any], Any] = _identity,
              spend_log: Optional[SpendLog] = None) -> None:
         """Fix sigma, delta and the budget for this fit, and draw a fresh secret noise source.
 
-        ``broadcast`` shares rank 0's value (DDP); the secret noise seed is shared this way once
+        ``reduce_sum``: the all-reduce SUM across DDP ranks (``None``: one process). ``broadcast`` shares
+        rank 0's value (DDP); the secret noise seed is shared this way once
         per fit start, so every rank adds the same draw after the all-reduce. ``spend_log`` (rank 0's;
         ``None`` elsewhere): the other branches' releases join the ledger, and this fit's are recorded.
         """
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
-        self._reduce_sum = reduce_sum
+        self._reduce_sum = reduce_sum or _identity
         self._released = []
         restored = self._restored_plan or {}
         self.delta = self._resolve_delta(restored.get("delta"))
@@ -544,13 +545,15 @@ class NonPrivate:
         self.steps = 0
 
     def plan(self, *, step_plan: StepPlan, sampling=None, planned_steps=None,
-             reduce_sum: ReduceSum = _identity, broadcast=_identity, spend_log=None) -> None:
-        self.step_plan, self.sampling, self._reduce_sum = tuple(step_plan), sampling, reduce_sum
+             reduce_sum: Optional[ReduceSum] = _identity, broadcast=_identity, spend_log=None) -> None:
+        self.step_plan, self.sampling, self._reduce_sum = tuple(step_plan), sampling, reduce_sum or _identity
 
     def end_fit(self) -> None:
         pass
 
     def release(self, clipped_sum: Tensor, name: str, *, batch_size: int) -> Tensor:
+        if self._reduce_sum is _identity:  # one process: the realized size is a Python int already
+            return clipped_sum / float(max(batch_size, 1))
         size = torch.full((1,), float(batch_size), device=clipped_sum.device, dtype=clipped_sum.dtype)
         reduced = self._reduce_sum(torch.cat([clipped_sum.reshape(-1), size]))
         return (reduced[:-1] / reduced[-1].clamp_min(1.0)).reshape(clipped_sum.shape)
