@@ -376,7 +376,7 @@ def _build_groups(params, offsets, block: int) -> list[_Group]:
 
 
 def _term_tables(terms: _Terms, device: torch.device) -> tuple[Tensor, Tensor]:
-    """int64 seeds (K,) and float32 scalars (3, K): pending, plain scale, coefficient.
+    """int64 seeds (K,) and float32 scalars (3K,): the K pending scales, the K plain scales, the K coefficients.
 
     One host-to-device copy per pass: the seeds and the scalars' float32 bits travel in one int64
     buffer, of which both tables are views. Device-resident coefficients are copied into their row on
@@ -546,13 +546,16 @@ if triton is not None:
     def _rand4x(seed, offset):
         """``tl.rand4x(seed, offset)`` (Philox4x32-10 on counter ``(offset, 0, 0)``, four uniforms), bit for bit,
         its multiplies each one widening product."""
-        seed = seed.to(tl.uint64)
+        seed = tl.to_tensor(seed).to(tl.uint64)  # a seed of 1 arrives as a constant (Triton specialises it)
         k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
         k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
         c0 = offset.to(tl.uint32)
-        c1 = (offset >> 32).to(tl.uint32)
         c2 = c0 * 0
         c3 = c0 * 0
+        if tl.constexpr(offset.dtype.primitive_bitwidth) > 32:
+            c1 = (offset >> 32).to(tl.uint32)
+        else:
+            c1 = c0 * 0
         for _ in tl.static_range(10):
             hi_b, lo_b = _mulhilo(c2, 0xCD9E8D57)
             hi_a, lo_a = _mulhilo(c0, 0xD2511F53)
