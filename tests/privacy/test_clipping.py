@@ -63,3 +63,15 @@ def test_infinite_clip_is_identity_and_fraction():
 def test_bad_clip_raises(bad):
     with pytest.raises(PrivacyConfigError, match="clip"):
         check_clip(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_non_finite_scalars_contribute_zero_and_finite_ones_are_clamped(dtype):
+    """NaN and +-inf per-example scalars count as 0 (a crafted record gets no unbounded influence), with a
+    finite clip and without one; finite values, -0.0 included, are clamped or kept bitwise."""
+    v = torch.tensor([math.nan, math.inf, -math.inf, 2.0, -0.5, -0.0, -3.0], dtype=dtype)
+    clipped = clip_scalars(v, 1.0)
+    assert clipped.dtype == dtype and torch.equal(clipped, torch.tensor([0, 0, 0, 1.0, -0.5, -0.0, -1.0], dtype=dtype))
+    unclipped = clip_scalars(v, math.inf)
+    assert torch.equal(unclipped, torch.tensor([0, 0, 0, 2.0, -0.5, -0.0, -3.0], dtype=dtype))
+    assert torch.signbit(unclipped[5]) and float(clipped.sum()) == -0.5
