@@ -107,10 +107,7 @@ def interpreted_runs() -> dict:
     out["far"] = scenario(make_params(torch.float32, [(13,), (300,), (7, 9)]), backend="triton", block=BLOCK,
                           offsets=FAR_OFFSETS)
     out["other_tile"] = scenario(make_params(torch.bfloat16), backend="triton", block=256, num_warps=2)
-    x = bf16_rounding_cases()
-    out["bf16_rounded"], out["bf16_stored"] = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bfloat16)
-    _bf16_rounding_kernel[(triton.cdiv(x.numel(), 1024),)](x, out["bf16_rounded"], out["bf16_stored"], x.numel(),
-                                                            HW_ROUND=False, BLOCK=1024)
+    out["bf16_rounded"], out["bf16_stored"] = bf16_roundings(bf16_rounding_cases(), hw_round=False)
     v = series_grid()
     out["series"] = torch.empty_like(v)
     _series_kernel[(triton.cdiv(v.numel(), 1024),)](v, out["series"], v.numel(), BLOCK=1024)
@@ -123,6 +120,14 @@ def uniforms_of_both(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     out = torch.empty(8, n, device=offsets.device)
     _uniforms_kernel[(triton.cdiv(n, 1024),)](out, seed, offsets, n, BLOCK=1024)
     return out
+
+
+def bf16_roundings(x: torch.Tensor, hw_round: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's bf16 rounding of ``x``: kept in float32 (``_round_as``) and stored as bf16 (``_store_as``)."""
+    rounded, stored = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    _bf16_rounding_kernel[(triton.cdiv(x.numel(), 1024),)](x, rounded, stored, x.numel(), HW_ROUND=hw_round,
+                                                            BLOCK=1024)
+    return rounded, stored
 
 
 def series_grid() -> torch.Tensor:
@@ -631,9 +636,7 @@ def test_cuda_hardware_bf16_rounding_equals_integer_rounding():
     x = bf16_rounding_cases().cuda()
     results = {}
     for hw_round in (True, False):
-        rounded, stored = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
-        _bf16_rounding_kernel[(triton.cdiv(x.numel(), 1024),)](x, rounded, stored, x.numel(), HW_ROUND=hw_round,
-                                                                BLOCK=1024)
+        rounded, stored = bf16_roundings(x, hw_round)
         results[hw_round] = (rounded.view(torch.int32).cpu(), stored.view(torch.int16).cpu())
     number = ~x.isnan().cpu()
     expected = x.cpu().to(torch.bfloat16)  # torch's rounding too
