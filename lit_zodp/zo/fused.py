@@ -150,6 +150,7 @@ class FusedPerturbation:
         # no PTX under the interpreter; ROCm's libdevice has no fast log2/cos/sin
         self.fast_math = (bool(fast_math) and libdevice is not None and not interpreting()
                           and torch.version.hip is None)
+        self.hw_round = not interpreting()  # bf16 by cvt.rn (the interpreter's conversion truncates)
         self.pending: dict[int, float] = {}
         self._groups: list[_Group] | None = None
         self._layout_key: tuple = ()
@@ -221,7 +222,7 @@ class FusedPerturbation:
         for group in self._layout():
             rates = self._rate_tables(group, lrs, decays)
             _launch(group, seeds, scalars, len(terms), rates, terms.restores, self.block, self.num_warps,
-                    self.fast_math)
+                    self.fast_math, self.hw_round)
 
     def _layout(self) -> list["_Group"]:
         """Device tables per dtype, rebuilt if a parameter moved (``.to()``, ``.data =``)."""
@@ -425,13 +426,13 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 def _launch(group: _Group, seeds: Tensor, scalars: Tensor, num_terms: int, rates, restores: bool,
-            block: int, num_warps: int, fast_math: bool) -> None:
+            block: int, num_warps: int, fast_math: bool, hw_round: bool) -> None:
     lrs, decays = rates if rates is not None else (scalars, scalars)  # unused when UPDATE is False
     grid = (group.owners.numel(),)
     _zo_pass_kernel[grid](group.table, group.owners, seeds, scalars, num_terms, lrs, decays,
                           DTYPE=_tl_dtype(group.dtype), BLOCK=block, RESTORE=restores,
                           UPDATE=rates is not None, ALIGNED=group.aligned, FAST_MATH=fast_math,
-                          HW_ROUND=not interpreting(), ROW=row_length(group.dtype, block, num_warps),
+                          HW_ROUND=hw_round, ROW=row_length(group.dtype, block, num_warps),
                           num_warps=num_warps)
 
 
