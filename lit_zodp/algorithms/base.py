@@ -27,8 +27,8 @@ from torchmetrics.classification import MulticlassAccuracy
 from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per_example_loss, predict
 from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, check_positive, check_positive_int,
                              raise_if_any)
-from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, beyond_tolerance, buffer_state,
-                                         check_recheck_probability, eval_mode, recheck_drawn, refuse_batch_mixing,
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, RecheckClock, beyond_tolerance,
+                                         buffer_state, check_recheck_probability, eval_mode, refuse_batch_mixing,
                                          refuse_buffer_writes, rows_agree, rows_differ, step_mode_recompute,
                                          warn_unchecked_training_mode)
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
@@ -131,6 +131,7 @@ class AlgorithmModule(pl.LightningModule):
         self._buffers_before: Optional[BufferState] = None
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
         self.recheck_probability = recheck_probability
+        self.recheck_clock = RecheckClock(recheck_probability)
         self._recheck_pending = False  # a step drawn for a re-check, until a batch of it could compare
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
         if self.private and self.log_private_stats:
@@ -191,15 +192,14 @@ class AlgorithmModule(pl.LightningModule):
 
     def configure_callbacks(self):
         """:class:`~lit_zodp.callbacks.StopRanksOnError` (a DDP fit whose rank 0 fails leaves no rank
-        waiting) and, for a private module, the privacy callback: each unless the Trainer already has one
-        (a user's instance, or this module's from an earlier fit or test: Lightning would announce that
+        waiting), or for a private module the privacy callback, which is one: unless the Trainer already has
+        one (a user's instance, or this module's from an earlier fit or test: Lightning would announce that
         it overrides it)."""
         from lit_zodp.callbacks import PrivacySpendCallback, StopRanksOnError
 
-        wanted = [PrivacySpendCallback()] if self.private else []
-        wanted.append(StopRanksOnError())
+        wanted = PrivacySpendCallback() if self.private else StopRanksOnError()
         present = self.trainer.callbacks if self._trainer is not None else []
-        return [c for c in wanted if not any(isinstance(p, type(c)) for p in present)]
+        return [] if any(isinstance(p, type(wanted)) for p in present) else [wanted]
 
     def on_train_start(self) -> None:
         """Plan the privacy of this fit: sampling from the real sampler, sigma, budget, fresh noise."""
@@ -387,7 +387,7 @@ class AlgorithmModule(pl.LightningModule):
             self.trainer.should_stop = True
             return -1  # one more step would spend past the budget: stop here
         if self.private and not self._recheck_pending:
-            self._recheck_pending = recheck_drawn(self.recheck_probability)  # the halves check runs again
+            self._recheck_pending = self.recheck_clock.due()  # the halves check runs again
         self._step_started = time.perf_counter()
         return None
 

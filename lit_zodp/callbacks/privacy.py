@@ -12,26 +12,30 @@ import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_zodp.callbacks.ranks import StopRanksOnError
 from lit_zodp.errors import check_positive_int, raise_if_any
 
 
-class PrivacySpendCallback(Callback):
+class PrivacySpendCallback(StopRanksOnError):
     """Logs the privacy spent by a module with a privacy component.
 
     Args:
         log_every_n_steps: how often epsilon is recomputed and logged. ``None`` (default): as often
             as keeps the accountant under 0.5% of the training time (each logged value is the exact
             upper bound at its step; the last step is always logged), so accounting costs nothing
-            visible next to a step. The first step only measures the step time; the accountant's
-            cost starts from the one measured at fit start (``PrivacyComponent.accounting_seconds``).
+            visible next to a step. The step time is the mean step since the last epsilon (the first
+            step of a fit, with its checks, is not timed); the accountant's cost starts from the one
+            measured at fit start (``PrivacyComponent.accounting_seconds``).
 
     The metric is ``epsilon`` (logged and in the progress bar). A ``sampling: shuffle`` run logs it as
     ``epsilon_poisson_assumed`` instead: its shuffled batches are accounted as Poisson, so the value is
     no guarantee, and a dashboard, monitor or progress bar reading ``epsilon`` must not show it as one. The
     progress bar shows it as ``epsilon*`` (:data:`ASSUMED_BAR_NAME`: the long name was cut at 80 columns).
+
+    It is also a :class:`~lit_zodp.callbacks.StopRanksOnError`: a private fit runs one lit_zodp callback, not
+    two (Lightning dispatches every hook of a step to every callback, about 6 us per callback on the quickstart).
     """
 
     ACCOUNTING_TIME_SHARE = 0.005
@@ -44,7 +48,7 @@ class PrivacySpendCallback(Callback):
         self._accounting_seconds = 0.0
         self._last_logged_step = 0  # epsilon is due ``cadence`` steps after this one (set again at train start)
         self._next_due_step = 0  # the first step at which epsilon may be due
-        self._last_batch_end: Optional[float] = None
+        self._window: Optional[tuple[int, float]] = None  # (step, clock) where the timed steps start
         self._step_seconds = 0.0
         self._budget_announced = False
 
@@ -55,12 +59,14 @@ class PrivacySpendCallback(Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Count the cadence from the step this fit starts at (0, or a resumed checkpoint's step)."""
         self._last_logged_step = self._next_due_step = trainer.global_step
+        self._window, self._budget_announced = None, False
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                              batch: Any, batch_idx: int) -> None:
-        privacy = pl_module.privacy
-        if not self._budget_announced and privacy.steps_allowed is not None:
-            self._budget_announced = True
+        if self._budget_announced:
+            return
+        self._budget_announced, privacy = True, pl_module.privacy
+        if privacy.steps_allowed is not None:
             remaining = privacy.planned_steps - trainer.global_step
             if privacy.steps_allowed < remaining:
                 rank_zero_info(f"Privacy budget {epsilon_metric(privacy)}={privacy.budget:g} allows "
@@ -69,22 +75,21 @@ class PrivacySpendCallback(Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        now = time.perf_counter()
-        if self._last_batch_end is not None:
-            elapsed = now - self._last_batch_end
-            self._step_seconds = 0.9 * self._step_seconds + 0.1 * elapsed if self._step_seconds else elapsed
-        self._last_batch_end = now
         privacy, step = pl_module.privacy, trainer.global_step
         last = trainer.should_stop or privacy.budget_exhausted or step >= trainer.max_steps > 0
-        if step < self._next_due_step and not last:  # most steps: nothing more (a few microseconds a step)
+        if step < self._next_due_step and not last:  # most steps: nothing more (no clock read)
             return
+        now = time.perf_counter()
+        if self._window is not None and step > self._window[0]:  # the mean step since the window started
+            self._step_seconds = (now - self._window[1]) / (step - self._window[0])
         if not self._accounting_seconds:
             self._accounting_seconds = getattr(privacy, "accounting_seconds", 0.0)
         cadence = self._cadence()
         if last or step - self._last_logged_step >= cadence:
             self._log_epsilon(pl_module, privacy, now)
             self._last_logged_step = step
-            self._last_batch_end = time.perf_counter()  # the step time excludes the accountant's
+            now = time.perf_counter()  # the step time excludes the accountant's
+        self._window = (step, now)  # (the first step of a fit, with its checks, ends before the window)
         # the cadence is known once a step was timed: until then, ask again at the next step
         self._next_due_step = self._last_logged_step + cadence if math.isfinite(cadence) else step + 1
 
