@@ -31,7 +31,7 @@ def clip_scalars(values: Tensor, clip: float) -> Tensor:
     values = finite_or_zero(values)
     if math.isinf(clip):
         return values
-    return values.clamp(-clip, clip)
+    return values.clamp_(-clip, clip)  # (in place on nan_to_num's new tensor)
 
 
 def clip_factors(norms: Tensor, clip: float) -> Tensor:

@@ -57,6 +57,22 @@ def _identity(tensor: Tensor) -> Tensor:
     return tensor
 
 
+@dataclass(frozen=True)
+class StepConstants:
+    """What every step of a fit reads, made once per (step plan, sampling, sigma): a step does no arithmetic.
+
+    ``stds``: each release's noise std (``noise * sigma * C``, 0 at sigma = 0); ``divisor``: the expected batch
+    size ``B``; ``names``: the plan's release names, sorted; ``cost``: one step's ``(mechanism, count)`` records
+    (empty at sigma = 0, which records nothing).
+    """
+
+    made_for: tuple
+    stds: dict
+    divisor: float
+    names: list
+    cost: list
+
+
 @dataclass
 class DirectionRelease:
     """A released vector ``(S u + xi) / B`` applied lazily: ``coefficient * u - noise_coefficient * xi``."""
@@ -134,6 +150,7 @@ class PrivacyComponent:
         self.branch: Optional[str] = None  # this fit's branch id
         self._spend_log: Optional[SpendLog] = None
         self._attached: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self._step_constants: Optional[StepConstants] = None
 
     # ------------------------------------------------------------------------------ plan
     def plan(self, *, step_plan: StepPlan, sampling: SamplingDescription, planned_steps: int,
@@ -280,21 +297,22 @@ class PrivacyComponent:
         return [(self.sampling.mechanism(composed_multiplier(self.step_plan, sigma)), steps)]
 
     def _one_step_cost(self) -> list:
-        """``_steps_cost(1, sigma)``, built once per (plan, sampling, sigma): a step commits it. The plan and
-        the sampling are compared by identity (held here, so no new object can take an old one's id) and
-        sigma by value: no hashing of dataclasses in a step."""
-        made_for = getattr(self, "_step_cost_for", None)
-        if (made_for is None or made_for[0] is not self.step_plan or made_for[1] is not self.sampling
-                or made_for[2] != self.noise_multiplier):
-            self._step_cost_for = (self.step_plan, self.sampling, self.noise_multiplier)
-            self._step_cost = self._steps_cost(1, self.noise_multiplier)
-        return self._step_cost
+        """``_steps_cost(1, sigma)``: what a step commits."""
+        return self._constants().cost
 
-    def _plan_names(self) -> list[str]:
-        """The step plan's release names, sorted (made once per plan)."""
-        if getattr(self, "_names_of", None) is not self.step_plan:
-            self._names_of, self._planned_names = self.step_plan, sorted(release.name for release in self.step_plan)
-        return self._planned_names
+    def _constants(self) -> StepConstants:
+        """The :class:`StepConstants` of the current plan, sampling and sigma, made again when one changed. The
+        plan and the sampling are compared by identity (held here, so no new object can take an old one's id)
+        and sigma by value: a sigma set after the plan is the one released AND committed."""
+        constants = self._step_constants
+        if (constants is None or constants.made_for[0] is not self.step_plan
+                or constants.made_for[1] is not self.sampling or constants.made_for[2] != self.noise_multiplier):
+            constants = self._step_constants = StepConstants(
+                made_for=(self.step_plan, self.sampling, self.noise_multiplier),
+                stds={release.name: self._noise_std(release) if self.is_private else 0.0 for release in self.step_plan},
+                divisor=self.expected_batch_size, names=sorted(release.name for release in self.step_plan),
+                cost=self._steps_cost(1, self.noise_multiplier) if self.is_private else [])
+        return constants
 
     def _check_single_pass(self) -> None:
         """A single pass is accounted once (parallel composition), so it must BE one pass, by one example.
@@ -360,11 +378,11 @@ class PrivacyComponent:
         ``batch_size`` (the realized size) is ignored: dividing by it would leak it. Every rank
         adds the same draw after the all-reduce (shared secret), so all ranks hold the same value.
         """
-        release = self._declared(name)
+        std, divisor = self._declared(name)
         total = self._reduce_sum(clipped_sum)
-        if self.is_private:
-            return self.noise.noised(total, self._noise_std(release), divisor=self.expected_batch_size)
-        return total / self.expected_batch_size
+        if std:
+            return self.noise.noised(total, std, divisor=divisor)
+        return total / divisor
 
     def _noise_std(self, release) -> float:
         """``noise * sigma * C``, doubled for replace-one neighbours (sensitivity 2C)."""
@@ -376,21 +394,23 @@ class PrivacyComponent:
         ``S`` is the clipped sum of the scalars along ``u``; ``xi`` is generated lazily by the
         perturbation engine from a fresh 128-bit secret key, chunk by chunk.
         """
-        release = self._declared(name)
-        B = self.expected_batch_size
+        std, B = self._declared(name)
         coefficient = self._reduce_sum(clipped_sum) / B
-        if not self.is_private:
+        if not std:
             return DirectionRelease(coefficient, None, 0.0)
-        return DirectionRelease(coefficient, self.noise.vector_key(), self._noise_std(release) / B)
+        return DirectionRelease(coefficient, self.noise.vector_key(), std / B)
 
-    def _declared(self, name: str):
-        if self.sampling is None or (self.is_private and self.noise is None):
+    def _declared(self, name: str) -> tuple[float, float]:
+        """The noise std of the plan's release ``name`` and the divisor ``B``; the release is recorded for
+        :meth:`commit_step`."""
+        if self.sampling is None or (self.noise is None and self.is_private):
             raise AccountingError("release() outside a fit: the module plans (and draws its secret noise) at fit start")
-        for release in self.step_plan:
-            if release.name == name:
-                self._released.append(name)
-                return release
-        raise AccountingError(f"Release {name!r} is not in the step plan {[r.name for r in self.step_plan]}")
+        constants = self._constants()
+        std = constants.stds.get(name)
+        if std is None:
+            raise AccountingError(f"Release {name!r} is not in the step plan {[r.name for r in self.step_plan]}")
+        self._released.append(name)
+        return std, constants.divisor
 
     # ------------------------------------------------------------------------ accounting
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -414,15 +434,16 @@ class PrivacyComponent:
         A step that released more than its plan is recorded as the steps that cover its releases
         before this raises: those releases are in the weights already.
         """
-        released, planned, self._released = sorted(self._released), self._plan_names(), []
+        constants, released, self._released = self._constants(), self._released, []
+        released.sort()
+        planned = constants.names
         steps = 1 if released == planned else _steps_covering(released, planned)
-        if self.is_private:
-            for _ in range(steps):
-                for mechanism, count in self._one_step_cost():
-                    self.ledger.record(mechanism, count)
-                if self._spend_log is not None:
-                    self._spend_log.count_step()
-                self.branches[self.branch] += 1
+        if constants.cost:  # private
+            for mechanism, count in constants.cost:
+                self.ledger.record(mechanism, count * steps)
+            if self._spend_log is not None:
+                self._spend_log.count_step(steps)
+            self.branches[self.branch] += steps
         else:
             self.noiseless_steps += steps
         if self.steps_allowed is not None:

@@ -98,10 +98,10 @@ class SpendLog:
                           f"run will not be counted. Set {SPEND_DIR_ENV} to a writable directory.",
                           LitZodpWarning, stacklevel=2)
 
-    def count_step(self) -> None:
-        """One more step of this branch."""
+    def count_step(self, steps: int = 1) -> None:
+        """``steps`` more steps of this branch."""
         if self._map is not None:
-            self._steps += 1
+            self._steps += steps
             self._map[self._at:self._at + STEPS_WIDTH] = b"%*d" % (STEPS_WIDTH, self._steps)
 
     def close(self) -> None:
