@@ -415,5 +415,41 @@ def test_recheck_draws_are_uniform_os_values_and_a_forked_child_does_not_repeat_
     in_child = json.loads(os.read(read, 10_000).decode())
     in_parent = [checks._OS_UNIFORM() for _ in range(8)]
     assert not set(in_child) & set(in_parent)
-    assert [checks.recheck_drawn(0.0) for _ in range(100)] == [False] * 100
-    assert [checks.recheck_drawn(1.0) for _ in range(100)] == [True] * 100
+
+
+def test_the_recheck_clock_draws_each_step_independently_with_its_probability():
+    """The clock draws gaps, not steps: its steps must still be Bernoulli(p), each independent of the
+    last. Checked on 200,000 steps at p = 0.2: the rate, the gap law P(gap = k) = (1 - p)^(k-1) p, and
+    the rate after a re-check (a gap off by one fails all three); p = 0 never, p = 1 always; a copy and a
+    forked child draw their own schedule."""
+    import copy
+    import json
+    import os
+
+    from lit_zodp.per_example.checks import RecheckClock
+
+    p, steps = 0.2, 200_000
+    clock = RecheckClock(p)
+    due = [clock.due() for _ in range(steps)]
+    assert sum(due) == pytest.approx(p * steps, abs=5 * (steps * p * (1 - p)) ** 0.5)
+    at = [t for t, d in enumerate(due) if d]
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    for k in range(1, 6):
+        expected = (1 - p) ** (k - 1) * p
+        assert gaps.count(k) / len(gaps) == pytest.approx(expected, abs=5 * (expected / len(gaps)) ** 0.5)
+    after = [due[t + 1] for t in at[:-1]]
+    assert sum(after) / len(after) == pytest.approx(p, abs=5 * (p * (1 - p) / len(after)) ** 0.5)
+    assert not any(RecheckClock(0.0).due() for _ in range(1000))
+    assert all(RecheckClock(1.0).due() for _ in range(1000))
+
+    half = RecheckClock(0.5)
+    twin = copy.deepcopy(half)
+    assert [half.due() for _ in range(64)] != [twin.due() for _ in range(64)]  # equal with probability 2^-64
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        os.write(write, json.dumps([half.due() for _ in range(64)]).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    assert json.loads(os.read(read, 10_000).decode()) != [half.due() for _ in range(64)]
