@@ -257,7 +257,8 @@ class AlgorithmModule(pl.LightningModule):
         losses = self._losses(inputs, targets)
         if self._buffers_before:  # a layer that writes a buffer even in eval mode (microseconds; none: nothing)
             refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
-        self._run_due_checks(inputs, targets, losses)
+        if self._pending_checks or self._recheck_pending:  # (most steps: no call)
+            self._run_due_checks(inputs, targets, losses)
         return losses
 
     def _losses(self, inputs, targets) -> Tensor:
@@ -386,8 +387,8 @@ class AlgorithmModule(pl.LightningModule):
         if self.privacy.budget_exhausted:
             self.trainer.should_stop = True
             return -1  # one more step would spend past the budget: stop here
-        if self.private and not self._recheck_pending:
-            self._recheck_pending = self.recheck_clock.due()  # the halves check runs again
+        if self.private and not self._recheck_pending and self.recheck_clock.due():
+            self._recheck_pending = True  # the halves check runs again (set only then: Module.__setattr__ is slow)
         self._step_started = time.perf_counter()
         return None
 
