@@ -27,7 +27,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per_example_loss, predict
 from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, check_positive, check_positive_int,
                              raise_if_any)
-from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, RecheckClock, beyond_tolerance,
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, RecheckProbability, beyond_tolerance,
                                          buffer_state, check_recheck_probability, eval_mode, refuse_batch_mixing,
                                          refuse_buffer_writes, rows_agree, rows_differ, step_mode_recompute,
                                          warn_unchecked_training_mode)
@@ -84,6 +84,7 @@ class AlgorithmModule(pl.LightningModule):
     non_private_twin: ClassVar[Optional[str]] = None
     #: Registered for the contract suite unless abstract.
     abstract: ClassVar[bool] = True
+    recheck_probability = RecheckProbability()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -130,8 +131,7 @@ class AlgorithmModule(pl.LightningModule):
             backbone.row_shapes = True
         self._buffers_before: Optional[BufferState] = None
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
-        self.recheck_probability = recheck_probability
-        self.recheck_clock = RecheckClock(recheck_probability)
+        self.recheck_probability = recheck_probability  # (makes its recheck_clock)
         self._recheck_pending = False  # a step drawn for a re-check, until a batch of it could compare
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
         if self.private and self.log_private_stats:
@@ -192,9 +192,9 @@ class AlgorithmModule(pl.LightningModule):
 
     def configure_callbacks(self):
         """:class:`~lit_zodp.callbacks.StopRanksOnError` (a DDP fit whose rank 0 fails leaves no rank
-        waiting), or for a private module the privacy callback, which is one: unless the Trainer already has
-        one (a user's instance, or this module's from an earlier fit or test: Lightning would announce that
-        it overrides it)."""
+        waiting), or for a private module the privacy callback, which stops them too: unless the Trainer
+        already has one (a user's instance, or this module's from an earlier fit or test: Lightning would
+        announce that it overrides it)."""
         from lit_zodp.callbacks import PrivacySpendCallback, StopRanksOnError
 
         wanted = PrivacySpendCallback() if self.private else StopRanksOnError()

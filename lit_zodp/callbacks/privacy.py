@@ -12,13 +12,14 @@ import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_zodp.callbacks.ranks import StopRanksOnError
+from lit_zodp.callbacks.ranks import stop_started_ranks
 from lit_zodp.errors import check_positive_int, raise_if_any
 
 
-class PrivacySpendCallback(StopRanksOnError):
+class PrivacySpendCallback(Callback):
     """Logs the privacy spent by a module with a privacy component.
 
     Args:
@@ -34,8 +35,10 @@ class PrivacySpendCallback(StopRanksOnError):
     no guarantee, and a dashboard, monitor or progress bar reading ``epsilon`` must not show it as one. The
     progress bar shows it as ``epsilon*`` (:data:`ASSUMED_BAR_NAME`: the long name was cut at 80 columns).
 
-    It is also a :class:`~lit_zodp.callbacks.StopRanksOnError`: a private fit runs one lit_zodp callback, not
-    two (Lightning dispatches every hook of a step to every callback, about 6 us per callback on the quickstart).
+    It also stops the ranks this process started when it fails, as :class:`~lit_zodp.callbacks.StopRanksOnError`
+    does: a private fit runs one lit_zodp callback, not two (Lightning dispatches every hook of a step to every
+    callback, about 6 us per callback on the quickstart). Not a subclass of it: a Trainer's own
+    ``StopRanksOnError`` would then be overridden (Lightning matches the callbacks a module adds by subclass).
     """
 
     ACCOUNTING_TIME_SHARE = 0.005
@@ -110,6 +113,9 @@ class PrivacySpendCallback(StopRanksOnError):
         if not self._step_seconds:
             return 1 if not self._accounting_seconds else math.inf  # the step time is not known yet
         return max(1, math.ceil(self._accounting_seconds / (self.ACCOUNTING_TIME_SHARE * self._step_seconds)))
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        stop_started_ranks(trainer, exception)
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.epsilon = pl_module.privacy.epsilon()  # the ledger's cached bounds when the last step computed them

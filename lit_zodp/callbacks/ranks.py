@@ -30,16 +30,22 @@ def launched_ranks(trainer: "pl.Trainer") -> list:
     return [proc for proc in launcher.procs if proc.poll() is None]
 
 
-class StopRanksOnError(Callback):
+def stop_started_ranks(trainer: "pl.Trainer", exception: BaseException) -> None:
     """On an error in the process that launched the other ranks, stop them (module docstring)."""
+    running = launched_ranks(trainer)
+    if not running:
+        return
+    sys.stderr.write(f"lit-zodp: rank {trainer.global_rank} failed ({type(exception).__name__}); stopping the "
+                     f"{len(running)} rank(s) it started\n")
+    trainer.strategy.launcher.kill(_get_sigkill_signal())
+
+
+class StopRanksOnError(Callback):
+    """On an error in the process that launched the other ranks, stop them (module docstring). A private
+    module's :class:`~lit_zodp.callbacks.PrivacySpendCallback` does it too, so its fit needs no second callback."""
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        running = launched_ranks(trainer)
-        if not running:
-            return
-        sys.stderr.write(f"lit-zodp: rank {trainer.global_rank} failed ({type(exception).__name__}); stopping the "
-                         f"{len(running)} rank(s) it started\n")
-        trainer.strategy.launcher.kill(_get_sigkill_signal())
+        stop_started_ranks(trainer, exception)
 
 
 def rank_label() -> str:
@@ -51,4 +57,4 @@ def rank_label() -> str:
     return f"rank {dist.get_rank()}: " if dist.get_world_size() > 1 else ""
 
 
-__all__ = ["StopRanksOnError", "launched_ranks", "rank_label"]
+__all__ = ["StopRanksOnError", "launched_ranks", "rank_label", "stop_started_ranks"]

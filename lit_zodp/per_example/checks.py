@@ -63,6 +63,7 @@ class RecheckClock:
     """
 
     def __init__(self, probability: float) -> None:
+        raise_if_any([check_recheck_probability(probability)])
         self.probability = probability
         self._left = self._gap()
         _CLOCKS.add(self)
@@ -86,6 +87,17 @@ class RecheckClock:
             return False
         self._left = self._gap()
         return True
+
+
+class RecheckProbability:
+    """The ``recheck_probability`` attribute of an owner of a ``recheck_clock``: reads the clock's probability,
+    and setting it makes a new clock (a probability changed after construction takes effect)."""
+
+    def __get__(self, owner: Any, cls: Any = None) -> Any:
+        return self if owner is None else owner.recheck_clock.probability
+
+    def __set__(self, owner: Any, probability: float) -> None:
+        owner.recheck_clock = RecheckClock(probability)
 
 
 _CLOCKS: "weakref.WeakSet[RecheckClock]" = weakref.WeakSet()

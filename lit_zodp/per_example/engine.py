@@ -82,9 +82,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import CallKey, _disagreeing, _RowSummaries, misaligned_calls
-from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, RecheckClock, buffer_state, check_losses, check_mode,
-                                         check_recheck_probability, check_transform, eval_mode, flat_rows,
-                                         refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes,
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, RecheckProbability, buffer_state, check_losses,
+                                         check_mode, check_recheck_probability, check_transform, eval_mode,
+                                         flat_rows, refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes,
                                          refuse_compiled, refuse_reentrant_checkpointing, rows_agree,
                                          step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
@@ -327,6 +327,8 @@ class PerExampleGradientEngine:
             a private forward that writes a buffer of ``module`` (:func:`.checks.refuse_buffer_writes`).
     """
 
+    recheck_probability = RecheckProbability()
+
     def __init__(self, module: nn.Module, *, mode: str = "hooks", transform: Optional[Transform] = None,
                  recheck_probability: float = RECHECK_PROBABILITY):
         raise_if_any([check_mode(mode), check_transform(transform, mode),
@@ -334,8 +336,7 @@ class PerExampleGradientEngine:
         refuse_batchnorm(module)
         refuse_compiled(module)
         self.module, self.mode, self.transform = module, mode, as_transform(transform)
-        self.recheck_probability = recheck_probability
-        self.recheck_clock = RecheckClock(recheck_probability)
+        self.recheck_probability = recheck_probability  # (makes its recheck_clock)
         self.recheck_next = False
         #: Recompute the halves of the batch-independence check at the call's own shape (set by modules
         #: running ``fixed_forward_rows``, whose private forwards must all have one shape).

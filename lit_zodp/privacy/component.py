@@ -59,7 +59,7 @@ def _identity(tensor: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class StepConstants:
-    """What every step of a fit reads, made once per (step plan, sampling, sigma): a step does no arithmetic.
+    """What every step of a fit reads, made once per (step plan, sampling, sigma, clip): a step does no arithmetic.
 
     ``stds``: each release's noise std (``noise * sigma * C``, 0 at sigma = 0); ``divisor``: the expected batch
     size ``B``; ``names``: the plan's release names, sorted; ``cost``: one step's ``(mechanism, count)`` records
@@ -117,6 +117,7 @@ class PrivacyComponent:
     """
 
     private = True
+    _step_constants: Optional[StepConstants] = None  # (a class default: components pickled before stop 34 lack it)
 
     def __init__(self, *, clip: float = 1.0, target_epsilon: Optional[float] = None,
                  noise_multiplier: Optional[float] = None, delta: Optional[float] = None,
@@ -150,7 +151,6 @@ class PrivacyComponent:
         self.branch: Optional[str] = None  # this fit's branch id
         self._spend_log: Optional[SpendLog] = None
         self._attached: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-        self._step_constants: Optional[StepConstants] = None
 
     # ------------------------------------------------------------------------------ plan
     def plan(self, *, step_plan: StepPlan, sampling: SamplingDescription, planned_steps: int,
@@ -301,14 +301,17 @@ class PrivacyComponent:
         return self._constants().cost
 
     def _constants(self) -> StepConstants:
-        """The :class:`StepConstants` of the current plan, sampling and sigma, made again when one changed. The
-        plan and the sampling are compared by identity (held here, so no new object can take an old one's id)
-        and sigma by value: a sigma set after the plan is the one released AND committed."""
+        """The :class:`StepConstants` of the current plan, sampling, sigma and clip, made again when one changed.
+        The plan and the sampling are compared by identity (held here, so no new object can take an old one's
+        id), the numbers by value: a sigma or clip set after the plan is the one released AND committed."""
         constants = self._step_constants
         if (constants is None or constants.made_for[0] is not self.step_plan
-                or constants.made_for[1] is not self.sampling or constants.made_for[2] != self.noise_multiplier):
+                or constants.made_for[1] is not self.sampling
+                or constants.made_for[2:] != (self.noise_multiplier, self.clip, self.sensitivity_factor)):
+            if self.sampling is None:
+                raise AccountingError("A step outside a fit: the module plans its releases at fit start")
             constants = self._step_constants = StepConstants(
-                made_for=(self.step_plan, self.sampling, self.noise_multiplier),
+                made_for=(self.step_plan, self.sampling, self.noise_multiplier, self.clip, self.sensitivity_factor),
                 stds={release.name: self._noise_std(release) if self.is_private else 0.0 for release in self.step_plan},
                 divisor=self.expected_batch_size, names=sorted(release.name for release in self.step_plan),
                 cost=self._steps_cost(1, self.noise_multiplier) if self.is_private else [])

@@ -265,5 +265,6 @@ def test_one_draw_per_step_rechecks_the_losses_and_the_engines_calls(monkeypatch
     module = DPSGD(mlp(seed=1), lr=0.1, clip=1.0, noise_multiplier=1.0, delta=1e-5)
     monkeypatch.setattr(module.recheck_clock, "due", lambda: next(draws))
     quiet_trainer(max_steps=6).fit(module, full_batch(blobs(64), 6))  # every batch can compare
-    assert module.engine.recheck_probability == 0.0  # the engine draws nothing of its own
+    assert module.engine.recheck_clock.probability == 0.0  # the engine draws nothing of its own
+    assert module.engine.recheck_clock._left == float("inf")
     assert runs["losses"] == runs["calls"] == [0, 2, 4]  # the first batch, then the drawn steps

@@ -193,7 +193,6 @@ def test_a_test_after_fit_keeps_the_modules_callbacks_without_announcing_an_over
     data = blobs()
     assert [type(c) for c in MeZO(mlp()).configure_callbacks()] == [StopRanksOnError]
     assert [type(c) for c in DPZero(mlp(), target_epsilon=1.0).configure_callbacks()] == [PrivacySpendCallback]
-    assert issubclass(PrivacySpendCallback, StopRanksOnError)  # one callback stops the ranks and logs epsilon
     mine = PrivacySpendCallback(log_every_n_steps=2)
     module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
     trainer = quiet_trainer(max_steps=3, callbacks=[mine])
@@ -202,8 +201,44 @@ def test_a_test_after_fit_keeps_the_modules_callbacks_without_announcing_an_over
         trainer.test(module, torch.utils.data.DataLoader(data, batch_size=64), verbose=False)
     assert "override" not in caplog.text
     assert [c for c in trainer.callbacks if isinstance(c, PrivacySpendCallback)] == [mine]
-    assert sum(isinstance(c, StopRanksOnError) for c in trainer.callbacks) == 1
+    assert not any(isinstance(c, StopRanksOnError) for c in trainer.callbacks)  # the privacy callback stops ranks
     assert module.configure_callbacks() == []
+
+
+@pytest.mark.parametrize("callback", ["privacy", "ranks"])
+def test_either_lit_zodp_callback_stops_the_ranks_its_process_started_when_it_fails(callback, capsys):
+    """A private fit runs one lit_zodp callback, the privacy callback, so it must stop the ranks rank 0 started
+    as StopRanksOnError does (the DDP test runs it end to end): here on Lightning's own launcher class."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from lit_zodp.callbacks import StopRanksOnError
+
+    launcher = _SubprocessScriptLauncher(None, num_processes=2, num_nodes=1)
+    launcher.procs = [SimpleNamespace(poll=lambda: None)]
+    launcher.kill = lambda signal: killed.append(signal)
+    killed, trainer = [], SimpleNamespace(strategy=SimpleNamespace(launcher=launcher), global_rank=0)
+    instance = PrivacySpendCallback() if callback == "privacy" else StopRanksOnError()
+    instance.on_exception(trainer, None, ValueError("refused"))
+    assert len(killed) == 1 and "stopping the 1 rank(s) it started" in capsys.readouterr().err
+    launcher.procs = [SimpleNamespace(poll=lambda: 0)]  # the started ranks already ended: nothing to stop
+    instance.on_exception(trainer, None, ValueError("refused"))
+    assert len(killed) == 1
+
+
+def test_a_trainers_own_rank_stopper_is_kept_beside_the_privacy_callback(caplog):
+    """A private fit on a Trainer holding a StopRanksOnError (a user's, or a MeZO fit's before): Lightning
+    replaces the Trainer's callbacks of a class a module's callback subclasses, announcing it; the privacy
+    callback is no subclass of it, so both stay and nothing is announced (an independent review)."""
+    from lit_zodp.callbacks import StopRanksOnError
+
+    mine = StopRanksOnError()
+    trainer = quiet_trainer(max_steps=2, callbacks=[mine])
+    with caplog.at_level("INFO"):
+        trainer.fit(DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5), poisson_loader(blobs(), 0.1))
+    assert "override" not in caplog.text
+    assert mine in trainer.callbacks and sum(isinstance(c, PrivacySpendCallback) for c in trainer.callbacks) == 1
 
 
 def test_resuming_a_noiseless_ablation_with_a_budget_is_refused_before_a_step(tmp_path):

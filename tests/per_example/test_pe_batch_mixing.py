@@ -442,14 +442,32 @@ def test_the_recheck_clock_draws_each_step_independently_with_its_probability():
     assert not any(RecheckClock(0.0).due() for _ in range(1000))
     assert all(RecheckClock(1.0).due() for _ in range(1000))
 
-    half = RecheckClock(0.5)
-    twin = copy.deepcopy(half)
-    assert [half.due() for _ in range(64)] != [twin.due() for _ in range(64)]  # equal with probability 2^-64
+    # the gap pending at a copy or a fork: at p = 1e-9 two independent gaps are equal with probability ~5e-10
+    rare = RecheckClock(1e-9)
+    assert copy.deepcopy(rare)._left != rare._left
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover (the child)
-        os.write(write, json.dumps([half.due() for _ in range(64)]).encode())
+        os.write(write, json.dumps(rare._left).encode())
         os._exit(0)
     os.close(write)
     os.waitpid(child, 0)
-    assert json.loads(os.read(read, 10_000).decode()) != [half.due() for _ in range(64)]
+    assert json.loads(os.read(read, 10_000).decode()) != rare._left
+
+
+def test_a_recheck_probability_set_after_construction_takes_effect():
+    """bench_ghost_check turns the engine's re-check on and off by setting the attribute: with the clock it had
+    become a dead attribute (an independent review); now setting it makes a new clock, in the engine and the
+    modules, and a bad value is refused."""
+    from lit_zodp.algorithms import DPZero
+
+    engine = PerExampleGradientEngine(PerExample(), recheck_probability=0.0)
+    engine.recheck_probability = 1.0
+    assert engine.recheck_probability == 1.0 and all(engine._recheck_drawn() for _ in range(100))
+    engine.recheck_probability = 0.0
+    assert not any(engine._recheck_drawn() for _ in range(100))
+    module = DPZero(torch.nn.Linear(3, 2), noise_multiplier=1.0)
+    module.recheck_probability = 1.0
+    assert all(module.recheck_clock.due() for _ in range(100))
+    with pytest.raises(PrivacyConfigError, match="recheck_probability"):
+        module.recheck_probability = 1.5

@@ -64,6 +64,27 @@ def test_release_divides_by_the_expected_batch_size_and_adds_noise_of_sigma_clip
     torch.testing.assert_close(out, expected)
 
 
+def test_a_clip_or_sigma_set_after_the_plan_is_the_one_released_and_committed():
+    """Each release's std is made once per plan (``StepConstants``). An independent review found the cache keyed
+    on sigma but not on the clip: a clip raised mid-fit clipped at the new C and added noise for the old one
+    (an effective sigma of sigma C_old / C_new, accounted at sigma)."""
+    component = planned(noise_multiplier=2.0, clip=1.0, noise_seed=3, sampling=PoissonSampling(n=100, sample_rate=0.1))
+    z = NoiseSource(3).gaussian((4,), 1.0, dtype=torch.float64).tolist()  # the same stream, drawn at once
+    settings = [(1.0, 2.0, "add_remove"), (10.0, 2.0, "add_remove"), (10.0, 3.0, "add_remove"), (10.0, 3.0, "replace_one")]
+    for (clip, sigma, neighbours), z_t in zip(settings, z):
+        component.clip, component.noise_multiplier = clip, sigma
+        component.sensitivity_factor = 2.0 if neighbours == "replace_one" else 1.0
+        released = float(component.release(torch.zeros(1, dtype=torch.float64), "g"))
+        assert released == component.sensitivity_factor * sigma * clip * z_t / 10  # (0 + std z) / B, B = 10
+        component.commit_step()
+    assert component.ledger.counts == {SubsampledGaussian(2.0, 0.1): 2, SubsampledGaussian(3.0, 0.1): 2}
+
+
+def test_a_commit_outside_a_fit_is_refused():
+    with pytest.raises(AccountingError, match="outside a fit"):
+        PrivacyComponent(clip=1.0, noise_multiplier=1.0).commit_step()
+
+
 def test_release_all_reduces_then_adds_one_draw():
     component = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5, noise_seed=1)
     component.plan(step_plan=PLAN, sampling=FullBatchSampling(10), planned_steps=5, reduce_sum=lambda t: t * 2)
