@@ -12,6 +12,7 @@ import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -96,15 +97,24 @@ class PrivacySpendCallback(Callback):
         # the cadence is known once a step was timed: until then, ask again at the next step
         self._next_due_step = self._last_logged_step + cadence if math.isfinite(cadence) else step + 1
 
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """A fit bounded by ``max_epochs`` alone (or stopped at an epoch's end) ends at a step its batch hook could
+        not tell was the last: its epsilon is logged here, unless that step logged it."""
+        final = trainer.should_stop or (trainer.max_epochs is not None
+                                        and trainer.current_epoch + 1 >= trainer.max_epochs > 0)
+        if final and trainer.global_step > self._last_logged_step:
+            self._log_epsilon(pl_module, pl_module.privacy, time.perf_counter())
+            self._last_logged_step = trainer.global_step
+
     def _log_epsilon(self, pl_module: "pl.LightningModule", privacy, started: float) -> None:
         computations = privacy.ledger.computations
         self.epsilon = privacy.epsilon()
         if privacy.ledger.computations != computations:  # a memoised value says nothing of the cost
             self._accounting_seconds = time.perf_counter() - started
-        name = epsilon_metric(privacy)
-        pl_module.log(name, self.epsilon, prog_bar=name == "epsilon", batch_size=1)
+        name, logged = epsilon_metric(privacy), float32_at_least(self.epsilon)
+        pl_module.log(name, logged, prog_bar=name == "epsilon", batch_size=1)
         if name != "epsilon":  # the long name did not fit an 80-column bar ("epsilon_poisson_…")
-            pl_module.log(ASSUMED_BAR_NAME, self.epsilon, prog_bar=True, logger=False, batch_size=1)
+            pl_module.log(ASSUMED_BAR_NAME, logged, prog_bar=True, logger=False, batch_size=1)
 
     def _cadence(self) -> float:
         """Steps between two epsilons: their accountant's time at most ``ACCOUNTING_TIME_SHARE`` of the steps'."""
@@ -125,6 +135,15 @@ class PrivacySpendCallback(Callback):
 #: The progress bar's name for an epsilon that is no guarantee (the logged metric is ``epsilon_poisson_assumed``;
 #: the summary and the RESULT line say why): it fits beside the bar at 80 columns.
 ASSUMED_BAR_NAME = "epsilon*"
+
+
+def float32_at_least(value: float) -> torch.Tensor:
+    """``value`` as a float32 tensor, rounded up: Lightning logs a float as float32 to nearest, which puts a
+    logged epsilon up to half a float32 ulp below the bound (``epsilon_text`` rounds shown bounds up too)."""
+    rounded = torch.tensor(value, dtype=torch.float32)
+    if not float(rounded) < value:  # (inf and NaN too)
+        return rounded
+    return torch.nextafter(rounded, torch.tensor(math.inf, dtype=torch.float32))
 
 
 def epsilon_metric(privacy) -> str:

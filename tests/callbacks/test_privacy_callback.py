@@ -4,6 +4,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_zodp.algorithms import DPZero
 from lit_zodp.callbacks import PrivacySpendCallback
+from lit_zodp.callbacks.privacy import float32_at_least
 from lit_zodp.privacy import PrivacyConfigError, PrivacyLedger, SubsampledGaussian, steps_within_budget
 from tests.conftest import blobs, mlp, poisson_loader, quiet_trainer
 
@@ -121,6 +122,31 @@ def test_default_cadence_spends_nothing_on_the_first_step_nor_at_the_last(monkey
     fresh = ledger_module.PrivacyLedger()
     fresh.counts = dict(module.privacy.ledger.counts)
     assert callback.epsilon == fresh.epsilon(1e-5).upper > 0
+
+
+def test_a_fit_bounded_by_epochs_alone_logs_the_epsilon_of_its_last_step():
+    """With ``max_steps`` unset the batch hook cannot tell the last step, and the default cadence (the
+    accountant under 0.5% of the time) fell after it: such a fit logged no epsilon at all (an independent
+    review). The end of its last epoch logs it."""
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    callback = PrivacySpendCallback()
+    trainer = quiet_trainer(max_epochs=2, max_steps=-1, callbacks=[callback])
+    trainer.fit(module, poisson_loader(blobs(), 0.1, steps_per_epoch=4))
+    assert trainer.global_step == 8 and callback._last_logged_step == 8
+    logged, epsilon = float(trainer.callback_metrics["epsilon"]), module.privacy.epsilon()
+    assert epsilon > 0 and logged == float32_at_least(epsilon).item()
+
+
+@pytest.mark.parametrize("value", [2.722630015425927, 2.722630023956299, 1.0, 1e-30, 0.0, float("inf"), 7.3e5 + 0.01])
+def test_a_logged_epsilon_is_the_float32_at_or_just_above_the_bound(value):
+    """Lightning logs a float as float32 to nearest: 2.7226300154 (an epsilon measured here) was logged as
+    2.7226300240, above it by luck; half of all values round down, below the bound."""
+    import numpy as np
+
+    logged = float32_at_least(value)
+    assert logged.dtype == torch.float32 and float(logged) >= value
+    if 0 < value < float("inf"):
+        assert float(np.nextafter(np.float32(float(logged)), np.float32(0))) < value  # the next float32 below is below
 
 
 def test_a_noiseless_ablation_reports_the_steps_it_took(caplog):

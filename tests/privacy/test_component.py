@@ -70,7 +70,8 @@ def test_a_clip_or_sigma_set_after_the_plan_is_the_one_released_and_committed():
     (an effective sigma of sigma C_old / C_new, accounted at sigma)."""
     component = planned(noise_multiplier=2.0, clip=1.0, noise_seed=3, sampling=PoissonSampling(n=100, sample_rate=0.1))
     z = NoiseSource(3).gaussian((4,), 1.0, dtype=torch.float64).tolist()  # the same stream, drawn at once
-    settings = [(1.0, 2.0, "add_remove"), (10.0, 2.0, "add_remove"), (10.0, 3.0, "add_remove"), (10.0, 3.0, "replace_one")]
+    settings = [(1.0, 2.0, "add_remove"), (10.0, 2.0, "add_remove"), (10.0, 3.0, "add_remove"),
+                (10.0, 3.0, "replace_one")]
     for (clip, sigma, neighbours), z_t in zip(settings, z):
         component.clip, component.noise_multiplier = clip, sigma
         component.sensitivity_factor = 2.0 if neighbours == "replace_one" else 1.0
