@@ -73,7 +73,8 @@ class RecheckClock:
             return math.inf
         if self.probability >= 1:
             return 1
-        return math.floor(math.log(1.0 - _OS_UNIFORM()) / math.log1p(-self.probability)) + 1
+        gap = math.log(1.0 - _OS_UNIFORM()) / math.log1p(-self.probability)
+        return math.floor(gap) + 1 if gap < math.inf else math.inf  # (a subnormal p: beyond every float)
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -59,7 +59,8 @@ def _identity(tensor: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class StepConstants:
-    """What every step of a fit reads, made once per (step plan, sampling, sigma, clip): a step does no arithmetic.
+    """What every step of a fit reads, made once per (step plan, sampling, sigma, clip, neighbours): a step does
+    no arithmetic.
 
     ``stds``: each release's noise std (``noise * sigma * C``, 0 at sigma = 0); ``divisor``: the expected batch
     size ``B``; ``names``: the plan's release names, sorted; ``cost``: one step's ``(mechanism, count)`` records

@@ -440,6 +440,7 @@ def test_the_recheck_clock_draws_each_step_independently_with_its_probability():
     after = [due[t + 1] for t in at[:-1]]
     assert sum(after) / len(after) == pytest.approx(p, abs=5 * (p * (1 - p) / len(after)) ** 0.5)
     assert not any(RecheckClock(0.0).due() for _ in range(1000))
+    assert not any(RecheckClock(5e-324).due() for _ in range(1000))  # (its gap overflowed math.floor)
     assert all(RecheckClock(1.0).due() for _ in range(1000))
 
     # the gap pending at a copy or a fork: at p = 1e-9 two independent gaps are equal with probability ~5e-10
