@@ -21,10 +21,17 @@ callback), so the once-per-fit calibration of sigma (in the module's ``on_train_
 per-repetition (paired) ratios. A second ratio compares the typical step (the median loop iteration of each
 fit), which bursts of load on a shared machine barely move; it is a diagnostic, the target is on the mean.
 
+``--setup movie_reviews`` times the same three methods on a model whose step is not tiny:
+``configs/movie_reviews/{mezo,dpzero_eps2}.yaml``'s modules (the packaged all-MiniLM-L6-v2, Rotten Tomatoes,
+B = 32, 32 tokens, every row padded to 32 so both methods run the same forwards; without the fixed-shape
+forwards), 150-step fits. There privacy's per-step cost is the same tens of microseconds, and the 1% re-checks
+(about one forward each) are about 0.5% of a step.
+
 Usage::
 
     python benchmarks/bench_privacy_cost.py                 # 7 repetitions of 3000 steps each
     python benchmarks/bench_privacy_cost.py --quick         # smoke run
+    python benchmarks/bench_privacy_cost.py --setup movie_reviews --repeats 6   # MiniLM on CPU, ~20 minutes
 """
 
 from __future__ import annotations
@@ -49,20 +56,52 @@ REFERENCE, AS_RUN = "mezo_no_stats", "mezo"  # the target's denominator; MeZO wi
 TARGET = 1.02
 
 
-def make_module(method: str):
+#: The label of each setup in the results; the quickstart is the target's.
+SETUP_LABELS = {"quickstart": "TinyMLP 64-64-10, digits, Poisson B = 64",
+                "movie_reviews": "all-MiniLM-L6-v2 (22.7M), Rotten Tomatoes, Poisson B = 32, every row 32 tokens"}
+SETUP_STEPS = {"quickstart": 3000, "movie_reviews": 150}
+LABEL_DESCRIPTIONS = [["a terrible, boring movie. I hated it.", "an awful film, a waste of time",
+                       "the worst movie I have ever seen"],
+                      ["a great, wonderful movie. I loved it.", "an excellent film, well worth seeing",
+                       "one of the best movies I have ever seen"]]
+
+
+def make_module(method: str, setup: str = "quickstart"):
+    """``configs/quickstart.yaml``'s modules, or ``configs/movie_reviews/{mezo,dpzero_eps2}.yaml``'s without the
+    fixed-shape forwards (both methods run the same forwards)."""
     import torch
 
     from lit_zodp.algorithms import DPZero, MeZO
-    from lit_zodp.backbones import TinyMLP
 
     torch.manual_seed(0)
-    backbone = TinyMLP(in_features=64, num_classes=10, hidden=64)
+    if setup == "quickstart":
+        from lit_zodp.backbones import TinyMLP
+
+        backbone = TinyMLP(in_features=64, num_classes=10, hidden=64)
+        common, private = dict(lr=0.01, lam=1e-3, seed=0), dict(clip=2.0, target_epsilon=4.0, delta=1e-5)
+    else:
+        from lit_zodp.backbones import SentenceEncoderClassifier
+
+        backbone = SentenceEncoderClassifier("minilm", num_classes=2, label_descriptions=LABEL_DESCRIPTIONS,
+                                             logit_scale=20.0)
+        common, private = dict(lr=2e-6, lam=1e-3, seed=0), dict(clip=50.0, target_epsilon=2.0, delta=1e-5)
     if method.startswith("mezo"):
-        return MeZO(backbone, lr=0.01, lam=1e-3, seed=0, log_private_stats=method == "mezo")
-    return DPZero(backbone, lr=0.01, lam=1e-3, seed=0, clip=2.0, target_epsilon=4.0, delta=1e-5)
+        return MeZO(backbone, **common, log_private_stats=method == "mezo")
+    return DPZero(backbone, **common, **private)
 
 
-def timed_fit(method: str, steps: int, datamodule) -> dict:
+def make_datamodule(setup: str):
+    if setup == "quickstart":
+        from datamodules import DigitsDataModule
+
+        return DigitsDataModule(batch_size=64, val_fraction=0.1)
+    from datamodules import MovieReviewsDataModule
+
+    return MovieReviewsDataModule(source="rotten_tomatoes", tokenizer="minilm", max_length=32, pad_to_max_length=True,
+                                  batch_size=32)
+
+
+def timed_fit(method: str, steps: int, datamodule, setup: str = "quickstart") -> dict:
     """One fit; seconds from the first batch to ``on_train_end``, and the fit's setup seconds before it."""
     import lightning.pytorch as pl
 
@@ -81,7 +120,7 @@ def timed_fit(method: str, steps: int, datamodule) -> dict:
             self.wall, self.load = PROBE.stop()
 
     clock = Clock()
-    module = make_module(method)
+    module = make_module(method, setup)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, callbacks=[clock])
@@ -97,15 +136,13 @@ def timed_fit(method: str, steps: int, datamodule) -> dict:
 def run(args) -> dict:
     import torch
 
-    from datamodules import DigitsDataModule
-
     setup_worker(args.threads)
-    datamodule = DigitsDataModule(batch_size=64, val_fraction=0.1)
+    datamodule = make_datamodule(args.setup)
     runs = {m: [] for m in METHODS}
     for rep in range(-args.warmup, args.repeats):
         order = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
         for method in order:
-            result = timed_fit(method, args.steps, datamodule)
+            result = timed_fit(method, args.steps, datamodule, args.setup)
             if rep >= 0:
                 runs[method].append(result)
             print(f"rep {rep} {method}: {1e3 * result['train_s'] / result['steps']:.3f} ms/step "
@@ -125,10 +162,10 @@ def render(result: dict, meta: dict) -> str:
     setup = {m: statistics.median(r["setup_s"] for r in result["runs"][m]) for m in METHODS}
     loads = [r["load"] for m in METHODS for r in result["runs"][m] if r["load"] is not None]
     lines = [
-        "# Privacy's own cost: DPZero vs MeZO on the quickstart", "",
+        f"# Privacy's own cost: DPZero vs MeZO ({meta['setup']})", "",
         f"`{meta['command']}`  ",
         f"{meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']}, lightning {meta['lightning']}, threads "
-        f"{result['threads']}; TinyMLP 64-64-10, digits, Poisson B = 64; {meta['repeats']} repetitions (+"
+        f"{result['threads']}; {SETUP_LABELS[meta['setup']]}; {meta['repeats']} repetitions (+"
         f"{meta['warmup']} warm-up) of one {meta['steps']}-step fit per method; load average "
         f"{meta['loadavg_start'][0]:.2f} -> {meta['loadavg_end'][0]:.2f}; total {meta['total_s']:.0f} s", "",
         "| method | ms/step (median) | all repetitions (ms/step) | fit setup s (median) |",
@@ -154,24 +191,32 @@ def render(result: dict, meta: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3000, help="steps per fit")
+    parser.add_argument("--setup", choices=tuple(SETUP_LABELS), default="quickstart",
+                        help="quickstart (the target's) or movie_reviews (MiniLM on CPU: a model whose step is not tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per fit (default 3000; 150 for movie_reviews)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 repetitions of 200 steps")
     parser.add_argument("--out", default=None, help="results file stem (default results/bench_privacy_cost[_quick])")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = SETUP_STEPS[args.setup]
+    if args.steps < 2 or args.repeats < 1 or args.warmup < 0:
+        parser.error(f"Expected --steps >= 2, --repeats >= 1 and --warmup >= 0, but got {args.steps}, {args.repeats}, "
+                     f"{args.warmup}")
     if args.quick:
-        args.steps, args.repeats, args.warmup = 200, 2, 0
+        args.steps, args.repeats, args.warmup = min(args.steps, 200), 2, 0
     meta = machine_info()
     meta.update(command="python benchmarks/bench_privacy_cost.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-                steps=args.steps, repeats=args.repeats, warmup=args.warmup)
+                steps=args.steps, repeats=args.repeats, warmup=args.warmup, setup=args.setup)
     begin = time.perf_counter()
     result = run(args)
     meta["total_s"] = time.perf_counter() - begin
     meta["loadavg_end"] = __import__("os").getloadavg()
     text = render(result, meta)
-    write_results(results_stem(args.out, "bench_privacy_cost", args.quick), text, {"meta": meta, "result": result},
+    name = "bench_privacy_cost" if args.setup == "quickstart" else f"bench_privacy_cost_{args.setup}"
+    write_results(results_stem(args.out, name, args.quick), text, {"meta": meta, "result": result},
                   announce=False)
     print(text)
 

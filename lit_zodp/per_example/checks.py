@@ -282,20 +282,18 @@ def rows_differ(full: Tensor, again: Tensor, *, dtype: torch.dtype, device: torc
     """Per row, by how much (relative) ``again[r]`` differs from ``full[r]`` beyond rounding, as a
     multiple of the tolerance ``sqrt(eps) (||full[r]|| + ||again[r]|| + mean_r ||full[r]||)`` (the
     coverage check's tolerance, :mod:`.coverage`; ``eps`` of ``dtype`` and the forward's autocast,
-    :func:`.rounding.working_eps`): > 1 is a mismatch. Rows non-finite in both are 0; a row finite in
-    only one of them is ``inf``."""
-    full, again = flat_rows(full).to(device), flat_rows(again).to(device)
+    :func:`.rounding.working_eps`; the mean over the rows finite in both): > 1 is a mismatch. Rows non-finite
+    in both are 0; a row finite in only one of them is ``inf``. Computed in float64 and without a host
+    synchronisation (the caller's verdict reads it)."""
+    full, again = flat_rows(full).to(device, torch.float64), flat_rows(again).to(device, torch.float64)
     finite_full, finite_again = torch.isfinite(full).all(1), torch.isfinite(again).all(1)
     both = finite_full & finite_again
-    zero = torch.zeros((), dtype=full.dtype, device=device)
-    full, again = torch.where(both[:, None], full, zero), torch.where(both[:, None], again, zero)
-    gap = (full - again).double().norm(dim=1)
-    norm_full, norm_again = full.double().norm(dim=1), again.double().norm(dim=1)
-    typical = norm_full[both].mean() if bool(both.any()) else norm_full.sum()
+    full, again = full.where(both[:, None], 0.0), again.where(both[:, None], 0.0)
+    norm_full, norm_again, gap = full.norm(dim=1), again.norm(dim=1), (full - again).norm(dim=1)
+    typical = norm_full.sum() / both.sum().clamp_min(1)  # (the other rows' norms are 0)
     tolerance = working_eps(device.type, dtype) ** 0.5 * (norm_full + norm_again + typical)
-    ratio = torch.where(gap > 0, gap / tolerance, torch.zeros_like(gap))
-    ratio = torch.where(both, ratio, torch.where(finite_full | finite_again, math.inf, 0.0))
-    return ratio
+    ratio = torch.where(gap > 0, gap / tolerance, 0.0)  # (gap > 0 makes tolerance > 0)
+    return ratio.masked_fill_(finite_full ^ finite_again, math.inf)
 
 
 def rows_agree(full: Tensor, again: Tensor, *, dtype: torch.dtype) -> bool:

@@ -12,7 +12,8 @@ from torch import nn
 
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine
-from lit_zodp.per_example.checks import refuse_batch_mixing
+from lit_zodp.per_example.checks import refuse_batch_mixing, rows_differ
+from lit_zodp.per_example.rounding import working_eps
 
 MODES = ["hooks", "ghost", "bookkeeping"]
 B = 6
@@ -248,6 +249,57 @@ def test_refuse_batch_mixing_works_on_any_per_example_function():
         refuse_batch_mixing(losses_of(1.0), B, **check)
     nan_rows = lambda index: torch.where(index > 0, math.nan, 1.0)  # noqa: E731  (one finite row)
     assert not refuse_batch_mixing(nan_rows, B, **check)
+
+
+def _rows_differ_reference(full, again, dtype):
+    """rows_differ's documented formula, row by row in Python floats (float64)."""
+    full = full.detach().double().reshape(len(full), -1).tolist()
+    again = again.detach().double().reshape(len(again), -1).tolist()
+    finite = lambda row: all(math.isfinite(v) for v in row)  # noqa: E731
+    norm = lambda row: math.sqrt(math.fsum(v * v for v in row))  # noqa: E731
+    both = [finite(f) and finite(a) for f, a in zip(full, again)]
+    typical = [norm(f) for f, b in zip(full, both) if b]
+    typical = math.fsum(typical) / len(typical) if typical else 0.0
+    ratios = []
+    for f, a, b in zip(full, again, both):
+        if not b:
+            ratios.append(math.inf if finite(f) or finite(a) else 0.0)
+            continue
+        gap = norm([x - y for x, y in zip(f, a)])
+        ratios.append(0.0 if gap == 0 else gap / (working_eps("cpu", dtype) ** 0.5 * (norm(f) + norm(a) + typical)))
+    return ratios
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9,), (9, 5)])
+def test_rows_differ_is_the_gap_over_the_rounding_tolerance_row_by_row(dtype, shape):
+    """The batch-independence checks' verdict (> 1: refused) against a slow reference of its formula: rows
+    within, at and far beyond the tolerance, a zero row, rows non-finite in one or both inputs."""
+    torch.manual_seed(3)
+    rows = torch.randn(shape[0], math.prod(shape[1:]), dtype=torch.float64) * torch.linspace(0.5, 2, shape[0])[:, None]
+    rows[6:] *= 1e3  # (rows 6-8 end up zero or non-finite: they must not enter the mean norm)
+    norms = rows.norm(dim=1)
+    unit = torch.nn.functional.normalize(torch.randn_like(rows), dim=1)
+    times_tolerance = torch.tensor([0.0, 0.5, 0.8, 1.25, 2.0, 1e3, 0.0, 0.0, 0.0], dtype=torch.float64)
+    tolerance = working_eps("cpu", dtype) ** 0.5 * (2 * norms + norms[:6].mean())  # (||again|| ~ ||full||)
+    full = rows.to(dtype).reshape(shape)
+    again = (rows + (times_tolerance * tolerance)[:, None] * unit).to(dtype).reshape(shape)
+    full[6], again[6] = 0.0, 0.0  # both zero: 0
+    again[7].flatten()[0] = math.nan  # finite in one only: inf
+    full[8].flatten()[-1], again[8].flatten()[0] = math.inf, math.nan  # in neither: 0
+    got = rows_differ(full, again, dtype=dtype, device=full.device)
+    expected = _rows_differ_reference(full, again, dtype)
+    assert got.dtype == torch.float64 and got.shape == (shape[0],)
+    assert got.tolist() == pytest.approx(expected, rel=1e-9, abs=0.0)
+    assert got[6] == 0 and got[7] == math.inf and got[8] == 0
+    assert (got[:6] > 1).tolist() == [False, False, False, True, True, True] and got[1] > 0
+
+
+def test_rows_differ_of_no_comparable_row_is_zero_or_inf_without_nan():
+    """No row finite in both: the mean norm is over no row (0, not NaN), and every ratio is 0 or inf."""
+    full = torch.tensor([[math.nan], [1.0], [math.inf]])
+    again = torch.tensor([[math.nan], [math.nan], [2.0]])
+    assert rows_differ(full, again, dtype=torch.float32, device=full.device).tolist() == [0.0, math.inf, math.inf]
 
 
 # ----------------------------------------------------------------------------- F2
