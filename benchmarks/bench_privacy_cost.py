@@ -32,6 +32,7 @@ Usage::
     python benchmarks/bench_privacy_cost.py                 # 7 repetitions of 3000 steps each
     python benchmarks/bench_privacy_cost.py --quick         # smoke run
     python benchmarks/bench_privacy_cost.py --setup movie_reviews --repeats 6   # MiniLM on CPU, ~20 minutes
+    python benchmarks/bench_privacy_cost.py --no-recheck-too --repeats 8       # + DPZero without its re-checks
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from _common import PROBE, machine_info, results_stem, setup_worker, write_resul
 
 METHODS = ("mezo_no_stats", "dpzero", "mezo")
 REFERENCE, AS_RUN = "mezo_no_stats", "mezo"  # the target's denominator; MeZO with its default logging
+NO_RECHECK = "dpzero_no_recheck"  # --no-recheck-too: DPZero with recheck_probability=0, a diagnostic (never a setting)
 TARGET = 1.02
 
 
@@ -87,7 +89,7 @@ def make_module(method: str, setup: str = "quickstart"):
         common, private = dict(lr=2e-6, lam=1e-3, seed=0), dict(clip=50.0, target_epsilon=2.0, delta=1e-5)
     if method.startswith("mezo"):
         return MeZO(backbone, **common, log_private_stats=method == "mezo")
-    return DPZero(backbone, **common, **private)
+    return DPZero(backbone, **common, **private, **(dict(recheck_probability=0.0) if method == NO_RECHECK else {}))
 
 
 def make_datamodule(setup: str):
@@ -138,19 +140,20 @@ def run(args) -> dict:
 
     setup_worker(args.threads)
     datamodule = make_datamodule(args.setup)
-    runs = {m: [] for m in METHODS}
+    methods = METHODS + ((NO_RECHECK,) if args.no_recheck_too else ())
+    runs = {m: [] for m in methods}
     for rep in range(-args.warmup, args.repeats):
-        order = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
+        order = methods[rep % len(methods):] + methods[:rep % len(methods)]
         for method in order:
             result = timed_fit(method, args.steps, datamodule, args.setup)
             if rep >= 0:
                 runs[method].append(result)
             print(f"rep {rep} {method}: {1e3 * result['train_s'] / result['steps']:.3f} ms/step "
                   f"(setup {result['setup_s']:.2f} s, other load {result['load']})", flush=True)
-    per_step = {m: [r["train_s"] / r["steps"] for r in runs[m]] for m in METHODS}
-    ratios = {m: [d / r for d, r in zip(per_step["dpzero"], per_step[m])] for m in (REFERENCE, AS_RUN)}
+    per_step = {m: [r["train_s"] / r["steps"] for r in runs[m]] for m in methods}
+    ratios = {m: [d / r for d, r in zip(per_step["dpzero"], per_step[m])] for m in methods if m != "dpzero"}
     typical = {m: [d["median_loop_s"] / r["median_loop_s"] for d, r in zip(runs["dpzero"], runs[m])]
-               for m in (REFERENCE, AS_RUN)}
+               for m in methods if m != "dpzero"}
     return {"per_step_s": per_step, "ratios": ratios, "typical_step_ratios": typical, "runs": runs,
             "threads": torch.get_num_threads()}
 
@@ -159,8 +162,9 @@ def render(result: dict, meta: dict) -> str:
     med = {m: statistics.median(v) for m, v in result["per_step_s"].items()}
     ratio = {m: statistics.median(r) for m, r in result["ratios"].items()}
     typical = {m: statistics.median(r) for m, r in result["typical_step_ratios"].items()}
-    setup = {m: statistics.median(r["setup_s"] for r in result["runs"][m]) for m in METHODS}
-    loads = [r["load"] for m in METHODS for r in result["runs"][m] if r["load"] is not None]
+    methods = tuple(result["runs"])
+    setup = {m: statistics.median(r["setup_s"] for r in result["runs"][m]) for m in methods}
+    loads = [r["load"] for m in methods for r in result["runs"][m] if r["load"] is not None]
     lines = [
         f"# Privacy's own cost: DPZero vs MeZO ({meta['setup']})", "",
         f"`{meta['command']}`  ",
@@ -171,7 +175,7 @@ def render(result: dict, meta: dict) -> str:
         "| method | ms/step (median) | all repetitions (ms/step) | fit setup s (median) |",
         "|---|---:|---|---:|",
     ]
-    for m in METHODS:
+    for m in methods:
         reps = ", ".join(f"{1e3 * x:.3f}" for x in result["per_step_s"][m])
         lines.append(f"| {m} | {1e3 * med[m]:.3f} | {reps} | {setup[m]:.2f} |")
     lines += ["", f"Privacy's own cost, DPZero / {REFERENCE} per step (median of paired ratios): "
@@ -186,17 +190,27 @@ def render(result: dict, meta: dict) -> str:
               f"{statistics.median(loads) if loads else float('nan'):.2f}. DPZero's epsilon after {meta['steps']} "
               f"steps: {result['runs']['dpzero'][0]['epsilon']:.3f}. The setup column holds sigma's calibration "
               f"for DPZero (once per fit)."]
+    if NO_RECHECK in methods:
+        per_step = result["per_step_s"]
+        without = statistics.median(n / r for n, r in zip(per_step[NO_RECHECK], per_step[REFERENCE]))
+        lines += ["", f"The 1% re-checks' share, DPZero / {NO_RECHECK} (a diagnostic: DPZero with "
+                  f"recheck_probability=0): "
+                  f"{ratio[NO_RECHECK]:.3f} per step, {typical[NO_RECHECK]:.3f} typical step; per repetition: "
+                  f"{', '.join(f'{r:.3f}' for r in result['ratios'][NO_RECHECK])}. {NO_RECHECK} / {REFERENCE} "
+                  f"(median of paired ratios): {without:.3f}."]
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setup", choices=tuple(SETUP_LABELS), default="quickstart",
-                        help="quickstart (the target's) or movie_reviews (MiniLM on CPU: a model whose step is not tiny)")
+                        help="quickstart (the target's) or movie_reviews (MiniLM on CPU: a step that is not tiny)")
     parser.add_argument("--steps", type=int, default=None, help="steps per fit (default 3000; 150 for movie_reviews)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-recheck-too", action="store_true",
+                        help=f"also time {NO_RECHECK} (DPZero with recheck_probability=0): the re-checks' share")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 repetitions of 200 steps")
     parser.add_argument("--out", default=None, help="results file stem (default results/bench_privacy_cost[_quick])")
     args = parser.parse_args(argv)
