@@ -89,7 +89,9 @@ def make_module(method: str, setup: str = "quickstart"):
         common, private = dict(lr=2e-6, lam=1e-3, seed=0), dict(clip=50.0, target_epsilon=2.0, delta=1e-5)
     if method.startswith("mezo"):
         return MeZO(backbone, **common, log_private_stats=method == "mezo")
-    return DPZero(backbone, **common, **private, **(dict(recheck_probability=0.0) if method == NO_RECHECK else {}))
+    if method == NO_RECHECK:
+        private["recheck_probability"] = 0.0
+    return DPZero(backbone, **common, **private)
 
 
 def make_datamodule(setup: str):
