@@ -62,10 +62,6 @@ TARGET = 1.02
 SETUP_LABELS = {"quickstart": "TinyMLP 64-64-10, digits, Poisson B = 64",
                 "movie_reviews": "all-MiniLM-L6-v2 (22.7M), Rotten Tomatoes, Poisson B = 32, every row 32 tokens"}
 SETUP_STEPS = {"quickstart": 3000, "movie_reviews": 150}
-LABEL_DESCRIPTIONS = [["a terrible, boring movie. I hated it.", "an awful film, a waste of time",
-                       "the worst movie I have ever seen"],
-                      ["a great, wonderful movie. I loved it.", "an excellent film, well worth seeing",
-                       "one of the best movies I have ever seen"]]
 
 
 def make_module(method: str, setup: str = "quickstart"):
@@ -82,9 +78,9 @@ def make_module(method: str, setup: str = "quickstart"):
         backbone = TinyMLP(in_features=64, num_classes=10, hidden=64)
         common, private = dict(lr=0.01, lam=1e-3, seed=0), dict(clip=2.0, target_epsilon=4.0, delta=1e-5)
     else:
-        from lit_zodp.backbones import SentenceEncoderClassifier
+        from lit_zodp.backbones import SENTIMENT_LABEL_DESCRIPTIONS, SentenceEncoderClassifier
 
-        backbone = SentenceEncoderClassifier("minilm", num_classes=2, label_descriptions=LABEL_DESCRIPTIONS,
+        backbone = SentenceEncoderClassifier("minilm", num_classes=2, label_descriptions=SENTIMENT_LABEL_DESCRIPTIONS,
                                              logit_scale=20.0)
         common, private = dict(lr=2e-6, lam=1e-3, seed=0), dict(clip=50.0, target_epsilon=2.0, delta=1e-5)
     if method.startswith("mezo"):

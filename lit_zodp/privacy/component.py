@@ -217,7 +217,8 @@ class PrivacyComponent:
             self.branch = broadcast(new_id())
             self.branches[self.branch] = 0
             if self._spend_log is not None:
-                self._spend_log.open_branch(self.lineage, self.branch, dict(self._one_step_cost()))
+                step_cost = dict(self._constants().cost)  # what a step commits
+                self._spend_log.open_branch(self.lineage, self.branch, step_cost)
 
     def _unseen(self, logged: dict[str, tuple[Counts, int]]) -> Counts:
         """The logged releases this ledger lacks: per branch, the steps beyond those the ledger holds.
@@ -296,10 +297,6 @@ class PrivacyComponent:
 
     def _steps_cost(self, steps: int, sigma: float) -> list:
         return [(self.sampling.mechanism(composed_multiplier(self.step_plan, sigma)), steps)]
-
-    def _one_step_cost(self) -> list:
-        """``_steps_cost(1, sigma)``: what a step commits."""
-        return self._constants().cost
 
     def _constants(self) -> StepConstants:
         """The :class:`StepConstants` of the current plan, sampling, sigma and clip, made again when one changed.
