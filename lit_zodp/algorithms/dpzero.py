@@ -29,7 +29,7 @@ from torch import nn
 
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 from lit_zodp.backbones.base import batch_size_of
-from lit_zodp.privacy import GaussianRelease, StepPlan, clip_scalars, clipped_fraction
+from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction, clipped_sum
 
 DERIVATIVES = "directional derivatives"
 GRADIENT = "gradient estimate"
@@ -63,7 +63,7 @@ class DPZero(ZerothOrderModule):
         clipped_sums, differences = [], []
         for k, seed in enumerate(seeds):
             differences.append(self.directional_differences(seed, inputs, targets))    # line 3
-            clipped_sums.append(clip_scalars(differences[-1], self.clip).sum())
+            clipped_sums.append(clipped_sum(differences[-1], self.clip))
             if k < len(seeds) - 1:
                 self.restore()
         derivatives = self.privacy.release(stack_sums(clipped_sums), DERIVATIVES, batch_size=size)  # + z_t, / B
@@ -113,8 +113,8 @@ class DPGD0th(ZerothOrderModule):
         (seed,) = self.direction_seeds()                                                # line 2
         scalar_clip = self.clip / self.engine.direction_norm(seed)                      # ||clip(s_i u)|| <= C
         differences = self.directional_differences(seed, inputs, targets)              # g_i = s_i u
-        clipped_sum = clip_scalars(differences, scalar_clip).sum()
-        release = self.privacy.release_along(clipped_sum, GRADIENT, batch_size=size)  # (S u + z) / B
+        clipped = clipped_sum(differences, scalar_clip)
+        release = self.privacy.release_along(clipped, GRADIENT, batch_size=size)      # (S u + z) / B
         self.update({seed: release.coefficient.item()}, noise=release)                  # line 3
         self.log_step(size, lambda: clipped_fraction(differences, scalar_clip))
 

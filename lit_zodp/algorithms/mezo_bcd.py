@@ -70,7 +70,7 @@ from torch import Tensor, nn
 from lit_zodp.algorithms.dpzero import DERIVATIVES, DPZero, stack_sums
 from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
-from lit_zodp.privacy import PrivateBatchSampler, clip_scalars, clipped_fraction
+from lit_zodp.privacy import PrivateBatchSampler, clipped_fraction, clipped_sum
 from lit_zodp.zo import derive_seed, second_differences
 from lit_zodp.zo.blocks import (
     ORDERS,
@@ -327,7 +327,7 @@ class DPMeZOBCD(DPZero):
         clipped_sums, differences = [], []
         for k, seed in enumerate(seeds):
             differences.append(self.directional_differences(seed, inputs, targets))    # Alg. 1 lines 4-7
-            clipped_sums.append(clip_scalars(differences[-1], self.clip).sum())
+            clipped_sums.append(clipped_sum(differences[-1], self.clip))
             if k < len(seeds) - 1:
                 self.restore()
         projected = self.privacy.release(stack_sums(clipped_sums), DERIVATIVES, batch_size=size)  # ours: + z, / B

@@ -53,6 +53,7 @@ class PrivacySpendCallback(Callback):
         self._last_logged_step = 0  # epsilon is due ``cadence`` steps after this one (set again at train start)
         self._next_due_step = 0  # the first step at which epsilon may be due
         self._window: Optional[tuple[int, float]] = None  # (step, clock) where the timed steps start
+        self._quiet_until = 0  # the fit's committed steps (``privacy.fit_steps``) before which no step needs a look
         self._step_seconds = 0.0
         self._budget_announced = False
 
@@ -63,7 +64,7 @@ class PrivacySpendCallback(Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Count the cadence from the step this fit starts at (0, or a resumed checkpoint's step)."""
         self._last_logged_step = self._next_due_step = trainer.global_step
-        self._window, self._budget_announced = None, False
+        self._window, self._budget_announced, self._quiet_until = None, False, 0
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                              batch: Any, batch_idx: int) -> None:
@@ -79,9 +80,13 @@ class PrivacySpendCallback(Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        privacy, step = pl_module.privacy, trainer.global_step
+        privacy = pl_module.privacy
+        if privacy.fit_steps < self._quiet_until and not (trainer.should_stop or privacy.budget_exhausted):
+            return  # most steps: three comparisons (the Trainer's global_step and max_steps are property chains)
+        step = trainer.global_step
         last = trainer.should_stop or privacy.budget_exhausted or step >= trainer.max_steps > 0
-        if step < self._next_due_step and not last:  # most steps: nothing more (no clock read)
+        if step < self._next_due_step and not last:  # nothing more (no clock read)
+            self._quiet_until = self._committed_at(privacy, step, trainer.max_steps)
             return
         now = time.perf_counter()
         if self._window is not None and step > self._window[0]:  # the mean step since the window started
@@ -96,6 +101,15 @@ class PrivacySpendCallback(Callback):
         self._window = (step, now)  # (the first step of a fit, with its checks, ends before the window)
         # the cadence is known once a step was timed: until then, ask again at the next step
         self._next_due_step = self._last_logged_step + cadence if math.isfinite(cadence) else step + 1
+        self._quiet_until = self._committed_at(privacy, step, trainer.max_steps)
+
+    def _committed_at(self, privacy, step: int, max_steps: int) -> int:
+        """The fit's committed-step count at which the next step that needs a look (epsilon due, or the last step
+        by ``max_steps``) ends. Each step commits once, so the count and the global step advance together; a module
+        that committed more often is looked at early, never late. ``should_stop`` and the budget are read at
+        every step."""
+        target = min(self._next_due_step, max_steps) if max_steps > 0 else self._next_due_step
+        return privacy.fit_steps + max(int(target) - step, 1)
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """A fit bounded by ``max_epochs`` alone (or stopped at an epoch's end) ends at a step its batch hook could

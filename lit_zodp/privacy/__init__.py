@@ -11,7 +11,7 @@ from lit_zodp.privacy.calibration import (
     dpzero_theory_sigma,
     steps_within_budget,
 )
-from lit_zodp.privacy.clipping import clip_factors, clip_scalars, clip_vectors, clipped_fraction
+from lit_zodp.privacy.clipping import clip_factors, clip_scalars, clip_vectors, clipped_fraction, clipped_sum
 from lit_zodp.privacy.component import DirectionRelease, NonPrivate, PrivacyComponent
 from lit_zodp.privacy.ledger import EpsilonBounds, PrivacyLedger
 from lit_zodp.privacy.mechanisms import Gaussian, Laplace, Mechanism, SinglePassGaussian, SubsampledGaussian
@@ -62,6 +62,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "clip_factors",
     "clip_scalars",
+    "clipped_sum",
     "clip_vectors",
     "clipped_fraction",
     "composed_multiplier",

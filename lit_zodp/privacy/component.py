@@ -119,6 +119,7 @@ class PrivacyComponent:
 
     private = True
     _step_constants: Optional[StepConstants] = None  # (a class default: components pickled before stop 34 lack it)
+    fit_steps = 0  # (likewise, before stop 36)
 
     def __init__(self, *, clip: float = 1.0, target_epsilon: Optional[float] = None,
                  noise_multiplier: Optional[float] = None, delta: Optional[float] = None,
@@ -146,6 +147,7 @@ class PrivacyComponent:
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
         self._released: list[str] = []
+        self.fit_steps = 0  # steps committed in this fit (a counter the privacy callback reads instead of the Trainer's)
         self.lineage: Optional[str] = None  # the run's id across resumes (spend log); public
         self.other_branch_steps = 0  # steps of other branches of the lineage counted in the ledger
         self.branches: Optional[dict[str, int]] = {}  # each branch's steps in this ledger (None: an old checkpoint)
@@ -166,7 +168,7 @@ class PrivacyComponent:
         """
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
         self._reduce_sum = reduce_sum or _identity
-        self._released = []
+        self._released, self.fit_steps = [], 0
         restored = self._restored_plan or {}
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
@@ -435,10 +437,12 @@ class PrivacyComponent:
         A step that released more than its plan is recorded as the steps that cover its releases
         before this raises: those releases are in the weights already.
         """
-        constants, released, self._released = self._constants(), self._released, []
+        released, self._released = self._released, []
+        constants = self._step_constants if released else self._constants()  # (the releases' own, made by them)
         released.sort()
         planned = constants.names
         steps = 1 if released == planned else _steps_covering(released, planned)
+        self.fit_steps += steps
         if constants.cost:  # private
             for mechanism, count in constants.cost:
                 self.ledger.record(mechanism, count * steps)

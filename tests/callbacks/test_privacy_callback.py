@@ -1,6 +1,6 @@
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_zodp.algorithms import DPZero
 from lit_zodp.callbacks import PrivacySpendCallback
@@ -208,6 +208,46 @@ def test_a_fixed_cadence_logs_every_nth_step_from_the_fits_start_and_the_last_st
     quiet_trainer(max_steps=15, callbacks=[resumed]).fit(
         DPZero(mlp(), **kwargs), poisson_loader(data, 0.1, seed=3), ckpt_path=tmp_path / "last.ckpt")
     assert resumed.logged_at == [14, 15]  # resumed at step 10
+
+
+class HookRecorder(StepRecorder):
+    """Records, for every epsilon it logs, the global step and whether a batch-end hook logged it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.in_batch_end, self.hooks = False, []
+
+    def on_train_batch_end(self, *args):
+        self.in_batch_end = True
+        super().on_train_batch_end(*args)
+        self.in_batch_end = False
+
+    def _log_epsilon(self, pl_module, privacy, started):
+        super()._log_epsilon(pl_module, privacy, started)
+        self.hooks.append((pl_module.trainer.global_step, self.in_batch_end))
+
+
+@pytest.mark.parametrize("stop_at", [6, 8])
+def test_a_stop_between_due_steps_logs_the_epsilon_at_that_steps_end_and_a_budget_stop_at_its_last(stop_at):
+    """Between two due steps the callback compares the component's committed-step count only, but reads
+    ``should_stop`` and the budget at every step: a stop requested at step 6 logs step 6's epsilon in that step's
+    batch-end hook (where the epoch-end hook would be the fallback), and a budget that allows 9 steps logs step 9's."""
+    class StopAt(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == stop_at:
+                trainer.should_stop = True
+
+    recorder = HookRecorder(log_every_n_steps=4)
+    quiet_trainer(max_steps=20, callbacks=[StopAt(), recorder]).fit(
+        DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5, seed=1), poisson_loader(blobs(), 0.1, seed=3))
+    assert recorder.hooks == [(4, True), (stop_at, True)]
+
+    ledger, step = PrivacyLedger(), SubsampledGaussian(1.0, 0.1)
+    nine, ten = (ledger.epsilon(1e-5, extra=[(step, k)]).upper for k in (9, 10))
+    budget = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5, seed=1, max_epsilon=(nine + ten) / 2)
+    recorder = HookRecorder(log_every_n_steps=4)
+    quiet_trainer(max_steps=20, callbacks=[recorder]).fit(budget, poisson_loader(blobs(), 0.1, seed=3))
+    assert budget.privacy.steps == 9 and recorder.hooks == [(4, True), (8, True), (9, True)]
 
 
 def test_a_test_after_fit_keeps_the_modules_callbacks_without_announcing_an_override(caplog):

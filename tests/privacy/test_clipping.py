@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_zodp.privacy import clip_scalars, clip_vectors, clipped_fraction
+from lit_zodp.privacy import clip_scalars, clip_vectors, clipped_fraction, clipped_sum
 from lit_zodp.privacy.clipping import check_clip
 from lit_zodp.errors import PrivacyConfigError
 
@@ -66,12 +66,29 @@ def test_bad_clip_raises(bad):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
-def test_non_finite_scalars_contribute_zero_and_finite_ones_are_clamped(dtype):
-    """NaN and +-inf per-example scalars count as 0 (a crafted record gets no unbounded influence), with a
-    finite clip and without one; finite values, -0.0 included, are clamped or kept bitwise."""
+def test_infinities_clip_to_the_limit_nan_counts_zero_and_finite_values_are_clamped(dtype):
+    """With a finite clip, +-inf is clipped to +-C (the limit of ``v min(1, C / |v|)``) and NaN counts 0; without
+    one, NaN and +-inf count 0 (nothing bounds them). Finite values, -0.0 included, are clamped or kept bitwise,
+    and :func:`clipped_sum` is the sum of exactly these values."""
     v = torch.tensor([math.nan, math.inf, -math.inf, 2.0, -0.5, -0.0, -3.0], dtype=dtype)
     clipped = clip_scalars(v, 1.0)
-    assert clipped.dtype == dtype and torch.equal(clipped, torch.tensor([0, 0, 0, 1.0, -0.5, -0.0, -1.0], dtype=dtype))
+    assert clipped.dtype == dtype and torch.equal(clipped, torch.tensor([0, 1.0, -1.0, 1.0, -0.5, -0.0, -1.0], dtype=dtype))
     unclipped = clip_scalars(v, math.inf)
     assert torch.equal(unclipped, torch.tensor([0, 0, 0, 2.0, -0.5, -0.0, -3.0], dtype=dtype))
     assert torch.signbit(unclipped[5]) and float(clipped.sum()) == -0.5
+    assert torch.equal(clipped_sum(v, 1.0), clipped.sum()) and torch.equal(clipped_sum(v, math.inf), unclipped.sum())
+    assert torch.equal(v[3], torch.tensor(2.0, dtype=dtype))  # the input is not modified
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=64),
+       st.floats(1e-3, 1e3), st.sampled_from([torch.float32, torch.float64]))
+def test_the_clipped_sum_is_the_sum_of_the_clipped_values_and_moves_by_at_most_clip(values, clip, dtype):
+    """One op fewer, the same number: ``clipped_sum`` equals ``clip_scalars(v).sum()`` bitwise (``nansum`` and ``sum``
+    reduce in the same order), and removing any one value, NaN and +-inf included, moves it by at most C."""
+    v = torch.tensor(values, dtype=dtype)
+    total = clipped_sum(v, clip)
+    assert torch.equal(total, clip_scalars(v, clip).sum()) and torch.isfinite(total)
+    for i in range(len(v)):
+        removed = clipped_sum(torch.cat([v[:i], v[i + 1:]]), clip)
+        assert abs(float(total) - float(removed)) <= clip * (1 + 1e-5)

@@ -102,7 +102,8 @@ def test_a_large_host_draw_is_keyed_by_part_and_does_not_depend_on_the_thread_co
 
 
 @pytest.mark.parametrize("shape,dtype", [((5,), torch.float32), ((3_000_000,), torch.float32), ((2, 3), torch.float32),
-                                         ((4,), torch.float64), ((3, 2), torch.bfloat16), ((), torch.float32)])
+                                         ((4,), torch.float64), ((3, 2), torch.bfloat16), ((), torch.float32),
+                                         ((0,), torch.float32), ((64,), torch.float32), ((65,), torch.float64)])
 @pytest.mark.parametrize("divisor", [1.0, 64.0, 3.7])
 def test_noised_adds_exactly_the_draw_of_the_same_stream(shape, dtype, divisor):
     """``fl((x + std z) / B)`` computed in float64 and rounded once: a float32 normal scaled and added in
@@ -115,6 +116,23 @@ def test_noised_adds_exactly_the_draw_of_the_same_stream(shape, dtype, divisor):
     draw = NoiseSource(9).gaussian(shape, 0.5, dtype=torch.float64)
     assert torch.equal(noised, ((x.double() + draw) / divisor).to(dtype))
     assert torch.equal(x, torch.linspace(-1, 1, math.prod(shape)).view(shape).to(dtype))  # the input is not modified
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_scalar_release_rounds_its_float64_value_once_to_nearest_and_overflows_to_inf(dtype):
+    """The scalar path (at most SCALAR_DRAW values) rounds through C's conversion into an ``array.array``: the
+    same bits as torch's (and NumPy's) rounding of the float64 value, ties to even and overflow to +-inf."""
+    from lit_zodp.privacy.noise import SCALAR_DRAW
+
+    finfo = torch.finfo(dtype)
+    x = torch.tensor([1.0, -1.0, finfo.max, -finfo.max, finfo.tiny, 0.0, -0.0, 1.0 + finfo.eps], dtype=dtype)
+    assert x.numel() <= SCALAR_DRAW
+    for std in (1e-3, 1.0, 1e300):
+        noised = NoiseSource(5).noised(x, std, divisor=3.0)
+        draw = NoiseSource(5).gaussian(x.shape, std, dtype=torch.float64)
+        expected = ((x.double() + draw) / 3.0).to(dtype)
+        assert noised.dtype == dtype and torch.equal(noised.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.isinf(noised).all() == (dtype == torch.float32)  # std 1e300: each float32 value overflows
 
 
 @pytest.mark.parametrize("std", [-1.0, math.inf, math.nan, "1.0", None])
@@ -174,6 +192,11 @@ def test_commit_step_records_the_planned_mechanism_once_per_step():
     privacy.release(torch.tensor([1.0]), DERIVATIVES, batch_size=10)
     privacy.commit_step()
     assert privacy.ledger.counts[privacy._steps_cost(1, 2.0)[0][0]] == 1
+    privacy.release(torch.tensor([1.0]), DERIVATIVES, batch_size=10)
+    privacy.noise_multiplier = 3.0  # set between a release and its commit: the step is recorded as released
+    privacy.commit_step()
+    assert privacy.ledger.counts[privacy._steps_cost(1, 2.0)[0][0]] == 2 and privacy.fit_steps == 5
+    assert privacy._steps_cost(1, 3.0)[0][0] not in privacy.ledger.counts
 
 
 def test_a_source_keyed_before_a_fork_refuses_to_draw_in_the_child():
