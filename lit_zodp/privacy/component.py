@@ -382,7 +382,7 @@ class PrivacyComponent:
         adds the same draw after the all-reduce (shared secret), so all ranks hold the same value.
         """
         std, divisor = self._declared(name)
-        total = self._reduce_sum(clipped_sum)
+        total = clipped_sum if self._reduce_sum is _identity else self._reduce_sum(clipped_sum)  # (one process: no call)
         if std:
             return self.noise.noised(total, std, divisor=divisor)
         return total / divisor

@@ -139,6 +139,8 @@ class NoiseSource:
         self._key = hashlib.blake2b(str(int(secret)).encode(), digest_size=SECRET_BITS // 8).digest()
         self._counter = 0
         self._forks = _FORKS[0]
+        self._pool: Optional[list] = None  # the scalar pool (secret: in memory only) and its next unused value
+        self._pool_next = 0
 
     def _refuse_after_fork(self) -> None:
         """A forked child holds its parent's key, counter, pool and stream: its draws would repeat the
@@ -182,7 +184,7 @@ class NoiseSource:
         few NumPy calls on a scalar cost tens of us)."""
         if self._forks != _FORKS[0]:  # (inline: every DPZero release passes here)
             self._refuse_after_fork()
-        pool, start = getattr(self, "_pool", None), getattr(self, "_pool_next", 0)
+        pool, start = self._pool, self._pool_next
         if pool is None or start + len(values) > len(pool):
             pool, start = secret_generator(self._fresh_secret(SECRET_BITS)).standard_normal(SCALAR_POOL).tolist(), 0
             self._pool = pool
