@@ -45,6 +45,8 @@ call a change made cheaper. In a step's cold caches each costs 3-5x its micro-be
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import shlex
 import statistics
 import sys
@@ -165,18 +167,15 @@ class InPlaceTimes:
         self._saved: list[tuple] = []
 
     def __enter__(self) -> "InPlaceTimes":
-        import functools
-        import importlib
-
         for label, module_name, owner_name, name in IN_PLACE_CALLS:
             module = importlib.import_module(module_name)
             owner = getattr(module, owner_name) if owner_name else module
             original = owner.__dict__[name] if owner_name else getattr(module, name)
             self._saved.append((owner, name, original))
-            setattr(owner, name, self._timed(label, original, functools))
+            setattr(owner, name, self._timed(label, original))
         return self
 
-    def _timed(self, label: str, original, functools):
+    def _timed(self, label: str, original):
         times = self.times.setdefault(label, [])
         clock = time.perf_counter_ns
 
@@ -226,7 +225,7 @@ def run_in_place(args) -> dict:
 
 def render_in_place(result: dict, meta: dict) -> str:
     labels = list(dict.fromkeys(label for label, *_ in IN_PLACE_CALLS))
-    reps = {m: result["per_label_us"][m] for m in result["per_label_us"]}
+    reps = result["per_label_us"]
 
     def cell(method: str, label: str) -> str:
         values = [r[label] for r in reps[method] if label in r]

@@ -121,7 +121,8 @@ def test_noised_adds_exactly_the_draw_of_the_same_stream(shape, dtype, divisor):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_scalar_release_rounds_its_float64_value_once_to_nearest_and_overflows_to_inf(dtype):
     """The scalar path (at most SCALAR_DRAW values) rounds through C's conversion into an ``array.array``: the
-    same bits as torch's (and NumPy's) rounding of the float64 value, ties to even and overflow to +-inf."""
+    same bits as torch's rounding of the same float64 values, at the extremes of the dtype, signed zeros and the
+    smallest normal, and overflow to +-inf (std 1e300 overflows every float32)."""
     from lit_zodp.privacy.noise import SCALAR_DRAW
 
     finfo = torch.finfo(dtype)
