@@ -237,6 +237,29 @@ def test_the_budget_stop_never_overspends(name):
     assert module.privacy.ledger.epsilon(1e-5, extra=[(mechanism, 1)]).upper > 0.5
 
 
+class LowerSigmaAt(Callback):
+    """A sigma schedule: sets the privacy component's sigma at one step (audit 12 F1)."""
+
+    def __init__(self, step, sigma):
+        self.step, self.sigma = step, sigma
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            module.privacy.noise_multiplier = self.sigma
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_sigma_changed_within_a_fit_is_refused_before_it_releases(name):
+    """Audit 12 F1: lowering sigma from 3 to 1 at step 5 of a fit with ``max_epsilon = 1`` ran 47 steps and spent
+    epsilon 4.8 (the budget's step count was made for sigma 3). Now the fit stops at that step in one line,
+    having released and counted only steps at sigma 3, within the budget."""
+    module = build(name, noise_multiplier=3.0, max_epsilon=1.0)
+    with pytest.raises(PrivacyConfigError, match="`noise_multiplier` cannot change within a fit"):
+        fit(module, poisson_loader(blobs(), 0.1), 400, callbacks=[LowerSigmaAt(5, 1.0)])
+    (mechanism, count), = module.privacy.ledger.counts.items()
+    assert (mechanism, count) == (module.privacy._steps_cost(1, 3.0)[0][0], 5) and module.privacy.epsilon() <= 1.0
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 @pytest.mark.parametrize("minimum", [dict(min_steps=100), dict(min_epochs=20)])
 def test_a_budget_that_stops_before_the_trainers_minimum_is_refused_before_a_step(name, minimum):

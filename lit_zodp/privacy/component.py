@@ -59,15 +59,14 @@ def _identity(tensor: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class StepConstants:
-    """What every step of a fit reads, made once per (step plan, sampling, sigma, clip, neighbours): a step does
-    no arithmetic.
+    """What every step of a fit reads, made once by its plan (the step plan, sampling, sigma, clip and neighbours
+    are fixed until the fit ends): a step does no arithmetic.
 
     ``stds``: each release's noise std (``noise * sigma * C``, 0 at sigma = 0); ``divisor``: the expected batch
     size ``B``; ``names``: the plan's release names, sorted; ``cost``: one step's ``(mechanism, count)`` records
     (empty at sigma = 0, which records nothing).
     """
 
-    made_for: tuple
     stds: dict
     divisor: float
     names: list
@@ -92,6 +91,33 @@ def epsilon_text(epsilon: float, spec: str = ".4g") -> str:
     places = int(spec[1:-1])
     unit = 10.0 ** -places if spec.endswith("f") else 10.0 ** (math.floor(math.log10(abs(shown))) - places + 1)
     return format(shown + unit, spec)
+
+
+class _FixedWithinAFit:
+    """A setting that a fit's releases, ledger, budget and spend log are all made for at its plan: set freely
+    before a fit (and by the plan itself), refused within one. (Audit 12 F1: a sigma lowered mid-fit was
+    released and recorded at its new value, but the budget's step count and the spend log's per-step cost kept
+    the planned one, so ``max_epsilon`` stopped late and a rollback counted the other branch at the old cost.)"""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, component: Any, owner: Optional[type] = None) -> Any:
+        if component is None:
+            return self
+        try:
+            return component.__dict__[self.name]  # (the plain attribute's key: old pickles load unchanged)
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, component: Any, value: Any) -> None:
+        state = component.__dict__
+        if state.get("_in_fit") and value != state.get(self.name):
+            raise PrivacyConfigError(
+                f"`{self.name}` cannot change within a fit: this fit's noise, ledger, budget and spend log are made "
+                f"for {self.name}={state.get(self.name)!r} (its plan); set {value!r} before trainer.fit, or resume "
+                "from a checkpoint in a new fit")
+        state[self.name] = value
 
 
 class PrivacyComponent:
@@ -120,6 +146,11 @@ class PrivacyComponent:
     private = True
     _step_constants: Optional[StepConstants] = None  # (a class default: components pickled before stop 34 lack it)
     fit_steps = 0  # (likewise, before stop 36)
+    _in_fit = False  # between a plan and its end_fit: the settings below are fixed (likewise, before stop 37)
+    clip = _FixedWithinAFit()
+    noise_multiplier = _FixedWithinAFit()
+    sensitivity_factor = _FixedWithinAFit()
+    neighbours = _FixedWithinAFit()
 
     def __init__(self, *, clip: float = 1.0, target_epsilon: Optional[float] = None,
                  noise_multiplier: Optional[float] = None, delta: Optional[float] = None,
@@ -166,6 +197,7 @@ class PrivacyComponent:
         per fit start, so every rank adds the same draw after the all-reduce. ``spend_log`` (rank 0's;
         ``None`` elsewhere): the other branches' releases join the ledger, and this fit's are recorded.
         """
+        self._in_fit = False  # (a fit that never reached its end_fit)
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
         self._reduce_sum = reduce_sum or _identity
         self._released, self.fit_steps = [], 0
@@ -174,6 +206,7 @@ class PrivacyComponent:
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
         raise_if_any([self._noiseless_budget_error()])
+        self._step_constants = self._make_constants()
         self._continue_lineage(spend_log, broadcast)
         self._check_single_pass()
         self._check_accountable()
@@ -182,6 +215,7 @@ class PrivacyComponent:
         if self.is_private:
             self.noise = (NoiseSource(self.noise_seed) if self.noise_seed is not None
                           else NoiseSource.from_secret(broadcast(secret_seed())))
+        self._in_fit = True  # sigma, C and the neighbours are this fit's until end_fit
 
     def _noiseless_budget_error(self) -> Optional[str]:
         """A budget with sigma = 0 (audit 6): a resume that sets ``target_epsilon`` takes the checkpoint's
@@ -242,7 +276,7 @@ class PrivacyComponent:
     def end_fit(self) -> None:
         """Close this fit's branch record (it keeps its last count) and forget the secret noise source:
         a module pickled or copied after the fit must not carry the key of the noise it released."""
-        self.noise = None
+        self.noise, self._in_fit = None, False
         if self._spend_log is not None:
             self._spend_log.close()
 
@@ -301,21 +335,17 @@ class PrivacyComponent:
         return [(self.sampling.mechanism(composed_multiplier(self.step_plan, sigma)), steps)]
 
     def _constants(self) -> StepConstants:
-        """The :class:`StepConstants` of the current plan, sampling, sigma and clip, made again when one changed.
-        The plan and the sampling are compared by identity (held here, so no new object can take an old one's
-        id), the numbers by value: a sigma or clip set after the plan is the one released AND committed."""
+        """This fit's :class:`StepConstants`, made by its plan (sigma, C and the neighbours are fixed until its end)."""
         constants = self._step_constants
-        if (constants is None or constants.made_for[0] is not self.step_plan
-                or constants.made_for[1] is not self.sampling
-                or constants.made_for[2:] != (self.noise_multiplier, self.clip, self.sensitivity_factor)):
-            if self.sampling is None:
-                raise AccountingError("A step outside a fit: the module plans its releases at fit start")
-            constants = self._step_constants = StepConstants(
-                made_for=(self.step_plan, self.sampling, self.noise_multiplier, self.clip, self.sensitivity_factor),
-                stds={release.name: self._noise_std(release) if self.is_private else 0.0 for release in self.step_plan},
-                divisor=self.expected_batch_size, names=sorted(release.name for release in self.step_plan),
-                cost=self._steps_cost(1, self.noise_multiplier) if self.is_private else [])
+        if constants is None:
+            raise AccountingError("A step outside a fit: the module plans its releases at fit start")
         return constants
+
+    def _make_constants(self) -> StepConstants:
+        return StepConstants(
+            stds={release.name: self._noise_std(release) if self.is_private else 0.0 for release in self.step_plan},
+            divisor=self.expected_batch_size, names=sorted(release.name for release in self.step_plan),
+            cost=self._steps_cost(1, self.noise_multiplier) if self.is_private else [])
 
     def _check_single_pass(self) -> None:
         """A single pass is accounted once (parallel composition), so it must BE one pass, by one example.
@@ -438,7 +468,7 @@ class PrivacyComponent:
         before this raises: those releases are in the weights already.
         """
         released, self._released = self._released, []
-        constants = self._step_constants if released else self._constants()  # (the releases' own, made by them)
+        constants = self._constants()
         released.sort()
         planned = constants.names
         steps = 1 if released == planned else _steps_covering(released, planned)

@@ -64,21 +64,44 @@ def test_release_divides_by_the_expected_batch_size_and_adds_noise_of_sigma_clip
     torch.testing.assert_close(out, expected)
 
 
-def test_a_clip_or_sigma_set_after_the_plan_is_the_one_released_and_committed():
+def test_each_fit_releases_and_commits_the_clip_sigma_and_neighbours_of_its_plan():
     """Each release's std is made once per plan (``StepConstants``). An independent review found the cache keyed
-    on sigma but not on the clip: a clip raised mid-fit clipped at the new C and added noise for the old one
-    (an effective sigma of sigma C_old / C_new, accounted at sigma)."""
-    component = planned(noise_multiplier=2.0, clip=1.0, noise_seed=3, sampling=PoissonSampling(n=100, sample_rate=0.1))
-    z = NoiseSource(3).gaussian((4,), 1.0, dtype=torch.float64).tolist()  # the same stream, drawn at once
+    on sigma but not on the clip: a clip raised between fits clipped at the new C and added noise for the old
+    one (an effective sigma of sigma C_old / C_new, accounted at sigma)."""
+    component = PrivacyComponent(clip=1.0, noise_multiplier=2.0, delta=1e-5, noise_seed=3)
+    z = NoiseSource(3).gaussian((1,), 1.0, dtype=torch.float64).item()  # each plan keys the source anew
     settings = [(1.0, 2.0, "add_remove"), (10.0, 2.0, "add_remove"), (10.0, 3.0, "add_remove"),
                 (10.0, 3.0, "replace_one")]
-    for (clip, sigma, neighbours), z_t in zip(settings, z):
-        component.clip, component.noise_multiplier = clip, sigma
-        component.sensitivity_factor = 2.0 if neighbours == "replace_one" else 1.0
+    for clip, sigma, neighbours in settings:
+        component.clip, component.configured_noise_multiplier = clip, sigma
+        component.neighbours, component.sensitivity_factor = neighbours, 2.0 if neighbours == "replace_one" else 1.0
+        component.plan(step_plan=PLAN, sampling=PoissonSampling(n=100, sample_rate=0.1), planned_steps=10)
         released = float(component.release(torch.zeros(1, dtype=torch.float64), "g"))
-        assert released == component.sensitivity_factor * sigma * clip * z_t / 10  # (0 + std z) / B, B = 10
+        assert released == component.sensitivity_factor * sigma * clip * z / 10  # (0 + std z) / B, B = 10
         component.commit_step()
+        component.end_fit()
     assert component.ledger.counts == {SubsampledGaussian(2.0, 0.1): 2, SubsampledGaussian(3.0, 0.1): 2}
+
+
+@pytest.mark.parametrize("setting, value", [("noise_multiplier", 1.0), ("clip", 10.0), ("sensitivity_factor", 2.0),
+                                            ("neighbours", "replace_one")])
+def test_sigma_clip_and_neighbours_cannot_change_within_a_fit(setting, value):
+    """Audit 12 F1: a sigma lowered mid-fit (a callback's schedule) was released and recorded at its new value, but
+    ``max_epsilon``'s step count and the spend log's per-step cost kept the planned sigma: a sigma = 3 fit with
+    ``max_epsilon = 1`` lowered to 1 at step 5 ran 47 steps and spent epsilon 4.8, and a rollback counted the
+    other branch's steps at the old cost. Within a fit these settings are refused; the same value is accepted."""
+    component = planned(clip=1.0, noise_multiplier=3.0, max_epsilon=1.0, sampling=PoissonSampling(n=1000, sample_rate=0.1))
+    allowed = component.steps_allowed
+    setattr(component, setting, getattr(component, setting))
+    with pytest.raises(PrivacyConfigError, match=f"`{setting}` cannot change within a fit"):
+        setattr(component, setting, value)
+    assert getattr(component, setting) != value
+    component.release(torch.zeros(1), "g")
+    component.commit_step()
+    assert component.ledger.counts == {SubsampledGaussian(3.0, 0.1): 1} and component.steps_allowed == allowed - 1
+    component.end_fit()
+    setattr(component, setting, value)  # between fits: the next plan makes its constants for it
+    assert getattr(component, setting) == value
 
 
 def test_a_commit_outside_a_fit_is_refused():
