@@ -72,11 +72,12 @@ class LitZODPCLI(LightningCLI):
             _refuse_another_class(configured.get("class_path"), _checkpoint_class(path), path)
         super()._parse_ckpt_path()
         restored = _model_arguments(self.config)
+        configured = _target_as_budget_of_a_fixed_sigma(configured, restored, path)
         for key in BUDGET_ARGUMENTS:
             if configured.get(key) is not None and key in restored:
                 kept = configured[key] if restored[key] is None else min(configured[key], restored[key])
                 self.config[subcommand].model.init_args[key] = kept
-        _warn_replaced(configured, _model_arguments(self.config), path)
+        _warn_replaced(configured, _model_arguments(self.config), path, subcommand)
 
     def before_fit(self) -> None:
         self._fit_started = time.perf_counter()
@@ -110,10 +111,26 @@ class LitZODPCLI(LightningCLI):
         """After ``lightning test`` (e.g. zero-shot accuracy of an untrained prompt model)."""
         wall = time.perf_counter() - getattr(self, "_test_started", time.perf_counter())
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
-        rank_zero_info(result_line(self.model, self.datamodule, self.trainer, metrics, wall))
+        path = self.config[self.subcommand].get("ckpt_path")
+        trained = _read_checkpoint(path).get("global_step") if path and os.path.isfile(path) else None
+        rank_zero_info(result_line(self.model, self.datamodule, self.trainer, metrics, wall, steps=trained))
 
 
 BUDGET_ARGUMENTS = ("target_epsilon", "max_epsilon")
+
+
+def _target_as_budget_of_a_fixed_sigma(configured: dict, restored: dict, path: str) -> dict:
+    """A ``target_epsilon`` configured for a resume of a run with a fixed ``noise_multiplier`` cannot calibrate
+    the checkpoint's sigma: it binds as ``max_epsilon`` instead (the smaller, with a configured one), and one line
+    says so. (Before, it joined the checkpoint's sigma and the run was refused: 'Give exactly one of ...'.)"""
+    target = configured.get("target_epsilon")
+    if target is None or restored.get("noise_multiplier") is None or restored.get("target_epsilon") is not None:
+        return configured
+    budget = target if configured.get("max_epsilon") is None else min(target, configured["max_epsilon"])
+    rank_zero_warn(f"Resuming {path}: its run has a fixed noise_multiplier={_shown(restored['noise_multiplier'])}, "
+                   f"which a target cannot calibrate: the configured target_epsilon={_shown(target)} binds as "
+                   f"max_epsilon={_shown(budget)}", category=LitZodpWarning, stacklevel=5)
+    return {**configured, "target_epsilon": None, "max_epsilon": budget}
 
 
 def _model_arguments(config) -> dict:
@@ -125,17 +142,30 @@ def _model_arguments(config) -> dict:
 
 
 def _checkpoint_class(path: str) -> Optional[str]:
-    """The model class a checkpoint saved (LightningCLI's ``_class_path`` hyperparameter), its tensors
-    memory-mapped, not read; ``None`` when it saved none (or cannot be read: Lightning will say why)."""
+    """The model class a checkpoint saved (LightningCLI's ``_class_path`` hyperparameter); ``None`` when it saved
+    none (or cannot be read: Lightning will say why)."""
+    return (_read_checkpoint(path).get("hyper_parameters") or {}).get("_class_path")
+
+
+def _read_checkpoint(path: str) -> dict:
+    """A checkpoint's dictionary, its tensors memory-mapped, not read (``weights_only``, as Lightning loads it).
+    A file that is no checkpoint is refused in one line (before: torch's 24-line traceback after data setup)."""
     import torch
 
     for mmap in (True, False):  # a checkpoint of the old, non-zip format cannot be memory-mapped
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-            return (checkpoint.get("hyper_parameters") or {}).get("_class_path")
-        except Exception:  # noqa: BLE001 (not a checkpoint: Lightning's own load reports it)
-            continue
-    return None
+            break
+        except Exception as err:  # noqa: BLE001 (any reason: the message names it)
+            error = err
+    else:
+        lines = str(error).strip().splitlines()
+        reason = ("not a file torch.save wrote" if isinstance(error, (KeyError, EOFError, ValueError)) or not lines
+                  else f"{type(error).__name__}: {lines[0]}")  # (a stray file: a bare KeyError '101')
+        raise ConfigError(f"`ckpt_path`: {path!r} cannot be read as a checkpoint ({reason})")
+    if not isinstance(checkpoint, dict):
+        raise ConfigError(f"`ckpt_path`: {path!r} holds a {type(checkpoint).__name__}, not a Lightning checkpoint")
+    return checkpoint
 
 
 def _refuse_another_class(configured: Optional[str], saved: Optional[str], path: str) -> None:
@@ -150,13 +180,15 @@ def _refuse_another_class(configured: Optional[str], saved: Optional[str], path:
         "start a new run without ckpt_path")
 
 
-def _warn_replaced(configured: dict, kept: dict, path: str) -> None:
+def _warn_replaced(configured: dict, kept: dict, path: str, subcommand: str = "fit") -> None:
     """One warning line naming each configured model option whose value the checkpoint's replaced."""
     replaced = [f"{key}: configured {_shown(configured.get(key))}, checkpoint {_shown(value)} (kept)"
                 for key, value in kept.items() if key in configured and not _same(configured[key], value)]
     if replaced:
-        rank_zero_warn(f"Resuming {path}: a resume continues its run with the checkpoint's model options, not "
-                       f"the configured ones: {'; '.join(replaced)}", category=LitZodpWarning, stacklevel=5)
+        how = ("a resume continues its run with the checkpoint's model options" if subcommand == "fit"
+               else f"`{subcommand}` uses the checkpoint's model options")
+        rank_zero_warn(f"{'Resuming' if subcommand == 'fit' else 'Loading'} {path}: {how}, not the configured ones: "
+                       f"{'; '.join(replaced)}", category=LitZodpWarning, stacklevel=5)
 
 
 def _same(a, b) -> bool:
@@ -182,8 +214,11 @@ def _has_test_data(datamodule: Optional[LightningDataModule]) -> bool:
     return hook is not None and hook is not LightningDataModule.test_dataloader
 
 
-def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: float) -> str:
+def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: float,
+                steps: Optional[int] = None) -> str:
     """``RESULT task=... algorithm=... epsilon=... delta=... accuracy=... steps=... wall_s=...``.
+
+    ``steps``: the model's training steps (default: the Trainer's; ``lightning test`` passes its checkpoint's).
 
     ``epsilon`` is ``non-private`` for a non-private module, ``inf`` at sigma = 0, and carries the suffix
     ``(poisson-assumed)`` for ``sampling: shuffle`` (grep ``poisson-assumed``): never a bare number that
@@ -197,7 +232,7 @@ def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: fl
         "epsilon": _epsilon_field(privacy),
         "delta": f"{privacy.delta:.3g}" if getattr(privacy, "delta", None) else "-",
         "accuracy": f"{accuracy:.4f}" if accuracy is not None else "-",
-        "steps": trainer.global_step,
+        "steps": trainer.global_step if steps is None else steps,
         "wall_s": f"{wall_seconds:.1f}",
     }
     return "RESULT " + " ".join(f"{k}={v}" for k, v in fields.items())

@@ -395,6 +395,44 @@ def test_a_resume_names_each_configured_option_the_checkpoint_replaces(tmp_path,
     assert _same(1, 1.0) and not _same(True, 1) and not _same(None, 0) and _same([16, 32], [16, 32])
 
 
+def test_a_target_configured_for_a_resume_of_a_fixed_sigma_run_binds_as_its_budget(tmp_path, monkeypatch):
+    """Acceptance test (2026-11-28): a run trained at a fixed sigma, resumed with the config's target_epsilon (the
+    quickstart's 4.0), was refused ('Give exactly one of `target_epsilon` and `noise_multiplier`') after a warning
+    that promised to keep the checkpoint's sigma. The sigma is kept and the target binds as max_epsilon."""
+    monkeypatch.chdir(tmp_path)
+    fixed = yaml.safe_load(yaml.safe_dump(TINY))
+    fixed["model"]["init_args"].update(target_epsilon=None, noise_multiplier=1.0)
+    _fit_with_checkpoint(tmp_path, config=fixed)
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    with pytest.warns(UserWarning, match=r"fixed noise_multiplier=1.0, which a target cannot calibrate: the "
+                                         r"configured target_epsilon=3.0 binds as max_epsilon=3.0"):
+        resumed = _fit_with_checkpoint(tmp_path, "--trainer.max_steps", "400", "--ckpt_path", last)
+    privacy, hparams = resumed.model.privacy, resumed.model.hparams
+    assert (hparams.target_epsilon, hparams.noise_multiplier, hparams.max_epsilon) == (None, 1.0, 3.0)
+    assert privacy.noise_multiplier == 1.0 and privacy.budget == 3.0
+    assert 30 < privacy.ledger.total_count < 400 and privacy.epsilon() <= 3.0  # stopped by the budget
+
+
+def test_testing_a_checkpoint_reports_its_steps_and_a_stray_file_is_one_line(tmp_path, monkeypatch, caplog, capsys):
+    """Acceptance test (2026-11-28): `lightning test --ckpt_path` of a 30-step checkpoint printed steps=0, and a
+    --ckpt_path naming a file that is no checkpoint ended in torch's 24-line traceback after the data's setup."""
+    import logging
+
+    monkeypatch.chdir(tmp_path)
+    _fit_with_checkpoint(tmp_path)
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    with caplog.at_level(logging.INFO):
+        tested = build_cli(["test", "--config", str(write_config(tmp_path)), "--ckpt_path", last])
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RESULT")][-1]
+    assert " steps=30 " in line and f"epsilon={tested.model.privacy.epsilon():.3f}" in line
+    stray = tmp_path / "notes.ckpt"
+    stray.write_text("hello")
+    lines = _stderr_of_a_refused_run(["fit", "--config", str(write_config(tmp_path)), "--ckpt_path", str(stray)],
+                                     capsys)
+    assert lines == [f"lit-zodp: error: `ckpt_path`: {str(stray)!r} cannot be read as a checkpoint "
+                     "(not a file torch.save wrote)"]
+
+
 @pytest.mark.parametrize("arguments, epsilon, spent", [
     (["--data.init_args.sampling", "shuffle"], r"epsilon=\d+\.\d{3}\(poisson-assumed\) ",
      "upper bound ASSUMING POISSON SAMPLING, which shuffled batches do not satisfy: not a guarantee"),

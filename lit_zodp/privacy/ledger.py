@@ -12,6 +12,7 @@ PRV: at the same sigma it reports a larger epsilon.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -50,6 +51,7 @@ class PrivacyLedger:
         self._accountant_key: Optional[tuple] = None
         self._bounds: dict[tuple, EpsilonBounds] = {}  # memo: composition (and accountant) -> bounds
         self.computations = 0  # accountant evaluations, i.e. memo misses
+        self.query_seconds = 0.0  # the last evaluation's time, without building the discretised accountant
 
     def record(self, mechanism: Mechanism, count: int = 1) -> None:
         if count < 0:
@@ -79,11 +81,13 @@ class PrivacyLedger:
         key = (tuple(counts.items()), delta, self.accountant, self._accountant_key if accountant else None)
         if key not in self._bounds:
             self.computations += 1
+            start = time.perf_counter()
             if accountant is None:
                 epsilon = rdp_epsilon(counts, delta)
                 bounds = EpsilonBounds(epsilon, epsilon, epsilon)
             else:
                 bounds = compose(counts, delta, accountant, self)
+            self.query_seconds = time.perf_counter() - start
             if len(self._bounds) >= MEMO_SIZE:
                 del self._bounds[next(iter(self._bounds))]  # the oldest
             self._bounds[key] = bounds

@@ -93,6 +93,26 @@ def test_bad_callback_arguments(kwargs, match):
         PrivacySpendCallback(**kwargs)
 
 
+def test_the_cadence_counts_an_epsilons_query_not_the_accountants_build(monkeypatch):
+    """The accountant built at fit start for the planned horizon serves every later step's epsilon, so the
+    cadence's cost is one query. Counting the build too (2-3x a query) put the quickstart's first epsilon after
+    its last step: its progress bar showed none until the end (acceptance test, 2026-11-28)."""
+    import time
+
+    from lit_zodp.privacy import ledger as ledger_module
+
+    original = ledger_module._build_accountant
+
+    def slow_build(*args):
+        time.sleep(1.0)
+        return original(*args)
+
+    monkeypatch.setattr(ledger_module, "_build_accountant", slow_build)
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    quiet_trainer(max_steps=2).fit(module, poisson_loader(blobs(), 0.1, steps_per_epoch=2))
+    assert 0 < module.privacy.accounting_seconds < 0.9 and module.privacy.ledger.query_seconds > 0
+
+
 def test_default_cadence_spends_nothing_on_the_first_step_nor_at_the_last(monkeypatch):
     """Epsilon is composed when its cost fits 0.5% of the training time: not after the first step (whose
     time is not known yet; the accountant's cost comes from fit start) and not at the last step: the
