@@ -152,10 +152,17 @@ def refuse_batchnorm(module: nn.Module) -> None:
     """BatchNorm normalises with statistics of the whole batch, so each output mixes examples:
     per-example gradients, and with them the clipping sensitivity, are undefined."""
     names = batchnorm_layers(module)
-    raise_if_any([
-        f"BatchNorm layer `{name}` mixes the examples of a batch, so per-example gradients (and DP) "
-        f"are undefined; replace it with nn.GroupNorm (or LayerNorm)" for name in names
-    ])
+    raise_if_any([names and (
+        f"{_layers('BatchNorm layer', names)} mix{'es' if len(names) == 1 else ''} the examples of a batch, so "
+        "per-example gradients (and DP) are undefined; replace BatchNorm with nn.GroupNorm (or LayerNorm), or, "
+        "for a timm backbone, keep `freeze_batchnorm: true` (running statistics, frozen) with a zeroth-order method")])
+
+
+def _layers(kind: str, names: list[str], shown: int = 3) -> str:
+    """``BatchNorm layer `a```, ``BatchNorm layers `a`, `b`, `c` and 17 more``: one line for any number."""
+    listed = ", ".join(f"`{name}`" for name in names[:shown])
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{kind}{'s' if len(names) > 1 else ''} {listed}{more}"
 
 
 def refuse_compiled(module: nn.Module) -> None:
@@ -218,12 +225,12 @@ def refuse_batch_statistics(module: nn.Module) -> None:
     """Zeroth-order steps forward private batches in eval mode, where a BatchNorm with running
     statistics treats each example alone; one without them mixes the batch's examples into every
     loss, so clipping each loss no longer bounds one example's contribution (audit 3 F1)."""
-    raise_if_any([
-        f"BatchNorm layer `{name}` normalises with the batch's own statistics even in eval mode "
-        f"(track_running_stats=False), so each example's loss depends on its batch-mates and clipping "
-        f"does not bound its contribution; keep running statistics or use nn.GroupNorm (or LayerNorm)"
-        for name in batch_statistics_layers(module)
-    ])
+    names = batch_statistics_layers(module)
+    raise_if_any([names and (
+        f"{_layers('BatchNorm layer', names)} normalise{'s' if len(names) == 1 else ''} with the batch's own "
+        "statistics even in eval mode (track_running_stats=False), so each example's loss depends on its "
+        "batch-mates and clipping does not bound its contribution; keep running statistics or use nn.GroupNorm "
+        "(or LayerNorm)")])
 
 
 def refuse_reentrant_checkpointing(losses: Tensor) -> None:

@@ -210,6 +210,7 @@ class PrivacyComponent:
         self._check_single_pass()
         self._check_accountable()
         self.steps_allowed = self._steps_allowed()
+        raise_if_any([self._no_step_allowed_error()])
         self.noise = None
         if self.is_private:
             self.noise = (NoiseSource(self.noise_seed) if self.noise_seed is not None
@@ -388,6 +389,16 @@ class PrivacyComponent:
             raise AccountingError(
                 f"`noise_multiplier`={self.noise_multiplier:.4g} over {self.planned_steps} steps cannot be "
                 f"accounted ({err}). Use more noise (or a smaller target_epsilon) or fewer steps.") from None
+
+    def _no_step_allowed_error(self) -> Optional[str]:
+        """A new run whose budget allows no step at its sigma would end at once with rc 0 and epsilon 0, as if it had
+        trained (acceptance test, 2026-11-28). A resumed run that spent its budget ends so, saying why."""
+        if self.steps_allowed != 0 or self.ledger.total_count or not self.planned_steps:
+            return None
+        one_step = self.ledger.epsilon(self.delta, extra=self._steps_cost(1, self.noise_multiplier)).upper
+        return (f"The privacy budget (epsilon {self.budget:g}: `max_epsilon`/`target_epsilon`) allows no step at "
+                f"`noise_multiplier`={self.noise_multiplier:.4g}: one step spends epsilon {epsilon_text(one_step)}. "
+                "Raise noise_multiplier or the budget")
 
     def _steps_allowed(self) -> Optional[int]:
         if self.budget is None or not self.is_private:

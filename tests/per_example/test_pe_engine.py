@@ -31,6 +31,17 @@ def test_batchnorm_is_refused_naming_the_layer(norm):
         PerExampleGradientEngine(model)
 
 
+def test_many_batchnorms_are_refused_in_one_sentence():
+    """Acceptance test (2026-11-28): a resnet18 under DPSGD was refused with one 3,318-character line repeating the
+    same sentence for each of its 20 BatchNorm layers."""
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(20)])
+    with pytest.raises(PrivacyConfigError) as info:
+        PerExampleGradientEngine(model)
+    assert str(info.value).startswith("Invalid configuration: BatchNorm layers `0.1`, `1.1`, `2.1` and 17 more mix "
+                                      "the examples of a batch")
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
+
+
 class RunningMean(nn.Module):
     """A layer keeping an average of its inputs by reassigning a buffer (no in-place write)."""
 

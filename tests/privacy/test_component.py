@@ -447,3 +447,15 @@ def test_the_summary_names_the_accountant_used():
     """Before: "PRV accountant" under accountant="rdp" too."""
     assert "(PRV accountant, upper bound;" in steps(planned(noise_multiplier=1.0), 2).summary()
     assert "(RDP accountant, upper bound;" in steps(planned(noise_multiplier=1.0, accountant="rdp"), 2).summary()
+
+
+def test_a_new_run_whose_budget_allows_no_step_is_refused_and_a_spent_resume_is_not():
+    """Acceptance test (2026-11-28): sigma 0.3 with max_epsilon 3 planned 0 steps, trained none and ended with rc 0
+    and 'epsilon=0.000', as if it had run. A new run is refused at its plan; a resumed run whose ledger spent the
+    budget plans 0 steps (its fit ends at once, saying so)."""
+    with pytest.raises(PrivacyConfigError, match=r"allows no step at `noise_multiplier`=0.3: one step spends epsilon "):
+        planned(noise_multiplier=0.3, max_epsilon=3.0)
+    spent = PrivacyComponent(clip=1.0, delta=1e-5, noise_multiplier=0.3, max_epsilon=3.0)
+    spent.ledger.record(SubsampledGaussian(2.0, 0.05), 100_000)
+    spent.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
+    assert spent.steps_allowed == 0 and spent.budget_exhausted
