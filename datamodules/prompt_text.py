@@ -89,6 +89,7 @@ from datamodules.text_tasks import (
     PROMPT_MODES,
     TASK_NAMES,
     Field,
+    TaskData,
     TaskSpec,
     TaskSplit,
     describe,
@@ -750,7 +751,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
     # ------------------------------------------------------------------------------ loading
     def load_splits(self) -> DataSplits:
         spec = self.spec
-        data = load_task(spec, self.data_dir, self.data_format, self.k_shot, self.data_seed)
+        data = self._read(spec, "data_dir", self.data_dir, self.data_format, self.k_shot)
         self.task_data = data
         note = source_warning(data)
         if note is not None:
@@ -790,6 +791,15 @@ class PromptTextDataModule(PublicPrivateDataModule):
             splits.public, splits.public_ids = self._load_public()
         return splits
 
+    def _read(self, spec: TaskSpec, option: str, folder: str, data_format: str, k_shot: Optional[int]) -> TaskData:
+        """:func:`load_task`; a missing folder or file raises a :class:`ConfigError` naming the option (one line
+        in the CLI, exit code 2)."""
+        try:
+            return load_task(spec, folder, data_format, k_shot, self.data_seed)
+        except FileNotFoundError as err:
+            raise ConfigError(f"`data.init_args.{option}`: {err}; get the task's files (README, 'Paper configs') and "
+                              f"set `{option}` to their folder") from err
+
     @property
     def resolved_test_seed(self) -> int:
         """Seed of the ``num_test`` subset: ``test_seed``, else LM-BFF's 42 with ``k_shot``, else ``data_seed``."""
@@ -800,8 +810,8 @@ class PromptTextDataModule(PublicPrivateDataModule):
     def _load_public(self) -> tuple[PromptRecords, list[Hashable]]:
         """The separate public source (PAZO), a function of its file alone (its own repeats dropped)."""
         spec = self.public_spec
-        folder = self.public_data_dir or self.data_dir
-        data = load_task(spec, folder, self.public_data_format, self.public_k_shot, self.data_seed)
+        option = "public_data_dir" if self.public_data_dir else "data_dir"
+        data = self._read(spec, option, getattr(self, option), self.public_data_format, self.public_k_shot)
         train = data.train
         drop = repeated_examples(self.spec, train)
         if self.public_k_shot is not None and data.data_format != "lm-bff":

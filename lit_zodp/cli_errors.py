@@ -58,7 +58,7 @@ def parse_error_line(message: str, parser=None) -> str:
             reasons.append(_type_names(line))
     if not reasons:
         return " ".join(message.split())
-    reason = "; ".join(reasons)
+    reason = "; ".join(reasons) + _yaml_float_hint(reasons, message)
     rejected = re.match(r"Option '([^']+)' is not accepted", reason)
     if rejected and class_path:
         option = ".".join(keys + ["init_args", rejected[1]])
@@ -74,6 +74,19 @@ def _type_names(text: str) -> str:
     """``Expected a <class 'int'>`` as ``Expected an int``."""
     text = re.sub(r"<class '([\w.]+)'>", r"\1", text)
     return re.sub(r"\bExpected a (?=[aeiou])", "Expected an ", text)
+
+
+_NON_FINITE = re.compile(r"(?:Got|Given) value: (-?)(inf|infinity|nan)$", re.IGNORECASE | re.MULTILINE)
+
+
+def _yaml_float_hint(reasons: list[str], message: str) -> str:
+    """``inf`` is a string to YAML, which reads the command line and configs: a float option given ``inf``,
+    ``-inf`` or ``nan`` is told the spelling YAML reads as a float (``.inf``, ``-.inf``, ``.nan``)."""
+    word = _NON_FINITE.search(message)
+    if word is None or not any(reason.startswith("Expected a float") for reason in reasons):
+        return ""
+    spelling = ".nan" if word[2].lower() == "nan" else f"{word[1]}.inf"
+    return f": write `{spelling}` (the command line and configs are YAML, where `{word[1]}{word[2]}` is a string)"
 
 
 def _did_you_mean(hint: Optional[str]) -> str:

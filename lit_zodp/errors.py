@@ -60,7 +60,7 @@ def _is_number(value) -> bool:
 
 
 def check_positive(name: str, value, *, allow_inf: bool = False) -> Optional[str]:
-    kind = "a positive float" + (" (or inf)" if allow_inf else "")
+    kind = "a positive float" + (" (or inf: `.inf` in YAML)" if allow_inf else "")
     if not _is_number(value) or math.isnan(value) or value <= 0:
         return f"Expected `{name}` to be {kind}, but got {value!r}"
     if math.isinf(value) and not allow_inf:

@@ -122,7 +122,7 @@ def test_a_configuration_error_ends_in_one_line_and_exit_code_2(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "error" in line]
-    assert errors == ["lit-zodp: error: Invalid configuration: Expected `clip` to be a positive float (or inf), "
+    assert errors == ["lit-zodp: error: Invalid configuration: Expected `clip` to be a positive float (or inf: `.inf` in YAML), "
                       "but got 0.0"]
     assert "Traceback" not in result.stderr and "Namespace(" not in result.stderr
 
@@ -466,3 +466,65 @@ def test_package_warnings_are_one_line_and_others_keep_their_format():
     assert warnings.formatwarning("plain", UserWarning, "x.py", 3, "src") == "x.py:3: UserWarning: plain\n  src\n"
     inside = str(Path(lightning.__file__).parent / "pytorch" / "trainer" / "trainer.py")
     assert warnings.formatwarning("theirs", PossibleUserWarning, inside, 7, "src") == f"{inside}:7: theirs\n"
+
+
+def test_a_paper_config_without_its_data_folder_is_one_line_naming_data_dir(tmp_path, monkeypatch, capsys):
+    """Acceptance test (2026-11-28): a paper config run where its data folder is missing (the packaged MiniLM in
+    place of OPT-125M) ended in a 46-line traceback, FileNotFoundError, exit code 1."""
+    monkeypatch.chdir(tmp_path)  # no data/glue here
+    config = Path(__file__).resolve().parents[1] / "configs" / "mezo_bcd" / "opt-125m_sst2_mezo_bcd.yaml"
+    lines = _stderr_of_a_refused_run(["fit", "--config", str(config), "--trainer.accelerator", "cpu",
+                                      "--model.init_args.backbone.init_args.model_name_or_path", "minilm",
+                                      "--model.init_args.backbone.init_args.dtype", "float32",
+                                      "--data.init_args.tokenizer", "minilm", "--trainer.max_steps", "2"], capsys)
+    assert [line for line in lines if line.startswith("lit-zodp: error:")] == [
+        "lit-zodp: error: `data.init_args.data_dir`: SST-2: data_dir 'data/glue' is not a folder; get the task's "
+        "files (README, 'Paper configs') and set `data_dir` to their folder"]
+    assert not any("Traceback" in line for line in lines)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "\n### Paper configs\n" in readme
+
+
+def test_inf_on_the_command_line_is_told_its_yaml_spelling(tmp_path, monkeypatch, capsys):
+    """Acceptance test (2026-11-28): `--model.init_args.clip inf` said only "Expected a float. Got value: inf"
+    while the library's messages said "(or inf)"; YAML, which reads the command line, spells it `.inf`."""
+    monkeypatch.chdir(tmp_path)
+    config = str(write_config(tmp_path, _mezo()))
+    assert _stderr_of_a_refused_run(["fit", "--config", config, "--model.init_args.clip", "inf"], capsys) == [
+        "lit-zodp: error: `model.init_args.clip`: Expected a float. Got value: inf: write `.inf` (the command line "
+        "and configs are YAML, where `inf` is a string)"]
+    lines = _stderr_of_a_refused_run(["fit", "--config", config, "--model.init_args.noise_multiplier=-inf"], capsys)
+    assert len(lines) == 1 and lines[0].startswith("lit-zodp: error: `model.init_args.noise_multiplier`: Expected a float")
+    assert lines[0].endswith("write `-.inf` (the command line and configs are YAML, where `-inf` is a string)")
+    lines = _stderr_of_a_refused_run(["fit", "--config", config, "--model.init_args.lr", "NaN"], capsys)
+    assert lines[0].endswith("write `.nan` (the command line and configs are YAML, where `NaN` is a string)")
+    cli = build_cli(["fit", "--config", config, "--model.init_args.clip", ".inf", "--trainer.max_steps", "1",
+                     "--test_after_fit", "false"])
+    assert cli.model.hparams.clip == float("inf") and cli.trainer.global_step == 1
+
+
+def test_the_quickstart_logs_without_the_logging_interval_warning(tmp_path, monkeypatch):
+    """Acceptance test (2026-11-28): `log_every_n_steps: 50` with 20-batch epochs warned once a logger was on."""
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_cli(["fit", "--config", str(QUICKSTART), "--trainer.logger", "true", "--trainer.max_steps", "2",
+                   "--trainer.enable_progress_bar", "false", "--test_after_fit", "false"])
+    assert not [w for w in caught if "logging interval" in str(w.message)]
+
+
+def test_the_readme_resume_command_writes_a_checkpoint_and_the_resume_continues_epsilon(tmp_path, monkeypatch):
+    """Acceptance test (2026-11-28): the quickstart validates (and so checkpoints) every 50 epochs, so a short fit
+    with `--trainer.enable_checkpointing true` wrote no checkpoint to resume; the README adds
+    `--trainer.check_val_every_n_epoch 1`. A fixed sigma (no budget) lets the resume run on."""
+    monkeypatch.chdir(tmp_path)
+    common = ["fit", "--config", str(QUICKSTART), "--trainer.enable_checkpointing", "true",
+              "--trainer.check_val_every_n_epoch", "1", "--model.init_args.target_epsilon", "null",
+              "--model.init_args.noise_multiplier", "1.0", "--trainer.enable_progress_bar", "false",
+              "--test_after_fit", "false"]
+    first = build_cli([*common, "--trainer.max_steps", "40"])
+    checkpoint = tmp_path / "checkpoints" / "epoch=1-step=40.ckpt"
+    assert checkpoint.is_file()
+    resumed = build_cli([*common, "--trainer.max_steps", "60", "--ckpt_path", str(checkpoint)])
+    assert resumed.model.privacy.ledger.total_count == 60
+    assert resumed.model.privacy.epsilon() > first.model.privacy.epsilon()

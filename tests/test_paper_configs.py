@@ -113,3 +113,16 @@ def test_paper_config_injects_the_reference_noise(path):
     sigma = get_noise_multiplier(target_epsilon=model["target_epsilon"], target_delta=model["delta"],
                                  sample_rate=B / n, steps=steps)
     assert injected == pytest.approx(2 * sigma * model["clip"] / B, rel=1e-12)
+
+
+def test_every_readme_pointer_of_the_configs_names_a_readme_section():
+    """The configs' `(data layout: see README, '<section>')` comments name a section README.md has."""
+    import re
+
+    headings = {line.lstrip("#").strip() for line in (ROOT / "README.md").read_text().splitlines()
+                if line.startswith("#")}
+    files = [*(ROOT / "configs").rglob("*.yaml"), ROOT / "configs" / "dpzero" / "generate.py"]
+    pointers = {path.name: re.findall(r"see README, '([^']+)'", path.read_text()) for path in files}
+    pointed = {name: found for name, found in pointers.items() if found}
+    assert len([name for name in pointed if name.endswith(".yaml")]) == 41  # 36 DPZero + 5 MeZO-BCD OPT/RoBERTa
+    assert {title for found in pointed.values() for title in found} <= headings

@@ -7,6 +7,7 @@ calibrated run provably spends at most ``target_epsilon`` under the PRV accounta
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable, Iterable
 
 from lit_zodp.errors import (
@@ -98,7 +99,14 @@ def bisect_sigma(
 
 def _rdp_start(rdp_excess: Callable[[float], float], sigma_max: float) -> float:
     """The sigma meeting the target under RDP (to 1%), a close upper guess for PRV's; 1 if RDP
-    cannot account the plan. Each RDP evaluation takes about a millisecond."""
+    cannot account the plan. Each RDP evaluation takes about a millisecond. Opacus's warnings about its orders
+    are silenced: this guess is ours, not the user's accountant (they printed Opacus's source line under PRV)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _rdp_guess(rdp_excess, sigma_max)
+
+
+def _rdp_guess(rdp_excess: Callable[[float], float], sigma_max: float) -> float:
     try:
         high = 1.0
         while rdp_excess(high) > 0 and high <= sigma_max:

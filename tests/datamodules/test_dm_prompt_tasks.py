@@ -29,7 +29,7 @@ from datamodules.prompt_text import (
 )
 from datamodules.testing import build_tiny_bpe_tokenizer, synthetic_examples, write_task_files
 from datamodules.text_tasks import parse_hf_name, render_text
-from lit_zodp.errors import PrivacyConfigError
+from lit_zodp.errors import ConfigError, PrivacyConfigError
 
 GLUE_TASKS = ("SST-2", "SST-5", "SNLI", "MNLI", "RTE", "TREC")
 SUPERGLUE_TASKS = ("BoolQ", "CB", "RTE", "WIC", "WSC", "COPA", "MultiRC")
@@ -544,7 +544,21 @@ def test_config_errors_list_the_options(tmp_path):
         PromptTextDataModule("SST-2", str(tmp_path), data_format="csv")
     dm = PromptTextDataModule("TREC", str(tmp_path / "missing"))
     assert dm.num_classes == 6  # known before setup
-    with pytest.raises(FileNotFoundError, match="not a folder"):
+    with pytest.raises(ConfigError, match=r"^`data.init_args.data_dir`: TREC: data_dir .* is not a folder; .*'Paper configs'"):
+        dm.setup()
+
+
+def test_missing_data_is_a_config_error_naming_the_option(tmp_path):
+    """A missing folder or file is a ConfigError (one line, exit code 2 in the CLI) naming the option to set."""
+    (tmp_path / "SST-2").mkdir()
+    (tmp_path / "SST-2" / "train.tsv").write_text("sentence\tlabel\ngood\t1\n")
+    with pytest.raises(ConfigError, match=r"^`data.init_args.data_dir`: SST-2 \(glue layout\): no test file") as info:
+        PromptTextDataModule("SST-2", str(tmp_path), data_format="glue").setup()
+    assert isinstance(info.value.__cause__, FileNotFoundError) and "\n" not in str(info.value)
+    write_task_files(tmp_path / "original", "SST-2", "glue")
+    dm = PromptTextDataModule("SST-2", str(tmp_path / "original"), public_task="SST-2",
+                              public_data_dir=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match=r"^`data.init_args.public_data_dir`: SST-2: data_dir .* is not a folder"):
         dm.setup()
 
 
