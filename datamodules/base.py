@@ -40,6 +40,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 from datamodules.collate import EmptySafeCollate
@@ -290,8 +291,8 @@ class PublicPrivateDataModule(LightningDataModule):
         self.shard_eval = shard_eval
         raise_if_any(self.config_errors())
         self.save_hyperparameters(ignore=["sampling_seed"])
-        if sampling == "shuffle":
-            warnings.warn(SHUFFLE_WARNING, LitZodpWarning, stacklevel=2)
+        if sampling == "shuffle":  # (once: every DDP rank builds its DataModule)
+            rank_zero_warn(SHUFFLE_WARNING, category=LitZodpWarning)
         if sampling_seed is not None:
             warn_test_seed("sampling_seed", "private batch sampling")
         self._reset()

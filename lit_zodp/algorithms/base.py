@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -207,6 +207,9 @@ class AlgorithmModule(pl.LightningModule):
         if self.trainer.world_size > 1:
             _require_no_distributed_sampler(self.trainer)
         sampling = read_sampling(self.trainer) if self.private else None
+        change = self.privacy.sampling_change(sampling) if self.private else None
+        if change:
+            rank_zero_warn(change, category=LitZodpWarning)
         planned_steps = _planned_steps(self.trainer) if self.private else None
         if planned_steps is not None and planned_steps >= LONG_PLAN_STEPS:
             rank_zero_info(

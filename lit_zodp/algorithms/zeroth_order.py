@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lit_zodp.algorithms.base import AlgorithmModule
-from lit_zodp.errors import check_non_negative, check_positive, check_positive_int, raise_if_any
-from lit_zodp.per_example.checks import refuse_batch_statistics
+from lit_zodp.errors import LitZodpWarning, check_non_negative, check_positive, check_positive_int, raise_if_any
+from lit_zodp.per_example.checks import frozen_statistics_note, refuse_batch_statistics
 from lit_zodp.privacy import DirectionRelease
 from lit_zodp.zo import ZOSGD, PerturbationEngine, central_differences, derive_seed, make_direction_law
 from lit_zodp.zo.fused import FusedPerturbation, triton_available
@@ -66,6 +67,9 @@ class ZerothOrderModule(AlgorithmModule):
         super().__init__(backbone, **kwargs)
         if self.private:
             refuse_batch_statistics(self.backbone)
+        note = frozen_statistics_note(self.backbone)
+        if note:
+            rank_zero_warn(note, category=LitZodpWarning)
         self.weight_decay = weight_decay
         self.lam = lam
         self.num_directions = num_directions

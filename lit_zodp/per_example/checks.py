@@ -233,6 +233,17 @@ def refuse_batch_statistics(module: nn.Module) -> None:
         "(or LayerNorm)")])
 
 
+def frozen_statistics_note(module: nn.Module) -> Optional[str]:
+    """A line naming the BatchNorm layers whose running statistics a zeroth-order fit never updates (its forwards
+    run in eval mode): right for a pretrained CNN, surprising for one that has not collected them yet."""
+    names = [name for name in batchnorm_layers(module) if name not in batch_statistics_layers(module)]
+    if not names:
+        return None
+    one = len(names) == 1
+    return (f"{_layers('BatchNorm layer', names)} keep{'s' if one else ''} {'its' if one else 'their'} running "
+            "statistics as they are: zeroth-order steps forward in eval mode (each example alone), so they never update")
+
+
 def refuse_reentrant_checkpointing(losses: Tensor) -> None:
     """Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs
     its parameters' backward inside a node of its own (``CheckpointFunctionBackward``), which torch

@@ -217,6 +217,19 @@ class PrivacyComponent:
                           else NoiseSource.from_secret(broadcast(secret_seed())))
         self._in_fit = True  # sigma, C and the neighbours are this fit's until end_fit
 
+    def sampling_change(self, sampling: SamplingDescription) -> Optional[str]:
+        """A line when this fit samples its private examples otherwise than the run's last fit (here, or in its
+        checkpoint): allowed, each step is accounted at its own rate, but a resume that changed the data or the
+        batch size said nothing (acceptance test, 2026-11-28)."""
+        before = ((self.sampling.name, self.sampling.sample_rate, self.sampling.n) if self.sampling is not None else
+                  tuple((self._restored_plan or {}).get(key) for key in ("sampling", "sample_rate", "n")))
+        now = (sampling.name, sampling.sample_rate, sampling.n)
+        if before[0] is None or (before[0], before[2]) == (now[0], now[2]) and math.isclose(before[1], now[1]):
+            return None
+        return (f"This fit samples {now[0]} with q = {now[1]:.4g} of n = {now[2]} private examples; the run's steps so "
+                f"far sampled {before[0]} with q = {before[1]:.4g} of n = {before[2]}: each step is accounted at its "
+                "own rate")
+
     def _noiseless_budget_error(self) -> Optional[str]:
         """A budget with sigma = 0 (audit 6): a resume that sets ``target_epsilon`` takes the checkpoint's
         sigma, and a noiseless run's checkpoint has 0; its steps would release the clipped sums as they are."""

@@ -295,7 +295,8 @@ class ShuffleBatchSampler(PrivateBatchSampler):
         if not errors[0] and isinstance(num_samples, int) and batch_size > num_samples:
             errors.append(f"Expected `batch_size` <= num_samples={num_samples}, but got {batch_size}")
         raise_if_any(errors)
-        warnings.warn(SHUFFLE_WARNING, LitZodpWarning, stacklevel=2)
+        if rank == 0:  # (once per run: every rank builds its sampler)
+            warnings.warn(SHUFFLE_WARNING, LitZodpWarning, stacklevel=2)
         super().__init__(num_samples, rank=rank, world_size=world_size, seed=seed)
         self.batch_size = batch_size
 

@@ -387,3 +387,19 @@ def test_the_padding_check_never_passes_the_models_position_table():
     module = DPZero(backbone, clip=1.0, noise_multiplier=1.0, delta=1e-5, lr=0.01)
     fit(module, token_loader(), 2)
     assert module.privacy.ledger.total_count == 2 and not module._pending_checks
+
+
+def test_a_zeroth_order_module_says_its_batchnorm_statistics_stay_frozen():
+    """Acceptance test (2026-11-28): BatchNorm inside DPZero trained without a word, its running statistics never
+    moving from their initial values (the forwards run in eval mode, as DP requires). It is said, in one line."""
+    import warnings
+
+    from lit_zodp.errors import LitZodpWarning
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+    with pytest.warns(LitZodpWarning, match=r"^BatchNorm layer `1` keeps its running statistics as they are: "
+                                            r"zeroth-order steps forward in eval mode"):
+        DPZero(model, lr=0.1, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LitZodpWarning)
+        DPZero(nn.Sequential(nn.Linear(4, 2)), lr=0.1, clip=1.0, noise_multiplier=1.0, delta=1e-5)

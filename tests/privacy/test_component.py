@@ -459,3 +459,20 @@ def test_a_new_run_whose_budget_allows_no_step_is_refused_and_a_spent_resume_is_
     spent.ledger.record(SubsampledGaussian(2.0, 0.05), 100_000)
     spent.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
     assert spent.steps_allowed == 0 and spent.budget_exhausted
+
+
+def test_a_fit_sampling_otherwise_than_the_runs_last_is_named_in_one_line():
+    """Acceptance test (2026-11-28): a resume with another batch size (q 0.0495 -> 0.0989) or another validation
+    share (another n) said nothing; only the final summary's q showed it. Accounting it is right; now it is said."""
+    first = planned(noise_multiplier=1.0)
+    first.end_fit()
+    assert first.sampling_change(POISSON) is None  # the same again (a second fit in this process)
+    doubled = PoissonSampling(n=1000, sample_rate=0.1)
+    assert first.sampling_change(doubled) == ("This fit samples poisson with q = 0.1 of n = 1000 private examples; "
+                                              "the run's steps so far sampled poisson with q = 0.05 of n = 1000: "
+                                              "each step is accounted at its own rate")
+    resumed = PrivacyComponent(clip=1.0, delta=1e-5, noise_multiplier=1.0)
+    assert resumed.sampling_change(doubled) is None  # a new run: nothing before it
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.sampling_change(POISSON) is None and "n = 900 private" in resumed.sampling_change(
+        PoissonSampling(n=900, sample_rate=0.05))
