@@ -25,11 +25,18 @@ class OneLineErrorParser(LightningArgumentParser):
     code 2, instead of jsonargparse's usage dump. ``--help`` and ``--print_config`` are unchanged; the
     parsers jsonargparse builds internally with ``exit_on_error=False`` still raise."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # `--trainer.max_step 10` was taken as max_steps, silently
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str, ex: Optional[Exception] = None):
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             super().error(message, ex)
         self._logger.error(message)
-        sys.stderr.write(f"lit-zodp: error: {parse_error_line(message, self)}\n")
+        line = parse_error_line(message, self)
+        if line.endswith("expected one argument"):  # `--model.init_args.lam -1e-3`: argparse reads -1e-3 as an option
+            line += " (a value starting with '-' is written with '=': `--model.init_args.lam=-1e-3`)"
+        sys.stderr.write(f"lit-zodp: error: {line}\n")
         self.exit(2)
 
 

@@ -528,3 +528,17 @@ def test_the_readme_resume_command_writes_a_checkpoint_and_the_resume_continues_
     resumed = build_cli([*common, "--trainer.max_steps", "60", "--ckpt_path", str(checkpoint)])
     assert resumed.model.privacy.ledger.total_count == 60
     assert resumed.model.privacy.epsilon() > first.model.privacy.epsilon()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--trainer.max_step", "10"], "unrecognized arguments: --trainer.max_step 10 (did you mean `--trainer.max_steps`?)"),
+    (["--model.init_args.lam", "-1e-3"], "argument --model: expected one argument (a value starting with '-' is "
+                                         "written with '=': `--model.init_args.lam=-1e-3`)"),
+])
+def test_an_abbreviated_option_is_refused_and_a_negative_value_is_told_its_spelling(arguments, message, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """Acceptance test (2026-11-28): argparse's prefix matching took `--trainer.max_step 10` as max_steps without a
+    word (the same typo in a YAML file is refused), and `--lam -1e-3` said only 'expected one argument'."""
+    monkeypatch.chdir(tmp_path)
+    lines = _stderr_of_a_refused_run(["fit", "--config", str(write_config(tmp_path)), *arguments], capsys)
+    assert lines == [f"lit-zodp: error: {message}"]
