@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lit_zodp.per_example.ghost import gram_norm_sq, prefer_ghost
-from lit_zodp.per_example.samplers import WEIGHT_AND_BIAS, _common_dtype, _row_norm_sq, _trainable, register_sampler
+from lit_zodp.per_example.ghost import gram_norm_sq, outer_norm_sq, prefer_ghost
+from lit_zodp.per_example.samplers import (WEIGHT_AND_BIAS, _common_dtype, _row_norm_sq, _trainable, register_sampler,
+                                          summed_rows_norm_sq)
 
 
 def _pad_amounts(layer: nn.Module) -> list[int]:
@@ -65,14 +66,15 @@ def _conv_grads(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
 def _conv_norms(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
     """Ghost norm over the ``L`` output positions when ``groups = 1`` and cheaper (Bu et al. 2022)."""
     patches_len = g.flatten(2).shape[-1]
-    if layer.groups != 1 or not prefer_ghost(patches_len, layer.weight.numel()):
-        return {name: _row_norm_sq(grad) for name, grad in _conv_grads(layer, a, g).items()}
+    ghost = layer.groups == 1 and prefer_ghost(patches_len, layer.weight.numel())
     out = {}
-    if _trainable(layer, "weight"):
+    if _trainable(layer, "weight"):  # each group's outer products, guarded (audit 13: 3.85 C released unguarded)
         patches, grads = _grouped(layer, a, g)
-        out["weight"] = gram_norm_sq(patches[:, 0].transpose(1, 2), grads[:, 0].transpose(1, 2))
+        rule = gram_norm_sq if ghost else outer_norm_sq
+        out["weight"] = sum(rule(patches[:, k].transpose(1, 2), grads[:, k].transpose(1, 2))
+                            for k in range(layer.groups))
     if _trainable(layer, "bias"):
-        out["bias"] = _row_norm_sq(g.flatten(2).sum(2))
+        out["bias"] = summed_rows_norm_sq(g.flatten(2).transpose(1, 2))
     return out
 
 

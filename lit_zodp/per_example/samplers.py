@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_zodp.errors import raise_if_any
-from lit_zodp.per_example.ghost import embedding_norm_sq, gram_norm_sq, prefer_ghost
+from lit_zodp.per_example.ghost import embedding_norm_sq, gram_norm_sq, outer_norm_sq, prefer_ghost
 
 LayerRule = Callable[[nn.Module, Tensor, Tensor], Dict[str, Tensor]]
 
@@ -148,10 +148,16 @@ def outer_grads(a: Tensor, g: Tensor) -> Tensor:
 
 
 def outer_norms_sq(a: Tensor, g: Tensor) -> Tensor:
-    """``||G_i||^2``: the ghost norm where cheaper (Li et al. 2022; Bu et al. 2022 mixed rule)."""
+    """``||G_i||^2``: the ghost norm where cheaper (Li et al. 2022; Bu et al. 2022 mixed rule), else from the
+    materialised ``G_i``; both guarded against the rounding of the flattened sum (:func:`outer_norm_sq`)."""
     if prefer_ghost(a.shape[1], a.shape[-1] * g.shape[-1]):
         return gram_norm_sq(a, g)
-    return _row_norm_sq(outer_grads(a, g))
+    return outer_norm_sq(a, g)
+
+
+def summed_rows_norm_sq(g: Tensor) -> Tensor:
+    """``||sum_t g_t||^2`` of ``g [B, T, d]`` (a bias), guarded as :func:`outer_norm_sq` with ``a_t = 1``."""
+    return outer_norm_sq(g.new_ones(g.shape[0], g.shape[1], 1), g)
 
 
 def outer_summed(a: Tensor, g: Tensor) -> Tensor:
@@ -176,7 +182,7 @@ def _linear_norms(layer: nn.Linear, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
     if _trainable(layer, "weight"):
         out["weight"] = outer_norms_sq(a, g)
     if _trainable(layer, "bias"):
-        out["bias"] = _row_norm_sq(g.sum(1))
+        out["bias"] = summed_rows_norm_sq(g)
     return out
 
 
@@ -228,9 +234,7 @@ def _embedding_norms(layer: nn.Embedding, idx: Tensor, g: Tensor) -> Dict[str, T
     """Ghost norm with a one-hot Gram matrix where cheaper than the ``[B, V, D]`` scatter."""
     if not _trainable(layer, "weight"):
         return {}
-    rows, grads = _embedding_rows(layer, idx, g)
-    if not prefer_ghost(rows.shape[1], layer.weight.numel()):
-        return {"weight": _row_norm_sq(_embedding_grads(layer, idx, g)["weight"])}
+    rows, grads = _embedding_rows(layer, idx, g)  # (guarded even where the scatter would be cheaper: audit 13)
     return {"weight": embedding_norm_sq(rows, grads, layer.padding_idx)}
 
 

@@ -221,3 +221,52 @@ def test_a_zero_dim_parameter_is_clipped_with_the_others(mode):
     _assert_sums(result, sums, names)
     assert_rel_close(result.norms, norms)
     assert result.grads[names.index("scale")].shape == ()
+
+
+class _MeanPooled(nn.Module):
+    """A layer on the materialised-norm branch (``2 T^2 >= d_in d_out``), its positions mean-pooled."""
+
+    def __init__(self, layer, dim=4):
+        super().__init__()
+        self.layer, self.head = layer, nn.Linear(dim, 3)
+
+    def forward(self, x):
+        out = self.layer(x)
+        return self.head(torch.tanh(out.mean(1) if out.dim() == 3 else out.mean(-1)))
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("make, shape", [(lambda: nn.Linear(4, 4), (4, 4)), (lambda: nn.Linear(4, 4, bias=False), (4, 4)),
+                                         (lambda: nn.Conv1d(4, 4, 1), (4, 4)), (lambda: nn.Embedding(5, 4), None)],
+                         ids=["linear", "linear_no_bias", "conv1d", "embedding"])
+def test_an_example_whose_positions_cancel_moves_the_clipped_sum_by_at_most_c(mode, make, shape):
+    """Audit 13: in "ghost" and "bookkeeping" the sum is one reduction over every example's rows, while the norm of
+    a layer on the materialised branch came from the example's own rows. A record with x_1 = M u, x_2 = -M u
+    measured about 0 alone (clip factor 1) yet absorbed the others' partial sums: 3.1 C at B = 64 (M = 1e12),
+    7.3 C at B = 256, 3.85 C through a Conv1d. Its norm is now guarded by M's scale."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float32)  # float32 rounding is the attack's lever (the fixture restores float64)
+    batch, positions, big = 64, 4, 1e12
+    layer = make()
+    model = _MeanPooled(layer)
+    engine = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
+    if shape is None:  # an embedding: repeated tokens whose gradients cancel through a huge head input
+        model.layer.weight.data[0] = big
+        model.layer.weight.data[1] = -big
+        x, crafted = torch.randint(2, 5, (batch, positions)), torch.tensor([[0, 1, 0, 1]])
+    else:
+        x, u = torch.randn(batch, *shape), torch.randn(shape[-1])
+        crafted = torch.zeros(1, *shape)
+        crafted[0, 0], crafted[0, 1] = big * u, -big * u
+        if isinstance(layer, nn.Conv1d):
+            crafted = torch.zeros(1, *shape)
+            crafted[0, :, 0], crafted[0, :, 1] = big * u, -big * u
+    y = torch.randint(0, 3, (batch,))
+    x_with, y_with = torch.cat([x[:32], crafted, x[32:]]), torch.cat([y[:32], torch.tensor([0]), y[32:]])
+    honest = torch.cat([x, x[:1]]), torch.cat([y, y[:1]])
+    engine.clipped_sum(lambda: ce(model(honest[0]), honest[1]), 1.0)  # the structure's first batch: checked
+    engine.clipped_sum(lambda: ce(model(x), y), 1.0)
+    with_it = engine.clipped_sum(lambda: ce(model(x_with), y_with), 1.0)
+    without = engine.clipped_sum(lambda: ce(model(x), y), 1.0)
+    moved = torch.cat([(a.double() - b.double()).reshape(-1) for a, b in zip(with_it.grads, without.grads)]).norm()
+    assert moved <= 1.0 + 1e-5, moved.item()  # (float32 rounding of a clipped share: up to ~1.4e-7 over C, as in hooks)
