@@ -19,6 +19,7 @@ where it reads as frozen). A layer whose weight gradient is a sum of outer produ
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, Optional, Tuple
@@ -270,12 +271,42 @@ def _affine_grads(layer: nn.Module, normalised: Tensor, g: Tensor, dims: tuple[i
     return out
 
 
+def _affine_norms(layer: nn.Module, normalised: Tensor, g: Tensor, positions_first) -> Dict[str, Tensor]:
+    """Squared norms of :func:`_affine_grads`, guarded as :func:`summed_rows_norm_sq` (audit 13: the sums are
+    formed apart from the rows measured, so positions that cancel must not hide their scale);
+    ``positions_first`` reshapes ``[B, ...]`` terms to ``[B, positions, parameter elements]``."""
+    normalised, g = _common_dtype(normalised, g)
+    out = {}
+    if _trainable(layer, "weight"):
+        out["weight"] = summed_rows_norm_sq(positions_first(g * normalised))
+    if _trainable(layer, "bias"):
+        out["bias"] = summed_rows_norm_sq(positions_first(g))
+    return out
+
+
+def _last_dims_normalised(layer: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """LayerNorm's (or RMSNorm's) ``x_hat`` and the reshape of its terms to ``[B, positions, elements]``."""
+    shape = tuple(layer.normalized_shape)
+    if isinstance(layer, nn.LayerNorm) or type(layer).__name__ == "LayerNorm":
+        normalised = F.layer_norm(a, shape, eps=layer.eps)
+    else:
+        dims = tuple(range(a.dim() - len(shape), a.dim()))
+        eps = torch.finfo(a.dtype).eps if layer.eps is None else layer.eps
+        normalised = a * torch.rsqrt(a.pow(2).mean(dims, keepdim=True) + eps)
+    return normalised, lambda terms: terms.reshape(terms.shape[0], -1, math.prod(shape))
+
+
 def _layer_norm_grads(layer: nn.LayerNorm, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
     """LayerNorm normalises the last ``len(normalized_shape)`` dims; the dims between the batch
     and those are positions of one example and are summed."""
     shape = tuple(layer.normalized_shape)
     normalised = F.layer_norm(a, shape, eps=layer.eps)
     return _affine_grads(layer, normalised, g, tuple(range(1, a.dim() - len(shape))), shape)
+
+
+def _last_dims_norms(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    normalised, positions_first = _last_dims_normalised(layer, a, g)
+    return _affine_norms(layer, normalised, g, positions_first)
 
 
 def _group_norm_grads(layer: nn.GroupNorm, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
@@ -285,20 +316,24 @@ def _group_norm_grads(layer: nn.GroupNorm, a: Tensor, g: Tensor) -> Dict[str, Te
     return _affine_grads(layer, normalised, g, tuple(range(2, a.dim())), (layer.num_channels,))
 
 
+def _group_norm_norms(layer: nn.GroupNorm, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    normalised = F.group_norm(a, layer.num_groups, eps=layer.eps)
+    return _affine_norms(layer, normalised, g,
+                         lambda terms: terms.reshape(terms.shape[0], layer.num_channels, -1).transpose(1, 2))
+
+
 def _rms_norm_grads(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
     """RMSNorm, ``y = w * x / sqrt(mean(x^2) + eps)``: the weight-only case of the affine rule
     (``eps=None`` is the dtype's machine epsilon, as in ``nn.RMSNorm``)."""
     shape = tuple(layer.normalized_shape)
-    dims = tuple(range(a.dim() - len(shape), a.dim()))
-    eps = torch.finfo(a.dtype).eps if layer.eps is None else layer.eps
-    normalised = a * torch.rsqrt(a.pow(2).mean(dims, keepdim=True) + eps)
+    normalised, _ = _last_dims_normalised(layer, a, g)
     return _affine_grads(layer, normalised, g, tuple(range(1, a.dim() - len(shape))), shape)
 
 
-register_sampler(nn.LayerNorm, parameters=WEIGHT_AND_BIAS)(_layer_norm_grads)
-register_sampler(nn.GroupNorm, parameters=WEIGHT_AND_BIAS)(_group_norm_grads)
+register_sampler(nn.LayerNorm, parameters=WEIGHT_AND_BIAS, norms=_last_dims_norms)(_layer_norm_grads)
+register_sampler(nn.GroupNorm, parameters=WEIGHT_AND_BIAS, norms=_group_norm_norms)(_group_norm_grads)
 if hasattr(nn, "RMSNorm"):
-    register_sampler(nn.RMSNorm, parameters=WEIGHT_AND_BIAS)(_rms_norm_grads)
+    register_sampler(nn.RMSNorm, parameters=WEIGHT_AND_BIAS, norms=_last_dims_norms)(_rms_norm_grads)
 
 
 def _register_timm_norms() -> None:
@@ -307,6 +342,6 @@ def _register_timm_norms() -> None:
     norm = sys.modules.get("timm.layers.norm")
     if norm is None or getattr(norm, "LayerNorm", None) in _SAMPLERS:
         return
-    register_sampler(norm.LayerNorm, parameters=WEIGHT_AND_BIAS)(_layer_norm_grads)
+    register_sampler(norm.LayerNorm, parameters=WEIGHT_AND_BIAS, norms=_last_dims_norms)(_layer_norm_grads)
     if hasattr(norm, "RmsNorm"):
-        register_sampler(norm.RmsNorm, parameters=WEIGHT_AND_BIAS)(_rms_norm_grads)
+        register_sampler(norm.RmsNorm, parameters=WEIGHT_AND_BIAS, norms=_last_dims_norms)(_rms_norm_grads)

@@ -270,3 +270,31 @@ def test_an_example_whose_positions_cancel_moves_the_clipped_sum_by_at_most_c(mo
     without = engine.clipped_sum(lambda: ce(model(x), y), 1.0)
     moved = torch.cat([(a.double() - b.double()).reshape(-1) for a, b in zip(with_it.grads, without.grads)]).norm()
     assert moved <= 1.0 + 1e-5, moved.item()  # (float32 rounding of a clipped share: up to ~1.4e-7 over C, as in hooks)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LayerNorm(4), lambda: nn.GroupNorm(2, 4), lambda: nn.RMSNorm(4)],
+                         ids=["layer_norm", "group_norm", "rms_norm"])
+def test_normalisation_norms_are_guarded_by_the_scale_of_their_terms(make):
+    """Audit 13's guard for the normalisation layers (which had no norm rule): two positions whose terms
+    g_t * x_hat_t cancel measure 0, but their sums are formed apart from these rows (the bookkeeping sum from
+    rescaled rows, the ghost sum from autograd's backward), so the norm keeps at least (T + 2) u S_i."""
+    from lit_zodp.per_example.samplers import sampler_for
+
+    torch.set_default_dtype(torch.float32)
+    layer = make()
+    a = torch.randn(1, 4, 2) if isinstance(layer, nn.GroupNorm) else torch.randn(1, 2, 4)
+    g = torch.zeros_like(a)
+    if isinstance(layer, nn.GroupNorm):  # [B, C, L]: positions are the last dim
+        a[..., 1] = a[..., 0]
+        g[..., 0], g[..., 1] = 1e6, -1e6
+        terms = (g * torch.nn.functional.group_norm(a, 2)).transpose(1, 2)
+    else:
+        a[:, 1] = a[:, 0]
+        g[:, 0], g[:, 1] = 1e6, -1e6
+        terms = g * (torch.nn.functional.layer_norm(a, (4,)) if isinstance(layer, nn.LayerNorm)
+                     else a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + torch.finfo(a.dtype).eps))
+    norms = sampler_for(layer).norms_sq(layer, a, g)
+    scale = terms[0].double().norm(dim=-1).sum()
+    assert norms["weight"].sqrt().item() >= 4 * 2.0 ** -24 * scale.item() > 0  # (T + 2) u S_i at T = 2
+    if "bias" in norms:
+        assert norms["bias"].sqrt().item() >= 4 * 2.0 ** -24 * 2e6 * 2
