@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_zodp.per_example.ghost import gram_norm_sq, outer_norm_sq, prefer_ghost
-from lit_zodp.per_example.samplers import (WEIGHT_AND_BIAS, _common_dtype, _row_norm_sq, _trainable, register_sampler,
+from lit_zodp.per_example.samplers import (WEIGHT_AND_BIAS, _common_dtype, _trainable, register_sampler,
                                           summed_rows_norm_sq)
 
 

@@ -284,56 +284,65 @@ def _affine_norms(layer: nn.Module, normalised: Tensor, g: Tensor, positions_fir
     return out
 
 
-def _last_dims_normalised(layer: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """LayerNorm's (or RMSNorm's) ``x_hat`` and the reshape of its terms to ``[B, positions, elements]``."""
-    shape = tuple(layer.normalized_shape)
-    if isinstance(layer, nn.LayerNorm) or type(layer).__name__ == "LayerNorm":
-        normalised = F.layer_norm(a, shape, eps=layer.eps)
-    else:
-        dims = tuple(range(a.dim() - len(shape), a.dim()))
-        eps = torch.finfo(a.dtype).eps if layer.eps is None else layer.eps
-        normalised = a * torch.rsqrt(a.pow(2).mean(dims, keepdim=True) + eps)
-    return normalised, lambda terms: terms.reshape(terms.shape[0], -1, math.prod(shape))
+def _last_dims_first(layer: nn.Module):
+    """``[B, positions..., *normalized_shape]`` -> ``[B, positions, elements]`` (LayerNorm, RMSNorm)."""
+    elements = math.prod(layer.normalized_shape)
+    return lambda terms: terms.reshape(terms.shape[0], -1, elements)
+
+
+def _layer_normalised(layer: nn.Module, a: Tensor) -> Tensor:
+    return F.layer_norm(a, tuple(layer.normalized_shape), eps=layer.eps)
 
 
 def _layer_norm_grads(layer: nn.LayerNorm, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
     """LayerNorm normalises the last ``len(normalized_shape)`` dims; the dims between the batch
     and those are positions of one example and are summed."""
     shape = tuple(layer.normalized_shape)
-    normalised = F.layer_norm(a, shape, eps=layer.eps)
-    return _affine_grads(layer, normalised, g, tuple(range(1, a.dim() - len(shape))), shape)
+    return _affine_grads(layer, _layer_normalised(layer, a), g, tuple(range(1, a.dim() - len(shape))), shape)
 
 
-def _last_dims_norms(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
-    normalised, positions_first = _last_dims_normalised(layer, a, g)
-    return _affine_norms(layer, normalised, g, positions_first)
+def _layer_norm_norms(layer: nn.LayerNorm, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    return _affine_norms(layer, _layer_normalised(layer, a), g, _last_dims_first(layer))
+
+
+def _group_normalised(layer: nn.GroupNorm, a: Tensor) -> Tensor:
+    return F.group_norm(a, layer.num_groups, eps=layer.eps)
 
 
 def _group_norm_grads(layer: nn.GroupNorm, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
     """GroupNorm on ``[B, C, *]`` normalises each example's channel groups; the affine
     parameters are per channel, summed over the spatial dims."""
-    normalised = F.group_norm(a, layer.num_groups, eps=layer.eps)
-    return _affine_grads(layer, normalised, g, tuple(range(2, a.dim())), (layer.num_channels,))
+    return _affine_grads(layer, _group_normalised(layer, a), g, tuple(range(2, a.dim())), (layer.num_channels,))
 
 
 def _group_norm_norms(layer: nn.GroupNorm, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
-    normalised = F.group_norm(a, layer.num_groups, eps=layer.eps)
-    return _affine_norms(layer, normalised, g,
+    return _affine_norms(layer, _group_normalised(layer, a), g,
                          lambda terms: terms.reshape(terms.shape[0], layer.num_channels, -1).transpose(1, 2))
 
 
-def _rms_norm_grads(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
-    """RMSNorm, ``y = w * x / sqrt(mean(x^2) + eps)``: the weight-only case of the affine rule
-    (``eps=None`` is the dtype's machine epsilon, as in ``nn.RMSNorm``)."""
+def _rms_normalised(layer: nn.Module, a: Tensor) -> Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the normalised dims (``eps=None``: the dtype's machine epsilon, as in
+    ``nn.RMSNorm``)."""
     shape = tuple(layer.normalized_shape)
-    normalised, _ = _last_dims_normalised(layer, a, g)
-    return _affine_grads(layer, normalised, g, tuple(range(1, a.dim() - len(shape))), shape)
+    dims = tuple(range(a.dim() - len(shape), a.dim()))
+    eps = torch.finfo(a.dtype).eps if layer.eps is None else layer.eps
+    return a * torch.rsqrt(a.pow(2).mean(dims, keepdim=True) + eps)
 
 
-register_sampler(nn.LayerNorm, parameters=WEIGHT_AND_BIAS, norms=_last_dims_norms)(_layer_norm_grads)
+def _rms_norm_grads(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """RMSNorm, ``y = w * x / sqrt(mean(x^2) + eps)``: the weight-only case of the affine rule."""
+    shape = tuple(layer.normalized_shape)
+    return _affine_grads(layer, _rms_normalised(layer, a), g, tuple(range(1, a.dim() - len(shape))), shape)
+
+
+def _rms_norm_norms(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    return _affine_norms(layer, _rms_normalised(layer, a), g, _last_dims_first(layer))
+
+
+register_sampler(nn.LayerNorm, parameters=WEIGHT_AND_BIAS, norms=_layer_norm_norms)(_layer_norm_grads)
 register_sampler(nn.GroupNorm, parameters=WEIGHT_AND_BIAS, norms=_group_norm_norms)(_group_norm_grads)
 if hasattr(nn, "RMSNorm"):
-    register_sampler(nn.RMSNorm, parameters=WEIGHT_AND_BIAS, norms=_last_dims_norms)(_rms_norm_grads)
+    register_sampler(nn.RMSNorm, parameters=WEIGHT_AND_BIAS, norms=_rms_norm_norms)(_rms_norm_grads)
 
 
 def _register_timm_norms() -> None:
@@ -342,6 +351,6 @@ def _register_timm_norms() -> None:
     norm = sys.modules.get("timm.layers.norm")
     if norm is None or getattr(norm, "LayerNorm", None) in _SAMPLERS:
         return
-    register_sampler(norm.LayerNorm, parameters=WEIGHT_AND_BIAS, norms=_last_dims_norms)(_layer_norm_grads)
+    register_sampler(norm.LayerNorm, parameters=WEIGHT_AND_BIAS, norms=_layer_norm_norms)(_layer_norm_grads)
     if hasattr(norm, "RmsNorm"):
-        register_sampler(norm.RmsNorm, parameters=WEIGHT_AND_BIAS, norms=_last_dims_norms)(_rms_norm_grads)
+        register_sampler(norm.RmsNorm, parameters=WEIGHT_AND_BIAS, norms=_rms_norm_norms)(_rms_norm_grads)
