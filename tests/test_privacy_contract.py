@@ -91,8 +91,8 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
     original_release, original_along = PrivacyComponent.release, PrivacyComponent.release_along
     original_noised = NoiseSource.noised  # every scalar or vector release's noise is added here
 
-    def noised(self, x, std, *, divisor=1.0):
-        draws.append((x.detach().clone(), divisor, original_noised(self, x, std, divisor=divisor)))
+    def noised(self, x, std, *, divisor=1.0, dtype=None):
+        draws.append((x.detach().clone(), divisor, original_noised(self, x, std, divisor=divisor, dtype=dtype)))
         return draws[-1][2]
 
     def release(self, clipped_sum, *args, **kwargs):
@@ -119,6 +119,8 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
             torch.testing.assert_close(given, clipped_sum, rtol=0, atol=0)  # the all-reduced sum is noised
             assert divisor == B and out is noised_out  # ... and divided by B (in float64, before the rounding)
             assert (out.double() * B - given.double()).abs().sum() > 0  # a real draw was added
+            if issubclass(ALGORITHMS[name], ZerothOrderModule):  # scalars: summed in float64, rounded after the noise
+                assert given.dtype == torch.float64 and out.dtype == torch.float32
         else:
             torch.testing.assert_close(out.coefficient * B, clipped_sum, rtol=1e-6, atol=1e-6)
             assert out.noise_coefficient == pytest.approx(sigma * clip / B)

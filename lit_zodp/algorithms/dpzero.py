@@ -60,15 +60,23 @@ class DPZero(ZerothOrderModule):
         (inputs, targets), _ = self.split_batch(batch)
         size = batch_size_of(inputs)
         seeds = self.direction_seeds()                                                  # line 2
+        derivatives, differences = self.released_derivatives(seeds, inputs, targets, size)  # line 3: + z_t, / B
+        self.update(dict(zip(seeds, derivatives.unbind())), scale=1.0 / len(seeds))    # x_{t+1}
+        self.log_step(size, lambda: clipped_fraction(torch.cat(differences), self.clip))
+
+    def released_derivatives(self, seeds: list, inputs, targets, size: int) -> tuple[torch.Tensor, list]:
+        """Line 3 for each of the k directions: the per-example differences, and the k-vector of their clipped sums
+        (float64: :func:`clipped_sum`) released once, ``+ z_t`` and ``/ B``, rounded to the differences' dtype after
+        the noise. The last direction's perturbation stays pending, to be fused into the update."""
         clipped_sums, differences = [], []
         for k, seed in enumerate(seeds):
-            differences.append(self.directional_differences(seed, inputs, targets))    # line 3
+            differences.append(self.directional_differences(seed, inputs, targets))
             clipped_sums.append(clipped_sum(differences[-1], self.clip))
             if k < len(seeds) - 1:
                 self.restore()
-        derivatives = self.privacy.release(stack_sums(clipped_sums), DERIVATIVES, batch_size=size)  # + z_t, / B
-        self.update(dict(zip(seeds, derivatives.unbind())), scale=1.0 / len(seeds))    # x_{t+1}
-        self.log_step(size, lambda: clipped_fraction(torch.cat(differences), self.clip))
+        released = self.privacy.release(stack_sums(clipped_sums), DERIVATIVES, batch_size=size,
+                                        dtype=differences[0].dtype)
+        return released, differences
 
 
 class MeZO(DPZero):

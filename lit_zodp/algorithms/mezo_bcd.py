@@ -67,10 +67,10 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from lit_zodp.algorithms.dpzero import DERIVATIVES, DPZero, stack_sums
+from lit_zodp.algorithms.dpzero import DPZero
 from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
-from lit_zodp.privacy import PrivateBatchSampler, clipped_fraction, clipped_sum
+from lit_zodp.privacy import PrivateBatchSampler, clipped_fraction
 from lit_zodp.zo import derive_seed, second_differences
 from lit_zodp.zo.blocks import (
     ORDERS,
@@ -324,13 +324,7 @@ class DPMeZOBCD(DPZero):
         size = batch_size_of(inputs)
         block = self.select_block()                                                     # Alg. 1 line 3
         seeds = self.direction_seeds()                                                  # Alg. 1 line 2
-        clipped_sums, differences = [], []
-        for k, seed in enumerate(seeds):
-            differences.append(self.directional_differences(seed, inputs, targets))    # Alg. 1 lines 4-7
-            clipped_sums.append(clipped_sum(differences[-1], self.clip))
-            if k < len(seeds) - 1:
-                self.restore()
-        projected = self.privacy.release(stack_sums(clipped_sums), DERIVATIVES, batch_size=size)  # ours: + z, / B
+        projected, differences = self.released_derivatives(seeds, inputs, targets, size)  # Alg. 1 lines 4-7; + z, / B
         if self.selection == "adaptive":
             self.record_score(block, projected)                                         # Alg. 4 lines 15-21
         coefficients = dict(zip(seeds, projected.unbind()))

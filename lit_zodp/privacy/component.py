@@ -429,16 +429,19 @@ class PrivacyComponent:
     def expected_batch_size(self) -> float:
         return self.sampling.expected_batch_size
 
-    def release(self, clipped_sum: Tensor, name: str, *, batch_size: Optional[int] = None) -> Tensor:
+    def release(self, clipped_sum: Tensor, name: str, *, batch_size: Optional[int] = None,
+                dtype: Optional[torch.dtype] = None) -> Tensor:
         """``(sum over ranks of the clipped sum + N(0, (noise sigma C)^2 I)) / B``, B the EXPECTED size.
 
         ``batch_size`` (the realized size) is ignored: dividing by it would leak it. Every rank
         adds the same draw after the all-reduce (shared secret), so all ranks hold the same value.
+        ``dtype``: of the noised value (default the sum's): a float64 sum of float32 scalars is rounded once,
+        after the noise. A noiseless release (sigma = 0, not private) is the sum's dtype, unrounded.
         """
         std, divisor = self._declared(name)
         total = clipped_sum if self._reduce_sum is _identity else self._reduce_sum(clipped_sum)  # (one process: no call)
         if std:
-            return self.noise.noised(total, std, divisor=divisor)
+            return self.noise.noised(total, std, divisor=divisor, dtype=dtype)
         return total / divisor
 
     def _noise_std(self, release) -> float:
@@ -631,7 +634,8 @@ class NonPrivate:
     def end_fit(self) -> None:
         pass
 
-    def release(self, clipped_sum: Tensor, name: str, *, batch_size: int) -> Tensor:
+    def release(self, clipped_sum: Tensor, name: str, *, batch_size: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """The mean in the sum's dtype: ``dtype`` is where a noised release would round, and nothing is noised."""
         if self._reduce_sum is _identity:  # one process: the realized size is a Python int already
             return clipped_sum / float(max(batch_size, 1))
         size = torch.full((1,), float(batch_size), device=clipped_sum.device, dtype=clipped_sum.dtype)

@@ -17,8 +17,9 @@ has its own counter-based law:
   ``r = sqrt(-2 ln u1) <= 8.66``. The float32 draws of ``tl.randn`` (31-bit uniforms floored at
   1e-7) would cut the tail at 5.7 sigma; here the law is cut at 8.66 sigma, where the Gaussian's
   tail mass is about 5e-18 per coordinate.
-* **Add.** ``out = x + std * z`` is computed in float64 and rounded once to ``x``'s dtype (float32, or
-  float64 where a caller sums more terms before its own rounding: DPGD-0th's noise vector).
+* **Add.** ``out = x + std * z`` is computed in float64 and rounded once to ``out``'s dtype: float32, or
+  float64 where a caller sums more terms before its own rounding (DPGD-0th's noise vector); a float64 ``x``
+  (a clipped sum of scalars) may be rounded to a float32 ``out``.
 
 :func:`reference_noised` is the same law in plain torch on any device (tests; the Triton kernel runs on
 CPU under ``TRITON_INTERPRET=1``). The CUDA kernel's ``log``/``sin``/``cos`` are libdevice's float64
@@ -87,13 +88,15 @@ def add_gaussian(x: Tensor, std: float, key: SecretKey, *, pair_base: int = 0, o
     """``x + std * z`` with ``z`` the secret normal vector of ``key`` (flat order), by the Triton kernel.
 
     ``pair_base`` shifts the pair counter (a chunk of a longer vector starts at pair ``pair_base``).
-    ``out``: where to write (``x`` itself for in place; ``x``'s dtype); default a new tensor.
+    ``out``: where to write (``x`` itself for in place); default a new tensor of ``x``'s dtype. A float64 ``x``
+    may be written to a float32 ``out``: a clipped sum formed in float64 is rounded once, after the noise.
     """
     if not x.is_contiguous() or x.dtype not in KERNEL_DTYPES:
         raise ValueError("add_gaussian needs a contiguous float32 or float64 tensor")
     out = torch.empty_like(x) if out is None else out
-    if out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError("add_gaussian writes a contiguous `out` of x's dtype")
+    if out.dtype not in KERNEL_DTYPES or out.dtype.itemsize > x.dtype.itemsize or not out.is_contiguous() \
+            or out.shape != x.shape:
+        raise ValueError("add_gaussian writes a contiguous `out` of x's shape and dtype (or float32 for a float64 x)")
     numel = x.numel()
     if numel:
         pairs = (numel + 1) // 2
@@ -145,11 +148,13 @@ def reference_normals(numel: int, key: SecretKey, *, pair_base: int = 0, device=
     return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1).view(-1)[:numel]
 
 
-def reference_noised(x: Tensor, std: float, key: SecretKey, *, pair_base: int = 0) -> Tensor:
-    """``x + std * z`` as :func:`add_gaussian` computes it (in float64, rounded once to float32 unless
-    ``x`` is float64)."""
+def reference_noised(x: Tensor, std: float, key: SecretKey, *, pair_base: int = 0, dtype=None) -> Tensor:
+    """``x + std * z`` as :func:`add_gaussian` computes it (in float64, rounded once to ``dtype``: by default
+    float32 unless ``x`` is float64)."""
     z = reference_normals(x.numel(), key, pair_base=pair_base, device=x.device).view(x.shape)
-    return (x.double() + kernel_std(std) * z).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    if dtype is None:
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.double() + kernel_std(std) * z).to(dtype)
 
 
 def _uniform53_bits(lo: Tensor, hi: Tensor) -> Tensor:

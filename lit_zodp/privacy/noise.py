@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from lit_zodp.errors import LitZodpWarning, check_non_negative, check_positive, raise_if_any
-from lit_zodp.privacy.device_noise import SecretKey, add_gaussian, device_noise_available
+from lit_zodp.privacy.device_noise import KERNEL_DTYPES, SecretKey, add_gaussian, device_noise_available
 from lit_zodp.zo.parallel import map_on_threads
 
 #: Bits of OS entropy behind every secret stream (noise and Poisson sampling).
@@ -158,25 +158,29 @@ class NoiseSource:
             return host.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
         return host.to(device=device, dtype=dtype)
 
-    def noised(self, x: Tensor, std: float, *, divisor: float = 1.0) -> Tensor:
-        """``(x + N(0, std^2 I)) / divisor``, a new tensor of ``x``'s dtype. On the host it is computed in
-        float64 and rounded once; on the GPU (where the kernel can draw) ``x + std z`` is rounded once by the
-        kernel and then divided. The division is post-processing of the noised value either way."""
+    def noised(self, x: Tensor, std: float, *, divisor: float = 1.0, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """``(x + N(0, std^2 I)) / divisor``, a new tensor of ``dtype`` (default ``x``'s). On the host it is computed
+        in float64 and rounded once; on the GPU (where the kernel can draw) ``x + std z`` is rounded once by the
+        kernel and then divided. The division is post-processing of the noised value either way. A float64 ``x``
+        released as float32 (a clipped sum, :func:`~lit_zodp.privacy.clipped_sum`) is rounded only then."""
         if not _std_and_divisor_valid(std, divisor):
             raise_if_any([check_non_negative("noise std", std), check_positive("divisor", divisor)])
-        if x.is_cpu and x.dtype in HOST_DTYPES:
+        dtype = x.dtype if dtype is None else dtype
+        if x.is_cpu and x.dtype in HOST_DTYPES and dtype in HOST_DTYPES:
             if 0 < x.numel() <= SCALAR_DRAW:  # DPZero's scalars: Python floats, two tensor calls per release
                 flat = x.dim() == 1
                 noisy = self._scalars_noised((x if flat else x.reshape(-1)).tolist(), float(std), float(divisor))
-                out = torch.frombuffer(array.array(SCALAR_TYPECODES[x.dtype], noisy), dtype=x.dtype)
+                out = torch.frombuffer(array.array(SCALAR_TYPECODES[dtype], noisy), dtype=dtype)
                 return out if flat else out.view(x.shape)
             host = x.detach().numpy()
-            return torch.from_numpy(self._host_noised(host.reshape(-1), float(std), divisor).reshape(host.shape))
-        if device_noise_available(x):
-            noisy = add_gaussian(x.contiguous(), std, self.device_key())
+            noisy = self._host_noised(host.reshape(-1), float(std), divisor, HOST_DTYPES[dtype])
+            return torch.from_numpy(noisy.reshape(host.shape))
+        if device_noise_available(x) and dtype in KERNEL_DTYPES:
+            out = torch.empty(x.shape, dtype=dtype, device=x.device)
+            noisy = add_gaussian(x.contiguous(), std, self.device_key(), out=out)
             return noisy if divisor == 1 else noisy / divisor
         host = x.detach().to("cpu", torch.float64).reshape(-1).numpy()
-        return torch.from_numpy(self._host_noised(host, float(std), divisor)).view(x.shape).to(x.device, x.dtype)
+        return torch.from_numpy(self._host_noised(host, float(std), divisor)).view(x.shape).to(x.device, dtype)
 
     def _scalars_noised(self, values: list, std: float, divisor: float) -> list:
         """``(x_i + std z_i) / divisor`` in float64 for at most ``SCALAR_DRAW`` values, ``z`` the next standard
@@ -191,33 +195,34 @@ class NoiseSource:
         end = self._pool_next = start + len(values)
         return [(value + std * z) / divisor for value, z in zip(values, pool[start:end])]
 
-    def _host_noised(self, x: np.ndarray, std: float, divisor: float = 1.0) -> np.ndarray:
-        """``fl((x + std z) / divisor)`` with ``z ~ N(0, I)`` in float64, rounded once to ``x``'s dtype: from
-        the scalar pool, one stream up to ``HOST_PART``, else keyed parts on threads."""
-        numel = x.size
+    def _host_noised(self, x: np.ndarray, std: float, divisor: float = 1.0,
+                     dtype: Optional[np.dtype] = None) -> np.ndarray:
+        """``fl((x + std z) / divisor)`` with ``z ~ N(0, I)`` in float64, rounded once to ``dtype`` (default
+        ``x``'s): from the scalar pool, one stream up to ``HOST_PART``, else keyed parts on threads."""
+        numel, dtype = x.size, x.dtype if dtype is None else dtype
         if numel <= SCALAR_DRAW:
-            return np.asarray(self._scalars_noised(x.tolist(), std, divisor)).astype(x.dtype)
+            return np.asarray(self._scalars_noised(x.tolist(), std, divisor)).astype(dtype)
         if numel <= HOST_PART:
-            return self._noised_part(self._stream(numel), x, std, divisor)
-        out = np.empty(numel, dtype=x.dtype)
+            return self._noised_part(self._stream(numel), x, std, divisor, dtype)
+        out = np.empty(numel, dtype=dtype)
         starts = range(0, numel, HOST_PART)
         keys = [self._fresh_secret(128) for _ in starts]
 
         def fill(j: int) -> None:
             part = slice(starts[j], starts[j] + HOST_PART)
-            out[part] = self._noised_part(secret_generator(keys[j]), x[part], std, divisor)
+            out[part] = self._noised_part(secret_generator(keys[j]), x[part], std, divisor, dtype)
 
         map_on_threads(fill, len(starts))
         return out
 
     @staticmethod
-    def _noised_part(rng: np.random.Generator, x: np.ndarray, std: float, divisor: float) -> np.ndarray:
+    def _noised_part(rng: np.random.Generator, x: np.ndarray, std: float, divisor: float, dtype) -> np.ndarray:
         total = rng.standard_normal(x.size)  # float64
         total *= std
         total += x
         if divisor != 1:
             total /= divisor
-        return total.astype(x.dtype)
+        return total.astype(dtype)
 
     def _stream(self, numel: int) -> np.random.Generator:
         """A generator for the next ``numel`` values: re-keyed whenever ``HOST_PART`` values were drawn from it."""

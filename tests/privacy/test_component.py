@@ -64,6 +64,19 @@ def test_release_divides_by_the_expected_batch_size_and_adds_noise_of_sigma_clip
     torch.testing.assert_close(out, expected)
 
 
+def test_a_float64_clipped_sum_is_released_in_the_asked_dtype_after_the_noise():
+    """Zeroth-order modules sum their clipped scalars in float64 and ask for a float32 release: the noise is added
+    to the float64 sum, and the one rounding comes last. Without noise (the non-private twin) nothing is rounded."""
+    sums = torch.tensor([10.0, 20.0], dtype=torch.float64) + 1e-9
+    out = planned(noise_multiplier=1.5, clip=2.0, noise_seed=7).release(sums, "g", batch_size=3, dtype=torch.float32)
+    expected = ((sums + NoiseSource(7).gaussian((2,), 3.0, dtype=torch.float64)) / 50.0).float()
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    twin = NonPrivate(clip=math.inf)
+    twin.plan(step_plan=PLAN)
+    mean = twin.release(sums, "g", batch_size=3, dtype=torch.float32)
+    assert mean.dtype == torch.float64 and torch.equal(mean, sums / 3)
+
+
 def test_each_fit_releases_and_commits_the_clip_sigma_and_neighbours_of_its_plan():
     """Each release's std is made once per plan (``StepConstants``). An independent review found the cache keyed
     on sigma but not on the clip: a clip raised between fits clipped at the new C and added noise for the old

@@ -40,6 +40,8 @@ def interpreted_runs() -> dict:
     out["inplace"] = inplace
     wide = torch.linspace(-3, 3, 3001, dtype=torch.float64)  # DPGD-0th's float64 sums: no rounding
     out["float64"] = add_gaussian(wide, 0.7, KEY, pair_base=FAR_BASE, out=wide)
+    sums = torch.linspace(-3, 3, 3001, dtype=torch.float64) + 1e-9  # clipped sums: float64 in, float32 out
+    out["narrowed"] = add_gaussian(sums, 0.7, KEY, out=torch.empty(3001))
     return out
 
 
@@ -139,6 +141,11 @@ def test_interpreted_kernel_equals_the_reference(interpreted):
     assert interpreted["float64"].dtype == torch.float64
     torch.testing.assert_close(interpreted["float64"], wide, rtol=0, atol=1e-14)
     assert (interpreted["float64"] != interpreted["float64"].float().double()).double().mean() > 0.99
+    sums = torch.linspace(-3, 3, 3001, dtype=torch.float64) + 1e-9
+    narrowed = reference_noised(sums, 0.7, KEY, dtype=torch.float32)
+    assert interpreted["narrowed"].dtype == torch.float32
+    assert float32_ulps(interpreted["narrowed"], narrowed).max().item() <= 1
+    assert (interpreted["narrowed"] == narrowed).double().mean().item() > 0.99
 
 
 def test_the_kernel_refuses_other_dtypes_and_a_mismatched_out():
@@ -146,8 +153,12 @@ def test_the_kernel_refuses_other_dtypes_and_a_mismatched_out():
 
     with pytest.raises(ValueError, match="float32 or float64"):
         add_gaussian(torch.zeros(4, dtype=torch.float16), 1.0, KEY)
-    with pytest.raises(ValueError, match="x's dtype"):
+    with pytest.raises(ValueError, match="x's shape and dtype"):
         add_gaussian(torch.zeros(4), 1.0, KEY, out=torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="x's shape and dtype"):
+        add_gaussian(torch.zeros(4, dtype=torch.float64), 1.0, KEY, out=torch.zeros(4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x's shape and dtype"):
+        add_gaussian(torch.zeros(4), 1.0, KEY, out=torch.zeros(5))
 
 
 def test_the_kernel_is_compiled_once_whatever_the_key():
@@ -174,12 +185,13 @@ def test_the_kernel_is_compiled_once_whatever_the_key():
     assert mangle is None or types == {("i32",) * 4}
 
 
-@pytest.mark.parametrize("pointer", ["*fp32", "*fp64"])
-def test_kernel_compiles_for_sm90_without_a_gpu(pointer, tmp_path, monkeypatch):
-    """Triton's CUDA frontend and ptxas accept the float64 maths (what the interpreter cannot check)."""
+@pytest.mark.parametrize("pointer,out_pointer", [("*fp32", "*fp32"), ("*fp64", "*fp64"), ("*fp64", "*fp32")])
+def test_kernel_compiles_for_sm90_without_a_gpu(pointer, out_pointer, tmp_path, monkeypatch):
+    """Triton's CUDA frontend and ptxas accept the float64 maths (what the interpreter cannot check), also with
+    a float64 clipped sum written to a float32 release."""
     from lit_zodp.privacy import device_noise
 
-    signature = {"x_ptr": pointer, "out_ptr": pointer, "numel": "i64", "pair_base": "i64", "k0": "i32",
+    signature = {"x_ptr": pointer, "out_ptr": out_pointer, "numel": "i64", "pair_base": "i64", "k0": "i32",
                  "k1": "i32", "s0": "i32", "s1": "i32", "std": "fp32", "PAIRS": "constexpr"}
     kernel = compile_for_sm90(getattr(device_noise, "_noise_kernel", None), signature,
                               {"PAIRS": device_noise.PAIRS_PER_BLOCK}, monkeypatch, tmp_path)
@@ -197,6 +209,11 @@ def test_cuda_noise_equals_the_reference_and_the_release_draws_on_the_device():
     source = NoiseSource(5)
     noised = source.noised(torch.zeros(4_000_000, device="cuda"), 3.0)
     assert noised.is_cuda and abs(noised.std().item() / 3.0 - 1) < 5e-3
+    sums = torch.linspace(-3, 3, 1_000_003, dtype=torch.float64) + 1e-9  # a float64 clipped sum, released float32
+    narrowed = add_gaussian(sums.cuda(), 0.7, KEY, out=torch.empty(len(sums), device="cuda")).cpu()
+    assert float32_ulps(narrowed, reference_noised(sums, 0.7, KEY, dtype=torch.float32)).max().item() <= 2
+    released = source.noised(sums[:2].cuda(), 3.0, divisor=4.0, dtype=torch.float32)
+    assert released.is_cuda and released.dtype == torch.float32
 
 
 @pytest.mark.gpu

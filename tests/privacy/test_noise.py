@@ -136,6 +136,20 @@ def test_a_scalar_release_rounds_its_float64_value_once_to_nearest_and_overflows
     assert torch.isinf(noised).all() == (dtype == torch.float32)  # std 1e300: each float32 value overflows
 
 
+@pytest.mark.parametrize("numel", [1, 4, 5000, 3_000_000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float64_sum_is_released_in_the_asked_dtype_rounded_once_after_the_noise(numel, dtype):
+    """A clipped sum formed in float64 (audit 12, F2) is released in the values' dtype: ``fl((x + std z) / B)``
+    rounded once, not the sum rounded first (which would move it by more than C before the noise)."""
+    x = torch.linspace(-1, 1, numel, dtype=torch.float64) + 1e-9  # values no float32 holds
+    noised = NoiseSource(9).noised(x, 0.5, divisor=3.0, dtype=dtype)
+    draw = NoiseSource(9).gaussian(x.shape, 0.5, dtype=torch.float64)
+    assert noised.dtype == dtype and noised.shape == x.shape
+    assert torch.equal(noised, ((x + draw) / 3.0).to(dtype))
+    twice = ((x.to(dtype).double() + draw) / 3.0).to(dtype)
+    assert numel < 5 or not torch.equal(noised, twice)  # the rounding of the sum first is a different law
+
+
 @pytest.mark.parametrize("std", [-1.0, math.inf, math.nan, "1.0", None])
 def test_noised_refuses_a_bad_std(std):
     with pytest.raises(ValueError, match="noise std"):
