@@ -33,6 +33,11 @@ def at_least_float32(x: Tensor) -> Tensor:
     return x.float() if x.dtype in HALF_DTYPES else x
 
 
+#: ``R``: an example's norm bound is at least ``S_i / R``, so its clipped rows sum, in norms, to at most ``R C``
+#: (:func:`guarded_norm_sq`, audit 14).
+CANCELLATION_LIMIT = 256.0
+
+
 def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, rounding: MatmulRounding) -> Tensor:
     """An upper bound of ``||G_i||^2`` from its float64 ghost value, safe against cancellation.
 
@@ -46,11 +51,21 @@ def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, ro
     at most ``rounding.product S_i``, accumulating by ``(T + 2) u S_i``; adding both keeps
     ``||f_i G_i||`` at most ``C``. For ordinary examples (``S_i ~ sqrt(T) ||G_i||``) the bound
     exceeds the norm by ~``T^1.5 u``, 1e-4 at ``T = 128`` in float32; with TF32 operands by about
-    ``2^-9 sqrt(T)``, 0.02 at ``T = 128``."""
+    ``2^-9 sqrt(T)``, 0.02 at ``T = 128``.
+
+    That accounting assumes the sum adds an example's ``T`` rows in one run. BLAS does not: MKL restarts its
+    accumulators per block of rows, sums use vector lanes, cuBLAS may split the rows, atomics interleave. A
+    record whose ``+M u`` and ``-M u`` rows fall on two sides of such a split leaves an accumulator near
+    ``f_i S_i`` (up to ``C / ((T + 2) u)``, 2.4e6 C at ``T = 5``) while other examples' rows are added to it, each
+    rounded at ``u f_i S_i``: 1.45 C was released at ``B = 512`` (audit 14). So the bound is also at least
+    ``S_i / R`` (:data:`CANCELLATION_LIMIT`): ``f_i S_i <= R C``, and the same record moves the sum by 2.6e-4 C.
+    It changes no ordinary example: ``S_i / ||G_i||`` is at most 14 on ViT-tiny (``T = 197``); a BERT
+    attention's key bias, whose gradient is 0 by the softmax's shift invariance, reaches 1e8, but its
+    ``S_i / R`` is below float32's resolution of the example's total norm."""
     gamma = 2.0 * (length + positions * positions) * 2.0 ** -53
     rounded = rounding.product + (positions + 2) * rounding.accumulation
     bound = (gram.clamp_min(0) + gamma * scale.pow(2)).sqrt() + rounded * scale
-    return bound.pow(2)
+    return torch.maximum(bound, scale / CANCELLATION_LIMIT).pow(2)
 
 
 #: Elements of the float64 copies of one chunk of examples' rows (8 MiB): the largest temporary

@@ -272,6 +272,58 @@ def test_an_example_whose_positions_cancel_moves_the_clipped_sum_by_at_most_c(mo
     assert moved <= 1.0 + 1e-5, moved.item()  # (float32 rounding of a clipped share: up to ~1.4e-7 over C, as in hooks)
 
 
+def _straddling_positions(batch: int, positions: int, dim: int, crafted_scale: float) -> list:
+    """Where a record whose two rows cancel moves a float32 ``g^T a`` over all ``B T`` rows the most: the batch
+    indices where the BLAS splits its rows across accumulators (MKL restarts them per block of rows), found on
+    the GEMM alone as the engine forms it, so the test follows whatever blocking this machine's BLAS uses."""
+    generator = torch.Generator().manual_seed(5)
+    a = torch.nn.functional.normalize(torch.randn(1, positions, dim, generator=generator), dim=-1)
+    a = a.expand(batch, positions, dim)
+    g = torch.nn.functional.normalize(torch.randn(dim, generator=generator), dim=0).div(positions)
+    g = g.expand(batch, positions, dim)
+    u = torch.nn.functional.normalize(torch.randn(dim, generator=generator), dim=0) * crafted_scale ** 0.5
+    a_c = torch.zeros(1, positions, dim)
+    a_c[0, 0], a_c[0, -1] = u, -u
+    g_c = (g[:1] / g[:1].norm(dim=-1, keepdim=True) * crafted_scale ** 0.5).contiguous()
+
+    def gemm(rows_a, rows_g):
+        return (rows_g.flatten(0, 1).T @ rows_a.flatten(0, 1)).double()
+
+    base = gemm(a, g)
+    moved = [((gemm(torch.cat([a[:i], a_c, a[i:]]), torch.cat([g[:i], g_c, g[i:]])) - base).norm().item(), i)
+             for i in range(0, batch + 1, 1)]
+    return [i for _, i in sorted(moved, reverse=True)[:2]]
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_a_record_whose_rows_cancel_across_the_blas_accumulators_moves_the_sum_by_at_most_c(mode):
+    """Audit 14: audit 13's guard let a record's rows reach ``f_i S_i = C / ((T + 2) u)`` (2.4e6 C at T = 5),
+    assuming that only its own T rows accumulate meanwhile. MKL's sgemm restarts its accumulators per block of
+    rows (and sums use vector lanes): with ``+M u`` and ``-M u`` on both sides of a block boundary, one
+    accumulator stayed near 2.4e6 C while the other examples' rows were added to it, rounding each: the record,
+    whose gradient is exactly 0, moved the released sum by 1.43-1.45 C (B = 512, T = 5, the other records
+    identical). The norm bound is now at least ``S_i / R`` (R = 256): 2.6e-4 C."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float32)  # float32 rounding is the attack's lever (the fixture restores float64)
+    batch, positions, dim = 512, 5, 64
+    model = _MeanPooled(nn.Linear(dim, dim), dim)
+    engine = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
+    x, y = (torch.randn(1, positions, dim) * 10).expand(batch, positions, dim).clone(), torch.zeros(batch).long()
+    u = torch.randn(dim)
+    crafted = torch.zeros(1, positions, dim)
+    crafted[0, 0], crafted[0, -1] = 1e12 * u, -1e12 * u  # its weight gradient is exactly 0
+
+    def released(inputs, targets):
+        return engine.clipped_sum(lambda: ce(model(inputs), targets), 1.0).grads
+
+    released(torch.cat([x, x[:1]]), torch.cat([y, y[:1]]))  # the structure's first batch: checked
+    without = released(x, y)
+    for i in _straddling_positions(batch, positions, dim, 1 / ((positions + 2) * 2.0 ** -24 * 2)):
+        with_it = released(torch.cat([x[:i], crafted, x[i:]]), torch.cat([y[:i], y[:1], y[i:]]))
+        moved = torch.cat([(a.double() - b.double()).reshape(-1) for a, b in zip(with_it, without)]).norm()
+        assert moved <= 1.0, (i, moved.item())
+
+
 @pytest.mark.parametrize("make", [lambda: nn.LayerNorm(4), lambda: nn.GroupNorm(2, 4), lambda: nn.RMSNorm(4)],
                          ids=["layer_norm", "group_norm", "rms_norm"])
 def test_normalisation_norms_are_guarded_by_the_scale_of_their_terms(make):
