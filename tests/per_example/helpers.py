@@ -15,6 +15,7 @@ from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from lit_zodp.per_example import PerExampleGradientEngine, per_example_gradients_vmap  # noqa: E402
+from lit_zodp.privacy.clipping import SHARE_MARGIN  # noqa: E402
 
 RTOL = 1e-6
 
@@ -62,10 +63,11 @@ def loop_reference(model, loss_of_one, *batch):
 
 
 def flat_clipped_sum(per_example: dict, names, clip):
-    """DP-SGD flat clipping (Abadi et al. 2016): clip each example's concatenated gradient to ``clip``."""
+    """DP-SGD flat clipping (Abadi et al. 2016): clip each example's concatenated gradient to ``clip``, less the
+    library's rounding margin (``SHARE_MARGIN``, audit 14 H1)."""
     flat = torch.cat([per_example[n].reshape(len(per_example[n]), -1) for n in names], 1)
     norms = flat.norm(dim=1)
-    factors = torch.ones_like(norms) if math.isinf(clip) else (clip / norms).clamp(max=1)
+    factors = torch.ones_like(norms) if math.isinf(clip) else (clip * (1 - SHARE_MARGIN) / norms).clamp(max=1)
     sums = {n: torch.einsum("b,b...->...", factors, per_example[n]) for n in names}
     return sums, norms
 

@@ -350,3 +350,21 @@ def test_normalisation_norms_are_guarded_by_the_scale_of_their_terms(make):
     assert norms["weight"].sqrt().item() >= 4 * 2.0 ** -24 * scale.item() > 0  # (T + 2) u S_i at T = 2
     if "bias" in norms:
         assert norms["bias"].sqrt().item() >= 4 * 2.0 ** -24 * 2e6 * 2
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping", "vmap"])
+def test_a_clipped_share_never_exceeds_c_by_rounding(mode):
+    """Audit 14, H1: the clip factor ``C / ||g||`` rounded to float32, the products ``f g`` and a float32 norm
+    each move a share by about an ulp: ``||f_i g_i||`` reached ``(1 + 1.7e-7) C`` in "hooks" and ``(1 + 1.1e-7) C``
+    in "bookkeeping". Factors now clip at ``C (1 - 2^-20)``."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float32)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    engine = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
+    engine.clipped_sum(lambda: ce(model(torch.randn(4, 16)), torch.randint(0, 3, (4,))), 1.0)  # checked structure
+    excess = []
+    for _ in range(400):
+        x, y, clip = torch.randn(1, 16) * 5, torch.randint(0, 3, (1,)), float(torch.rand(()) * 0.01 + 1e-3)
+        share = engine.clipped_sum(lambda: ce(model(x), y), clip).grads
+        excess.append(torch.cat([g.double().reshape(-1) for g in share]).norm().item() / clip - 1)
+    assert max(excess) <= 0 and min(excess) > -1e-5

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine
+from lit_zodp.privacy.clipping import SHARE_MARGIN
 from tests.per_example.helpers import (
     assert_grads_match,
     assert_rel_close,
@@ -221,7 +222,7 @@ def test_transform_projects_per_example_gradients_before_the_norm():
     assert seen["0.weight"] == (5, 8, 6)
     transformed = dict(expected, **{"0.weight": torch.einsum("ro,boi->bri", proj, expected["0.weight"])})
     flat = torch.cat([transformed[n].flatten(1) for n in engine.names], 1)
-    factors = (clip / flat.norm(dim=1)).clamp(max=1)
+    factors = (clip * (1 - SHARE_MARGIN) / flat.norm(dim=1)).clamp(max=1)
     assert result.grads[0].shape == (2, 6)
     assert_rel_close(result.grads[0], proj @ torch.einsum("b,boi->oi", factors, expected["0.weight"]))
     for name, got in list(zip(engine.names, result.grads))[1:]:
