@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_zodp.errors import raise_if_any
-from lit_zodp.per_example.ghost import embedding_norm_sq, gram_norm_sq, outer_norm_sq, prefer_ghost
+from lit_zodp.per_example.ghost import embedding_norm_sq, gram_norm_sq, outer_norm_sq, prefer_ghost, summed_norm_sq
 
 LayerRule = Callable[[nn.Module, Tensor, Tensor], Dict[str, Tensor]]
 
@@ -157,8 +157,9 @@ def outer_norms_sq(a: Tensor, g: Tensor) -> Tensor:
 
 
 def summed_rows_norm_sq(g: Tensor) -> Tensor:
-    """``||sum_t g_t||^2`` of ``g [B, T, d]`` (a bias), guarded as :func:`outer_norm_sq` with ``a_t = 1``."""
-    return outer_norm_sq(g.new_ones(g.shape[0], g.shape[1], 1), g)
+    """``||sum_t g_t||^2`` of ``g [B, T, d]`` (a bias), guarded as :func:`outer_norm_sq` with ``a_t = 1``
+    (:func:`~lit_zodp.per_example.ghost.summed_norm_sq`: in float32, with float32's error bounds)."""
+    return summed_norm_sq(g)
 
 
 def outer_summed(a: Tensor, g: Tensor) -> Tensor:

@@ -368,3 +368,34 @@ def test_a_clipped_share_never_exceeds_c_by_rounding(mode):
         share = engine.clipped_sum(lambda: ce(model(x), y), clip).grads
         excess.append(torch.cat([g.double().reshape(-1) for g in share]).norm().item() / clip - 1)
     assert max(excess) <= 0 and min(excess) > -1e-5
+
+
+@pytest.mark.parametrize("case", ["random", "cancelling", "aligned", "tiny", "huge", "long"])
+def test_the_float32_summed_rows_bound_covers_the_float64_one_and_stays_close_to_it(case):
+    """A bias's (and a normalisation layer's) guarded norm is formed in float32 with float32's error bounds
+    (:func:`summed_norm_sq`): it must bound ``||sum_t g_t|| + rounded S_i`` computed exactly (float64 rows of the
+    same float32 values) for any rows, cancelling ones included, and add little for ordinary ones."""
+    from lit_zodp.per_example.ghost import CANCELLATION_LIMIT, summed_norm_sq
+    from lit_zodp.per_example.rounding import sum_rounding
+
+    generator = torch.Generator().manual_seed(hash(case) % 1000)
+    batch, positions, width = 16, (4096 if case == "long" else 196), 192
+    g = torch.randn(batch, positions, width, generator=generator, dtype=torch.float32)
+    if case == "cancelling":  # pairs of positions cancel up to a small remainder, at several magnitudes
+        g[:, 1::2] = -g[:, 0::2] + 1e-6 * torch.randn(batch, positions // 2, width, generator=generator)
+        g *= torch.logspace(-25, 15, batch).view(-1, 1, 1)
+    elif case == "aligned":
+        g = g[:, :1].expand(batch, positions, width).contiguous()
+    elif case == "tiny":
+        g *= 1e-30
+    elif case == "huge":
+        g *= 1e15
+    rows = g.double()
+    rounded = sum_rounding(torch.float32, "cpu")
+    scale = rows.norm(dim=-1).sum(1)
+    exact = rows.sum(1).norm(dim=-1) + (rounded.product + (positions + 2) * rounded.accumulation) * scale
+    exact = torch.maximum(exact, scale / CANCELLATION_LIMIT)
+    bound = summed_norm_sq(g).sqrt()
+    assert bound.dtype == torch.float64 and (bound >= exact).all()
+    if case in ("random", "aligned", "long"):  # the price of float32: about a second (T + 2) u S_i, no more
+        assert (bound <= exact * (1 + 1e-3) + 2 * positions * 2.0 ** -24 * scale).all()
