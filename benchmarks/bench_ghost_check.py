@@ -9,8 +9,8 @@ backward rounds below float32 (half precision, TF32) its rows are held to the fi
 times ``PerExampleGradientEngine.clipped_sum`` with the check and with it replaced by "no shrink",
 interleaved (order alternating), on the same model and batch, and reports the median paired ratio
 and the largest shrink ``1 - min_i s_i`` seen over the measured calls (a small clip, so every
-example is clipped). ``--force`` runs the check whatever the dtype (what a float32 model would pay
-if it always ran). The model builders come from ``bench_dpzero.py``.
+example is clipped). Since stop 38 every second pass is checked, float32 included (review 15). The model
+builders come from ``bench_dpzero.py``.
 
 ``--check rows``: the second-pass verification of every "ghost" step (audit 5 F3: per row,
 ``u^T G2[r] v = f_r u^T G1[r] v``; ``PerExampleGradientEngine._verify_second_pass``), timed against the
@@ -23,7 +23,7 @@ same engine with the row summaries and the comparison replaced by no-ops.
 Usage::
 
     python benchmarks/bench_ghost_check.py --model vit_tiny --batch 32 --dtype bfloat16
-    python benchmarks/bench_ghost_check.py --model minilm --batch 32 --seq-len 128 --dtype float32 --force
+    python benchmarks/bench_ghost_check.py --model minilm --batch 32 --seq-len 128 --dtype float32
     python benchmarks/bench_ghost_check.py --model vit_tiny --dtype float32 --check rows
     python benchmarks/bench_ghost_check.py --model minilm --dtype bfloat16 --check forward
 """
@@ -53,7 +53,6 @@ def main(argv=None) -> None:
     parser.add_argument("--clip", type=float, default=1e-3, help="small: every example clipped")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--force", action="store_true", help="run the norm check for float32 models too")
     parser.add_argument("--check", default="norms", choices=["norms", "rows", "forward"])
     args = parser.parse_args(argv)
 
@@ -69,8 +68,6 @@ def main(argv=None) -> None:
     if not isinstance(inputs, dict):
         inputs = inputs.to(dtype)
     engine = engine_module.PerExampleGradientEngine(backbone, mode="ghost", recheck_probability=0.0)
-    if args.check == "norms" and args.force:
-        engine_module.rounds_below_float32 = lambda module, device_type: True
     switch, shrinks = _switch(args.check, engine_module, engine)
     _time_switch(args, engine, switch, backbone, inputs, targets, shrinks)
 
@@ -123,9 +120,8 @@ def _time_switch(args, engine, switch, backbone, inputs, targets, shrinks) -> No
         for on in ([True, False] if r % 2 == 0 else [False, True]):
             times[on].append(step(on))
     ratios = [a / b for a, b in zip(times[True], times[False])]
-    forced = " (forced)" if args.force and args.check == "norms" else ""
     largest = f"; largest shrink {max(shrinks, default=0.0):.2e} over {len(shrinks)} parts" if args.check == "norms" else ""
-    print(f"{args.model} batch {args.batch} {args.dtype}{forced} --check {args.check}: with "
+    print(f"{args.model} batch {args.batch} {args.dtype} --check {args.check}: with "
           f"{statistics.median(times[True]):.3f} s, without {statistics.median(times[False]):.3f} s per step; "
           f"ratio median {statistics.median(ratios):.4f} (range {min(ratios):.4f}-{max(ratios):.4f}, "
           f"{args.repeats} pairs){largest}")

@@ -35,9 +35,8 @@ Bu et al. 2022 mixed); they differ in how the clipped sums of those layers are f
   are taken inside the backward as each output gradient arrives, which is then dropped; a second
   backward of ``sum_i f_i loss_i`` (on the retained graph, to the layer outputs only) gives rows
   scaled by ``f_i``, summed layer by layer as they arrive. Peak memory: the retained graph, no
-  output gradient beyond the layer at hand. When that backward rounds below float32 (half
-  precision, TF32), each layer's rows are shrunk to their first-pass norm bound
-  (:func:`_within_first_pass_norms`).
+  output gradient beyond the layer at hand. Each layer's rows are shrunk to their first-pass norm
+  bound (:func:`_within_first_pass_norms`): the second backward rounds on its own.
 * ``"bookkeeping"`` (Bu et al. 2023, "Differentially private optimization on large model at small
   cost"): one backward, the output gradients of every layer are kept, and the sums are formed from
   them scaled by the clip factors. Faster (no second backward), more memory.
@@ -90,7 +89,7 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, RecheckProbability
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
-from lit_zodp.per_example.rounding import (HALF_DTYPES, forward_autocast, outside_autocast, rounds_below_float32,
+from lit_zodp.per_example.rounding import (forward_autocast, outside_autocast,
                                            sum_rounding, working_eps)
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
@@ -182,7 +181,6 @@ class _SecondPass:
 
     losses: Tensor
     calls: List[Tuple[LayerCall, Dict[str, int]]] = field(default_factory=list)
-    coarse: bool = False  # the backward rounds below float32: its rows are checked (_within_first_pass_norms)
     #: ``u^T G[r] v`` per row of each call's output gradient in the first and the second backward
     #: (:class:`.alignment._RowSummaries`, one secret seed per step): :meth:`_verify_second_pass`.
     first: Optional[_RowSummaries] = None
@@ -257,7 +255,9 @@ def _within_first_pass_norms(part: _Part, factors: Tensor, batch: _Batch) -> Ten
     first-pass norm bounds: the flat clip then holds whatever the second backward's rounding. Its
     rows are ``f_i`` times the first pass's only up to the rounding of a backward through the model
     (``f_i`` in the losses' dtype, then every op): with bfloat16 parameters or under a bfloat16
-    autocast that released 1.0022-1.0036 C; TF32 matmuls round at ``2^-11``. ``s_i = min(1, f_i n_i / n'_i)``, ``n'_i`` the guarded
+    autocast that released 1.0022-1.0036 C; TF32 matmuls round at ``2^-11``; and in float32 a loss gradient whose
+    huge terms cancel upstream (a bias feeding a Linear(1, 2)) rounds at ``u f_i M``, 1.083 C (review 15): so every
+    second backward is shrunk. ``s_i = min(1, f_i n_i / n'_i)``, ``n'_i`` the guarded
     norm of the rows at hand (``f_i n_i`` but for rounding). Per part, not per parameter: a
     parameter whose gradient is 0 but for rounding (an attention key's bias) has norms of rounding
     alone, whose ratio would shrink the whole layer (by up to 22% on MiniLM)."""
@@ -652,7 +652,7 @@ class PerExampleGradientEngine:
                            *, unit_sums: bool) -> _SecondPass:
         """"ghost" mode, first backward: each single-use layer call takes its norms (and, on a
         checked batch, its unit sums) as its output gradient arrives and keeps no gradient."""
-        second = _SecondPass(losses, coarse=rounds_below_float32(self.module, self._device_type))
+        second = _SecondPass(losses)
         for call, mine in self._single_use_calls(plan, tape):
             second.calls.append((call, mine))
             call.consume = self._first_pass_consumer(call, mine, batch, unit_sums)
@@ -663,7 +663,6 @@ class PerExampleGradientEngine:
 
     def _first_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, unit_sums: bool):
         def consume(grad: Tensor) -> None:
-            batch.second_pass.coarse |= grad.dtype in HALF_DTYPES or call.activation.dtype in HALF_DTYPES
             batch.second_pass.first(call, 0, grad)
             for part in self._parts(call, mine, batch, grad):
                 batch.ghost_norm_sq.update(part.norms_sq())
@@ -953,7 +952,7 @@ class PerExampleGradientEngine:
         def consume(grad: Tensor) -> None:
             second.again(call, 0, grad)
             for part in self._parts(call, mine, batch, grad):
-                within = _within_first_pass_norms(part, factors, batch) if second.coarse else None
+                within = _within_first_pass_norms(part, factors, batch)
                 for i, total in part.summed(within, ok).items():
                     sums[i] = total if i not in sums else sums[i] + total
         return consume

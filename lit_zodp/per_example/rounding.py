@@ -121,17 +121,6 @@ def forward_autocast(device_type: str) -> contextlib.AbstractContextManager:
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def rounds_below_float32(module: torch.nn.Module, device_type: str) -> bool:
-    """Whether a backward through ``module`` may round more coarsely than IEEE float32: a
-    half-precision parameter or buffer (trainable or frozen), a half-precision autocast around the
-    forward (inside :func:`outside_autocast` this is the forward's), or reduced-precision float32
-    matmuls (TF32, bfloat16 operands) on ``device_type``."""
-    forward = autocast_dtype(device_type) or _FORWARD_AUTOCAST.get()
-    tensors = (*module.parameters(), *module.buffers())
-    return (forward in HALF_DTYPES or float32_matmul_setting(device_type) != "ieee"
-            or any(t.dtype in HALF_DTYPES for t in tensors))
-
-
 def working_eps(device_type: str, *dtypes: torch.dtype) -> float:
     """Relative precision of results formed from ``dtypes`` on ``device_type``: the machine epsilon
     of the least precise dtype, the forward's autocast dtype included, and no finer than a float32
@@ -144,4 +133,4 @@ def working_eps(device_type: str, *dtypes: torch.dtype) -> float:
 
 
 __all__ = ["HALF_DTYPES", "MatmulRounding", "autocast_dtype", "float32_matmul_setting", "forward_autocast",
-           "outside_autocast", "rounds_below_float32", "sum_rounding", "working_eps"]
+           "outside_autocast", "sum_rounding", "working_eps"]

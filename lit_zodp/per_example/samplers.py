@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_zodp.errors import raise_if_any
-from lit_zodp.per_example.ghost import embedding_norm_sq, gram_norm_sq, outer_norm_sq, prefer_ghost, summed_norm_sq
+from lit_zodp.per_example.ghost import (embedding_norm_sq, gram_norm_sq, outer_norm_sq, prefer_ghost, row_norm_sq,
+                                        summed_norm_sq)
 
 LayerRule = Callable[[nn.Module, Tensor, Tensor], Dict[str, Tensor]]
 
@@ -111,10 +112,9 @@ def _holds_only(layer: nn.Module, names: Optional[FrozenSet[str]]) -> bool:
 
 
 def _row_norm_sq(per_example: Tensor) -> Tensor:
-    """``||G_i||^2`` per row, accumulated in at least float32 (rows of any shape: ``[B]`` for a 0-dim parameter)."""
-    low = per_example.dtype in (torch.float16, torch.bfloat16)
-    rows = per_example.reshape(len(per_example), -1)
-    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32 if low else None).pow(2)
+    """``||G_i||^2`` per row of materialised gradients (any shape: ``[B]`` for a 0-dim parameter), an upper bound in
+    float64 (:func:`~lit_zodp.per_example.ghost.row_norm_sq`)."""
+    return row_norm_sq(per_example.reshape(len(per_example), -1))
 
 
 def _trainable(layer: nn.Module, name: str) -> bool:
@@ -194,7 +194,7 @@ def _linear_summed(layer: nn.Linear, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
     if _trainable(layer, "weight"):
         out["weight"] = outer_summed(a, g)
     if _trainable(layer, "bias"):
-        out["bias"] = g.sum((0, 1))
+        out["bias"] = g.sum(1).sum(0)  # each example's rows first: a record's rows never meet another's (review 15)
     return out
 
 

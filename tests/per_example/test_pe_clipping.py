@@ -399,3 +399,32 @@ def test_the_float32_summed_rows_bound_covers_the_float64_one_and_stays_close_to
     assert bound.dtype == torch.float64 and (bound >= exact).all()
     if case in ("random", "aligned", "long"):  # the price of float32: about a second (T + 2) u S_i, no more
         assert (bound <= exact * (1 + 1e-3) + 2 * positions * 2.0 ** -24 * scale).all()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "vmap"])
+def test_a_long_materialised_gradient_whose_small_squares_a_float32_norm_drops_is_clipped_by_its_true_norm(mode):
+    """Review 15, F1: a float32 norm of a long row adds its squares into a few lane accumulators, dropping each
+    square below half an ulp of the one before: a 4096 x 2048 gradient of one 1 and 261,632 elements of ~2^-12.5
+    measured 1.0 for a true 1.0154, and the share released was 1.0154 C. Norms now add float32 blocks of 64 in
+    float64, scaled up by the blocks' error bound."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float32)
+    outputs, inputs = 4096, 2048
+    model = nn.Linear(inputs, outputs, bias=False)
+    eps = math.sqrt(2.0 ** -25) * (1 - 2 ** -12)  # eps^2 just under half an ulp of 1
+    x_c, w_c = torch.zeros(1, 2, inputs), torch.zeros(1, 2, outputs)
+    x_c[0, 0, 0], w_c[0, 0, 0] = 1.0, 1.0
+    x_c[0, 1, 8::8], w_c[0, 1, :] = eps, 1.0
+    x_h, w_h = torch.randn(1, 2, inputs) * 0.01, torch.randn(1, 2, outputs) * 0.01
+
+    def loss(x, w):
+        return (model(x) * w).sum((1, 2))
+
+    engine = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
+    clip = 0.5
+    engine.clipped_sum(lambda: loss(torch.cat([x_h, x_h]), torch.cat([w_h, w_h])), clip)  # the checked structure
+    with_it = engine.clipped_sum(lambda: loss(torch.cat([x_c, x_h]), torch.cat([w_c, w_h])), clip)
+    without = engine.clipped_sum(lambda: loss(x_h, w_h), clip)
+    moved = torch.cat([(a.double() - b.double()).reshape(-1) for a, b in zip(with_it.grads, without.grads)]).norm()
+    exact = torch.einsum("bto,bti->boi", w_c.double(), x_c.double()).norm()
+    assert with_it.norms[0].item() >= exact.item() * (1 - 1e-6) and moved.item() <= clip
