@@ -89,8 +89,7 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, RecheckProbability
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
-from lit_zodp.per_example.rounding import (forward_autocast, outside_autocast,
-                                           sum_rounding, working_eps)
+from lit_zodp.per_example.rounding import forward_autocast, outside_autocast, sum_rounding, working_eps
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
 from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape

@@ -116,8 +116,9 @@ def outer_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     return torch.cat(out) if out else a.new_zeros(0, dtype=torch.float64)
 
 
-#: float32's unit roundoff, for the error bounds of :func:`summed_norm_sq`.
+#: float32's and float64's unit roundoffs, for the error bounds of :func:`row_norm_sq` and :func:`summed_norm_sq`.
 FLOAT32_UNIT = 2.0 ** -24
+FLOAT64_UNIT = 2.0 ** -53
 #: Below this magnitude a float32 square underflows (``2^-63``, squared below the smallest normal ``2^-126``).
 SMALLEST_SQUARED = 2.0 ** -63
 
@@ -134,16 +135,16 @@ NORM_BLOCK = 64
 
 def row_norm_sq(rows: Tensor) -> Tensor:
     """An upper bound of ``||r_i||^2`` per row of ``rows [B, n]``, in float64: float32 sums of squares over blocks of
-    :data:`NORM_BLOCK` elements (each square within ``gamma_{k+2}``, so scaled up by it; underflowing squares as in
-    :func:`summed_norm_sq`), the blocks added in float64. One float32 norm of a long row adds its squares into a
+    :data:`NORM_BLOCK` elements (each square within ``gamma_{k+2}``, so scaled up by it; a square that underflows
+    hides at most ``2^-126``, added per element), the blocks added in float64. One float32 norm of a long row adds its squares into a
     few lane accumulators that drop squares below half an ulp: a crafted 4096 x 2048 gradient measured 1.0 for a
     true 1.0154, and the share released was 1.0154 C (review 15). Float64 rows are summed as they are."""
     if rows.dtype == torch.float64:
-        return rows.pow(2).sum(1) * (1 + _gamma(rows.shape[1], 2.0 ** -53))
+        return rows.pow(2).sum(1) * (1 + _gamma(rows.shape[1], FLOAT64_UNIT))
     rows = at_least_float32(rows)
     count, width = rows.shape
     whole = width // NORM_BLOCK * NORM_BLOCK
-    blocks = rows[:, :whole].reshape(count, -1, NORM_BLOCK)
+    blocks = rows[:, :whole].reshape(count, whole // NORM_BLOCK, NORM_BLOCK)
     total = torch.linalg.vector_norm(blocks, dim=-1).double().pow(2).sum(1)
     if whole < width:
         total = total + rows[:, whole:].double().pow(2).sum(1)
@@ -152,26 +153,24 @@ def row_norm_sq(rows: Tensor) -> Tensor:
 
 def summed_norm_sq(g: Tensor) -> Tensor:
     """``||sum_t g_t||^2`` per example of ``g [B, T, d]`` (a bias; a normalisation layer's terms), guarded as
-    :func:`outer_norm_sq` with ``a_t = 1``, formed in float32 with the error bounds of float32 sums.
+    :func:`outer_norm_sq` with ``a_t = 1``, from float32 sums and :func:`row_norm_sq`'s bounds.
 
     The float64 copies of :func:`outer_norm_sq` cost 0.54 s of a 7.8 s ViT-tiny step (B = 64, 2 CPU threads; biases
     and LayerNorms). In float32, whatever the order of the additions, ``b_hat = fl(sum_t g_t)`` is within
-    ``gamma_{T-1} S_i`` of ``b = sum_t g_t`` (``S_i = sum_t ||g_t||``), its float32 norm within ``gamma_{d+2}``
-    relative, and ``S_hat`` within ``gamma_{d+T+2}``; so ``||b|| + rounded S_i <= ||b_hat||_fl (1 + gamma_{d+2}) +
-    (gamma_{T-1} + rounded) S_hat (1 + gamma_{d+T+2})``, the sum path's own rounding included as in
-    :func:`guarded_norm_sq` (and its floor ``S_i / R``); squares that underflow hide at most ``sqrt(d) 2^-63`` of a
-    row's norm, added to both. Float64 rows keep :func:`outer_norm_sq`. A float32 overflow (rows near 1e19) gives
-    an infinite bound: the example's factor is 0."""
+    ``gamma_{T-1} S_i`` of ``b = sum_t g_t`` (``S_i = sum_t ||g_t||``), so ``||b|| + rounded S_i <= ||b_hat|| +
+    (gamma_{T-1} + rounded) S_i``, both norms bounded by :func:`row_norm_sq` and the sum path's own rounding included
+    as in :func:`guarded_norm_sq` (and its floor ``S_i / R``). Float64 rows keep :func:`outer_norm_sq`. A float32
+    overflow (rows near 1e19) gives an infinite bound: the example's factor is 0."""
     if g.dtype == torch.float64:
         return outer_norm_sq(g.new_ones(g.shape[0], g.shape[1], 1), g)
     g = at_least_float32(g)
     rounding = sum_rounding(g.dtype, g.device.type)
-    positions, width = g.shape[1], g.shape[2]
-    lost = width ** 0.5 * SMALLEST_SQUARED  # what underflowing squares can hide of one row's norm
-    norm = torch.linalg.vector_norm(g.sum(1), dim=-1).double() * (1 + _gamma(width + 2)) + lost
-    scale = (torch.linalg.vector_norm(g, dim=-1).sum(1).double() + positions * lost) * (1 + _gamma(width + positions + 2))
+    count, positions, width = g.shape
+    norm = row_norm_sq(g.sum(1)).sqrt()
+    scale = row_norm_sq(g.reshape(count * positions, width)).sqrt().view(count, positions).sum(1)
+    scale = scale * (1 + _gamma(positions, FLOAT64_UNIT))  # (the float64 square roots and their sum)
     rounded = _gamma(max(positions - 1, 0)) + rounding.product + (positions + 2) * rounding.accumulation
-    return torch.maximum(norm + rounded * scale, scale / CANCELLATION_LIMIT).pow(2)
+    return torch.maximum(norm * (1 + _gamma(1, FLOAT64_UNIT)) + rounded * scale, scale / CANCELLATION_LIMIT).pow(2)
 
 
 def embedding_norm_sq(idx: Tensor, g: Tensor, padding_idx: Optional[int] = None) -> Tensor:
