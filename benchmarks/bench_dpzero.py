@@ -6,8 +6,9 @@ size, in ONE run:
 
 1. time: the DPZero step (``DPZero.training_step`` driven by a real Lightning ``Trainer``; the timer
    wraps ``training_step`` itself: two perturbed forward passes, the three seeded passes of the
-   perturbation engine, clipping, noise and the optimizer step) against two no-grad, eval-mode
-   forward passes computing per-example losses of the same batch (``private_losses``, the very
+   perturbation engine, clipping, noise and the optimizer step; each fit's first step, which also runs
+   the fit-start privacy checks that a long run pays once, is timed apart: :func:`steady_fit`) against
+   two no-grad, eval-mode forward passes computing per-example losses of the same batch (``private_losses``, the very
    function the step calls), and against one Opacus DP-SGD step (forward, backward with per-sample
    gradients, clipping, noise, SGD step). The three are interleaved inside one process, the order
    rotating every repetition; the median over repetitions is reported.
@@ -149,6 +150,18 @@ def dpzero_fit(module, dataset, steps: int, device) -> None:
     module.to(device)
 
 
+def steady_fit(module, dataset, steps: int, device) -> int:
+    """One :func:`dpzero_fit` of ``1 + steps`` steps; the index of its first step in ``module.step_times``.
+
+    A fit's first step also runs the fit-start privacy checks (the independence checks on the first
+    batch, and for a first-order module the engine's numeric checks of a new structure): a long run pays
+    them once, so the steady step is the ``steps`` after it (the 1% re-checks stay in), and the first
+    step is reported apart."""
+    first = len(module.step_times)
+    dpzero_fit(module, dataset, 1 + steps, device)
+    return first
+
+
 def make_opacus(backbone, dataset, batch: int, model_name: str, mode: str):
     """Opacus DP-SGD on ``backbone``: returns ``(step, notes)``; ``step()`` runs one full step."""
     import torch
@@ -248,7 +261,7 @@ def worker_time(args) -> dict:
     def time_opacus() -> tuple:
         return probe_call(opacus_step, device)
 
-    fwd, dpz, opa = [], [], []
+    fwd, dpz, dpz_first, opa = [], [], [], []
     loads = {"fwd2": [], "dpzero": [], "opacus": []}
     methods = ["fwd", "dpzero"] + (["opacus"] if opacus_step else [])
     k = args.steps_per_repeat
@@ -264,11 +277,13 @@ def worker_time(args) -> dict:
                     fwd += [w for w, _ in runs]
                     loads["fwd2"] += [x for _, x in runs]
             elif method == "dpzero":
-                before = len(module.step_times)
-                dpzero_fit(module, dataset, reps, device)
-                if rep >= 0:
-                    dpz += module.step_times[before:]
-                    loads["dpzero"] += module.step_loads[before:]
+                if rep < 0:
+                    dpzero_fit(module, dataset, 1, device)
+                    continue
+                first = steady_fit(module, dataset, reps, device)
+                dpz_first.append(module.step_times[first])
+                dpz += module.step_times[first + 1:]
+                loads["dpzero"] += module.step_loads[first + 1:]
             else:
                 try:
                     t, load = time_opacus()
@@ -283,7 +298,7 @@ def worker_time(args) -> dict:
                 # Opacus churns GBs of memory: settle (page the freed memory back, refill caches) with
                 # one untimed forward pair so that the next timed measurement does not pay for it.
                 two_forwards(module, inputs, targets)
-    result.update(fwd2_times=fwd, dpzero_times=dpz, opacus_times=opa, other_load=loads, device=str(device),
+    result.update(fwd2_times=fwd, dpzero_times=dpz, dpzero_first_times=dpz_first, opacus_times=opa, other_load=loads, device=str(device),
                   cuda_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                   threads=torch.get_num_threads(), threads_in_step=module.threads_seen,
                   n_params=sum(p.numel() for p in backbone.parameters()),
@@ -421,6 +436,7 @@ def spawn(args, worker: str, model: str, batch: int, method: str | None = None) 
 def summarize(model: str, batch: int, timing: dict, memory: dict) -> dict:
     row = {"model": model, "batch": batch}
     row["dpzero_s"] = median_of(timing.get("dpzero_times", []))
+    row["dpzero_first_s"] = median_of(timing.get("dpzero_first_times", []))
     row["fwd2_s"] = median_of(timing.get("fwd2_times", []))
     row["opacus_s"] = median_of(timing.get("opacus_times", []))
     # Headline: median over repetitions of (DPZero step / 2x forward) within the same repetition, which
@@ -489,8 +505,9 @@ def render(rows: list[dict], meta: dict) -> str:
     lines.append("")
     lines.append("| model | batch | ratio: of medians / of minima | other processes' load (cores) "
                  "| peak RSS MB: inference / DPZero / Opacus | extra above baseline MB: inference / DPZero / Opacus "
-                 "| engine: 3 passes s (serial randn / serial add_, per pass) | engine / 2x fwd |")
-    lines.append("|---|---:|---|---:|---|---|---|---:|")
+                 "| engine: 3 passes s (serial randn / serial add_, per pass) | engine / 2x fwd "
+                 "| first step of a fit s (fit-start checks) |")
+    lines.append("|---|---:|---|---:|---|---|---|---:|---:|")
     for r in rows:
         b = r.get("breakdown") or {}
         lines.append(
@@ -500,7 +517,7 @@ def render(rows: list[dict], meta: dict) -> str:
             f" / {fmt(r['opacus_peak_mb'], '.0f')} | {fmt(r['inference_extra_mb'], '.0f')} / "
             f"{fmt(r['dpzero_extra_mb'], '.0f')} / {fmt(r['opacus_extra_mb'], '.0f')} | "
             f"{fmt(b.get('engine_3_passes_s'))} ({fmt(b.get('generate_pass_s'))} / {fmt(b.get('add_pass_s'), '.4f')})"
-            f" | {fmt(ratio_of(b.get('engine_3_passes_s'), r.get('fwd2_s')))} |")
+            f" | {fmt(ratio_of(b.get('engine_3_passes_s'), r.get('fwd2_s')))} | {fmt(r.get('dpzero_first_s'))} |")
     notes = [f"- {r['model']} b{r['batch']}: {n}" for r in rows for n in r.get("notes", [])]
     if notes:
         lines += ["", "Notes:"] + notes
@@ -515,8 +532,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="measured repetitions (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first")
     parser.add_argument("--steps-per-repeat", type=int, default=1,
-                        help="DPZero steps (Trainer max_steps) and 2x-forward timings per repetition; "
-                             "Opacus takes one step per repetition")
+                        help="DPZero steps and 2x-forward timings per repetition (the DPZero fit takes one more "
+                             "step first, its fit-start checks, reported apart); Opacus takes one step per repetition")
     parser.add_argument("--opacus-repeats", type=int, default=2,
                         help="measured Opacus steps (its per-step cost dwarfs the noise; no warm-up)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
