@@ -185,6 +185,31 @@ def test_bernoulli_draws_at_their_mean_make_every_dropout_deterministic_and_equa
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
+def test_a_check_recomputation_runs_with_grad_but_keeps_nothing_for_a_backward():
+    """The checks' recomputations compute as the step does (grad on, outputs requiring grad) without holding a
+    forward graph: an enclosing saved-tensor hook, which sees every tensor autograd saves unless an inner one
+    takes it, sees none inside :func:`step_mode_recompute` and some outside it (before: a whole forward graph,
+    594 MiB at a ViT-tiny/64 fit's start)."""
+    from lit_zodp.per_example.checks import step_mode_recompute
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 3))
+    x = torch.randn(4, 8)
+    saved = []
+
+    def forward(context) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), context:
+            return model(x)
+
+    outside = forward(torch.enable_grad())
+    assert saved, "the reference forward saves tensors for its backward"
+    saved.clear()
+    inside = forward(step_mode_recompute())
+    assert saved == [] and inside.requires_grad and torch.is_grad_enabled()
+    assert torch.equal(inside, outside)
+    with pytest.raises(RuntimeError, match="keeps no tensor for a backward"):
+        inside.sum().backward()
+
+
 class NoisyPerExample(_TwoLayers):
     """Per-example, but adds Gaussian noise to its hidden units in training (a draw other than dropout)."""
 
