@@ -234,11 +234,15 @@ class Runner:
         else:
             raise ValueError(f"unknown method {method!r}")
 
-    def run(self, k: int) -> list[tuple]:
+    def run(self, k: int, *, first_apart: bool = True) -> list[tuple]:
         """``k`` steps; ours after one more step that starts a fresh fit (:func:`bench_dpzero.steady_fit`:
-        the fit-start privacy checks, a long run's once-per-fit cost), whose seconds go to ``first_times``."""
+        the fit-start privacy checks, a long run's once-per-fit cost), whose seconds go to ``first_times``;
+        without ``first_apart``, one fit of ``k`` steps, its first among them (the memory workers)."""
         if self.method in OURS:
             m = self.module
+            if not first_apart:
+                bd.dpzero_fit(m, self.dataset, k, self.device)
+                return []
             first = bd.steady_fit(m, self.dataset, k, self.device)  # fresh Trainer; module back on device
             self.first_times.append(m.step_times[first])
             phases = [{p: m.phase_times[p][i] for p in PHASES} for i in range(first + 1, len(m.step_times))]
@@ -379,7 +383,7 @@ def worker_memory(args) -> dict:
         runner = Runner(method, backbone, inputs, targets, dataset, args.model, args.batch, device,
                         track_memory=reset_ok or cuda)
         result["notes"] = runner.notes
-        runner.run(args.memory_steps)
+        runner.run(args.memory_steps, first_apart=False)  # the fit's first step, with its checks, inside the peak
         if method in OURS:
             phase_peaks = runner.module.phase_peaks
     except Exception as err:
