@@ -93,16 +93,18 @@ class Scratch:
 
 
 def map_on_threads(work: Callable[[int], object], count: int, workers: Optional[int] = None) -> list:
-    """``[work(i) for i in range(count)]`` on up to ``workers`` threads (default: torch's intra-op threads).
+    """``[work(i) for i in range(count)]`` under ``no_grad`` on up to ``workers`` threads (default: torch's
+    intra-op threads), the calling thread among them, each taking the next index when free.
 
     Only pays where ``work`` releases the GIL (torch ops, NumPy's random fills); results in index order.
+    Until 2026-11-28 the calling thread took index 0 only and one pool thread all the others, so a release's
+    22 noise parts of a MiniLM gradient were drawn on one core.
     """
     workers = min(count, workers or torch.get_num_threads())
     if workers <= 1 or getattr(_in_worker, "active", False):
-        return [work(i) for i in range(count)]
-    futures = [_get_pool(workers - 1).submit(work, i) for i in range(1, count)]
-    first = work(0)
-    return [first] + [f.result() for f in futures]
+        with torch.no_grad():
+            return [work(i) for i in range(count)]
+    return _on_threads(count, workers, lambda: work)
 
 
 def for_each_chunk(chunks: Sequence[Tensor], work: Callable[[int, Scratch], object]) -> list:
@@ -122,23 +124,34 @@ def for_each_chunk(chunks: Sequence[Tensor], work: Callable[[int, Scratch], obje
             for i in range(count):
                 results[i] = work(i, scratch)
         return results
+    return _on_threads(count, workers, lambda: _with_scratch(work, Scratch(size)))
 
+
+def _with_scratch(work: Callable[[int, Scratch], object], scratch: Scratch) -> Callable[[int], object]:
+    return lambda i: work(i, scratch)
+
+
+def _on_threads(count: int, workers: int, per_thread: Callable[[], Callable[[int], object]]) -> list:
+    """``results[i] = work(i)`` for every ``i < count``, under ``no_grad`` (grad mode is thread-local), on the calling
+    thread and ``workers - 1`` pool threads, each with its own ``work = per_thread()`` taking the next index when
+    free; the first error stops the others and is raised."""
+    results: list = [None] * count
     counter = itertools.count()
     lock = threading.Lock()
     failed = threading.Event()
 
     def loop() -> None:
-        scratch = Scratch(size)
+        work = per_thread()
         _in_worker.active = True
         try:
-            with torch.no_grad():  # grad mode is thread-local
+            with torch.no_grad():
                 while not failed.is_set():
                     with lock:
                         i = next(counter)
                     if i >= count:
                         return
                     try:
-                        results[i] = work(i, scratch)
+                        results[i] = work(i)
                     except BaseException:
                         failed.set()
                         raise
