@@ -424,15 +424,12 @@ def step_mode_recompute(devices: Optional[list] = None) -> Iterator[None]:
             yield
 
 
-class _NotSaved:
+def _not_saved(tensor: Tensor) -> None:
     """What a check's recomputation keeps of a tensor autograd saves for the backward: nothing."""
+    return None
 
 
-def _not_saved(tensor: Tensor) -> _NotSaved:
-    return _NotSaved()
-
-
-def _never_unpacked(saved: _NotSaved) -> Tensor:
+def _never_unpacked(saved: None) -> Tensor:
     raise RuntimeError("A batch-independence check recomputes the forward with autograd on but keeps no tensor for "
                        "a backward, and this forward ran a backward of its own (autograd.grad inside forward or "
                        "loss), which these checks do not support")

@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lit_zodp.per_example.ghost import gram_norm_sq, outer_norm_sq, prefer_ghost
-from lit_zodp.per_example.samplers import (WEIGHT_AND_BIAS, _common_dtype, _trainable, register_sampler,
-                                          summed_rows_norm_sq)
+from lit_zodp.per_example.ghost import gram_norm_sq, outer_norm_sq, prefer_ghost, summed_norm_sq
+from lit_zodp.per_example.samplers import WEIGHT_AND_BIAS, _common_dtype, _trainable, register_sampler
 
 
 def _pad_amounts(layer: nn.Module) -> list[int]:
@@ -74,7 +73,7 @@ def _conv_norms(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
         out["weight"] = sum(rule(patches[:, k].transpose(1, 2), grads[:, k].transpose(1, 2))
                             for k in range(layer.groups))
     if _trainable(layer, "bias"):
-        out["bias"] = summed_rows_norm_sq(g.flatten(2).transpose(1, 2))
+        out["bias"] = summed_norm_sq(g.flatten(2).transpose(1, 2))
     return out
 
 

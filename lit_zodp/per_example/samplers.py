@@ -156,12 +156,6 @@ def outer_norms_sq(a: Tensor, g: Tensor) -> Tensor:
     return outer_norm_sq(a, g)
 
 
-def summed_rows_norm_sq(g: Tensor) -> Tensor:
-    """``||sum_t g_t||^2`` of ``g [B, T, d]`` (a bias), guarded as :func:`outer_norm_sq` with ``a_t = 1``
-    (:func:`~lit_zodp.per_example.ghost.summed_norm_sq`: in float32, with float32's error bounds)."""
-    return summed_norm_sq(g)
-
-
 def outer_summed(a: Tensor, g: Tensor) -> Tensor:
     """``sum_i G_i = sum_{i,t} g_{i,t} a_{i,t}^T``: one matmul over all rows."""
     return g.flatten(0, 1).T @ a.flatten(0, 1)
@@ -184,7 +178,7 @@ def _linear_norms(layer: nn.Linear, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
     if _trainable(layer, "weight"):
         out["weight"] = outer_norms_sq(a, g)
     if _trainable(layer, "bias"):
-        out["bias"] = summed_rows_norm_sq(g)
+        out["bias"] = summed_norm_sq(g)
     return out
 
 
@@ -273,15 +267,15 @@ def _affine_grads(layer: nn.Module, normalised: Tensor, g: Tensor, dims: tuple[i
 
 
 def _affine_norms(layer: nn.Module, normalised: Tensor, g: Tensor, positions_first) -> Dict[str, Tensor]:
-    """Squared norms of :func:`_affine_grads`, guarded as :func:`summed_rows_norm_sq` (audit 13: the sums are
+    """Squared norms of :func:`_affine_grads`, guarded as :func:`summed_norm_sq` (audit 13: the sums are
     formed apart from the rows measured, so positions that cancel must not hide their scale);
     ``positions_first`` reshapes ``[B, ...]`` terms to ``[B, positions, parameter elements]``."""
     normalised, g = _common_dtype(normalised, g)
     out = {}
     if _trainable(layer, "weight"):
-        out["weight"] = summed_rows_norm_sq(positions_first(g * normalised))
+        out["weight"] = summed_norm_sq(positions_first(g * normalised))
     if _trainable(layer, "bias"):
-        out["bias"] = summed_rows_norm_sq(positions_first(g))
+        out["bias"] = summed_norm_sq(positions_first(g))
     return out
 
 
