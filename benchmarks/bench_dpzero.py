@@ -8,9 +8,9 @@ size, in ONE run:
    wraps ``training_step`` itself: two perturbed forward passes, the three seeded passes of the
    perturbation engine, clipping, noise and the optimizer step; each fit's first step, which also runs
    the fit-start privacy checks that a long run pays once, is timed apart: :func:`steady_fit`) against
-   two no-grad, eval-mode forward passes computing per-example losses of the same batch (``private_losses``, the very
-   function the step calls), and against one Opacus DP-SGD step (forward, backward with per-sample
-   gradients, clipping, noise, SGD step). The three are interleaved inside one process, the order
+   two no-grad, eval-mode forward passes computing per-example losses of the same batch
+   (``private_losses``, the very function the step calls), and against one Opacus DP-SGD step
+   (forward, backward with per-sample gradients, clipping, noise, SGD step). The three are interleaved inside one process, the order
    rotating every repetition; the median over repetitions is reported.
 2. memory: one fresh subprocess per (model, batch, method) so peaks do not mix. Each imports the
    same libraries, builds the model and the batch, records the resident set size (RSS) as the
@@ -298,7 +298,8 @@ def worker_time(args) -> dict:
                 # Opacus churns GBs of memory: settle (page the freed memory back, refill caches) with
                 # one untimed forward pair so that the next timed measurement does not pay for it.
                 two_forwards(module, inputs, targets)
-    result.update(fwd2_times=fwd, dpzero_times=dpz, dpzero_first_times=dpz_first, opacus_times=opa, other_load=loads, device=str(device),
+    result.update(fwd2_times=fwd, dpzero_times=dpz, dpzero_first_times=dpz_first, opacus_times=opa, other_load=loads,
+                  device=str(device),
                   cuda_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                   threads=torch.get_num_threads(), threads_in_step=module.threads_seen,
                   n_params=sum(p.numel() for p in backbone.parameters()),
@@ -533,7 +534,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first")
     parser.add_argument("--steps-per-repeat", type=int, default=1,
                         help="DPZero steps and 2x-forward timings per repetition (the DPZero fit takes one more "
-                             "step first, its fit-start checks, reported apart); Opacus takes one step per repetition")
+                             "step first, its fit-start checks, reported apart); Opacus takes one step per "
+                             "repetition")
     parser.add_argument("--opacus-repeats", type=int, default=2,
                         help="measured Opacus steps (its per-step cost dwarfs the noise; no warm-up)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")

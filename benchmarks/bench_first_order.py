@@ -588,7 +588,8 @@ def render(rows: list[dict], cuda: bool) -> str:
                         if r.get("engine_extra_mb") is not None else "")
             lines.append(
                 f"| {row['model']} | {row['batch']} | {LABELS.get(method, method)} | {fmt(r['s'])} "
-                f"({fmt(r['s_min'])}) | {verbs} | {fmt(r.get('first_s'))} | {fmt(r.get('time_vs_nonprivate'), '.2f')} | "
+                f"({fmt(r['s_min'])}) | {verbs} | {fmt(r.get('first_s'))} | "
+                f"{fmt(r.get('time_vs_nonprivate'), '.2f')} | "
                 f"{fmt(r.get('time_vs_opacus_hooks'))} | {fmt(r.get('time_vs_opacus_ghost'))} | "
                 + " | ".join(mems) + f" | {verb_mem} | {fmt(r.get('peak_mb_vs_opacus_hooks'))} | "
                 f"{fmt(r.get('peak_mb_vs_opacus_ghost'))} | {fmt(r.get('extra_mb_vs_opacus_ghost'))} |")
