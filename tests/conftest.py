@@ -69,14 +69,21 @@ class TokenBag(nn.Module):
         return self.head(pooled)
 
 
-def token_loader(sample_rate=0.3, n=64):
-    """Rows of 2-10 tokens (id 0 pads), Poisson batches padded to their longest row."""
+def token_loader(sample_rate=0.3, n=64, full_length_batches=0):
+    """Rows of 2-10 tokens (id 0 pads), Poisson batches padded to their longest row; the first
+    ``full_length_batches`` batches cut every row to their shortest (no padding)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(2, 11, (n,), generator=g)
     rows = [torch.randint(1, 20, (int(k),), generator=g) for k in lengths]
     labels = torch.randint(0, 2, (n,), generator=g)
+    collated = [0]
 
     def collate(indices):
+        collated[0] += 1
+        if collated[0] <= full_length_batches:
+            width = min([len(rows[i]) for i in indices], default=1)
+            ids = torch.stack([rows[i][:width] for i in indices]) if indices else torch.zeros(0, 1, dtype=torch.long)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels[list(indices)]
         width = max([len(rows[i]) for i in indices], default=1)
         ids = torch.zeros(len(indices), width, dtype=torch.long)
         for r, i in enumerate(indices):

@@ -557,6 +557,39 @@ def test_a_model_reading_its_batchs_padding_is_refused_before_a_step_is_released
     assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
 
 
+class _ForwardsPerStep(Callback):
+    """The backbone's forward calls in each training step, and whether its batch had a row shorter than its longest."""
+
+    def __init__(self):
+        self.calls, self.padded, self._start = [], [], 0
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        mask = batch[0]["attention_mask"]
+        self.padded.append(bool((mask.sum(1) < mask.shape[1]).any()))
+        self._start = module.backbone.calls
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.calls.append(module.backbone.calls - self._start)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_the_padding_check_waits_for_a_padded_batch_and_costs_no_forward_before_it(name):
+    """Batches of full-length rows cannot show a model reading padding: the check waits for the first batch
+    with a shorter row and refuses there, and the steps before it take no forward for it (until 2026-11-28
+    first-order steps recomputed the losses on every such step: two forwards, 1.0 s of MiniLM's 3.7 s)."""
+    full = 4
+    trace = _ForwardsPerStep()
+    module = build(name, TokenBag(masked=True), num_classes=2, recheck_probability=0.0)
+    fit(module, token_loader(full_length_batches=full), full + 3, callbacks=[trace])
+    assert trace.padded[:full + 1] == [False] * full + [True]
+    steady = trace.calls[-1]  # the padding check passed at step `full`: nothing is pending after it
+    assert trace.calls[1:full] == [steady] * (full - 1) and trace.calls[full] > steady
+    leaky = build(name, TokenBag(masked=False), num_classes=2, recheck_probability=0.0)
+    with pytest.raises(PrivacyConfigError, match="change with the padding of their batch"):
+        fit(leaky, token_loader(full_length_batches=full), full + 3)
+    assert leaky.privacy.ledger.total_count == full
+
+
 @pytest.mark.parametrize("name", sorted(n for n in PRIVATE if issubclass(ALGORITHMS[n], ZerothOrderModule)))
 def test_a_batchnorm_with_running_statistics_keeps_zeroth_order_losses_per_example(name):
     """Zeroth-order steps forward in eval mode, where running statistics treat each example alone."""

@@ -309,8 +309,10 @@ class AlgorithmModule(pl.LightningModule):
         one removal). A forward random in other ways is checked in eval mode, with a warning. Before
         2026-11-25 first-order fits checked neither a decoder classifier given ``inputs_embeds``, which
         reads its logit at a padded column (0.05-0.11 in a logit, audit 5), nor a ``per_example_loss``
-        mixing the batch after the model."""
-        if batch_size_of(inputs) == 0 or not (self._pending_checks or self._recheck_pending):
+        mixing the batch after the model. Until 2026-11-28 a padding check still waiting for a batch with a
+        row shorter than its longest recomputed the losses on every step (two forwards: text of full-length
+        rows never resolves it; MiniLM, batch 32: 1.0 s of a 3.7 s step); :meth:`_checks_can_compare`."""
+        if batch_size_of(inputs) == 0 or not self._checks_can_compare(inputs):
             return
         with step_mode_recompute():
             losses = self._losses(inputs, targets).detach()
@@ -335,12 +337,9 @@ class AlgorithmModule(pl.LightningModule):
         longest, must keep their losses (fewer padded columns, never more: no position table is passed).
         A model that reads padded columns ties a row's loss to its batch's longest row, whatever a split
         of the batch shows. Whether a row could be compared (or nothing is to check)."""
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        if (self.fixed_shape is not None or not isinstance(inputs, Mapping) or "attention_mask" not in inputs
-                or getattr(datamodule, "pad_to_max_length", False)):
+        shorter = self._rows_shorter_than_the_batch(inputs)
+        if shorter is None:
             return True
-        mask = inputs["attention_mask"]
-        shorter = torch.nonzero(used_lengths(mask) < mask.shape[-1]).flatten()
         if len(shorter) == 0:
             return False
         again = self._losses(self._own_padding(take_rows(inputs, shorter)), targets[shorter.to(targets.device)])
@@ -352,6 +351,28 @@ class AlgorithmModule(pl.LightningModule):
                       "column), so an example's loss depends on its batch's longest row; pad every row to "
                       "max_length (the data's `pad_to_max_length: true`) or use a model that masks padding"])
         return True
+
+    def _rows_shorter_than_the_batch(self, inputs) -> Optional[Tensor]:
+        """The rows the padding check compares: those shorter than the batch's longest (none: this batch cannot
+        compare); ``None`` where the check does not apply (no attention mask, a fixed shape, text padded to
+        ``max_length``)."""
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if (self.fixed_shape is not None or not isinstance(inputs, Mapping) or "attention_mask" not in inputs
+                or getattr(datamodule, "pad_to_max_length", False)):
+            return None
+        mask = inputs["attention_mask"]
+        return torch.nonzero(used_lengths(mask) < mask.shape[-1]).flatten()
+
+    def _checks_can_compare(self, inputs) -> bool:
+        """Whether a pending check can run on this batch. The halves check (and a drawn re-check) can; a padding
+        check alone waits, at no cost, for a batch with a row shorter than its longest (first-order steps
+        recompute the losses for a check: two forwards)."""
+        if self._recheck_pending or self._pending_checks - {"padding"}:
+            return True
+        if "padding" not in self._pending_checks:
+            return False
+        shorter = self._rows_shorter_than_the_batch(inputs)
+        return shorter is None or len(shorter) > 0
 
     def _own_padding(self, part):
         """``part`` cut to its longest row (text padded per batch, as the data modules pad it)."""
