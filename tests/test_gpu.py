@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from lit_zodp.algorithms import ALGORITHMS
+from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.privacy import NoiseSource, SecretGaussianVector
-from tests.conftest import blobs, mlp, poisson_loader, quiet_trainer
+from tests.conftest import TokenBag, blobs, mlp, poisson_loader, quiet_trainer, token_loader
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set")]
 
@@ -68,19 +69,14 @@ def test_the_benchmark_cuda_path_runs(tmp_path):
     assert "vit_tiny" in (tmp_path / "bench.md").read_text()
 
 
-@pytest.mark.parametrize("name", ["DPZero", "MeZO", "MeZOBCD", "DPMeZOBCD"])
-def test_a_zeroth_order_step_on_cuda_never_waits_for_the_device(name):
-    """Issue 8: no host synchronisation inside a step (coefficients stay on the device, the engine's
-    tables are copied from pinned memory, the noise is drawn on the device): CUDA's sync debug mode
-    raises on any synchronising call. The first step compiles the kernels and is not checked; no
-    step writes logs (log_every_n_steps 1000)."""
-    base = ALGORITHMS[name]
+def never_waiting(base, steps):
+    """``base`` whose training steps numbered in ``steps`` run under CUDA's sync debug mode ``error``."""
 
-    class NoSync(base):
+    class NeverWaiting(base):
         abstract = True
 
         def training_step(self, batch, batch_idx):
-            if self.global_step == 0:
+            if self.global_step not in steps:
                 return super().training_step(batch, batch_idx)
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -88,8 +84,18 @@ def test_a_zeroth_order_step_on_cuda_never_waits_for_the_device(name):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 
+    return NeverWaiting
+
+
+@pytest.mark.parametrize("name", ["DPZero", "MeZO", "MeZOBCD", "DPMeZOBCD"])
+def test_a_zeroth_order_step_on_cuda_never_waits_for_the_device(name):
+    """Issue 8: no host synchronisation inside a step (coefficients stay on the device, the engine's
+    tables are copied from pinned memory, the noise is drawn on the device): CUDA's sync debug mode
+    raises on any synchronising call. The first step compiles the kernels and is not checked; no
+    step writes logs (log_every_n_steps 1000)."""
+    base = ALGORITHMS[name]
     kwargs = dict(lr=0.05, seed=3) | (dict(clip=1.0, noise_multiplier=1.0, delta=1e-5) if base.private else {})
-    module = NoSync(mlp(seed=1), **kwargs)
+    module = never_waiting(base, steps=range(1, 4))(mlp(seed=1), **kwargs)
     trainer = quiet_trainer(max_steps=4, accelerator="gpu", devices=1, log_every_n_steps=1000)
     trainer.fit(module, poisson_loader(blobs(), 0.25))
     assert trainer.global_step == 4
@@ -97,6 +103,23 @@ def test_a_zeroth_order_step_on_cuda_never_waits_for_the_device(name):
     assert type(engine).__name__ == "FusedPerturbation"
 
 
+
+
+@pytest.mark.parametrize("name", ["DPZero", "DPMeZOBCD"])
+def test_while_the_padding_check_waits_a_zeroth_order_step_on_text_never_waits_for_the_device(name):
+    """Batches of full-length rows cannot resolve the padding check, which waits for one with a shorter row:
+    whether a batch has one is read on the host before the transfer (before 2026-11-28 the step asked the device,
+    twice per DPZero step, on every step of full-length text). The first padded batch is checked on the device,
+    and a model reading padding is refused there, after the full-length steps."""
+    full, kwargs = 4, dict(lr=0.05, seed=3, clip=1.0, noise_multiplier=1.0, delta=1e-5, recheck_probability=0.0)
+    module = never_waiting(ALGORITHMS[name], steps=range(1, full))(TokenBag(masked=True), num_classes=2, **kwargs)
+    trainer = quiet_trainer(max_steps=full + 2, accelerator="gpu", devices=1, log_every_n_steps=1000)
+    trainer.fit(module, token_loader(full_length_batches=full))
+    assert trainer.global_step == full + 2 and "padding" not in module._pending_checks
+    leaky = ALGORITHMS[name](TokenBag(masked=False), num_classes=2, **kwargs)
+    with pytest.raises(PrivacyConfigError, match="change with the padding of their batch"):
+        quiet_trainer(max_steps=full + 2, accelerator="gpu", devices=1).fit(leaky, token_loader(full_length_batches=full))
+    assert leaky.privacy.ledger.total_count == full
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fixed_forward_rows_make_an_examples_loss_independent_of_its_batch_mates_on_cuda(dtype):

@@ -590,6 +590,30 @@ def test_the_padding_check_waits_for_a_padded_batch_and_costs_no_forward_before_
     assert leaky.privacy.ledger.total_count == full
 
 
+@pytest.mark.parametrize("name", PRIVATE)
+def test_on_an_accelerator_a_waiting_padding_check_takes_the_hosts_answer_for_the_batch(name):
+    """Whether a batch has a row shorter than its longest is read on the host before the transfer (asked on the
+    device, every step would wait for it, issue 8); a batch the host saw with one, or did not see (another
+    shape), is asked on the device. A meta tensor stands for the device: reading its values raises."""
+    module = build(name, TokenBag(masked=True), num_classes=2)
+    ids, targets = torch.ones(3, 5, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+    full = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    padded["attention_mask"][1:, 4] = 0  # rows 1 and 2 are shorter than row 0
+
+    def on_device(inputs):
+        return {key: value.to("meta") for key, value in inputs.items()}
+
+    module.note_host_padding((full, targets))
+    assert len(module._rows_shorter_than_the_batch(on_device(full))) == 0
+    with pytest.raises(NotImplementedError):  # another shape: asked on the device
+        module._rows_shorter_than_the_batch(on_device({k: v[:2] for k, v in full.items()}))
+    module.note_host_padding((padded, targets))
+    with pytest.raises(NotImplementedError):
+        module._rows_shorter_than_the_batch(on_device(padded))
+    assert module._rows_shorter_than_the_batch(padded).tolist() == [1, 2]  # on the CPU, as it is
+
+
 @pytest.mark.parametrize("name", sorted(n for n in PRIVATE if issubclass(ALGORITHMS[n], ZerothOrderModule)))
 def test_a_batchnorm_with_running_statistics_keeps_zeroth_order_losses_per_example(name):
     """Zeroth-order steps forward in eval mode, where running statistics treat each example alone."""

@@ -132,6 +132,7 @@ class AlgorithmModule(pl.LightningModule):
             backbone.row_shapes = True
         self._buffers_before: Optional[BufferState] = None
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
+        self._host_shorter_rows: dict[tuple, bool] = {}  # the training batch's mask shape: a row shorter, seen on the host
         self.recheck_probability = recheck_probability  # (makes its recheck_clock)
         self._recheck_pending = False  # a step drawn for a re-check, until a batch of it could compare
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
@@ -361,7 +362,29 @@ class AlgorithmModule(pl.LightningModule):
                 or getattr(datamodule, "pad_to_max_length", False)):
             return None
         mask = inputs["attention_mask"]
+        if mask.device.type != "cpu" and self._host_shorter_rows.get(tuple(mask.shape)) is False:
+            return torch.zeros(0, dtype=torch.long, device=mask.device)  # (the host saw none: no wait for the device)
         return torch.nonzero(used_lengths(mask) < mask.shape[-1]).flatten()
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """While a padding check waits for a batch with a row shorter than its longest and the fit runs on an
+        accelerator, whether the training batch has one is read here, on the host: asked on the device, every step
+        would wait for the device (issue 8), until such a batch comes (text of full-length rows: never). Each
+        batch's transfer replaces the answer; without this hook (a DataModule's own, ``dataloader_iter``
+        steps) the step asks the device."""
+        self._host_shorter_rows.clear()
+        if "padding" in self._pending_checks and self.device.type != "cpu" and self.trainer.training:
+            self.note_host_padding(self.split_batch(batch)[0])
+        return batch
+
+    def note_host_padding(self, private) -> None:
+        """Record whether the host batch ``private`` (``(inputs, targets)``) has a row shorter than its longest."""
+        inputs = private[0] if isinstance(private, (tuple, list)) and len(private) == 2 else None
+        mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+        if isinstance(mask, Tensor) and mask.device.type == "cpu":
+            shorter = self._rows_shorter_than_the_batch(inputs)
+            if shorter is not None:
+                self._host_shorter_rows[tuple(mask.shape)] = len(shorter) > 0
 
     def _checks_can_compare(self, inputs) -> bool:
         """Whether a pending check can run on this batch. The halves check (and a drawn re-check) can; a padding
