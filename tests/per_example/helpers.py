@@ -6,6 +6,7 @@ import copy
 import math
 import os
 import warnings
+import weakref
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -127,4 +128,30 @@ class LargestTensor(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self.largest = max(self.largest, t.numel())
+        return out
+
+
+class LiveLarge(TorchDispatchMode):
+    """The most buffers of at least ``numel`` elements that ops produced and that were alive at
+    once, as ``{buffer: op}`` (a buffer dies with the last tensor on it, wherever autograd or the
+    engine keeps it; an in-place result or a ``detach`` shares its input's buffer)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.tensors, self.alive, self.most = numel, {}, {}, {}
+
+    def _died(self, key):
+        self.tensors[key] -= 1
+        if not self.tensors[key]:
+            del self.tensors[key], self.alive[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                key = t.untyped_storage().data_ptr()
+                self.alive.setdefault(key, str(func))
+                self.tensors[key] = self.tensors.get(key, 0) + 1
+                weakref.finalize(t, self._died, key)
+                self.most = max(self.most, dict(self.alive), key=len)
         return out

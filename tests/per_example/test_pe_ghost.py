@@ -1,7 +1,6 @@
 """Ghost norms (Li et al. 2022) equal the norms of the materialised per-example gradients."""
 
 import dataclasses
-import weakref
 from copy import deepcopy
 
 import pytest
@@ -9,12 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_zodp.per_example import PerExampleGradientEngine, samplers
 from lit_zodp.per_example.coverage import DIFFERENCE_CHUNK, difference_norm
 from lit_zodp.per_example.ghost import embedding_norm_sq, gram_norm_sq, prefer_ghost
-from tests.per_example.helpers import LargestTensor, assert_rel_close
+from tests.per_example.helpers import LargestTensor, LiveLarge, assert_rel_close
 
 
 @settings(max_examples=20, deadline=None)
@@ -81,32 +79,6 @@ def test_ghost_mode_never_materialises_linear_weights(monkeypatch):
         PerExampleGradientEngine(model).clipped_sum(lambda: model(x).pow(2).sum((1, 2)), 0.1)
 
 
-class _LiveLarge(TorchDispatchMode):
-    """The most buffers of at least ``numel`` elements that ops produced and that were alive at
-    once, as ``{buffer: op}`` (a buffer dies with the last tensor on it, wherever autograd or the
-    engine keeps it; an in-place result or a ``detach`` shares its input's buffer)."""
-
-    def __init__(self, numel):
-        super().__init__()
-        self.numel, self.tensors, self.alive, self.most = numel, {}, {}, {}
-
-    def _died(self, key):
-        self.tensors[key] -= 1
-        if not self.tensors[key]:
-            del self.tensors[key], self.alive[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
-                key = t.untyped_storage().data_ptr()
-                self.alive.setdefault(key, str(func))
-                self.tensors[key] = self.tensors.get(key, 0) + 1
-                weakref.finalize(t, self._died, key)
-                self.most = max(self.most, dict(self.alive), key=len)
-        return out
-
-
 def test_ghost_check_holds_at_most_two_copies_of_an_embedding_table():
     """On a checked batch "ghost" mode compares each parameter's unit sum with its batch gradient
     while the graph is retained. For an embedding table (MiniLM's word embeddings: 45 MiB) both are
@@ -117,7 +89,7 @@ def test_ghost_check_holds_at_most_two_copies_of_an_embedding_table():
     model = nn.Sequential(nn.Embedding(vocab, dim), nn.Flatten(1), nn.Linear(3 * dim, 2))
     ids, y = torch.randint(0, vocab, (4, 3)), torch.tensor([0, 1, 1, 0])
     engine = PerExampleGradientEngine(model, mode="ghost")
-    with _LiveLarge(vocab * dim) as probe:
+    with LiveLarge(vocab * dim) as probe:
         checked = engine.clipped_sum(lambda: nn.functional.cross_entropy(model(ids), y, reduction="none"), 0.5)
     assert len(probe.most) <= 2, probe.most
     again = engine.clipped_sum(lambda: nn.functional.cross_entropy(model(ids), y, reduction="none"), 0.5)
