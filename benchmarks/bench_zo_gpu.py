@@ -161,6 +161,23 @@ class Batch(bd.FixedBatch):
                   else self.inputs[index])
         return inputs, self.targets[index]
 
+    def on_host(self) -> "Batch":
+        """The batch in host memory (pinned where CUDA is there), as a real loader hands it: Lightning moves
+        it to the device before each step, outside the timed ``training_step``. Handed over on the device, the
+        private modules' padding check (which waits for a batch with a row shorter than its longest: these
+        rows are all full length) could only be answered by asking the device, on every step."""
+        if getattr(self, "_host", None) is None:
+            import torch
+
+            def host(t):
+                t = t.cpu()
+                return t.pin_memory() if torch.cuda.is_available() else t
+
+            inputs = ({k: host(v) for k, v in self.inputs.items()} if isinstance(self.inputs, dict)
+                      else host(self.inputs))
+            self._host = Batch(inputs, host(self.targets))
+        return self._host
+
 
 def build(model: str, batch: int, seq_len: int, dtype: str, device, tiny: bool):
     """``(backbone, inputs, targets, dataset, notes)``: the model built on ``device`` from its config."""
@@ -281,12 +298,14 @@ def paper_runner(base, model: str):
 
 
 def fit(module, dataset, steps: int, device) -> None:
-    """``steps`` steps of ``module`` through a fresh Trainer over the library's full-batch sampler."""
+    """``steps`` steps of ``module`` through a fresh Trainer over the library's full-batch sampler, the batch
+    handed over from host memory (:meth:`Batch.on_host`)."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
     from lit_zodp.privacy import FullBatchSampler
 
+    dataset = dataset.on_host()
     loader = DataLoader(dataset, batch_sampler=FullBatchSampler(len(dataset), steps_per_epoch=steps),
                         collate_fn=lambda batch: batch)
     trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_steps=steps,

@@ -604,11 +604,11 @@ def test_on_an_accelerator_a_waiting_padding_check_takes_the_hosts_answer_for_th
     def on_device(inputs):
         return {key: value.to("meta") for key, value in inputs.items()}
 
-    module.note_host_padding((full, targets))
+    module._note_host_padding((full, targets))
     assert len(module._rows_shorter_than_the_batch(on_device(full))) == 0
     with pytest.raises(NotImplementedError):  # another shape: asked on the device
         module._rows_shorter_than_the_batch(on_device({k: v[:2] for k, v in full.items()}))
-    module.note_host_padding((padded, targets))
+    module._note_host_padding((padded, targets))
     with pytest.raises(NotImplementedError):
         module._rows_shorter_than_the_batch(on_device(padded))
     assert module._rows_shorter_than_the_batch(padded).tolist() == [1, 2]  # on the CPU, as it is

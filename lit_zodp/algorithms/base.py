@@ -374,10 +374,10 @@ class AlgorithmModule(pl.LightningModule):
         steps) the step asks the device."""
         self._host_shorter_rows.clear()
         if "padding" in self._pending_checks and self.device.type != "cpu" and self.trainer.training:
-            self.note_host_padding(self.split_batch(batch)[0])
+            self._note_host_padding(self.split_batch(batch)[0])
         return batch
 
-    def note_host_padding(self, private) -> None:
+    def _note_host_padding(self, private) -> None:
         """Record whether the host batch ``private`` (``(inputs, targets)``) has a row shorter than its longest."""
         inputs = private[0] if isinstance(private, (tuple, list)) and len(private) == 2 else None
         mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None

@@ -27,9 +27,11 @@ How ``g_{i,p}`` is obtained, per batch and parameter:
    :mod:`.coverage`). A parameter that fails (e.g. a weight also used through ``F.linear``) is
    recomputed as in 3 on the engine's module; failing again raises.
 
-Modes: ``"hooks"`` materialises every ``g_{i,p}``. ``"ghost"`` and ``"bookkeeping"`` leave the
-gradients of single-use layers implicit and take their norms with the ghost norm (Li et al. 2022;
-Bu et al. 2022 mixed); they differ in how the clipped sums of those layers are formed:
+Modes: ``"hooks"`` materialises every ``g_{i,p}``, each layer's as its output gradient arrives in the
+backward, which then drops that gradient and the layer's input (as Opacus' grad samplers). ``"ghost"``
+and ``"bookkeeping"`` leave the gradients of single-use layers implicit and take their norms with the
+ghost norm (Li et al. 2022; Bu et al. 2022 mixed); they differ in how the clipped sums of those layers
+are formed:
 
 * ``"ghost"`` (ghost clipping, Li et al. 2022 Sec. 4; Opacus' fast gradient clipping): the norms
   are taken inside the backward as each output gradient arrives, which is then dropped; a second
