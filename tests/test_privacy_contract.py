@@ -9,6 +9,7 @@ parametrized over the same registry.
 import math
 import pickle
 import warnings
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -590,28 +591,51 @@ def test_the_padding_check_waits_for_a_padded_batch_and_costs_no_forward_before_
     assert leaky.privacy.ledger.total_count == full
 
 
+def _on_a_device_with_padding_pending(module):
+    """``module`` as in a fit's training stage on an accelerator, its padding check waiting: a meta device
+    stands for the accelerator (reading a meta tensor's values raises, as a step asking the device would)."""
+    module._device = torch.device("meta")
+    module._trainer = SimpleNamespace(training=True, datamodule=None)
+    module._pending_checks = {"padding"}
+    return module
+
+
+def _on_device(inputs):
+    return {key: value.to("meta") for key, value in inputs.items()}
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_on_an_accelerator_a_waiting_padding_check_takes_the_hosts_answer_for_the_batch(name):
     """Whether a batch has a row shorter than its longest is read on the host before the transfer (asked on the
     device, every step would wait for it, issue 8); a batch the host saw with one, or did not see (another
-    shape), is asked on the device. A meta tensor stands for the device: reading its values raises."""
-    module = build(name, TokenBag(masked=True), num_classes=2)
+    shape), is asked on the device, and so is every batch of a module that changes batches after their transfer
+    (its device batch need not be its host batch moved)."""
+    module = _on_a_device_with_padding_pending(build(name, TokenBag(masked=True), num_classes=2))
     ids, targets = torch.ones(3, 5, dtype=torch.long), torch.zeros(3, dtype=torch.long)
     full = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     padded["attention_mask"][1:, 4] = 0  # rows 1 and 2 are shorter than row 0
 
-    def on_device(inputs):
-        return {key: value.to("meta") for key, value in inputs.items()}
-
-    module._note_host_padding((full, targets))
-    assert len(module._rows_shorter_than_the_batch(on_device(full))) == 0
+    module.on_before_batch_transfer((full, targets), 0)
+    assert len(module._rows_shorter_than_the_batch(_on_device(full))) == 0
     with pytest.raises(NotImplementedError):  # another shape: asked on the device
-        module._rows_shorter_than_the_batch(on_device({k: v[:2] for k, v in full.items()}))
-    module._note_host_padding((padded, targets))
+        module._rows_shorter_than_the_batch(_on_device({k: v[:2] for k, v in full.items()}))
+    module.on_before_batch_transfer((padded, targets), 0)
     with pytest.raises(NotImplementedError):
-        module._rows_shorter_than_the_batch(on_device(padded))
+        module._rows_shorter_than_the_batch(_on_device(padded))
     assert module._rows_shorter_than_the_batch(padded).tolist() == [1, 2]  # on the CPU, as it is
+
+    class ChangesBatchesOnTheDevice(ALGORITHMS[name]):
+        abstract = True
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            return batch
+
+    changing = _on_a_device_with_padding_pending(build(name, TokenBag(masked=True), num_classes=2,
+                                                       cls=ChangesBatchesOnTheDevice))
+    changing.on_before_batch_transfer((full, targets), 0)
+    with pytest.raises(NotImplementedError):
+        changing._rows_shorter_than_the_batch(_on_device(full))
 
 
 @pytest.mark.parametrize("name", sorted(n for n in PRIVATE if issubclass(ALGORITHMS[n], ZerothOrderModule)))

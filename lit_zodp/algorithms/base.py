@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable
+from lightning.pytorch.core.hooks import DataHooks
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
@@ -38,6 +39,13 @@ from lit_zodp.privacy.sampling import SamplingDescription
 
 #: Every concrete algorithm, by class name (filled by ``AlgorithmModule.__init_subclass__``).
 ALGORITHMS: dict[str, type["AlgorithmModule"]] = {}
+
+
+def _moved_as_it_is(holder: Any) -> bool:
+    """Whether ``holder`` (a module, a DataModule or ``None``) keeps Lightning's own ``transfer_batch_to_device``
+    and ``on_after_batch_transfer``: its device batch is then its host batch moved, value for value."""
+    return holder is None or all(getattr(getattr(holder, name), "__func__", None) is getattr(DataHooks, name)
+                                 for name in ("transfer_batch_to_device", "on_after_batch_transfer"))
 
 
 class AlgorithmModule(pl.LightningModule):
@@ -370,10 +378,12 @@ class AlgorithmModule(pl.LightningModule):
         """While a padding check waits for a batch with a row shorter than its longest and the fit runs on an
         accelerator, whether the training batch has one is read here, on the host: asked on the device, every step
         would wait for the device (issue 8), until such a batch comes (text of full-length rows: never). Each
-        batch's transfer replaces the answer; without this hook (a DataModule's own, ``dataloader_iter``
-        steps) the step asks the device."""
+        batch's transfer replaces the answer. The step asks the device where the device batch may not be the host
+        batch moved (an own ``transfer_batch_to_device`` or ``on_after_batch_transfer``, here or in the
+        DataModule) and where this hook is not called (a DataModule's own, ``dataloader_iter`` steps)."""
         self._host_shorter_rows.clear()
-        if "padding" in self._pending_checks and self.device.type != "cpu" and self.trainer.training:
+        if ("padding" in self._pending_checks and self.device.type != "cpu" and self.trainer.training
+                and _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)):
             self._note_host_padding(self.split_batch(batch)[0])
         return batch
 
