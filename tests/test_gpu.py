@@ -118,7 +118,8 @@ def test_while_the_padding_check_waits_a_zeroth_order_step_on_text_never_waits_f
     assert trainer.global_step == full + 2 and "padding" not in module._pending_checks
     leaky = ALGORITHMS[name](TokenBag(masked=False), num_classes=2, **kwargs)
     with pytest.raises(PrivacyConfigError, match="change with the padding of their batch"):
-        quiet_trainer(max_steps=full + 2, accelerator="gpu", devices=1).fit(leaky, token_loader(full_length_batches=full))
+        trainer = quiet_trainer(max_steps=full + 2, accelerator="gpu", devices=1)
+        trainer.fit(leaky, token_loader(full_length_batches=full))
     assert leaky.privacy.ledger.total_count == full
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -140,7 +140,7 @@ class AlgorithmModule(pl.LightningModule):
             backbone.row_shapes = True
         self._buffers_before: Optional[BufferState] = None
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
-        self._host_shorter_rows: dict[tuple, bool] = {}  # the training batch's mask shape: a row shorter, seen on the host
+        self._host_shorter_rows: dict[tuple, bool] = {}  # mask shape: a row shorter (the host's answer, this batch)
         self.recheck_probability = recheck_probability  # (makes its recheck_clock)
         self._recheck_pending = False  # a step drawn for a re-check, until a batch of it could compare
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
