@@ -616,11 +616,11 @@ def test_on_an_accelerator_a_waiting_padding_check_takes_the_hosts_answer_for_th
     padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     padded["attention_mask"][1:, 4] = 0  # rows 1 and 2 are shorter than row 0
 
-    module.on_before_batch_transfer((full, targets), 0)
+    module._note_host_batch((full, targets))
     assert len(module._rows_shorter_than_the_batch(_on_device(full))) == 0
     with pytest.raises(NotImplementedError):  # another shape: asked on the device
         module._rows_shorter_than_the_batch(_on_device({k: v[:2] for k, v in full.items()}))
-    module.on_before_batch_transfer((padded, targets), 0)
+    module._note_host_batch((padded, targets))
     with pytest.raises(NotImplementedError):
         module._rows_shorter_than_the_batch(_on_device(padded))
     assert module._rows_shorter_than_the_batch(padded).tolist() == [1, 2]  # on the CPU, as it is
@@ -633,9 +633,27 @@ def test_on_an_accelerator_a_waiting_padding_check_takes_the_hosts_answer_for_th
 
     changing = _on_a_device_with_padding_pending(build(name, TokenBag(masked=True), num_classes=2,
                                                        cls=ChangesBatchesOnTheDevice))
-    changing.on_before_batch_transfer((full, targets), 0)
+    changing._note_host_batch((full, targets))
     with pytest.raises(NotImplementedError):
         changing._rows_shorter_than_the_batch(_on_device(full))
+
+
+class _BlobsData(pl.LightningDataModule):
+    def train_dataloader(self):
+        return poisson_loader(blobs(), 0.25)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_each_host_batch_is_seen_before_its_transfer_without_a_warning_beside_a_datamodule(name):
+    """The host's answer is read in Lightning's step before each transfer, after the ``on_before_batch_transfer``
+    hooks: overriding that public hook makes Lightning warn on every fit given a DataModule."""
+    module, seen = build(name), []
+    module._note_host_batch = seen.append
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(max_steps=3).fit(module, datamodule=_BlobsData())
+    assert len(seen) == 3 and all(len(batch[1]) == len(batch[0]) for batch in seen)
+    assert not [w for w in caught if "overridden" in str(w.message)]
 
 
 @pytest.mark.parametrize("name", sorted(n for n in PRIVATE if issubclass(ALGORITHMS[n], ZerothOrderModule)))

@@ -374,18 +374,25 @@ class AlgorithmModule(pl.LightningModule):
             return torch.zeros(0, dtype=torch.long, device=mask.device)  # (the host saw none: no wait for the device)
         return torch.nonzero(used_lengths(mask) < mask.shape[-1]).flatten()
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+    def _on_before_batch_transfer(self, batch: Any, dataloader_idx: int = 0) -> Any:
+        """Lightning's step before each transfer, after the ``on_before_batch_transfer`` hooks (overridden here
+        rather than that public hook, which Lightning warns about whenever a DataModule is passed): the host
+        batch about to be moved, for :meth:`_note_host_batch`."""
+        batch = super()._on_before_batch_transfer(batch, dataloader_idx)
+        self._note_host_batch(batch)
+        return batch
+
+    def _note_host_batch(self, batch: Any) -> None:
         """While a padding check waits for a batch with a row shorter than its longest and the fit runs on an
         accelerator, whether the training batch has one is read here, on the host: asked on the device, every step
         would wait for the device (issue 8), until such a batch comes (text of full-length rows: never). Each
         batch's transfer replaces the answer. The step asks the device where the device batch may not be the host
         batch moved (an own ``transfer_batch_to_device`` or ``on_after_batch_transfer``, here or in the
-        DataModule) and where this hook is not called (a DataModule's own, ``dataloader_iter`` steps)."""
+        DataModule) and where no host batch was seen (``dataloader_iter`` steps)."""
         self._host_shorter_rows.clear()
-        if ("padding" in self._pending_checks and self.device.type != "cpu" and self.trainer.training
-                and _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)):
+        if ("padding" in self._pending_checks and self.device.type != "cpu" and self._trainer is not None
+                and self.trainer.training and _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)):
             self._note_host_padding(self.split_batch(batch)[0])
-        return batch
 
     def _note_host_padding(self, private) -> None:
         """Record whether the host batch ``private`` (``(inputs, targets)``) has a row shorter than its longest."""
