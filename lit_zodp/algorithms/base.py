@@ -390,12 +390,10 @@ class AlgorithmModule(pl.LightningModule):
         batch moved (an own ``transfer_batch_to_device`` or ``on_after_batch_transfer``, here or in the
         DataModule) and where no host batch was seen (``dataloader_iter`` steps)."""
         self._host_shorter_rows.clear()
-        if ("padding" in self._pending_checks and self.device.type != "cpu" and self._trainer is not None
+        if not ("padding" in self._pending_checks and self.device.type != "cpu" and self._trainer is not None
                 and self.trainer.training and _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)):
-            self._note_host_padding(self.split_batch(batch)[0])
-
-    def _note_host_padding(self, private) -> None:
-        """Record whether the host batch ``private`` (``(inputs, targets)``) has a row shorter than its longest."""
+            return
+        private = self.split_batch(batch)[0]
         inputs = private[0] if isinstance(private, (tuple, list)) and len(private) == 2 else None
         mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
         if isinstance(mask, Tensor) and mask.device.type == "cpu":
