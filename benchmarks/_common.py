@@ -52,6 +52,26 @@ def setup_worker(threads: int, chunk_numel: int | None = None) -> None:
         directions.DEFAULT_CHUNK = directions.DEFAULT_ACCELERATOR_CHUNK = chunk_numel
 
 
+def full_batch_fit(module, dataset, steps: int, device, collate_fn=None) -> None:
+    """``steps`` steps of ``module`` through a fresh Trainer whose every batch is the whole ``dataset``.
+
+    The loader is the library's full-batch sampler, so every step (and every method) sees exactly the
+    same examples as the forward and peer baselines it is timed against. Lightning's teardown moves the
+    module to the CPU after ``fit``: a caller timing on ``device`` afterwards moves it back.
+    """
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lit_zodp.privacy import FullBatchSampler
+
+    loader = DataLoader(dataset, batch_sampler=FullBatchSampler(len(dataset), steps_per_epoch=steps),
+                        collate_fn=collate_fn)
+    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_steps=steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module, loader)
+
+
 def resolve_device(name: str):
     """``torch.device(name)``; ``"auto"`` is CUDA when available, else the CPU."""
     import torch

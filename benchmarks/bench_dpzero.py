@@ -41,8 +41,8 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from _common import (add_worker_options, apply_quick_defaults, command_line, finish_meta, fmt,  # noqa: E402
-                     load_and_total, machine_info, median_of, mem_available, probe_call, probe_timed,
-                     proc_status, ratio_of, reset_peak_rss, resolve_device, results_stem, rss_result,
+                     full_batch_fit, load_and_total, machine_info, median_of, mem_available, probe_call,
+                     probe_timed, proc_status, ratio_of, reset_peak_rss, resolve_device, results_stem, rss_result,
                      run_worker_process, setup_worker, wall_times, worker_env, write_results)
 
 MODELS = ("vit_tiny", "minilm")
@@ -129,24 +129,9 @@ def make_dpzero(backbone):
 
 
 def dpzero_fit(module, dataset, steps: int, device) -> None:
-    """``steps`` DPZero steps through a fresh Trainer; the batch is the whole ``dataset``.
-
-    The loader is the library's full-batch sampler over the fixed batch, so every step sees exactly
-    the same examples as the forward and Opacus baselines. Lightning's teardown moves the module back
-    to the CPU after ``fit``: it is moved back to ``device`` for the timings that follow.
-    """
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
-    from lit_zodp.privacy import FullBatchSampler
-
-    sampler = FullBatchSampler(len(dataset), steps_per_epoch=steps)
-    loader = DataLoader(dataset, batch_sampler=sampler)
-    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                         max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0)
-    trainer.fit(module, loader)
+    """``steps`` DPZero steps through a fresh Trainer over the whole ``dataset``
+    (:func:`_common.full_batch_fit`); the module is moved back to ``device`` for the timings that follow."""
+    full_batch_fit(module, dataset, steps, device)
     module.to(device)
 
 

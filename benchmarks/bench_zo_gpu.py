@@ -73,7 +73,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import bench_dpzero as bd  # noqa: E402  (light at import: heavy imports happen in its functions)
-from _common import (ROOT, announce_written, command_line, cuda_available, exit_message,  # noqa: E402
+from _common import (ROOT, announce_written, command_line, cuda_available, exit_message, full_batch_fit,  # noqa: E402
                      finish_meta, fmt, machine_info, make_nonprivate_step, median_of, parse_tiles, pop_json,
                      proc_status, ratio_of, read_peak, reset_peak, resolve_device, results_stem, setup_worker,
                      sync, temp_result_file, wall_times, worker_env, write_results)
@@ -298,20 +298,13 @@ def paper_runner(base, model: str):
 
 
 def fit(module, dataset, steps: int, device) -> None:
-    """``steps`` steps of ``module`` through a fresh Trainer over the library's full-batch sampler, the batch
-    handed over from host memory (:meth:`Batch.on_host`)."""
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
+    """``steps`` steps of ``module`` through a fresh Trainer over the whole batch
+    (:func:`_common.full_batch_fit`), handed over from host memory (:meth:`Batch.on_host`)."""
+    full_batch_fit(module, dataset.on_host(), steps, device, collate_fn=_as_it_is)
 
-    from lit_zodp.privacy import FullBatchSampler
 
-    dataset = dataset.on_host()
-    loader = DataLoader(dataset, batch_sampler=FullBatchSampler(len(dataset), steps_per_epoch=steps),
-                        collate_fn=lambda batch: batch)
-    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_steps=steps,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
-    trainer.fit(module, loader)
+def _as_it_is(batch):
+    return batch  # Batch.__getitems__ returns the collated batch
 
 
 def prepare_first_order(backbone):
