@@ -759,6 +759,56 @@ def test_private_forwards_run_in_eval_mode_whatever_a_subclass_hook_does(name):
     assert modes and not any(modes)
 
 
+class _RecordedDropout(nn.Module):
+    """Dropout with p = 1/2 that keeps the masks it draws (a check's recomputation draws at the mean: not kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks = []
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        keep = torch.bernoulli(torch.full_like(x, 0.5))
+        if not bool((keep == 0.5).all()):
+            self.masks.append(keep.detach().clone())
+        return x * keep * 2
+
+
+class _SeededStreams(Callback):
+    """Whether each training step left torch's CPU stream (which ``seed_everything`` sets) where it found it."""
+
+    def __init__(self):
+        self.unchanged = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.before = torch.get_rng_state()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.unchanged.append(torch.equal(self.before, torch.get_rng_state()))
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_private_step_draws_nothing_from_the_seeded_streams_and_its_dropout_masks_are_secret(name):
+    """The attacker knows the run seed, so torch's default streams are public: dropout drawn from them in a private
+    forward gives row ``p`` the ``p``-th mask whoever sits there, and one added example moves every later row's term
+    (audit, 2026-11-28: 31 C with full-batch sampling). Each private step leaves the streams where they were, and two
+    fits from one seed on the same batches draw different masks."""
+    def run():
+        pl.seed_everything(0)
+        dropout = _RecordedDropout()
+        backbone = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), dropout, nn.Linear(16, 3))
+        streams = _SeededStreams()
+        fit(build(name, backbone), full_batch_loader(blobs(n=32), 3), 3, [streams])
+        return dropout.masks, streams.unchanged
+
+    masks, unchanged = run()
+    again, _ = run()
+    assert unchanged == [True] * 3
+    assert len(masks) == len(again) and not any(torch.equal(a, b) for a, b in zip(masks, again))
+    assert bool(masks) == (not issubclass(ALGORITHMS[name], ZerothOrderModule))  # zeroth order: eval mode, no masks
+
+
 @pytest.mark.parametrize("name", sorted(set(EVERY) - set(PRIVATE)))
 def test_a_non_private_module_refuses_privacy_settings_it_would_ignore(name):
     with pytest.raises(PrivacyConfigError, match="not private"):

@@ -28,6 +28,7 @@ from lit_zodp.per_example import ClippedSum, PerExampleGradientEngine
 from lit_zodp.per_example.engine import sum_dtype
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
 from lit_zodp.privacy.fixed_shape import split_rows
+from lit_zodp.privacy.training_randomness import secret_training_randomness
 
 GRADIENT = "gradient"
 GRAD_MODES = ("hooks", "ghost", "bookkeeping", "vmap")
@@ -101,7 +102,14 @@ class FirstOrderModule(AlgorithmModule):
         with self._no_ddp_grad_sync(), torch.enable_grad():
             if math.isinf(self.clip) and not self.privacy.is_private:
                 return self._batch_gradient(loss_fns)
-            return self.engine.clipped_sum_microbatched(loss_fns, self.clip)
+            with self._training_randomness():
+                return self.engine.clipped_sum_microbatched(loss_fns, self.clip)
+
+    def _training_randomness(self):
+        """A private module's forward and backward draw dropout (any training-mode randomness) from secret states,
+        never from torch's public streams, which the run seed fixes and which would give row ``p`` the ``p``-th
+        mask whoever sits there (:mod:`lit_zodp.privacy.training_randomness`)."""
+        return secret_training_randomness(self.device) if self.private else contextlib.nullcontext()
 
     def _batch_gradient(self, loss_fns: list) -> ClippedSum:
         """Without clipping and noise (the non-private twins' default, or a private module's sigma = 0,

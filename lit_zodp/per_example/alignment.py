@@ -40,7 +40,6 @@ on nor advances the user's seeded random streams.
 from __future__ import annotations
 
 import math
-import secrets
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -48,6 +47,7 @@ from torch import Tensor
 
 from lit_zodp.per_example.rounding import working_eps
 from lit_zodp.per_example.tape import Tape
+from lit_zodp.privacy.training_randomness import secret_cpu_generator
 
 #: ``("layer" | "module", position in the tape's calls of that kind)``
 CallKey = Tuple[str, int]
@@ -134,7 +134,7 @@ def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey]) 
     edges = [e for kind, position in keys.values() for e in calls[kind][position].output_edges()]
     ok = torch.isfinite(losses.detach())
     zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
-    generator = torch.Generator().manual_seed(secrets.randbits(63))
+    generator = secret_cpu_generator()
     weights = _random_weights(losses, generator)
     seed = int(torch.randint(0, 2**62, (1,), generator=generator))
     unit, weighted = _RowSummaries(keys, seed), _RowSummaries(keys, seed, norms=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import secrets
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, Optional
@@ -17,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_zodp.errors import LitZodpWarning, raise_if_any
 from lit_zodp.per_example.rounding import working_eps
+from lit_zodp.privacy.training_randomness import secret_cpu_generator, secret_cpu_state, secret_cuda_state
 
 #: Default ``recheck_probability`` (the engine's and every module's): one step in 100 re-runs the
 #: batch-independence check (one forward in two halves, two with ``keep_call_shape``; a model with dropout
@@ -277,7 +277,7 @@ def check_losses(losses: Any) -> None:
 def random_halves(size: int) -> tuple[Tensor, Tensor]:
     """Two random halves of ``range(size)``, from a generator seeded by the OS: the split neither depends
     on nor advances the user's seeded streams, and a model cannot predict it."""
-    generator = torch.Generator().manual_seed(secrets.randbits(63))
+    generator = secret_cpu_generator()
     order = torch.randperm(size, generator=generator)
     return order[: size // 2], order[size // 2:]
 
@@ -448,12 +448,13 @@ def nothing_saved_for_backward():
 
 
 def _reseed(devices: list) -> None:
-    """Fresh seeds (from the OS) for the CPU generator and those CUDA devices' (their streams are restored after)."""
-    torch.random.default_generator.manual_seed(secrets.randbits(63))
+    """Fresh secret states (from the OS) for the CPU generator and those CUDA devices' (their streams are restored
+    after): a check's recomputation of private examples draws nothing the run seed would let an attacker replay."""
+    torch.random.default_generator.set_state(secret_cpu_state())
     for device in devices:
         index = device if isinstance(device, int) else torch.device(device).index
-        torch.cuda.default_generators[torch.cuda.current_device() if index is None else index].manual_seed(
-            secrets.randbits(63))
+        torch.cuda.default_generators[torch.cuda.current_device() if index is None else index].set_state(
+            secret_cuda_state())
 
 
 def warn_unchecked_training_mode(what: str) -> None:

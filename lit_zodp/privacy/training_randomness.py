@@ -1,0 +1,114 @@
+"""Secret training-mode randomness for private forwards (dropout, drop-path, any draw from torch's generators).
+
+A private first-order step runs its forward and backward in training mode, where dropout and drop-path draw
+from torch's default generators. Those streams are public: ``seed_everything`` (every shipped config) fixes
+them, and the attacker knows the run seed. Row ``p`` of a batch gets the ``p``-th block of the stream, so
+adding one example shifts the masks of every row after it, and the released sum moves by far more than the
+clip ``C`` (a privacy audit measured 31 C with full-batch sampling, 1.6-1.9 C on random batches).
+
+The coupling argument behind sensitivity ``C`` holds when each example's randomness is independent of the
+others' and of everything the attacker knows: then the examples common to two neighbouring batches can be
+given the same masks, and only the added example's clipped term differs. :func:`secret_training_randomness`
+provides it: inside, torch's CPU generator and the step's CUDA generator hold fresh states from the OS, and
+outside, their public streams continue exactly where they were (a private step draws nothing from them,
+whatever the private batch size).
+
+State sizes: the CPU generator (MT19937) holds 624 32-bit words, all filled from ``os.urandom``
+(``manual_seed`` keeps 32 bits of a seed: a searchable space). A CUDA generator holds a 64-bit Philox key
+and a 64-bit counter offset that torch requires to be a multiple of 4: 126 bits from the OS, the most its
+state can hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+#: MT19937 state words, and the byte layout of torch's CPU generator state (``CPUGeneratorImplState``):
+#: ``(initial seed u64, left i32, seeded i32, next u64)``, then the words as ``u64``, then the normal caches.
+MT_WORDS = 624
+_HEADER = struct.Struct("<QiiQ")
+_WORDS_AT = _HEADER.size
+_CPU_STATE_BYTES = 5056
+#: Secret bits a CUDA generator state takes: a 64-bit key and an offset that is a multiple of 4.
+CUDA_SECRET_BITS = 126
+
+_template: Optional[torch.Tensor] = None
+
+
+class GeneratorLayoutError(RuntimeError):
+    """torch's CPU generator state is not laid out as this module writes it (a torch change)."""
+
+
+def _clean_template() -> torch.Tensor:
+    """A fresh CPU generator's state (its normal caches empty), checked once to have the layout written here."""
+    global _template
+    if _template is None:
+        state = torch.Generator().get_state()
+        seed, left, seeded, _ = _HEADER.unpack_from(state.numpy().tobytes(), 0)
+        if state.numel() != _CPU_STATE_BYTES or seeded != 1 or not 1 <= left <= MT_WORDS:
+            raise GeneratorLayoutError(
+                f"torch {torch.__version__}'s CPU generator state ({state.numel()} bytes) is not the layout "
+                "lit_zodp fills with secret words; private training-mode randomness cannot be keyed")
+        _template = state
+    return _template
+
+
+def secret_cpu_state() -> torch.Tensor:
+    """A CPU generator state whose 624 MT19937 words all come from ``os.urandom`` (19968 bits), positioned to
+    regenerate its block before the first draw, with no cached normal value."""
+    state = _clean_template().clone()
+    raw = state.numpy()
+    words = np.frombuffer(os.urandom(4 * MT_WORDS), dtype="<u4").astype("<u8")
+    raw[_WORDS_AT:_WORDS_AT + 8 * MT_WORDS] = words.view(np.uint8)
+    _HEADER.pack_into(raw, 0, 0, 1, 1, 0)  # left = 1, next = 0: the first draw twists the secret words
+    return state
+
+
+def secret_cpu_generator() -> torch.Generator:
+    """A CPU ``torch.Generator`` in a :func:`secret_cpu_state`: draws that neither depend on nor advance the
+    user's seeded streams, and that no seed search predicts."""
+    generator = torch.Generator()
+    generator.set_state(secret_cpu_state())
+    return generator
+
+
+def secret_cuda_state() -> torch.Tensor:
+    """A CUDA generator state ``(Philox key, offset)`` of :data:`CUDA_SECRET_BITS` bits from ``os.urandom``."""
+    key, offset = struct.unpack("<QQ", os.urandom(16))
+    return torch.tensor(np.array([key, offset & ~3], dtype="<u8").view("<i8")).view(torch.uint8)
+
+
+def _cuda_index(device: torch.device) -> Optional[int]:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+@contextlib.contextmanager
+def secret_training_randomness(device: torch.device) -> Iterator[None]:
+    """Run the enclosed private forward and backward with secret training-mode randomness (module docstring):
+    torch's CPU generator (and ``device``'s, on CUDA) keyed from the OS inside, their public streams restored
+    after. Activation checkpointing stashes and restores the state it sees, so a recomputation inside draws
+    the same secret masks as its forward."""
+    index = _cuda_index(torch.device(device))
+    cpu_before = torch.random.default_generator.get_state()
+    cuda_before = torch.cuda.default_generators[index].get_state() if index is not None else None
+    try:
+        torch.random.default_generator.set_state(secret_cpu_state())
+        if index is not None:
+            torch.cuda.default_generators[index].set_state(secret_cuda_state())
+        yield
+    finally:
+        torch.random.default_generator.set_state(cpu_before)
+        if index is not None:
+            torch.cuda.default_generators[index].set_state(cuda_before)
+
+
+__all__ = ["CUDA_SECRET_BITS", "GeneratorLayoutError", "MT_WORDS", "secret_cpu_generator", "secret_cpu_state",
+           "secret_cuda_state", "secret_training_randomness"]
