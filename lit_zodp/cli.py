@@ -239,11 +239,13 @@ def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: fl
 
 
 def _epsilon_field(privacy) -> str:
-    """``1.234``; ``1.234(poisson-assumed)`` for ``sampling: shuffle`` (accounted as Poisson: no guarantee)."""
+    """``1.234``; ``1.234(poisson-assumed)`` for ``sampling: shuffle`` (accounted as Poisson: no guarantee);
+    ``1.234(test-seeded)`` where ``noise_seed`` makes the noise reproducible."""
     if not getattr(privacy, "private", False):
         return "non-private"
     text = epsilon_text(privacy.epsilon(), ".3f")
-    return f"{text}(poisson-assumed)" if getattr(privacy, "poisson_assumed", False) else text
+    text = f"{text}(poisson-assumed)" if getattr(privacy, "poisson_assumed", False) else text
+    return f"{text}(test-seeded)" if getattr(privacy, "test_seeded", False) else text
 
 
 def build_cli(args=None) -> LitZODPCLI:

@@ -438,6 +438,8 @@ def test_testing_a_checkpoint_reports_its_steps_and_a_stray_file_is_one_line(tmp
      "upper bound ASSUMING POISSON SAMPLING, which shuffled batches do not satisfy: not a guarantee"),
     (["--model.init_args.target_epsilon", "null", "--model.init_args.noise_multiplier", "0"], "epsilon=inf ",
      "Privacy spent: not private: epsilon = inf after 3 steps"),
+    (["--model.init_args.noise_seed", "5"], r"epsilon=\d+\.\d{3}\(test-seeded\) ",
+     "the noise is REPRODUCIBLE from `noise_seed` (tests only): not a guarantee"),
 ])
 def test_the_result_line_and_summary_say_when_epsilon_is_no_guarantee(arguments, epsilon, spent, tmp_path,
                                                                        monkeypatch, caplog):

@@ -366,6 +366,32 @@ def test_checkpoints_hold_no_secret_and_two_continuations_draw_fresh_noise(name,
 
 
 @pytest.mark.parametrize("name", PRIVATE)
+def test_a_test_seed_is_kept_out_of_checkpoints_and_its_continuation_draws_other_noise(name, tmp_path, monkeypatch):
+    """Audit, 2026-11-28: ``noise_seed`` sat in the checkpoint's hparams, a CLI resume configured with ``noise_seed:
+    null`` kept it, and the resumed fit repeated the first fit's noise draw for draw (a continuation's release minus
+    the first fit's at the same step: a noise-free difference of private sums)."""
+    keys = []
+    original = NoiseSource._fresh_secret
+
+    def recorded(self, bits):
+        keys[-1].append(original(self, bits))
+        return keys[-1][-1]
+
+    monkeypatch.setattr(NoiseSource, "_fresh_secret", recorded)  # every noise draw is keyed here
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    keys.append([])
+    fit(build(name, noise_seed=5), poisson_loader(blobs(), 0.25, seed=1), 3, [checkpoint], enable_checkpointing=True)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert "noise_seed" not in saved["hyper_parameters"]
+    assert type(build(name)).load_from_checkpoint(tmp_path / "last.ckpt", backbone=mlp(seed=1)).privacy.noise_seed is None
+    keys.append([])
+    quiet_trainer(max_steps=6).fit(build(name, noise_seed=5), poisson_loader(blobs(), 0.25, seed=1),
+                                   ckpt_path=tmp_path / "last.ckpt")
+    first, continued = keys
+    assert first and continued and not set(first) & set(continued)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
 def test_a_module_pickled_after_its_fit_holds_no_noise_key(name):
     """Audit 4: the noise source outlived the fit, so ``torch.save(module)`` gave away every draw."""
     module = build(name, noise_seed=None)
@@ -499,6 +525,48 @@ class _InputAverage(nn.Module):
 def test_a_layer_writing_a_buffer_in_the_private_forward_is_refused_in_one_line(name):
     """The buffer would keep an un-noised average of private examples in every checkpoint (audit 4)."""
     refused_before_a_step(name, _InputAverage(), "`0` \\(_InputAverage\\) wrote `average` in the private forward")
+
+
+class _ParameterAverage(nn.Module):
+    """Keeps a running average of its inputs in a frozen parameter, written in place in every mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.average = nn.Parameter(torch.zeros(10), requires_grad=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(0.1 * x.mean(0))
+        return x
+
+
+class _RenormalisingScale(nn.Module):
+    """A trainable scale renormalised in place by each forward, as ``F.embedding(max_norm=...)`` does to its rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((10,), 3.0))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.div_(self.scale.norm().clamp_min(1.0))
+        return x * self.scale
+
+
+@pytest.mark.parametrize("layer", [_ParameterAverage, _RenormalisingScale])
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_layer_writing_a_parameter_in_the_private_forward_is_refused_in_one_line(name, layer):
+    """The parameter would keep an un-noised function of private examples in every checkpoint (audit, 2026-11-28:
+    an embedding's max_norm left a row's norm at 1.00 with the one example using it, 2.54 without)."""
+    refused_before_a_step(name, layer(), f"`0` \\({layer.__name__}\\) wrote its parameter `")
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_an_embedding_with_max_norm_is_refused_at_construction_in_one_line(name):
+    backbone = nn.Sequential(nn.Embedding(20, 8, max_norm=1.0), nn.Flatten(), nn.Linear(8, 3))
+    with pytest.raises(PrivacyConfigError, match="embedding `0` sets max_norm") as info:
+        build(name, backbone)
+    assert "\n" not in str(info.value)
 
 
 class _BatchCentring(nn.Module):

@@ -29,10 +29,10 @@ from torchmetrics.classification import MulticlassAccuracy
 from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per_example_loss, predict
 from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, check_positive, check_positive_int,
                              raise_if_any)
-from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, RecheckProbability, beyond_tolerance,
-                                         buffer_state, check_recheck_probability, eval_mode, refuse_batch_mixing,
-                                         refuse_buffer_writes, rows_agree, rows_differ, step_mode_recompute,
-                                         warn_unchecked_training_mode)
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, ParameterWrites, RecheckProbability,
+                                         beyond_tolerance, buffer_state, check_recheck_probability, eval_mode,
+                                         refuse_batch_mixing, refuse_buffer_writes, renormalising_embeddings,
+                                         rows_agree, rows_differ, step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
 from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, take_rows, used_lengths
 from lit_zodp.privacy.sampling import SamplingDescription
@@ -127,8 +127,9 @@ class AlgorithmModule(pl.LightningModule):
         raise_if_any([check_positive("lr", lr), None if fixed_forward_rows is None
                       else check_positive_int("fixed_forward_rows", fixed_forward_rows),
                       _check_lengths(fixed_forward_lengths, fixed_forward_rows),
-                      check_recheck_probability(recheck_probability)])
-        self.save_hyperparameters(ignore=["backbone", "lr_scheduler"])
+                      check_recheck_probability(recheck_probability),
+                      renormalising_embeddings(backbone) if self.private else None])
+        self.save_hyperparameters(ignore=["backbone", "lr_scheduler", "noise_seed"])  # (a test seed never resumes)
         self.automatic_optimization = False
         self.backbone = backbone
         self.lr = lr
@@ -139,6 +140,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.fixed_shape is not None and isinstance(backbone, Backbone):
             backbone.row_shapes = True
         self._buffers_before: Optional[BufferState] = None
+        self._parameter_writes: Optional[ParameterWrites] = None
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
         self._host_shorter_rows: dict[tuple, bool] = {}  # mask shape: a row shorter (the host's answer, this batch)
         self.recheck_probability = recheck_probability  # (makes its recheck_clock)
@@ -232,6 +234,7 @@ class AlgorithmModule(pl.LightningModule):
             _refuse_unreachable_minimum(self.trainer, self.privacy.steps_allowed)
             self.privacy.require_attached(self.trainer.optimizers)
             self._buffers_before = buffer_state(self.backbone)
+            self._parameter_writes = ParameterWrites(self.backbone)
             self._pending_checks = set(self.independence_checks)
         self._sigma_logged = False
 
@@ -271,9 +274,12 @@ class AlgorithmModule(pl.LightningModule):
             self.backbone.eval()
         if batch_size_of(inputs) == 0:
             return torch.zeros(0, device=targets.device)
+        versions = self._parameter_writes.versions() if self._parameter_writes is not None else None
         losses = self._losses(inputs, targets)
         if self._buffers_before:  # a layer that writes a buffer even in eval mode (microseconds; none: nothing)
             refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
+        if versions is not None:  # (between the forwards the engine writes them: each forward is checked alone)
+            self._parameter_writes.refuse_since(versions)
         if self._pending_checks or self._recheck_pending:  # (most steps: no call)
             self._run_due_checks(inputs, targets, losses)
         return losses

@@ -214,6 +214,53 @@ def _written(owner: nn.Module, local: str, buffer: Tensor, version: Optional[int
     return owner._buffers.get(local) is not buffer or (version is not None and buffer._version != version)
 
 
+class ParameterWrites:
+    """Finds a private forward that writes a parameter of ``module``, trainable or frozen: an
+    ``nn.Embedding(max_norm=...)`` renormalises the rows the batch looks up, a layer keeps running statistics in a
+    frozen parameter. The parameters then hold an un-noised function of private examples, in the model and every
+    checkpoint (audit, 2026-11-28: the norm of one token's row showed whether the one example using it was in the
+    data). As :func:`refuse_buffer_writes`, the writes themselves are detected: a parameter's in-place version
+    counter or its identity moved across the forward. The slots are listed once; :meth:`versions` before each
+    forward and :meth:`refuse_since` after it cost a read per parameter (a zeroth-order step's own writes, the
+    perturbations between its forwards, fall outside). Writes through ``.data`` bypass the version counter and are
+    not seen.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.slots = [(f"{owner_name}.{local}".lstrip("."), owner, local, p)
+                      for owner_name, owner in module.named_modules() for local, p in owner._parameters.items()
+                      if p is not None]
+
+    def versions(self) -> list:
+        return [None if p.is_inference() else p._version for *_, p in self.slots]
+
+    def refuse_since(self, versions: list) -> None:
+        written = [name for (name, owner, local, p), version in zip(self.slots, versions)
+                   if owner._parameters.get(local) is not p or (version is not None and p._version != version)]
+        by_owner: dict[str, list[str]] = {}
+        for name in written:
+            owner, _, local = name.rpartition(".")
+            by_owner.setdefault(owner, []).append(f"`{local}`")
+        raise_if_any([
+            f"`{owner or '<root>'}` ({type(self.module.get_submodule(owner)).__name__}) wrote its parameter "
+            f"{', '.join(names)} in the private forward (an embedding's max_norm, statistics kept in a parameter?): "
+            "an un-noised function of private examples kept in the model, which now holds it (discard it); "
+            "use a layer that leaves its parameters alone in the forward"
+            for owner, names in by_owner.items()
+        ])
+
+
+def renormalising_embeddings(module: nn.Module) -> Optional[str]:
+    """Embeddings with ``max_norm`` rescale, in place, the rows each forward looks up (:class:`ParameterWrites`):
+    refused before a private fit starts, in one line."""
+    names = [name or "<root>" for name, m in module.named_modules()
+             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+    return names and (f"{_layers('embedding', names)} set{'s' if len(names) == 1 else ''} max_norm, which rescales "
+                      "in place the rows each private batch looks up: an un-noised trace of private examples in "
+                      "the model; set max_norm=None")
+
+
 def batch_statistics_layers(module: nn.Module) -> list[str]:
     """Qualified names of the BatchNorm layers that normalise with the batch's own statistics even in
     eval mode (``track_running_stats=False``, or running statistics removed)."""

@@ -83,8 +83,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import CallKey, _disagreeing, _RowSummaries, misaligned_calls
-from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, RecheckProbability, buffer_state, check_losses,
-                                         check_mode, check_recheck_probability, check_transform, eval_mode,
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, ParameterWrites, RecheckProbability, buffer_state,
+                                         check_losses, check_mode, check_recheck_probability, check_transform, eval_mode,
                                          flat_rows, refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes,
                                          refuse_compiled, refuse_reentrant_checkpointing, rows_agree,
                                          step_mode_recompute, warn_unchecked_training_mode)
@@ -443,10 +443,12 @@ class PerExampleGradientEngine:
         self._refuse_changed_trainables()
         uses = ParameterUses(self.params, tape.stack)
         tape.recording = True
-        buffers = buffer_state(self.module)
+        buffers, parameters = buffer_state(self.module), ParameterWrites(self.module)
+        versions = parameters.versions()
         with uses, forward_autocast(self._device_type):
             losses = loss_fn()
         refuse_buffer_writes(self.module, buffers)
+        parameters.refuse_since(versions)
         check_losses(losses)
         if losses.numel() == 0:
             return losses.detach(), _Batch()

@@ -213,7 +213,7 @@ class PrivacyComponent:
         raise_if_any([self._no_step_allowed_error()])
         self.noise = None
         if self.is_private:
-            self.noise = (NoiseSource(self.noise_seed) if self.noise_seed is not None
+            self.noise = (NoiseSource(self.noise_seed, stream=self.steps) if self.noise_seed is not None
                           else NoiseSource.from_secret(broadcast(secret_seed())))
         self._in_fit = True  # sigma, C and the neighbours are this fit's until end_fit
 
@@ -530,6 +530,11 @@ class PrivacyComponent:
         name = self.sampling.name if self.sampling is not None else (self._restored_plan or {}).get("sampling")
         return name == ShuffledSampling.name
 
+    @property
+    def test_seeded(self) -> bool:
+        """True when ``noise_seed`` (test only) keys the noise: anyone with the config can subtract it."""
+        return self.noise_seed is not None
+
     def epsilon(self) -> float:
         """Epsilon spent so far (PRV upper bound); 0 before any step, inf without noise."""
         if self.ledger.total_count == 0:
@@ -548,6 +553,8 @@ class PrivacyComponent:
         others = f", {self.other_branch_steps} of them in other branches of this run" if self.other_branch_steps else ""
         bound = ("upper bound ASSUMING POISSON SAMPLING, which shuffled batches do not satisfy: not a guarantee"
                  if self.poisson_assumed else "upper bound")
+        if self.test_seeded:
+            bound += "; the noise is REPRODUCIBLE from `noise_seed` (tests only): not a guarantee"
         return (f"epsilon = {epsilon} at delta = {self.delta:.3g} after {self.steps} steps{others} "
                 f"({self.ledger.accountant.upper()} accountant, {bound}; sigma = {self.noise_multiplier:.4g}, "
                 f"{sampling})")

@@ -119,11 +119,11 @@ class NoiseSource:
     resumed run draws from a fresh secret.
     """
 
-    def __init__(self, seed: Optional[int] = None) -> None:
+    def __init__(self, seed: Optional[int] = None, *, stream: int = 0) -> None:
         self.seeded_by_user = seed is not None
         if self.seeded_by_user:
             warn_test_seed("noise_seed", "DP noise")
-        self._key_with(secret_seed() if seed is None else int(seed))
+        self._key_with(secret_seed() if seed is None else int(seed), stream)
 
     @classmethod
     def from_secret(cls, secret: int) -> "NoiseSource":
@@ -133,10 +133,12 @@ class NoiseSource:
         source._key_with(secret)
         return source
 
-    def _key_with(self, secret: int) -> None:
+    def _key_with(self, secret: int, stream: int = 0) -> None:
         """Every draw is keyed by keyed-BLAKE2b(secret, counter): the same keys on every rank sharing the
-        secret, and no key can be computed from the noise another key produced."""
-        self._key = hashlib.blake2b(str(int(secret)).encode(), digest_size=SECRET_BITS // 8).digest()
+        secret, and no key can be computed from the noise another key produced. A test seed's ``stream``
+        (a continuation's steps so far) gives each continuation of a test-seeded run its own draws."""
+        text = str(int(secret)) if stream == 0 else f"{int(secret)}/{int(stream)}"
+        self._key = hashlib.blake2b(text.encode(), digest_size=SECRET_BITS // 8).digest()
         self._counter = 0
         self._forks = _FORKS[0]
         self._pool: Optional[list] = None  # the scalar pool (secret: in memory only) and its next unused value
