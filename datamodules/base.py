@@ -32,12 +32,14 @@ share a mask (but both spend privacy: each ledger counts its own lineage only, s
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
@@ -147,6 +149,19 @@ def _boundary_at_or_below(order: list[int], groups: Optional[Sequence[Hashable]]
     while floor < cut < len(order) and groups[order[cut]] == groups[order[cut - 1]]:
         cut -= 1
     return cut
+
+
+def private_split_id(source: str, pool_size: int, private_indices: Sequence[int],
+                     ids: Optional[Sequence[Hashable]] = None) -> str:
+    """Which rows are private: a SHA-256 of the data module, the pool size and the sorted private indices (and
+    their ids where the data has them). The privacy plan keeps it, and a resume on another split is refused
+    (:meth:`~lit_zodp.privacy.PrivacyComponent.plan`): rows accounted as private could have become public or
+    validation rows, used and logged without noise (audit, 2026-11-28: another ``data_seed``, same fractions)."""
+    digest = hashlib.sha256(f"{source}|{pool_size}|".encode())
+    digest.update(np.asarray(private_indices, dtype="<i8").tobytes())
+    if ids is not None:
+        digest.update(repr([ids[i] for i in private_indices]).encode())
+    return digest.hexdigest()
 
 
 def _check_fraction(name: str, value: Any) -> Optional[str]:
@@ -367,6 +382,7 @@ class PublicPrivateDataModule(LightningDataModule):
         self.val_dataset: Optional[Dataset] = None
         self.test_dataset: Optional[Dataset] = None
         self.private_indices: list[int] = []
+        self.private_split_id: Optional[str] = None  # (see private_split_id)
         self.public_indices: list[int] = []
         self.val_indices: list[int] = []
         self._num_classes: Optional[int] = None
@@ -412,6 +428,7 @@ class PublicPrivateDataModule(LightningDataModule):
             self.val_dataset = self._eval_split(Subset(splits.train, self.val_indices))
         else:
             self.val_dataset = self._eval_split(splits.val) if splits.val is not None else self.test_dataset
+        self.private_split_id = private_split_id(type(self).__name__, pool_size, self.private_indices, splits.train_ids)
 
     def _carve(self, pool_size: int, groups: Optional[Sequence[Hashable]] = None) -> None:
         """Split pool indices into public / validation / private parts with ``data_seed``; with
@@ -722,4 +739,5 @@ __all__ = [
     "check_disjoint",
     "check_test_fraction",
     "fixed_test_split",
+    "private_split_id",
 ]

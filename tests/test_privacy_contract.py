@@ -229,6 +229,75 @@ def test_epsilon_continues_after_a_trainer_resume_and_after_load_from_checkpoint
     assert resumed.privacy.epsilon() > spent_at_4
 
 
+def _synthetic(data_seed=0, public_fraction=0.25, **extra):
+    from datamodules.synthetic import SyntheticClassificationDataModule
+
+    return SyntheticClassificationDataModule(n_samples=200, n_features=10, num_classes=3, batch_size=20,
+                                             public_fraction=public_fraction, val_fraction=0.25,
+                                             data_seed=data_seed, **extra)
+
+
+@pytest.mark.parametrize("changed", [dict(data_seed=1), dict(public_fraction=0.35)])
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_resume_on_another_private_split_is_refused_before_a_step(name, changed, tmp_path):
+    """Audit, 2026-11-28: another ``data_seed`` (same n and q) made 50 rows accounted as private public and 40 of them
+    validation rows, logged without noise, and nothing was said; a larger public fraction only said "each step is
+    accounted at its own rate". The same split resumes."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(build(name), _synthetic(), 2, [checkpoint], enable_checkpointing=True, limit_val_batches=0)
+    resumed = build(name)
+    with pytest.raises(PrivacyConfigError, match="private split is not the one the checkpoint") as info:
+        quiet_trainer(max_steps=4, limit_val_batches=0).fit(resumed, datamodule=_synthetic(**changed),
+                                                            ckpt_path=tmp_path / "last.ckpt")
+    assert "\n" not in str(info.value) and resumed.privacy.ledger.total_count == 2
+    quiet_trainer(max_steps=4, limit_val_batches=0).fit(resumed, datamodule=_synthetic(),
+                                                        ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.privacy.ledger.total_count == 4
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_noiseless_runs_checkpoint_cannot_resume_with_noise_or_show_a_finite_epsilon(name, tmp_path):
+    """Audit, 2026-11-28: a sigma = 0 ablation resumed with noise reported epsilon 2.9 over the noised steps only,
+    within a `max_epsilon` of 3, although its first 50 steps released the clipped sums themselves."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(build(name, noise_multiplier=0.0), poisson_loader(blobs(), 0.25), 3, [checkpoint], enable_checkpointing=True)
+    loaded = ALGORITHMS[name].load_from_checkpoint(tmp_path / "last.ckpt", backbone=mlp(seed=1), noise_multiplier=1.0)
+    assert loaded.privacy.epsilon() == math.inf
+    resumed = build(name)
+    with pytest.raises(PrivacyConfigError, match="already took 3 steps with `noise_multiplier`=0") as info:
+        quiet_trainer(max_steps=5).fit(resumed, poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "last.ckpt")
+    assert "\n" not in str(info.value) and resumed.privacy.ledger.total_count == 0
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_non_private_twins_checkpoint_is_refused_in_one_line(name, tmp_path):
+    """Its privacy state is empty: the resume failed with a raw ``KeyError: 'ledger'``."""
+    twin_cls = ALGORITHMS["MeZO" if issubclass(ALGORITHMS[name], ZerothOrderModule) else "SGD"]
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(twin_cls(mlp(seed=1), lr=0.05, seed=3), poisson_loader(blobs(), 0.25), 2, [checkpoint],
+        enable_checkpointing=True)
+    with pytest.raises(PrivacyConfigError, match="no privacy state") as info:
+        quiet_trainer(max_steps=4).fit(build(name), poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "last.ckpt")
+    assert "\n" not in str(info.value)
+
+
+def test_a_runs_epsilon_stays_marked_poisson_assumed_after_its_shuffled_steps(tmp_path):
+    """Audit, 2026-11-28: 40 shuffled steps resumed with Poisson sampling printed a plain ``epsilon=5.199``."""
+    from lit_zodp.callbacks.privacy import epsilon_metric
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    with pytest.warns(Warning):
+        fit(build("DPZero"), _synthetic(sampling="shuffle"), 2, [checkpoint], enable_checkpointing=True,
+            limit_val_batches=0)
+    resumed = build("DPZero")
+    quiet_trainer(max_steps=4, limit_val_batches=0).fit(resumed, datamodule=_synthetic(),
+                                                        ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.privacy.sampling.name == "poisson" and resumed.privacy.poisson_assumed
+    assert "ASSUMING POISSON SAMPLING" in resumed.privacy.summary()
+    assert epsilon_metric(resumed.privacy) == "epsilon_poisson_assumed"
+    assert resumed.privacy.state_dict()["plan"]["poisson_assumed"]
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_the_budget_stop_never_overspends(name):
     module = build(name, noise_multiplier=2.0, max_epsilon=0.5)

@@ -229,7 +229,8 @@ class AlgorithmModule(pl.LightningModule):
         self.privacy.plan(step_plan=self.step_plan(), sampling=sampling, planned_steps=planned_steps,
                           reduce_sum=self.reduce_sum if self.trainer.world_size > 1 else None,  # None: one process
                           broadcast=lambda value: self.trainer.strategy.broadcast(value, src=0),
-                          spend_log=SpendLog() if self.private and self.trainer.is_global_zero else None)
+                          spend_log=SpendLog() if self.private and self.trainer.is_global_zero else None,
+                          private_split=getattr(self.trainer.datamodule, "private_split_id", None))
         if self.private:
             _refuse_unreachable_minimum(self.trainer, self.privacy.steps_allowed)
             self.privacy.require_attached(self.trainer.optimizers)
@@ -525,11 +526,13 @@ class AlgorithmModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Trainer resumes and ``load_from_checkpoint`` alike: the ledger continues."""
-        if "privacy" in checkpoint:
+        if checkpoint.get("privacy") or "privacy" in checkpoint and not self.private:
             self.privacy.load_state_dict(checkpoint["privacy"])
         elif self.private:
-            raise PrivacyConfigError("This checkpoint has no privacy state: a private run cannot resume from it "
-                                     "without losing the privacy already spent.")
+            raise PrivacyConfigError("This checkpoint has no privacy state (a non-private run's, or from elsewhere): its "
+                                     "weights may have trained on the private data without noise, and a private run "
+                                     "cannot resume from it without losing what was spent; start a private run from "
+                                     "weights that never saw the private data.")
         self.run_seed = checkpoint.get("public_state", {}).get("run_seed", self.run_seed)
 
 

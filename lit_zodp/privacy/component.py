@@ -174,6 +174,7 @@ class PrivacyComponent:
         self.budget: Optional[float] = None
         self.steps_allowed: Optional[int] = None
         self.noiseless_steps = 0  # steps taken at sigma = 0: counted here, never in the ledger
+        self.private_split: Optional[str] = None  # which rows are private (datamodules.base.private_split_id)
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
         self._released: list[str] = []
@@ -188,23 +189,27 @@ class PrivacyComponent:
     # ------------------------------------------------------------------------------ plan
     def plan(self, *, step_plan: StepPlan, sampling: SamplingDescription, planned_steps: int,
              reduce_sum: Optional[ReduceSum] = _identity, broadcast: Callable[[Any], Any] = _identity,
-             spend_log: Optional[SpendLog] = None) -> None:
+             spend_log: Optional[SpendLog] = None, private_split: Optional[str] = None) -> None:
         """Fix sigma, delta and the budget for this fit, and draw a fresh secret noise source.
 
         ``reduce_sum``: the all-reduce SUM across DDP ranks (``None``: one process). ``broadcast`` shares
         rank 0's value (DDP); the secret noise seed is shared this way once
         per fit start, so every rank adds the same draw after the all-reduce. ``spend_log`` (rank 0's;
         ``None`` elsewhere): the other branches' releases join the ledger, and this fit's are recorded.
+        ``private_split``: which rows are private (``datamodules.base.private_split_id``; ``None``: unknown, a loader
+        of the user's); a resume on another split than the checkpoint's is refused.
         """
         self._in_fit = False  # (a fit that never reached its end_fit)
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
         self._reduce_sum = reduce_sum or _identity
         self._released, self.fit_steps = [], 0
         restored = self._restored_plan or {}
+        raise_if_any([_split_change_error(restored.get("private_split"), private_split)])
+        self.private_split = private_split if private_split is not None else restored.get("private_split")
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
-        raise_if_any([self._noiseless_budget_error()])
+        raise_if_any([self._noiseless_budget_error(), self._noiseless_past_error()])
         self._step_constants = self._make_constants()
         self._continue_lineage(spend_log, broadcast)
         self._check_single_pass()
@@ -229,6 +234,16 @@ class PrivacyComponent:
         return (f"This fit samples {now[0]} with q = {now[1]:.4g} of n = {now[2]} private examples; the run's steps so "
                 f"far sampled {before[0]} with q = {before[1]:.4g} of n = {before[2]}: each step is accounted at its "
                 "own rate")
+
+    def _noiseless_past_error(self) -> Optional[str]:
+        """Steps of this run taken at sigma = 0 (a noiseless ablation's checkpoint, resumed with noise; audit,
+        2026-11-28): their releases were the clipped sums themselves, so no epsilon covers the weights they made,
+        and the epsilon shown used to count only the noised steps."""
+        if not self.noiseless_steps or not self.is_private:
+            return None
+        return (f"This run already took {self.noiseless_steps} steps with `noise_multiplier`=0 (no noise): their "
+                "releases were the private clipped sums themselves, so no epsilon covers a continuation; start a "
+                "private run from weights that never saw the private data without noise")
 
     def _noiseless_budget_error(self) -> Optional[str]:
         """A budget with sigma = 0 (audit 6): a resume that sets ``target_epsilon`` takes the checkpoint's
@@ -527,8 +542,10 @@ class PrivacyComponent:
     def poisson_assumed(self) -> bool:
         """True for ``sampling: shuffle``: its shuffled batches are accounted as Poisson, so its epsilon
         is no guarantee (:data:`~lit_zodp.privacy.sampling.SHUFFLE_WARNING`); every shown epsilon says so."""
-        name = self.sampling.name if self.sampling is not None else (self._restored_plan or {}).get("sampling")
-        return name == ShuffledSampling.name
+        restored = self._restored_plan or {}
+        if restored.get("poisson_assumed") or restored.get("sampling") == ShuffledSampling.name:
+            return True  # (steps before this fit were shuffled: the run's epsilon stays no guarantee)
+        return self.sampling is not None and self.sampling.name == ShuffledSampling.name
 
     @property
     def test_seeded(self) -> bool:
@@ -536,7 +553,9 @@ class PrivacyComponent:
         return self.noise_seed is not None
 
     def epsilon(self) -> float:
-        """Epsilon spent so far (PRV upper bound); 0 before any step, inf without noise."""
+        """Epsilon spent so far (PRV upper bound); 0 before any step, inf without noise (now or at any step)."""
+        if self.noiseless_steps:
+            return math.inf
         if self.ledger.total_count == 0:
             return 0.0 if self.noise_multiplier != 0 else math.inf
         if not self.is_private:
@@ -569,13 +588,17 @@ class PrivacyComponent:
                     "sample_rate": self.sampling.sample_rate, "n": self.sampling.n,
                     "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
                     "branches": None if self.branches is None else dict(self.branches),
-                    "noiseless_steps": self.noiseless_steps}
+                    "noiseless_steps": self.noiseless_steps, "poisson_assumed": self.poisson_assumed,
+                    "private_split": self.private_split}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
         return {"ledger": self.ledger.state_dict(), "plan": plan}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the ledger; the checkpoint's budget binds together with the configured one."""
+        if "ledger" not in state:
+            raise PrivacyConfigError("This checkpoint holds no privacy ledger (a non-private run's): a private run "
+                                     "cannot resume from it without losing what was spent.")
         accountant = state["ledger"].get("accountant", "prv")
         neighbours = (state.get("plan") or {}).get("neighbours", "add_remove")
         if (accountant, neighbours) != (self.ledger.accountant, self.neighbours):
@@ -604,6 +627,16 @@ class PrivacyComponent:
         theirs = plan.get("branches")
         return (self.lineage is not None and plan.get("lineage") == self.lineage and self.branches is not None
                 and theirs is not None and all(self.branches.get(b, 0) >= n for b, n in theirs.items()))
+
+
+def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[str]:
+    """A resume whose private rows are not the checkpoint's (audit, 2026-11-28): rows its steps accounted as private
+    could now be public or validation rows, used and logged without noise, with nothing said."""
+    if before is None or now is None or before == now:
+        return None
+    return ("This fit's private split is not the one the checkpoint's steps were taken on (another `data_seed`, "
+            "fraction, `max_*_samples` or data): rows accounted as private could now be public or validation rows, "
+            "used without noise; resume with the checkpoint's data settings")
 
 
 def _steps_covering(released: list[str], planned: list[str]) -> int:
@@ -635,7 +668,8 @@ class NonPrivate:
         self.steps = 0
 
     def plan(self, *, step_plan: StepPlan, sampling=None, planned_steps=None,
-             reduce_sum: Optional[ReduceSum] = _identity, broadcast=_identity, spend_log=None) -> None:
+             reduce_sum: Optional[ReduceSum] = _identity, broadcast=_identity, spend_log=None,
+             private_split=None) -> None:
         self.step_plan, self.sampling, self._reduce_sum = tuple(step_plan), sampling, reduce_sum or _identity
 
     def end_fit(self) -> None:
