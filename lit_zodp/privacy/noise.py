@@ -7,8 +7,11 @@ noise is drawn with NumPy's bit generators instead. Every key is the next output
 counter stream whose 256-bit key hashes a 256-bit OS-entropy secret (a cryptographic PRF: no key
 can be computed from the noise another key made, unlike the state of a PCG stream from its outputs):
 
-* scalar and small releases: a pool of float64 standard normals from a PCG64DXSM generator with a
-  fresh 256-bit key (``SeedSequence`` with a 256-bit pool), re-keyed at every refill;
+* scalar and small releases (the zeroth-order modules' every release): a pool of float64 standard normals
+  from a cryptographic keystream, SHAKE-256 of a fresh 256-bit key, by Box-Muller on 53-bit uniforms
+  (:func:`keystream_normals`), re-keyed at every refill. A PCG stream is not cryptographic: an attacker who
+  knows every other example of a full batch sees the noise exactly wherever the target is absent, and a
+  PCG state recovered from such values would predict the rest of its stream (audit, 2026-11-28);
 * mid-size releases (up to ``HOST_PART`` values): such a generator, re-keyed after every
   ``HOST_PART`` values drawn from it;
 * larger releases (DP-SGD's d-dimensional sum): parts of ``HOST_PART`` values, each from its own
@@ -77,6 +80,21 @@ def secret_seed() -> int:
 def secret_generator(seed: int) -> np.random.Generator:
     """A NumPy generator whose state depends on every bit of ``seed`` (``SeedSequence`` hashing)."""
     return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(int(seed), pool_size=SECRET_BITS // 32)))
+
+
+def keystream_normals(key: int, count: int) -> np.ndarray:
+    """``count`` float64 standard normals from SHAKE-256 of the 256-bit ``key``: a cryptographic keystream (no
+    output predicts another without the key), turned into uniforms ``(k + 1) 2^-53`` in ``(0, 1]`` and paired by
+    Box-Muller, ``r = sqrt(-2 ln u1)``, ``z = (r cos 2 pi u2, r sin 2 pi u2)``. The radius cannot pass
+    ``sqrt(106 ln 2) = 8.57`` (``P(|z| > 8.57)`` is about 1e-17 for an exact normal: far below any delta)."""
+    pairs = (count + 1) // 2
+    stream = hashlib.shake_256(int(key).to_bytes(SECRET_BITS // 8, "little")).digest(16 * pairs)
+    uniforms = ((np.frombuffer(stream, dtype="<u8") >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+    radius = np.sqrt(-2.0 * np.log(uniforms[0::2]))
+    angle = 2.0 * np.pi * uniforms[1::2]
+    normals = np.empty(2 * pairs)
+    normals[0::2], normals[1::2] = radius * np.cos(angle), radius * np.sin(angle)
+    return normals[:count]
 
 
 def warn_test_seed(name: str, what: str) -> None:
@@ -192,7 +210,7 @@ class NoiseSource:
             self._refuse_after_fork()
         pool, start = self._pool, self._pool_next
         if pool is None or start + len(values) > len(pool):
-            pool, start = secret_generator(self._fresh_secret(SECRET_BITS)).standard_normal(SCALAR_POOL).tolist(), 0
+            pool, start = keystream_normals(self._fresh_secret(SECRET_BITS), SCALAR_POOL).tolist(), 0
             self._pool = pool
         end = self._pool_next = start + len(values)
         return [(value + std * z) / divisor for value, z in zip(values, pool[start:end])]
@@ -290,5 +308,5 @@ class SecretGaussianVector:
         return total.add_(xi.to(total.device), alpha=alpha)
 
 
-__all__ = ["ForkedNoiseError", "HOST_PART", "NoiseSource", "SECRET_BITS", "SecretGaussianVector", "secret_generator",
-           "secret_seed"]
+__all__ = ["ForkedNoiseError", "HOST_PART", "NoiseSource", "SECRET_BITS", "SecretGaussianVector", "keystream_normals",
+           "secret_generator", "secret_seed"]

@@ -165,13 +165,12 @@ def test_noised_refuses_a_bad_divisor(divisor):
 def test_small_draws_come_in_order_from_a_pool_of_the_secret_stream():
     """DPZero's scalars: consecutive small draws are consecutive float64 values of a pool of
     SCALAR_POOL normals, scaled by std; a refill takes a fresh key (nothing repeats across it)."""
-    from lit_zodp.privacy.noise import SCALAR_POOL, secret_generator
+    from lit_zodp.privacy.noise import SCALAR_POOL, keystream_normals
 
     source = NoiseSource(11)
     draws = torch.cat([source.gaussian((3,), 2.0, dtype=torch.float64) for _ in range(SCALAR_POOL // 3 + 5)])
     keys = NoiseSource(11)
-    expected = np.concatenate([secret_generator(keys._fresh_secret(256)).standard_normal(SCALAR_POOL)
-                               for _ in range(2)])
+    expected = np.concatenate([keystream_normals(keys._fresh_secret(256), SCALAR_POOL) for _ in range(2)])
     # a refill starts a fresh block: the tail of the first block shorter than a draw is skipped
     first = SCALAR_POOL // 3 * 3
     want = np.concatenate([expected[:first], expected[SCALAR_POOL:SCALAR_POOL + 15]]) * 2.0
@@ -179,6 +178,29 @@ def test_small_draws_come_in_order_from_a_pool_of_the_secret_stream():
     assert not np.isin(expected[SCALAR_POOL:], expected[:SCALAR_POOL]).any()
     with pytest.raises(ValueError, match="noise std"):
         source.gaussian((1,), -1.0)
+
+
+def test_keystream_normals_are_standard_normal_and_shake_256_of_every_key_bit():
+    """The scalar pool's law (audit, 2026-11-28: a PCG stream is not cryptographic): moments, tails and a KS test
+    against N(0, 1); the values are Box-Muller of SHAKE-256's output, and a key differing in its top bit draws
+    unrelated values."""
+    import hashlib
+
+    from scipy import stats
+
+    from lit_zodp.privacy.noise import keystream_normals
+
+    z = keystream_normals(12345, 400_001)
+    assert z.shape == (400_001,) and z.dtype == np.float64
+    assert abs(z.mean()) < 5 / np.sqrt(len(z)) and abs(z.var() - 1) < 5 * np.sqrt(2 / len(z))
+    assert abs(np.mean(np.abs(z) > 3) - 2 * stats.norm.sf(3)) < 5 * np.sqrt(2 * stats.norm.sf(3) / len(z))
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    words = np.frombuffer(hashlib.shake_256((12345).to_bytes(32, "little")).digest(16), dtype="<u8")
+    u1, u2 = ((words >> np.uint64(11)).astype(np.float64) + 1) * 2.0 ** -53
+    np.testing.assert_allclose(z[:2], np.sqrt(-2 * np.log(u1)) * np.array([np.cos(2 * np.pi * u2),
+                                                                            np.sin(2 * np.pi * u2)]), rtol=1e-15)
+    other = keystream_normals(12345 ^ (1 << 255), 1000)
+    assert abs(np.corrcoef(z[:1000], other)[0, 1]) < 0.15 and not np.isin(other, z).any()
 
 
 def test_keys_are_the_same_for_one_secret_and_unrelated_across_secrets_and_draws():
