@@ -82,10 +82,11 @@ def test_each_fit_releases_and_commits_the_clip_sigma_and_neighbours_of_its_plan
     on sigma but not on the clip: a clip raised between fits clipped at the new C and added noise for the old
     one (an effective sigma of sigma C_old / C_new, accounted at sigma)."""
     component = PrivacyComponent(clip=1.0, noise_multiplier=2.0, delta=1e-5, noise_seed=3)
-    z = NoiseSource(3).gaussian((1,), 1.0, dtype=torch.float64).item()  # each plan keys the source anew
     settings = [(1.0, 2.0, "add_remove"), (10.0, 2.0, "add_remove"), (10.0, 3.0, "add_remove"),
                 (10.0, 3.0, "replace_one")]
-    for clip, sigma, neighbours in settings:
+    for steps, (clip, sigma, neighbours) in enumerate(settings):
+        # each plan keys the test-seeded source anew, on the stream of the run's steps so far
+        z = NoiseSource(3, stream=steps).gaussian((1,), 1.0, dtype=torch.float64).item()
         component.clip, component.configured_noise_multiplier = clip, sigma
         component.neighbours, component.sensitivity_factor = neighbours, 2.0 if neighbours == "replace_one" else 1.0
         component.plan(step_plan=PLAN, sampling=PoissonSampling(n=100, sample_rate=0.1), planned_steps=10)
@@ -179,7 +180,7 @@ def test_state_dict_holds_the_ledger_and_the_plan_and_nothing_secret():
     assert set(state) == {"ledger", "plan"}
     assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "neighbours", "planned_steps",
                                   "sampling", "sample_rate", "n", "lineage", "other_branch_steps", "branches",
-                                  "noiseless_steps"}
+                                  "noiseless_steps", "poisson_assumed", "private_split"}
     assert len(state["plan"]["lineage"]) == 32  # a random 128-bit id: public, it names the run's spend records
     assert list(state["plan"]["branches"].values()) == [1]  # this fit's branch: its one step is in the ledger
     restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
