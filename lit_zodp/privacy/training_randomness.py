@@ -29,6 +29,8 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from lit_zodp.errors import PrivacyConfigError
+
 #: MT19937 state words, and the byte layout of torch's CPU generator state (``CPUGeneratorImplState``):
 #: ``(initial seed u64, left i32, seeded i32, next u64)``, then the words as ``u64``, then the normal caches.
 MT_WORDS = 624
@@ -85,8 +87,12 @@ def secret_cuda_state() -> torch.Tensor:
 
 
 def _cuda_index(device: torch.device) -> Optional[int]:
-    if device.type != "cuda":
+    if device.type == "cpu":
         return None
+    if device.type != "cuda":  # (its own generator would keep following the public seed)
+        raise PrivacyConfigError(
+            f"A private first-order step keys its training-mode randomness (dropout) secretly on CPU and CUDA only; "
+            f"on {device.type!r} it would follow the public run seed: train on the cpu or a CUDA device")
     return torch.cuda.current_device() if device.index is None else device.index
 
 

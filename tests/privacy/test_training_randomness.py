@@ -94,6 +94,15 @@ def test_the_cuda_state_is_a_key_and_an_offset_multiple_of_four_from_the_os(monk
     assert (int(key), int(offset)) == (raw_key, raw_offset & ~3) and offset % 4 == 0
 
 
+def test_a_device_whose_generator_it_cannot_key_is_refused_in_one_line():
+    from lit_zodp.errors import PrivacyConfigError
+
+    with pytest.raises(PrivacyConfigError, match="on 'meta' it would follow the public run seed") as info:
+        with secret_training_randomness(torch.device("meta")):
+            pass
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_devices_stream_is_secret_inside_and_restored_after():
     if not torch.cuda.is_available():
