@@ -279,9 +279,10 @@ class AlgorithmModule(pl.LightningModule):
         losses = self._losses(inputs, targets)
         if self._buffers_before:  # a layer that writes a buffer even in eval mode (microseconds; none: nothing)
             refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
+        checking = self._pending_checks or self._recheck_pending  # (most steps: no check)
         if versions is not None:  # (between the forwards the engine writes them: each forward is checked alone)
-            self._parameter_writes.refuse_since(versions)
-        if self._pending_checks or self._recheck_pending:  # (most steps: no call)
+            self._parameter_writes.refuse_since(versions, reassigned=bool(checking))
+        if checking:
             self._run_due_checks(inputs, targets, losses)
         return losses
 

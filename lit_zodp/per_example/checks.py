@@ -228,16 +228,23 @@ class ParameterWrites:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        # (an inference tensor has no version counter, and nothing outside inference mode writes it in place)
         self.slots = [(f"{owner_name}.{local}".lstrip("."), owner, local, p)
                       for owner_name, owner in module.named_modules() for local, p in owner._parameters.items()
-                      if p is not None]
+                      if p is not None and not p.is_inference()]
+        self._params = [p for *_, p in self.slots]
 
-    def versions(self) -> list:
-        return [None if p.is_inference() else p._version for *_, p in self.slots]
+    def versions(self) -> list[int]:
+        return [p._version for p in self._params]
 
-    def refuse_since(self, versions: list) -> None:
+    def refuse_since(self, versions: list[int], *, reassigned: bool = True) -> None:
+        """Refuse the writes since :meth:`versions`; ``reassigned=False`` looks at the version counters alone
+        (a zeroth-order forward's check, under a microsecond: a reassigned parameter is looked for at the
+        forwards that run the independence checks)."""
+        if not reassigned and [p._version for p in self._params] == versions:
+            return
         written = [name for (name, owner, local, p), version in zip(self.slots, versions)
-                   if owner._parameters.get(local) is not p or (version is not None and p._version != version)]
+                   if owner._parameters.get(local) is not p or p._version != version]
         by_owner: dict[str, list[str]] = {}
         for name in written:
             owner, _, local = name.rpartition(".")
