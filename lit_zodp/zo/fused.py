@@ -547,7 +547,7 @@ if triton is not None:
     def _rand4x(seed, offset):
         """``tl.rand4x(seed, offset)`` (Philox4x32-10 on counter ``(offset, 0, 0)``, four uniforms), bit for bit,
         its multiplies each one widening product."""
-        seed = tl.to_tensor(seed).to(tl.uint64)  # a seed of 1 arrives as a constant (Triton specialises it)
+        seed = tl.cast(seed, tl.uint64)  # a seed of 1 arrives as a constant (Triton specialises it; tl.to_tensor is 3.8+)
         k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
         k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
         c0 = offset.to(tl.uint32)
