@@ -151,17 +151,30 @@ def _boundary_at_or_below(order: list[int], groups: Optional[Sequence[Hashable]]
     return cut
 
 
-def private_split_id(source: str, pool_size: int, private_indices: Sequence[int],
-                     ids: Optional[Sequence[Hashable]] = None) -> str:
-    """Which rows are private: a SHA-256 of the data module, the pool size and the sorted private indices (and
-    their ids where the data has them). The privacy plan keeps it, and a resume on another split is refused
+def private_split_id(pool_size: int, private_indices: Sequence[int], ids: Optional[Sequence[Hashable]] = None) -> str:
+    """Which rows are private: a SHA-256 of the pool size and the sorted private indices (and their ids where the
+    data has them, spelled alike in every process). The privacy plan keeps it, and a resume on another split is refused
     (:meth:`~lit_zodp.privacy.PrivacyComponent.plan`): rows accounted as private could have become public or
     validation rows, used and logged without noise (audit, 2026-11-28: another ``data_seed``, same fractions)."""
-    digest = hashlib.sha256(f"{source}|{pool_size}|".encode())
+    digest = hashlib.sha256(f"{pool_size}|".encode())
     digest.update(np.asarray(private_indices, dtype="<i8").tobytes())
-    if ids is not None:
-        digest.update(repr([ids[i] for i in private_indices]).encode())
+    canonical = [_canonical_id(ids[i]) for i in private_indices] if ids is not None else []
+    if canonical and None not in canonical:  # (ids without one spelling in every process: the indices alone)
+        digest.update("|".join(canonical).encode())
     return digest.hexdigest()
+
+
+def _canonical_id(value: Any) -> Optional[str]:
+    """One spelling of an id in every process (str, bytes, int, or tuples of them); ``None`` for anything else (a
+    frozenset's order follows PYTHONHASHSEED, a default ``repr`` holds an address)."""
+    if isinstance(value, np.integer):
+        value = int(value)
+    if isinstance(value, (str, bytes)) or (isinstance(value, int) and not isinstance(value, bool)):
+        return repr(value)
+    if isinstance(value, tuple):
+        parts = [_canonical_id(v) for v in value]
+        return None if None in parts else "(" + ",".join(parts) + ")"
+    return None
 
 
 def _check_fraction(name: str, value: Any) -> Optional[str]:
@@ -428,7 +441,7 @@ class PublicPrivateDataModule(LightningDataModule):
             self.val_dataset = self._eval_split(Subset(splits.train, self.val_indices))
         else:
             self.val_dataset = self._eval_split(splits.val) if splits.val is not None else self.test_dataset
-        self.private_split_id = private_split_id(type(self).__name__, pool_size, self.private_indices, splits.train_ids)
+        self.private_split_id = private_split_id(pool_size, self.private_indices, splits.train_ids)
 
     def _carve(self, pool_size: int, groups: Optional[Sequence[Hashable]] = None) -> None:
         """Split pool indices into public / validation / private parts with ``data_seed``; with

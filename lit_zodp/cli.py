@@ -77,6 +77,8 @@ class LitZODPCLI(LightningCLI):
             if configured.get(key) is not None and key in restored:
                 kept = configured[key] if restored[key] is None else min(configured[key], restored[key])
                 self.config[subcommand].model.init_args[key] = kept
+        if "noise_seed" in restored:  # (a checkpoint from before hparams left it out: the configured seed, or none)
+            self.config[subcommand].model.init_args["noise_seed"] = configured.get("noise_seed")
         _warn_replaced(configured, _model_arguments(self.config), path, subcommand)
 
     def before_fit(self) -> None:

@@ -136,6 +136,22 @@ def _fit_with_checkpoint(tmp_path, *extra, config=TINY, name="tiny.yaml"):
                       *extra])
 
 
+def test_a_checkpoint_holding_a_test_seed_resumes_with_the_configured_one(tmp_path, monkeypatch):
+    """Audit, 2026-11-28: a checkpoint from before ``noise_seed`` left ``hparams`` still carried it, and a resume
+    configured with ``noise_seed: null`` kept it (the noise reproducible)."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    _fit_with_checkpoint(tmp_path, "--trainer.max_steps", "4", "--model.init_args.noise_seed", "5")
+    last = tmp_path / "ckpt" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=False)
+    assert "noise_seed" not in checkpoint["hyper_parameters"]
+    checkpoint["hyper_parameters"]["noise_seed"] = 5  # as an older checkpoint holds it
+    torch.save(checkpoint, last)
+    resumed = _fit_with_checkpoint(tmp_path, "--trainer.max_steps", "6", "--ckpt_path", str(last))
+    assert resumed.model.privacy.noise_seed is None and not resumed.model.privacy.test_seeded
+
+
 def test_a_resume_through_the_cli_never_spends_past_the_budget(tmp_path, monkeypatch):
     """The audit's case through the CLI: planned for epsilon 3 over 30 steps, resumed to 60 steps."""
     monkeypatch.chdir(tmp_path)

@@ -298,6 +298,21 @@ def test_a_runs_epsilon_stays_marked_poisson_assumed_after_its_shuffled_steps(tm
     assert resumed.privacy.state_dict()["plan"]["poisson_assumed"]
 
 
+def test_a_second_fit_in_the_process_keeps_the_runs_split_and_its_poisson_assumed_mark():
+    """Review, 2026-11-28: the split and the mark were read only from a loaded checkpoint, while a second
+    ``trainer.fit`` of the same module continues its ledger in memory: another split was accepted, and after shuffled
+    steps a Poisson fit printed a plain epsilon (and its checkpoint stored the mark as False)."""
+    module = build("DPZero")
+    with pytest.warns(Warning):
+        quiet_trainer(max_steps=2, limit_val_batches=0).fit(module, datamodule=_synthetic(sampling="shuffle"))
+    quiet_trainer(max_steps=2, limit_val_batches=0).fit(module, datamodule=_synthetic())
+    assert module.privacy.ledger.total_count == 4 and module.privacy.poisson_assumed
+    assert module.privacy.state_dict()["plan"]["poisson_assumed"]
+    with pytest.raises(PrivacyConfigError, match="private split is not the one"):
+        quiet_trainer(max_steps=2, limit_val_batches=0).fit(module, datamodule=_synthetic(data_seed=1))
+    assert module.privacy.ledger.total_count == 4
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_the_budget_stop_never_overspends(name):
     module = build(name, noise_multiplier=2.0, max_epsilon=0.5)

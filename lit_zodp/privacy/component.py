@@ -175,6 +175,7 @@ class PrivacyComponent:
         self.steps_allowed: Optional[int] = None
         self.noiseless_steps = 0  # steps taken at sigma = 0: counted here, never in the ledger
         self.private_split: Optional[str] = None  # which rows are private (datamodules.base.private_split_id)
+        self._shuffled_before = False  # an earlier fit of this run in this process took shuffled steps
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
         self._released: list[str] = []
@@ -200,12 +201,16 @@ class PrivacyComponent:
         of the user's); a resume on another split than the checkpoint's is refused.
         """
         self._in_fit = False  # (a fit that never reached its end_fit)
+        if self.sampling is not None and self.sampling.name == ShuffledSampling.name and self.ledger.total_count:
+            self._shuffled_before = True  # an earlier fit of this process took shuffled steps
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
         self._reduce_sum = reduce_sum or _identity
         self._released, self.fit_steps = [], 0
         restored = self._restored_plan or {}
-        raise_if_any([_split_change_error(restored.get("private_split"), private_split)])
-        self.private_split = private_split if private_split is not None else restored.get("private_split")
+        before = self.private_split if self.private_split is not None else restored.get("private_split")
+        raise_if_any([_split_change_error(before, private_split)])  # (a resume, or a second fit in this process)
+        self.private_split = private_split if private_split is not None else before
+
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
@@ -543,7 +548,7 @@ class PrivacyComponent:
         """True for ``sampling: shuffle``: its shuffled batches are accounted as Poisson, so its epsilon
         is no guarantee (:data:`~lit_zodp.privacy.sampling.SHUFFLE_WARNING`); every shown epsilon says so."""
         restored = self._restored_plan or {}
-        if restored.get("poisson_assumed") or restored.get("sampling") == ShuffledSampling.name:
+        if self._shuffled_before or restored.get("poisson_assumed") or restored.get("sampling") == ShuffledSampling.name:
             return True  # (steps before this fit were shuffled: the run's epsilon stays no guarantee)
         return self.sampling is not None and self.sampling.name == ShuffledSampling.name
 
@@ -610,6 +615,7 @@ class PrivacyComponent:
             return  # an earlier checkpoint of this run (e.g. the best one, tested after the fit): keep the later ledger
         self.ledger.load_state_dict(state["ledger"])
         self._restored_plan = state.get("plan")
+        self.private_split = (self._restored_plan or {}).get("private_split")
         plan = self._restored_plan or {}
         self.lineage, self.other_branch_steps = plan.get("lineage"), plan.get("other_branch_steps", 0)
         self.noiseless_steps = plan.get("noiseless_steps", 0)

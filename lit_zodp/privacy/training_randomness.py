@@ -86,34 +86,35 @@ def secret_cuda_state() -> torch.Tensor:
     return torch.tensor(np.array([key, offset & ~3], dtype="<u8").view("<i8")).view(torch.uint8)
 
 
-def _cuda_index(device: torch.device) -> Optional[int]:
+def _cuda_indices(device: torch.device) -> list[int]:
+    """Every visible CUDA device for a module on CUDA (a model split across cards draws dropout on each)."""
     if device.type == "cpu":
-        return None
+        return []
     if device.type != "cuda":  # (its own generator would keep following the public seed)
         raise PrivacyConfigError(
             f"A private first-order step keys its training-mode randomness (dropout) secretly on CPU and CUDA only; "
             f"on {device.type!r} it would follow the public run seed: train on the cpu or a CUDA device")
-    return torch.cuda.current_device() if device.index is None else device.index
+    return list(range(torch.cuda.device_count()))
 
 
 @contextlib.contextmanager
 def secret_training_randomness(device: torch.device) -> Iterator[None]:
     """Run the enclosed private forward and backward with secret training-mode randomness (module docstring):
-    torch's CPU generator (and ``device``'s, on CUDA) keyed from the OS inside, their public streams restored
+    torch's CPU generator (and every visible CUDA device's, for a module on CUDA) keyed from the OS inside, their public streams restored
     after. Activation checkpointing stashes and restores the state it sees, so a recomputation inside draws
     the same secret masks as its forward."""
-    index = _cuda_index(torch.device(device))
+    cuda = [torch.cuda.default_generators[i] for i in _cuda_indices(torch.device(device))]
     cpu_before = torch.random.default_generator.get_state()
-    cuda_before = torch.cuda.default_generators[index].get_state() if index is not None else None
+    cuda_before = [generator.get_state() for generator in cuda]
     try:
         torch.random.default_generator.set_state(secret_cpu_state())
-        if index is not None:
-            torch.cuda.default_generators[index].set_state(secret_cuda_state())
+        for generator in cuda:
+            generator.set_state(secret_cuda_state())
         yield
     finally:
         torch.random.default_generator.set_state(cpu_before)
-        if index is not None:
-            torch.cuda.default_generators[index].set_state(cuda_before)
+        for generator, state in zip(cuda, cuda_before):
+            generator.set_state(state)
 
 
 __all__ = ["CUDA_SECRET_BITS", "GeneratorLayoutError", "MT_WORDS", "secret_cpu_generator", "secret_cpu_state",
