@@ -246,7 +246,7 @@ def test_a_resume_on_another_private_split_is_refused_before_a_step(name, change
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     fit(build(name), _synthetic(), 2, [checkpoint], enable_checkpointing=True, limit_val_batches=0)
     resumed = build(name)
-    with pytest.raises(PrivacyConfigError, match="private split is not the one the checkpoint") as info:
+    with pytest.raises(PrivacyConfigError, match="private split is not the one this run.s earlier steps") as info:
         quiet_trainer(max_steps=4, limit_val_batches=0).fit(resumed, datamodule=_synthetic(**changed),
                                                             ckpt_path=tmp_path / "last.ckpt")
     assert "\n" not in str(info.value) and resumed.privacy.ledger.total_count == 2

@@ -548,7 +548,8 @@ class PrivacyComponent:
         """True for ``sampling: shuffle``: its shuffled batches are accounted as Poisson, so its epsilon
         is no guarantee (:data:`~lit_zodp.privacy.sampling.SHUFFLE_WARNING`); every shown epsilon says so."""
         restored = self._restored_plan or {}
-        if self._shuffled_before or restored.get("poisson_assumed") or restored.get("sampling") == ShuffledSampling.name:
+        if (self._shuffled_before or restored.get("poisson_assumed")
+                or restored.get("sampling") == ShuffledSampling.name):
             return True  # (steps before this fit were shuffled: the run's epsilon stays no guarantee)
         return self.sampling is not None and self.sampling.name == ShuffledSampling.name
 
@@ -640,9 +641,9 @@ def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[s
     could now be public or validation rows, used and logged without noise, with nothing said."""
     if before is None or now is None or before == now:
         return None
-    return ("This fit's private split is not the one the checkpoint's steps were taken on (another `data_seed`, "
+    return ("This fit's private split is not the one this run's earlier steps were taken on (another `data_seed`, "
             "fraction, `max_*_samples` or data): rows accounted as private could now be public or validation rows, "
-            "used without noise; resume with the checkpoint's data settings")
+            "used without noise; resume with the data settings of the run's checkpoint")
 
 
 def _steps_covering(released: list[str], planned: list[str]) -> int:
