@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_zodp.errors import LitZodpWarning, raise_if_any
 from lit_zodp.per_example.rounding import working_eps
-from lit_zodp.privacy.training_randomness import secret_cpu_generator, secret_cpu_state, secret_cuda_state
+from lit_zodp.privacy.training_randomness import secret_cpu_generator, secret_streams
 
 #: Default ``recheck_probability`` (the engine's and every module's): one step in 100 re-runs the
 #: batch-independence check (one forward in two halves, two with ``keep_call_shape``; a model with dropout
@@ -196,10 +196,7 @@ def refuse_buffer_writes(module: nn.Module, before: BufferState, *, added: bool 
     written = [name for name, entry in before.items() if _written(*entry)]
     if added:
         written += [name for name, _ in module.named_buffers() if name not in before]
-    by_owner: dict[str, list[str]] = {}
-    for name in sorted(written):
-        owner, _, local = name.rpartition(".")
-        by_owner.setdefault(owner, []).append(f"`{local}`")
+    by_owner = _by_owner(sorted(written))
     raise_if_any([
         f"`{owner or '<root>'}` ({type(module.get_submodule(owner)).__name__}) wrote "
         f"{', '.join(names)} in the private forward (running statistics in train mode?): an un-noised average "
@@ -207,6 +204,15 @@ def refuse_buffer_writes(module: nn.Module, before: BufferState, *, added: bool 
         f"nn.GroupNorm or LayerNorm)"
         for owner, names in by_owner.items()
     ])
+
+
+def _by_owner(names: list[str]) -> dict[str, list[str]]:
+    """Qualified tensor names grouped by their owning module: ``{"a.b": ["`w`", "`bias`"]}`` (one message line each)."""
+    grouped: dict[str, list[str]] = {}
+    for name in names:
+        owner, _, local = name.rpartition(".")
+        grouped.setdefault(owner, []).append(f"`{local}`")
+    return grouped
 
 
 def _written(owner: nn.Module, local: str, buffer: Tensor, version: Optional[int]) -> bool:
@@ -245,10 +251,7 @@ class ParameterWrites:
             return
         written = [name for (name, owner, local, p), version in zip(self.slots, versions)
                    if owner._parameters.get(local) is not p or p._version != version]
-        by_owner: dict[str, list[str]] = {}
-        for name in written:
-            owner, _, local = name.rpartition(".")
-            by_owner.setdefault(owner, []).append(f"`{local}`")
+        by_owner = _by_owner(written)
         raise_if_any([
             f"`{owner or '<root>'}` ({type(self.module.get_submodule(owner)).__name__}) wrote its parameter "
             f"{', '.join(names)} in the private forward (an embedding's max_norm, statistics kept in a parameter?): "
@@ -472,8 +475,7 @@ def step_mode_recompute(devices: Optional[list] = None) -> Iterator[None]:
     (``devices``: the CUDA devices whose streams to keep; default all)."""
     if devices is None:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        _reseed(devices)  # two recomputations draw differently, so a forward random beyond dropout shows
+    with secret_streams(devices):  # two recomputations draw differently, so a forward random beyond dropout shows
         with torch.enable_grad(), nothing_saved_for_backward(), MeanOfRandomDraws():
             yield
 
@@ -499,16 +501,6 @@ def nothing_saved_for_backward():
     if getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)():
         return torch.autograd.graph.saved_tensors_hooks(_not_saved, _never_unpacked)
     return contextlib.nullcontext()
-
-
-def _reseed(devices: list) -> None:
-    """Fresh secret states (from the OS) for the CPU generator and those CUDA devices' (their streams are restored
-    after): a check's recomputation of private examples draws nothing the run seed would let an attacker replay."""
-    torch.random.default_generator.set_state(secret_cpu_state())
-    for device in devices:
-        index = device if isinstance(device, int) else torch.device(device).index
-        torch.cuda.default_generators[torch.cuda.current_device() if index is None else index].set_state(
-            secret_cuda_state())
 
 
 def warn_unchecked_training_mode(what: str) -> None:

@@ -175,7 +175,7 @@ class PrivacyComponent:
         self.steps_allowed: Optional[int] = None
         self.noiseless_steps = 0  # steps taken at sigma = 0: counted here, never in the ledger
         self.private_split: Optional[str] = None  # which rows are private (datamodules.base.private_split_id)
-        self._shuffled_before = False  # an earlier fit of this run in this process took shuffled steps
+        self._shuffled_before = False  # steps of this run before this fit were shuffled
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
         self._released: list[str] = []
@@ -202,15 +202,14 @@ class PrivacyComponent:
         """
         self._in_fit = False  # (a fit that never reached its end_fit)
         if self.sampling is not None and self.sampling.name == ShuffledSampling.name and self.ledger.total_count:
-            self._shuffled_before = True  # an earlier fit of this process took shuffled steps
+            self._shuffled_before = True  # an earlier fit of this run, in this process, took shuffled steps
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
         self._reduce_sum = reduce_sum or _identity
         self._released, self.fit_steps = [], 0
         restored = self._restored_plan or {}
-        before = self.private_split if self.private_split is not None else restored.get("private_split")
-        raise_if_any([_split_change_error(before, private_split)])  # (a resume, or a second fit in this process)
-        self.private_split = private_split if private_split is not None else before
-
+        raise_if_any([_split_change_error(self.private_split, private_split)])  # (a resume, or a 2nd fit here)
+        if private_split is not None:
+            self.private_split = private_split
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
@@ -547,11 +546,7 @@ class PrivacyComponent:
     def poisson_assumed(self) -> bool:
         """True for ``sampling: shuffle``: its shuffled batches are accounted as Poisson, so its epsilon
         is no guarantee (:data:`~lit_zodp.privacy.sampling.SHUFFLE_WARNING`); every shown epsilon says so."""
-        restored = self._restored_plan or {}
-        if (self._shuffled_before or restored.get("poisson_assumed")
-                or restored.get("sampling") == ShuffledSampling.name):
-            return True  # (steps before this fit were shuffled: the run's epsilon stays no guarantee)
-        return self.sampling is not None and self.sampling.name == ShuffledSampling.name
+        return self._shuffled_before or (self.sampling is not None and self.sampling.name == ShuffledSampling.name)
 
     @property
     def test_seeded(self) -> bool:
@@ -616,8 +611,10 @@ class PrivacyComponent:
             return  # an earlier checkpoint of this run (e.g. the best one, tested after the fit): keep the later ledger
         self.ledger.load_state_dict(state["ledger"])
         self._restored_plan = state.get("plan")
-        self.private_split = (self._restored_plan or {}).get("private_split")
         plan = self._restored_plan or {}
+        self.private_split = plan.get("private_split")
+        # (steps before this fit were shuffled: the run's epsilon stays no guarantee)
+        self._shuffled_before = bool(plan.get("poisson_assumed") or plan.get("sampling") == ShuffledSampling.name)
         self.lineage, self.other_branch_steps = plan.get("lineage"), plan.get("other_branch_steps", 0)
         self.noiseless_steps = plan.get("noiseless_steps", 0)
         branches = plan.get("branches")  # None in a checkpoint from before branch maps

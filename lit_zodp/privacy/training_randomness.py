@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -97,13 +97,26 @@ def _cuda_indices(device: torch.device) -> list[int]:
     return list(range(torch.cuda.device_count()))
 
 
+def _index(device: Union[int, torch.device]) -> int:
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 @contextlib.contextmanager
 def secret_training_randomness(device: torch.device) -> Iterator[None]:
     """Run the enclosed private forward and backward with secret training-mode randomness (module docstring):
-    torch's CPU generator (and every visible CUDA device's, for a module on CUDA) keyed from the OS inside, their public streams restored
-    after. Activation checkpointing stashes and restores the state it sees, so a recomputation inside draws
-    the same secret masks as its forward."""
-    cuda = [torch.cuda.default_generators[i] for i in _cuda_indices(torch.device(device))]
+    torch's CPU generator (and every visible CUDA device's, for a module on CUDA) keyed from the OS inside,
+    their public streams restored after. Activation checkpointing stashes and restores the state it sees, so a
+    recomputation inside draws the same secret masks as its forward."""
+    with secret_streams(_cuda_indices(torch.device(device))):
+        yield
+
+
+@contextlib.contextmanager
+def secret_streams(cuda_devices: Iterable[Union[int, torch.device]] = ()) -> Iterator[None]:
+    """Inside: torch's CPU generator and those CUDA devices' (indices or devices; an index-less device is the
+    current one) in fresh secret states from the OS; after, each back where it was, on error too."""
+    cuda = [torch.cuda.default_generators[_index(device)] for device in cuda_devices]
     cpu_before = torch.random.default_generator.get_state()
     cuda_before = [generator.get_state() for generator in cuda]
     try:
@@ -118,4 +131,4 @@ def secret_training_randomness(device: torch.device) -> Iterator[None]:
 
 
 __all__ = ["CUDA_SECRET_BITS", "GeneratorLayoutError", "MT_WORDS", "secret_cpu_generator", "secret_cpu_state",
-           "secret_cuda_state", "secret_training_randomness"]
+           "secret_cuda_state", "secret_streams", "secret_training_randomness"]
