@@ -1,5 +1,5 @@
 """GPU checks (marked `gpu`, skipped without CUDA): every module runs a step on CUDA, the secret
-noise lands on the device (small draws: the host law; vectors: the device kernel's law), and the
+noise lands on the device (small draws and releases: the host law; vectors: the device kernel's law), and the
 benchmark's CUDA path runs.
 
 Run them on a GPU machine with `python -m pytest -m gpu tests/test_gpu.py`.
@@ -57,6 +57,23 @@ def test_noise_and_secret_vectors_on_cuda_follow_the_cpu_law():
     expected = -1.5 * reference_normals(1000, SecretKey.from_words64((5, 6)), pair_base=2 << 40)
     assert gpu_chunk.dtype == torch.float64
     torch.testing.assert_close(gpu_chunk.cpu(), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("numel", [1, 3])
+def test_a_small_release_on_cuda_has_the_bits_of_the_host_release_and_never_waits(numel):
+    """DPZero's k-vector of clipped sums (float64) on the device: the host pool's normals, added there in float64
+    and rounded once: the host release's bits, with no synchronisation (one value is a kernel argument, several a
+    copy from pinned memory)."""
+    x = torch.linspace(-1, 1, numel, dtype=torch.float64) + 1e-9
+    host = NoiseSource(4).noised(x, 0.7, divisor=3.0, dtype=torch.float32)
+    source, on_device = NoiseSource(4), x.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        there = source.noised(on_device, 0.7, divisor=3.0, dtype=torch.float32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert there.device.type == "cuda" and torch.equal(there.cpu().view(torch.uint8), host.view(torch.uint8))
 
 
 @pytest.mark.slow

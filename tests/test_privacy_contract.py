@@ -743,6 +743,34 @@ def test_the_padding_check_waits_for_a_padded_batch_and_costs_no_forward_before_
     assert leaky.privacy.ledger.total_count == full
 
 
+@pytest.mark.parametrize("name", sorted(n for n in PRIVATE if issubclass(ALGORITHMS[n], ZerothOrderModule)))
+def test_a_waiting_padding_check_reads_each_batch_once_on_the_host_and_checks_no_forward(name, monkeypatch):
+    """While the padding check waits (full-length rows), a zeroth-order step reads its batch's row ends once, on
+    the host before the transfer, and its forwards run no check: no second read of the rows, no search for a
+    reassigned parameter (until 2026-11-28 both forwards of every such step did both: 0.3-0.5 ms of a MiniLM step
+    on CPU, issue 8). The first padded batch is read and checked; after it nothing is."""
+    from lit_zodp.algorithms import base
+    from lit_zodp.per_example.checks import ParameterWrites
+    from lit_zodp.privacy.fixed_shape import rows_ending_early
+
+    full, reads, searches = 4, [], []
+    module = build(name, TokenBag(masked=True), num_classes=2, recheck_probability=0.0)
+    monkeypatch.setattr(base, "rows_ending_early", lambda mask: reads.append(module.global_step) or
+                        rows_ending_early(mask))
+    refuse_since = ParameterWrites.refuse_since
+
+    def counted(self, versions, *, reassigned=True):
+        if reassigned:
+            searches.append(module.global_step)
+        return refuse_since(self, versions, reassigned=reassigned)
+
+    monkeypatch.setattr(ParameterWrites, "refuse_since", counted)
+    fit(module, token_loader(full_length_batches=full), full + 3)
+    assert "padding" not in module._pending_checks and "halves" not in module._pending_checks
+    assert [reads.count(step) for step in range(full + 3)] == [1] * full + [3, 0, 0]
+    assert searches == [0, full]  # the halves check (first batch), the padding check (first padded batch)
+
+
 def _on_a_device_with_padding_pending(module):
     """``module`` as in a fit's training stage on an accelerator, its padding check waiting: a meta device
     stands for the accelerator (reading a meta tensor's values raises, as a step asking the device would)."""

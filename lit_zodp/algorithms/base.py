@@ -34,7 +34,7 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, Param
                                          refuse_batch_mixing, refuse_buffer_writes, renormalising_embeddings,
                                          rows_agree, rows_differ, step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
-from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, take_rows, used_lengths
+from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, rows_ending_early, take_rows, used_lengths
 from lit_zodp.privacy.sampling import SamplingDescription
 
 #: Every concrete algorithm, by class name (filled by ``AlgorithmModule.__init_subclass__``).
@@ -279,9 +279,10 @@ class AlgorithmModule(pl.LightningModule):
         losses = self._losses(inputs, targets)
         if self._buffers_before:  # a layer that writes a buffer even in eval mode (microseconds; none: nothing)
             refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
-        checking = self._pending_checks or self._recheck_pending  # (most steps: no check)
+        # (most steps: no check; a padding check waiting for a batch with a shorter row costs a dict lookup)
+        checking = bool(self._pending_checks or self._recheck_pending) and self._checks_can_compare(inputs)
         if versions is not None:  # (between the forwards the engine writes them: each forward is checked alone)
-            self._parameter_writes.refuse_since(versions, reassigned=bool(checking))
+            self._parameter_writes.refuse_since(versions, reassigned=checking)
         if checking:
             self._run_due_checks(inputs, targets, losses)
         return losses
@@ -378,9 +379,9 @@ class AlgorithmModule(pl.LightningModule):
                 or getattr(datamodule, "pad_to_max_length", False)):
             return None
         mask = inputs["attention_mask"]
-        if mask.device.type != "cpu" and self._host_shorter_rows.get(tuple(mask.shape)) is False:
-            return torch.zeros(0, dtype=torch.long, device=mask.device)  # (the host saw none: no wait for the device)
-        return torch.nonzero(used_lengths(mask) < mask.shape[-1]).flatten()
+        if self._host_shorter_rows.get(tuple(mask.shape)) is False:  # the host saw none: no wait for a device
+            return torch.zeros(0, dtype=torch.long, device=mask.device)
+        return torch.nonzero(rows_ending_early(mask)).flatten()
 
     def _on_before_batch_transfer(self, batch: Any, dataloader_idx: int = 0) -> Any:
         """Lightning's step before each transfer, after the ``on_before_batch_transfer`` hooks (overridden here
@@ -391,14 +392,14 @@ class AlgorithmModule(pl.LightningModule):
         return batch
 
     def _note_host_batch(self, batch: Any) -> None:
-        """While a padding check waits for a batch with a row shorter than its longest and the fit runs on an
-        accelerator, whether the training batch has one is read here, on the host: asked on the device, every step
-        would wait for the device (issue 8), until such a batch comes (text of full-length rows: never). Each
-        batch's transfer replaces the answer. The step asks the device where the device batch may not be the host
+        """While a padding check waits for a batch with a row shorter than its longest, whether the training batch
+        has one is read here, once, on the host: asked on an accelerator, every step would wait for the device
+        (issue 8), until such a batch comes (text of full-length rows: never); on the CPU each forward would
+        measure the rows again. Each batch's transfer replaces the answer. The step asks the device where the device batch may not be the host
         batch moved (an own ``transfer_batch_to_device`` or ``on_after_batch_transfer``, here or in the
         DataModule) and where no host batch was seen (``dataloader_iter`` steps)."""
         self._host_shorter_rows.clear()
-        if not ("padding" in self._pending_checks and self.device.type != "cpu" and self._trainer is not None
+        if not ("padding" in self._pending_checks and self._trainer is not None
                 and self.trainer.training and _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)):
             return
         private = self.split_batch(batch)[0]

@@ -196,6 +196,8 @@ def refuse_buffer_writes(module: nn.Module, before: BufferState, *, added: bool 
     written = [name for name, entry in before.items() if _written(*entry)]
     if added:
         written += [name for name, _ in module.named_buffers() if name not in before]
+    if not written:
+        return
     by_owner = _by_owner(sorted(written))
     raise_if_any([
         f"`{owner or '<root>'}` ({type(module.get_submodule(owner)).__name__}) wrote "

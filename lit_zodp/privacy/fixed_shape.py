@@ -112,6 +112,13 @@ def used_lengths(mask: Tensor) -> Tensor:
     return torch.where(attended, torch.arange(1, mask.shape[-1] + 1, device=mask.device), 0).amax(1)
 
 
+def rows_ending_early(mask: Tensor) -> Tensor:
+    """Per row of ``mask [B, ..., L]``: whether it is shorter than ``L`` (``used_lengths(mask) < L``), read from the
+    last column alone: a row is shorter exactly when none of its entries attends to position ``L - 1``."""
+    last = mask[..., -1]
+    return last.flatten(1).eq(0).all(1) if last.dim() > 1 else last.eq(0)
+
+
 def cut_columns(inputs: Mapping[str, Tensor], length: int, mask_key: str = "attention_mask") -> dict[str, Tensor]:
     """The first ``length`` columns of every tensor laid out like ``inputs[mask_key]`` (its sequence
     dimension last; contiguous); other entries as they are."""
@@ -122,4 +129,4 @@ def cut_columns(inputs: Mapping[str, Tensor], length: int, mask_key: str = "atte
             for key, value in inputs.items()}
 
 
-__all__ = ["FixedShapeForwards", "cut_columns", "row_shape", "split_rows", "take_rows", "used_lengths"]
+__all__ = ["FixedShapeForwards", "cut_columns", "row_shape", "split_rows", "rows_ending_early", "take_rows", "used_lengths"]

@@ -20,8 +20,10 @@ can be computed from the noise another key made, unlike the state of a PCG strea
   the chunk index in the counter, so the perturbation engine generates the vector chunk by chunk, in
   any order and on any device, without storing it, and adds it to its float64 sum of the update
   before the one rounding into the parameter;
-* on CUDA (with Triton), both are drawn on the device instead, by a Philox kernel with a fresh
-  128-bit key per release (:mod:`lit_zodp.privacy.device_noise`).
+* on CUDA (with Triton), releases beyond ``SCALAR_DRAW`` values and the noise vectors are drawn on the
+  device instead, by a Philox kernel with a fresh 128-bit key per release
+  (:mod:`lit_zodp.privacy.device_noise`). Small releases take the host's keystream pool on every device:
+  their few values are added where the sum lives, in float64, as on the host, with the same bits.
 
 A host release is ``fl(x + std z)`` computed in float64 from a float64 normal ``z`` and rounded ONCE
 to ``x``'s dtype, as the device kernel does. A float32 normal scaled and added in float32 (rounded
@@ -186,8 +188,11 @@ class NoiseSource:
         if not _std_and_divisor_valid(std, divisor):
             raise_if_any([check_non_negative("noise std", std), check_positive("divisor", divisor)])
         dtype = x.dtype if dtype is None else dtype
+        small = 0 < x.numel() <= SCALAR_DRAW  # DPZero's scalars
+        if small and not x.is_cpu and dtype in HOST_DTYPES:
+            return self._scalars_noised_in_place_of(x, float(std), float(divisor), dtype)
         if x.is_cpu and x.dtype in HOST_DTYPES and dtype in HOST_DTYPES:
-            if 0 < x.numel() <= SCALAR_DRAW:  # DPZero's scalars: Python floats, two tensor calls per release
+            if small:  # Python floats: two tensor calls per release
                 flat = x.dim() == 1
                 noisy = self._scalars_noised((x if flat else x.reshape(-1)).tolist(), float(std), float(divisor))
                 out = torch.frombuffer(array.array(SCALAR_TYPECODES[dtype], noisy), dtype=dtype)
@@ -204,16 +209,34 @@ class NoiseSource:
 
     def _scalars_noised(self, values: list, std: float, divisor: float) -> list:
         """``(x_i + std z_i) / divisor`` in float64 for at most ``SCALAR_DRAW`` values, ``z`` the next standard
-        normals of the pool, refilled from a fresh key when short (Python floats: in a step's cold caches, a
-        few NumPy calls on a scalar cost tens of us)."""
+        normals of the pool (Python floats: in a step's cold caches, a few NumPy calls on a scalar cost tens of us)."""
+        return [(value + std * z) / divisor for value, z in zip(values, self._pool_normals(len(values)))]
+
+    def _scalars_noised_in_place_of(self, x: Tensor, std: float, divisor: float, dtype: torch.dtype) -> Tensor:
+        """:meth:`_scalars_noised` where ``x`` lives (an accelerator): the same float64 operations, so the same bits,
+        rounded once to ``dtype``. The noise comes from the host's pool, the keystream every zeroth-order release
+        draws from on any device; one value travels as a kernel argument, several in one copy from pinned memory
+        (neither waits for the device)."""
+        noise = [std * z for z in self._pool_normals(x.numel())]
+        if len(noise) == 1:
+            total = x.double() + noise[0]
+        else:
+            host = torch.tensor(noise, dtype=torch.float64)
+            if x.is_cuda:
+                host = host.pin_memory()
+            total = x.double() + host.to(x.device, non_blocking=x.is_cuda).view(x.shape)
+        return (total / divisor).to(dtype)
+
+    def _pool_normals(self, count: int) -> list:
+        """The pool's next ``count`` (at most ``SCALAR_POOL``) standard normals, refilled from a fresh key when short."""
         if self._forks != _FORKS[0]:  # (inline: every DPZero release passes here)
             self._refuse_after_fork()
         pool, start = self._pool, self._pool_next
-        if pool is None or start + len(values) > len(pool):
+        if pool is None or start + count > len(pool):
             pool, start = keystream_normals(self._fresh_secret(SECRET_BITS), SCALAR_POOL).tolist(), 0
             self._pool = pool
-        end = self._pool_next = start + len(values)
-        return [(value + std * z) / divisor for value, z in zip(values, pool[start:end])]
+        end = self._pool_next = start + count
+        return pool[start:end]
 
     def _host_noised(self, x: np.ndarray, std: float, divisor: float = 1.0,
                      dtype: Optional[np.dtype] = None) -> np.ndarray:

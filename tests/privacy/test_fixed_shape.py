@@ -20,7 +20,7 @@ from lit_zodp.backbones.huggingface import tiny_bert_config
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine
 from lit_zodp.privacy import clip_scalars
-from lit_zodp.privacy.fixed_shape import FixedShapeForwards, row_shape
+from lit_zodp.privacy.fixed_shape import FixedShapeForwards, row_shape, rows_ending_early, used_lengths
 from lit_zodp.zo import derive_seed
 from tests.conftest import blobs, mlp, poisson_loader, quiet_trainer
 
@@ -157,6 +157,17 @@ def test_a_transformer_examples_loss_is_bitwise_the_same_in_any_batch_with_fixed
     hidden = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
     assert example_zero_in_random_batches(8, hidden=hidden, trials=20)[0] == 1
     assert example_zero_in_random_batches(8, hidden=hidden, trials=20, lengths=[16, 32])[0] == 1
+
+
+@pytest.mark.parametrize("shape", [(9, 6), (7, 3, 6), (5, 2, 3, 4), (4, 1)])
+def test_a_row_ends_early_exactly_when_its_used_length_is_below_the_batch_width(shape):
+    """The padding check's question (which rows are shorter than their batch's width), read from the last column
+    alone, is the same as from every row's used length (candidate rows: any entry of a row reaching the end)."""
+    g = torch.Generator().manual_seed(len(shape))
+    for density in (0.2, 0.5, 0.9):
+        for _ in range(50):
+            mask = (torch.rand(shape, generator=g) < density).long()
+            assert torch.equal(rows_ending_early(mask), used_lengths(mask) < shape[-1])
 
 
 def test_length_buckets_forward_each_row_with_its_own_buckets_rows_cut_to_that_length():

@@ -150,6 +150,30 @@ def test_a_float64_sum_is_released_in_the_asked_dtype_rounded_once_after_the_noi
     assert numel < 5 or not torch.equal(noised, twice)  # the rounding of the sum first is a different law
 
 
+@pytest.mark.parametrize("shape", [(1,), (3,), (2, 2), ()])
+@pytest.mark.parametrize("x_dtype,dtype", [(torch.float64, torch.float32), (torch.float32, torch.float32),
+                                           (torch.float64, torch.float64)])
+def test_a_small_release_on_an_accelerator_has_the_bits_of_the_host_release(shape, x_dtype, dtype):
+    """DPZero's scalars where the sum lives (a GPU): the host pool's normals, added and divided in float64 there and
+    rounded once, as on the host; run here on CPU tensors, the two paths give the same bits."""
+    x = (torch.linspace(-1, 1, math.prod(shape)).view(shape) + 1e-9).to(x_dtype)
+    host = NoiseSource(4).noised(x, 0.7, divisor=3.0, dtype=dtype)
+    there = NoiseSource(4)._scalars_noised_in_place_of(x, 0.7, 3.0, dtype)
+    assert there.dtype == host.dtype == dtype and there.shape == host.shape == x.shape
+    assert torch.equal(there.reshape(-1).view(torch.uint8), host.reshape(-1).view(torch.uint8))
+
+
+def test_a_small_release_off_the_host_draws_from_the_pool_where_its_sum_lives():
+    """Off the CPU (a meta device stands for an accelerator: its values cannot be read, so nothing is copied to the
+    host or drawn by a device kernel), a small release takes its values from the pool, in order."""
+    source = NoiseSource(4)
+    out = source.noised(torch.zeros(3, dtype=torch.float64, device="meta"), 1.0, divisor=2.0, dtype=torch.float32)
+    assert out.device.type == "meta" and out.dtype == torch.float32 and out.shape == (3,)
+    assert source._pool_next == 3
+    source.noised(torch.zeros((), device="meta"), 1.0)
+    assert source._pool_next == 4
+
+
 @pytest.mark.parametrize("std", [-1.0, math.inf, math.nan, "1.0", None])
 def test_noised_refuses_a_bad_std(std):
     with pytest.raises(ValueError, match="noise std"):
