@@ -32,8 +32,14 @@ Usage::
     python benchmarks/bench_privacy_cost.py                 # 7 repetitions of 3000 steps each
     python benchmarks/bench_privacy_cost.py --quick         # smoke run
     python benchmarks/bench_privacy_cost.py --setup movie_reviews --repeats 6   # MiniLM on CPU, ~20 minutes
+    python benchmarks/bench_privacy_cost.py --setup text_host --repeats 7   # a host-bound text step (below)
     python benchmarks/bench_privacy_cost.py --no-recheck-too --repeats 8       # + DPZero without its re-checks
     python benchmarks/bench_privacy_cost.py --in-place --repeats 3            # where privacy's time goes, per call
+
+``--setup text_host`` times them on a text step the host bounds: a 2-layer BERT of width 32 on random full-length
+rows, B = 32, 32 tokens (a 2-3 ms step on CPU), from a DataModule that does not declare its rows padded to one
+length, so the padding check waits all fit long, as in ``bench_zo_gpu.py``. It is the CPU stand-in for MiniLM on a
+GPU, whose two forwards are kernel launches: there, whatever privacy adds on the host adds to the step.
 
 ``--in-place`` times each privacy-relevant call inside the fits instead (a ``perf_counter_ns`` pair around it, about
 0.3 us of its own): the clipped sum, the release, the ledger commit, the privacy callback's hooks, the module's
@@ -69,13 +75,17 @@ TARGET = 1.02
 
 #: The label of each setup in the results; the quickstart is the target's.
 SETUP_LABELS = {"quickstart": "TinyMLP 64-64-10, digits, Poisson B = 64",
-                "movie_reviews": "all-MiniLM-L6-v2 (22.7M), Rotten Tomatoes, Poisson B = 32, every row 32 tokens"}
-SETUP_STEPS = {"quickstart": 3000, "movie_reviews": 150}
+                "movie_reviews": "all-MiniLM-L6-v2 (22.7M), Rotten Tomatoes, Poisson B = 32, every row 32 tokens",
+                "text_host": "BERT 2 x 32 (vocab 1024, 51k), random tokens, Poisson B = 32, every row 32 tokens, "
+                             "the data's padding undeclared (the padding check waits)"}
+SETUP_STEPS = {"quickstart": 3000, "movie_reviews": 150, "text_host": 1000}
+#: ``text_host``: rows, row length and vocabulary of the random token data.
+TEXT_HOST_ROWS, TEXT_HOST_LENGTH, TEXT_HOST_VOCAB = 1024, 32, 1024
 
 
 def make_module(method: str, setup: str = "quickstart"):
-    """``configs/quickstart.yaml``'s modules, or ``configs/movie_reviews/{mezo,dpzero_eps2}.yaml``'s without the
-    fixed-shape forwards (both methods run the same forwards)."""
+    """``configs/quickstart.yaml``'s modules, ``configs/movie_reviews/{mezo,dpzero_eps2}.yaml``'s without the
+    fixed-shape forwards (both methods run the same forwards), or ``text_host``'s tiny BERT."""
     import torch
 
     from lit_zodp.algorithms import DPZero, MeZO
@@ -86,6 +96,14 @@ def make_module(method: str, setup: str = "quickstart"):
 
         backbone = TinyMLP(in_features=64, num_classes=10, hidden=64)
         common, private = dict(lr=0.01, lam=1e-3, seed=0), dict(clip=2.0, target_epsilon=4.0, delta=1e-5)
+    elif setup == "text_host":
+        from lit_zodp.backbones import HFSequenceClassifier
+        from lit_zodp.backbones.huggingface import tiny_bert_config
+
+        config = tiny_bert_config(vocab_size=TEXT_HOST_VOCAB, max_position_embeddings=TEXT_HOST_LENGTH,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        backbone = HFSequenceClassifier(config=config, num_classes=2)
+        common, private = dict(lr=1e-4, lam=1e-3, seed=0), dict(clip=1.0, target_epsilon=2.0, delta=1e-5)
     else:
         from lit_zodp.backbones import SENTIMENT_LABEL_DESCRIPTIONS, SentenceEncoderClassifier
 
@@ -104,10 +122,44 @@ def make_datamodule(setup: str):
         from datamodules import DigitsDataModule
 
         return DigitsDataModule(batch_size=64, val_fraction=0.1)
+    if setup == "text_host":
+        return RandomTokenRows()
     from datamodules import MovieReviewsDataModule
 
     return MovieReviewsDataModule(source="rotten_tomatoes", tokenizer="minilm", max_length=32, pad_to_max_length=True,
                                   batch_size=32)
+
+
+class RandomTokenRows:
+    """``text_host``'s data: random token rows, all ``TEXT_HOST_LENGTH`` long, in Poisson batches of expected size 32.
+
+    A plain DataModule that does not say its rows are padded to one length (no ``pad_to_max_length``), as a user's
+    own text data may be: the private modules' padding check then waits for a batch with a row shorter than its
+    longest, for the whole fit (``bench_zo_gpu.py``'s rows are the same). Built lazily, as a LightningDataModule."""
+
+    def __new__(cls):
+        import lightning.pytorch as pl
+        import torch
+        from torch.utils.data import DataLoader
+
+        from lit_zodp.privacy import PoissonBatchSampler
+
+        class _RandomTokenRows(pl.LightningDataModule):
+            def __init__(self) -> None:
+                super().__init__()
+                g = torch.Generator().manual_seed(0)
+                self.ids = torch.randint(1, TEXT_HOST_VOCAB, (TEXT_HOST_ROWS, TEXT_HOST_LENGTH), generator=g)
+                self.labels = torch.randint(0, 2, (TEXT_HOST_ROWS,), generator=g)
+
+            def collate(self, indices):
+                ids = self.ids[indices]
+                return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, self.labels[indices]
+
+            def train_dataloader(self):
+                sampler = PoissonBatchSampler(TEXT_HOST_ROWS, 32 / TEXT_HOST_ROWS)
+                return DataLoader(range(TEXT_HOST_ROWS), batch_sampler=sampler, collate_fn=self.collate)
+
+        return _RandomTokenRows()
 
 
 def timed_fit(method: str, steps: int, datamodule, setup: str = "quickstart") -> dict:
@@ -153,6 +205,10 @@ IN_PLACE_CALLS = (
     ("callback batch end", "lit_zodp.callbacks.privacy", "PrivacySpendCallback", "on_train_batch_end"),
     ("module batch start", "lit_zodp.algorithms.base", "AlgorithmModule", "on_train_batch_start"),
     ("re-checks", "lit_zodp.algorithms.base", "AlgorithmModule", "_run_due_checks"),
+    ("forward: pending checks", "lit_zodp.algorithms.base", "AlgorithmModule", "_checks_can_compare"),
+    ("forward: buffer writes", "lit_zodp.algorithms.base", None, "refuse_buffer_writes"),
+    ("forward: parameter writes", "lit_zodp.per_example.checks", "ParameterWrites", "refuse_since"),
+    ("host batch", "lit_zodp.algorithms.base", "AlgorithmModule", "_note_host_batch"),
 )
 #: Labels reported as the mean per step over a fit (rare and long), not as the median call.
 PER_STEP_MEAN = ("re-checks",)
@@ -325,8 +381,9 @@ def render(result: dict, meta: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setup", choices=tuple(SETUP_LABELS), default="quickstart",
-                        help="quickstart (the target's) or movie_reviews (MiniLM on CPU: a step that is not tiny)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per fit (default 3000; 150 for movie_reviews)")
+                        help="quickstart (the target's), movie_reviews (MiniLM on CPU: a step that is not tiny) or "
+                             "text_host (a host-bound text step with the padding check waiting)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per fit (default 3000; 150 for movie_reviews, 1000 for text_host)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)

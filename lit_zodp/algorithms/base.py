@@ -374,14 +374,21 @@ class AlgorithmModule(pl.LightningModule):
         """The rows the padding check compares: those shorter than the batch's longest (none: this batch cannot
         compare); ``None`` where the check does not apply (no attention mask, a fixed shape, text padded to
         ``max_length``)."""
+        mask = self._padding_check_mask(inputs)
+        if mask is None:
+            return None
+        if self._host_shorter_rows.get(tuple(mask.shape)) is False:  # the host saw none: no wait for a device
+            return torch.zeros(0, dtype=torch.long, device=mask.device)
+        return torch.nonzero(rows_ending_early(mask)).flatten()
+
+    def _padding_check_mask(self, inputs) -> Optional[Tensor]:
+        """The attention mask the padding check reads; ``None`` where the check does not apply (no attention mask, a
+        fixed shape, text padded to ``max_length``)."""
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         if (self.fixed_shape is not None or not isinstance(inputs, Mapping) or "attention_mask" not in inputs
                 or getattr(datamodule, "pad_to_max_length", False)):
             return None
-        mask = inputs["attention_mask"]
-        if self._host_shorter_rows.get(tuple(mask.shape)) is False:  # the host saw none: no wait for a device
-            return torch.zeros(0, dtype=torch.long, device=mask.device)
-        return torch.nonzero(rows_ending_early(mask)).flatten()
+        return inputs["attention_mask"]
 
     def _on_before_batch_transfer(self, batch: Any, dataloader_idx: int = 0) -> Any:
         """Lightning's step before each transfer, after the ``on_before_batch_transfer`` hooks (overridden here
@@ -395,9 +402,9 @@ class AlgorithmModule(pl.LightningModule):
         """While a padding check waits for a batch with a row shorter than its longest, whether the training batch
         has one is read here, once, on the host: asked on an accelerator, every step would wait for the device
         (issue 8), until such a batch comes (text of full-length rows: never); on the CPU each forward would
-        measure the rows again. Each batch's transfer replaces the answer. The step asks the device where the device batch may not be the host
-        batch moved (an own ``transfer_batch_to_device`` or ``on_after_batch_transfer``, here or in the
-        DataModule) and where no host batch was seen (``dataloader_iter`` steps)."""
+        measure the rows again. Each batch's transfer replaces the answer. The step asks the device where the device
+        batch may not be the host batch moved (an own ``transfer_batch_to_device`` or ``on_after_batch_transfer``,
+        here or in the DataModule) and where no host batch was seen (``dataloader_iter`` steps)."""
         self._host_shorter_rows.clear()
         if not ("padding" in self._pending_checks and self._trainer is not None
                 and self.trainer.training and _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)):
@@ -405,10 +412,8 @@ class AlgorithmModule(pl.LightningModule):
         private = self.split_batch(batch)[0]
         inputs = private[0] if isinstance(private, (tuple, list)) and len(private) == 2 else None
         mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
-        if isinstance(mask, Tensor) and mask.device.type == "cpu":
-            shorter = self._rows_shorter_than_the_batch(inputs)
-            if shorter is not None:
-                self._host_shorter_rows[tuple(mask.shape)] = len(shorter) > 0
+        if isinstance(mask, Tensor) and mask.device.type == "cpu" and self._padding_check_mask(inputs) is not None:
+            self._host_shorter_rows[tuple(mask.shape)] = bool(rows_ending_early(mask).any())
 
     def _checks_can_compare(self, inputs) -> bool:
         """Whether a pending check can run on this batch. The halves check (and a drawn re-check) can; a padding
@@ -418,6 +423,9 @@ class AlgorithmModule(pl.LightningModule):
             return True
         if "padding" not in self._pending_checks:
             return False
+        if self._host_shorter_rows and isinstance(inputs, dict) and \
+                self._host_shorter_rows.get(tuple(getattr(inputs.get("attention_mask"), "shape", ()))) is False:
+            return False  # the host saw no shorter row in this batch (every full-length step: a lookup)
         shorter = self._rows_shorter_than_the_batch(inputs)
         return shorter is None or len(shorter) > 0
 
