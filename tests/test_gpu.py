@@ -107,7 +107,7 @@ def never_waiting(base, steps):
 @pytest.mark.parametrize("name", ["DPZero", "MeZO", "MeZOBCD", "DPMeZOBCD"])
 def test_a_zeroth_order_step_on_cuda_never_waits_for_the_device(name):
     """Issue 8: no host synchronisation inside a step (coefficients stay on the device, the engine's
-    tables are copied from pinned memory, the noise is drawn on the device): CUDA's sync debug mode
+    tables are copied from pinned memory, the scalar noise is a kernel argument): CUDA's sync debug mode
     raises on any synchronising call. The first step compiles the kernels and is not checked; no
     step writes logs (log_every_n_steps 1000)."""
     base = ALGORITHMS[name]

@@ -190,7 +190,7 @@ class NoiseSource:
         dtype = x.dtype if dtype is None else dtype
         small = 0 < x.numel() <= SCALAR_DRAW  # DPZero's scalars
         if small and not x.is_cpu and dtype in HOST_DTYPES:
-            return self._scalars_noised_in_place_of(x, float(std), float(divisor), dtype)
+            return self._scalars_noised_on_device(x, float(std), float(divisor), dtype)
         if x.is_cpu and x.dtype in HOST_DTYPES and dtype in HOST_DTYPES:
             if small:  # Python floats: two tensor calls per release
                 flat = x.dim() == 1
@@ -212,7 +212,7 @@ class NoiseSource:
         normals of the pool (Python floats: in a step's cold caches, a few NumPy calls on a scalar cost tens of us)."""
         return [(value + std * z) / divisor for value, z in zip(values, self._pool_normals(len(values)))]
 
-    def _scalars_noised_in_place_of(self, x: Tensor, std: float, divisor: float, dtype: torch.dtype) -> Tensor:
+    def _scalars_noised_on_device(self, x: Tensor, std: float, divisor: float, dtype: torch.dtype) -> Tensor:
         """:meth:`_scalars_noised` where ``x`` lives (an accelerator): the same float64 operations, so the same bits,
         rounded once to ``dtype``. The noise comes from the host's pool, the keystream every zeroth-order release
         draws from on any device; one value travels as a kernel argument, several in one copy from pinned memory

@@ -158,7 +158,7 @@ def test_a_small_release_on_an_accelerator_has_the_bits_of_the_host_release(shap
     rounded once, as on the host; run here on CPU tensors, the two paths give the same bits."""
     x = (torch.linspace(-1, 1, math.prod(shape)).view(shape) + 1e-9).to(x_dtype)
     host = NoiseSource(4).noised(x, 0.7, divisor=3.0, dtype=dtype)
-    there = NoiseSource(4)._scalars_noised_in_place_of(x, 0.7, 3.0, dtype)
+    there = NoiseSource(4)._scalars_noised_on_device(x, 0.7, 3.0, dtype)
     assert there.dtype == host.dtype == dtype and there.shape == host.shape == x.shape
     assert torch.equal(there.reshape(-1).view(torch.uint8), host.reshape(-1).view(torch.uint8))
 
