@@ -159,7 +159,7 @@ def test_a_transformer_examples_loss_is_bitwise_the_same_in_any_batch_with_fixed
     assert example_zero_in_random_batches(8, hidden=hidden, trials=20, lengths=[16, 32])[0] == 1
 
 
-@pytest.mark.parametrize("shape", [(9, 6), (7, 3, 6), (5, 2, 3, 4), (4, 1)])
+@pytest.mark.parametrize("shape", [(9, 6), (7, 3, 6), (5, 2, 3, 4), (4, 1), (0, 6), (0, 3, 6)])
 def test_a_row_ends_early_exactly_when_its_used_length_is_below_the_batch_width(shape):
     """The padding check's question (which rows are shorter than their batch's width), read from the last column
     alone, is the same as from every row's used length (candidate rows: any entry of a row reaching the end)."""
