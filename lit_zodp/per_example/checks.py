@@ -174,15 +174,18 @@ def refuse_compiled(module: nn.Module) -> None:
 
 
 BufferState = dict[str, tuple[nn.Module, str, Tensor, Optional[int]]]
+#: ``list(module.named_modules())``: one walk of the module shared by the checks of one step.
+NamedModules = Optional[list[tuple[str, nn.Module]]]
 
 
-def buffer_state(module: nn.Module) -> BufferState:
+def buffer_state(module: nn.Module, modules: NamedModules = None) -> BufferState:
     """``{qualified name: (owner, local name, buffer, version)}`` of ``module``'s buffers, read before a private
     forward. ``Tensor._version`` counts in-place writes; holding the tensor catches a reassigned buffer (an
     inference tensor, made by a lazy layer under ``inference_mode``, has no counter and cannot be written in
-    place)."""
+    place). ``modules``: ``module``'s walk, when the caller has it."""
     return {f"{owner_name}.{local}".lstrip("."): (owner, local, b, None if b.is_inference() else b._version)
-            for owner_name, owner in module.named_modules() for local, b in owner._buffers.items() if b is not None}
+            for owner_name, owner in (module.named_modules() if modules is None else modules)
+            for local, b in owner._buffers.items() if b is not None}
 
 
 def refuse_buffer_writes(module: nn.Module, before: BufferState, *, added: bool = True) -> None:
@@ -234,12 +237,12 @@ class ParameterWrites:
     not seen.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, modules: NamedModules = None) -> None:
         self.module = module
         # (an inference tensor has no version counter, and nothing outside inference mode writes it in place)
         self.slots = [(f"{owner_name}.{local}".lstrip("."), owner, local, p)
-                      for owner_name, owner in module.named_modules() for local, p in owner._parameters.items()
-                      if p is not None and not p.is_inference()]
+                      for owner_name, owner in (module.named_modules() if modules is None else modules)
+                      for local, p in owner._parameters.items() if p is not None and not p.is_inference()]
         self._params = [p for *_, p in self.slots]
 
     def versions(self) -> list[int]:

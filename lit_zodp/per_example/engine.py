@@ -440,10 +440,11 @@ class PerExampleGradientEngine:
         Runs with autocast off (:func:`.rounding.outside_autocast`) but for the forward: the engine's
         sums and norms keep the dtypes it chose."""
         self.last_recomputed = {}
-        self._refuse_changed_trainables()
+        modules = list(self.module.named_modules())  # one walk for the three checks below (each walked alone before)
+        self._refuse_changed_trainables(modules)
         uses = ParameterUses(self.params, tape.stack)
         tape.recording = True
-        buffers, parameters = buffer_state(self.module), ParameterWrites(self.module)
+        buffers, parameters = buffer_state(self.module, modules), ParameterWrites(self.module, modules)
         versions = parameters.versions()
         with uses, forward_autocast(self._device_type):
             losses = loss_fn()
@@ -487,11 +488,16 @@ class PerExampleGradientEngine:
                                 for i, source in plan.items() if isinstance(source, _Recompute)}
         return losses, batch
 
-    def _refuse_changed_trainables(self) -> None:
+    def _refuse_changed_trainables(self, modules: List[Tuple[str, nn.Module]]) -> None:
         """The trainable parameters are fixed at construction: one frozen since has no gradient to clip
         (a bare ``KeyError`` in the layer rules, audit 5 L1), one unfrozen since would silently never be
-        trained. One walk of ``named_parameters`` per batch."""
+        trained. ``modules``: this batch's walk of the module (its parameters are looked at there; the names
+        are found only for a refusal)."""
         known = {id(p) for p in self.params}
+        if all(p.requires_grad for p in self.params) and not any(
+                p is not None and p.requires_grad and id(p) not in known
+                for _, owner in modules for p in owner._parameters.values()):
+            return
         raise_if_any([f"Parameter `{name}` was frozen after the per-example engine was built; build a new "
                       f"engine (optimizer) for the new set of trainable parameters"
                       for name, p in zip(self.names, self.params) if not p.requires_grad]
