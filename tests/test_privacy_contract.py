@@ -747,17 +747,17 @@ def test_the_padding_check_waits_for_a_padded_batch_and_costs_no_forward_before_
 def test_a_waiting_padding_check_reads_each_batch_once_on_the_host_and_checks_no_forward(name, monkeypatch):
     """While the padding check waits (full-length rows), a zeroth-order step reads its batch's row ends once, on
     the host before the transfer, and its forwards run no check: no second read of the rows, no search for a
-    reassigned parameter (until 2026-11-28 both forwards of every such step did both: 0.3-0.5 ms of a MiniLM step
-    on CPU, issue 8). The first padded batch is read and checked; after it nothing is."""
+    reassigned parameter (until 2026-11-28 both forwards of every such step did both: about 0.3 ms of an 8 ms text
+    step on CPU, issue 8). The first padded batch is read and checked; after it nothing is."""
     from lit_zodp.algorithms import base
     from lit_zodp.per_example.checks import ParameterWrites
     from lit_zodp.privacy.fixed_shape import rows_ending_early
 
     full, reads, searches = 4, [], []
     module = build(name, TokenBag(masked=True), num_classes=2, recheck_probability=0.0)
-    for name, read in (("rows_ending_early", rows_ending_early),  # on the device batch, in a step
-                       ("_has_a_row_ending_early", base._has_a_row_ending_early)):  # on the host batch
-        monkeypatch.setattr(base, name, lambda mask, read=read: reads.append(module.global_step) or read(mask))
+    for function, read in (("rows_ending_early", rows_ending_early),  # on the device batch, in a step
+                           ("_has_a_row_ending_early", base._has_a_row_ending_early)):  # on the host batch
+        monkeypatch.setattr(base, function, lambda mask, read=read: reads.append(module.global_step) or read(mask))
     refuse_since = ParameterWrites.refuse_since
 
     def counted(self, versions, *, reassigned=True):
