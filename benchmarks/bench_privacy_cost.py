@@ -32,12 +32,12 @@ Usage::
     python benchmarks/bench_privacy_cost.py                 # 7 repetitions of 3000 steps each
     python benchmarks/bench_privacy_cost.py --quick         # smoke run
     python benchmarks/bench_privacy_cost.py --setup movie_reviews --repeats 6   # MiniLM on CPU, ~20 minutes
-    python benchmarks/bench_privacy_cost.py --setup text_host --repeats 7   # a host-bound text step (below)
+    python benchmarks/bench_privacy_cost.py --setup text_host --repeats 5 --threads 1  # a host-bound text step (below)
     python benchmarks/bench_privacy_cost.py --no-recheck-too --repeats 8       # + DPZero without its re-checks
     python benchmarks/bench_privacy_cost.py --in-place --repeats 3            # where privacy's time goes, per call
 
 ``--setup text_host`` times them on a text step the host bounds: a 2-layer BERT of width 32 on random full-length
-rows, B = 32, 32 tokens (a 2-3 ms step on CPU), from a DataModule that does not declare its rows padded to one
+rows, B = 32, 32 tokens (about 8 ms a step on 2 CPU cores), from a DataModule that does not declare its rows padded to one
 length, so the padding check waits all fit long, as in ``bench_zo_gpu.py``. It is the CPU stand-in for MiniLM on a
 GPU, whose two forwards are kernel launches: there, whatever privacy adds on the host adds to the step.
 
