@@ -756,7 +756,7 @@ def test_a_waiting_padding_check_reads_each_batch_once_on_the_host_and_checks_no
     full, reads, searches = 4, [], []
     module = build(name, TokenBag(masked=True), num_classes=2, recheck_probability=0.0)
     for function, read in (("rows_ending_early", rows_ending_early),  # on the device batch, in a step
-                           ("_has_a_row_ending_early", base._has_a_row_ending_early)):  # on the host batch
+                           ("any_row_ends_early", base.any_row_ends_early)):  # on the host batch
         monkeypatch.setattr(base, function, lambda mask, read=read: reads.append(module.global_step) or read(mask))
     refuse_since = ParameterWrites.refuse_since
 

@@ -34,7 +34,8 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, Param
                                          refuse_batch_mixing, refuse_buffer_writes, renormalising_embeddings,
                                          rows_agree, rows_differ, step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
-from lit_zodp.privacy.fixed_shape import FixedShapeForwards, cut_columns, rows_ending_early, take_rows, used_lengths
+from lit_zodp.privacy.fixed_shape import (FixedShapeForwards, any_row_ends_early, cut_columns, rows_ending_early,
+                                         take_rows, used_lengths)
 from lit_zodp.privacy.sampling import SamplingDescription
 
 #: Every concrete algorithm, by class name (filled by ``AlgorithmModule.__init_subclass__``).
@@ -374,12 +375,16 @@ class AlgorithmModule(pl.LightningModule):
         """The rows the padding check compares: those shorter than the batch's longest (none: this batch cannot
         compare); ``None`` where the check does not apply (no attention mask, a fixed shape, text padded to
         ``max_length``)."""
+        if self._host_saw_no_shorter_row(inputs):  # no wait for a device
+            return torch.zeros(0, dtype=torch.long, device=inputs["attention_mask"].device)
         mask = self._padding_check_mask(inputs)
-        if mask is None:
-            return None
-        if self._host_shorter_rows.get(tuple(mask.shape)) is False:  # the host saw none: no wait for a device
-            return torch.zeros(0, dtype=torch.long, device=mask.device)
-        return torch.nonzero(rows_ending_early(mask)).flatten()
+        return None if mask is None else torch.nonzero(rows_ending_early(mask)).flatten()
+
+    def _host_saw_no_shorter_row(self, inputs) -> bool:
+        """Whether the host's note of this batch (:meth:`_note_host_batch`, made only where the padding check applies)
+        says it has no row shorter than its longest: a dict lookup."""
+        return bool(self._host_shorter_rows) and isinstance(inputs, Mapping) and self._host_shorter_rows.get(
+            tuple(getattr(inputs.get("attention_mask"), "shape", ()))) is False
 
     def _padding_check_mask(self, inputs) -> Optional[Tensor]:
         """The attention mask the padding check reads; ``None`` where the check does not apply (no attention mask, a
@@ -411,9 +416,9 @@ class AlgorithmModule(pl.LightningModule):
             return
         private = self.split_batch(batch)[0]
         inputs = private[0] if isinstance(private, (tuple, list)) and len(private) == 2 else None
-        mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
-        if isinstance(mask, Tensor) and mask.device.type == "cpu" and self._padding_check_mask(inputs) is not None:
-            self._host_shorter_rows[tuple(mask.shape)] = _has_a_row_ending_early(mask)
+        mask = self._padding_check_mask(inputs)
+        if isinstance(mask, Tensor) and mask.device.type == "cpu":
+            self._host_shorter_rows[tuple(mask.shape)] = any_row_ends_early(mask)
 
     def _checks_can_compare(self, inputs) -> bool:
         """Whether a pending check can run on this batch. The halves check (and a drawn re-check) can; a padding
@@ -423,9 +428,8 @@ class AlgorithmModule(pl.LightningModule):
             return True
         if "padding" not in self._pending_checks:
             return False
-        if self._host_shorter_rows and isinstance(inputs, dict) and \
-                self._host_shorter_rows.get(tuple(getattr(inputs.get("attention_mask"), "shape", ()))) is False:
-            return False  # the host saw no shorter row in this batch (every full-length step: a lookup)
+        if self._host_saw_no_shorter_row(inputs):  # (every full-length step: no tensor is made)
+            return False
         shorter = self._rows_shorter_than_the_batch(inputs)
         return shorter is None or len(shorter) > 0
 
@@ -544,15 +548,6 @@ class AlgorithmModule(pl.LightningModule):
                                      "cannot resume from it without losing what was spent; start a private run from "
                                      "weights that never saw the private data.")
         self.run_seed = checkpoint.get("public_state", {}).get("run_seed", self.run_seed)
-
-
-def _has_a_row_ending_early(mask: Tensor) -> bool:
-    """``rows_ending_early(mask).any()`` for a host mask, read from its last column as a Python list: before a step,
-    in cold caches, that took 15 us where the torch ops took 32 and NumPy's 57 (text_host, AMD EPYC)."""
-    last = mask[..., -1]
-    if last.dim() < 2:
-        return 0 in last.reshape(-1).tolist()
-    return any(not any(row) for row in last.flatten(1).tolist())  # (an empty batch: no row)
 
 
 def _check_lengths(lengths: Optional[list[int]], rows: Optional[int]) -> Optional[str]:

@@ -20,7 +20,8 @@ from lit_zodp.backbones.huggingface import tiny_bert_config
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine
 from lit_zodp.privacy import clip_scalars
-from lit_zodp.privacy.fixed_shape import FixedShapeForwards, row_shape, rows_ending_early, used_lengths
+from lit_zodp.privacy.fixed_shape import (FixedShapeForwards, any_row_ends_early, row_shape, rows_ending_early,
+                                         used_lengths)
 from lit_zodp.zo import derive_seed
 from tests.conftest import blobs, mlp, poisson_loader, quiet_trainer
 
@@ -163,15 +164,13 @@ def test_a_transformer_examples_loss_is_bitwise_the_same_in_any_batch_with_fixed
 def test_a_row_ends_early_exactly_when_its_used_length_is_below_the_batch_width(shape):
     """The padding check's question (which rows are shorter than their batch's width), read from the last column
     alone, is the same as from every row's used length (candidate rows: any entry of a row reaching the end)."""
-    from lit_zodp.algorithms.base import _has_a_row_ending_early  # the host's answer before the transfer
-
     g = torch.Generator().manual_seed(len(shape))
     for density in (0.2, 0.5, 0.9):
         for _ in range(50):
             mask = (torch.rand(shape, generator=g) < density).long()
             assert torch.equal(rows_ending_early(mask), used_lengths(mask) < shape[-1])
             for kind in (torch.long, torch.bool, torch.float32):
-                assert _has_a_row_ending_early(mask.to(kind)) == bool((used_lengths(mask) < shape[-1]).any())
+                assert any_row_ends_early(mask.to(kind)) == bool((used_lengths(mask) < shape[-1]).any())
 
 
 def test_length_buckets_forward_each_row_with_its_own_buckets_rows_cut_to_that_length():
