@@ -123,43 +123,39 @@ def make_datamodule(setup: str):
 
         return DigitsDataModule(batch_size=64, val_fraction=0.1)
     if setup == "text_host":
-        return RandomTokenRows()
+        return random_token_rows()
     from datamodules import MovieReviewsDataModule
 
     return MovieReviewsDataModule(source="rotten_tomatoes", tokenizer="minilm", max_length=32, pad_to_max_length=True,
                                   batch_size=32)
 
 
-class RandomTokenRows:
+def random_token_rows():
     """``text_host``'s data: random token rows, all ``TEXT_HOST_LENGTH`` long, in Poisson batches of expected size 32.
 
     A plain DataModule that does not say its rows are padded to one length (no ``pad_to_max_length``), as a user's
     own text data may be: the private modules' padding check then waits for a batch with a row shorter than its
-    longest, for the whole fit (``bench_zo_gpu.py``'s rows are the same). Built lazily, as a LightningDataModule."""
+    longest, for the whole fit (``bench_zo_gpu.py``'s rows are the same)."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
 
-    def __new__(cls):
-        import lightning.pytorch as pl
-        import torch
-        from torch.utils.data import DataLoader
+    from lit_zodp.privacy import PoissonBatchSampler
 
-        from lit_zodp.privacy import PoissonBatchSampler
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, TEXT_HOST_VOCAB, (TEXT_HOST_ROWS, TEXT_HOST_LENGTH), generator=g)
+    labels = torch.randint(0, 2, (TEXT_HOST_ROWS,), generator=g)
 
-        class _RandomTokenRows(pl.LightningDataModule):
-            def __init__(self) -> None:
-                super().__init__()
-                g = torch.Generator().manual_seed(0)
-                self.ids = torch.randint(1, TEXT_HOST_VOCAB, (TEXT_HOST_ROWS, TEXT_HOST_LENGTH), generator=g)
-                self.labels = torch.randint(0, 2, (TEXT_HOST_ROWS,), generator=g)
+    def collate(indices):
+        rows = ids[indices]
+        return {"input_ids": rows, "attention_mask": torch.ones_like(rows)}, labels[indices]
 
-            def collate(self, indices):
-                ids = self.ids[indices]
-                return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, self.labels[indices]
+    class RandomTokenRows(pl.LightningDataModule):
+        def train_dataloader(self):
+            sampler = PoissonBatchSampler(TEXT_HOST_ROWS, 32 / TEXT_HOST_ROWS)
+            return DataLoader(range(TEXT_HOST_ROWS), batch_sampler=sampler, collate_fn=collate)
 
-            def train_dataloader(self):
-                sampler = PoissonBatchSampler(TEXT_HOST_ROWS, 32 / TEXT_HOST_ROWS)
-                return DataLoader(range(TEXT_HOST_ROWS), batch_sampler=sampler, collate_fn=self.collate)
-
-        return _RandomTokenRows()
+    return RandomTokenRows()
 
 
 def timed_fit(method: str, steps: int, datamodule, setup: str = "quickstart") -> dict:
