@@ -32,6 +32,13 @@
 #   profile      profile_zo_step.py: MeZO and DPZero steps profiled (cProfile under training_step, torch.profiler
 #                kernels and operators) on MiniLM b32 fp32 and bf16 and RoBERTa-large b16 bf16
 #                -> results/profile_<model>_<dtype>_b<batch>.txt                              ~2.5 min
+#   triton       HERE, not on the device (needs the registry): the device's Triton (TRITON_VERSION, default
+#                3.6.0, what the H200 had on 2026-11-28) installed beside this checkout's into /tmp/triton-<v>
+#                and put first on PYTHONPATH for the Triton tests that need no GPU: every kernel compiled for
+#                sm_90 (the pass kernel at each tile and dtype, the noise kernel), its PTX checked, and the
+#                kernels run by Triton's interpreter against their torch references. A session that was
+#                lent a GPU lost its first run to a Triton 3.8 API (`tl.to_tensor`) the device's 3.6
+#                lacks (2026-11-28); this finds such a break before the device time is spent.   ~1 min
 #   carry        HERE, not on the device (needs the `data` extras installed here): writes .gpu_carry/
 #                (all-MiniLM-L6-v2 rounded to fp16, 45 MB, and the Rotten Tomatoes rows) and adds /.gpu_carry/
 #                to .git/info/exclude; the device lacks both packages and takes 64 MiB of carry.     ~10 s
@@ -52,6 +59,7 @@
 # per Lightning fit, 5 repeats + 1 warm-up). If a piece is cut by its timeout, run it again with fewer
 # repeats, e.g. EXTRA_ARGS="--repeats 3".
 #
+# Before the call plan, HERE: `benchmarks/gpu_session.sh triton` after any change to a kernel.
 # Call plan. A session lent a GPU has 15 min of device time in all (start, idle and give-back count;
 # a fresh machine takes 0.5-2 min to start and goes back 30 s after a call, so have the next call ready;
 # every call brings its results back through $OUT). HERE first: `wheels` (and `carry` for the pieces
@@ -109,7 +117,8 @@
 #
 # Environment: PY (python; default python3), DEADLINE (seconds for the whole invocation; default 570
 # when $OUT is set, else none), CAPS (per-piece caps, "piece=seconds ..."), EXTRA_ARGS (appended to every
-# benchmark command), DRY_RUN=1 (print the commands, run nothing), GPU_SESSION_RESULTS (results folder).
+# benchmark command), DRY_RUN=1 (print the commands, run nothing), GPU_SESSION_RESULTS (results folder), TRITON_VERSION
+# (the `triton` piece: the device's Triton, default 3.6.0).
 
 set -uo pipefail
 
@@ -127,7 +136,7 @@ mkdir -p "$RES" "$LOGS"
 
 #: Per-piece caps in seconds (each under 9 minutes), further cut by what is left of DEADLINE.
 declare -A CAP=([tests]=540 [zo_roberta]=540 [zo_opt]=540 [zo_minilm]=300 [merge]=60 [first_order]=540
-                [bcd]=480 [bcd_accuracy]=540 [fixed_shape]=300 [profile]=240)
+                [bcd]=480 [bcd_accuracy]=540 [fixed_shape]=300 [profile]=240 [triton]=540)
 for cap in ${CAPS:-}; do  # CAPS="zo_minilm=100 zo_roberta=220": this call's own caps
     if [[ "$cap" =~ ^([a-z_]+)=([0-9]+)$ && -n "${CAP[${BASH_REMATCH[1]}]:-}" ]]; then
         CAP[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}
@@ -351,6 +360,31 @@ piece_carry() {  # HERE, not on the device
     "$PY" benchmarks/bench_mezo_bcd_accuracy.py --pack-carry .gpu_carry
 }
 
+#: The tests that run Triton without a GPU (compiled for sm_90, interpreted), under another Triton version.
+TRITON_TESTS=(tests/zo/test_fused.py tests/privacy/test_device_noise.py tests/algorithms/test_dpzero.py)
+
+piece_triton() {  # HERE, not on the device
+    local version=${TRITON_VERSION:-3.6.0}
+    local site=/tmp/triton-$version
+    if [[ -n "$OUT" ]]; then
+        say "triton: run this piece here, not on the device (it needs the registry)"
+        return 1
+    fi
+    [[ "$DRY_RUN" == 1 ]] && { say "triton: (dry run) Triton $version into $site, then pytest ${TRITON_TESTS[*]}"; return 0; }
+    if [[ ! -f "$site/triton/__init__.py" ]]; then
+        say "triton: installing Triton $version into $site"
+        "$PY" -m pip install -q --no-deps --target "$site" "triton==$version" || return 1
+    fi
+    local found
+    found=$(PYTHONPATH="$site" "$PY" -c "import triton; print(triton.__version__)") || return 1
+    if [[ "$found" != "$version" ]]; then
+        say "triton: $site gives Triton $found, not $version"
+        return 1
+    fi
+    run_logged triton "$(budget triton)" env PYTHONPATH="$site" HF_HUB_OFFLINE=1 "$PY" -m pytest -q \
+        -p no:cacheprovider "${TRITON_TESTS[@]}"
+}
+
 piece_wheels() {  # HERE, not on the device
     local_piece wheels .whl "it needs the package registry" || return 1
     [[ "$DRY_RUN" == 1 ]] && { say "wheels: (dry run)"; return 0; }
@@ -380,7 +414,8 @@ run_piece() {
         profile) piece_profile ;;
         wheels) piece_wheels ;;
         carry) piece_carry ;;
-        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy fixed_shape profile all wheels carry)"; return 2 ;;
+        triton) piece_triton ;;
+        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy fixed_shape profile all wheels carry triton)"; return 2 ;;
     esac
     rc=$?
     say "=== $piece: done, rc=$rc, wall $((SECONDS - start)) s"
