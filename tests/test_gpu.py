@@ -59,18 +59,20 @@ def test_noise_and_secret_vectors_on_cuda_follow_the_cpu_law():
     torch.testing.assert_close(gpu_chunk.cpu(), expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("numel", [1, 3])
-def test_a_small_release_on_cuda_has_the_bits_of_the_host_release_and_never_waits(numel):
-    """DPZero's k-vector of clipped sums (float64) on the device: the host pool's normals, added there in float64
-    and rounded once: the host release's bits, with no synchronisation (one value is a kernel argument, several a
-    copy from pinned memory)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("numel", [1, 3, 16])
+def test_a_small_release_on_cuda_has_the_bits_of_the_host_release_and_never_waits(numel, dtype):
+    """DPZero's k-vector of clipped sums (float64) on the device: the host pool's normals, added there in float64,
+    divided by B held on the device (CUDA multiplies by the reciprocal of a host scalar: other bits in a third of
+    float64 quotients) and rounded once: the host release's bits, with no synchronisation (one value is a kernel
+    argument, several a copy from pinned memory)."""
     x = torch.linspace(-1, 1, numel, dtype=torch.float64) + 1e-9
-    host = NoiseSource(4).noised(x, 0.7, divisor=3.0, dtype=torch.float32)
+    host = NoiseSource(4).noised(x, 0.7, divisor=3.0, dtype=dtype)
     source, on_device = NoiseSource(4), x.cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        there = source.noised(on_device, 0.7, divisor=3.0, dtype=torch.float32)
+        there = source.noised(on_device, 0.7, divisor=3.0, dtype=dtype)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert there.device.type == "cuda" and torch.equal(there.cpu().view(torch.uint8), host.view(torch.uint8))

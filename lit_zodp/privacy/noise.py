@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from lit_zodp.errors import LitZodpWarning, check_non_negative, check_positive, raise_if_any
+from lit_zodp.transfer import to_device_without_waiting
 from lit_zodp.privacy.device_noise import KERNEL_DTYPES, SecretKey, add_gaussian, device_noise_available
 from lit_zodp.zo.parallel import map_on_threads
 
@@ -163,6 +164,7 @@ class NoiseSource:
         self._forks = _FORKS[0]
         self._pool: Optional[list] = None  # the scalar pool (secret: in memory only) and its next unused value
         self._pool_next = 0
+        self._device_divisor: Optional[tuple] = None  # ((device, B), B on that device): public, for the releases there
 
     def _refuse_after_fork(self) -> None:
         """A forked child holds its parent's key, counter, pool and stream: its draws would repeat the
@@ -176,9 +178,7 @@ class NoiseSource:
         """A draw of ``N(0, std^2)`` with the given shape, on ``device`` (drawn and scaled in float64)."""
         raise_if_any([check_non_negative("noise std", std)])
         host = torch.from_numpy(self._host_noised(np.zeros(math.prod(shape)), float(std))).view(tuple(shape))
-        if torch.device(device).type == "cuda":  # pinned + non_blocking: no wait on the device's queue
-            return host.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
-        return host.to(device=device, dtype=dtype)
+        return to_device_without_waiting(host, device, dtype)
 
     def noised(self, x: Tensor, std: float, *, divisor: float = 1.0, dtype: Optional[torch.dtype] = None) -> Tensor:
         """``(x + N(0, std^2 I)) / divisor``, a new tensor of ``dtype`` (default ``x``'s). On the host it is computed
@@ -221,11 +221,19 @@ class NoiseSource:
         if len(noise) == 1:
             total = x.double() + noise[0]
         else:
-            host = torch.tensor(noise, dtype=torch.float64)
-            if x.is_cuda:
-                host = host.pin_memory()
-            total = x.double() + host.to(x.device, non_blocking=x.is_cuda).view(x.shape)
-        return (total / divisor).to(dtype)
+            noise_there = to_device_without_waiting(torch.tensor(noise, dtype=torch.float64), x.device)
+            total = x.double() + noise_there.view(x.shape)
+        # by a tensor there, into ``dtype`` at once: CUDA divides by a host scalar as a product with its reciprocal,
+        # which differs from the quotient in a third of float64 values
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+        return torch.div(total, self._divisor_on(x.device, divisor), out=out)
+
+    def _divisor_on(self, device: torch.device, divisor: float) -> Tensor:
+        """``divisor`` as a float64 tensor on ``device``, copied there once (a fit's divisor is its constant B)."""
+        if self._device_divisor is None or self._device_divisor[0] != (device, divisor):
+            there = to_device_without_waiting(torch.tensor(divisor, dtype=torch.float64), device)
+            self._device_divisor = ((device, divisor), there)
+        return self._device_divisor[1]
 
     def _pool_normals(self, count: int) -> list:
         """The pool's next ``count`` (at most ``SCALAR_POOL``) standard normals, refilled from a fresh key when short."""

@@ -50,6 +50,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from lit_zodp.transfer import to_device_without_waiting
 from lit_zodp.zo import philox
 from lit_zodp.zo.perturbation import _per_param
 
@@ -392,7 +393,7 @@ def _term_tables(terms: _Terms, device: torch.device) -> tuple[Tensor, Tensor]:
     host[:words].view(torch.float32)[:3 * k] = torch.tensor(terms.pending + terms.scales + coefficients,
                                                              dtype=torch.float32)
     host[words:] = torch.tensor([philox.seed_as_int64(s) for s in terms.seeds], dtype=torch.int64)
-    packed = _to_device(host, device)
+    packed = to_device_without_waiting(host, device)
     scalars, seeds = packed[:words].view(torch.float32)[:3 * k], packed[words:]
     for i in on_device:  # one small device copy each (a step has one per direction)
         scalars[2 * k + i].copy_(terms.coefficients[i].detach().reshape(()))
@@ -400,20 +401,8 @@ def _term_tables(terms: _Terms, device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def _host_to_device(rows, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small table from Python values onto ``device`` WITHOUT waiting for the device's queue (:func:`_to_device`)."""
-    return _to_device(torch.tensor(rows, dtype=dtype), device)
-
-
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    """A small host tensor onto ``device`` WITHOUT waiting for the device's queue.
-
-    ``tensor.to("cuda")`` copies from pageable memory and synchronises the stream: the host would wait
-    for the previous forward before launching each pass. From pinned memory the copy is asynchronous,
-    and torch's caching host allocator keeps the pinned block until the copy has run.
-    """
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    """A small table from Python values onto ``device`` WITHOUT waiting for the device's queue."""
+    return to_device_without_waiting(torch.tensor(rows, dtype=dtype), device)
 
 
 _TL_DTYPES = {}

@@ -6,6 +6,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_zodp.privacy import NoiseSource, SecretGaussianVector
 from lit_zodp.privacy.noise import SECRET_BITS, secret_seed
@@ -161,6 +162,34 @@ def test_a_small_release_on_an_accelerator_has_the_bits_of_the_host_release(shap
     there = NoiseSource(4)._scalars_noised_on_device(x, 0.7, 3.0, dtype)
     assert there.dtype == host.dtype == dtype and there.shape == host.shape == x.shape
     assert torch.equal(there.reshape(-1).view(torch.uint8), host.reshape(-1).view(torch.uint8))
+
+
+class _Divisions(TorchDispatchMode):
+    """The divisors of every ``aten.div`` dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.divisors = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.div:
+            self.divisors.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("numel", [1, 3])
+def test_a_small_release_off_the_host_divides_by_a_tensor_where_its_sum_lives(numel):
+    """CUDA divides by a host scalar as a product with its reciprocal (``div_true_kernel_cuda``: "may lose one bit"),
+    which differs from the host's quotient in a third of float64 values: the release divides by ``B`` held as a float64
+    tensor on the sum's device (a meta device stands for the accelerator), copied there once per divisor."""
+    source = NoiseSource(4)
+    for divisor in (3.0, 3.0, 5.0):
+        with _Divisions() as seen:
+            source.noised(torch.zeros(numel, dtype=torch.float64, device="meta"), 1.0, divisor=divisor,
+                          dtype=torch.float32)
+        (by,) = seen.divisors
+        assert isinstance(by, torch.Tensor) and by.device.type == "meta" and by.dtype == torch.float64
+    assert source._device_divisor[0] == (torch.device("meta"), 5.0)
 
 
 def test_a_small_release_off_the_host_draws_from_the_pool_where_its_sum_lives():
