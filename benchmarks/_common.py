@@ -373,9 +373,13 @@ def load_and_total(meta: dict) -> str:
             f"total {meta['total_wall_s']:.0f} s")
 
 
+#: Where a ``--quick`` smoke run writes by default: ignored by git, so following the README leaves the checkout clean.
+QUICK_RESULTS = RESULTS / "quick"
+
+
 def results_stem(out: str | None, name: str, quick: bool = False) -> Path:
-    """``--out`` if given, else ``benchmarks/results/<name>`` (``<name>_quick`` for a quick run)."""
-    return Path(out) if out else RESULTS / (f"{name}_quick" if quick else name)
+    """``--out`` if given, else ``benchmarks/results/<name>`` (``benchmarks/results/quick/<name>`` for a quick run)."""
+    return Path(out) if out else (QUICK_RESULTS if quick else RESULTS) / name
 
 
 def write_results(stem: Path, markdown: str, data: dict, announce: bool = True) -> None:

@@ -541,7 +541,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: batch 16, 32 tokens, 2 repeats, 1 step per repeat")
-    parser.add_argument("--out", default=None, help="results file stem (default results/bench_dpzero[_quick])")
+    parser.add_argument("--out", default=None,
+                        help="results file stem (default results/bench_dpzero; results/quick/bench_dpzero with --quick)")
     add_worker_options(parser)
     args = parser.parse_args(argv)
     if args.worker:

@@ -640,7 +640,8 @@ def main(argv=None) -> None:
     parser.add_argument("--profile-rows", type=int, default=8)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: batch 16, 32 tokens, 2 repeats")
-    parser.add_argument("--out", default=None, help="results file stem (default results/bench_first_order[_quick])")
+    parser.add_argument("--out", default=None,
+                        help="results file stem (default results/bench_first_order; results/quick/bench_first_order with --quick)")
     add_worker_options(parser)
     args = parser.parse_args(argv)
     if args.worker:

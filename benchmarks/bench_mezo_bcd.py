@@ -342,7 +342,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, 2 repeats, 1 step per repeat")
-    parser.add_argument("--out", default=None, help="results file stem (default results/bench_mezo_bcd[_quick])")
+    parser.add_argument("--out", default=None,
+                        help="results file stem (default results/bench_mezo_bcd; results/quick/bench_mezo_bcd with --quick)")
     add_worker_options(parser, config=False)
     args = parser.parse_args(argv)
     if args.worker:

@@ -80,6 +80,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import bench_dpzero as bd  # noqa: E402  (light at import: machine_info)
+from _common import results_stem  # noqa: E402
 
 
 # =====================================================================================
@@ -752,7 +753,7 @@ def main(argv=None) -> None:
     parser.add_argument("--pack-carry", metavar="DIR", default=None,
                         help="write that folder HERE (fp16-rounded weights, the Rotten Tomatoes rows) and exit")
     parser.add_argument("--quick", action="store_true", help="smoke run: a few steps, 128 test reviews")
-    parser.add_argument("--out", default=None, help="results file stem (default results/bench_mezo_bcd_accuracy[...])")
+    parser.add_argument("--out", default=None, help="results file stem (default results/bench_mezo_bcd_accuracy[_probe]; under results/quick/ with --quick)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--lr", type=float, help=argparse.SUPPRESS)
@@ -787,7 +788,7 @@ def main(argv=None) -> None:
                          else args.model_path or "all-MiniLM-L6-v2 (packaged)"))
     started = time.perf_counter()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    base = "bench_mezo_bcd_accuracy" + ("_quick" if args.quick else "")
+    base = "bench_mezo_bcd_accuracy"
     if args.probe:
         rows = []
         for lr in [float(x) for x in args.probe_lrs.split(",")]:
@@ -800,7 +801,8 @@ def main(argv=None) -> None:
             rows += spawn_pair(args, jobs)
         meta["loadavg_end"] = os.getloadavg()
         meta["total_wall_s"] = round(time.perf_counter() - started, 1)
-        stem = Path(args.out) if args.out else RESULTS / (base + "_probe")
+        stem = results_stem(args.out, base + "_probe", args.quick)
+        stem.parent.mkdir(parents=True, exist_ok=True)
         text = render_probe(rows, meta, args)
         print("\n" + text)
         stem.with_suffix(".md").write_text(text)
@@ -815,7 +817,8 @@ def main(argv=None) -> None:
     s = summarize(res)
     text = render(res, s, meta, args)
     print("\n" + text)
-    stem = Path(args.out) if args.out else RESULTS / base
+    stem = results_stem(args.out, base, args.quick)
+    stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".md").write_text(text)
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": s, "runs": res}, indent=1))
     print(f"wrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")

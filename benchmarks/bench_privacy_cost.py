@@ -397,7 +397,8 @@ def main(argv=None) -> None:
     parser.add_argument("--in-place", action="store_true",
                         help="time each privacy-relevant call inside the fits (mezo_no_stats and dpzero) instead")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 repetitions of 200 steps")
-    parser.add_argument("--out", default=None, help="results file stem (default results/bench_privacy_cost[_quick])")
+    parser.add_argument("--out", default=None,
+                        help="results file stem (default results/bench_privacy_cost; results/quick/bench_privacy_cost with --quick)")
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = SETUP_STEPS[args.setup]

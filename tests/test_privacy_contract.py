@@ -559,6 +559,7 @@ def test_an_unaccountable_sigma_is_refused_before_the_first_step(name, sigma):
 @pytest.mark.parametrize("name", PRIVATE)
 @pytest.mark.parametrize("kwargs,match", [
     (dict(noise_multiplier=None, target_epsilon=1e9), "target_epsilon"),
+    (dict(noise_multiplier=None, target_epsilon=0.05), r"`target_epsilon` above `eps_error`=0.05"),
     (dict(max_epsilon=1e9), "max_epsilon"),
     (dict(lr=0.0), "lr"),
     (dict(clip=0.0), "clip"),

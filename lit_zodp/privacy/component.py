@@ -720,6 +720,7 @@ def config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, ep
     for name, value in (("target_epsilon", target_epsilon), ("max_epsilon", max_epsilon)):
         if value is not None:
             errors.append(check_positive(name, value) or _accountable_epsilon(name, value))
+    errors.append(_calibration_error(target_epsilon, eps_error))
     if noise_multiplier is not None:
         errors.append(check_non_negative("noise_multiplier", noise_multiplier))
     if max_epsilon is not None and noise_multiplier == 0:  # (a number: a bad value is named above)
@@ -758,6 +759,16 @@ def _accountable_epsilon(name: str, value: float) -> Optional[str]:
         return (f"Expected `{name}` <= {MAX_EPSILON:g} (the PRV accountant cannot certify more, and such "
                 f"an epsilon promises nothing), but got {value!r}")
     return None
+
+
+def _calibration_error(target_epsilon, eps_error) -> Optional[str]:
+    """Sigma is calibrated to an upper bound on epsilon within ``eps_error`` of the estimate, so a target at or
+    below that error cannot be met (refused before a fit starts, rather than at its calibration)."""
+    numbers = all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (target_epsilon, eps_error))
+    if not numbers or eps_error < target_epsilon:
+        return None
+    return (f"Expected `target_epsilon` above `eps_error`={eps_error:g} (the accountant's error bound on epsilon), but "
+            f"got {target_epsilon:g}: give a smaller eps_error, e.g. {target_epsilon / 10:g}")
 
 
 def _smallest(*values: Optional[float]) -> Optional[float]:
