@@ -786,25 +786,41 @@ def _on_device(inputs):
     return {key: value.to("meta") for key, value in inputs.items()}
 
 
+def _transferred(module, batch):
+    """``batch`` as Lightning hands it to a step on the accelerator: noted on the host, then moved by the module's
+    own transfer hooks (the meta device stands for the accelerator)."""
+    module._note_host_batch(batch)
+    trainer, module._trainer = module._trainer, None  # (no trainer: the transfer calls the module's own hooks)
+    try:
+        return module._apply_batch_transfer_handler(batch, device=torch.device("meta"))
+    finally:
+        module._trainer = trainer
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_on_an_accelerator_a_waiting_padding_check_takes_the_hosts_answer_for_the_batch(name):
     """Whether a batch has a row shorter than its longest is read on the host before the transfer (asked on the
-    device, every step would wait for it, issue 8); a batch the host saw with one, or did not see (another
-    shape), is asked on the device, and so is every batch of a module that changes batches after their transfer
-    (its device batch need not be its host batch moved)."""
+    device, every step would wait for it, issue 8). The answer holds only for the very mask the transfer produced,
+    unwritten: a batch the host saw with a shorter row, another mask (replaced after the transfer, or of another
+    shape), a mask written in place after the transfer, and every batch of a module that changes batches after
+    their transfer (its device batch need not be its host batch moved) are asked on the device."""
     module = _on_a_device_with_padding_pending(build(name, TokenBag(masked=True), num_classes=2))
     ids, targets = torch.ones(3, 5, dtype=torch.long), torch.zeros(3, dtype=torch.long)
     full = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     padded["attention_mask"][1:, 4] = 0  # rows 1 and 2 are shorter than row 0
 
-    module._note_host_batch((full, targets))
-    assert len(module._rows_shorter_than_the_batch(_on_device(full))) == 0
-    with pytest.raises(NotImplementedError):  # another shape: asked on the device
-        module._rows_shorter_than_the_batch(_on_device({k: v[:2] for k, v in full.items()}))
-    module._note_host_batch((padded, targets))
+    inputs, _ = _transferred(module, (full, targets))
+    assert len(module._rows_shorter_than_the_batch(inputs)) == 0
+    for other in (_on_device(full), _on_device({k: v[:2] for k, v in full.items()})):
+        with pytest.raises(NotImplementedError):  # not the transfer's mask: asked on the device
+            module._rows_shorter_than_the_batch(other)
+    inputs["attention_mask"][1:, 4] = 0  # written after the transfer (a callback masking the padding ids)
     with pytest.raises(NotImplementedError):
-        module._rows_shorter_than_the_batch(_on_device(padded))
+        module._rows_shorter_than_the_batch(inputs)
+    inputs, _ = _transferred(module, (padded, targets))
+    with pytest.raises(NotImplementedError):
+        module._rows_shorter_than_the_batch(inputs)
     assert module._rows_shorter_than_the_batch(padded).tolist() == [1, 2]  # on the CPU, as it is
 
     class ChangesBatchesOnTheDevice(ALGORITHMS[name]):
@@ -815,9 +831,35 @@ def test_on_an_accelerator_a_waiting_padding_check_takes_the_hosts_answer_for_th
 
     changing = _on_a_device_with_padding_pending(build(name, TokenBag(masked=True), num_classes=2,
                                                        cls=ChangesBatchesOnTheDevice))
-    changing._note_host_batch((full, targets))
+    inputs, _ = _transferred(changing, (full, targets))
     with pytest.raises(NotImplementedError):
-        changing._rows_shorter_than_the_batch(_on_device(full))
+        changing._rows_shorter_than_the_batch(inputs)
+
+
+class _MaskFromTheIds(Callback):
+    """Sets each training batch's attention mask from its token ids (0 pads) after the transfer."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch[0]["attention_mask"] = (batch[0]["input_ids"] != 0).long()
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_mask_set_after_the_transfer_is_checked_as_the_forward_sees_it(name):
+    """Red-team review, 2026-11-28: the collate marks every column attended and a callback sets the mask from the
+    ids in ``on_train_batch_start``. The host's note of the collated mask (no shorter row) must not stand for the
+    mask the forward gets: a model that reads padding is refused at the first batch (it was never refused)."""
+    loader = token_loader()
+    collate = loader.collate_fn
+
+    def every_column_attended(indices):
+        inputs, labels = collate(indices)
+        return {"input_ids": inputs["input_ids"], "attention_mask": torch.ones_like(inputs["input_ids"])}, labels
+
+    loader.collate_fn = every_column_attended
+    leaky = build(name, TokenBag(masked=False), num_classes=2)
+    with pytest.raises(PrivacyConfigError, match="change with the padding of their batch"):
+        quiet_trainer(max_steps=6, callbacks=[_MaskFromTheIds()]).fit(leaky, loader)
+    assert leaky.privacy.ledger.total_count == 0
 
 
 class _BlobsData(pl.LightningDataModule):

@@ -143,7 +143,9 @@ class AlgorithmModule(pl.LightningModule):
         self._buffers_before: Optional[BufferState] = None
         self._parameter_writes: Optional[ParameterWrites] = None
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
-        self._host_shorter_rows: dict[tuple, bool] = {}  # mask shape: a row shorter (the host's answer, this batch)
+        self._host_answer: Optional[bool] = None  # the host batch's mask has a row shorter than its longest
+        # (device mask, its version, the host's answer): the answer holds only for that very tensor, unwritten
+        self._host_note: Optional[tuple[Tensor, int, bool]] = None
         self.recheck_probability = recheck_probability  # (makes its recheck_clock)
         self._recheck_pending = False  # a step drawn for a re-check, until a batch of it could compare
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
@@ -238,6 +240,7 @@ class AlgorithmModule(pl.LightningModule):
             self._buffers_before = buffer_state(self.backbone)
             self._parameter_writes = ParameterWrites(self.backbone)
             self._pending_checks = set(self.independence_checks)
+        self._host_answer, self._host_note = None, None  # (nothing noted in an earlier fit holds in this one)
         self._sigma_logged = False
 
     def on_train_epoch_start(self) -> None:
@@ -382,9 +385,13 @@ class AlgorithmModule(pl.LightningModule):
 
     def _host_saw_no_shorter_row(self, inputs) -> bool:
         """Whether the host's note of this batch (:meth:`_note_host_batch`, made only where the padding check applies)
-        says it has no row shorter than its longest: a dict lookup."""
-        return bool(self._host_shorter_rows) and isinstance(inputs, Mapping) and self._host_shorter_rows.get(
-            tuple(getattr(inputs.get("attention_mask"), "shape", ()))) is False
+        says it has no row shorter than its longest. The note holds for the very mask tensor the transfer produced,
+        unwritten since (its version): a callback's or subclass's ``on_train_batch_start``, or a ``training_step``,
+        that replaces or rewrites the mask after the transfer gets the device's answer (red-team review,
+        2026-11-28: a mask set from the token ids in ``on_train_batch_start`` passed a model that reads padding)."""
+        note = self._host_note
+        return (note is not None and note[2] is False and isinstance(inputs, Mapping)
+                and inputs.get("attention_mask") is note[0] and note[0]._version == note[1])
 
     def _padding_check_mask(self, inputs) -> Optional[Tensor]:
         """The attention mask the padding check reads; ``None`` where the check does not apply (no attention mask, a
@@ -403,22 +410,38 @@ class AlgorithmModule(pl.LightningModule):
         self._note_host_batch(batch)
         return batch
 
+    def _apply_batch_transfer_handler(self, batch: Any, device: Optional[torch.device] = None,
+                                      dataloader_idx: int = 0) -> Any:
+        """Lightning's transfer (``transfer_batch_to_device``, ``on_after_batch_transfer``); the host's answer is
+        bound to the mask it produced (:meth:`_host_saw_no_shorter_row`)."""
+        answer, self._host_answer = self._host_answer, None
+        batch = super()._apply_batch_transfer_handler(batch, device, dataloader_idx)
+        mask = self._private_mask(batch) if answer is not None else None
+        usable = isinstance(mask, Tensor) and not mask.is_inference()  # (an inference tensor keeps no version)
+        self._host_note = (mask, mask._version, answer) if usable else None
+        return batch
+
     def _note_host_batch(self, batch: Any) -> None:
         """While a padding check waits for a batch with a row shorter than its longest, whether the training batch
         has one is read here, once, on the host: asked on an accelerator, every step would wait for the device
         (issue 8), until such a batch comes (text of full-length rows: never); on the CPU each forward would
         measure the rows again. Each batch's transfer replaces the answer. The step asks the device where the device
         batch may not be the host batch moved (an own ``transfer_batch_to_device`` or ``on_after_batch_transfer``,
-        here or in the DataModule) and where no host batch was seen (``dataloader_iter`` steps)."""
-        self._host_shorter_rows.clear()
+        here or in the DataModule), where no host batch was seen (``dataloader_iter`` steps), and where the mask the
+        forward gets is not the one the transfer produced, unwritten."""
+        self._host_answer, self._host_note = None, None
         if not ("padding" in self._pending_checks and self._trainer is not None
                 and self.trainer.training and _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)):
             return
+        mask = self._private_mask(batch)
+        if isinstance(mask, Tensor) and mask.device.type == "cpu":
+            self._host_answer = any_row_ends_early(mask)
+
+    def _private_mask(self, batch: Any) -> Optional[Tensor]:
+        """The attention mask of a training batch's private part that the padding check reads, if any."""
         private = self.split_batch(batch)[0]
         inputs = private[0] if isinstance(private, (tuple, list)) and len(private) == 2 else None
-        mask = self._padding_check_mask(inputs)
-        if isinstance(mask, Tensor) and mask.device.type == "cpu":
-            self._host_shorter_rows[tuple(mask.shape)] = any_row_ends_early(mask)
+        return self._padding_check_mask(inputs)
 
     def _checks_can_compare(self, inputs) -> bool:
         """Whether a pending check can run on this batch. The halves check (and a drawn re-check) can; a padding
