@@ -1093,3 +1093,50 @@ def test_by_default_the_logs_hold_no_unaccounted_statistic_of_a_private_batch(na
     assert "sigma" in logged and not logged & {"clip_fraction", "step_time"}
     with pytest.warns(UserWarning, match="outside the privacy guarantee"):
         build(name, log_private_stats=True)
+
+
+class _RegistersInItsForward(nn.Module):
+    """An MLP whose forward, from its ``at``-th call, registers a parameter made from the batch (``new``), replaces a
+    parameter with one (``replaced``) or builds a layer (``layer``)."""
+
+    def __init__(self, how: str, at: int = 3):
+        super().__init__()
+        self.net, self.how, self.at, self.calls = mlp(seed=1), how, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls >= self.at:
+            batch_mean = x.detach().mean(0)
+            if self.how == "new":
+                self.kept = nn.Parameter(batch_mean.clone())
+            elif self.how == "replaced":
+                self.net[0].bias = nn.Parameter(self.net[0].bias.detach() + 1e-3 * batch_mean.sum())
+            else:
+                self.made = nn.Linear(1, 1)
+        return self.net(x)
+
+
+def _registration_hooks() -> int:
+    from torch.nn.modules import module as torch_module
+    return len(torch_module._global_parameter_registration_hooks) + len(torch_module._global_module_registration_hooks)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+@pytest.mark.parametrize("how,at", [("new", 3), ("replaced", 3), ("layer", 3), ("new", 9), ("replaced", 9)])
+def test_a_parameter_or_layer_registered_in_the_private_forward_is_refused_before_its_release(name, how, at):
+    """Red-team review, 2026-11-28: a parameter registered in the forward (an un-noised batch mean kept in the model
+    and every checkpoint) passed every check, and a replaced one passed the forwards that run no independence check
+    (all of a fit's steps, at recheck_probability 0). Refused in the step that made it, before its release (a
+    first-order engine refuses a new trainable parameter at its next forward too); the fit leaves no registration
+    hook behind, refused or not."""
+    hooks = _registration_hooks()
+    module = build(name, _RegistersInItsForward(how, at), recheck_probability=0.0)  # (3: in the first checks)
+    refused = "registered .* on the model|unfrozen after the per-example engine|wrote its parameter"
+    with pytest.raises(PrivacyConfigError, match=refused):
+        fit(module, poisson_loader(blobs(), 0.25), 6)
+    steps_before = (module.backbone.calls - 1) // 2  # (a zeroth-order step forwards twice; first-order: a bound)
+    assert module.privacy.ledger.total_count <= steps_before < 6
+    assert _registration_hooks() == hooks
+    quiet = build(name, mlp(seed=1))
+    fit(quiet, poisson_loader(blobs(), 0.25), 3)
+    assert _registration_hooks() == hooks

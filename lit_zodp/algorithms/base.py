@@ -30,6 +30,7 @@ from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per
 from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, check_positive, check_positive_int,
                              raise_if_any)
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, ParameterWrites, RecheckProbability,
+                                         RegistrationWatch,
                                          beyond_tolerance, buffer_state, check_recheck_probability, eval_mode,
                                          refuse_batch_mixing, refuse_buffer_writes, renormalising_embeddings,
                                          rows_agree, rows_differ, step_mode_recompute, warn_unchecked_training_mode)
@@ -142,6 +143,7 @@ class AlgorithmModule(pl.LightningModule):
             backbone.row_shapes = True
         self._buffers_before: Optional[BufferState] = None
         self._parameter_writes: Optional[ParameterWrites] = None
+        self._registrations: Optional[RegistrationWatch] = None  # (a private fit's, closed at its teardown)
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
         self._host_answer: Optional[bool] = None  # the host batch's mask has a row shorter than its longest
         # (device mask, its version, the host's answer): the answer holds only for that very tensor, unwritten
@@ -239,6 +241,8 @@ class AlgorithmModule(pl.LightningModule):
             self.privacy.require_attached(self.trainer.optimizers)
             self._buffers_before = buffer_state(self.backbone)
             self._parameter_writes = ParameterWrites(self.backbone)
+            self._close_registrations()
+            self._registrations = RegistrationWatch(self.backbone)
             self._pending_checks = set(self.independence_checks)
         self._host_answer, self._host_note = None, None  # (nothing noted in an earlier fit holds in this one)
         self._sigma_logged = False
@@ -255,6 +259,12 @@ class AlgorithmModule(pl.LightningModule):
 
     def teardown(self, stage: str) -> None:
         self.privacy.end_fit()
+        self._close_registrations()
+
+    def _close_registrations(self) -> None:
+        if self._registrations is not None:
+            self._registrations.close()
+            self._registrations = None
 
     def attach_privacy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Every ``optimizer.step()`` commits the step plan to the ledger."""
@@ -280,6 +290,9 @@ class AlgorithmModule(pl.LightningModule):
         if batch_size_of(inputs) == 0:
             return torch.zeros(0, device=targets.device)
         versions = self._parameter_writes.versions() if self._parameter_writes is not None else None
+        registrations = self._registrations
+        if registrations is not None and registrations.registered:  # (made outside a private forward)
+            registrations.forget()
         losses = self._losses(inputs, targets)
         if self._buffers_before:  # a layer that writes a buffer even in eval mode (microseconds; none: nothing)
             refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
@@ -289,6 +302,8 @@ class AlgorithmModule(pl.LightningModule):
             self._parameter_writes.refuse_since(versions, reassigned=checking)
         if checking:
             self._run_due_checks(inputs, targets, losses)
+        if registrations is not None and registrations.registered:  # (the checks' forwards included)
+            registrations.refuse()
         return losses
 
     def _losses(self, inputs, targets) -> Tensor:

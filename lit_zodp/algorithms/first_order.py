@@ -92,7 +92,11 @@ class FirstOrderModule(AlgorithmModule):
     def private_gradient(self, inputs, targets) -> ClippedSum:
         """``sum_i clip_C(grad f(x; xi_i))``, flat over all parameters, micro-batch by micro-batch."""
         self.engine.recheck_next = self._recheck_pending  # this step's draw re-checks the engine's calls too
+        if self._registrations is not None:
+            self._registrations.forget()  # (made outside this step's private forwards)
         self.run_independence_checks(inputs, targets)
+        if self._registrations is not None:
+            self._registrations.refuse()
         if self.fixed_shape is not None:
             loss_fns = [(lambda x=x, y=y: per_example_loss(self.backbone, x, y).float(), len(positions))
                         for x, y, positions in self.fixed_shape.chunks(inputs, targets)]
@@ -103,7 +107,10 @@ class FirstOrderModule(AlgorithmModule):
             if math.isinf(self.clip) and not self.privacy.is_private:
                 return self._batch_gradient(loss_fns)
             with self._training_randomness():
-                return self.engine.clipped_sum_microbatched(loss_fns, self.clip)
+                clipped = self.engine.clipped_sum_microbatched(loss_fns, self.clip)
+        if self._registrations is not None:
+            self._registrations.refuse()
+        return clipped
 
     def _training_randomness(self):
         """A private module's forward and backward draw dropout (any training-mode randomness) from secret states,

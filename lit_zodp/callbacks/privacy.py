@@ -139,6 +139,9 @@ class PrivacySpendCallback(Callback):
         return max(1, math.ceil(self._accounting_seconds / (self.ACCOUNTING_TIME_SHARE * self._step_seconds)))
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        close_registrations = getattr(pl_module, "_close_registrations", None)
+        if close_registrations is not None:  # (a failed fit runs no teardown: its global hooks would stay)
+            close_registrations()
         stop_started_ranks(trainer, exception)
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

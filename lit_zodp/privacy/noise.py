@@ -189,7 +189,7 @@ class NoiseSource:
             raise_if_any([check_non_negative("noise std", std), check_positive("divisor", divisor)])
         dtype = x.dtype if dtype is None else dtype
         small = 0 < x.numel() <= SCALAR_DRAW  # DPZero's scalars
-        if small and not x.is_cpu and dtype in HOST_DTYPES:
+        if small and not x.is_cpu and x.device.type != "mps" and dtype in HOST_DTYPES:  # (mps has no float64)
             return self._scalars_noised_on_device(x, float(std), float(divisor), dtype)
         if x.is_cpu and x.dtype in HOST_DTYPES and dtype in HOST_DTYPES:
             if small:  # Python floats: two tensor calls per release
