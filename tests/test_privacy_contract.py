@@ -1097,7 +1097,7 @@ def test_by_default_the_logs_hold_no_unaccounted_statistic_of_a_private_batch(na
 
 class _RegistersInItsForward(nn.Module):
     """An MLP whose forward, from its ``at``-th call, registers a parameter made from the batch (``new``), replaces a
-    parameter with one (``replaced``) or builds a layer (``layer``)."""
+    parameter with one (``replaced``), keeps it in a buffer (``buffer``) or builds a layer (``layer``)."""
 
     def __init__(self, how: str, at: int = 3):
         super().__init__()
@@ -1111,6 +1111,8 @@ class _RegistersInItsForward(nn.Module):
                 self.kept = nn.Parameter(batch_mean.clone())
             elif self.how == "replaced":
                 self.net[0].bias = nn.Parameter(self.net[0].bias.detach() + 1e-3 * batch_mean.sum())
+            elif self.how == "buffer":
+                self.register_buffer("kept_mean", batch_mean.clone())
             else:
                 self.made = nn.Linear(1, 1)
         return self.net(x)
@@ -1122,16 +1124,17 @@ def _registration_hooks() -> int:
 
 
 @pytest.mark.parametrize("name", PRIVATE)
-@pytest.mark.parametrize("how,at", [("new", 3), ("replaced", 3), ("layer", 3), ("new", 9), ("replaced", 9)])
+@pytest.mark.parametrize("how,at", [("new", 3), ("replaced", 3), ("layer", 3), ("buffer", 9), ("new", 9),
+                                    ("replaced", 9)])
 def test_a_parameter_or_layer_registered_in_the_private_forward_is_refused_before_its_release(name, how, at):
     """Red-team review, 2026-11-28: a parameter registered in the forward (an un-noised batch mean kept in the model
-    and every checkpoint) passed every check, and a replaced one passed the forwards that run no independence check
-    (all of a fit's steps, at recheck_probability 0). Refused in the step that made it, before its release (a
+    and every checkpoint) passed every check, a replaced one passed the forwards that run no independence check
+    (all of a fit's steps, at recheck_probability 0), and a zeroth-order forward's new buffer was not looked for. Refused in the step that made it, before its release (a
     first-order engine refuses a new trainable parameter at its next forward too); the fit leaves no registration
     hook behind, refused or not."""
     hooks = _registration_hooks()
     module = build(name, _RegistersInItsForward(how, at), recheck_probability=0.0)  # (3: in the first checks)
-    refused = "registered .* on the model|unfrozen after the per-example engine|wrote its parameter"
+    refused = "registered .* on the model|unfrozen after the per-example engine|wrote its parameter|wrote `kept_mean`"
     with pytest.raises(PrivacyConfigError, match=refused):
         fit(module, poisson_loader(blobs(), 0.25), 6)
     steps_before = (module.backbone.calls - 1) // 2  # (a zeroth-order step forwards twice; first-order: a bound)

@@ -267,9 +267,10 @@ class ParameterWrites:
 
 
 class RegistrationWatch:
-    """Parameters and submodules registered on ``module``'s modules while watched: ``self.w = nn.Parameter(f(batch))``
-    or a layer built in a forward, a parameter slot reassigned. Such a parameter holds an un-noised function of
-    private examples, in the model and every checkpoint, and no version counter listed at the fit's start sees it
+    """Parameters, buffers and submodules registered on ``module``'s modules while watched: ``self.w =
+    nn.Parameter(f(batch))``, ``self.register_buffer("m", f(batch))`` or a layer built in a forward, a slot
+    reassigned. Such a tensor holds an un-noised function of private examples, in the model and every checkpoint, and
+    no version counter listed at the fit's start sees it
     (red-team review, 2026-11-28: a parameter registered in the forward passed every check; a reassigned one passed
     the forwards without independence checks). torch's global registration hooks see each registration as it
     happens, so a forward's check is one truth test (a module walk per forward would cost 0.1 ms on MiniLM).
@@ -277,7 +278,8 @@ class RegistrationWatch:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        from torch.nn.modules.module import (register_module_module_registration_hook,
+        from torch.nn.modules.module import (register_module_buffer_registration_hook,
+                                             register_module_module_registration_hook,
                                              register_module_parameter_registration_hook)
 
         owners = {id(m): name for name, m in module.named_modules()}  # (ids only: the hooks hold no module)
@@ -289,8 +291,9 @@ class RegistrationWatch:
             if where is not None:
                 registered.append(f"{where}.{name}".lstrip("."))
 
-        self._handles = [register_module_parameter_registration_hook(seen),
-                         register_module_module_registration_hook(seen)]
+        self._handles = [register(seen) for register in (register_module_parameter_registration_hook,
+                                                         register_module_buffer_registration_hook,
+                                                         register_module_module_registration_hook)]
 
     def refuse(self) -> None:
         """Refuse what was registered since the last :meth:`forget`."""
@@ -299,9 +302,9 @@ class RegistrationWatch:
         names = sorted(set(self.registered))
         self.registered.clear()
         raise_if_any([
-            f"The private forward registered {', '.join(f'`{n}`' for n in names)} on the model (a parameter or layer "
-            "made or replaced in the forward): an un-noised function of private examples kept in the model, which now "
-            "holds it (discard it); make every parameter and layer in __init__"])
+            f"The private forward registered {', '.join(f'`{n}`' for n in names)} on the model (a parameter, buffer or "
+            "layer made or replaced in the forward): an un-noised function of private examples kept in the model, "
+            "which now holds it (discard it); make every parameter, buffer and layer in __init__"])
 
     def forget(self) -> None:
         self.registered.clear()
