@@ -429,11 +429,14 @@ class AlgorithmModule(pl.LightningModule):
                                       dataloader_idx: int = 0) -> Any:
         """Lightning's transfer (``transfer_batch_to_device``, ``on_after_batch_transfer``); the host's answer is
         bound to the mask it produced (:meth:`_host_saw_no_shorter_row`)."""
-        answer, self._host_answer = self._host_answer, None
+        answer = self._host_answer
+        if answer is not None:  # (assigned only when it changes: Module.__setattr__ costs 1-2 us)
+            self._host_answer = None
         batch = super()._apply_batch_transfer_handler(batch, device, dataloader_idx)
         mask = self._private_mask(batch) if answer is not None else None
         usable = isinstance(mask, Tensor) and not mask.is_inference()  # (an inference tensor keeps no version)
-        self._host_note = (mask, mask._version, answer) if usable else None
+        if usable or self._host_note is not None:
+            self._host_note = (mask, mask._version, answer) if usable else None
         return batch
 
     def _note_host_batch(self, batch: Any) -> None:
@@ -444,7 +447,8 @@ class AlgorithmModule(pl.LightningModule):
         batch may not be the host batch moved (an own ``transfer_batch_to_device`` or ``on_after_batch_transfer``,
         here or in the DataModule), where no host batch was seen (``dataloader_iter`` steps), and where the mask the
         forward gets is not the one the transfer produced, unwritten."""
-        self._host_answer, self._host_note = None, None
+        if self._host_answer is not None or self._host_note is not None:
+            self._host_answer, self._host_note = None, None
         if not ("padding" in self._pending_checks and self._trainer is not None
                 and self.trainer.training and _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)):
             return
