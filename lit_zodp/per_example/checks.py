@@ -270,10 +270,10 @@ class RegistrationWatch:
     """Parameters, buffers and submodules registered on ``module``'s modules while watched: ``self.w =
     nn.Parameter(f(batch))``, ``self.register_buffer("m", f(batch))`` or a layer built in a forward, a slot
     reassigned. Such a tensor holds an un-noised function of private examples, in the model and every checkpoint, and
-    no version counter listed at the fit's start sees it
-    (red-team review, 2026-11-28: a parameter registered in the forward passed every check; a reassigned one passed
-    the forwards without independence checks). torch's global registration hooks see each registration as it
-    happens, so a forward's check is one truth test (a module walk per forward would cost 0.1 ms on MiniLM).
+    no version counter listed at the fit's start sees it (red-team review, 2026-11-28: a parameter registered in the
+    forward passed every check; a reassigned one passed the forwards without independence checks). torch's global
+    registration hooks see each registration as it happens, so a forward's check is one truth test (a module walk per
+    forward would cost 0.1 ms on MiniLM).
     Writes into ``module._parameters`` itself bypass the hooks and are not seen. :meth:`close` removes the hooks.
     """
 

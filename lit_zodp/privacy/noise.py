@@ -50,8 +50,8 @@ import torch
 from torch import Tensor
 
 from lit_zodp.errors import LitZodpWarning, check_non_negative, check_positive, raise_if_any
-from lit_zodp.transfer import to_device_without_waiting
 from lit_zodp.privacy.device_noise import KERNEL_DTYPES, SecretKey, add_gaussian, device_noise_available
+from lit_zodp.transfer import to_device_without_waiting
 from lit_zodp.zo.parallel import map_on_threads
 
 #: Bits of OS entropy behind every secret stream (noise and Poisson sampling).
