@@ -1120,7 +1120,9 @@ class _RegistersInItsForward(nn.Module):
 
 def _registration_hooks() -> int:
     from torch.nn.modules import module as torch_module
-    return len(torch_module._global_parameter_registration_hooks) + len(torch_module._global_module_registration_hooks)
+    return sum(len(hooks) for hooks in (torch_module._global_parameter_registration_hooks,
+                                        torch_module._global_buffer_registration_hooks,
+                                        torch_module._global_module_registration_hooks))
 
 
 @pytest.mark.parametrize("name", PRIVATE)
@@ -1129,9 +1131,9 @@ def _registration_hooks() -> int:
 def test_a_parameter_or_layer_registered_in_the_private_forward_is_refused_before_its_release(name, how, at):
     """Red-team review, 2026-11-28: a parameter registered in the forward (an un-noised batch mean kept in the model
     and every checkpoint) passed every check, a replaced one passed the forwards that run no independence check
-    (all of a fit's steps, at recheck_probability 0), and a zeroth-order forward's new buffer was not looked for. Refused in the step that made it, before its release (a
-    first-order engine refuses a new trainable parameter at its next forward too); the fit leaves no registration
-    hook behind, refused or not."""
+    (all of a fit's steps, at recheck_probability 0), and a zeroth-order forward's new buffer was not looked for.
+    Refused in the step that made it, before its release (a first-order engine refuses a new trainable parameter at
+    its next forward too); the fit leaves no registration hook behind, refused or not."""
     hooks = _registration_hooks()
     module = build(name, _RegistersInItsForward(how, at), recheck_probability=0.0)  # (3: in the first checks)
     refused = "registered .* on the model|unfrozen after the per-example engine|wrote its parameter|wrote `kept_mean`"

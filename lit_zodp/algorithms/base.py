@@ -146,8 +146,8 @@ class AlgorithmModule(pl.LightningModule):
         self._registrations: Optional[RegistrationWatch] = None  # (a private fit's, closed at its teardown)
         self._pending_checks: set[str] = set()  # per-example independence checks of a private fit
         self._host_answer: Optional[bool] = None  # the host batch's mask has a row shorter than its longest
-        # (device mask, its version, the host's answer): the answer holds only for that very tensor, unwritten
-        self._host_note: Optional[tuple[Tensor, int, bool]] = None
+        # (device mask, its version) of a batch the host saw no shorter row in: for that very tensor, unwritten
+        self._host_note: Optional[tuple[Tensor, int]] = None
         self.recheck_probability = recheck_probability  # (makes its recheck_clock)
         self._recheck_pending = False  # a step drawn for a re-check, until a batch of it could compare
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
@@ -405,7 +405,7 @@ class AlgorithmModule(pl.LightningModule):
         that replaces or rewrites the mask after the transfer gets the device's answer (red-team review,
         2026-11-28: a mask set from the token ids in ``on_train_batch_start`` passed a model that reads padding)."""
         note = self._host_note
-        return (note is not None and note[2] is False and isinstance(inputs, Mapping)
+        return (note is not None and isinstance(inputs, Mapping)
                 and inputs.get("attention_mask") is note[0] and note[0]._version == note[1])
 
     def _padding_check_mask(self, inputs) -> Optional[Tensor]:
@@ -433,10 +433,10 @@ class AlgorithmModule(pl.LightningModule):
         if answer is not None:  # (assigned only when it changes: Module.__setattr__ costs 1-2 us)
             self._host_answer = None
         batch = super()._apply_batch_transfer_handler(batch, device, dataloader_idx)
-        mask = self._private_mask(batch) if answer is not None else None
+        mask = self._private_mask(batch) if answer is False else None
         usable = isinstance(mask, Tensor) and not mask.is_inference()  # (an inference tensor keeps no version)
         if usable or self._host_note is not None:
-            self._host_note = (mask, mask._version, answer) if usable else None
+            self._host_note = (mask, mask._version) if usable else None
         return batch
 
     def _note_host_batch(self, batch: Any) -> None:
