@@ -21,6 +21,7 @@ from lit_zodp.errors import LitZodpWarning, check_non_negative, check_positive, 
 from lit_zodp.per_example.checks import frozen_statistics_note, refuse_batch_statistics
 from lit_zodp.privacy import DirectionRelease
 from lit_zodp.zo import ZOSGD, PerturbationEngine, central_differences, derive_seed, make_direction_law
+from lit_zodp.zo.eval_mode import EvalMode
 from lit_zodp.zo.fused import FusedPerturbation, triton_available
 from lit_zodp.zo.perturbation import DirectionCache
 
@@ -76,6 +77,7 @@ class ZerothOrderModule(AlgorithmModule):
         self.directions = directions
         self.perturbation = perturbation
         self.engine: Optional[PerturbationEngine | FusedPerturbation] = None
+        self._eval_mode = EvalMode()
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.backbone.parameters() if p.requires_grad]
@@ -116,7 +118,7 @@ class ZerothOrderModule(AlgorithmModule):
         return getattr(optimizer, "optimizer", optimizer)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
-        self.backbone.eval()  # the two-point passes must see the same function (no dropout)
+        self._eval_mode.ensure(self.backbone)  # the two-point passes must see the same function (no dropout)
         return super().on_train_batch_start(batch, batch_idx)
 
     # ------------------------------------------------------------------------------ verbs
