@@ -87,7 +87,16 @@ class DataSplits:
         train_groups: one hashable per pool example naming the unit it belongs to (MultiRC: its
             passage), or ``None``: the public and validation hold-outs are carved as whole groups,
             so no group has rows on both sides of the private split.
-        val_groups: groups of the given ``val`` examples (a group shared with the private set warns).
+        val_groups: groups of the given ``val`` examples.
+        val_from_train_file: the given ``val`` rows were drawn from the file the pool was drawn from (row by row: with
+            ``train_groups``, a group can then have rows on both sides, which warns).
+        deduplicated: no id repeats in the pool and a ``val`` drawn from its file (repeats dropped before drawing).
+            Without it, validation rows carved from the pool or drawn from its file may repeat a private row's id,
+            which warns.
+
+    What the splits say is decided from these declarations, never from the private rows' ids or groups: a warning
+    printed only when a private text repeated a validation text was an un-noised bit about the private rows
+    (red-team review 17).
     """
 
     train: Dataset
@@ -100,6 +109,8 @@ class DataSplits:
     val_ids: Optional[Sequence[Hashable]] = None
     train_groups: Optional[Sequence[Hashable]] = None
     val_groups: Optional[Sequence[Hashable]] = None
+    val_from_train_file: bool = False
+    deduplicated: bool = False
 
 
 def check_disjoint(private: Iterable[Hashable], public: Iterable[Hashable], *, what: str = "indices",
@@ -151,17 +162,32 @@ def _boundary_at_or_below(order: list[int], groups: Optional[Sequence[Hashable]]
     return cut
 
 
-def private_split_id(pool_size: int, private_indices: Sequence[int], ids: Optional[Sequence[Hashable]] = None) -> str:
-    """Which rows are private: a SHA-256 of the pool size and the sorted private indices (and their ids where the
-    data has them, spelled alike in every process). The privacy plan keeps it, and a resume on another split is refused
+def split_id(pool_size: int, n_private: int, held_out: Sequence[Sequence[int]] = (),
+             ids: Optional[Sequence[Hashable]] = None, public_source_ids: Optional[Sequence[Hashable]] = None) -> str:
+    """Which rows are not private: a SHA-256 of the pool size, the private count, the pool indices of each held-out
+    part (public, validation) with their ids where the data has them (spelled alike in every process), and a separate
+    public source's ids. The privacy plan keeps it, and a resume on another split is refused
     (:meth:`~lit_zodp.privacy.PrivacyComponent.plan`): rows accounted as private could have become public or
-    validation rows, used and logged without noise (audit, 2026-11-28: another ``data_seed``, same fractions)."""
-    digest = hashlib.sha256(f"{pool_size}|".encode())
-    digest.update(np.asarray(private_indices, dtype="<i8").tobytes())
-    canonical = [_canonical_id(ids[i]) for i in private_indices] if ids is not None else []
-    if canonical and None not in canonical:  # (ids without one spelling in every process: the indices alone)
-        digest.update("|".join(canonical).encode())
+    validation rows, used and logged without noise (audit, 2026-11-28: another ``data_seed``, same fractions).
+
+    Nothing in it is a private row's: the checkpoint and every copy of it hold it. Its first version hashed the private
+    rows' ids, which are a text module's texts, so an attacker who knew the other rows read a row off the checkpoint by
+    hashing each candidate (red-team review 17). The sizes are the sample rate's, which the plan keeps anyway."""
+    digest = hashlib.sha256(f"{pool_size}|{n_private}".encode())
+    for part in held_out:
+        indices = sorted(part)
+        digest.update(f"|{len(indices)}|".encode() + np.asarray(indices, dtype="<i8").tobytes())
+        _hash_ids(digest, [ids[i] for i in indices] if ids is not None else None)
+    digest.update(b"|public source|")
+    _hash_ids(digest, public_source_ids)
     return digest.hexdigest()
+
+
+def _hash_ids(digest: Any, ids: Optional[Sequence[Hashable]]) -> None:
+    """Add ``ids`` to ``digest`` where each has one spelling in every process (see :func:`_canonical_id`)."""
+    canonical = [_canonical_id(value) for value in ids] if ids is not None else []
+    if canonical and None not in canonical:
+        digest.update("\x1f".join(canonical).encode())
 
 
 def _canonical_id(value: Any) -> Optional[str]:
@@ -395,7 +421,7 @@ class PublicPrivateDataModule(LightningDataModule):
         self.val_dataset: Optional[Dataset] = None
         self.test_dataset: Optional[Dataset] = None
         self.private_indices: list[int] = []
-        self.private_split_id: Optional[str] = None  # (see private_split_id)
+        self.split_id: Optional[str] = None  # (see split_id)
         self.public_indices: list[int] = []
         self.val_indices: list[int] = []
         self._num_classes: Optional[int] = None
@@ -441,7 +467,8 @@ class PublicPrivateDataModule(LightningDataModule):
             self.val_dataset = self._eval_split(Subset(splits.train, self.val_indices))
         else:
             self.val_dataset = self._eval_split(splits.val) if splits.val is not None else self.test_dataset
-        self.private_split_id = private_split_id(pool_size, self.private_indices, splits.train_ids)
+        self.split_id = split_id(pool_size, len(self.private_indices), (self.public_indices, self.val_indices),
+                                 splits.train_ids, splits.public_ids if splits.public is not None else None)
 
     def _carve(self, pool_size: int, groups: Optional[Sequence[Hashable]] = None) -> None:
         """Split pool indices into public / validation / private parts with ``data_seed``; with
@@ -465,16 +492,19 @@ class PublicPrivateDataModule(LightningDataModule):
         self.private_indices = sorted(private)
 
     def _drop_public_ids(self, splits: DataSplits) -> None:
-        """Drop the private rows whose id is a separate public example's (a filter by the fixed public
-        source: the private side gives way, so the public split is a function of its source alone)."""
-        if splits.train_ids is None or splits.public_ids is None:
-            return
-        public = set(splits.public_ids)
-        self.private_indices = [i for i in self.private_indices if splits.train_ids[i] not in public]
+        """Drop the private rows whose id is a public example's, of a separate public source or of the public split
+        carved from the pool: the private side gives way, so the public split is a function of its source and the
+        carve alone, and what is printed depends on no private row (before, a private id equal to a carved public
+        one refused the fit: a bit about the private rows, red-team review 17)."""
+        public = set(splits.public_ids) if splits.train_ids is not None and splits.public_ids is not None else set()
+        if splits.train_ids is not None:
+            public.update(splits.train_ids[i] for i in self.public_indices)
+        if public:
+            self.private_indices = [i for i in self.private_indices if splits.train_ids[i] not in public]
 
     def _check_separation(self, splits: DataSplits) -> None:
-        """Private examples must appear in no public split, by index and by id; a validation example
-        with a private example's id warns (its metrics are logged: public use of a private text)."""
+        """Private examples must appear in no public split, by index and by id (by construction: asserted here); the
+        warnings about validation rows follow from how the data were drawn (:class:`DataSplits`), not from the rows."""
         check_disjoint(self.private_indices, self.public_indices)
         check_disjoint(self.private_indices, self.val_indices, what="indices", split="validation",
                        fix="lower `val_fraction`")
@@ -482,10 +512,11 @@ class PublicPrivateDataModule(LightningDataModule):
             private_groups = {splits.train_groups[i] for i in self.private_indices}
             check_disjoint(private_groups, [splits.train_groups[i] for i in self.public_indices], what="groups",
                            fix="carve the public split by whole groups")
-            if any(g in private_groups for g in splits.val_groups or ()):
-                warnings.warn(f"{type(self).__name__}: groups (e.g. passages) of the validation split also have "
-                              "rows in the private set; their logged metrics use those texts outside the privacy "
-                              "guarantee: hold validation out with `val_fraction` (whole groups)", LitZodpWarning)
+            if splits.val_groups is not None and splits.val_from_train_file:
+                warnings.warn(f"{type(self).__name__}: the validation rows are drawn row by row from the training "
+                              "file, so their groups (e.g. passages) may also have rows in the private set; their "
+                              "logged metrics would use those texts outside the privacy guarantee: hold validation "
+                              "out with `val_fraction` (whole groups)", LitZodpWarning)
         unchecked = splits.public is not None and (splits.train_ids is None or splits.public_ids is None)
         if unchecked:
             warnings.warn(f"{type(self).__name__}: the separate public source comes without identifiers "
@@ -495,19 +526,18 @@ class PublicPrivateDataModule(LightningDataModule):
             return
         private_ids = [splits.train_ids[i] for i in self.private_indices]
         check_disjoint(private_ids, [splits.train_ids[i] for i in self.public_indices], what="identifiers")
-        self._warn_validation_repeats(splits, set(private_ids))
+        self._warn_validation_repeats(splits)
 
-    def _warn_validation_repeats(self, splits: DataSplits, private_ids: set) -> None:
-        """Validation examples whose id (text) is a private example's: the row-level guarantee holds
-        (they are other rows), but their logged metrics are a public use of a private text."""
-        if self.val_indices:
-            val_ids = [splits.train_ids[i] for i in self.val_indices]
-        else:
-            val_ids = splits.val_ids or []
-        if any(key in private_ids for key in val_ids):
-            warnings.warn(f"{type(self).__name__}: validation examples repeat a private example's text (other "
-                          "rows of the same text); their logged metrics use that text outside the privacy "
-                          "guarantee: set `dedupe: true` to drop repeats before splitting", LitZodpWarning)
+    def _warn_validation_repeats(self, splits: DataSplits) -> None:
+        """Validation rows carved from a pool whose ids may repeat, or drawn from its file, may repeat a private
+        example's text: the row-level guarantee holds (they are other rows), but their logged metrics would be a
+        public use of a private text. Decided from the declarations alone (see :class:`DataSplits`)."""
+        from_the_pool = bool(self.val_indices) or (splits.val_ids is not None and splits.val_from_train_file)
+        if from_the_pool and not splits.deduplicated:
+            warnings.warn(f"{type(self).__name__}: validation examples are drawn from the training data without "
+                          "dropping repeated texts, so some may repeat a private example's text (other rows of the "
+                          "same text); their logged metrics would use that text outside the privacy guarantee: set "
+                          "`dedupe: true` to drop repeats before splitting", LitZodpWarning)
 
     def _size_errors(self, pool_size: int) -> list[Optional[str]]:
         n_private = len(self.private_indices)
@@ -752,5 +782,5 @@ __all__ = [
     "check_disjoint",
     "check_test_fraction",
     "fixed_test_split",
-    "private_split_id",
+    "split_id",
 ]

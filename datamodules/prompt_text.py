@@ -786,7 +786,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
         splits = DataSplits(train=pool, val=dev, test=test, num_classes=spec.num_classes, train_ids=pool_ids,
                             val_ids=None if dev is None else [record_key(spec, r) for r in dev.records],
                             train_groups=record_groups(spec, pool.records),
-                            val_groups=None if dev is None else record_groups(spec, dev.records))
+                            val_groups=None if dev is None else record_groups(spec, dev.records),
+                            val_from_train_file=dev is not None and data.data_format != "lm-bff",
+                            deduplicated=self.dedupe)
         if self.public_task is not None:
             splits.public, splits.public_ids = self._load_public()
         return splits

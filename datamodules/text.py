@@ -203,6 +203,7 @@ class MovieReviewsDataModule(PublicPrivateDataModule):
             test=TextDataset([texts[i] for i in test], labels[test]),
             num_classes=2,
             train_ids=[texts[i] for i in train],
+            deduplicated=True,  # (drop_duplicates above)
         )
         if self.public_source is not None:
             public = frame[frame["source"] == self.public_source].drop_duplicates(subset="text", keep="first")

@@ -247,7 +247,7 @@ class AlgorithmModule(pl.LightningModule):
                           reduce_sum=self.reduce_sum if self.trainer.world_size > 1 else None,  # None: one process
                           broadcast=lambda value: self.trainer.strategy.broadcast(value, src=0),
                           spend_log=SpendLog() if self.private and self.trainer.is_global_zero else None,
-                          private_split=getattr(self.trainer.datamodule, "private_split_id", None))
+                          split=getattr(self.trainer.datamodule, "split_id", None))
         if self.private:
             _refuse_unreachable_minimum(self.trainer, self.privacy.steps_allowed)
             self.privacy.require_attached(self.trainer.optimizers)

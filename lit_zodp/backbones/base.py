@@ -63,14 +63,16 @@ def per_example_loss(model: nn.Module, inputs: Inputs, targets: Tensor) -> Tenso
 
 
 def check_one_loss_per_example(losses: Any, size: int, owner: str) -> None:
-    """Raise :class:`PrivacyConfigError` unless ``losses`` is a tensor of shape ``[size]``."""
+    """Raise :class:`PrivacyConfigError` unless ``losses`` is a tensor of shape ``[size]``. The message names no size:
+    a Poisson batch's realized size, and its padded length, are functions of the private data (red-team review 17)."""
     if isinstance(losses, Tensor) and tuple(losses.shape) == (size,):
         return
-    shape = list(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+    got = (f"are a {losses.dim()}-D tensor" + (" of another length" if losses.dim() == 1 else "")
+           if isinstance(losses, Tensor) else f"are a {type(losses).__name__}")
     raise PrivacyConfigError(
-        f"The per-example losses of {owner} have shape {shape}, but a batch of {size} examples needs one "
-        f"loss per example, [{size}]: reduce per-token (or per-row) losses to one value per example in its "
-        f"`per_example_loss`, since each value is clipped as one example's whole contribution")
+        f"The per-example losses of {owner} {got}, but a batch of B examples needs one loss per example, [B]: "
+        f"reduce per-token (or per-row) losses to one value per example in its `per_example_loss`, since each "
+        f"value is clipped as one example's whole contribution")
 
 
 def predict(model: nn.Module, inputs: Inputs) -> Tensor:

@@ -812,7 +812,8 @@ class HFCandidateScorer(Backbone):
                 value = inputs[key]
                 if tuple(value.shape[:2]) != (size, k):
                     raise ValueError(
-                        f"{key} must have shape [B, K, ...] = [{size}, {k}, ...], got {tuple(value.shape)}"
+                        f"{key} must have shape [B, K, ...] with K = {k}, like input_ids; got a {value.dim()}-D "
+                        "tensor that does not"  # (no size: a Poisson batch's is a function of the private data)
                     )
                 batch[key] = value.to(device).reshape(size * k, *value.shape[2:])
         batch = right_padded({**batch, "candidate_mask": candidates.to(device).reshape(size * k, length).bool()})

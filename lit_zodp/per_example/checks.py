@@ -376,10 +376,11 @@ def refuse_reentrant_checkpointing(losses: Tensor) -> None:
 
 
 def check_losses(losses: Any) -> None:
-    """``loss_fn`` must return the per-example losses, a 1-D tensor ``[B]``."""
+    """``loss_fn`` must return the per-example losses, a 1-D tensor ``[B]``. The message names no size: a Poisson
+    batch's realized size is a function of the private data (red-team review 17)."""
     if not isinstance(losses, Tensor) or losses.dim() != 1:
-        shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
-        raise_if_any([f"Expected `loss_fn` to return per-example losses of shape [B], but got {shape}"])
+        got = f"a {losses.dim()}-D tensor" if isinstance(losses, Tensor) else type(losses).__name__
+        raise_if_any([f"Expected `loss_fn` to return per-example losses of shape [B], but got {got}"])
     if losses.numel() and not losses.requires_grad:
         raise_if_any(["Expected the per-example losses to depend on trainable parameters, but they do "
                       "not require grad (was `loss_fn` run under torch.no_grad, or is everything frozen?)"])

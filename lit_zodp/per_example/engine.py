@@ -852,7 +852,7 @@ class PerExampleGradientEngine:
             for call in tape.module_calls:
                 if call.module is not module or not call.grads:
                     continue
-                self._check_recomputable(call, size)
+                self._check_recomputable(call)
                 grads = self._recompute(call, [name for _, name in wanted], size)
                 _add_dense(batch, {i: grads[name] for i, name in wanted})
 
@@ -870,11 +870,12 @@ class PerExampleGradientEngine:
                 f"deterministic, batch-first, vmap-able forward: disable dropout there (eval mode or p=0), "
                 f"freeze these parameters, or register a rule with `register_sampler`.") from error
 
-    def _check_recomputable(self, call: ModuleCall, size: int) -> None:
+    def _check_recomputable(self, call: ModuleCall) -> None:
+        """(Its messages name no batch size: a Poisson batch's is a function of the private data.)"""
         where = self._where(call.module)
         raise_if_any([
             None if call.aligned else
-            f"The outputs of {where} are not batch-first (row i of [B={size}, ...] must reach only "
+            f"The outputs of {where} are not batch-first (row i of [B, ...] must reach only "
             f"example i's loss), so its per-example gradients cannot be recomputed",
             None if call.inputs_unchanged() else
             f"An input of {where} was modified in place after the call, so it cannot be recomputed",

@@ -174,7 +174,7 @@ class PrivacyComponent:
         self.budget: Optional[float] = None
         self.steps_allowed: Optional[int] = None
         self.noiseless_steps = 0  # steps taken at sigma = 0: counted here, never in the ledger
-        self.private_split: Optional[str] = None  # which rows are private (datamodules.base.private_split_id)
+        self.split: Optional[str] = None  # which rows are not private (datamodules.base.split_id)
         self._shuffled_before = False  # steps of this run before this fit were shuffled
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
@@ -190,15 +190,15 @@ class PrivacyComponent:
     # ------------------------------------------------------------------------------ plan
     def plan(self, *, step_plan: StepPlan, sampling: SamplingDescription, planned_steps: int,
              reduce_sum: Optional[ReduceSum] = _identity, broadcast: Callable[[Any], Any] = _identity,
-             spend_log: Optional[SpendLog] = None, private_split: Optional[str] = None) -> None:
+             spend_log: Optional[SpendLog] = None, split: Optional[str] = None) -> None:
         """Fix sigma, delta and the budget for this fit, and draw a fresh secret noise source.
 
         ``reduce_sum``: the all-reduce SUM across DDP ranks (``None``: one process). ``broadcast`` shares
         rank 0's value (DDP); the secret noise seed is shared this way once
         per fit start, so every rank adds the same draw after the all-reduce. ``spend_log`` (rank 0's;
         ``None`` elsewhere): the other branches' releases join the ledger, and this fit's are recorded.
-        ``private_split``: which rows are private (``datamodules.base.private_split_id``; ``None``: unknown, a loader
-        of the user's); a resume on another split than the checkpoint's is refused.
+        ``split``: which rows are not private (``datamodules.base.split_id``, of public facts only; ``None``: unknown,
+        a loader of the user's); a resume on another split than the checkpoint's is refused.
         """
         self._in_fit = False  # (a fit that never reached its end_fit)
         if self.sampling is not None and self.sampling.name == ShuffledSampling.name and self.ledger.total_count:
@@ -207,9 +207,9 @@ class PrivacyComponent:
         self._reduce_sum = reduce_sum or _identity
         self._released, self.fit_steps = [], 0
         restored = self._restored_plan or {}
-        raise_if_any([_split_change_error(self.private_split, private_split)])  # (a resume, or a 2nd fit here)
-        if private_split is not None:
-            self.private_split = private_split
+        raise_if_any([_split_change_error(self.split, split)])  # (a resume, or a 2nd fit here)
+        if split is not None:
+            self.split = split
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
@@ -590,7 +590,7 @@ class PrivacyComponent:
                     "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
                     "branches": None if self.branches is None else dict(self.branches),
                     "noiseless_steps": self.noiseless_steps, "poisson_assumed": self.poisson_assumed,
-                    "private_split": self.private_split}
+                    "split": self.split}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
         return {"ledger": self.ledger.state_dict(), "plan": plan}
@@ -610,9 +610,12 @@ class PrivacyComponent:
         if self._holds_all_of(state.get("plan") or {}):
             return  # an earlier checkpoint of this run (e.g. the best one, tested after the fit): keep the later ledger
         self.ledger.load_state_dict(state["ledger"])
-        self._restored_plan = state.get("plan")
+        # (a checkpoint from before red-team review 17 keeps "private_split", a digest of the private rows' ids: not
+        # read, and not written again)
+        restored = state.get("plan")
+        self._restored_plan = None if restored is None else {k: v for k, v in restored.items() if k != "private_split"}
         plan = self._restored_plan or {}
-        self.private_split = plan.get("private_split")
+        self.split = plan.get("split")
         # (steps before this fit were shuffled: the run's epsilon stays no guarantee)
         self._shuffled_before = bool(plan.get("poisson_assumed") or plan.get("sampling") == ShuffledSampling.name)
         self.lineage, self.other_branch_steps = plan.get("lineage"), plan.get("other_branch_steps", 0)
@@ -673,7 +676,7 @@ class NonPrivate:
 
     def plan(self, *, step_plan: StepPlan, sampling=None, planned_steps=None,
              reduce_sum: Optional[ReduceSum] = _identity, broadcast=_identity, spend_log=None,
-             private_split=None) -> None:
+             split=None) -> None:
         self.step_plan, self.sampling, self._reduce_sum = tuple(step_plan), sampling, reduce_sum or _identity
 
     def end_fit(self) -> None:

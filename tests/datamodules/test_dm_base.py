@@ -175,10 +175,46 @@ def test_a_separate_public_source_without_identifiers_warns_that_it_is_unchecked
         make(n=100, batch_size=5, n_public_source=3)
 
 
-def test_duplicate_identifier_across_public_and_private_raises():
-    dm = IndexedDataModule(n=100, batch_size=5, public_fraction=0.5, train_ids=["same"] * 100)
-    with pytest.raises(PrivacyConfigError, match="identifiers"):
-        dm.setup()
+def test_private_rows_repeating_a_carved_public_rows_id_give_way():
+    """Red-team review 17: such a repeat refused the fit, an un-noised bit about the private rows; the private side
+    now gives way, as it does to a separate public source."""
+    ids = [f"x{i}" for i in range(100)]
+    first = make(n=100, batch_size=5, public_fraction=0.2, train_ids=ids)
+    public, private = first.public_indices[0], first.private_indices[:3]
+    for i in private:
+        ids[i] = ids[public]
+    dm = make(n=100, batch_size=5, public_fraction=0.2, train_ids=ids)
+    assert dm.public_indices == first.public_indices and dm.private_indices == sorted(set(first.private_indices)
+                                                                                       - set(private))
+
+
+def _setup_output(ids, **kwargs):
+    """What setting up prints or raises (warnings, then the error if any)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            make(n=60, batch_size=5, train_ids=ids, **kwargs)
+            error = None
+        except Exception as err:  # noqa: BLE001 (any refusal is output)
+            error = f"{type(err).__name__}: {err}"
+    return [str(w.message) for w in caught], error
+
+
+@pytest.mark.parametrize("settings", [dict(val_fraction=0.2), dict(public_fraction=0.2),
+                                      dict(public_fraction=0.2, val_fraction=0.2)])
+def test_setup_says_the_same_whatever_one_private_rows_text_is(settings):
+    """Red-team review 17: a warning printed only when a private text repeated a validation text, and a refusal when
+    it repeated a public one, were deterministic bits about a private row for whoever reads the output. The private
+    row's text here is, in turn, a validation text, a public text and a text found nowhere else."""
+    ids = [f"x{i}" for i in range(60)]
+    carve = make(n=60, batch_size=5, train_ids=ids, **settings)
+    target = carve.private_indices[-1]
+    outputs = []
+    for text in {ids[i] for i in carve.val_indices[:1] + carve.public_indices[:1]} | {"found nowhere else"}:
+        changed = list(ids)
+        changed[target] = text
+        outputs.append(_setup_output(changed, **settings))
+    assert len(outputs) >= 2 and all(output == outputs[0] for output in outputs)
 
 
 def test_private_rows_equal_to_a_separate_public_example_are_dropped_from_the_private_side():
@@ -393,7 +429,7 @@ def test_public_in_step_without_a_public_split_is_refused():
         dm.train_dataloader()
 
 
-def test_the_private_split_id_is_spelled_alike_in_every_process():
+def test_the_split_id_is_spelled_alike_in_every_process():
     """Review, 2026-11-28: ids hashed by ``repr`` differ between processes (a frozenset's order follows
     PYTHONHASHSEED; a default repr holds an address), which refused legitimate resumes: such ids leave only the
     indices in the digest; NumPy ints read as ints."""
@@ -402,17 +438,63 @@ def test_the_private_split_id_is_spelled_alike_in_every_process():
 
     import numpy as np
 
-    from datamodules.base import private_split_id
+    from datamodules.base import split_id
 
-    indices = [0, 2, 5]
+    held_out = ([0, 2], [5])
     as_sets = [frozenset({f"a{i}", f"b{i}", f"c{i}"}) for i in range(6)]
-    assert private_split_id(6, indices, as_sets) == private_split_id(6, indices)
-    assert private_split_id(6, indices, [np.int64(i) for i in range(6)]) == private_split_id(6, indices, list(range(6)))
-    assert private_split_id(6, indices, [f"row{i}" for i in range(6)]) != private_split_id(6, indices)
-    assert private_split_id(6, indices) != private_split_id(6, [0, 2, 4])
-    script = ("from datamodules.base import private_split_id; "
-              "print(private_split_id(6, [0, 2, 5], [(f'r{i}', i) for i in range(6)]))")
+    assert split_id(6, 3, held_out, as_sets) == split_id(6, 3, held_out)
+    assert split_id(6, 3, held_out, [np.int64(i) for i in range(6)]) == split_id(6, 3, held_out, list(range(6)))
+    assert split_id(6, 3, held_out, [f"row{i}" for i in range(6)]) != split_id(6, 3, held_out)
+    assert split_id(6, 3, held_out) != split_id(6, 3, ([0, 2], [4]))
+    assert split_id(6, 3, held_out) != split_id(6, 3, ([0], [2, 5]))  # (a row moved from public to validation)
+    script = ("from datamodules.base import split_id; "
+              "print(split_id(6, 3, ([0, 2], [5]), [(f'r{i}', i) for i in range(6)]))")
     spellings = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                                 env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout
                  for seed in ("1", "2")}
     assert len(spellings) == 1
+
+
+def _split_id_with_row(row: int, text: str, **kwargs) -> tuple[IndexedDataModule, str]:
+    ids = [f"text {i}" for i in range(100)]
+    ids[row] = text
+    dm = make(n=100, batch_size=10, public_fraction=0.2, val_fraction=0.2, train_ids=ids, **kwargs)
+    return dm, dm.split_id
+
+
+def test_the_split_id_holds_nothing_of_a_private_rows_content():
+    """Red-team review 17: the digest kept in every checkpoint hashed the private rows' ids (a text module's texts),
+    so an attacker who knew the other rows read a row off the checkpoint by hashing each candidate. It is now a
+    function of the held-out rows and the sizes; those rows' content and place still change it."""
+    dm, _ = _split_id_with_row(0, "text 0")
+    private, public, validation = dm.private_indices[0], dm.public_indices[0], dm.val_indices[0]
+    assert len({_split_id_with_row(private, text)[1] for text in ("POSITIVE", "NEGATIVE", f"text {private}")}) == 1
+    assert _split_id_with_row(public, "POSITIVE")[1] != _split_id_with_row(public, "NEGATIVE")[1]
+    assert _split_id_with_row(validation, "POSITIVE")[1] != _split_id_with_row(validation, "NEGATIVE")[1]
+    assert make(n=100, batch_size=10, public_fraction=0.2, val_fraction=0.2, data_seed=1).split_id != \
+        make(n=100, batch_size=10, public_fraction=0.2, val_fraction=0.2).split_id
+
+
+def test_the_movie_review_modules_split_id_holds_nothing_of_a_private_review(tmp_path):
+    """The same for the packaged text module (configs/movie_reviews/*): its ids are the review texts."""
+    import csv
+
+    from datamodules import MovieReviewsDataModule
+
+    rows = [(f"review number {i} was {'good' if i % 2 else 'bad'}", i % 2, "rotten_tomatoes") for i in range(40)]
+
+    def module_with(first_text):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.csv"
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["text", "label", "source"])
+            writer.writerows([(first_text, 1, "rotten_tomatoes")] + rows[1:])
+        dm = MovieReviewsDataModule(source="rotten_tomatoes", tokenizer="minilm", max_length=16, batch_size=4,
+                                    data_path=str(path), test_fraction=0.25)
+        dm.setup("fit")
+        return dm
+
+    first = module_with("alice: test result POSITIVE")
+    row = [i for i, text in enumerate(first.pool_dataset.texts) if text == "alice: test result POSITIVE"]
+    assert row and row[0] in first.private_indices  # the review is a private row
+    assert first.split_id == module_with("alice: test result NEGATIVE").split_id

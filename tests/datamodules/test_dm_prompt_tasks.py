@@ -628,17 +628,21 @@ def test_multirc_hold_outs_are_carved_by_paragraph(tmp_path, data_seed):
     assert len(dm.public_indices) % 9 == 0 and len(dm.public_indices) == 18  # whole paragraphs of 9 rows
 
 
-def test_a_validation_text_repeating_a_private_text_warns_naming_dedupe(tmp_path):
+@pytest.mark.parametrize("repeated", [True, False])
+def test_validation_drawn_from_the_training_file_without_dedupe_warns_naming_dedupe(tmp_path, repeated):
+    """Whether or not a text repeats (red-team review 17: a warning printed only when a private text repeated a
+    validation text was a bit about the private rows); ``dedupe: true`` silences it."""
     folder = tmp_path / "SST-2"
     folder.mkdir()
-    rows = [(f"a distinct sentence {i}", i % 2) for i in range(12)] + [("the same sentence", 1)] * 12
+    rows = [(f"a distinct sentence {i}", i % 2) for i in range(12)]
+    rows += [("the same sentence", 1)] * 12 if repeated else [(f"another sentence {i}", 1) for i in range(12)]
     (folder / "train.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows))
     (folder / "dev.tsv").write_text("sentence\tlabel\n" + "".join(f"dev {i}\t{i % 2}\n" for i in range(4)))
-    no_count = r"^PromptTextDataModule: validation examples repeat a private example.*`dedupe: true`"
+    no_count = r"^PromptTextDataModule: validation examples are drawn from the training data.*`dedupe: true`"
     with pytest.warns(UserWarning, match=no_count):
         make_dm(tmp_path, "SST-2", prompt="none", tokenizer="minilm", num_dev=8, data_seed=0).setup("fit")
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*validation examples repeat")
+        warnings.filterwarnings("error", message=".*validation examples are drawn")
         make_dm(tmp_path, "SST-2", prompt="none", tokenizer="minilm", num_dev=8, data_seed=0, dedupe=True).setup("fit")
 
 
@@ -646,7 +650,7 @@ def test_multirc_validation_rows_drawn_from_private_paragraphs_warn(tmp_path):
     """``num_dev`` draws validation rows from the training file row by row: a paragraph can then
     have rows on both sides, which warns (the carved ``val_fraction`` takes whole paragraphs)."""
     _write_multirc(tmp_path)
-    no_count = r"^PromptTextDataModule: groups \(e\.g\. passages\) of the validation split.*`val_fraction`"
+    no_count = r"^PromptTextDataModule: the validation rows are drawn row by row from the training file.*`val_fraction`"
     with pytest.warns(UserWarning, match=no_count):
         make_dm(tmp_path, "MultiRC", data_format="superglue", prompt="none", tokenizer="minilm",
                 num_dev=8, data_seed=0).setup("fit")

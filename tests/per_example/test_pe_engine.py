@@ -472,3 +472,17 @@ def test_hooks_mode_holds_no_more_at_once_than_a_plain_backward():
     with LiveLarge(x.numel()) as hooks:
         engine.clipped_sum(losses, 1.0)
     assert len(hooks.most) <= len(plain.most), (sorted(hooks.most.values()), sorted(plain.most.values()))
+
+
+def test_the_refusals_of_a_batchs_losses_name_no_realized_batch_size():
+    """Red-team review 17: a Poisson batch's realized size (and its padded length) is a function of the private data;
+    a refusal printed it ([B=17, ...], shape [17, 23])."""
+    from lit_zodp.backbones.base import check_one_loss_per_example
+    from lit_zodp.per_example.checks import check_losses
+
+    for refuse in (lambda: check_losses(torch.zeros(17, 23)),
+                   lambda: check_one_loss_per_example(torch.zeros(17, 23), 17, "Model"),
+                   lambda: check_one_loss_per_example(torch.zeros(23), 17, "Model")):
+        with pytest.raises(PrivacyConfigError) as info:
+            refuse()
+        assert "17" not in str(info.value) and "23" not in str(info.value)

@@ -180,13 +180,24 @@ def test_state_dict_holds_the_ledger_and_the_plan_and_nothing_secret():
     assert set(state) == {"ledger", "plan"}
     assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "neighbours", "planned_steps",
                                   "sampling", "sample_rate", "n", "lineage", "other_branch_steps", "branches",
-                                  "noiseless_steps", "poisson_assumed", "private_split"}
+                                  "noiseless_steps", "poisson_assumed", "split"}
     assert len(state["plan"]["lineage"]) == 32  # a random 128-bit id: public, it names the run's spend records
     assert list(state["plan"]["branches"].values()) == [1]  # this fit's branch: its one step is in the ledger
     restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
     restored.load_state_dict(state)
     assert restored.epsilon() == pytest.approx(component.epsilon(), rel=1e-3) and restored.delta == 1e-5
     assert restored.lineage == component.lineage
+
+
+def test_an_old_checkpoints_digest_of_the_private_rows_is_neither_read_nor_written_again():
+    """Red-team review 17: plans before it kept ``private_split``, a digest of the private rows' ids (texts)."""
+    state = planned(noise_multiplier=1.0).state_dict()
+    state["plan"]["private_split"] = "a" * 64
+    restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    restored.load_state_dict(state)
+    assert "private_split" not in restored.state_dict()["plan"] and restored.split is None
+    restored.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10, split="b" * 64)  # (no old digest to compare)
+    assert "private_split" not in restored.state_dict()["plan"]
 
 
 def test_a_changed_delta_on_resume_is_refused():
