@@ -229,10 +229,10 @@ def test_epsilon_continues_after_a_trainer_resume_and_after_load_from_checkpoint
     assert resumed.privacy.epsilon() > spent_at_4
 
 
-def _synthetic(data_seed=0, public_fraction=0.25, **extra):
+def _synthetic(data_seed=0, public_fraction=0.25, batch_size=20, **extra):
     from datamodules.synthetic import SyntheticClassificationDataModule
 
-    return SyntheticClassificationDataModule(n_samples=200, n_features=10, num_classes=3, batch_size=20,
+    return SyntheticClassificationDataModule(n_samples=200, n_features=10, num_classes=3, batch_size=batch_size,
                                              public_fraction=public_fraction, val_fraction=0.25,
                                              data_seed=data_seed, **extra)
 
@@ -253,6 +253,37 @@ def test_a_resume_on_another_private_split_is_refused_before_a_step(name, change
     quiet_trainer(max_steps=4, limit_val_batches=0).fit(resumed, datamodule=_synthetic(),
                                                         ckpt_path=tmp_path / "last.ckpt")
     assert resumed.privacy.ledger.total_count == 4
+
+
+class _RowsUsed(Callback):
+    """The private rows (by their features) the fit's steps used."""
+
+    def __init__(self):
+        self.rows = set()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.rows |= {tuple(row.tolist()) for row in batch[0]}
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_single_pass_resumed_with_another_batch_size_is_refused_before_reusing_an_example(name, tmp_path):
+    """Red-team review 17: 5 steps of a 15-step pass (batch size 10), resumed at batch size 5 (a 30-step pass drawn
+    anew, continued from step 5), used 19 of the first steps' 43 rows again, while the ledger counted one Gaussian
+    for the whole pass. The same batch size continues the pass on new rows."""
+    def data(batch_size):
+        return _synthetic(public_fraction=0.0, sampling="single_pass", batch_size=batch_size)
+
+    first, single = _RowsUsed(), dict(neighbours="replace_one", noise_multiplier=2.0)
+    fit(build(name, **single), data(10), 5, [first, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+        enable_checkpointing=True, limit_val_batches=0)
+    resumed, later = build(name, **single), _RowsUsed()
+    with pytest.raises(PrivacyConfigError, match="would be used again, accounted once") as info:
+        quiet_trainer(max_steps=15, limit_val_batches=0, callbacks=[later]).fit(
+            resumed, datamodule=data(5), ckpt_path=tmp_path / "last.ckpt")
+    assert "\n" not in str(info.value) and not later.rows and resumed.privacy.ledger.total_count == 5
+    quiet_trainer(max_steps=15, limit_val_batches=0, callbacks=[later]).fit(
+        resumed, datamodule=data(10), ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.privacy.ledger.total_count == 15 and later.rows and not later.rows & first.rows
 
 
 @pytest.mark.parametrize("name", PRIVATE)

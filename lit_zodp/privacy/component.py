@@ -40,7 +40,7 @@ from lit_zodp.privacy.clipping import check_clip
 from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
 from lit_zodp.privacy.plan import StepPlan, composed_multiplier
-from lit_zodp.privacy.sampling import SamplingDescription, ShuffledSampling
+from lit_zodp.privacy.sampling import SamplingDescription, ShuffledSampling, SinglePassSampling
 from lit_zodp.privacy.spend_log import Counts, SpendLog, decode_counts, encode_counts, new_id, summed
 
 #: The default delta's ceiling: the papers' 1e-5 (DPZero, DP-GRAPE), below ``1 / (10 n)`` for larger ``n``.
@@ -175,6 +175,7 @@ class PrivacyComponent:
         self.steps_allowed: Optional[int] = None
         self.noiseless_steps = 0  # steps taken at sigma = 0: counted here, never in the ledger
         self.split: Optional[str] = None  # which rows are not private (datamodules.base.split_id)
+        self.single_pass: Optional[list] = None  # the assignment (n, steps, seed) of the run's single pass
         self._shuffled_before = False  # steps of this run before this fit were shuffled
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
@@ -387,6 +388,10 @@ class PrivacyComponent:
         * The sampler must continue the ledger's pass: a pass restarted (a second fit, a reloaded
           loader, a fresh DataModule after ``load_from_checkpoint``) would reuse examples the ledger
           counts once.
+        * And continue it with the same assignment (the run's so far): resumed with another
+          ``batch_size`` (another number of steps), data or seed, the pass was drawn anew and continued from the
+          old position, so examples used before the checkpoint were used again, counted once (red-team review 17:
+          19 of 43 at n = 150, batch size 10 then 5).
         """
         if not self.is_private or getattr(self.sampling, "name", None) != "single_pass":
             return
@@ -407,6 +412,14 @@ class PrivacyComponent:
                 f"The ledger holds {recorded} single-pass steps but the sampler starts its pass at step "
                 f"{self.sampling.start}: a restarted pass would reuse examples accounted as used once. Resume "
                 "the run from its checkpoint (ckpt_path), which continues the pass.")
+        now, passed = self.sampling.assignment, self.single_pass
+        if recorded and passed is not None and any(a is not None and a != b for a, b in zip(passed, now)):
+            raise PrivacyConfigError(
+                f"This run's single pass assigned n = {passed[0]} examples to {passed[1]} steps; this fit assigns "
+                f"n = {now[0]} to {now[1]} steps (another `batch_size`, data or `data_seed`), so examples its first "
+                f"{recorded} steps used would be used again, accounted once: resume with the run's batch size and "
+                "data settings")
+        self.single_pass = now
 
     def _check_accountable(self) -> None:
         """Refuse, before the first step, a sigma the accountant cannot certify for the planned run."""
@@ -590,7 +603,7 @@ class PrivacyComponent:
                     "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
                     "branches": None if self.branches is None else dict(self.branches),
                     "noiseless_steps": self.noiseless_steps, "poisson_assumed": self.poisson_assumed,
-                    "split": self.split}
+                    "split": self.split, "single_pass": self.single_pass}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
         return {"ledger": self.ledger.state_dict(), "plan": plan}
@@ -616,6 +629,7 @@ class PrivacyComponent:
         self._restored_plan = None if restored is None else {k: v for k, v in restored.items() if k != "private_split"}
         plan = self._restored_plan or {}
         self.split = plan.get("split")
+        self.single_pass = _restored_pass(plan)
         # (steps before this fit were shuffled: the run's epsilon stays no guarantee)
         self._shuffled_before = bool(plan.get("poisson_assumed") or plan.get("sampling") == ShuffledSampling.name)
         self.lineage, self.other_branch_steps = plan.get("lineage"), plan.get("other_branch_steps", 0)
@@ -634,6 +648,16 @@ class PrivacyComponent:
         theirs = plan.get("branches")
         return (self.lineage is not None and plan.get("lineage") == self.lineage and self.branches is not None
                 and theirs is not None and all(self.branches.get(b, 0) >= n for b, n in theirs.items()))
+
+
+def _restored_pass(plan: dict) -> Optional[list]:
+    """A checkpoint's single-pass assignment (n, steps, seed); one from before red-team review 17 gives n and the
+    steps, not the seed."""
+    if plan.get("single_pass") is not None:
+        return list(plan["single_pass"])
+    if plan.get("sampling") == SinglePassSampling.name and plan.get("sample_rate"):
+        return [plan.get("n"), round(1 / plan["sample_rate"]), None]
+    return None
 
 
 def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[str]:

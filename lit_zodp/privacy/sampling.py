@@ -83,12 +83,19 @@ class FullBatchSampling:
 @dataclass(frozen=True)
 class SinglePassSampling:
     """Each of the ``n`` examples used in exactly one of ``steps`` steps (one pass); ``start``: the
-    sampler's position in the pass when the fit starts (a resumed pass continues where it stopped)."""
+    sampler's position in the pass when the fit starts (a resumed pass continues where it stopped); ``seed``: the
+    public seed of the pass's assignment of examples to steps."""
 
     n: int
     steps: int
     start: int = field(default=0, compare=False)
+    seed: Optional[int] = field(default=None, compare=False)
     name: ClassVar[str] = "single_pass"
+
+    @property
+    def assignment(self) -> list:
+        """What fixes which step uses which example: a continued pass must have the same."""
+        return [self.n, self.steps, self.seed]
 
     @property
     def sample_rate(self) -> float:
@@ -261,7 +268,7 @@ class SinglePassBatchSampler(PrivateBatchSampler):
 
     @property
     def description(self) -> SinglePassSampling:
-        return SinglePassSampling(self.num_samples, self.steps, start=self.next_step)
+        return SinglePassSampling(self.num_samples, self.steps, start=self.next_step, seed=self.seed)
 
     def __len__(self) -> int:
         return self.steps - self.next_step

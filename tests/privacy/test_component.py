@@ -180,7 +180,7 @@ def test_state_dict_holds_the_ledger_and_the_plan_and_nothing_secret():
     assert set(state) == {"ledger", "plan"}
     assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "neighbours", "planned_steps",
                                   "sampling", "sample_rate", "n", "lineage", "other_branch_steps", "branches",
-                                  "noiseless_steps", "poisson_assumed", "split"}
+                                  "noiseless_steps", "poisson_assumed", "split", "single_pass"}
     assert len(state["plan"]["lineage"]) == 32  # a random 128-bit id: public, it names the run's spend records
     assert list(state["plan"]["branches"].values()) == [1]  # this fit's branch: its one step is in the ledger
     restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
@@ -285,6 +285,34 @@ def test_a_single_pass_must_continue_the_ledgers_pass():
         if refused:
             with pytest.raises(PrivacyConfigError, match="restarted pass would reuse examples"):
                 resumed.plan(**plan)
+        else:
+            resumed.plan(**plan)
+
+
+@pytest.mark.parametrize("old_checkpoint", [False, True])
+def test_a_single_pass_continues_only_with_its_own_assignment(old_checkpoint):
+    """Red-team review 17: resumed with another batch size (other steps), data (other n) or seed, the pass was drawn
+    anew and continued from the old position, reusing examples the ledger counts once. A checkpoint from before it
+    keeps n and the rate (steps), not the seed."""
+    first = planned(steps=50, noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50, seed=7),
+                    neighbours="replace_one")
+    for _ in range(20):
+        first.release(torch.zeros(()), "g")
+        first.commit_step()
+    state = first.state_dict()
+    assert state["plan"]["single_pass"] == [1000, 50, 7]
+    if old_checkpoint:
+        del state["plan"]["single_pass"]
+    for n, steps, seed, refused in [(1000, 100, 7, True), (990, 50, 7, True), (1000, 50, 8, not old_checkpoint),
+                                    (1000, 50, 7, False)]:
+        resumed = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5, neighbours="replace_one")
+        resumed.load_state_dict(state)
+        plan = dict(step_plan=PLAN, sampling=SinglePassSampling(n=n, steps=steps, start=20, seed=seed),
+                    planned_steps=30)
+        if refused:
+            with pytest.raises(PrivacyConfigError, match="would be used again, accounted once") as info:
+                resumed.plan(**plan)
+            assert "\n" not in str(info.value)
         else:
             resumed.plan(**plan)
 
