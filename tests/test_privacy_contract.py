@@ -255,6 +255,24 @@ def test_a_resume_on_another_private_split_is_refused_before_a_step(name, change
     assert resumed.privacy.ledger.total_count == 4
 
 
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork", "ddp_notebook"])
+def test_strategies_that_return_only_the_weights_are_refused_for_a_private_fit(strategy):
+    """Red-team review 18: their children trained, and the module came back with the weights and an empty ledger
+    (epsilon 0); a checkpoint of it resumed as a new run at epsilon 0. One fit runs (fork: quick); the other two
+    strategies' launchers are the same class."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    trainer = quiet_trainer(max_steps=2, strategy=strategy, use_distributed_sampler=False)
+    assert isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+    if strategy != "ddp_fork":
+        return
+    module = build("DPZero")
+    before = flat(module)
+    with pytest.raises(Exception, match="returns only the weights, so the module would come back with an empty"):
+        trainer.fit(module, poisson_loader(blobs(), 0.25))
+    assert module.privacy.ledger.total_count == 0 and torch.equal(flat(module), before)
+
+
 class _RowsUsed(Callback):
     """The private rows (by their features) the fit's steps used."""
 

@@ -202,6 +202,8 @@ class AlgorithmModule(pl.LightningModule):
         _refuse_loss_scaling(self.trainer)
         if self.private:
             _refuse_tuner(self.trainer)
+            if stage == "fit":
+                _refuse_launchers_that_return_only_the_weights(self.trainer)
         data_classes = getattr(self.trainer.datamodule, "num_classes", None) if self._trainer else None
         if data_classes and self.num_classes and data_classes != self.num_classes:
             raise PrivacyConfigError(
@@ -697,6 +699,23 @@ def _refuse_tuner(trainer: "pl.Trainer") -> None:
         raise PrivacyConfigError(
             f"{tuners[0]} (Lightning's Tuner) trains on private batches and then forgets those steps: tune the "
             "batch size or learning rate on public data or with the non-private twin (MeZO, SGD, Adam) instead")
+
+
+def _refuse_launchers_that_return_only_the_weights(trainer: "pl.Trainer") -> None:
+    """``ddp_spawn``, ``ddp_fork``, ``ddp_notebook`` (and XLA) train in child processes and hand this one back the
+    weights alone (``load_state_dict``, no ``on_load_checkpoint``): the module came back with an empty ledger,
+    epsilon 0, for weights its private steps made, and a checkpoint of it resumed as a new run at epsilon 0
+    (red-team review 18)."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if isinstance(launcher, _MultiProcessingLauncher):
+        flag = getattr(getattr(trainer, "_accelerator_connector", None), "_strategy_flag", None)
+        name = repr(flag) if isinstance(flag, str) else f"{type(trainer.strategy).__name__}({launcher._start_method})"
+        raise PrivacyConfigError(
+            f"strategy={name} trains in child processes and returns only the weights, so the module would come "
+            "back with an empty privacy ledger (epsilon 0) for weights its private steps made: use strategy='ddp' "
+            "(a script or `lightning fit`; in a notebook, run the fit as a script)")
 
 
 def _require_no_distributed_sampler(trainer: "pl.Trainer") -> None:
