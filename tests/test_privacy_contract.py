@@ -273,6 +273,31 @@ def test_strategies_that_return_only_the_weights_are_refused_for_a_private_fit(s
     assert module.privacy.ledger.total_count == 0 and torch.equal(flat(module), before)
 
 
+@pytest.mark.parametrize("name", PRIVATE)
+def test_evaluation_on_the_private_training_data_is_refused_before_a_metric_is_logged(name):
+    """Red-team review 18: validation, test or predict loaders over the private rows logged exact means of them
+    (val_acc moved by 1/n with one row). Refused: the training loader itself, a loader over its dataset or a
+    Subset of it, the DataModule's private split; the DataModule's own held-out splits still validate."""
+    data = blobs(n=128)
+    private_loader = poisson_loader(data, 0.1)
+    over_the_rows = DataLoader(torch.utils.data.Subset(data, range(40)), batch_size=16)
+    for val_loader in (private_loader, over_the_rows):
+        trainer = quiet_trainer(max_steps=4, val_check_interval=2, num_sanity_val_steps=2)
+        with pytest.raises(PrivacyConfigError, match="The validation loader reads the private training data") as info:
+            trainer.fit(build(name), train_dataloaders=private_loader, val_dataloaders=val_loader)
+        assert "\n" not in str(info.value) and not any(k.startswith("val_") for k in trainer.callback_metrics)
+    module, datamodule = build(name), _synthetic()
+    trainer = quiet_trainer(max_steps=2, val_check_interval=1, limit_val_batches=1)
+    trainer.fit(module, datamodule=datamodule)  # (its held-out validation split)
+    assert "val_acc" in trainer.callback_metrics
+    for run in (lambda: trainer.test(module, datamodule.train_dataloader(), verbose=False),
+                lambda: trainer.validate(module, DataLoader(datamodule.private_dataset, batch_size=8), verbose=False),
+                lambda: trainer.predict(module, DataLoader(torch.utils.data.Subset(datamodule.private_dataset,
+                                                                                    range(8)), batch_size=8))):
+        with pytest.raises(PrivacyConfigError, match="loader reads the private training data"):
+            run()
+
+
 class _RowsUsed(Callback):
     """The private rows (by their features) the fit's steps used."""
 

@@ -569,6 +569,15 @@ class AlgorithmModule(pl.LightningModule):
         return bool(getattr(connector, "should_update_logs", True) or trainer.fast_dev_run)
 
     # ------------------------------------------------------------------------------ evaluation
+    def on_validation_start(self) -> None:
+        _refuse_private_evaluation(self, "validation", "val_dataloaders")
+
+    def on_test_start(self) -> None:
+        _refuse_private_evaluation(self, "test", "test_dataloaders")
+
+    def on_predict_start(self) -> None:
+        _refuse_private_evaluation(self, "predict", "predict_dataloaders")
+
     def validation_step(self, batch, batch_idx: int) -> None:
         self._evaluate(batch, self.val_accuracy, "val")
 
@@ -628,6 +637,62 @@ def read_sampling(trainer: "pl.Trainer") -> SamplingDescription:
             "shuffled loader gives no guarantee the accountant can state.")
     private[0].check_placement(int(trainer.global_rank), int(trainer.world_size))
     return private[0].description
+
+
+def _refuse_private_evaluation(module: AlgorithmModule, stage: str, loaders_attribute: str) -> None:
+    """A private module's validation, test or predict loader must not read the private split: their loss and
+    accuracy reach every logger, the progress bar and ``callback_metrics`` (and an ``EarlyStopping`` or
+    ``ModelCheckpoint`` monitoring them) as exact means over private rows, un-noised (red-team review 18: the
+    training loader passed as ``val_dataloaders`` too, or ``trainer.validate(model, dm.train_dataloader())``). Refused
+    where the loader samples with a :class:`PrivateBatchSampler`, or its dataset is a private training dataset (the
+    training loader's, the DataModule's ``private_dataset``) or a ``Subset`` or ``ConcatDataset`` part of one."""
+    if not module.private or module._trainer is None:
+        return
+    trainer = module.trainer
+    private = _private_datasets(trainer)
+    for loader in _as_list(getattr(trainer, loaders_attribute, None)):
+        if isinstance(getattr(loader, "batch_sampler", None), PrivateBatchSampler) or _reads_any(
+                getattr(loader, "dataset", None), private):
+            raise PrivacyConfigError(
+                f"The {stage} loader reads the private training data: its metrics would be logged as exact, "
+                "un-noised means over private examples (and drive any EarlyStopping or ModelCheckpoint monitoring "
+                "them); evaluate on held-out data (a DataModule's val/test splits, or a loader of other rows)")
+
+
+def _private_datasets(trainer: "pl.Trainer") -> list:
+    """The datasets of the private training loaders this Trainer has (loaded, or given to ``fit``) and a
+    DataModule's ``private_dataset``."""
+    given = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
+    loaders = _as_list(trainer.train_dataloader) + (_as_list(given) if not isinstance(given, pl.LightningDataModule)
+                                                    else [])
+    datasets = [loader.dataset for loader in loaders
+                if isinstance(getattr(loader, "batch_sampler", None), PrivateBatchSampler)]
+    private_dataset = getattr(trainer.datamodule, "private_dataset", None)
+    return datasets + ([private_dataset] if private_dataset is not None else [])
+
+
+def _reads_any(dataset: Any, datasets: list) -> bool:
+    """``dataset`` is one of ``datasets``, or reads one through ``Subset`` or ``ConcatDataset``."""
+    if dataset is None:
+        return False
+    if any(dataset is other for other in datasets):
+        return True
+    if isinstance(dataset, torch.utils.data.Subset):
+        return _reads_any(dataset.dataset, datasets)
+    if isinstance(dataset, torch.utils.data.ConcatDataset):
+        return any(_reads_any(part, datasets) for part in dataset.datasets)
+    return False
+
+
+def _as_list(loaders: Any) -> list:
+    """A loader, or a list, tuple or dict of them (Lightning's forms), as a list; ``None`` as ``[]``."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, dict):
+        return [loader for loader in loaders.values() if loader is not None]
+    if isinstance(loaders, (list, tuple)):
+        return [loader for loader in loaders if loader is not None]
+    return [loaders]
 
 
 def _train_loaders(trainer: "pl.Trainer") -> list:

@@ -284,7 +284,7 @@ def test_a_test_after_fit_keeps_the_modules_callbacks_without_announcing_an_over
     trainer = quiet_trainer(max_steps=3, callbacks=[mine])
     with caplog.at_level("INFO"):
         trainer.fit(module, poisson_loader(data, 0.1, steps_per_epoch=3))
-        trainer.test(module, torch.utils.data.DataLoader(data, batch_size=64), verbose=False)
+        trainer.test(module, torch.utils.data.DataLoader(blobs(seed=5), batch_size=64), verbose=False)
     assert "override" not in caplog.text
     assert [c for c in trainer.callbacks if isinstance(c, PrivacySpendCallback)] == [mine]
     assert not any(isinstance(c, StopRanksOnError) for c in trainer.callbacks)  # the privacy callback stops ranks
