@@ -341,7 +341,10 @@ def encode_mlm(
             (``spec.fields[0]``) are cut to this many before anything else.
         truncation: ``"fields"`` (text fields cut from their end, longest first, the template kept) or
             ``"tail"`` (LM-BFF: the whole sequence cut at ``max_length``, end-of-sequence token
-            included; raises if the mask is cut). ``None``: ``"tail"`` when ``faithful``, else ``"fields"``.
+            included). A row whose mask tail truncation would cut, where LM-BFF's assertion stops the run, is
+            cut by fields instead, and nothing is said: a refusal, or a warning, on one row's length
+            would tell whoever reads the output about that row (red-team review 18). ``None``: ``"tail"``
+            when ``faithful``, else ``"fields"``.
         faithful: render LM-BFF's templates token for token as its ``tokenize_multipart_input`` does
             (values as read, GLUE SST-2's trailing space included; ``*sent-_0*`` drops the premise's
             last character whatever it is); ``False`` strips the values and drops only final punctuation
@@ -379,14 +382,8 @@ def encode_mlm(
         spans = [
             [mask_id] if kind == "mask" else (ids if kind == "fixed" else ids[i]) for kind, ids in pieces
         ]
-        if truncation == "tail":
-            row = [*prefix, *(t for span in spans for t in span), *suffix][:max_length]
-            if mask_id not in row:
-                raise ValueError(
-                    f"{spec.name}: example {i} is longer than max_length={max_length} and tail truncation cut its "
-                    "mask (LM-BFF asserts here); raise max_length, set first_sent_limit or use truncation='fields'"
-                )
-        else:
+        row = [*prefix, *(t for span in spans for t in span), *suffix][:max_length] if truncation == "tail" else []
+        if mask_id not in row:  # (tail truncation cut the mask: LM-BFF asserts; this row alone is cut by fields)
             row = _fit_fields(spec, spans, [kind == "text" for kind, _ in pieces], prefix, suffix, max_length)
         input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         attention[i, : len(row)] = 1
@@ -444,13 +441,10 @@ def encode_causal(
     for i in range(n):
         cands = candidates[i]
         if any(len(c) == 0 for c in cands):
-            raise ValueError(f"{spec.name}: example {i} has an empty candidate: {candidate_texts(spec, records[i])}")
+            raise ValueError(f"{spec.name}: an example has an empty candidate")  # (no row's place or text in it)
         room = max_length - len(prefix) - max(len(c) for c in cands)
         if room < 0:
-            raise ValueError(
-                f"{spec.name}: a candidate of {max(len(c) for c in cands)} tokens does not fit in "
-                f"max_length={max_length}; raise max_length"
-            )
+            raise ValueError(f"{spec.name}: a candidate does not fit in max_length={max_length}; raise max_length")
         prompt = prompts[i][len(prompts[i]) - room :] if len(prompts[i]) > room else prompts[i]
         start = len(prefix) + len(prompt)
         if start == 0:

@@ -785,7 +785,8 @@ def normalize_records(
         for row in spec.flatten(raw) if spec.flatten is not None else (raw,):
             label_key = next((k for k in LABEL_KEYS if k in row and row[k] is not None), None)
             if label_key is None:
-                raise ValueError(f"{where}: example {number} has no label ({list(LABEL_KEYS)}): {_short(row)}")
+                raise ValueError(f"{where}: example {number} has no label ({list(LABEL_KEYS)}); its fields: "
+                                 f"{sorted(row)}")  # (the field names, never a row's text: review 18)
             label = spec.label_index(row[label_key])
             if label is None:
                 continue
@@ -795,7 +796,7 @@ def normalize_records(
                 if key is None:
                     raise ValueError(
                         f"{where}: example {number} lacks the field {name!r} (looked for "
-                        f"{list(spec.field_aliases[name])}): {_short(row)}"
+                        f"{list(spec.field_aliases[name])}); its fields: {sorted(row)}"  # (never a row's text)
                     )
                 record[name] = str(row[key])
             records.append(record)
@@ -806,11 +807,6 @@ def normalize_records(
         return TaskSplit(records, labels, where)
     total = len(positions) if num_rows is None else num_rows
     return TaskSplit(records, labels, where, rows, total)
-
-
-def _short(row: Mapping[str, Any], limit: int = 200) -> str:
-    text = repr(dict(row))
-    return text if len(text) <= limit else text[:limit] + "...}"
 
 
 def read_delimited(spec: TaskSpec, path: Union[str, Path]) -> TaskSplit:
@@ -854,7 +850,7 @@ def read_delimited(spec: TaskSpec, path: Union[str, Path]) -> TaskSplit:
     raw_rows, positions = [], []
     for line, row in numbered[1:] if has_header else numbered:
         if len(row) < width:
-            raise ValueError(f"{path}: row {line + 1} has {len(row)} columns, expected at least {width}: {row}")
+            raise ValueError(f"{path}: row {line + 1} has {len(row)} columns, expected at least {width}")  # (no text)
         raw_rows.append({name: row[index] for name, index in columns.items()})
         positions.append(line - first)
     return normalize_records(spec, raw_rows, str(path), positions, total)

@@ -654,3 +654,20 @@ def test_multirc_validation_rows_drawn_from_private_paragraphs_warn(tmp_path):
     with pytest.warns(UserWarning, match=no_count):
         make_dm(tmp_path, "MultiRC", data_format="superglue", prompt="none", tokenizer="minilm",
                 num_dev=8, data_seed=0).setup("fit")
+
+
+@pytest.mark.parametrize("broken", ["columns", "label"])
+def test_a_malformed_rows_refusal_names_its_place_not_its_text(tmp_path, broken):
+    """Red-team review 18: the readers quoted the row (``row 78 has 2 columns ...: ['77', 'zebracornflakes ...']``,
+    ``example N has no label ...: {...}``), a private row's text in the output."""
+    folder = write_task_files(tmp_path, "SNLI" if broken == "columns" else "BoolQ",
+                              "glue" if broken == "columns" else "superglue", per_class=6)
+    if broken == "columns":
+        train = folder / "train.tsv"
+        train.write_text(train.read_text() + "77\tzebracornflakes sat on the mat.\n")
+    else:
+        train = folder / "train.jsonl"
+        train.write_text(train.read_text() + json.dumps({"question": "zebracornflakes?", "passage": "p"}) + "\n")
+    with pytest.raises(ValueError, match="columns, expected|has no label") as info:
+        make_dm(tmp_path, "SNLI" if broken == "columns" else "BoolQ", prompt="none", tokenizer="minilm").setup()
+    assert "zebracornflakes" not in str(info.value)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from datamodules import PromptTextDataModule, get_task, load_task
@@ -442,8 +443,9 @@ def test_first_sent_limit_and_tail_truncation_are_lm_bffs(tokenizers):
         out = encode_mlm(tokenizer, spec, [record], length, first_sent_limit=limit, faithful=True)  # tail
         row = out["input_ids"][0][out["attention_mask"][0].bool()].tolist()
         assert row == reference_lm_bff_tokens(tokenizer, LM_BFF_TEMPLATES["MNLI"], texts, length, limit)
-    with pytest.raises(ValueError, match="cut its mask"):
-        encode_mlm(tokenizer, spec, [record], 20, faithful=True)
+    cut = encode_mlm(tokenizer, spec, [record], 20, faithful=True)  # (the mask past 20: cut by fields, below)
+    assert torch.equal(cut["input_ids"], encode_mlm(tokenizer, spec, [record], 20, truncation="fields",
+                                                    faithful=True)["input_ids"])
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -521,10 +523,17 @@ def test_faithful_mode_truncates_the_tail_unless_told_otherwise(tokenizers):
     assert resolve_truncation("fields", True) == "fields"
     tokenizer = tokenizers["roberta"]
     record = {"premise": " ".join(["word"] * 60) + ".", "hypothesis": "A man plays."}
-    with pytest.raises(ValueError, match="cut its mask"):  # LM-BFF asserts when the mask falls off the end
-        encode_mlm(tokenizer, get_task("MNLI"), [record], 32, faithful=True)
     kept = encode_mlm(tokenizer, get_task("MNLI"), [record], 32, faithful=True, truncation="fields")
     assert int((kept["input_ids"] == tokenizer.mask_token_id).sum()) == 1
+    # LM-BFF asserts when the mask falls off the end: that row alone is cut by fields, and the other rows keep LM-BFF's
+    # tail (red-team review 18: a refusal on one row's length told about that row)
+    short = {"premise": "It rained.", "hypothesis": " ".join(["word"] * 40) + "."}
+    both = encode_mlm(tokenizer, get_task("MNLI"), [record, short], 32, faithful=True)
+    assert torch.equal(both["input_ids"][0], kept["input_ids"][0])
+    assert torch.equal(both["input_ids"][1], encode_mlm(tokenizer, get_task("MNLI"), [short], 32,
+                                                        faithful=True)["input_ids"][0])
+    assert not torch.equal(both["input_ids"][1], encode_mlm(tokenizer, get_task("MNLI"), [short], 32, faithful=True,
+                                                            truncation="fields")["input_ids"][0])
 
 
 MNLI_HEADER = ("index promptID pairID genre sentence1_binary_parse sentence2_binary_parse sentence1_parse "
