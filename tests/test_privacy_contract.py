@@ -355,6 +355,20 @@ def test_a_non_private_twins_checkpoint_is_refused_in_one_line(name, tmp_path):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_private_checkpoint_is_not_continued_by_the_non_private_twin(name, tmp_path):
+    """Red-team review 18: the CLI refused it, a Trainer of one's own continued a private run's checkpoint without
+    noise or accounting and said nothing."""
+    twin_cls = ALGORITHMS["MeZO" if issubclass(ALGORITHMS[name], ZerothOrderModule) else "SGD"]
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(build(name), poisson_loader(blobs(), 0.25), 2, [checkpoint], enable_checkpointing=True)
+    twin = twin_cls(mlp(seed=1), lr=0.05, seed=3)
+    before = flat(twin)
+    with pytest.raises(PrivacyConfigError, match="private run's \\(2 accounted steps\\)") as info:
+        quiet_trainer(max_steps=4).fit(twin, poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "last.ckpt")
+    assert "\n" not in str(info.value) and torch.equal(flat(twin), before)
+
+
 def test_a_runs_epsilon_stays_marked_poisson_assumed_after_its_shuffled_steps(tmp_path):
     """Audit, 2026-11-28: 40 shuffled steps resumed with Poisson sampling printed a plain ``epsilon=5.199``."""
     from lit_zodp.callbacks.privacy import epsilon_metric

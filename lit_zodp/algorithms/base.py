@@ -605,6 +605,11 @@ class AlgorithmModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Trainer resumes and ``load_from_checkpoint`` alike: the ledger continues."""
+        if not self.private and _private_steps_in(checkpoint) and self._trainer is not None and self.trainer.training:
+            raise PrivacyConfigError(
+                f"This checkpoint is a private run's ({_private_steps_in(checkpoint)} accounted steps): "
+                f"{type(self).__name__} would continue it without noise or accounting; resume with the private module, "
+                "or load its weights into a new non-private run yourself (the backbone's load_state_dict)")
         if checkpoint.get("privacy") or "privacy" in checkpoint and not self.private:
             self.privacy.load_state_dict(checkpoint["privacy"])
         elif self.private:
@@ -613,6 +618,12 @@ class AlgorithmModule(pl.LightningModule):
                                      "cannot resume from it without losing what was spent; start a private run from "
                                      "weights that never saw the private data.")
         self.run_seed = checkpoint.get("public_state", {}).get("run_seed", self.run_seed)
+
+
+def _private_steps_in(checkpoint: dict) -> int:
+    """The steps a checkpoint's privacy ledger accounts (0: a non-private run's, or none taken)."""
+    ledger = (checkpoint.get("privacy") or {}).get("ledger") or {}
+    return sum(int(entry.get("count", 0)) for entry in ledger.get("entries", ()))
 
 
 def _check_lengths(lengths: Optional[list[int]], rows: Optional[int]) -> Optional[str]:
