@@ -72,6 +72,7 @@ expanded to ``[B, T]`` while recording.
 from __future__ import annotations
 
 import math
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, Union
@@ -864,11 +865,13 @@ class PerExampleGradientEngine:
             with forward_autocast(self._device_type):
                 return call_gradients(call.module, names, call.inputs, call.spec, call.grads, size)
         except RuntimeError as error:  # vmap refuses random ops, .item() and data-dependent branches
+            # (torch's message without its numbers and not chained: its shapes hold the realized batch size)
+            reason = re.sub(r"\d+", "N", str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
             raise PrivacyConfigError(
                 f"Invalid configuration: no layer rule covers {', '.join(names)}, and recomputing them "
-                f"on {self._where(call.module)} with torch.func failed ({error}). The fallback needs a "
+                f"on {self._where(call.module)} with torch.func failed ({reason}). The fallback needs a "
                 f"deterministic, batch-first, vmap-able forward: disable dropout there (eval mode or p=0), "
-                f"freeze these parameters, or register a rule with `register_sampler`.") from error
+                f"freeze these parameters, or register a rule with `register_sampler`.") from None
 
     def _check_recomputable(self, call: ModuleCall) -> None:
         """(Its messages name no batch size: a Poisson batch's is a function of the private data.)"""
