@@ -674,7 +674,7 @@ def _private_datasets(trainer: "pl.Trainer") -> list:
     """The datasets of the private training loaders this Trainer has (loaded, or given to ``fit``) and a
     DataModule's ``private_dataset``."""
     given = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
-    loaders = _as_list(trainer.train_dataloader) + (_as_list(given) if not isinstance(given, pl.LightningDataModule)
+    loaders = _train_loaders(trainer) + (_as_list(given) if not isinstance(given, pl.LightningDataModule)
                                                     else [])
     datasets = [loader.dataset for loader in loaders
                 if isinstance(getattr(loader, "batch_sampler", None), PrivateBatchSampler)]
@@ -707,12 +707,7 @@ def _as_list(loaders: Any) -> list:
 
 
 def _train_loaders(trainer: "pl.Trainer") -> list:
-    loaders = trainer.train_dataloader
-    if isinstance(loaders, dict):
-        return list(loaders.values())
-    if isinstance(loaders, (list, tuple)):
-        return list(loaders)
-    return [loaders]
+    return _as_list(trainer.train_dataloader)
 
 
 #: Planned steps from which the fit start says that accounting them takes a while (acceptance test, 2026-11-28:
