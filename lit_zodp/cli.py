@@ -82,6 +82,12 @@ class LitZODPCLI(LightningCLI):
         _warn_replaced(configured, _model_arguments(self.config), path, subcommand)
 
     def before_fit(self) -> None:
+        """A private fit under a launcher that returns only the weights is refused here, in this process (one line),
+        before its children start (the module refuses it too, in each child, for a Trainer of one's own)."""
+        if getattr(self.model, "private", False):
+            from lit_zodp.algorithms.base import refuse_launchers_that_return_only_the_weights
+
+            refuse_launchers_that_return_only_the_weights(self.trainer)
         self._fit_started = time.perf_counter()
 
     def after_fit(self) -> None:

@@ -560,3 +560,16 @@ def test_an_abbreviated_option_is_refused_and_a_negative_value_is_told_its_spell
     monkeypatch.chdir(tmp_path)
     lines = _stderr_of_a_refused_run(["fit", "--config", str(write_config(tmp_path)), *arguments], capsys)
     assert lines == [f"lit-zodp: error: {message}"]
+
+
+def test_a_private_fit_under_a_strategy_that_returns_only_the_weights_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    """Red-team review 18: under ddp_spawn the CLI printed "epsilon = 3" in the child and then a result line with
+    epsilon 0.000 and 0 steps for the weights it brought back. Refused before the children start."""
+    from lit_zodp.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(write_config(tmp_path)), "--trainer.strategy", "ddp_spawn"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lit-zodp: error:")]
+    assert len(errors) == 1 and "strategy='ddp_spawn' trains in child processes" in errors[0]

@@ -203,7 +203,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.private:
             _refuse_tuner(self.trainer)
             if stage == "fit":
-                _refuse_launchers_that_return_only_the_weights(self.trainer)
+                refuse_launchers_that_return_only_the_weights(self.trainer)
         data_classes = getattr(self.trainer.datamodule, "num_classes", None) if self._trainer else None
         if data_classes and self.num_classes and data_classes != self.num_classes:
             raise PrivacyConfigError(
@@ -772,7 +772,7 @@ def _refuse_tuner(trainer: "pl.Trainer") -> None:
             "batch size or learning rate on public data or with the non-private twin (MeZO, SGD, Adam) instead")
 
 
-def _refuse_launchers_that_return_only_the_weights(trainer: "pl.Trainer") -> None:
+def refuse_launchers_that_return_only_the_weights(trainer: "pl.Trainer") -> None:
     """``ddp_spawn``, ``ddp_fork``, ``ddp_notebook`` (and XLA) train in child processes and hand this one back the
     weights alone (``load_state_dict``, no ``on_load_checkpoint``): the module came back with an empty ledger,
     epsilon 0, for weights its private steps made, and a checkpoint of it resumed as a new run at epsilon 0
