@@ -55,6 +55,7 @@ from lit_zodp.privacy.sampling import (
     PrivateBatchSampler,
     ShuffleBatchSampler,
     SinglePassBatchSampler,
+    mark_private_data,
 )
 
 SAMPLINGS = ("poisson", "full_batch", "single_pass", "shuffle")
@@ -163,21 +164,28 @@ def _boundary_at_or_below(order: list[int], groups: Optional[Sequence[Hashable]]
 
 
 def split_id(pool_size: int, n_private: int, held_out: Sequence[Sequence[int]] = (),
-             ids: Optional[Sequence[Hashable]] = None, public_source_ids: Optional[Sequence[Hashable]] = None) -> str:
-    """Which rows are not private: a SHA-256 of the pool size, the private count, the pool indices of each held-out
-    part (public, validation) with their ids where the data has them (spelled alike in every process), and a separate
+             ids: Optional[Sequence[Hashable]] = None, public_source_ids: Optional[Sequence[Hashable]] = None,
+             seed: Optional[int] = None, given_val_ids: Optional[Sequence[Hashable]] = None) -> str:
+    """Which rows are not private: a SHA-256 of the data seed, the pool size, the private count, the pool indices of
+    each held-out part (public, validation) with their ids where the data has them (spelled alike in every process),
+    a validation split's ids drawn elsewhere (a k-shot dev drawn from the training file by the seed) and a separate
     public source's ids. The privacy plan keeps it, and a resume on another split is refused
     (:meth:`~lit_zodp.privacy.PrivacyComponent.plan`): rows accounted as private could have become public or
     validation rows, used and logged without noise (audit, 2026-11-28: another ``data_seed``, same fractions).
 
     Nothing in it is a private row's: the checkpoint and every copy of it hold it. Its first version hashed the private
     rows' ids, which are a text module's texts, so an attacker who knew the other rows read a row off the checkpoint by
-    hashing each candidate (red-team review 17). The sizes are the sample rate's, which the plan keeps anyway."""
-    digest = hashlib.sha256(f"{pool_size}|{n_private}".encode())
+    hashing each candidate (red-team review 17). The private count is the sample rate's, which the plan keeps and
+    prints anyway; it does count the private rows a public row's id made give way (:meth:`_drop_public_ids`), as
+    ``n`` counts a row that is there. Not seen: the same private rows in another order (a single pass then continues
+    by position over other rows: resume on the file it started with)."""
+    digest = hashlib.sha256(f"{seed}|{pool_size}|{n_private}".encode())
     for part in held_out:
         indices = sorted(part)
         digest.update(f"|{len(indices)}|".encode() + np.asarray(indices, dtype="<i8").tobytes())
         _hash_ids(digest, [ids[i] for i in indices] if ids is not None else None)
+    digest.update(b"|validation drawn elsewhere|")
+    _hash_ids(digest, given_val_ids)
     digest.update(b"|public source|")
     _hash_ids(digest, public_source_ids)
     return digest.hexdigest()
@@ -461,6 +469,7 @@ class PublicPrivateDataModule(LightningDataModule):
         self.pool_dataset = splits.train
         self._num_classes = splits.num_classes
         self.private_dataset = self.materialize(Subset(splits.train, self.private_indices))
+        mark_private_data(self.private_dataset)  # (a private module refuses evaluation loaders reading it)
         self.public_dataset = self._build_public(splits)
         self.test_dataset = self._eval_split(splits.test)
         if self.val_indices:
@@ -468,7 +477,8 @@ class PublicPrivateDataModule(LightningDataModule):
         else:
             self.val_dataset = self._eval_split(splits.val) if splits.val is not None else self.test_dataset
         self.split_id = split_id(pool_size, len(self.private_indices), (self.public_indices, self.val_indices),
-                                 splits.train_ids, splits.public_ids if splits.public is not None else None)
+                                 splits.train_ids, splits.public_ids if splits.public is not None else None,
+                                 seed=self.data_seed, given_val_ids=splits.val_ids)
 
     def _carve(self, pool_size: int, groups: Optional[Sequence[Hashable]] = None) -> None:
         """Split pool indices into public / validation / private parts with ``data_seed``; with
@@ -494,8 +504,9 @@ class PublicPrivateDataModule(LightningDataModule):
     def _drop_public_ids(self, splits: DataSplits) -> None:
         """Drop the private rows whose id is a public example's, of a separate public source or of the public split
         carved from the pool: the private side gives way, so the public split is a function of its source and the
-        carve alone, and what is printed depends on no private row (before, a private id equal to a carved public
-        one refused the fit: a bit about the private rows, red-team review 17)."""
+        carve alone, and no warning or refusal depends on a private row (before, a private id equal to a carved public
+        one refused the fit: a bit about the private rows, red-team review 17). The private count, which the sample
+        rate states, counts the rows left, as it counts a row that is there or not (``n`` is taken as public)."""
         public = set(splits.public_ids) if splits.train_ids is not None and splits.public_ids is not None else set()
         if splits.train_ids is not None:
             public.update(splits.train_ids[i] for i in self.public_indices)

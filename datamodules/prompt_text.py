@@ -384,7 +384,7 @@ def encode_mlm(
         ]
         row = [*prefix, *(t for span in spans for t in span), *suffix][:max_length] if truncation == "tail" else []
         if mask_id not in row:  # (tail truncation cut the mask: LM-BFF asserts; this row alone is cut by fields)
-            row = _fit_fields(spec, spans, [kind == "text" for kind, _ in pieces], prefix, suffix, max_length)
+            row = _fit_fields(spec, spans, [kind for kind, _ in pieces], prefix, suffix, max_length)
         input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         attention[i, : len(row)] = 1
     counts = (input_ids == mask_id).sum(1)
@@ -394,19 +394,24 @@ def encode_mlm(
 
 
 def _fit_fields(
-    spec: TaskSpec, spans: list[list[int]], cut: list[bool], prefix: list[int], suffix: list[int], max_length: int
+    spec: TaskSpec, spans: list[list[int]], kinds: list[str], prefix: list[int], suffix: list[int], max_length: int
 ) -> list[int]:
-    """``prefix + spans + suffix`` with the ``cut`` spans shortened (:func:`fit_lengths`) to fit ``max_length``."""
-    fixed_len = len(prefix) + len(suffix) + sum(len(s) for s, c in zip(spans, cut) if not c)
-    if fixed_len > max_length:
+    """``prefix + spans + suffix`` fit to ``max_length``: the text spans (kind ``"text"``) are shortened first
+    (:func:`fit_lengths`), then, where a row's own fixed fields (``"fixed_each"``: WSC's span, WiC's word) alone leave
+    no room, those too. Only the template's own tokens and the mask, the same in every row, can refuse: a refusal, or
+    its count, on one row's length would tell whoever reads the output about that row (review 19)."""
+    template_len = len(prefix) + len(suffix) + sum(len(s) for s, k in zip(spans, kinds) if k in ("fixed", "mask"))
+    if template_len > max_length:
         raise ValueError(
-            f"{spec.name}: the masked-LM template needs {fixed_len} tokens without its text fields, "
+            f"{spec.name}: the masked-LM template needs {template_len} tokens without its fields, "
             f"more than max_length={max_length}: the mask would be lost; raise max_length"
         )
-    lengths = iter(fit_lengths([len(s) for s, c in zip(spans, cut) if c], max_length - fixed_len))
+    own = fit_lengths([len(s) for s, k in zip(spans, kinds) if k == "fixed_each"], max_length - template_len)
+    texts = fit_lengths([len(s) for s, k in zip(spans, kinds) if k == "text"], max_length - template_len - sum(own))
+    cut = {"fixed_each": iter(own), "text": iter(texts)}
     row = list(prefix)
-    for span, c in zip(spans, cut):
-        row.extend(span[: next(lengths)] if c else span)
+    for span, kind in zip(spans, kinds):
+        row.extend(span[: next(cut[kind])] if kind in cut else span)
     return row + list(suffix)
 
 

@@ -298,6 +298,24 @@ def test_evaluation_on_the_private_training_data_is_refused_before_a_metric_is_l
             run()
 
 
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_evaluation_after_a_fit_on_loaders_or_in_a_new_trainer_is_refused_on_the_private_data(stage):
+    """Review 19: evaluating other loaders resets the Trainer's record of its training loader, and a new Trainer
+    never had it, so "train accuracy" over the private rows was logged after a fit with loaders, or in a new Trainer
+    over a DataModule's private split. A private fit's data (and a DataModule's private split) is remembered."""
+    private = blobs(n=128)
+    module, trainer = build("DPZero"), quiet_trainer(max_steps=2)
+    trainer.fit(module, train_dataloaders=poisson_loader(private, 0.1))
+    with pytest.raises(PrivacyConfigError, match="reads the private training data"):
+        getattr(trainer, stage)(module, DataLoader(private, batch_size=32), verbose=False)
+    getattr(trainer, stage)(module, DataLoader(blobs(n=32, seed=5), batch_size=32), verbose=False)  # held out
+    datamodule = _synthetic()
+    datamodule.setup("fit")
+    with pytest.raises(PrivacyConfigError, match="reads the private training data"):
+        getattr(quiet_trainer(), stage)(build("DPZero"), DataLoader(torch.utils.data.Subset(
+            datamodule.private_dataset, range(16)), batch_size=8), verbose=False)
+
+
 class _RowsUsed(Callback):
     """The private rows (by their features) the fit's steps used."""
 

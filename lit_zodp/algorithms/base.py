@@ -37,7 +37,7 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, Param
 from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
 from lit_zodp.privacy.fixed_shape import (FixedShapeForwards, any_row_ends_early, cut_columns, rows_ending_early,
                                          take_rows, used_lengths)
-from lit_zodp.privacy.sampling import SamplingDescription
+from lit_zodp.privacy.sampling import SamplingDescription, is_private_data, mark_private_data
 
 #: Every concrete algorithm, by class name (filled by ``AlgorithmModule.__init_subclass__``).
 ALGORITHMS: dict[str, type["AlgorithmModule"]] = {}
@@ -253,6 +253,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.private:
             _refuse_unreachable_minimum(self.trainer, self.privacy.steps_allowed)
             self.privacy.require_attached(self.trainer.optimizers)
+            _mark_private_training_data(self.trainer)
             self._buffers_before = buffer_state(self.backbone)
             self._parameter_writes = ParameterWrites(self.backbone)
             self._close_registrations()
@@ -656,7 +657,8 @@ def _refuse_private_evaluation(module: AlgorithmModule, stage: str, loaders_attr
     ``ModelCheckpoint`` monitoring them) as exact means over private rows, un-noised (red-team review 18: the
     training loader passed as ``val_dataloaders`` too, or ``trainer.validate(model, dm.train_dataloader())``). Refused
     where the loader samples with a :class:`PrivateBatchSampler`, or its dataset is a private training dataset (the
-    training loader's, the DataModule's ``private_dataset``) or a ``Subset`` or ``ConcatDataset`` part of one."""
+    training loader's, a DataModule's ``private_dataset``, any a private fit of this process trained on) or a
+    ``Subset`` or ``ConcatDataset`` part of one."""
     if not module.private or module._trainer is None:
         return
     trainer = module.trainer
@@ -682,11 +684,18 @@ def _private_datasets(trainer: "pl.Trainer") -> list:
     return datasets + ([private_dataset] if private_dataset is not None else [])
 
 
+def _mark_private_training_data(trainer: "pl.Trainer") -> None:
+    """A private fit's training data, remembered for the evaluation refusal of every later Trainer of the process."""
+    for dataset in _private_datasets(trainer):
+        mark_private_data(dataset)
+
+
 def _reads_any(dataset: Any, datasets: list) -> bool:
-    """``dataset`` is one of ``datasets``, or reads one through ``Subset`` or ``ConcatDataset``."""
+    """``dataset`` is one of ``datasets`` or marked private (:func:`~lit_zodp.privacy.sampling.mark_private_data`), or
+    reads one through ``Subset`` or ``ConcatDataset``."""
     if dataset is None:
         return False
-    if any(dataset is other for other in datasets):
+    if any(dataset is other for other in datasets) or is_private_data(dataset):
         return True
     if isinstance(dataset, torch.utils.data.Subset):
         return _reads_any(dataset.dataset, datasets)

@@ -23,8 +23,9 @@ holds no stream, and the DataModule drops its sampler's stream when a fit ends).
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterator, Optional
+from typing import Any, ClassVar, Iterator, Optional
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -321,6 +322,26 @@ class ShuffleBatchSampler(PrivateBatchSampler):
             yield batch[self.rank::self.world_size].tolist()
 
 
+#: Datasets a private fit of this process trains on, or a DataModule made its private split (by ``id``; an entry goes
+#: with its dataset).
+_PRIVATE_DATA: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def mark_private_data(dataset: Any) -> None:
+    """Remember ``dataset`` as private training data for as long as it lives: a private module refuses evaluation
+    loaders that read it, in any Trainer of this process (review 19: a Trainer's own record of its training loader is
+    gone once it evaluates other loaders, and a new Trainer never had it)."""
+    try:
+        _PRIVATE_DATA[id(dataset)] = dataset
+    except TypeError:  # (not weakly referenceable: the Trainer's own record still applies)
+        pass
+
+
+def is_private_data(dataset: Any) -> bool:
+    """Whether ``dataset`` was marked with :func:`mark_private_data` (itself, not what it reads)."""
+    return _PRIVATE_DATA.get(id(dataset)) is dataset
+
+
 __all__ = [
     "FullBatchSampler",
     "FullBatchSampling",
@@ -333,4 +354,6 @@ __all__ = [
     "ShuffledSampling",
     "SinglePassBatchSampler",
     "SinglePassSampling",
+    "is_private_data",
+    "mark_private_data",
 ]

@@ -45,6 +45,8 @@ class EvalMode:
         self._read_at = -1
 
     def ensure(self, module: nn.Module) -> None:
+        if not _counting:  # (a keeper unpickled in a fresh process: its __init__ ran in another)
+            _count_registrations()
         if module is not self._module or self._read_at != _registrations[0]:
             self._module, self._read_at = module, _registrations[0]
             self._layers = list(module.modules())

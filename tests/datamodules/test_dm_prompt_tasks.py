@@ -671,3 +671,37 @@ def test_a_malformed_rows_refusal_names_its_place_not_its_text(tmp_path, broken)
     with pytest.raises(ValueError, match="columns, expected|has no label") as info:
         make_dm(tmp_path, "SNLI" if broken == "columns" else "BoolQ", prompt="none", tokenizer="minilm").setup()
     assert "zebracornflakes" not in str(info.value)
+
+
+def test_another_data_seed_of_a_k_shot_draw_changes_the_split_id(tmp_path):
+    """Review 19: the paper configs draw k_shot and k_dev from the training file by data_seed, with no carved
+    held-out part, so the pool size and private count stay the same under another seed while rows that were private
+    become validation rows; the split id (which refuses such a resume) now hashes the seed and the validation ids."""
+    write_task_files(tmp_path, "SST-5", "glue", per_class=12)
+
+    def drawn(data_seed):
+        dm = make_dm(tmp_path, "SST-5", prompt="none", tokenizer="minilm", k_shot=4, k_dev=2, data_seed=data_seed)
+        dm.setup("fit")
+        return dm
+
+    first, second = drawn(13), drawn(21)
+    assert len(first.private_indices) == len(second.private_indices)
+    assert first.split_id != second.split_id and first.split_id == drawn(13).split_id
+
+
+@pytest.mark.parametrize("truncation", ["tail", "fields"])
+def test_one_rows_long_fixed_field_is_cut_rather_than_stopping_the_encoding(truncation):
+    """Review 19: WSC's spans (and WiC's word) are a row's own fixed fields; one row with a long span raised "the
+    masked-LM template needs <its length> tokens" and stopped the run. Now its fixed fields are cut too, after its
+    text, and the other rows are encoded as before."""
+    from lit_zodp.backbones.huggingface import load_tokenizer
+
+    tokenizer = prepare_tokenizer(load_tokenizer("minilm"))
+    spec = get_task("WSC")
+    usual = {"text": "The cat sat on the mat because it was warm.", "span1_text": "the cat", "span2_text": "it"}
+    long_span = {"text": "Short.", "span1_text": " ".join(["very"] * 60) + " long noun phrase", "span2_text": "it"}
+    both = encode_mlm(tokenizer, spec, [usual, long_span], 48, truncation=truncation)
+    assert (both["input_ids"] == tokenizer.mask_token_id).sum(1).tolist() == [1, 1]
+    assert int(both["attention_mask"][1].sum()) == 48
+    alone = encode_mlm(tokenizer, spec, [usual], 48, truncation=truncation)
+    assert torch.equal(both["input_ids"][0], alone["input_ids"][0])
