@@ -84,7 +84,7 @@ class DataSplits:
             private rows with one of these ids are dropped: the private set is defined after this filter
             by the fixed public source (``n_private`` counts the rows left), and the public split never
             depends on the private rows.
-        val_ids: identifiers of the given ``val`` examples, in the same space (repeats warn).
+        val_ids: identifiers of the given ``val`` examples, in the same space (public: the split id hashes them).
         train_groups: one hashable per pool example naming the unit it belongs to (MultiRC: its
             passage), or ``None``: the public and validation hold-outs are carved as whole groups,
             so no group has rows on both sides of the private split.
