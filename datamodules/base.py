@@ -514,8 +514,9 @@ class PublicPrivateDataModule(LightningDataModule):
             self.private_indices = [i for i in self.private_indices if splits.train_ids[i] not in public]
 
     def _check_separation(self, splits: DataSplits) -> None:
-        """Private examples must appear in no public split, by index and by id (by construction: asserted here); the
-        warnings about validation rows follow from how the data were drawn (:class:`DataSplits`), not from the rows."""
+        """Private examples must appear in no public split: by index (by construction: asserted here) and by id (the
+        private rows give way, :meth:`_drop_public_ids`); the warnings about validation rows follow from how the data
+        were drawn (:class:`DataSplits`), not from the rows."""
         check_disjoint(self.private_indices, self.public_indices)
         check_disjoint(self.private_indices, self.val_indices, what="indices", split="validation",
                        fix="lower `val_fraction`")
@@ -533,11 +534,8 @@ class PublicPrivateDataModule(LightningDataModule):
             warnings.warn(f"{type(self).__name__}: the separate public source comes without identifiers "
                           "(`train_ids` and `public_ids`), so the private rows equal to one of its examples "
                           "are not dropped (disjointness not checked)", LitZodpWarning)
-        if splits.train_ids is None:
-            return
-        private_ids = [splits.train_ids[i] for i in self.private_indices]
-        check_disjoint(private_ids, [splits.train_ids[i] for i in self.public_indices], what="identifiers")
-        self._warn_validation_repeats(splits)
+        if splits.train_ids is not None:
+            self._warn_validation_repeats(splits)
 
     def _warn_validation_repeats(self, splits: DataSplits) -> None:
         """Validation rows carved from a pool whose ids may repeat, or drawn from its file, may repeat a private

@@ -382,8 +382,8 @@ def encode_mlm(
         spans = [
             [mask_id] if kind == "mask" else (ids if kind == "fixed" else ids[i]) for kind, ids in pieces
         ]
-        row = [*prefix, *(t for span in spans for t in span), *suffix][:max_length] if truncation == "tail" else []
-        if mask_id not in row:  # (tail truncation cut the mask: LM-BFF asserts; this row alone is cut by fields)
+        row = [*prefix, *(t for span in spans for t in span), *suffix][:max_length] if truncation == "tail" else None
+        if row is None or mask_id not in row:  # (tail truncation cut the mask, where LM-BFF asserts: cut by fields)
             row = _fit_fields(spec, spans, [kind for kind, _ in pieces], prefix, suffix, max_length)
         input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         attention[i, : len(row)] = 1

@@ -866,7 +866,8 @@ class PerExampleGradientEngine:
                 return call_gradients(call.module, names, call.inputs, call.spec, call.grads, size)
         except RuntimeError as error:  # vmap refuses random ops, .item() and data-dependent branches
             # (torch's message without its numbers and not chained: its shapes hold the realized batch size)
-            reason = re.sub(r"\d+", "N", str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = re.sub(r"\d+", "N", first_line)
             raise PrivacyConfigError(
                 f"Invalid configuration: no layer rule covers {', '.join(names)}, and recomputing them "
                 f"on {self._where(call.module)} with torch.func failed ({reason}). The fallback needs a "
