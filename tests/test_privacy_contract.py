@@ -637,8 +637,31 @@ def test_lightnings_tuner_is_refused_on_a_private_module():
     """The learning-rate finder trains on private batches, then restores a ledger without those steps."""
     from lightning.pytorch.tuner import Tuner
 
-    with pytest.raises(PrivacyConfigError, match="LearningRateFinder"):
+    with pytest.raises(PrivacyConfigError, match="LearningRateFinder") as info:
         Tuner(quiet_trainer(max_steps=20)).lr_find(build("DPZero"), poisson_loader(blobs(), 0.25), num_training=5)
+    # (review 20: it advised the non-private twin as an alternative, on the private data a rate from exact losses)
+    assert "on public data only" in str(info.value) and "or with the non-private twin" not in str(info.value)
+
+
+@pytest.mark.parametrize("monitor", ["ThroughputMonitor", "DeviceStatsMonitor"])
+def test_monitors_logging_the_private_batch_sizes_are_refused_before_a_step(monitor, tmp_path):
+    """Review 20: Lightning's ThroughputMonitor logged ``train/samples`` 75, 137, 202 for Poisson batches of 75, 62
+    and 65 rows (the secret sampling's realized sizes); DeviceStatsMonitor logs the device memory each private step
+    takes. The non-private twin keeps them."""
+    from lightning.pytorch import callbacks
+    from lightning.pytorch.loggers import CSVLogger
+
+    def made():
+        return (callbacks.ThroughputMonitor(batch_size_fn=lambda batch: len(batch[1])) if monitor == "ThroughputMonitor"
+                else callbacks.DeviceStatsMonitor(cpu_stats=False))
+
+    module = build("DPZero")
+    with pytest.raises(PrivacyConfigError, match=f"{monitor} logs the realized size of each private") as info:
+        fit(module, poisson_loader(blobs(), 0.25), 2, [made()], logger=CSVLogger(tmp_path))
+    assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
+    twin = build("MeZO")
+    fit(twin, poisson_loader(blobs(), 0.25), 2, [made()], logger=CSVLogger(tmp_path))
+    assert twin.privacy.steps == 2
 
 
 # -------------------------------------------------------------------------- refusals

@@ -204,6 +204,7 @@ class AlgorithmModule(pl.LightningModule):
             _refuse_tuner(self.trainer)
             if stage == "fit":
                 refuse_launchers_that_return_only_the_weights(self.trainer)
+                _refuse_batch_size_monitors(self.trainer)
         data_classes = getattr(self.trainer.datamodule, "num_classes", None) if self._trainer else None
         if data_classes and self.num_classes and data_classes != self.num_classes:
             raise PrivacyConfigError(
@@ -779,7 +780,24 @@ def _refuse_tuner(trainer: "pl.Trainer") -> None:
     if tuners:
         raise PrivacyConfigError(
             f"{tuners[0]} (Lightning's Tuner) trains on private batches and then forgets those steps: tune the "
-            "batch size or learning rate on public data or with the non-private twin (MeZO, SGD, Adam) instead")
+            "batch size or learning rate on public data only (the non-private twin, MeZO, SGD or Adam, on a public "
+            "split): one chosen from un-noised private losses is a release no epsilon covers")
+
+
+def _refuse_batch_size_monitors(trainer: "pl.Trainer") -> None:
+    """Lightning's ``ThroughputMonitor`` logs the realized size of every private batch (``train/samples``, through
+    its ``batch_size_fn``), and ``DeviceStatsMonitor`` the device's memory at every private step, which follows it.
+    A Poisson batch's size is part of the secret sampling: published, it spends what the accountant never counts (the
+    pool size under add/remove, each step's rate otherwise). Red-team review 20: ``train/samples`` read 75, 137, 202
+    for batches of 75, 62 and 65 rows."""
+    from lightning.pytorch.callbacks import DeviceStatsMonitor, ThroughputMonitor
+
+    monitors = [type(c).__name__ for c in trainer.callbacks if isinstance(c, (ThroughputMonitor, DeviceStatsMonitor))]
+    if monitors:
+        raise PrivacyConfigError(
+            f"{monitors[0]} logs the realized size of each private (Poisson) batch or the memory it takes, which the "
+            "privacy accounting keeps secret: remove it from a private fit (measure throughput with the non-private "
+            "twin, or on public data)")
 
 
 def refuse_launchers_that_return_only_the_weights(trainer: "pl.Trainer") -> None:
