@@ -186,6 +186,34 @@ def test_non_finite_per_example_values_contribute_zero(name):
     assert torch.isfinite(flat(module)).all()
 
 
+@pytest.mark.parametrize("name", PRIVATE)
+def test_autograd_anomaly_mode_is_refused_where_a_private_backward_runs(name):
+    """Review 20: under ``Trainer(detect_anomaly=True)`` a DP-SGD fit stopped (RuntimeError from LogSoftmaxBackward0)
+    at the first Poisson batch holding one crafted row with a NaN loss, after 3 of its 20 steps, and ran all 20
+    without the row: whether and when it failed told of one private example. First-order modules refuse the mode
+    before a step; zeroth-order ones run no private backward."""
+    class Poisoned(nn.Module):
+        num_classes = 3
+
+        def __init__(self):
+            super().__init__()
+            self.body = mlp(seed=1)
+
+        def forward(self, x):
+            logits = self.body(x)
+            return torch.where(x[:, :1] > 4.5, torch.full_like(logits, float("nan")), logits)
+
+    dataset = blobs(n=64)
+    dataset.tensors[0][:1, 0] = 5.0  # one crafted record
+    module = build(name, Poisoned())
+    if issubclass(ALGORITHMS[name], ZerothOrderModule):
+        assert fit(module, poisson_loader(dataset, 0.5, seed=0), 3, detect_anomaly=True).global_step == 3
+        return
+    with pytest.raises(PrivacyConfigError, match=r"`Trainer\(detect_anomaly=True\)` .* stops a private fit") as info:
+        fit(module, poisson_loader(dataset, 0.5, seed=0), 3, detect_anomaly=True)
+    assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
+
+
 # ---------------------------------------------------------------------------- accounting
 @pytest.mark.parametrize("name", EVERY)
 def test_ledger_steps_equal_optimizer_steps(name):
