@@ -142,7 +142,19 @@ class PrivacySpendCallback(Callback):
         close_registrations = getattr(pl_module, "_close_registrations", None)
         if close_registrations is not None:  # (a failed fit runs no teardown: its global hooks would stay)
             close_registrations()
+        self._close_failed_fit(pl_module)
         stop_started_ranks(trainer, exception)
+
+    def _close_failed_fit(self, pl_module: Optional["pl.LightningModule"]) -> None:
+        """A failed fit runs no teardown, so its privacy would stay open: the secret noise source held, the spend
+        log open, and no "Privacy spent" line after the steps it did take (review 20). Closed here as a fit's end,
+        with the summary of the steps committed."""
+        privacy = getattr(pl_module, "privacy", None)
+        if privacy is None or not privacy.in_fit:
+            return
+        privacy.end_fit()
+        self.epsilon = privacy.epsilon()
+        rank_zero_info(f"Privacy spent before the fit failed: {privacy.summary()}.")
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.epsilon = pl_module.privacy.epsilon()  # the ledger's cached bounds when the last step computed them

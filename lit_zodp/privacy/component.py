@@ -306,6 +306,11 @@ class PrivacyComponent:
                 missing[mechanism] = missing.get(mechanism, 0) + count * extra
         return missing
 
+    @property
+    def in_fit(self) -> bool:
+        """Between this fit's plan and its :meth:`end_fit`."""
+        return self._in_fit
+
     def end_fit(self) -> None:
         """Close this fit's branch record (it keeps its last count) and forget the secret noise source:
         a module pickled or copied after the fit must not carry the key of the noise it released."""
@@ -702,6 +707,8 @@ class NonPrivate:
              reduce_sum: Optional[ReduceSum] = _identity, broadcast=_identity, spend_log=None,
              split=None) -> None:
         self.step_plan, self.sampling, self._reduce_sum = tuple(step_plan), sampling, reduce_sum or _identity
+
+    in_fit = False
 
     def end_fit(self) -> None:
         pass

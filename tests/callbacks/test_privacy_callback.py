@@ -339,3 +339,26 @@ def test_resuming_a_noiseless_ablation_with_a_budget_is_refused_before_a_step(tm
     with pytest.raises(PrivacyConfigError, match="would train without noise"):
         trainer.fit(private, poisson_loader(data, 0.1, seed=3), ckpt_path=tmp_path / "last.ckpt")
     assert trainer.global_step == 5 and private.privacy.noise is None
+
+
+def test_a_failed_fit_is_closed_with_the_privacy_of_the_steps_it_took(caplog):
+    """Review 20: a fit that raised ran no teardown, so it kept its secret noise source and open spend log, stayed
+    "in a fit" (its settings fixed), and printed no "Privacy spent" line for the 3 steps it had released."""
+    import logging
+
+    class FailAtStep3(Callback):
+        def on_train_batch_start(self, trainer, m, batch, batch_idx):
+            if trainer.global_step == 3:
+                raise RuntimeError("a failure unrelated to privacy")
+
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    spend = PrivacySpendCallback(log_every_n_steps=100)
+    with caplog.at_level(logging.INFO), pytest.raises(RuntimeError, match="unrelated to privacy"):
+        quiet_trainer(max_steps=10, callbacks=[FailAtStep3(), spend]).fit(module, poisson_loader(blobs(), 0.1))
+    assert module.privacy.steps == 3 and module.privacy.noise is None and not module.privacy.in_fit
+    reference = PrivacyLedger()
+    reference.record(SubsampledGaussian(1.0, 0.1), 3)
+    assert spend.epsilon == pytest.approx(reference.epsilon(1e-5).upper, rel=1e-4)
+    spent = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Privacy spent")]
+    assert len(spent) == 1 and spent[0].startswith("Privacy spent before the fit failed: epsilon = ")
+    assert "after 3 steps" in spent[0]
