@@ -238,6 +238,33 @@ def test_bf16_mixed_precision_steps_and_counts_and_loss_scaling_is_refused_in_on
     assert "\n" not in str(info.value) and scaled.privacy.steps == 0
 
 
+class _SumInRowCountOrder(nn.Module):
+    """A frozen sum of the first three inputs in an order set by the batch's row count, as a batched kernel picks
+    its reduction order by the call's shape (this CPU's float32 GEMM rounds a row of two cancelling 1e10 terms to
+    losses 1.299 in a batch of 2 and 1.171 in one of 4); the other inputs pass through. Per-example."""
+
+    def forward(self, x):
+        terms = x[:, :3] if len(x) > 2 else x[:, :3].flip(1)
+        total = terms[:, 0] + terms[:, 1] + terms[:, 2]  # float32, left to right
+        return torch.cat([total.unsqueeze(1), x[:, 3:]], 1)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_one_row_that_rounds_with_the_batch_shape_does_not_stop_a_per_example_fit(name):
+    """Red-team review 20: the halves check compared each row computed in a batch of 4 with the same row in a batch
+    of 2; a row of huge cancelling terms moved with that shape alone, so DPSGD, DPAdam and DPMeZOBCD refused a
+    per-example MLP exactly when that row was in the checked batch. A mismatch is now measured again in the batch's
+    own shape, each row in its place."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(_SumInRowCountOrder(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    x, y = blobs(n=4).tensors
+    crafted = x.clone()
+    crafted[2, :3] = torch.tensor([1e10, -1e10, 0.5])  # 0.5 in a batch of 4, 0 in a half of 2
+    module = build(name, backbone)
+    fit(module, full_batch_loader(torch.utils.data.TensorDataset(crafted, y), 2), 2)
+    assert module.privacy.steps == 2
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_epsilon_continues_after_a_trainer_resume_and_after_load_from_checkpoint(name, tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)

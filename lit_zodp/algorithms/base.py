@@ -378,12 +378,15 @@ class AlgorithmModule(pl.LightningModule):
 
     def _refuse_batch_mixing(self, inputs, targets, losses: Tensor, dtype: torch.dtype) -> bool:
         """The losses again on two random halves, each cut to its own longest row as the data modules pad
-        it (:func:`~lit_zodp.per_example.checks.refuse_batch_mixing`); whether 2+ finite ones compared."""
-        def losses_of(rows: Tensor) -> Tensor:
+        it (:func:`~lit_zodp.per_example.checks.refuse_batch_mixing`; a mismatch is measured again in the
+        batch's own shape, padding included); whether 2+ finite ones compared."""
+        def losses_of(rows: Tensor, own_padding: bool = True) -> Tensor:
             rows = rows.to(targets.device)
-            return self._losses(self._own_padding(take_rows(inputs, rows)), targets[rows])
+            taken = take_rows(inputs, rows)
+            return self._losses(self._own_padding(taken) if own_padding else taken, targets[rows])
 
-        return refuse_batch_mixing(losses_of, len(targets), dtype=dtype, device=losses.device, full=losses)
+        return refuse_batch_mixing(losses_of, len(targets), dtype=dtype, device=losses.device, full=losses,
+                                   in_place=lambda rows: losses_of(rows, own_padding=False))
 
     def _refuse_padding_dependence(self, inputs, targets, losses: Tensor, dtype: torch.dtype) -> bool:
         """Text batches padded to their longest row: the rows shorter than it, again cut to their own

@@ -434,7 +434,7 @@ def rows_agree(full: Tensor, again: Tensor, *, dtype: torch.dtype) -> bool:
 
 def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dtype: torch.dtype,
                         device: torch.device, what: str = "per-example losses",
-                        full: Optional[Tensor] = None) -> bool:
+                        full: Optional[Tensor] = None, in_place: Optional[Callable[[Tensor], Tensor]] = None) -> bool:
     """Refuse a forward whose per-example values depend on their batch-mates (audit 5 F1).
 
     Clipping each example's gradient (or loss) bounds its influence only if no other example's value
@@ -452,6 +452,8 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
         dtype, device: Of the computation, for the tolerance.
         what: Names the values in the refusal.
         full: The values of the whole batch, if already at hand (else ``values_of(arange(B))``).
+        in_place: ``index [B] -> values [B, ...]`` of a batch of the whole batch's shape (default ``values_of``),
+            for :func:`_beyond_shape_rounding`.
 
     Returns:
         Whether the verdict counts: at least 2 rows finite in the whole batch were compared. A batch of
@@ -460,18 +462,51 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
     if size < 2:
         return False
     full = values_of(torch.arange(size)) if full is None else full
-    first, second = random_halves(size)
-    split = torch.empty_like(flat_rows(full))
-    for half in (first, second):
-        split[half.to(split.device)] = flat_rows(values_of(half)).to(split.dtype)
-    ratio = rows_differ(full, split, dtype=dtype, device=device)
+    halves = random_halves(size)
+    ratio = rows_differ(full, _halves_values(values_of, halves, full), dtype=dtype, device=device)
     changed = float(ratio.max())
+    if changed > 1.0:
+        changed = _beyond_shape_rounding(ratio, full, in_place or values_of, halves, dtype=dtype, device=device)
     raise_if_any([None if changed <= 1.0 else
                   f"The {what} depend on their batch-mates (an example's value changed by "
                   f"{beyond_tolerance(changed)} when the batch was split in two): per-example clipping cannot bound "
                   f"one example's influence (BatchNorm-like statistics, batch centring, MoE capacity); make the "
                   f"forward per-example"])
     return int(torch.isfinite(flat_rows(full)).all(1).sum()) >= 2
+
+
+def _halves_values(values_of: Callable[[Tensor], Tensor], halves: tuple[Tensor, Tensor], full: Tensor,
+                   in_place: bool = False) -> Tensor:
+    """Each half's rows computed without the other half: alone, or (``in_place``) in a batch of the whole batch's
+    shape where each row keeps its position and the other half's positions repeat the half's own rows."""
+    split = torch.empty_like(flat_rows(full))
+    size = len(split)
+    for half in halves:
+        index = half
+        if in_place:
+            index = half[torch.arange(size) % len(half)]
+            index[half] = half
+        values = flat_rows(values_of(index))
+        split[half.to(split.device)] = (values[half.to(values.device)] if in_place else values).to(split.dtype)
+    return split
+
+
+def _beyond_shape_rounding(ratio: Tensor, full: Tensor, in_place: Callable[[Tensor], Tensor],
+                           halves: tuple[Tensor, Tensor], *, dtype: torch.dtype, device: torch.device) -> float:
+    """How far a mismatch of the halves is beyond rounding once the batch's shape is set apart (:func:`rows_differ`'s
+    scale). Batched kernels pick their reduction order by the shape of the call, and a row of huge terms that cancel
+    (two inputs of 1e10 whose products nearly cancel in one unit) rounds to values 10% apart in a batch of 2 and of
+    4: one such row refused a per-example MLP, so whether a run stopped told whether that row was in the batch
+    (red-team review 20). The halves again in the whole batch's shape, each row in its place (bitwise the full
+    batch's rows for a per-example forward): a mismatch there is mixing; one that the shape alone explains is
+    refused only when it moves most finite rows (a forward reading the row count, ``x / len(x)``), which one row
+    cannot do."""
+    again = float(rows_differ(full, _halves_values(in_place, halves, full, in_place=True), dtype=dtype,
+                              device=device).max())
+    if again > 1.0:
+        return again
+    moved, finite = int((ratio > 1.0).sum()), int(torch.isfinite(flat_rows(full)).all(1).sum())
+    return float(ratio.max()) if moved >= 2 and 2 * moved > finite else 1.0
 
 
 class MeanOfRandomDraws(TorchDispatchMode):

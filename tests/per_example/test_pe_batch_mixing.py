@@ -276,6 +276,25 @@ def test_refuse_batch_mixing_works_on_any_per_example_function():
     assert not refuse_batch_mixing(nan_rows, B, **check)
 
 
+def test_a_mismatch_the_batch_shape_explains_refuses_only_when_it_moves_most_rows():
+    """Red-team review 20: a row rounding with the batch's shape alone (its terms summed in another order in a half)
+    no longer refuses, while a forward reading the row count (every row moves) and batch centring still do."""
+    x, _ = _batch()
+    x = x.double()
+    x[2, :3] = torch.tensor([1e17, -1e17, 0.5], dtype=torch.float64)
+
+    def ordered(rows):  # the first three terms left to right in a batch of B, right to left in a half
+        terms = rows[:, :3] if len(rows) == B else rows[:, :3].flip(1)
+        return torch.stack([terms[:, 0] + terms[:, 1] + terms[:, 2], rows[:, 3:].sum(1)], 1)
+
+    check = dict(dtype=torch.float64, device=x.device)
+    assert ordered(x[[2]])[0, 0] == 0 and ordered(x)[2, 0] == 0.5
+    assert refuse_batch_mixing(lambda index: ordered(x[index]), B, **check)
+    for mixing in (lambda rows: ordered(rows) / len(rows), lambda rows: ordered(rows - rows.mean(0))):
+        with pytest.raises(PrivacyConfigError, match="depend on their batch-mates"):
+            refuse_batch_mixing(lambda index: mixing(x[index]), B, **check)
+
+
 def _rows_differ_reference(full, again, dtype):
     """rows_differ's documented formula, row by row in Python floats (float64)."""
     full = full.detach().double().reshape(len(full), -1).tolist()
