@@ -12,7 +12,7 @@ decoupled weight decay (AdamW) when ``weight_decay > 0``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -56,7 +56,20 @@ class DPAdam(FirstOrderModule):
         self.eps = eps
 
     def make_optimizer(self, params):
+        raise_if_any([eps_vanishing_error(self.eps, params)])
         return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+
+def eps_vanishing_error(eps: float, params: list[torch.Tensor]) -> Optional[str]:
+    """Adam divides by ``sqrt(v) + eps`` in the parameters' dtype: where ``eps`` rounds to 0 there (1e-8 in float16,
+    Lightning's ``precision="16-true"``), a coordinate whose ``v`` underflowed to 0 steps by ``m / 0``, and the weights
+    were inf after DP-Adam's first step (review 20)."""
+    vanishing = sorted({str(p.dtype) for p in params if torch.tensor(eps, dtype=p.dtype) == 0})
+    if not vanishing:
+        return None
+    return (f"`eps`={eps:g} rounds to 0 in the parameters' dtype {vanishing[0]}, so Adam's update would divide by 0 "
+            "where its second moment underflows: train in float32 or bfloat16 parameters (precision '32-true', "
+            "'bf16-true' or a mixed precision), or raise `eps`")
 
 
 class SGD(DPSGD):

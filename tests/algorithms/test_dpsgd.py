@@ -268,3 +268,15 @@ def test_one_draw_per_step_rechecks_the_losses_and_the_engines_calls(monkeypatch
     assert module.engine.recheck_clock.probability == 0.0  # the engine draws nothing of its own
     assert module.engine.recheck_clock._left == float("inf")
     assert runs["losses"] == runs["calls"] == [0, 2, 4]  # the first batch, then the drawn steps
+
+
+def test_adam_with_an_eps_that_float16_rounds_to_zero_is_refused_before_a_step():
+    """Review 20: DPAdam under ``precision="16-true"`` kept Adam's state in float16, where eps = 1e-8 is 0, and its
+    weights were inf after the first step. An eps float16 holds trains."""
+    module = DPAdam(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    with pytest.raises(PrivacyConfigError, match=r"`eps`=1e-08 rounds to 0 in the parameters' dtype torch.float16"):
+        quiet_trainer(max_steps=3, precision="16-true").fit(module, poisson_loader(blobs(), 0.25))
+    assert module.privacy.ledger.total_count == 0
+    module = DPAdam(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5, eps=1e-4)
+    quiet_trainer(max_steps=3, precision="16-true").fit(module, poisson_loader(blobs(), 0.25))
+    assert module.privacy.steps == 3 and all(torch.isfinite(p).all() for p in module.parameters())
