@@ -22,7 +22,7 @@ from lit_zodp.per_example.checks import frozen_statistics_note, refuse_batch_sta
 from lit_zodp.privacy import DirectionRelease
 from lit_zodp.zo import ZOSGD, PerturbationEngine, central_differences, derive_seed, make_direction_law
 from lit_zodp.zo.eval_mode import EvalMode
-from lit_zodp.zo.fused import FusedPerturbation, triton_available
+from lit_zodp.zo.fused import SUPPORTED_DTYPES as FUSED_DTYPES, FusedPerturbation, triton_available
 from lit_zodp.zo.perturbation import DirectionCache
 
 DIRECTION_LAWS = ("gaussian", "sphere")
@@ -108,9 +108,10 @@ class ZerothOrderModule(AlgorithmModule):
         return PerturbationEngine(params, make_direction_law(self.directions), cache=cache)
 
     def uses_fused_engine(self, params: list[nn.Parameter]) -> bool:
+        """``"auto"`` takes the fused kernel only for the dtypes it has (not float64: ``precision="64-true"``)."""
         return self.perturbation == "fused" or (
             self.perturbation == "auto" and self.directions == "gaussian" and not self.vector_noise
-            and params[0].is_cuda and triton_available())
+            and params[0].is_cuda and all(p.dtype in FUSED_DTYPES for p in params) and triton_available())
 
     @property
     def zo_optimizer(self) -> ZOSGD:

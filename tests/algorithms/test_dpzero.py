@@ -403,3 +403,17 @@ def test_a_zeroth_order_module_says_its_batchnorm_statistics_stay_frozen():
     with warnings.catch_warnings():
         warnings.simplefilter("error", LitZodpWarning)
         DPZero(nn.Sequential(nn.Linear(4, 2)), lr=0.1, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+
+
+def test_auto_perturbation_takes_the_fused_kernel_only_for_its_dtypes(monkeypatch):
+    """Review 20: under ``precision="64-true"`` on CUDA, ``perturbation="auto"`` picked the fused kernel, which has no
+    float64 and refused the parameters; auto now leaves float64 to the chunked engine."""
+    from types import SimpleNamespace
+
+    from lit_zodp.algorithms import zeroth_order
+
+    monkeypatch.setattr(zeroth_order, "triton_available", lambda: True)
+    module = DPZero(mlp(), noise_multiplier=1.0, delta=1e-5)
+    on_cuda = [SimpleNamespace(is_cuda=True, dtype=dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    assert module.uses_fused_engine(on_cuda)
+    assert not module.uses_fused_engine(on_cuda + [SimpleNamespace(is_cuda=True, dtype=torch.float64)])
