@@ -509,7 +509,7 @@ def test_a_new_run_whose_budget_allows_no_step_is_refused_and_a_spent_resume_is_
     with pytest.raises(PrivacyConfigError, match=r"allows no step at `noise_multiplier`=0.3: one step spends epsilon "):
         planned(noise_multiplier=0.3, max_epsilon=3.0)
     spent = PrivacyComponent(clip=1.0, delta=1e-5, noise_multiplier=0.3, max_epsilon=3.0)
-    spent.ledger.record(SubsampledGaussian(2.0, 0.05), 100_000)
+    spent.ledger.record(SubsampledGaussian(1.0, 0.5), 50)  # epsilon 25.8 (100k steps at q 0.05: 65 s of FFTs)
     spent.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
     assert spent.steps_allowed == 0 and spent.budget_exhausted
 
