@@ -325,7 +325,7 @@ class AlgorithmModule(pl.LightningModule):
     def _losses(self, inputs, targets) -> Tensor:
         if self.fixed_shape is None:
             return per_example_loss(self.backbone, inputs, targets).float()
-        losses = torch.empty(len(targets), device=targets.device)
+        losses = torch.empty(len(targets), dtype=torch.float32, device=targets.device)
         for rows, row_targets, positions in self.fixed_shape.chunks(inputs, targets):
             losses[positions] = per_example_loss(self.backbone, rows, row_targets).float()[:len(positions)]
         return losses

@@ -95,5 +95,5 @@ def clipped_fraction(values_or_norms: Tensor, clip: float) -> Tensor:
     """Fraction of examples whose magnitude exceeded ``clip`` (a non-private diagnostic), as a 0-dim
     tensor on their device: no host synchronisation."""
     if values_or_norms.numel() == 0 or math.isinf(clip):
-        return torch.zeros((), device=values_or_norms.device)
+        return torch.zeros((), dtype=torch.float32, device=values_or_norms.device)
     return (values_or_norms.abs() > clip).float().mean()

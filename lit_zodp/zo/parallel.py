@@ -87,7 +87,7 @@ class Scratch:
         view = self._views.get(key)
         if view is None:
             if (device, slot) not in self._buffers:
-                self._buffers[(device, slot)] = torch.empty(self.size, device=device)
+                self._buffers[(device, slot)] = torch.empty(self.size, dtype=torch.float32, device=device)
             view = self._views[key] = self._buffers[(device, slot)][:numel]
         return view
 

@@ -242,3 +242,22 @@ def test_an_extra_term_that_is_not_a_noise_vector_is_refused():
     engine = PerturbationEngine([nn.Parameter(torch.zeros(4))])
     with pytest.raises(ValueError, match="not a noise vector"):
         engine.restore_and_update_({}, lr=1.0, extra_terms=[(GaussianDirections(), 1.0)])
+
+
+@pytest.mark.parametrize("default", [torch.float16, torch.float64])
+def test_the_direction_law_does_not_follow_the_default_dtype(default):
+    """Review 20: under ``precision="16-true"`` (or ``"64-true"``) Lightning sets torch's default dtype within the
+    step, and the chunked engine's scratch buffer took it, so ``u`` was drawn in float16 (float64), not the float32
+    law the fused engine and its CPU reference draw."""
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    u = PerturbationEngine(list(model.parameters()), chunk_numel=4).direction(5)
+    engine = PerturbationEngine(list(model.parameters()), chunk_numel=4)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        engine.perturb_(5, 0.25)
+    finally:
+        torch.set_default_dtype(saved)
+    for p, b, z in zip(model.parameters(), before, u):
+        torch.testing.assert_close(p, b + 0.25 * z, rtol=0, atol=0)
