@@ -187,6 +187,28 @@ def test_non_finite_per_example_values_contribute_zero(name):
 
 
 @pytest.mark.parametrize("name", PRIVATE)
+def test_a_row_whose_label_the_classifier_cannot_take_counts_as_zero_and_fails_no_step(name):
+    """Review 21: a private row labelled outside ``0..C-1`` (7 or -3 for 3 classes) failed the fit at the first
+    Poisson batch that sampled it, ``IndexError: Target 7 is out of bounds.`` (DPZero and DPSGD at q = 0.5: after 1
+    of 20 steps; at q = 0.05 all 20 ran): whether, when and with what message a fit failed told of one private
+    label. Its loss is now NaN, counted as zero like a row whose input is NaN."""
+    def trained(mutate):
+        dataset = blobs(n=64)
+        mutate(dataset)
+        module = build(name, noise_multiplier=0.0)
+        assert fit(module, full_batch_loader(dataset, 3), 3).global_step == 3
+        return flat(module)
+
+    def bad_labels(dataset):
+        dataset.tensors[1][[5, 9]] = torch.tensor([7, -3])
+
+    def nan_inputs(dataset):
+        dataset.tensors[0][[5, 9], 0] = float("nan")
+
+    torch.testing.assert_close(trained(bad_labels), trained(nan_inputs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
 def test_autograd_anomaly_mode_is_refused_where_a_private_backward_runs(name):
     """Review 20: under ``Trainer(detect_anomaly=True)`` a DP-SGD fit stopped (RuntimeError from LogSoftmaxBackward0)
     at the first Poisson batch holding one crafted row with a NaN loss, after 3 of its 20 steps, and ran all 20

@@ -324,11 +324,17 @@ class AlgorithmModule(pl.LightningModule):
 
     def _losses(self, inputs, targets) -> Tensor:
         if self.fixed_shape is None:
-            return per_example_loss(self.backbone, inputs, targets).float()
+            return self.example_losses(inputs, targets)
         losses = torch.empty(len(targets), dtype=torch.float32, device=targets.device)
         for rows, row_targets, positions in self.fixed_shape.chunks(inputs, targets):
-            losses[positions] = per_example_loss(self.backbone, rows, row_targets).float()[:len(positions)]
+            losses[positions] = self.example_losses(rows, row_targets)[:len(positions)]
         return losses
+
+    def example_losses(self, inputs, targets) -> Tensor:
+        """The backbone's per-example losses (float32 or wider). In a private module a class target the model cannot
+        take gives a NaN loss, counted as zero, instead of failing the step that samples its row (review 21:
+        :func:`~lit_zodp.backbones.base.per_example_loss`)."""
+        return per_example_loss(self.backbone, inputs, targets, total=self.private, classes=self.num_classes).float()
 
     def _run_due_checks(self, inputs, targets, losses: Tensor) -> None:
         """The per-example independence checks of a private fit (audit 5): a forward or loss that mixes rows

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_zodp.algorithms.base import AlgorithmModule
-from lit_zodp.backbones.base import batch_size_of, per_example_loss
+from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import check_non_negative, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedSum, PerExampleGradientEngine
 from lit_zodp.per_example.engine import sum_dtype
@@ -100,10 +100,10 @@ class FirstOrderModule(AlgorithmModule):
         if self._registrations is not None:
             self._registrations.refuse()
         if self.fixed_shape is not None:
-            loss_fns = [(lambda x=x, y=y: per_example_loss(self.backbone, x, y).float(), len(positions))
+            loss_fns = [(lambda x=x, y=y: self.example_losses(x, y), len(positions))
                         for x, y, positions in self.fixed_shape.chunks(inputs, targets)]
         else:
-            loss_fns = [lambda x=x, y=y: per_example_loss(self.backbone, x, y).float()
+            loss_fns = [lambda x=x, y=y: self.example_losses(x, y)
                         for x, y in split_rows(inputs, targets, self.micro_batch_size)]
         with self._no_ddp_grad_sync(), torch.enable_grad():
             if math.isinf(self.clip) and not self.privacy.is_private:

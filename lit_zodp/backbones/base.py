@@ -8,8 +8,9 @@ the per-example losses, evaluation needs the predictions.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -50,16 +51,37 @@ class Backbone(nn.Module):
         return self(inputs)
 
 
-def per_example_loss(model: nn.Module, inputs: Inputs, targets: Tensor) -> Tensor:
+def per_example_loss(model: nn.Module, inputs: Inputs, targets: Tensor, *, total: bool = False,
+                     classes: Optional[int] = None) -> Tensor:
     """Per-example losses of any module, shape ``[B]``: its own rule if it is a :class:`Backbone`, else
     cross-entropy. Each value is clipped as one example's contribution, so any other shape (per-token
-    losses ``[B, L]``: L clipped values per example, L times the sensitivity) is refused."""
+    losses ``[B, L]``: L clipped values per example, L times the sensitivity) is refused.
+
+    ``total`` (private steps, review 21): a class target outside ``0..C-1`` (``C``: the model's declared classes,
+    else ``classes``, else its logits' width) gives its row a NaN loss, which a private step counts as zero like
+    any non-finite value; the model never sees it. Before, cross-entropy raised ``IndexError: Target 7 is out of
+    bounds`` (on a GPU, a device assert) at the first Poisson batch that sampled the row: whether and when a fit
+    failed, and its message, told of one private label."""
+    classes = (num_classes_of(model) or classes) if total else None
+    valid, targets = _valid_targets(targets, classes)
     if hasattr(model, "per_example_loss"):
         losses = model.per_example_loss(inputs, targets)
     else:
-        losses = F.cross_entropy(call_model(model, inputs), targets, reduction="none")
+        logits = call_model(model, inputs)
+        if total and valid is None and isinstance(logits, Tensor) and logits.dim() == 2:
+            valid, targets = _valid_targets(targets, logits.shape[-1])
+        losses = F.cross_entropy(logits, targets, reduction="none")
     check_one_loss_per_example(losses, len(targets), type(model).__name__)
-    return losses
+    return losses if valid is None else torch.where(valid.to(losses.device), losses, torch.nan)
+
+
+def _valid_targets(targets: Tensor, classes: Optional[int]) -> tuple[Optional[Tensor], Tensor]:
+    """Which class targets ``[B]`` lie in ``0..classes-1``, and the targets with the others set to 0 (no host sync);
+    ``(None, targets)`` where no number of classes is known or the targets are not class indices."""
+    if not classes or targets.dim() != 1 or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        return None, targets
+    valid = (targets >= 0) & (targets < classes)
+    return valid, torch.where(valid, targets, torch.zeros_like(targets))
 
 
 def check_one_loss_per_example(losses: Any, size: int, owner: str) -> None:
