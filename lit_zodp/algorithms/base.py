@@ -253,6 +253,7 @@ class AlgorithmModule(pl.LightningModule):
                           split=getattr(self.trainer.datamodule, "split_id", None))
         if self.private:
             _refuse_unreachable_minimum(self.trainer, self.privacy.steps_allowed)
+            self._refuse_private_rows_of_several_shapes()
             self.privacy.require_attached(self.trainer.optimizers)
             _mark_private_training_data(self.trainer)
             self._buffers_before = buffer_state(self.backbone)
@@ -262,6 +263,16 @@ class AlgorithmModule(pl.LightningModule):
             self._pending_checks = set(self.independence_checks)
         self._host_answer, self._host_note = None, None  # (nothing noted in an earlier fit holds in this one)
         self._sigma_logged = False
+
+    def _refuse_private_rows_of_several_shapes(self) -> None:
+        """Under ``fixed_forward_rows``, rows of several shapes in a private loader are refused before the first step
+        (:meth:`~lit_zodp.privacy.fixed_shape.FixedShapeForwards.refuse_rows_of_several_shapes`, review 21); a data
+        module that pads every row to ``max_length`` has one shape by construction."""
+        if self.fixed_shape is None or getattr(self.trainer.datamodule, "pad_to_max_length", None) is True:
+            return
+        for loader in _train_loaders(self.trainer):
+            if isinstance(getattr(loader, "batch_sampler", None), PrivateBatchSampler):
+                self.fixed_shape.refuse_rows_of_several_shapes(loader)
 
     def on_train_epoch_start(self) -> None:
         """A private loader rebuilt for this epoch (``reload_dataloaders_every_n_epochs``) must sample as planned:

@@ -261,6 +261,56 @@ def test_a_private_batch_of_another_row_shape_is_refused():
     assert row_shape({"input_ids": torch.zeros(2, 7)}) == (("input_ids", (7,)),)
 
 
+def _one_long_row_loader(long_row: bool, n=64):
+    """Rows of 10 tokens but, with ``long_row``, one of 12; Poisson batches padded to their longest row."""
+    from torch.utils.data import DataLoader
+
+    from lit_zodp.privacy import PoissonBatchSampler
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(1, 20, (12 if long_row and i == 17 else 10,), generator=g) for i in range(n)]
+    labels = torch.randint(0, 2, (n,), generator=g)
+
+    def collate(indices):
+        ids = torch.zeros(len(indices), max([len(rows[i]) for i in indices], default=10), dtype=torch.long)
+        for r, i in enumerate(indices):
+            ids[r, :len(rows[i])] = rows[i]
+        return {"input_ids": ids, "attention_mask": (ids != 0).long()}, labels[list(indices)]
+    return DataLoader(list(range(n)), batch_sampler=PoissonBatchSampler(n, 0.1), collate_fn=collate)
+
+
+@pytest.mark.parametrize("algorithm", [DPZero, DPSGD])
+def test_one_private_row_of_another_shape_is_refused_before_the_first_step_naming_no_shape(algorithm):
+    """Review 21: the row shape was the first batch's, so a fit on rows of 10 tokens but one of 12 ran until the first
+    Poisson batch that held the long row (DPZero after 1-5 of 30 steps, DPSGD after 1-20), printing its 12 tokens,
+    and ran all 30 without it. The private rows are now compared before the first step."""
+    from lightning.pytorch.callbacks import Callback
+
+    from tests.conftest import TokenBag
+
+    class Steps(Callback):
+        count = 0
+
+        def on_train_batch_end(self, *args):
+            Steps.count += 1
+
+    def fit(long_row):
+        module = algorithm(TokenBag(masked=True), lr=0.01, clip=1.0, noise_multiplier=1.0, fixed_forward_rows=4)
+        quiet_trainer(max_steps=8, callbacks=[Steps()]).fit(module, _one_long_row_loader(long_row))
+
+    fit(long_row=False)
+    assert Steps.count == 8
+    with pytest.raises(PrivacyConfigError, match="fixed_forward_rows.*pad_to_max_length") as info:
+        fit(long_row=True)
+    assert Steps.count == 8 and "12" not in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_empty_batch_has_no_row_shape_to_compare():
+    forwards = FixedShapeForwards(4)
+    forwards.check_row_shape({"input_ids": torch.zeros(0, 1, dtype=torch.long)})
+    forwards.check_row_shape({"input_ids": torch.zeros(3, 10, dtype=torch.long)})
+    assert forwards.row_shape == (("input_ids", (10,)),)
+
+
 class DynamicPaddingData(pl.LightningDataModule):
     pad_to_max_length = False
 
