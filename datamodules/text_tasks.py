@@ -331,10 +331,8 @@ class TaskSpec:
         table = {str(i): i for i in range(self.num_classes)}
         table.update({name.lower(): i for i, name in enumerate(self.labels)})
         table.update(self.label_aliases)
-        if key not in table:
-            raise ValueError(
-                f"{self.name}: unknown label {raw!r}; expected one of {sorted(table)} (labels {list(self.labels)})"
-            )
+        if key not in table:  # (not the value: a private row's label cell, or its text in a shifted row; review 21)
+            raise ValueError(f"{self.name}: a row's label is none of {sorted(table)} (labels {list(self.labels)})")
         return table[key]
 
 
