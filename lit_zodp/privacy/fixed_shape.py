@@ -163,5 +163,5 @@ def cut_columns(inputs: Mapping[str, Tensor], length: int, mask_key: str = "atte
             for key, value in inputs.items()}
 
 
-__all__ = ["SEVERAL_SHAPES", "FixedShapeForwards", "any_row_ends_early", "inputs_of", "cut_columns", "row_shape", "rows_ending_early", "split_rows",
-           "take_rows", "used_lengths"]
+__all__ = ["SEVERAL_SHAPES", "FixedShapeForwards", "any_row_ends_early", "cut_columns", "inputs_of", "row_shape",
+           "rows_ending_early", "split_rows", "take_rows", "used_lengths"]
