@@ -205,6 +205,9 @@ IN_PLACE_CALLS = (
     ("forward: buffer writes", "lit_zodp.algorithms.base", None, "refuse_buffer_writes"),
     ("forward: parameter writes", "lit_zodp.per_example.checks", "ParameterWrites", "refuse_since"),
     ("host batch", "lit_zodp.algorithms.base", "AlgorithmModule", "_note_host_batch"),
+    ("host labels", "lit_zodp.algorithms.base", "AlgorithmModule", "_vet_host_labels"),
+    ("labels bound", "lit_zodp.algorithms.base", "AlgorithmModule", "_bind_vetted_labels"),
+    ("forward: labels vetted", "lit_zodp.algorithms.base", "AlgorithmModule", "_start_private_losses"),
 )
 #: Labels reported as the mean per step over a fit (rare and long), not as the median call.
 PER_STEP_MEAN = ("re-checks",)

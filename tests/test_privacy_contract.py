@@ -19,6 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lit_zodp.algorithms import ALGORITHMS, ZerothOrderModule
+from lit_zodp.algorithms.base import AlgorithmModule
+from lit_zodp.algorithms.first_order import FirstOrderModule
 from lit_zodp.errors import AccountingError, ConfigError, PrivacyConfigError
 from lit_zodp.privacy import FullBatchSampler, NoiseSource, PrivacyComponent, PrivacyLedger
 from tests.conftest import TokenBag, blobs, collate_tensors, mlp, poisson_loader, quiet_trainer, token_loader
@@ -186,16 +188,30 @@ def test_non_finite_per_example_values_contribute_zero(name):
     assert torch.isfinite(flat(module)).all()
 
 
+def as_on_an_accelerator(monkeypatch):
+    """The accelerator's handling of class targets (vetted on the host, else checked on the device), on the CPU."""
+    monkeypatch.setattr(AlgorithmModule, "_device_checks_labels", lambda self: True)
+
+
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "accelerator_path"])
+@pytest.mark.parametrize("declared", [None, 3], ids=["classes_from_logits", "classes_declared"])
 @pytest.mark.parametrize("name", PRIVATE)
-def test_a_row_whose_label_the_classifier_cannot_take_counts_as_zero_and_fails_no_step(name):
+def test_a_row_whose_label_the_classifier_cannot_take_counts_as_zero_and_fails_no_step(name, declared, accelerator,
+                                                                                      monkeypatch):
     """Review 21: a private row labelled outside ``0..C-1`` (7 or -3 for 3 classes) failed the fit at the first
     Poisson batch that sampled it, ``IndexError: Target 7 is out of bounds.`` (DPZero and DPSGD at q = 0.5: after 1
     of 20 steps; at q = 0.05 all 20 ran): whether, when and with what message a fit failed told of one private
-    label. Its loss is now NaN, counted as zero like a row whose input is NaN."""
+    label. Its loss is now NaN, counted as zero like a row whose input is NaN: on the CPU after the plain losses
+    raised (zeroth order) or checked in every forward (first order); on an accelerator checked on the device where
+    ``C`` is the logits' width, and where it is declared (the host vets each batch first and finds these out of
+    range)."""
+    if accelerator:
+        as_on_an_accelerator(monkeypatch)
+
     def trained(mutate):
         dataset = blobs(n=64)
         mutate(dataset)
-        module = build(name, noise_multiplier=0.0)
+        module = build(name, noise_multiplier=0.0, num_classes=declared)
         assert fit(module, full_batch_loader(dataset, 3), 3).global_step == 3
         return flat(module)
 
@@ -206,6 +222,37 @@ def test_a_row_whose_label_the_classifier_cannot_take_counts_as_zero_and_fails_n
         dataset.tensors[0][[5, 9], 0] = float("nan")
 
     torch.testing.assert_close(trained(bad_labels), trained(nan_inputs), rtol=0, atol=0)
+
+
+class LabelSpy(Callback):
+    """Records whether each step's losses checked the class targets on the device; ``rewrite`` sets row 0's target
+    after the transfer (a callback's own relabelling), which the host never saw."""
+
+    def __init__(self, rewrite=None):
+        self.rewrite, self.checked = rewrite, []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if self.rewrite is not None:
+            batch[1][0] = self.rewrite
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.checked.append(module._check_labels)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_on_an_accelerator_targets_the_host_vetted_skip_the_device_check_and_a_rewrite_does_not(name, monkeypatch):
+    """The device check of the class targets (review 21) costs about six tensor ops per forward (56 us per forward
+    on the quickstart's CPU, launches on a GPU), so a zeroth-order step whose targets the host saw all in range before
+    the transfer skips it; a target rewritten after the transfer (here to 7, out of range) is checked on the device
+    and counts as zero. First-order steps check in every forward."""
+    as_on_an_accelerator(monkeypatch)
+    first_order = issubclass(ALGORITHMS[name], FirstOrderModule)
+    spy = LabelSpy()
+    fit(build(name, num_classes=3), full_batch_loader(blobs(n=64), 3), 3, [spy])
+    assert spy.checked == [first_order] * 3
+    rewritten = LabelSpy(rewrite=7)
+    assert fit(build(name, num_classes=3), full_batch_loader(blobs(n=64), 3), 3, [rewritten]).global_step == 3
+    assert rewritten.checked == [True] * 3
 
 
 @pytest.mark.parametrize("name", PRIVATE)

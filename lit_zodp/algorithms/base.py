@@ -95,6 +95,9 @@ class AlgorithmModule(pl.LightningModule):
     non_private_twin: ClassVar[Optional[str]] = None
     #: Registered for the contract suite unless abstract.
     abstract: ClassVar[bool] = True
+    #: A private step's losses check every class target on the device (review 21); otherwise only where a bad one
+    #: cannot raise (an accelerator) and the host has not vetted the batch (:meth:`example_losses`).
+    labels_checked_in_every_forward: ClassVar[bool] = False
     recheck_probability = RecheckProbability()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -160,6 +163,13 @@ class AlgorithmModule(pl.LightningModule):
         self._host_answer: Optional[bool] = None  # the host batch's mask has a row shorter than its longest
         # (device mask, its version) of a batch the host saw no shorter row in: for that very tensor, unwritten
         self._host_note: Optional[tuple[Tensor, int]] = None
+        # (device targets, their version) of a batch whose class targets the host saw all in 0..C-1 (review 21)
+        self._labels_note: Optional[tuple[Tensor, int]] = None
+        self._labels_vetted_on_host = False  # the host batch about to be moved: every class target in range
+        self._check_labels = False  # this step's losses check the class targets on the device (not vetted on the host)
+        self._labels_on_device = False  # this private fit's targets reach an accelerator, where a bad one cannot raise
+        self._transfer_as_is = False  # this fit's batches reach the step as the host batch moved (its hooks' own)
+        self._classes_of_labels: Optional[int] = None  # this fit's C of the class targets 0..C-1
         self.recheck_probability = recheck_probability  # (makes its recheck_clock)
         self._recheck_pending = False  # a step drawn for a re-check, until a batch of it could compare
         self.log_private_stats = (not self.private) if log_private_stats is None else bool(log_private_stats)
@@ -262,6 +272,12 @@ class AlgorithmModule(pl.LightningModule):
             self._registrations = RegistrationWatch(self.backbone)
             self._pending_checks = set(self.independence_checks)
         self._host_answer, self._host_note = None, None  # (nothing noted in an earlier fit holds in this one)
+        self._labels_note, self._labels_vetted_on_host = None, False
+        self._labels_on_device = (self.private and not self.labels_checked_in_every_forward
+                                  and self._device_checks_labels())
+        self._check_labels = self.private and self.labels_checked_in_every_forward
+        self._transfer_as_is = _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)
+        self._classes_of_labels = num_classes_of(self.backbone) or self.num_classes  # as per_example_loss reads it
         self._sigma_logged = False
 
     def _refuse_private_rows_of_several_shapes(self) -> None:
@@ -316,6 +332,8 @@ class AlgorithmModule(pl.LightningModule):
             self.backbone.eval()
         if batch_size_of(inputs) == 0:
             return torch.zeros(0, device=targets.device)
+        if self._labels_on_device:
+            self._start_private_losses(targets)
         versions = self._parameter_writes.versions() if self._parameter_writes is not None else None
         registrations = self._registrations
         if registrations is not None and registrations.registered:  # (made outside a private forward)
@@ -342,10 +360,50 @@ class AlgorithmModule(pl.LightningModule):
         return losses
 
     def example_losses(self, inputs, targets) -> Tensor:
-        """The backbone's per-example losses (float32 or wider). In a private module a class target the model cannot
+        """The backbone's per-example losses (float32 or wider). In a private step a class target the model cannot
         take gives a NaN loss, counted as zero, instead of failing the step that samples its row (review 21:
-        :func:`~lit_zodp.backbones.base.per_example_loss`)."""
-        return per_example_loss(self.backbone, inputs, targets, total=self.private, classes=self.num_classes).float()
+        :func:`~lit_zodp.backbones.base.per_example_loss`). The check costs about six tensor ops per forward (56 us
+        per forward on the quickstart's CPU), so it runs only where needed: on the CPU, after the plain losses raised
+        (``IndexError: Target 7 is out of bounds``); on an accelerator, where a bad target is a device assert, unless
+        the host saw every target of the batch in range (:meth:`_vet_host_labels`)."""
+        if self.private and self._check_labels:
+            return self._total_losses(inputs, targets)
+        try:
+            return per_example_loss(self.backbone, inputs, targets).float()
+        except (IndexError, RuntimeError):
+            if not self.private:
+                raise
+        return self._total_losses(inputs, targets)  # (the check raises again an error that was not the targets')
+
+    def _total_losses(self, inputs, targets) -> Tensor:
+        return per_example_loss(self.backbone, inputs, targets, total=True, classes=self.num_classes).float()
+
+    def _device_checks_labels(self) -> bool:
+        """Whether this fit's class targets are checked before the device sees them: on an accelerator a target out
+        of range is a device-side assert, which no step can catch."""
+        return self.device.type != "cpu"
+
+    def _start_private_losses(self, targets: Tensor) -> None:
+        """At a private step's losses (the whole batch's targets), on an accelerator: whether they must check the
+        class targets on the device, i.e. whether the host did not vet these very targets, unwritten since the
+        transfer."""
+        note = self._labels_note
+        check = not (note is not None and targets is note[0] and targets._version == note[1])
+        if check is not self._check_labels:  # (a store costs 0.5 us)
+            self._check_labels = check
+
+    def _vet_host_labels(self, batch: Any) -> None:
+        """Whether every class target of the private part of the host batch about to be moved lies in ``0..C-1``, read
+        as a Python list on the host (a few us), where the device check of :func:`per_example_loss` costs about six
+        tensor ops per forward (56 us per forward on the quickstart's CPU, launches on a GPU). Not class targets
+        (floats, several per row) need no check; no ``C`` known or a batch already on a device: not vetted."""
+        vetted = False
+        if self._labels_on_device and self._transfer_as_is:
+            private = self.split_batch(batch)[0]
+            targets = private[1] if isinstance(private, (tuple, list)) and len(private) == 2 else None
+            vetted = _labels_in_range(targets, self._classes_of_labels)
+        if vetted is not self._labels_vetted_on_host:
+            self._labels_vetted_on_host = vetted
 
     def _run_due_checks(self, inputs, targets, losses: Tensor) -> None:
         """The per-example independence checks of a private fit (audit 5): a forward or loss that mixes rows
@@ -459,6 +517,7 @@ class AlgorithmModule(pl.LightningModule):
         batch about to be moved, for :meth:`_note_host_batch`."""
         batch = super()._on_before_batch_transfer(batch, dataloader_idx)
         self._note_host_batch(batch)
+        self._vet_host_labels(batch)
         return batch
 
     def _apply_batch_transfer_handler(self, batch: Any, device: Optional[torch.device] = None,
@@ -473,7 +532,20 @@ class AlgorithmModule(pl.LightningModule):
         usable = isinstance(mask, Tensor) and not mask.is_inference()  # (an inference tensor keeps no version)
         if usable or self._host_note is not None:
             self._host_note = (mask, mask._version) if usable else None
+        self._bind_vetted_labels(batch)
         return batch
+
+    def _bind_vetted_labels(self, batch: Any) -> None:
+        """The host's vetting (:meth:`_vet_host_labels`) holds for the targets tensor this transfer produced, as long as
+        nothing writes it: a callback or ``training_step`` that replaces or rewrites them gets the device check."""
+        targets = None
+        if self._labels_vetted_on_host:
+            self._labels_vetted_on_host = False
+            private = self.split_batch(batch)[0]
+            targets = private[1] if isinstance(private, (tuple, list)) and len(private) == 2 else None
+        usable = isinstance(targets, Tensor) and not targets.is_inference()
+        if usable or self._labels_note is not None:
+            self._labels_note = (targets, targets._version) if usable else None
 
     def _note_host_batch(self, batch: Any) -> None:
         """While a padding check waits for a batch with a row shorter than its longest, whether the training batch
@@ -802,6 +874,20 @@ def _refuse_tuner(trainer: "pl.Trainer") -> None:
             f"{tuners[0]} (Lightning's Tuner) trains on private batches and then forgets those steps: tune the "
             "batch size or learning rate on public data only (the non-private twin, MeZO, SGD or Adam, on a public "
             "split): one chosen from un-noised private losses is a release no epsilon covers")
+
+
+def _labels_in_range(targets: Any, classes: Optional[int]) -> bool:
+    """Whether a host batch's targets need no device check: every class target (a 1-D integer tensor on the CPU) in
+    ``0..classes-1``, or no class targets at all (floats, a target per token or several per row). Unknown
+    ``classes``, targets already on a device, or any other object: ``False`` (the device checks)."""
+    if not isinstance(targets, Tensor) or targets.device.type != "cpu":
+        return False
+    if targets.dim() != 1 or targets.dtype.is_floating_point or targets.dtype.is_complex:
+        return targets.dtype.is_floating_point or targets.dim() != 1  # (not class indices: nothing to check)
+    if targets.dtype == torch.bool or not classes:
+        return False
+    values = targets.tolist()  # (as a list: in a step's cold caches torch's aminmax took 37 us, this a few)
+    return not values or (0 <= min(values) and max(values) < classes)
 
 
 def _refuse_batch_size_monitors(trainer: "pl.Trainer") -> None:

@@ -56,6 +56,9 @@ class FirstOrderModule(AlgorithmModule):
     #: runs after every module the engine records (a loss divided by the batch's detached total moved each
     #: example).
     independence_checks = ("padding", "halves")
+    # (a forward and a backward per step, beside which the check's few ops are nothing; and a forward retried after
+    # a bad target raised would be recorded twice by the gradient engine's tape)
+    labels_checked_in_every_forward = True
 
     def __init__(self, backbone: nn.Module, *, weight_decay: float = 0.0, grad_mode: str = "hooks",
                  micro_batch_size: Optional[int] = None, **kwargs: Any) -> None:
