@@ -215,6 +215,7 @@ class AlgorithmModule(pl.LightningModule):
             if stage == "fit":
                 refuse_launchers_that_return_only_the_weights(self.trainer)
                 _refuse_batch_size_monitors(self.trainer)
+                _refuse_length_dependent_state(self.backbone, self.trainer.datamodule)
         data_classes = getattr(self.trainer.datamodule, "num_classes", None) if self._trainer else None
         if data_classes and self.num_classes and data_classes != self.num_classes:
             raise PrivacyConfigError(
@@ -861,6 +862,17 @@ def _refuse_text_mismatch(backbone: nn.Module, datamodule: Any) -> None:
     error = text_data_mismatch(backbone, tokenizer, getattr(datamodule, "max_length", None))
     if error is not None:
         raise ConfigError(error)
+
+
+def _refuse_length_dependent_state(backbone: nn.Module, datamodule: Any) -> None:
+    """Layers whose state or output follows a private batch's longest row (a dynamic RoPE, BigBird's block-sparse
+    switch, Nystromformer's convolution over padded columns) are refused before the first step, whatever the data
+    (review 23): before, a rebuilt buffer or layer was refused at the first batch holding a long (or only short) row,
+    so whether and when a fit stopped told of one private row's length."""
+    from lit_zodp.backbones.huggingface import length_dependent_state
+
+    raise_if_any(length_dependent_state(backbone, getattr(datamodule, "max_length", None),
+                                        getattr(datamodule, "pad_to_max_length", None) is True))
 
 
 def _refuse_tuner(trainer: "pl.Trainer") -> None:

@@ -1101,6 +1101,57 @@ def text_data_mismatch(backbone: nn.Module, tokenizer: Any, max_length: Optional
     return None
 
 
+def length_dependent_state(backbone: nn.Module, max_length: Optional[int], padded_to_max_length: bool = False
+                           ) -> list[str]:
+    """One line per layer kind of ``backbone`` whose state follows the private batch's longest row (review 23), for a
+    private fit to refuse at its setup. A dynamic RoPE (``rope_type`` ``dynamic``, ``longrope``) rebuilds its
+    frequencies from the batch's padded length: each row's loss then moved with its longest batch-mate (1e-5 to 1e-4
+    in a tiny Llama's logit), and the write was refused at the first Poisson batch holding a row beyond the
+    pretraining length (DPZero stopped after 1-7 of 20 steps with one 40-token row, ran all 20 without it). BigBird's
+    ``block_sparse`` attention replaces itself by full attention for good at the first batch whose longest row is
+    short, and transformers prints that length. A dynamic RoPE stays, where the data's ``max_length`` keeps every row
+    within the pretraining length (it then never rebuilds); ``longrope`` rewrites its buffer in every forward.
+    Nystromformer's attention convolves along the padded sequence: a row's loss moved by 3e-4 of itself (the same in
+    float64) beside a longer row, 400 times below the padding check's rounding tolerance; it stays where every row is
+    padded to ``max_length``."""
+    found: dict[str, str] = {}
+    for module in backbone.modules():
+        for rope in _rope_types(module):
+            if rope == "longrope" or ("dynamic" in rope and not _within(max_length, module)):
+                found.setdefault(rope, type(module).__name__)
+        if getattr(module, "attention_type", None) == "block_sparse":
+            found.setdefault("block_sparse", type(module).__name__)
+        if type(module).__name__ == "NystromformerSelfAttention" and not padded_to_max_length:
+            found.setdefault("nystromformer", type(module).__name__)
+    lines = []
+    for kind, owner in found.items():
+        if kind == "nystromformer":
+            lines.append(f"Nystromformer's attention ({owner}) convolves along the padded sequence, so a row's loss "
+                         "follows its batch's longest row: set the data's `pad_to_max_length: true`")
+        elif kind == "block_sparse":
+            lines.append(f"BigBird's `attention_type: block_sparse` ({owner}) switches to full attention for good at the "
+                         "first batch whose longest row is short, and prints its length: set `config_overrides: "
+                         "{attention_type: original_full}` for a private fit")
+        else:
+            lines.append(f"`rope_type: {kind}` ({owner}) rebuilds its rotary frequencies from each batch's longest row, "
+                         "so a row's loss follows its batch-mates' lengths: use a static rope_type (default, linear, "
+                         "yarn, llama3) or, for `dynamic`, a data `max_length` within the model's max_position_embeddings")
+    return lines
+
+
+def _rope_types(module: nn.Module) -> list[str]:
+    """A rotary module's rope types (transformers keeps one string, or one per layer type)."""
+    rope = getattr(module, "rope_type", None)
+    values = rope.values() if isinstance(rope, Mapping) else [rope]
+    return [value for value in values if isinstance(value, str)]
+
+
+def _within(max_length: Optional[int], rotary: nn.Module) -> bool:
+    """Whether rows of at most ``max_length`` tokens stay within a dynamic RoPE's pretraining length."""
+    original = getattr(rotary, "original_max_seq_len", None)
+    return isinstance(max_length, int) and isinstance(original, int) and max_length <= original
+
+
 def _learned_positions(model: nn.Module) -> Optional[int]:
     """Positions a learned absolute table holds (RoBERTa's start after ``padding_idx``, OPT/BART's after ``offset``)."""
     sizes = [table.num_embeddings - getattr(table, "offset", 0)
@@ -1120,6 +1171,7 @@ __all__ = [
     "SentenceEncoderClassifier",
     "accepted_input_keys",
     "build_hf_model",
+    "length_dependent_state",
     "lm_head_name",
     "lm_logits_at",
     "load_tokenizer",

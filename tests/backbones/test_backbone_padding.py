@@ -91,3 +91,77 @@ def test_a_left_padded_candidate_score_equals_the_score_alone():
     alone = {k: v.unsqueeze(0) for k, v in alone.items()}
     with torch.no_grad():
         torch.testing.assert_close(scorer(batch)[:1], scorer(alone), rtol=0, atol=2e-6)
+
+
+# ------------------------------------------------------------------ state that follows the longest row (review 23)
+TINY_LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, max_position_embeddings=32, pad_token_id=0)
+DYNAMIC_ROPE = dict(TINY_LLAMA, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+LONGROPE = dict(TINY_LLAMA, model_type="phi3", max_position_embeddings=64, original_max_position_embeddings=32,
+                rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                 "rope_theta": 1e4, "original_max_position_embeddings": 32})
+NYSTROMFORMER = dict(TINY_LLAMA, model_type="nystromformer", max_position_embeddings=64)
+BLOCK_SPARSE = dict(TINY_LLAMA, model_type="big_bird", max_position_embeddings=64, attention_type="block_sparse",
+                    block_size=2, num_random_blocks=1)
+
+
+def _short_rows_loader():
+    """Poisson batches of 6-token rows: nothing that follows the longest row rebuilds while a fit runs."""
+    from torch.utils.data import DataLoader
+
+    from lit_zodp.privacy import PoissonBatchSampler
+
+    rows = torch.randint(3, 64, (8, 6))
+
+    def collate(indices):
+        ids = rows[list(indices)] if indices else torch.zeros(0, 6, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.zeros(len(indices), dtype=torch.long)
+    return DataLoader(list(range(8)), batch_sampler=PoissonBatchSampler(8, 0.5), collate_fn=collate)
+
+
+def _fit_private(config, max_length=None, padded=None):
+    import warnings
+
+    import lightning.pytorch as pl
+
+    from lit_zodp.algorithms import DPZero
+    from tests.conftest import quiet_trainer
+
+    torch.manual_seed(0)
+    module = DPZero(HFSequenceClassifier(config=config, num_classes=2), lr=1e-3, clip=1.0, noise_multiplier=1.0,
+                    delta=1e-5)
+    trainer = quiet_trainer(max_steps=3)
+    datamodule = pl.LightningDataModule.from_datasets()  # (only `max_length` is read before the first step)
+    datamodule.max_length, datamodule.train_dataloader = max_length, _short_rows_loader
+    datamodule.pad_to_max_length = padded
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=datamodule)
+    return trainer
+
+
+@pytest.mark.parametrize("config, named", [(DYNAMIC_ROPE, "`rope_type: dynamic`"), (LONGROPE, "`rope_type: longrope`"),
+                                           (BLOCK_SPARSE, "`attention_type: block_sparse`"),
+                                           (NYSTROMFORMER, "`pad_to_max_length: true`")],
+                         ids=["dynamic-rope", "longrope", "bigbird-block-sparse", "nystromformer"])
+def test_layers_whose_state_follows_the_longest_row_are_refused_before_the_first_step_whatever_the_rows(config, named):
+    """Review 23. A dynamic RoPE rebuilt ``inv_freq`` from the batch's padded length and was refused at the first Poisson
+    batch holding a row beyond 32 tokens (DPZero stopped after 1-7 of 20 steps with one 40-token row, ran all 20
+    without it); BigBird switched to full attention at the first all-short batch, printing its length. Now refused
+    at setup in one line, here on rows that would not trigger them (before: the dynamic RoPE ran its 3 steps; longrope,
+    which rewrites its buffer in every forward, and BigBird on all-short rows were refused at the first private step,
+    as a buffer write or a registration). Nystromformer's loss moved by 3e-4 of itself beside a longer row, which the
+    padding check passed (400 times below its tolerance): it ran."""
+    from lit_zodp.errors import PrivacyConfigError
+
+    with pytest.raises(PrivacyConfigError) as excinfo:
+        _fit_private(config)
+    message = str(excinfo.value)
+    assert named in message and "\n" not in message
+
+
+def test_a_dynamic_rope_within_its_pretraining_length_and_nystromformer_padded_to_max_length_train():
+    """With the data's ``max_length`` within ``max_position_embeddings`` a dynamic RoPE never rebuilds, and rows padded
+    to ``max_length`` give Nystromformer one padding whatever the batch: both train."""
+    assert _fit_private(DYNAMIC_ROPE, max_length=32).global_step == 3
+    assert _fit_private(NYSTROMFORMER, max_length=6, padded=True).global_step == 3
