@@ -22,7 +22,7 @@ from lit_zodp.algorithms import ALGORITHMS, ZerothOrderModule
 from lit_zodp.algorithms.base import AlgorithmModule
 from lit_zodp.algorithms.first_order import FirstOrderModule
 from lit_zodp.errors import AccountingError, ConfigError, PrivacyConfigError
-from lit_zodp.privacy import FullBatchSampler, NoiseSource, PrivacyComponent, PrivacyLedger
+from lit_zodp.privacy import FullBatchSampler, NoiseSource, PoissonBatchSampler, PrivacyComponent, PrivacyLedger
 from tests.conftest import TokenBag, blobs, collate_tensors, mlp, poisson_loader, quiet_trainer, token_loader
 
 PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)
@@ -138,6 +138,23 @@ def test_an_empty_poisson_batch_still_adds_noise_and_counts_a_step(name):
     assert empty, "expected empty Poisson batches at q = 0.02, n = 20"
     assert all(not torch.equal(trace.before[t], trace.after[t]) for t in empty)
     assert module.privacy.ledger.total_count == 10
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_collate_that_fails_or_skips_an_empty_poisson_batch_is_refused_before_the_first_step(name):
+    """Review 22: ``default_collate([])`` raised at the first empty Poisson batch (q = 0.15 of 8 rows, 20 batches: the
+    fit stopped after 6 steps), and a collate returning ``None`` made Lightning skip the step (15 steps for 20 batches,
+    no release for the empty ones): when the fit stopped, or how many steps it took, told which batches held no
+    example, the target included."""
+    def skipping(items):
+        return collate_tensors(items) if items else None
+
+    for collate, problem in ((None, "raises IndexError"), (skipping, "returns None")):
+        module = build(name)
+        sampler = PoissonBatchSampler(8, 0.15, seed=1, steps_per_epoch=20)
+        with pytest.raises(PrivacyConfigError, match=f"collate_fn {problem} for an empty batch"):
+            fit(module, DataLoader(blobs(n=8), batch_sampler=sampler, collate_fn=collate), 20)
+        assert module.privacy.ledger.total_count == 0
 
 
 @pytest.mark.parametrize("name", PRIVATE)

@@ -34,7 +34,8 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, Param
                                          beyond_tolerance, buffer_state, check_recheck_probability, eval_mode,
                                          refuse_batch_mixing, refuse_buffer_writes, renormalising_embeddings,
                                          rows_agree, rows_differ, step_mode_recompute, warn_unchecked_training_mode)
-from lit_zodp.privacy import NonPrivate, PrivacyComponent, PrivateBatchSampler, SpendLog, StepPlan
+from lit_zodp.privacy import (NonPrivate, PoissonBatchSampler, PrivacyComponent, PrivateBatchSampler,
+                              SinglePassBatchSampler, SpendLog, StepPlan)
 from lit_zodp.privacy.fixed_shape import (FixedShapeForwards, any_row_ends_early, cut_columns, rows_ending_early,
                                          take_rows, used_lengths)
 from lit_zodp.privacy.sampling import SamplingDescription, is_private_data, mark_private_data
@@ -264,6 +265,7 @@ class AlgorithmModule(pl.LightningModule):
                           split=getattr(self.trainer.datamodule, "split_id", None))
         if self.private:
             _refuse_unreachable_minimum(self.trainer, self.privacy.steps_allowed)
+            _refuse_collate_failing_on_empty_batches(self.trainer)
             self._refuse_private_rows_of_several_shapes()
             self.privacy.require_attached(self.trainer.optimizers)
             _mark_private_training_data(self.trainer)
@@ -740,7 +742,8 @@ def read_sampling(trainer: "pl.Trainer") -> SamplingDescription:
         raise PrivacyConfigError(
             "A private module needs one private loader whose batch_sampler is a lit_zodp.privacy "
             "PrivateBatchSampler (Poisson by default): use a `PublicPrivateDataModule` (datamodules/) or "
-            "DataLoader(batch_sampler=PoissonBatchSampler(n, q, rank=..., world_size=...)). A plain "
+            "DataLoader(batch_sampler=PoissonBatchSampler(n, q, rank=..., world_size=...), collate_fn=... that "
+            "collates an empty batch as zero rows). A plain "
             "shuffled loader gives no guarantee the accountant can state.")
     private[0].check_placement(int(trainer.global_rank), int(trainer.world_size))
     return private[0].description
@@ -765,6 +768,35 @@ def _refuse_private_evaluation(module: AlgorithmModule, stage: str, loaders_attr
                 f"The {stage} loader reads the private training data: its metrics would be logged as exact, "
                 "un-noised means over private examples (and drive any EarlyStopping or ModelCheckpoint monitoring "
                 "them); evaluate on held-out data (a DataModule's val/test splits, or a loader of other rows)")
+
+
+def _refuse_collate_failing_on_empty_batches(trainer: "pl.Trainer") -> None:
+    """A private loader whose sampler draws empty batches (Poisson, a single pass) must collate one, as a batch of zero
+    rows. ``default_collate([])`` raises, so the fit stopped at the first step that sampled no example; a collate
+    returning ``None`` made Lightning skip that step (no release, no step counted), so the step count was the number of
+    non-empty batches. Either way when the fit stopped, or how many steps it took, told which batches held no example,
+    the target included, outside any release (review 22: Poisson q = 0.15 of 8 rows, 20 batches: the fit stopped after
+    6 steps, or took 15). Refused before the first step, on the loader's fetch of an empty index list."""
+    for loader in _train_loaders(trainer):
+        if isinstance(getattr(loader, "batch_sampler", None), (PoissonBatchSampler, SinglePassBatchSampler)):
+            problem = _empty_batch_problem(loader)
+            if problem:
+                raise PrivacyConfigError(
+                    f"The private loader's collate_fn {problem} for an empty batch, which its "
+                    f"{loader.batch_sampler.description.name} sampling draws: the fit would stop (or skip the step) "
+                    "exactly when no example was sampled, which tells of the target; return zero-row tensors for an "
+                    "empty list (datamodules.collate.EmptySafeCollate wraps a collate function)")
+
+
+def _empty_batch_problem(loader: Any) -> Optional[str]:
+    """What goes wrong when ``loader`` collates an empty index list as its fetcher would (``None``: a batch)."""
+    dataset = loader.dataset
+    try:
+        getitems = getattr(dataset, "__getitems__", None)
+        batch = loader.collate_fn(getitems([]) if getitems else [])
+    except Exception as error:  # (whatever the user's collate raises)
+        return f"raises {type(error).__name__}"
+    return "returns None" if batch is None else None
 
 
 def _private_datasets(trainer: "pl.Trainer") -> list:
