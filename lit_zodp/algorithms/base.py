@@ -320,7 +320,9 @@ class AlgorithmModule(pl.LightningModule):
     def with_scheduler(self, optimizer: torch.optim.Optimizer):
         if self.lr_scheduler_factory is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
+        scheduler = self.lr_scheduler_factory(optimizer)
+        raise_if_any([_metric_scheduler_error(scheduler)])
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
     # ------------------------------------------------------------------------------ verbs
     def forward(self, inputs) -> Tensor:
@@ -768,6 +770,17 @@ def _refuse_private_evaluation(module: AlgorithmModule, stage: str, loaders_attr
                 f"The {stage} loader reads the private training data: its metrics would be logged as exact, "
                 "un-noised means over private examples (and drive any EarlyStopping or ModelCheckpoint monitoring "
                 "them); evaluate on held-out data (a DataModule's val/test splits, or a loader of other rows)")
+
+
+def _metric_scheduler_error(scheduler: Any) -> Optional[str]:
+    """``ReduceLROnPlateau`` steps on a monitored metric; these modules step their scheduler once per training step,
+    with none: its first ``step()`` raised ``TypeError`` after the first release (review 22). In a private module a
+    rate set from a training loss would be a release no epsilon covers; a validation metric is not passed either."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return None
+    return (f"`lr_scheduler`: {type(scheduler).__name__} steps on a monitored metric, but these modules step their "
+            "scheduler once per training step without one: use a schedule of the step count (StepLR, "
+            "CosineAnnealingLR, LambdaLR)")
 
 
 def _refuse_collate_failing_on_empty_batches(trainer: "pl.Trainer") -> None:

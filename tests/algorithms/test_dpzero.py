@@ -317,6 +317,23 @@ def test_lr_scheduler_is_stepped_with_the_zo_optimizer(dataset):
     assert all(s > 0 for s in sizes)
 
 
+def test_a_scheduler_stepped_on_a_metric_is_refused_before_the_first_step(dataset):
+    """Review 22: ``ReduceLROnPlateau`` raised ``TypeError`` (no metric) after the first release, in every module."""
+    from functools import partial
+
+    from lightning.pytorch.cli import ReduceLROnPlateau
+
+    from lit_zodp.algorithms import DPSGD
+    from lit_zodp.errors import ConfigError
+
+    for cls in (DPZero, DPSGD):
+        module = cls(mlp(), lr=0.08, clip=1.0, noise_multiplier=1.0, seed=3,
+                     lr_scheduler=partial(ReduceLROnPlateau, monitor="val_loss"))
+        with pytest.raises(ConfigError, match="ReduceLROnPlateau steps on a monitored metric"):
+            fit(module, poisson_loader(dataset, 0.25), 3)
+        assert module.privacy.ledger.total_count == 0
+
+
 @pytest.mark.parametrize("sampling,expected_kind,expected_count", [
     ("full_batch", "gaussian", 6), ("single_pass", "single_pass_gaussian", 6)])
 def test_the_datamodule_sampling_description_drives_the_accounting(sampling, expected_kind, expected_count):
