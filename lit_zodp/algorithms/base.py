@@ -39,6 +39,7 @@ from lit_zodp.privacy import (NonPrivate, PoissonBatchSampler, PrivacyComponent,
 from lit_zodp.privacy.fixed_shape import (FixedShapeForwards, any_row_ends_early, cut_columns, rows_ending_early,
                                          take_rows, used_lengths)
 from lit_zodp.privacy.sampling import SamplingDescription, is_private_data, mark_private_data
+from lit_zodp.zo.eval_mode import clear_eval_mode_caches
 
 #: Every concrete algorithm, by class name (filled by ``AlgorithmModule.__init_subclass__``).
 ALGORITHMS: dict[str, type["AlgorithmModule"]] = {}
@@ -164,6 +165,7 @@ class AlgorithmModule(pl.LightningModule):
         self._host_answer: Optional[bool] = None  # the host batch's mask has a row shorter than its longest
         # (device mask, its version) of a batch the host saw no shorter row in: for that very tensor, unwritten
         self._host_note: Optional[tuple[Tensor, int]] = None
+        self._eval_mode_caches: list[tuple[nn.Module, str]] = []  # (zeroth order: emptied before each forward)
         # (device targets, their version) of a batch whose class targets the host saw all in 0..C-1 (review 21)
         self._labels_note: Optional[tuple[Tensor, int]] = None
         self._labels_vetted_on_host = False  # the host batch about to be moved: every class target in range
@@ -335,6 +337,8 @@ class AlgorithmModule(pl.LightningModule):
         the batch."""
         if self.backbone.training:
             self.backbone.eval()
+        if self._eval_mode_caches:  # (a forward at a new point: nothing may read the last point's biases)
+            clear_eval_mode_caches(self._eval_mode_caches)
         if batch_size_of(inputs) == 0:
             return torch.zeros(0, device=targets.device)
         if self._labels_on_device:

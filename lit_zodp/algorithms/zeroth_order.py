@@ -21,7 +21,7 @@ from lit_zodp.errors import LitZodpWarning, check_non_negative, check_positive, 
 from lit_zodp.per_example.checks import frozen_statistics_note, refuse_batch_statistics
 from lit_zodp.privacy import DirectionRelease
 from lit_zodp.zo import ZOSGD, PerturbationEngine, central_differences, derive_seed, make_direction_law
-from lit_zodp.zo.eval_mode import EvalMode
+from lit_zodp.zo.eval_mode import EvalMode, eval_mode_cache_owners
 from lit_zodp.zo.fused import SUPPORTED_DTYPES as FUSED_DTYPES, FusedPerturbation, triton_available
 from lit_zodp.zo.perturbation import DirectionCache
 
@@ -78,6 +78,7 @@ class ZerothOrderModule(AlgorithmModule):
         self.perturbation = perturbation
         self.engine: Optional[PerturbationEngine | FusedPerturbation] = None
         self._eval_mode = EvalMode()
+        self._eval_mode_caches = eval_mode_cache_owners(self.backbone)  # (read again with the engine)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.backbone.parameters() if p.requires_grad]
@@ -92,6 +93,7 @@ class ZerothOrderModule(AlgorithmModule):
     def configure_optimizers(self):
         groups = self.parameter_groups()
         self.engine = self.make_engine([p for g in groups for p in g["params"]])
+        self._eval_mode_caches = eval_mode_cache_owners(self.backbone)
         return self.with_scheduler(self.attach_privacy(ZOSGD(groups, lr=self.lr, engine=self.engine)))
 
     def make_engine(self, params: list[nn.Parameter], offsets: Optional[list[int]] = None,

@@ -52,3 +52,24 @@ class EvalMode:
             self._layers = list(module.modules())
         if any(layer.training for layer in self._layers):
             module.eval()
+
+
+#: timm's layers that keep, in eval mode, a tensor computed from their parameters until their next ``train()``:
+#: LeViT, EfficientFormer(V2), TinyViT and EfficientViT-MSRA cache their attention biases by device.
+EVAL_MODE_CACHES = ("attention_bias_cache",)
+
+
+def eval_mode_cache_owners(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """``(layer, attribute)`` of every eval-mode cache of :data:`EVAL_MODE_CACHES` in ``module``. A zeroth-order
+    step forwards in eval mode at ``x + lam u`` and ``x - lam u``: from such a cache the second forward read the
+    biases of the first, and every later step those of the fit's first forward, so the biases' perturbations and
+    updates never reached the loss (review 23: moving LeViT's ``attention_biases`` by 5 moved its output by 0)."""
+    return [(layer, name) for layer in module.modules() for name in EVAL_MODE_CACHES
+            if isinstance(getattr(layer, name, None), dict)]
+
+
+def clear_eval_mode_caches(owners: list[tuple[nn.Module, str]]) -> None:
+    """Empty each cache before a forward at a new point (the layer fills it again from its parameters)."""
+    for layer, name in owners:
+        getattr(layer, name).clear()
+

@@ -95,3 +95,45 @@ def test_every_layer_of_a_zeroth_order_step_is_in_eval_mode_across_epochs_and_va
     trainer.fit(module, train_dataloaders=poisson_loader(blobs(64), 0.25),
                 val_dataloaders=torch.utils.data.DataLoader(blobs(16, seed=5), batch_size=8))  # (held out)
     assert len(validation) == 3 and len(modes.modes) >= 12 and not any(modes.modes)
+
+
+def test_a_layers_eval_mode_cache_of_its_parameters_is_emptied_before_each_forward():
+    """Review 23: timm's LeViT (also EfficientFormer, TinyViT, EfficientViT-MSRA) keeps its attention biases in an
+    eval-mode cache until its next ``train()``; a zeroth-order step forwards in eval mode, so the ``x - lam u`` forward
+    read the biases of ``x + lam u`` and every later step those of the fit's first forward: their perturbations and
+    updates never reached the loss. The differences now equal those of the same layer without a cache."""
+    from timm.models.levit import Attention
+
+    from lit_zodp.algorithms import MeZO
+
+    class TinyLeViT(nn.Module):
+        num_classes = 3
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp = nn.Linear(10, 16 * 8)
+            self.attn = Attention(dim=8, key_dim=4, num_heads=2, attn_ratio=2, resolution=4)
+            self.head = nn.Linear(8, 3)
+            with torch.no_grad():
+                self.attn.attention_biases.normal_()
+
+        def forward(self, x):
+            return self.head(self.attn(self.inp(x).view(-1, 16, 8)).mean(1))
+
+    def uncached(layer, device):
+        return layer.attention_biases[:, layer.attention_bias_idxs]
+
+    cached, reference = MeZO(TinyLeViT(), lam=1e-2), MeZO(TinyLeViT(), lam=1e-2)
+    reference.backbone.attn.get_attention_biases = uncached.__get__(reference.backbone.attn)
+    x, y = torch.randn(6, 10), torch.randint(0, 3, (6,))
+    for module in (cached, reference):
+        module.configure_optimizers()
+    with torch.no_grad():
+        for seed in (1, 2, 3):
+            torch.testing.assert_close(cached.directional_differences(seed, x, y),
+                                       reference.directional_differences(seed, x, y), rtol=0, atol=0)
+            for module in (cached, reference):  # the point moves (a step's update would)
+                module.restore()
+                for parameter in module.backbone.parameters():
+                    parameter.add_(0.25)
