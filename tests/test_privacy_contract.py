@@ -184,23 +184,26 @@ def test_sigma_zero_and_infinite_clip_equal_the_non_private_method(name):
     assert not private.privacy.is_private and private.privacy.epsilon() == math.inf
 
 
+class NaNLogitsAbove(nn.Module):
+    """An MLP whose logits are NaN for the rows whose first feature exceeds ``threshold`` (crafted records)."""
+
+    num_classes = 3
+
+    def __init__(self, threshold: float):
+        super().__init__()
+        self.body, self.threshold = mlp(seed=1), threshold
+
+    def forward(self, x):
+        logits = self.body(x)
+        return torch.where(x[:, :1] > self.threshold, torch.full_like(logits, float("nan")), logits)
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_non_finite_per_example_values_contribute_zero(name):
     """A crafted record with a NaN loss must not make the released parameters NaN (unbounded influence)."""
-    class Poisoned(nn.Module):
-        num_classes = 3
-
-        def __init__(self):
-            super().__init__()
-            self.body = mlp(seed=1)
-
-        def forward(self, x):
-            logits = self.body(x)
-            return torch.where(x[:, :1] > 2.0, torch.full_like(logits, float("nan")), logits)
-
     dataset = blobs(n=64)
     dataset.tensors[0][:8, 0] = 5.0  # eight crafted records
-    module = build(name, Poisoned())
+    module = build(name, NaNLogitsAbove(2.0))
     fit(module, poisson_loader(dataset, 0.5, seed=0), 5)
     assert torch.isfinite(flat(module)).all()
 
@@ -278,20 +281,9 @@ def test_autograd_anomaly_mode_is_refused_where_a_private_backward_runs(name):
     at the first Poisson batch holding one crafted row with a NaN loss, after 3 of its 20 steps, and ran all 20
     without the row: whether and when it failed told of one private example. First-order modules refuse the mode
     before a step; zeroth-order ones run no private backward."""
-    class Poisoned(nn.Module):
-        num_classes = 3
-
-        def __init__(self):
-            super().__init__()
-            self.body = mlp(seed=1)
-
-        def forward(self, x):
-            logits = self.body(x)
-            return torch.where(x[:, :1] > 4.5, torch.full_like(logits, float("nan")), logits)
-
     dataset = blobs(n=64)
     dataset.tensors[0][:1, 0] = 5.0  # one crafted record
-    module = build(name, Poisoned())
+    module = build(name, NaNLogitsAbove(4.5))
     if issubclass(ALGORITHMS[name], ZerothOrderModule):
         assert fit(module, poisson_loader(dataset, 0.5, seed=0), 3, detect_anomaly=True).global_step == 3
         return

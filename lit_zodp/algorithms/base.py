@@ -929,12 +929,17 @@ def _refuse_tuner(trainer: "pl.Trainer") -> None:
     taken before them: the restored ledger forgets steps whose releases chose the batch size or rate."""
     from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 
-    tuners = [type(c).__name__ for c in trainer.callbacks if isinstance(c, (BatchSizeFinder, LearningRateFinder))]
-    if tuners:
-        raise PrivacyConfigError(
-            f"{tuners[0]} (Lightning's Tuner) trains on private batches and then forgets those steps: tune the "
-            "batch size or learning rate on public data only (the non-private twin, MeZO, SGD or Adam, on a public "
-            "split): one chosen from un-noised private losses is a release no epsilon covers")
+    _refuse_callbacks(trainer, (BatchSizeFinder, LearningRateFinder),
+                      "{} (Lightning's Tuner) trains on private batches and then forgets those steps: tune the batch "
+                      "size or learning rate on public data only (the non-private twin, MeZO, SGD or Adam, on a public "
+                      "split): one chosen from un-noised private losses is a release no epsilon covers")
+
+
+def _refuse_callbacks(trainer: "pl.Trainer", kinds: tuple[type, ...], message: str) -> None:
+    """Refuse the first of the Trainer's callbacks of ``kinds``: ``message`` with ``{}`` for its class name."""
+    found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, kinds)]
+    if found:
+        raise PrivacyConfigError(message.format(found[0]))
 
 
 def _labels_in_range(targets: Any, classes: Optional[int]) -> bool:
@@ -959,12 +964,10 @@ def _refuse_batch_size_monitors(trainer: "pl.Trainer") -> None:
     for batches of 75, 62 and 65 rows."""
     from lightning.pytorch.callbacks import DeviceStatsMonitor, ThroughputMonitor
 
-    monitors = [type(c).__name__ for c in trainer.callbacks if isinstance(c, (ThroughputMonitor, DeviceStatsMonitor))]
-    if monitors:
-        raise PrivacyConfigError(
-            f"{monitors[0]} logs the realized size of each private (Poisson) batch or the memory it takes, which the "
-            "privacy accounting keeps secret: remove it from a private fit (measure throughput with the non-private "
-            "twin, or on public data)")
+    _refuse_callbacks(trainer, (ThroughputMonitor, DeviceStatsMonitor),
+                      "{} logs the realized size of each private (Poisson) batch or the memory it takes, which the "
+                      "privacy accounting keeps secret: remove it from a private fit (measure throughput with the "
+                      "non-private twin, or on public data)")
 
 
 def refuse_launchers_that_return_only_the_weights(trainer: "pl.Trainer") -> None:
