@@ -91,6 +91,17 @@ class FirstOrderModule(AlgorithmModule):
     def configure_optimizers(self):
         return self.with_scheduler(self.attach_privacy(self.make_optimizer(self.engine.params)))
 
+    def _parameters_replaced_error(self) -> Optional[str]:
+        """Parameters registered between private steps (``ModelPruning`` reparametrises ``weight`` as ``weight_orig``
+        and a mask): the per-example engine and the optimizer hold the fit's first parameters, and the engine failed
+        with an ``AttributeError`` (review 20). Refused in one line, before the step's forward."""
+        names = _replaced_parameters(self.engine, self.backbone)
+        if not names:
+            return None
+        return (f"The model's parameters changed between private steps ({', '.join(f'`{n}`' for n in names[:3])} "
+                "registered: a callback such as ModelPruning reparametrising a layer), but the per-example gradient "
+                "engine and the optimizer hold the fit's first ones: prune before or after a private fit")
+
     # ------------------------------------------------------------------------------ verbs
     def private_gradient(self, inputs, targets) -> ClippedSum:
         """``sum_i clip_C(grad f(x; xi_i))``, flat over all parameters, micro-batch by micro-batch."""
@@ -98,7 +109,9 @@ class FirstOrderModule(AlgorithmModule):
             raise_if_any([anomaly_mode_error()])
         self.engine.recheck_next = self._recheck_pending  # this step's draw re-checks the engine's calls too
         if self._registrations is not None:
-            self._registrations.forget()  # (made outside this step's private forwards)
+            if self._registrations.registered:  # (made outside this step's private forwards: rare, then one walk)
+                raise_if_any([self._parameters_replaced_error()])
+            self._registrations.forget()
         self.run_independence_checks(inputs, targets)
         if self._registrations is not None:
             self._registrations.refuse()
@@ -166,6 +179,13 @@ class FirstOrderModule(AlgorithmModule):
         gradient = self.release_gradient(clipped)                 # (. + N(0, sigma^2 C^2 I)) / B
         self.apply_gradient(gradient)                             # optimizer step
         self.log_step(size, lambda: clipped_fraction(clipped.norms, self.clip))
+
+
+def _replaced_parameters(engine: PerExampleGradientEngine, backbone: nn.Module) -> list[str]:
+    """Names of the backbone's trainable parameters that the engine, built at the fit's start, does not hold under
+    that name (pruning keeps the tensor, as ``weight_orig``)."""
+    held = {(name, id(p)) for name, p in zip(engine.names, engine.params)}
+    return [name for name, p in backbone.named_parameters() if p.requires_grad and (name, id(p)) not in held]
 
 
 def anomaly_mode_error() -> Optional[str]:

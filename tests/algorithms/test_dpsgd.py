@@ -280,3 +280,16 @@ def test_adam_with_an_eps_that_float16_rounds_to_zero_is_refused_before_a_step()
     module = DPAdam(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5, eps=1e-4)
     quiet_trainer(max_steps=3, precision="16-true").fit(module, poisson_loader(blobs(), 0.25))
     assert module.privacy.steps == 3 and all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_parameters_reparametrised_between_steps_are_refused_in_one_line():
+    """Review 20: ``ModelPruning`` re-registers a pruned layer's ``weight`` as ``weight_orig`` at an epoch's end; the
+    per-example engine, built for the fit's parameters, then failed with ``AttributeError: 'NoneType' object has no
+    attribute 'grads'``. Refused in one line before the next step's forward (nothing released for it)."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    module = DPSGD(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    trainer = quiet_trainer(max_steps=6, max_epochs=3, callbacks=[ModelPruning("l1_unstructured", amount=0.5)])
+    with pytest.raises(PrivacyConfigError, match=r"parameters changed between private steps \(`0.weight_orig`") as info:
+        trainer.fit(module, poisson_loader(blobs(), 0.25, steps_per_epoch=2))
+    assert "\n" not in str(info.value) and module.privacy.steps == module.privacy.ledger.total_count == 2
