@@ -26,7 +26,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lit_zodp.backbones.base import Backbone, batch_size_of, num_classes_of, per_example_loss, predict
+from lit_zodp.backbones.base import (Backbone, are_class_indices, batch_size_of, label_classes, num_classes_of,
+                                     per_example_loss, predict)
 from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, check_positive, check_positive_int,
                              raise_if_any)
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, ParameterWrites, RecheckProbability,
@@ -282,7 +283,7 @@ class AlgorithmModule(pl.LightningModule):
                                   and self._device_checks_labels())
         self._check_labels = self.private and self.labels_checked_in_every_forward
         self._transfer_as_is = _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)
-        self._classes_of_labels = num_classes_of(self.backbone) or self.num_classes  # as per_example_loss reads it
+        self._classes_of_labels = label_classes(self.backbone, self.num_classes)  # as per_example_loss reads it
         self._sigma_logged = False
 
     def _refuse_private_rows_of_several_shapes(self) -> None:
@@ -408,9 +409,7 @@ class AlgorithmModule(pl.LightningModule):
         (floats, several per row) need no check; no ``C`` known or a batch already on a device: not vetted."""
         vetted = False
         if self._labels_on_device and self._transfer_as_is:
-            private = self.split_batch(batch)[0]
-            targets = private[1] if isinstance(private, (tuple, list)) and len(private) == 2 else None
-            vetted = _labels_in_range(targets, self._classes_of_labels)
+            vetted = _labels_in_range(self._private_pair(batch)[1], self._classes_of_labels)
         if vetted is not self._labels_vetted_on_host:
             self._labels_vetted_on_host = vetted
 
@@ -550,8 +549,7 @@ class AlgorithmModule(pl.LightningModule):
         targets = None
         if self._labels_vetted_on_host:
             self._labels_vetted_on_host = False
-            private = self.split_batch(batch)[0]
-            targets = private[1] if isinstance(private, (tuple, list)) and len(private) == 2 else None
+            targets = self._private_pair(batch)[1]
         usable = isinstance(targets, Tensor) and not targets.is_inference()
         if usable or self._labels_note is not None:
             self._labels_note = (targets, targets._version) if usable else None
@@ -575,9 +573,12 @@ class AlgorithmModule(pl.LightningModule):
 
     def _private_mask(self, batch: Any) -> Optional[Tensor]:
         """The attention mask of a training batch's private part that the padding check reads, if any."""
+        return self._padding_check_mask(self._private_pair(batch)[0])
+
+    def _private_pair(self, batch: Any) -> tuple[Any, Any]:
+        """``(inputs, targets)`` of a training batch's private part; ``(None, None)`` for another layout."""
         private = self.split_batch(batch)[0]
-        inputs = private[0] if isinstance(private, (tuple, list)) and len(private) == 2 else None
-        return self._padding_check_mask(inputs)
+        return tuple(private) if isinstance(private, (tuple, list)) and len(private) == 2 else (None, None)
 
     def _checks_can_compare(self, inputs) -> bool:
         """Whether a pending check can run on this batch. The halves check (and a drawn re-check) can; a padding
@@ -948,9 +949,9 @@ def _labels_in_range(targets: Any, classes: Optional[int]) -> bool:
     ``classes``, targets already on a device, or any other object: ``False`` (the device checks)."""
     if not isinstance(targets, Tensor) or targets.device.type != "cpu":
         return False
-    if targets.dim() != 1 or targets.dtype.is_floating_point or targets.dtype.is_complex:
-        return targets.dtype.is_floating_point or targets.dim() != 1  # (not class indices: nothing to check)
-    if targets.dtype == torch.bool or not classes:
+    if not are_class_indices(targets):
+        return True  # (nothing to check: per_example_loss checks class indices only)
+    if not classes:
         return False
     values = targets.tolist()  # (as a list: in a step's cold caches torch's aminmax took 37 us, this a few)
     return not values or (0 <= min(values) and max(values) < classes)

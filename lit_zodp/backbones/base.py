@@ -62,7 +62,7 @@ def per_example_loss(model: nn.Module, inputs: Inputs, targets: Tensor, *, total
     any non-finite value; the model never sees it. Before, cross-entropy raised ``IndexError: Target 7 is out of
     bounds`` (on a GPU, a device assert) at the first Poisson batch that sampled the row: whether and when a fit
     failed, and its message, told of one private label."""
-    classes = (num_classes_of(model) or classes) if total else None
+    classes = label_classes(model, classes) if total else None
     valid, targets = _valid_targets(targets, classes)
     if hasattr(model, "per_example_loss"):
         losses = model.per_example_loss(inputs, targets)
@@ -78,10 +78,21 @@ def per_example_loss(model: nn.Module, inputs: Inputs, targets: Tensor, *, total
 def _valid_targets(targets: Tensor, classes: Optional[int]) -> tuple[Optional[Tensor], Tensor]:
     """Which class targets ``[B]`` lie in ``0..classes-1``, and the targets with the others set to 0 (no host sync);
     ``(None, targets)`` where no number of classes is known or the targets are not class indices."""
-    if not classes or targets.dim() != 1 or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+    if not classes or not are_class_indices(targets):
         return None, targets
     valid = (targets >= 0) & (targets < classes)
     return valid, torch.where(valid, targets, torch.zeros_like(targets))
+
+
+def label_classes(model: nn.Module, classes: Optional[int] = None) -> Optional[int]:
+    """``C`` of the class targets ``0..C-1`` a private step checks: the model's declared classes, else ``classes``."""
+    return num_classes_of(model) or classes
+
+
+def are_class_indices(targets: Tensor) -> bool:
+    """Whether ``targets`` are one class index per row (1-D integers), which a number of classes bounds."""
+    dtype = targets.dtype
+    return targets.dim() == 1 and not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def check_one_loss_per_example(losses: Any, size: int, owner: str) -> None:
