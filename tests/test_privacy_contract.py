@@ -21,8 +21,10 @@ from torch.utils.data import DataLoader
 from lit_zodp.algorithms import ALGORITHMS, ZerothOrderModule
 from lit_zodp.algorithms.base import AlgorithmModule
 from lit_zodp.algorithms.first_order import FirstOrderModule
+from lit_zodp.callbacks.audit import CanaryAudit
 from lit_zodp.errors import AccountingError, ConfigError, PrivacyConfigError
 from lit_zodp.privacy import FullBatchSampler, NoiseSource, PoissonBatchSampler, PrivacyComponent, PrivacyLedger
+from lit_zodp.privacy.audit import accounted_mu, epsilon_lower_bound, gaussian_epsilon, gaussian_mu
 from tests.conftest import TokenBag, blobs, collate_tensors, mlp, poisson_loader, quiet_trainer, token_loader
 
 PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)
@@ -550,6 +552,61 @@ def test_a_second_fit_in_the_process_keeps_the_runs_split_and_its_poisson_assume
     with pytest.raises(PrivacyConfigError, match="private split is not the one"):
         quiet_trainer(max_steps=2, limit_val_batches=0).fit(module, datamodule=_synthetic(data_seed=1))
     assert module.privacy.ledger.total_count == 4
+
+
+# --------------------------------------------------------------------------------- empirical audit
+class _BiasFreeLinear(nn.Module):
+    """All-zero rows give every loss difference and gradient exactly 0: only the canary moves a release."""
+
+    num_classes = 3
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Linear(10, 3, bias=False)
+
+    def forward(self, x):
+        return self.w(x)
+
+
+def audit_scores(name, with_canary, steps, **overrides):
+    """:class:`CanaryAudit`'s scores of a full-batch fit on 8 zero rows, with or without a canary of norm 1e4 labelled
+    with its least likely class (its central differences and gradient are far beyond the clip, never saturated:
+    every term of it is clipped to C); and the ledger's mu per step."""
+    backbone = _BiasFreeLinear()
+    canary = torch.randn(1, 10, generator=torch.Generator().manual_seed(1))
+    canary = canary * (1e4 / canary.norm())
+    label = backbone(canary).argmin(1).detach()
+    rows = [(torch.zeros(10), torch.tensor(0))] * 8 + ([(canary[0], label[0])] if with_canary else [])
+    module = build(name, backbone, noise_seed=0, **overrides)
+    audit = CanaryAudit(canary, label)
+    fit(module, full_batch_loader(rows, steps), steps, [audit])
+    return audit.scores, accounted_mu(module.privacy.ledger.counts) / math.sqrt(steps)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_the_weights_show_one_row_exactly_as_much_as_accounted(name):
+    """An attacker reading the weights around each step, knowing every row but the canary: the release along the
+    canary's clipped term is ``N(1, sigma^2)`` in units of C with it, ``N(0, sigma^2)`` without, so the measured
+    ``mu`` (mean shift over spread) must be the ledger's ``mu = 1 / sigma`` per step (sqrt(k) / sigma for k
+    directions). Fails if the noise, the clipping, or the division by B were wrong, or if the ledger's sigma were
+    not the one applied (half the noise measured mu 1.97, 99.9% interval [1.50, 2.43], against 1)."""
+    overrides = dict(num_directions=2) if name == "DPZero" else {}
+    inside, claimed = audit_scores(name, True, 150, **overrides)
+    outside, _ = audit_scores(name, False, 150, **overrides)
+    measured = gaussian_mu(inside, outside, confidence=0.999)
+    assert measured.low <= claimed <= measured.high, (measured, claimed)
+    assert epsilon_lower_bound(inside, outside, delta=1e-5) <= gaussian_epsilon(claimed, 1e-5)
+
+
+def test_the_audit_sees_half_the_accounted_noise(monkeypatch):
+    """The check above can fail: with the noise std halved behind the ledger's back, the measured mu is 2."""
+    halved = PrivacyComponent._noise_std
+    monkeypatch.setattr(PrivacyComponent, "_noise_std", lambda self, release: halved(self, release) / 2)
+    inside, claimed = audit_scores("DPZero", True, 150)
+    outside, _ = audit_scores("DPZero", False, 150)
+    measured = gaussian_mu(inside, outside, confidence=0.999)
+    assert claimed == pytest.approx(1.0) and measured.low > 1.5
 
 
 @pytest.mark.parametrize("name", PRIVATE)

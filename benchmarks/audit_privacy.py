@@ -1,0 +1,186 @@
+"""Empirical privacy audit: what the weights show of one private row, against what the ledger claims.
+
+The attacker of the threat model reads the weights around every step and knows every private row but one, the
+canary. The private data here are 8 all-zero rows, which move no release of a model without biases, and in one of
+two fits the canary: a row of norm 1e4 labelled with its least likely class, so its every term is clipped to ``C``.
+:class:`lit_zodp.callbacks.CanaryAudit` reads each step's release along the canary's term from the weights (and,
+for DP-Adam, the optimizer state a checkpoint holds), and returns the weights to the start after each step, so every
+step is one trial of the same mechanism. The fits are real ``Trainer.fit`` runs with the secret noise from the OS.
+
+Two parts:
+
+* **Full batch** (every private module): in units of ``C`` the scores are ``N(1, sigma^2)`` with the canary and
+  ``N(0, sigma^2)`` without, if the noise, the clipping, the division by ``B`` and the ledger are right. The measured
+  ``mu`` (mean shift over spread, with a 95% interval) is set beside the ledger's ``mu`` per step, and the epsilon
+  after all steps that the measured ``mu`` implies beside the ledger's (PRV, upper bound). The assumption-free
+  Clopper-Pearson bound on one step's epsilon (Jagielski et al. 2020) is set beside one step's accounted epsilon: it
+  must stay below it, and is loose by nature.
+* **Poisson sampling** (DPZero at a small sigma, where each step shows whether it held the canary): the canary's
+  inclusion rate against the accounted ``q`` (Clopper-Pearson interval), the steps whose score says "in" in the fit
+  without it (must be 0), and the lag-1 correlation of inclusions (Poisson steps are independent: near 0).
+
+    python benchmarks/audit_privacy.py                    # 2000 steps per fit, sigma 1 (about 5 minutes, 1 thread)
+    python benchmarks/audit_privacy.py --quick            # 200 steps per fit
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+#: (label, algorithm, overrides) of the full-batch part: every private module, DPZero also with two directions.
+CONFIGS = [("DPZero", "DPZero", {}), ("DPZero, 2 directions", "DPZero", {"num_directions": 2}),
+           ("DPGD-0th", "DPGD0th", {}), ("DPMeZOBCD", "DPMeZOBCD", {}), ("DPSGD", "DPSGD", {}),
+           ("DPAdam", "DPAdam", {})]
+ZERO_ROWS, FEATURES, CLASSES, CANARY_NORM, DELTA = 8, 10, 3, 1e4, 1e-5
+
+
+def canary_world(with_canary: bool):
+    """A bias-free linear classifier, the canary (inputs, label), and the rows: 8 zero rows (+ the canary)."""
+    import torch
+    from torch import nn
+
+    class BiasFreeLinear(nn.Module):
+        num_classes = CLASSES
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.w = nn.Linear(FEATURES, CLASSES, bias=False)
+
+        def forward(self, x):
+            return self.w(x)
+
+    backbone = BiasFreeLinear()
+    canary = torch.randn(1, FEATURES, generator=torch.Generator().manual_seed(1))
+    canary = canary * (CANARY_NORM / canary.norm())
+    label = backbone(canary).argmin(1).detach()
+    rows = [(torch.zeros(FEATURES), torch.tensor(0))] * ZERO_ROWS
+    return backbone, (canary, label), rows + ([(canary[0], label[0])] if with_canary else [])
+
+
+def audited_fit(algorithm: str, overrides: dict, with_canary: bool, steps: int, sigma: float,
+                sample_rate: float | None = None) -> tuple[list[float], object]:
+    """One fit's scores and its privacy component (full batch, or Poisson at ``sample_rate``)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from datamodules.collate import EmptySafeCollate
+    from lit_zodp.algorithms import ALGORITHMS
+    from lit_zodp.callbacks import CanaryAudit
+    from lit_zodp.privacy import FullBatchSampler, PoissonBatchSampler
+
+    backbone, (canary, label), rows = canary_world(with_canary)
+    sampler = (FullBatchSampler(len(rows), steps_per_epoch=steps) if sample_rate is None
+               else PoissonBatchSampler(len(rows), sample_rate, steps_per_epoch=steps))
+    loader = DataLoader(rows, batch_sampler=sampler, collate_fn=EmptySafeCollate(rows))
+    module = ALGORITHMS[algorithm](backbone, lr=0.05, seed=3, clip=1.0, noise_multiplier=sigma, delta=DELTA,
+                                   **overrides)
+    audit = CanaryAudit(canary, label)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[audit])
+    trainer.fit(module, loader)
+    return audit.scores, module.privacy
+
+
+def full_batch_row(label: str, algorithm: str, overrides: dict, steps: int, sigma: float) -> dict:
+    from lit_zodp.privacy.audit import accounted_mu, epsilon_lower_bound, gaussian_epsilon, gaussian_mu
+
+    started = time.perf_counter()
+    inside, privacy = audited_fit(algorithm, overrides, True, steps, sigma)
+    outside, _ = audited_fit(algorithm, overrides, False, steps, sigma)
+    claimed = accounted_mu(privacy.ledger.counts) / math.sqrt(steps)
+    measured = gaussian_mu(inside, outside, confidence=0.95)
+    return {"label": label, "steps": steps, "sigma": sigma, "mu_accounted": claimed, "mu_measured": tuple(measured),
+            "mu_within": measured.low <= claimed <= measured.high,
+            "epsilon_ledger": privacy.epsilon(), "epsilon_from_measured_mu":
+                tuple(gaussian_epsilon(math.sqrt(steps) * max(m, 0.0), DELTA) for m in measured),
+            "one_step_epsilon_accounted": gaussian_epsilon(claimed, DELTA),
+            "one_step_epsilon_lower_bound": epsilon_lower_bound(inside, outside, delta=DELTA, confidence=0.95),
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def sampling_row(steps: int, sigma: float, sample_rate: float) -> dict:
+    import numpy as np
+
+    from lit_zodp.privacy.audit import clopper_pearson
+
+    started = time.perf_counter()
+    # (the RDP accountant: at sigma 0.1 the PRV accountant cannot compute epsilon, which is huge either way)
+    inside, privacy = audited_fit("DPZero", {"accountant": "rdp"}, True, steps, sigma, sample_rate)
+    outside, _ = audited_fit("DPZero", {"accountant": "rdp"}, False, steps, sigma, sample_rate)
+    included = np.asarray(inside) > 0.5
+    rate = clopper_pearson(int(included.sum()), included.size, 0.95)
+    correlation = float(np.corrcoef(included[:-1], included[1:])[0, 1]) if 0 < included.sum() < included.size else None
+    (mechanism, _), = privacy.ledger.counts.items()
+    return {"steps": steps, "sigma": sigma, "sample_rate_accounted": mechanism.sample_rate,
+            "inclusion_rate": tuple(rate), "rate_within": rate.low <= mechanism.sample_rate <= rate.high,
+            "false_inclusions_without_canary": int((np.asarray(outside) > 0.5).sum()),
+            "lag1_correlation": correlation, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    lines = [f"# Empirical privacy audit ({meta['steps']} steps per fit)", "",
+             f"`{meta['command']}`  ", f"{meta['cpu']}, torch {meta['torch']}, lightning {meta['lightning']}; "
+             f"{_common.load_and_total(meta)}", "",
+             f"Full batch, sigma {meta['sigma']}, C 1, delta {DELTA}: 8 zero rows, and the canary in one of the two "
+             "fits. mu: per step, 95% interval. epsilon: after all steps (ledger: PRV upper bound; measured: the "
+             "interval's ends composed over the steps as GDP). One step: the accounted epsilon and the "
+             "assumption-free Clopper-Pearson lower bound (95%).", "",
+             "| module | mu accounted | mu measured [95%] | epsilon ledger | epsilon from measured mu | "
+             "one step: accounted / lower bound | s |", "|---|---:|---|---:|---|---|---:|"]
+    for row in result["full_batch"]:
+        mu, low, high = row["mu_measured"]
+        lines.append(f"| {row['label']} | {row['mu_accounted']:.3f} | {mu:.3f} [{low:.3f}, {high:.3f}]"
+                     f"{'' if row['mu_within'] else ' **outside**'} | {row['epsilon_ledger']:.1f} | "
+                     f"{row['epsilon_from_measured_mu'][0]:.1f} [{row['epsilon_from_measured_mu'][1]:.1f}, "
+                     f"{row['epsilon_from_measured_mu'][2]:.1f}] | {row['one_step_epsilon_accounted']:.2f} / "
+                     f"{row['one_step_epsilon_lower_bound']:.2f} | {row['seconds']:.0f} |")
+    sampling = result["sampling"]
+    rate, low, high = sampling["inclusion_rate"]
+    lines += ["", f"Poisson sampling (DPZero, sigma {sampling['sigma']}, each step shows whether it held the canary): "
+              f"accounted q {sampling['sample_rate_accounted']:.3f}; the canary's inclusion rate {rate:.3f} "
+              f"[{low:.3f}, {high:.3f}]{'' if sampling['rate_within'] else ' **outside**'}; steps read as holding it "
+              f"in the fit without it: {sampling['false_inclusions_without_canary']}; lag-1 correlation of "
+              f"inclusions {_common.fmt(sampling['lag1_correlation'])}; {sampling['seconds']:.0f} s."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2000, help="steps per fit (two fits per module)")
+    parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier of the full-batch part")
+    parser.add_argument("--sampling-sigma", type=float, default=0.1)
+    parser.add_argument("--sample-rate", type=float, default=0.25)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="200 steps per fit")
+    parser.add_argument("--out", default=None, help="results stem (default benchmarks/results/audit_privacy)")
+    args = parser.parse_args(argv)
+    if args.quick and "--steps" not in argv:
+        args.steps = 200
+    _common.setup_worker(args.threads)
+    started = time.perf_counter()
+    meta = _common.machine_info() | {"command": _common.command_line("audit_privacy.py", argv),
+                                     "steps": args.steps, "sigma": args.sigma}
+    result = {"meta": meta, "full_batch": [], "sampling": None}
+    for label, algorithm, overrides in CONFIGS:
+        result["full_batch"].append(full_batch_row(label, algorithm, overrides, args.steps, args.sigma))
+        print(result["full_batch"][-1], flush=True)
+    result["sampling"] = sampling_row(args.steps, args.sampling_sigma, args.sample_rate)
+    print(result["sampling"], flush=True)
+    _common.finish_meta(meta, started)
+    text = markdown(result)
+    print(text)
+    _common.write_results(_common.results_stem(args.out, "audit_privacy", args.quick), text, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
