@@ -19,8 +19,9 @@ Two parts:
   inclusion rate against the accounted ``q`` (Clopper-Pearson interval), the steps whose score says "in" in the fit
   without it (must be 0), and the lag-1 correlation of inclusions (Poisson steps are independent: near 0).
 
-    python benchmarks/audit_privacy.py                    # 2000 steps per fit, sigma 1 (about 5 minutes, 1 thread)
-    python benchmarks/audit_privacy.py --quick            # 200 steps per fit
+    python benchmarks/audit_privacy.py                    # 2000 steps per module and world, sigma 1 (~2 minutes)
+    python benchmarks/audit_privacy.py --steps 10000      # intervals of about +-0.03 on mu (~8 minutes)
+    python benchmarks/audit_privacy.py --quick            # 200 steps
 """
 
 from __future__ import annotations
@@ -89,18 +90,32 @@ def audited_fit(algorithm: str, overrides: dict, with_canary: bool, steps: int, 
     return audit.scores, module.privacy
 
 
-def full_batch_row(label: str, algorithm: str, overrides: dict, steps: int, sigma: float) -> dict:
+def pooled_scores(algorithm: str, overrides: dict, with_canary: bool, steps: int, fit_steps: int,
+                  sigma: float) -> tuple[list[float], object]:
+    """``steps`` scores from fits of at most ``fit_steps`` steps (the accountant's reach: at sigma 1 the PRV
+    accountant cannot compute the epsilon of thousands of full-batch steps, which is in the thousands), and the last
+    full-length fit's privacy component."""
+    scores, privacy = [], None
+    while len(scores) < steps:
+        more, component = audited_fit(algorithm, overrides, with_canary, min(fit_steps, steps - len(scores)), sigma)
+        scores += more
+        privacy = component if privacy is None or len(more) == fit_steps else privacy
+    return scores, privacy
+
+
+def full_batch_row(label: str, algorithm: str, overrides: dict, steps: int, fit_steps: int, sigma: float) -> dict:
     from lit_zodp.privacy.audit import accounted_mu, epsilon_lower_bound, gaussian_epsilon, gaussian_mu
 
     started = time.perf_counter()
-    inside, privacy = audited_fit(algorithm, overrides, True, steps, sigma)
-    outside, _ = audited_fit(algorithm, overrides, False, steps, sigma)
-    claimed = accounted_mu(privacy.ledger.counts) / math.sqrt(steps)
+    inside, privacy = pooled_scores(algorithm, overrides, True, steps, fit_steps, sigma)
+    outside, _ = pooled_scores(algorithm, overrides, False, steps, fit_steps, sigma)
+    accounted_steps = privacy.ledger.total_count
+    claimed = accounted_mu(privacy.ledger.counts) / math.sqrt(accounted_steps)
     measured = gaussian_mu(inside, outside, confidence=0.95)
     return {"label": label, "steps": steps, "sigma": sigma, "mu_accounted": claimed, "mu_measured": tuple(measured),
-            "mu_within": measured.low <= claimed <= measured.high,
+            "mu_within": measured.low <= claimed <= measured.high, "fit_steps": accounted_steps,
             "epsilon_ledger": privacy.epsilon(), "epsilon_from_measured_mu":
-                tuple(gaussian_epsilon(math.sqrt(steps) * max(m, 0.0), DELTA) for m in measured),
+                tuple(gaussian_epsilon(math.sqrt(accounted_steps) * max(m, 0.0), DELTA) for m in measured),
             "one_step_epsilon_accounted": gaussian_epsilon(claimed, DELTA),
             "one_step_epsilon_lower_bound": epsilon_lower_bound(inside, outside, delta=DELTA, confidence=0.95),
             "seconds": round(time.perf_counter() - started, 1)}
@@ -127,12 +142,13 @@ def sampling_row(steps: int, sigma: float, sample_rate: float) -> dict:
 
 def markdown(result: dict) -> str:
     meta = result["meta"]
-    lines = [f"# Empirical privacy audit ({meta['steps']} steps per fit)", "",
+    lines = [f"# Empirical privacy audit ({meta['steps']} steps per module and world)", "",
              f"`{meta['command']}`  ", f"{meta['cpu']}, torch {meta['torch']}, lightning {meta['lightning']}; "
              f"{_common.load_and_total(meta)}", "",
              f"Full batch, sigma {meta['sigma']}, C 1, delta {DELTA}: 8 zero rows, and the canary in one of the two "
-             "fits. mu: per step, 95% interval. epsilon: after all steps (ledger: PRV upper bound; measured: the "
-             "interval's ends composed over the steps as GDP). One step: the accounted epsilon and the "
+             f"fits; {meta['steps']} steps in each, as fits of {meta['fit_steps']} steps. mu: per step, 95% interval. "
+             f"epsilon: of one {meta['fit_steps']}-step fit (ledger: PRV upper bound; measured: the interval's ends "
+             "composed over its steps as GDP). One step: the accounted epsilon and the "
              "assumption-free Clopper-Pearson lower bound (95%).", "",
              "| module | mu accounted | mu measured [95%] | epsilon ledger | epsilon from measured mu | "
              "one step: accounted / lower bound | s |", "|---|---:|---|---:|---|---|---:|"]
@@ -155,12 +171,13 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2000, help="steps per fit (two fits per module)")
+    parser.add_argument("--steps", type=int, default=2000, help="scores per module, with and without the canary")
+    parser.add_argument("--fit-steps", type=int, default=400, help="steps per fit (the accountant's reach at sigma 1)")
     parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier of the full-batch part")
     parser.add_argument("--sampling-sigma", type=float, default=0.1)
     parser.add_argument("--sample-rate", type=float, default=0.25)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="200 steps per fit")
+    parser.add_argument("--quick", action="store_true", help="200 steps per module and world")
     parser.add_argument("--out", default=None, help="results stem (default benchmarks/results/audit_privacy)")
     args = parser.parse_args(argv)
     if args.quick and "--steps" not in argv:
@@ -168,10 +185,11 @@ def main(argv: list[str]) -> int:
     _common.setup_worker(args.threads)
     started = time.perf_counter()
     meta = _common.machine_info() | {"command": _common.command_line("audit_privacy.py", argv),
-                                     "steps": args.steps, "sigma": args.sigma}
+                                     "steps": args.steps, "fit_steps": args.fit_steps, "sigma": args.sigma}
     result = {"meta": meta, "full_batch": [], "sampling": None}
     for label, algorithm, overrides in CONFIGS:
-        result["full_batch"].append(full_batch_row(label, algorithm, overrides, args.steps, args.sigma))
+        result["full_batch"].append(full_batch_row(label, algorithm, overrides, args.steps, args.fit_steps,
+                                                   args.sigma))
         print(result["full_batch"][-1], flush=True)
     result["sampling"] = sampling_row(args.steps, args.sampling_sigma, args.sample_rate)
     print(result["sampling"], flush=True)
