@@ -362,6 +362,9 @@ class PerExampleGradientEngine:
         self.last_recomputed: Dict[str, str] = {}
         self._projections: Dict[int, Projection] = {}
         self._checked: Set[int] = set()  # hashes of the call/use structures checked numerically
+        #: per checked structure: the parameters its numeric check found the layer rules wrong for (recomputed on
+        #: every later batch of it, as on the checked one)
+        self._uncovered_of: Dict[int, FrozenSet[int]] = {}
         self._misaligned: Dict[int, FrozenSet[CallKey]] = {}  # per verified structure: calls failing alignment
 
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
@@ -478,11 +481,14 @@ class PerExampleGradientEngine:
         self._compute(plan, tape, size, ghost=mode == "bookkeeping", batch=batch)
         losses = losses.detach()
         numeric = self._uncovered(batch, batch_grads, losses)
-        failed = sorted(set(self._unseen_uses(plan, uses)) | set(numeric or ()))
+        known = self._uncovered_of.get(structure, ()) if not check else ()  # (a dict lookup on most batches)
+        failed = sorted(set(self._unseen_uses(plan, uses)) | set(numeric or ()) | set(known))
         if failed:
             self._recover(plan, batch, failed, tape, uses, batch_grads, losses)
         if numeric is not None and _comparable(losses):  # one example proves nothing (audit 5 F2)
             self._checked.add(structure)
+            if numeric:
+                self._uncovered_of[structure] = frozenset(numeric)
         for param in self.params:  # the checked batch's gradient: not held through the sums
             param.grad = None
         self.last_recomputed = {self.names[i]: self._module_names[id(source.module)]

@@ -429,6 +429,26 @@ def test_the_numeric_check_catches_a_use_the_use_tracker_misses(monkeypatch, mod
     _assert_is_the_reference_clipped_sum(result, engine, model, x, y, 0.3)
 
 
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
+def test_what_the_numeric_check_found_holds_on_every_later_batch_of_the_structure(mode):
+    """A user's forward hook that rescales a layer's output (``4 * out``) comes before the tape's, so the layer rule
+    took the gradient of the hook's output: a quarter of ``fc``'s. The first batch's numeric check found it and
+    recomputed ``fc`` on that batch only; later batches of the structure, unchecked, took the wrong rows (red-team
+    review 24). Whether a step got the right or the wrong rows depended on which batch was checked first, so in two
+    neighbouring runs (the target completing a first batch of 2 rows in one, a batch of 1 in the other) the same
+    6 rows without the target released sums 1.07 C apart. Every batch of the structure is now the reference's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    model[0].register_forward_hook(lambda layer, inputs, out: 4.0 * out)
+    x, y = torch.randn(8, 6, dtype=torch.float64) * 3, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    engine = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
+    engine.clipped_sum(lambda: ce(model(x[:2]), y[:2]), 1.0)  # checked: 2 comparable rows
+    rows = slice(2, 8)
+    result = engine.clipped_sum(lambda: ce(model(x[rows]), y[rows]), 1.0)
+    assert set(engine.last_recomputed) == {"0.weight", "0.bias"}
+    _assert_is_the_reference_clipped_sum(result, engine, model, x[rows], y[rows], 1.0)
+
+
 class _MatmulCount(TorchDispatchMode):
     def __init__(self):
         super().__init__()
