@@ -779,6 +779,33 @@ def test_a_module_pickled_after_its_fit_holds_no_noise_key(name):
     assert module.privacy.noise is None and b"NoiseSource" not in pickle.dumps(module)
 
 
+@pytest.mark.parametrize("name", EVERY)
+def test_a_module_copied_or_pickled_during_its_fit_holds_no_secret_and_the_copy_trains(name):
+    """Review 24: an EMA or teacher callback's ``deepcopy(pl_module)`` raised in every zeroth-order module (the
+    engine's chunk views of a written split), ``torch.save(pl_module)`` during a fit raised in every private module
+    (the registration watch's local hook), and a first-order copy's own fit failed with ``KeyError`` (the engine's maps
+    keyed by the original's ids). The copies hold no noise source or sampling stream, and the copy's fit draws its own."""
+    import copy
+    import io
+
+    copies = []
+
+    class Copier(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                saved = io.BytesIO()
+                torch.save(module, saved)
+                copies.append((copy.deepcopy(module), saved.getvalue()))
+
+    module = build(name)
+    fit(module, poisson_loader(blobs(), 0.25), 3, [Copier()])
+    (twin, saved), = copies
+    assert b"NoiseSource" not in saved and b"PCG64" not in saved and twin.privacy.__dict__.get("noise") is None
+    before, original = flat(twin), flat(module)
+    fit(twin, poisson_loader(blobs(), 0.25), 2)
+    assert not torch.equal(flat(twin), before) and torch.equal(flat(module), original)
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_testing_an_earlier_checkpoint_after_the_fit_keeps_the_whole_runs_epsilon(name, tmp_path):
     """``test_ckpt: best``: the model picked among all iterates depends on all releases (audit 4)."""

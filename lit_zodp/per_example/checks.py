@@ -309,6 +309,12 @@ class RegistrationWatch:
     def forget(self) -> None:
         self.registered.clear()
 
+    def __getstate__(self) -> dict:
+        """A copy or pickle of a module during its fit (``torch.save(module)``, a callback's ``deepcopy``) holds a closed
+        watch: the hooks are torch's global ones, and their function is local (``torch.save`` of any private module
+        during a fit raised ``Can't pickle local object``, review 24). The module's next fit watches anew."""
+        return {"registered": [], "_handles": []}
+
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -367,6 +367,16 @@ class PerExampleGradientEngine:
         self._uncovered_of: Dict[int, FrozenSet[int]] = {}
         self._misaligned: Dict[int, FrozenSet[CallKey]] = {}  # per verified structure: calls failing alignment
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy (a callback's ``deepcopy`` of the module: an EMA or teacher model) or unpickled engine keys its maps by
+        its own parameters' and modules' ids, and checks its structures anew: kept, the original's ids made the copy's
+        first step fail with ``KeyError`` (review 24), and an id reused after the original was freed could have
+        passed a structure of the copy as checked."""
+        self.__dict__.update(state)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._module_names = {id(m): name for name, m in self.module.named_modules()}
+        self._checked, self._misaligned, self._uncovered_of = set(), {}, {}
+
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
         """For each parameter, the ``(module, local name)`` pairs holding it directly."""
         index = {id(p): i for i, p in enumerate(self.params)}

@@ -85,6 +85,17 @@ class PerturbationEngine:
         self.cache = cache
         self._cache_views: list[Tensor] | None = None
 
+    def __getstate__(self) -> dict:
+        """A copy (a callback's ``deepcopy`` of the module: an EMA or teacher model) or pickle holds no chunk views: they
+        are views of a split that a pass wrote, which torch refuses to deep-copy (every zeroth-order module's deepcopy
+        raised ``RuntimeError: Output 0 of Split is a view ...``, during a fit and after it, review 24). They are made
+        again from the copy's parameters."""
+        return {**self.__dict__, "_chunks": None, "_cache_views": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._chunks = parameter_chunks(self.params, self.chunk_numel)
+
     @property
     def dim(self) -> int:
         return sum(p.numel() for p in self.params)
