@@ -294,6 +294,35 @@ def test_autograd_anomaly_mode_is_refused_where_a_private_backward_runs(name):
     assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
 
 
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_fit_inside_inference_mode_fails_or_trains_whatever_batches_are_empty(name):
+    """Review 24: ``with torch.inference_mode(): trainer.fit(...)`` failed a first-order fit at the first batch holding an
+    example, after the empty batches' steps: 1 step with the target in the second batch, 2 without, so when it failed
+    told of the target. First-order modules refuse it at their first step; zeroth-order ones train (no graph)."""
+    dataset = blobs(n=64)
+    empty = dataset.tensors[0][:0], dataset.tensors[1][:0]
+
+    class Fixed(PoissonBatchSampler):
+        def __init__(self, batches):
+            super().__init__(64, 0.25, seed=0, steps_per_epoch=len(batches))
+            self.batches = batches
+
+        def __iter__(self):
+            return iter([list(b) for b in self.batches])
+
+    for second in ([0], []):  # row 0 is the target
+        loader = DataLoader(dataset, batch_sampler=Fixed([[], second, [5, 6], [7, 8]]),
+                            collate_fn=lambda items: collate_tensors(items) if items else empty)
+        module = build(name)
+        with torch.inference_mode():
+            if issubclass(ALGORITHMS[name], ZerothOrderModule):
+                assert fit(module, loader, 4).global_step == 4
+                continue
+            with pytest.raises(PrivacyConfigError, match=r"inside `torch.inference_mode\(\)`") as info:
+                fit(module, loader, 4)
+        assert "\n" not in str(info.value) and module.privacy.ledger.total_count == 0
+
+
 # ---------------------------------------------------------------------------- accounting
 @pytest.mark.parametrize("name", EVERY)
 def test_ledger_steps_equal_optimizer_steps(name):

@@ -105,8 +105,8 @@ class FirstOrderModule(AlgorithmModule):
     # ------------------------------------------------------------------------------ verbs
     def private_gradient(self, inputs, targets) -> ClippedSum:
         """``sum_i clip_C(grad f(x; xi_i))``, flat over all parameters, micro-batch by micro-batch."""
-        if self.private and torch.is_anomaly_enabled():  # (a C call: nothing to note on most steps)
-            raise_if_any([anomaly_mode_error()])
+        if self.private and (torch.is_anomaly_enabled() or torch.is_inference_mode_enabled()):  # (C calls)
+            raise_if_any([anomaly_mode_error(), inference_mode_error()])
         self.engine.recheck_next = self._recheck_pending  # this step's draw re-checks the engine's calls too
         if self._registrations is not None:
             if self._registrations.registered:  # (made outside this step's private forwards: rare, then one walk)
@@ -199,6 +199,19 @@ def anomaly_mode_error() -> Optional[str]:
     return ("`Trainer(detect_anomaly=True)` (autograd anomaly mode) stops a private fit at the first batch holding an "
             "example whose loss is not finite (otherwise counted as zero), so whether and when the fit fails would "
             "depend on one private example: turn it off for private fits (debug with the non-private twin)")
+
+
+def inference_mode_error() -> Optional[str]:
+    """A fit run inside ``torch.inference_mode()`` (around ``trainer.fit``, or entered by a callback): no forward can
+    record a graph there, so the per-example engine refused the first batch holding an example, after the steps of the
+    empty batches before it, which it releases without a forward. When the fit failed therefore followed which
+    Poisson batches were empty, the target's included (review 24: it failed after 1 step with the target in the
+    second batch, after 2 without). Refused at the first step, whatever the batch."""
+    if not torch.is_inference_mode_enabled():
+        return None
+    return ("A private first-order step runs inside `torch.inference_mode()`, where no backward can run: it would fail "
+            "at the first batch holding an example, so when the fit failed would tell which batches were empty; call "
+            "trainer.fit outside inference_mode (Lightning's evaluation loops enter it themselves)")
 
 
 __all__ = ["FirstOrderModule"]
