@@ -31,7 +31,8 @@ class PrivacySpendCallback(Callback):
             step of a fit, with its checks, is not timed); the accountant's cost starts from the one
             measured at fit start (``PrivacyComponent.accounting_seconds``).
 
-    The metric is ``epsilon`` (logged and in the progress bar). A ``sampling: shuffle`` run logs it as
+    The metric is ``epsilon`` (logged; the progress bar shows it as ``eps``, rounded up to the digits the bar shows:
+    :func:`shown_at_least`). A ``sampling: shuffle`` run logs it as
     ``epsilon_poisson_assumed`` instead: its shuffled batches are accounted as Poisson, so the value is
     no guarantee, and a dashboard, monitor or progress bar reading ``epsilon`` must not show it as one. The
     progress bar shows it as ``epsilon*`` (:data:`ASSUMED_BAR_NAME`: the long name was cut at 80 columns).
@@ -125,10 +126,12 @@ class PrivacySpendCallback(Callback):
         self.epsilon = privacy.epsilon()
         if privacy.ledger.computations != computations:  # a memoised value says nothing of the cost
             self._accounting_seconds = time.perf_counter() - started
-        name, logged = epsilon_metric(privacy), float32_at_least(self.epsilon)
-        pl_module.log(name, logged, prog_bar=name == "epsilon", batch_size=1)
-        if name != "epsilon":  # the long name did not fit an 80-column bar ("epsilon_poisson_…")
-            pl_module.log(ASSUMED_BAR_NAME, logged, prog_bar=True, logger=False, batch_size=1)
+        name = epsilon_metric(privacy)
+        pl_module.log(name, float32_at_least(self.epsilon), batch_size=1)
+        # the bar's own entry, rounded up to the digits it shows (review 25: TQDM showed 3.3845 as `epsilon=3.380`);
+        # the long assumed name did not fit an 80-column bar ("epsilon_poisson_…")
+        bar = BAR_NAME if name == "epsilon" else ASSUMED_BAR_NAME
+        pl_module.log(bar, float32_at_least(shown_at_least(self.epsilon)), prog_bar=True, logger=False, batch_size=1)
 
     def _cadence(self) -> float:
         """Steps between two epsilons: their accountant's time at most ``ACCOUNTING_TIME_SHARE`` of the steps'."""
@@ -161,6 +164,10 @@ class PrivacySpendCallback(Callback):
         rank_zero_info(f"Privacy spent: {pl_module.privacy.summary()}.")
 
 
+#: The progress bar's name for epsilon. Not ``epsilon`` itself: Lightning logs one name with one value, and the logged
+#: ``epsilon`` keeps the bound's digits, where the bar's value is rounded up to the digits the bar shows.
+BAR_NAME = "eps"
+
 #: The progress bar's name for an epsilon that is no guarantee (the logged metric is ``epsilon_poisson_assumed``;
 #: the summary and the RESULT line say why): it fits beside the bar at 80 columns.
 ASSUMED_BAR_NAME = "epsilon*"
@@ -173,6 +180,17 @@ def float32_at_least(value: float) -> torch.Tensor:
     if not float(rounded) < value:  # (inf and NaN too)
         return rounded
     return torch.nextafter(rounded, torch.tensor(math.inf, dtype=torch.float32))
+
+
+def shown_at_least(value: float) -> float:
+    """``value`` rounded UP to the digits the progress bars show, so that the shown epsilon is at or above the bound:
+    TQDM shows 3 significant digits rounded to nearest (``.3g``, padded with zeros: a bound of 3.3845 was shown as
+    ``3.380``), Rich 3 decimals (``.3f``). The coarser of the two units, and never below ``value``."""
+    if not math.isfinite(value) or value <= 0:
+        return value
+    unit = max(10.0 ** (math.floor(math.log10(value)) - 2), 1e-3)
+    units = math.ceil(value / unit)
+    return units * unit if units * unit >= value else (units + 1) * unit
 
 
 def epsilon_metric(privacy) -> str:

@@ -362,3 +362,29 @@ def test_a_failed_fit_is_closed_with_the_privacy_of_the_steps_it_took(caplog):
     spent = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Privacy spent")]
     assert len(spent) == 1 and spent[0].startswith("Privacy spent before the fit failed: epsilon = ")
     assert "after 3 steps" in spent[0]
+
+
+def test_the_progress_bar_shows_epsilon_at_or_above_the_bound():
+    """TQDM shows a metric to 3 significant digits rounded to nearest and pads it (``.3g``), Rich to 3 decimals
+    (``.3f``): a bound of 3.3845 (sigma 1.2, q 0.1, 40 steps) was shown as ``epsilon=3.380`` (review 25). The bar's
+    entry is rounded up to the digits shown; the logged ``epsilon`` keeps the bound's."""
+    from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+    module = DPZero(mlp(), lr=0.01, clip=1.0, noise_multiplier=1.2, delta=1e-5)
+    trainer = quiet_trainer(max_steps=40, callbacks=[PrivacySpendCallback(log_every_n_steps=1)])
+    trainer.fit(module, poisson_loader(blobs(), 0.1))
+    epsilon = module.privacy.epsilon()
+    (shown,) = [float(v) for k, v in trainer.progress_bar_metrics.items() if k.startswith("eps")]
+    assert float(Tqdm.format_num(shown)) >= epsilon and float(f"{shown:.3f}") >= epsilon
+    assert float(trainer.callback_metrics["epsilon"]) == float32_at_least(epsilon).item()
+
+
+@pytest.mark.parametrize("value", [3.3845332, 1.9349, 0.01234, 0.0004, 0.5, 99.95, 123.456, 2.0, 1.0, 1e-30])
+def test_a_shown_epsilon_is_rounded_up_to_the_digits_the_bars_show(value):
+    from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+    from lit_zodp.callbacks.privacy import shown_at_least
+
+    shown = float(float32_at_least(shown_at_least(value)))
+    assert float(Tqdm.format_num(shown)) >= value and float(f"{shown:.3f}") >= value
+    assert shown <= value * 1.011 + 1.001e-3  # one unit of the shown digits at most
