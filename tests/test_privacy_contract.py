@@ -131,6 +131,39 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
             assert out.noise_coefficient == pytest.approx(sigma * clip / B)
 
 
+class FailingUpdate(Callback):
+    """The 5th optimizer step writes its update into the weights, then fails before its post-hooks run (an update
+    failing part-way: out of memory for a chunk's scratch, an interrupt)."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 4:
+            optimizer, self.before = trainer.optimizers[0], flat(module)
+
+            def step(closure=None):
+                type(optimizer).step.__wrapped__(optimizer, closure)  # the update, without the post-hooks
+                raise RuntimeError("the update failed part-way")
+
+            optimizer.step = step
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_release_whose_optimizer_step_failed_part_way_is_counted(name, tmp_path):
+    """Review 25: the 5th release reached the weights, but no post-hook committed it, so the ledger, the "Privacy spent
+    before the fit failed" line and `OnExceptionCheckpoint`'s file counted 4 steps for 5 releases."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    module, failing = build(name), FailingUpdate()
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        fit(module, poisson_loader(blobs(), 0.25), 10, [failing, OnExceptionCheckpoint(dirpath=tmp_path)],
+            enable_checkpointing=True)
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    weights = torch.cat([saved["state_dict"][f"backbone.{n}"].flatten().double()
+                         for n, _ in module.backbone.named_parameters()])
+    assert not torch.equal(weights, failing.before)  # the 5th release is in the saved weights
+    assert module.privacy.ledger.total_count == 5
+    assert [entry["count"] for entry in saved["privacy"]["ledger"]["entries"]] == [5]
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_an_empty_poisson_batch_still_adds_noise_and_counts_a_step(name):
     trace = Trace()
