@@ -17,7 +17,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lit_zodp.algorithms.base import AlgorithmModule
-from lit_zodp.errors import LitZodpWarning, check_non_negative, check_positive, check_positive_int, raise_if_any
+from lit_zodp.errors import (
+    ConfigError,
+    LitZodpWarning,
+    check_non_negative,
+    check_positive,
+    check_positive_int,
+    raise_if_any,
+)
 from lit_zodp.per_example.checks import frozen_statistics_note, refuse_batch_statistics
 from lit_zodp.privacy import DirectionRelease
 from lit_zodp.zo import ZOSGD, PerturbationEngine, central_differences, derive_seed, make_direction_law
@@ -119,6 +126,24 @@ class ZerothOrderModule(AlgorithmModule):
     def zo_optimizer(self) -> ZOSGD:
         optimizer = self.optimizers()
         return getattr(optimizer, "optimizer", optimizer)
+
+    def on_train_epoch_start(self) -> None:
+        super().on_train_epoch_start()
+        self._refuse_changed_trainable_parameters()
+
+    def _refuse_changed_trainable_parameters(self) -> None:
+        """The engine perturbs and updates the tensors that were trainable when the fit built it. A parameter unfrozen
+        since (Lightning's ``BaseFinetuning``), frozen, or replaced (``load_state_dict(assign=True)``) would be left
+        untrained, or trained against the user's wish, silently (review 24: an unfrozen layer moved by 0.0): refused
+        at the next epoch's start, in one line (one walk over the parameters per epoch)."""
+        if self.engine is None:
+            return
+        built, now = {id(p) for p in self.engine.params}, {id(p) for p in self.trainable_parameters()}
+        if built != now:
+            raise ConfigError(
+                f"The trainable parameters changed during the fit ({len(now - built)} new or unfrozen, "
+                f"{len(built - now)} frozen or replaced): a zeroth-order module perturbs the tensors trainable when "
+                "its fit started; freeze, unfreeze or load weights before `fit` (a new fit from a checkpoint)")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
         self._eval_mode.ensure(self.backbone)  # the two-point passes must see the same function (no dropout)

@@ -434,3 +434,36 @@ def test_auto_perturbation_takes_the_fused_kernel_only_for_its_dtypes(monkeypatc
     on_cuda = [SimpleNamespace(is_cuda=True, dtype=dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
     assert module.uses_fused_engine(on_cuda)
     assert not module.uses_fused_engine(on_cuda + [SimpleNamespace(is_cuda=True, dtype=torch.float64)])
+
+
+class _ChangeTrainable(Callback):
+    """At the second epoch's start: unfreeze the first layer (``BaseFinetuning``'s move), or replace its weight
+    (``load_state_dict(assign=True)``)."""
+
+    def __init__(self, how):
+        self.how = how
+
+    def on_train_epoch_start(self, trainer, module):
+        if trainer.current_epoch != 1:
+            return
+        layer = module.backbone[0]
+        if self.how == "unfreeze":
+            layer.weight.requires_grad_(True)
+        else:
+            module.backbone.load_state_dict({**module.backbone.state_dict(), "0.weight": layer.weight.detach() * 1},
+                                            assign=True)
+
+
+@pytest.mark.parametrize("how", ["unfreeze", "replace"])
+@pytest.mark.parametrize("cls", [MeZO, DPZero])
+def test_trainable_parameters_changed_mid_fit_are_refused_at_the_next_epoch(cls, how):
+    """Review 24: the engine keeps the tensors trainable at the fit's start, so a layer unfrozen at epoch 1 moved by
+    0.0 over the following steps, silently (and a replaced weight was never trained)."""
+    model = mlp()
+    model[0].weight.requires_grad_(how == "replace")
+    kwargs = dict(clip=1.0, noise_multiplier=1.0, delta=1e-5) if cls.private else {}
+    module = cls(model, lr=0.05, seed=3, **kwargs)
+    trainer = quiet_trainer(max_steps=6, callbacks=[_ChangeTrainable(how)])
+    with pytest.raises(Exception, match="trainable parameters changed during the fit"):
+        trainer.fit(module, poisson_loader(blobs(n=64), 0.25, steps_per_epoch=3))
+    assert trainer.global_step == 3
