@@ -603,8 +603,18 @@ class PrivacyComponent:
         if self.test_seeded:
             bound += "; the noise is REPRODUCIBLE from `noise_seed` (tests only): not a guarantee"
         return (f"epsilon = {epsilon} at delta = {self.delta:.3g} after {self.steps} steps{others} "
-                f"({self.ledger.accountant.upper()} accountant, {bound}; sigma = {self.noise_multiplier:.4g}, "
-                f"{sampling})")
+                f"({self.ledger.accountant.upper()} accountant, {bound}; {self._sigma_text()}, {sampling})")
+
+    def _sigma_text(self) -> str:
+        """``sigma = s``; where a step's releases compose to another multiplier (k directions: each of the k sums is
+        noised at ``sigma C``, the step's sensitivity is ``sqrt(k) C``), that one too, as accounted (review 25: the
+        summary showed only the per-release sigma, 1 where a two-direction DPZero step is accounted at 0.707)."""
+        text = f"sigma = {self.noise_multiplier:.4g}"
+        if self.step_plan and self.noise_multiplier:
+            per_step = composed_multiplier(self.step_plan, self.noise_multiplier)
+            if not math.isclose(per_step, self.noise_multiplier, rel_tol=1e-9):
+                text += f" per release, {per_step:.4g} per step"
+        return text
 
     # ----------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:

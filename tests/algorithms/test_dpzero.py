@@ -467,3 +467,12 @@ def test_trainable_parameters_changed_mid_fit_are_refused_at_the_next_epoch(cls,
     with pytest.raises(Exception, match="trainable parameters changed during the fit"):
         trainer.fit(module, poisson_loader(blobs(n=64), 0.25, steps_per_epoch=3))
     assert trainer.global_step == 3
+
+
+@pytest.mark.parametrize("k, shown", [(1, "sigma = 1, poisson"), (2, "sigma = 1 per release, 0.7071 per step, poisson")])
+def test_the_summary_shows_the_multiplier_a_step_is_accounted_at(k, shown):
+    """Review 25: with k directions each clipped sum is noised at sigma C and the step's sensitivity is sqrt(k) C, so a
+    step is accounted at sigma / sqrt(k); the summary showed only sigma."""
+    module = DPZero(mlp(), lr=0.05, seed=3, clip=1.0, noise_multiplier=1.0, delta=1e-5, num_directions=k)
+    fit(module, poisson_loader(blobs(), 0.1), 2)
+    assert shown in module.privacy.summary()
