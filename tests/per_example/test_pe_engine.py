@@ -436,17 +436,46 @@ def test_what_the_numeric_check_found_holds_on_every_later_batch_of_the_structur
     recomputed ``fc`` on that batch only; later batches of the structure, unchecked, took the wrong rows (red-team
     review 24). Whether a step got the right or the wrong rows depended on which batch was checked first, so in two
     neighbouring runs (the target completing a first batch of 2 rows in one, a batch of 1 in the other) the same
-    6 rows without the target released sums 1.07 C apart. Every batch of the structure is now the reference's."""
+    6 rows without the target released sums 1.07 C apart. Every batch of the structure is now the reference's.
+    (Review 27: the tape's hook now runs before a layer's own hooks, so a global hook, which runs before every
+    local one, provokes the rule's error here.)"""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    model[0].register_forward_hook(lambda layer, inputs, out: 4.0 * out)
     x, y = torch.randn(8, 6, dtype=torch.float64) * 3, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     engine = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
-    engine.clipped_sum(lambda: ce(model(x[:2]), y[:2]), 1.0)  # checked: 2 comparable rows
-    rows = slice(2, 8)
-    result = engine.clipped_sum(lambda: ce(model(x[rows]), y[rows]), 1.0)
-    assert set(engine.last_recomputed) == {"0.weight", "0.bias"}
-    _assert_is_the_reference_clipped_sum(result, engine, model, x[rows], y[rows], 1.0)
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda layer, inputs, out: 4.0 * out if layer is model[0] else None)
+    try:
+        engine.clipped_sum(lambda: ce(model(x[:2]), y[:2]), 1.0)  # checked: 2 comparable rows
+        rows = slice(2, 8)
+        result = engine.clipped_sum(lambda: ce(model(x[rows]), y[rows]), 1.0)
+        assert set(engine.last_recomputed) == {"0.weight", "0.bias"}
+        _assert_is_the_reference_clipped_sum(result, engine, model, x[rows], y[rows], 1.0)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
+def test_a_users_forward_hook_is_seen_by_the_rule_whatever_the_first_batch(mode):
+    """Review 27: the fix above relies on the first checked batch showing the rule's error, and a batch on which
+    the hooked layer's gradient is 0 (its rows all zero: two zero rows before the target's first batch) passes the
+    check with nothing found; every later batch then took a quarter of ``0.weight``'s rows. Two neighbouring runs
+    (the target joining the zero rows' first batch, or not) released clipped sums 0.92 C apart at a step holding the
+    same 6 rows without the target. The tape's hook now runs first of the layer's hooks: the rule takes the gradient
+    of the layer's own output, whatever the user's hook returns and whichever batch came first."""
+    def later_sum(first):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Tanh(), nn.Linear(8, 3)).double()
+        model[0].register_forward_hook(lambda layer, inputs, out: 4.0 * out)
+        x, y = torch.randn(8, 6, dtype=torch.float64) * 3, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+        engine = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
+        rows = torch.cat([torch.zeros(2, 6, dtype=torch.float64), x[:first]])
+        engine.clipped_sum(lambda: ce(model(rows), y[:len(rows)]), 1.0)
+        result = engine.clipped_sum(lambda: ce(model(x[2:8]), y[2:8]), 1.0)
+        _assert_is_the_reference_clipped_sum(result, engine, model, x[2:8], y[2:8], 1.0)
+        return torch.cat([g.flatten() for g in result.grads])
+
+    assert torch.equal(later_sum(0), later_sum(1))
 
 
 class _MatmulCount(TorchDispatchMode):
