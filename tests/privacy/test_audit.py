@@ -14,6 +14,7 @@ from lit_zodp.privacy.audit import (
     gaussian_delta,
     gaussian_epsilon,
     gaussian_mu,
+    gaussian_spread,
 )
 
 
@@ -73,6 +74,17 @@ def test_the_mu_interval_covers_the_truth_at_its_confidence(mu):
     covered = sum(low <= mu <= high for _, low, high in
                   (gaussian_mu(rng.normal(2 * mu, 2.0, 300), rng.normal(0, 2.0, 300), 0.95) for _ in range(400)))
     assert abs(covered / 400 - 0.95) < 3 * math.sqrt(0.95 * 0.05 / 400)
+
+
+@pytest.mark.parametrize("std", [0.5, 2.0])
+def test_the_spread_interval_covers_the_truth_at_its_confidence(std):
+    """Coverage over 400 draws of 150 scores: within 3 binomial standard errors of 95%."""
+    rng = np.random.default_rng(2)
+    covered = sum(low <= std <= high for _, low, high in
+                  (gaussian_spread(rng.normal(1.0, std, 150), 0.95) for _ in range(400)))
+    assert abs(covered / 400 - 0.95) < 3 * math.sqrt(0.95 * 0.05 / 400)
+    with pytest.raises(ConfigError, match="some spread"):
+        gaussian_spread([1.0, 1.0])
 
 
 def test_bad_scores_and_levels_are_refused_in_one_line():
