@@ -167,6 +167,29 @@ def test_a_release_whose_optimizer_step_failed_part_way_is_counted(name, tmp_pat
 
 
 @pytest.mark.parametrize("name", PRIVATE)
+def test_a_collate_making_inference_tensors_for_its_rows_trains_whatever_batches_are_empty(name):
+    """Review 27: a collate computing its rows' features under ``torch.inference_mode()`` (a frozen encoder) and
+    returning plain zero rows for an empty batch failed a first-order fit at the first batch holding an example
+    ("Inference tensors cannot be saved for backward"), after one step per empty batch before it: 0, 1 or 2 steps as
+    the first batches were empty or not. Every private module now trains every step."""
+    data = blobs(n=20)
+    x0, y0 = data[0]
+
+    def collate(items):
+        if not items:
+            return x0.unsqueeze(0)[:0].clone(), y0.unsqueeze(0)[:0].clone()
+        with torch.inference_mode():
+            x, y = collate_tensors(items)
+            return x * 1.0, y.clone()
+
+    for seed in range(3):
+        module = build(name)
+        loader = DataLoader(data, batch_sampler=PoissonBatchSampler(20, 0.05, seed=seed, steps_per_epoch=10),
+                            collate_fn=collate)
+        assert fit(module, loader, 10).global_step == 10 == module.privacy.ledger.total_count
+
+
+@pytest.mark.parametrize("name", PRIVATE)
 def test_an_empty_poisson_batch_still_adds_noise_and_counts_a_step(name):
     trace = Trace()
     module = build(name)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.algorithms.base import AlgorithmModule
 from lit_zodp.backbones.base import batch_size_of
@@ -107,6 +108,7 @@ class FirstOrderModule(AlgorithmModule):
         """``sum_i clip_C(grad f(x; xi_i))``, flat over all parameters, micro-batch by micro-batch."""
         if self.private and (torch.is_anomaly_enabled() or torch.is_inference_mode_enabled()):  # (C calls)
             raise_if_any([anomaly_mode_error(), inference_mode_error()])
+        inputs, targets = normal_tensors(inputs), normal_tensors(targets)
         self.engine.recheck_next = self._recheck_pending  # this step's draw re-checks the engine's calls too
         if self._registrations is not None:
             if self._registrations.registered:  # (made outside this step's private forwards: rare, then one walk)
@@ -199,6 +201,20 @@ def anomaly_mode_error() -> Optional[str]:
     return ("`Trainer(detect_anomaly=True)` (autograd anomaly mode) stops a private fit at the first batch holding an "
             "example whose loss is not finite (otherwise counted as zero), so whether and when the fit fails would "
             "depend on one private example: turn it off for private fits (debug with the non-private twin)")
+
+
+def normal_tensors(tree: Any) -> Any:
+    """``tree`` with its inference tensors (made under ``torch.inference_mode()``: a collate's frozen encoder) cloned into
+    normal ones, which a backward can save. Kept, they failed the step at its forward, and a collate that made them
+    for its rows but not for an empty batch's zero rows failed the fit at the first batch holding an example, after
+    the empty batches' steps: when it failed told which batches were empty (review 27). A flag read per tensor."""
+    if isinstance(tree, Tensor):
+        return tree.clone() if tree.is_inference() else tree
+    leaves, spec = tree_flatten(tree)
+    if not any(isinstance(leaf, Tensor) and leaf.is_inference() for leaf in leaves):
+        return tree
+    return tree_unflatten([leaf.clone() if isinstance(leaf, Tensor) and leaf.is_inference() else leaf
+                           for leaf in leaves], spec)
 
 
 def inference_mode_error() -> Optional[str]:
