@@ -79,6 +79,7 @@ from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.module import _global_forward_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
@@ -471,7 +472,10 @@ class PerExampleGradientEngine:
         for call in tape.layer_calls:  # flattened batch rows (OPT): [B*k, ...] viewed as [B, k, ...]
             call.fold(size)
         structure = self._structure(tape, uses, size)
-        check = structure not in self._checked
+        # a global forward hook runs before the tape's (first of each layer's own hooks): what it returns in place of a
+        # layer's output is seen by the rule, and a first batch where that layer's gradient is 0 shows nothing, so
+        # every batch is checked while one is registered (review 27; a dict's truth value on other batches)
+        check = structure not in self._checked or bool(_global_forward_hooks)
         if check:
             refuse_reentrant_checkpointing(losses)
         misaligned = self._verified(tape, losses, structure)

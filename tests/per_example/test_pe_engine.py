@@ -456,23 +456,32 @@ def test_what_the_numeric_check_found_holds_on_every_later_batch_of_the_structur
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
-def test_a_users_forward_hook_is_seen_by_the_rule_whatever_the_first_batch(mode):
+@pytest.mark.parametrize("where", ["layer", "global"])
+def test_a_users_forward_hook_is_seen_by_the_rule_whatever_the_first_batch(mode, where):
     """Review 27: the fix above relies on the first checked batch showing the rule's error, and a batch on which
     the hooked layer's gradient is 0 (its rows all zero: two zero rows before the target's first batch) passes the
     check with nothing found; every later batch then took a quarter of ``0.weight``'s rows. Two neighbouring runs
     (the target joining the zero rows' first batch, or not) released clipped sums 0.92 C apart at a step holding the
-    same 6 rows without the target. The tape's hook now runs first of the layer's hooks: the rule takes the gradient
-    of the layer's own output, whatever the user's hook returns and whichever batch came first."""
+    same 6 rows without the target (the same with a global hook). The tape's hook now runs first of the layer's hooks:
+    the rule takes the gradient of the layer's own output, whatever the user's hook returns and whichever batch came
+    first; a global forward hook, which runs before it, makes every batch checked."""
     def later_sum(first):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Tanh(), nn.Linear(8, 3)).double()
-        model[0].register_forward_hook(lambda layer, inputs, out: 4.0 * out)
-        x, y = torch.randn(8, 6, dtype=torch.float64) * 3, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
-        engine = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
-        rows = torch.cat([torch.zeros(2, 6, dtype=torch.float64), x[:first]])
-        engine.clipped_sum(lambda: ce(model(rows), y[:len(rows)]), 1.0)
-        result = engine.clipped_sum(lambda: ce(model(x[2:8]), y[2:8]), 1.0)
-        _assert_is_the_reference_clipped_sum(result, engine, model, x[2:8], y[2:8], 1.0)
+        if where == "layer":
+            handle = model[0].register_forward_hook(lambda layer, inputs, out: 4.0 * out)
+        else:
+            handle = nn.modules.module.register_module_forward_hook(
+                lambda layer, inputs, out: 4.0 * out if layer is model[0] else None)
+        try:
+            x, y = torch.randn(8, 6, dtype=torch.float64) * 3, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+            engine = PerExampleGradientEngine(model, mode=mode, recheck_probability=0.0)
+            rows = torch.cat([torch.zeros(2, 6, dtype=torch.float64), x[:first]])
+            engine.clipped_sum(lambda: ce(model(rows), y[:len(rows)]), 1.0)
+            result = engine.clipped_sum(lambda: ce(model(x[2:8]), y[2:8]), 1.0)
+            _assert_is_the_reference_clipped_sum(result, engine, model, x[2:8], y[2:8], 1.0)
+        finally:
+            handle.remove()
         return torch.cat([g.flatten() for g in result.grads])
 
     assert torch.equal(later_sum(0), later_sum(1))
