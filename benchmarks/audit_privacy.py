@@ -104,7 +104,7 @@ def pooled_scores(algorithm: str, overrides: dict, with_canary: bool, steps: int
 
 
 def full_batch_row(label: str, algorithm: str, overrides: dict, steps: int, fit_steps: int, sigma: float) -> dict:
-    from lit_zodp.privacy.audit import accounted_mu, epsilon_lower_bound, gaussian_epsilon, gaussian_mu
+    from lit_zodp.privacy.audit import accounted_mu, epsilon_lower_bound, gaussian_epsilon, gaussian_mu, gaussian_spread
 
     started = time.perf_counter()
     inside, privacy = pooled_scores(algorithm, overrides, True, steps, fit_steps, sigma)
@@ -114,11 +114,12 @@ def full_batch_row(label: str, algorithm: str, overrides: dict, steps: int, fit_
     measured = gaussian_mu(inside, outside, confidence=0.95)
     return {"label": label, "steps": steps, "sigma": sigma, "mu_accounted": claimed, "mu_measured": tuple(measured),
             "mu_within": measured.low <= claimed <= measured.high, "fit_steps": accounted_steps,
+            "spread_accounted": 1 / claimed, "spread_measured": tuple(gaussian_spread(outside, confidence=0.95)),
             "epsilon_ledger": privacy.epsilon(), "epsilon_from_measured_mu":
                 tuple(gaussian_epsilon(math.sqrt(accounted_steps) * max(m, 0.0), DELTA) for m in measured),
             "one_step_epsilon_accounted": gaussian_epsilon(claimed, DELTA),
             "one_step_epsilon_lower_bound": epsilon_lower_bound(inside, outside, delta=DELTA, confidence=0.95),
-            "seconds": round(time.perf_counter() - started, 1)}
+            "seconds": round(time.perf_counter() - started, 1), "scores_in": inside, "scores_out": outside}
 
 
 def sampling_row(steps: int, sigma: float, sample_rate: float) -> dict:
@@ -137,7 +138,23 @@ def sampling_row(steps: int, sigma: float, sample_rate: float) -> dict:
     return {"steps": steps, "sigma": sigma, "sample_rate_accounted": mechanism.sample_rate,
             "inclusion_rate": tuple(rate), "rate_within": rate.low <= mechanism.sample_rate <= rate.high,
             "false_inclusions_without_canary": int((np.asarray(outside) > 0.5).sum()),
-            "lag1_correlation": correlation, "seconds": round(time.perf_counter() - started, 1)}
+            "lag1_correlation": correlation, "seconds": round(time.perf_counter() - started, 1),
+            "scores_in": inside, "scores_out": outside}
+
+
+def without_scores(row: dict) -> dict:
+    return {key: value for key, value in row.items() if not key.startswith("scores")}
+
+
+def save_scores(path, result: dict) -> None:
+    """Every score, in and out, per full-batch row (by label) and of the sampling part: ``numpy.load(path)``."""
+    import numpy as np
+
+    arrays = {f"{row['label']}/{side}": np.asarray(row[f"scores_{side}"]) for row in result["full_batch"]
+              for side in ("in", "out")}
+    arrays |= {f"sampling/{side}": np.asarray(result["sampling"][f"scores_{side}"]) for side in ("in", "out")}
+    np.savez_compressed(path, **arrays)
+    print(f"wrote {path}")
 
 
 def markdown(result: dict) -> str:
@@ -150,12 +167,16 @@ def markdown(result: dict) -> str:
              f"epsilon: of one {meta['fit_steps']}-step fit (ledger: PRV upper bound; measured: the interval's ends "
              "composed over its steps as GDP). One step: the accounted epsilon and the "
              "assumption-free Clopper-Pearson lower bound (95%).", "",
-             "| module | mu accounted | mu measured [95%] | epsilon ledger | epsilon from measured mu | "
-             "one step: accounted / lower bound | s |", "|---|---:|---|---:|---|---|---:|"]
+             "| module | mu accounted | mu measured [95%] | noise std / C: 1 / mu accounted, measured without the "
+             "canary [95%] | epsilon ledger | epsilon from measured mu | one step: accounted / lower bound | s |",
+             "|---|---:|---|---|---:|---|---|---:|"]
     for row in result["full_batch"]:
         mu, low, high = row["mu_measured"]
         lines.append(f"| {row['label']} | {row['mu_accounted']:.3f} | {mu:.3f} [{low:.3f}, {high:.3f}]"
-                     f"{'' if row['mu_within'] else ' **outside**'} | {row['epsilon_ledger']:.1f} | "
+                     f"{'' if row['mu_within'] else ' **outside**'} | {row['spread_accounted']:.3f}, "
+                     f"{row['spread_measured'][0]:.3f} [{row['spread_measured'][1]:.3f}, {row['spread_measured'][2]:.3f}]"
+                     f"{'' if row['spread_measured'][1] <= row['spread_accounted'] <= row['spread_measured'][2] else ' **outside**'}"
+                     f" | {row['epsilon_ledger']:.1f} | "
                      f"{row['epsilon_from_measured_mu'][0]:.1f} [{row['epsilon_from_measured_mu'][1]:.1f}, "
                      f"{row['epsilon_from_measured_mu'][2]:.1f}] | {row['one_step_epsilon_accounted']:.2f} / "
                      f"{row['one_step_epsilon_lower_bound']:.2f} | {row['seconds']:.0f} |")
@@ -178,6 +199,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sample-rate", type=float, default=0.25)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="200 steps per module and world")
+    parser.add_argument("--save-scores", action="store_true", help="also write every score to <stem>.npz")
     parser.add_argument("--out", default=None, help="results stem (default benchmarks/results/audit_privacy)")
     args = parser.parse_args(argv)
     if args.quick and "--steps" not in argv:
@@ -190,13 +212,17 @@ def main(argv: list[str]) -> int:
     for label, algorithm, overrides in CONFIGS:
         result["full_batch"].append(full_batch_row(label, algorithm, overrides, args.steps, args.fit_steps,
                                                    args.sigma))
-        print(result["full_batch"][-1], flush=True)
+        print(without_scores(result["full_batch"][-1]), flush=True)
     result["sampling"] = sampling_row(args.steps, args.sampling_sigma, args.sample_rate)
-    print(result["sampling"], flush=True)
+    print(without_scores(result["sampling"]), flush=True)
     _common.finish_meta(meta, started)
     text = markdown(result)
     print(text)
-    _common.write_results(_common.results_stem(args.out, "audit_privacy", args.quick), text, result)
+    stem = _common.results_stem(args.out, "audit_privacy", args.quick)
+    if args.save_scores:
+        save_scores(stem.with_suffix(".npz"), result)
+    _common.write_results(stem, text, {"meta": meta, "full_batch": [without_scores(row) for row in result["full_batch"]],
+                                       "sampling": without_scores(result["sampling"])})
     return 0
 
 
