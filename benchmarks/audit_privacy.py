@@ -65,6 +65,10 @@ def canary_world(with_canary: bool):
     return backbone, (canary, label), rows + ([(canary[0], label[0])] if with_canary else [])
 
 
+#: ``--device``: the accelerator of every fit (``cuda``: the fused engine and the device release path).
+DEVICE = {"name": "cpu"}
+
+
 def audited_fit(algorithm: str, overrides: dict, with_canary: bool, steps: int, sigma: float,
                 sample_rate: float | None = None) -> tuple[list[float], object]:
     """One fit's scores and its privacy component (full batch, or Poisson at ``sample_rate``)."""
@@ -83,9 +87,9 @@ def audited_fit(algorithm: str, overrides: dict, with_canary: bool, steps: int, 
     module = ALGORITHMS[algorithm](backbone, lr=0.05, seed=3, clip=1.0, noise_multiplier=sigma, delta=DELTA,
                                    **overrides)
     audit = CanaryAudit(canary, label)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=[audit])
+    trainer = pl.Trainer(accelerator="gpu" if DEVICE["name"] == "cuda" else "cpu", devices=1, max_steps=steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[audit])
     trainer.fit(module, loader)
     return audit.scores, module.privacy
 
@@ -160,7 +164,8 @@ def save_scores(path, result: dict) -> None:
 def markdown(result: dict) -> str:
     meta = result["meta"]
     lines = [f"# Empirical privacy audit ({meta['steps']} steps per module and world)", "",
-             f"`{meta['command']}`  ", f"{meta['cpu']}, torch {meta['torch']}, lightning {meta['lightning']}; "
+             f"`{meta['command']}`  ", f"{meta.get('gpu') or meta['cpu']}, torch {meta['torch']}, "
+             f"lightning {meta['lightning']}; "
              f"{_common.load_and_total(meta)}", "",
              f"Full batch, sigma {meta['sigma']}, C 1, delta {DELTA}: 8 zero rows, and the canary in one of the two "
              f"fits; {meta['steps']} steps in each, as fits of {meta['fit_steps']} steps. mu: per step, 95% interval. "
@@ -198,6 +203,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sampling-sigma", type=float, default=0.1)
     parser.add_argument("--sample-rate", type=float, default=0.25)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: every fit on the GPU (fused engine, releases summed on the device)")
     parser.add_argument("--quick", action="store_true", help="200 steps per module and world")
     parser.add_argument("--save-scores", action="store_true", help="also write every score to <stem>.npz")
     parser.add_argument("--out", default=None, help="results stem (default benchmarks/results/audit_privacy)")
@@ -205,9 +212,17 @@ def main(argv: list[str]) -> int:
     if args.quick and "--steps" not in argv:
         args.steps = 200
     _common.setup_worker(args.threads)
+    DEVICE["name"] = args.device
+    if args.device == "cuda":
+        import torch
+
+        meta_gpu = torch.cuda.get_device_name(0)
+    else:
+        meta_gpu = None
     started = time.perf_counter()
     meta = _common.machine_info() | {"command": _common.command_line("audit_privacy.py", argv),
-                                     "steps": args.steps, "fit_steps": args.fit_steps, "sigma": args.sigma}
+                                     "steps": args.steps, "fit_steps": args.fit_steps, "sigma": args.sigma,
+                                     "device": args.device, "gpu": meta_gpu}
     result = {"meta": meta, "full_batch": [], "sampling": None}
     for label, algorithm, overrides in CONFIGS:
         result["full_batch"].append(full_batch_row(label, algorithm, overrides, args.steps, args.fit_steps,

@@ -32,6 +32,9 @@
 #   profile      profile_zo_step.py: MeZO and DPZero steps profiled (cProfile under training_step, torch.profiler
 #                kernels and operators) on MiniLM b32 fp32 and bf16 and RoBERTa-large b16 bf16
 #                -> results/profile_<model>_<dtype>_b<batch>.txt                              ~2.5 min
+#   audit        audit_privacy.py --device cuda --steps 2000: every private module's measured mu and spread on the
+#                card (fused engine, releases summed on the device) against the ledger's
+#                -> results/audit_privacy_gpu.{md,json}                                       ~2-3 min
 #   triton       HERE, not on the device (needs the registry): the device's Triton (TRITON_VERSION, default
 #                3.6.0, what the H200 had on 2026-11-28) installed beside this checkout's into /tmp/triton-<v>
 #                and put first on PYTHONPATH for the Triton tests that need no GPU: every kernel compiled for
@@ -136,7 +139,8 @@ mkdir -p "$RES" "$LOGS"
 
 #: Per-piece caps in seconds (each under 9 minutes), further cut by what is left of DEADLINE.
 declare -A CAP=([tests]=540 [zo_roberta]=540 [zo_opt]=540 [zo_minilm]=300 [merge]=60 [first_order]=540
-                [bcd]=480 [bcd_accuracy]=540 [fixed_shape]=300 [profile]=240 [triton]=540)
+                [bcd]=480 [bcd_accuracy]=540 [fixed_shape]=300 [profile]=240 [triton]=540
+                [audit]=240)
 for cap in ${CAPS:-}; do  # CAPS="zo_minilm=100 zo_roberta=220": this call's own caps
     if [[ "$cap" =~ ^([a-z_]+)=([0-9]+)$ && -n "${CAP[${BASH_REMATCH[1]}]:-}" ]]; then
         CAP[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}
@@ -322,6 +326,16 @@ piece_profile() {
     return $rc
 }
 
+piece_audit() {
+    ensure_deps || return 1
+    local stem="$RES/audit_privacy_gpu" rc=0
+    # shellcheck disable=SC2086
+    run_logged audit "$(budget audit)" "$PY" benchmarks/audit_privacy.py --device cuda --steps 2000 \
+        --out "$stem" $EXTRA_ARGS || rc=$?
+    export_out audit "$stem.md" "$stem.json"
+    return $rc
+}
+
 piece_fixed_shape() {
     ensure_deps || return 1
     if [[ ! -f .gpu_carry/minilm/model.fp16.safetensors ]]; then
@@ -412,10 +426,11 @@ run_piece() {
         bcd_accuracy) piece_bcd_accuracy ;;
         fixed_shape) piece_fixed_shape ;;
         profile) piece_profile ;;
+        audit) piece_audit ;;
         wheels) piece_wheels ;;
         carry) piece_carry ;;
         triton) piece_triton ;;
-        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy fixed_shape profile all wheels carry triton)"; return 2 ;;
+        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy fixed_shape profile audit all wheels carry triton)"; return 2 ;;
     esac
     rc=$?
     say "=== $piece: done, rc=$rc, wall $((SECONDS - start)) s"

@@ -215,3 +215,15 @@ def test_leading_padding_is_rotated_on_cuda_as_on_the_cpu():
         assert torch.equal(on_cuda[key].cpu(), value)
     right = {k: v[1:] for k, v in batch.items()}
     assert all(torch.equal(v.cpu(), right[k]) for k, v in right_padded({k: v.cuda() for k, v in right.items()}).items())
+
+
+@pytest.mark.parametrize("name", sorted(name for name, cls in ALGORITHMS.items() if cls.private))
+def test_the_weights_show_one_row_on_cuda_exactly_as_much_as_accounted(name):
+    """The contract's empirical audit on the GPU: the fused engine and the release summed on the device (the host's
+    keystream noise added there) must show the canary exactly as the ledger accounts, mu and spread."""
+    from tests.test_privacy_contract import audit_agrees
+
+    agrees, numbers = audit_agrees(name, dict(accelerator="gpu", devices=1),
+                                   **(dict(num_directions=2) if name == "DPZero" else {}))
+    assert agrees, numbers
+

@@ -656,7 +656,7 @@ class _BiasFreeLinear(nn.Module):
         return self.w(x)
 
 
-def audit_scores(name, with_canary, steps, **overrides):
+def audit_scores(name, with_canary, steps, trainer_kwargs=None, **overrides):
     """:class:`CanaryAudit`'s scores of a full-batch fit on 8 zero rows, with or without a canary of norm 1e4 labelled
     with its least likely class (its central differences and gradient are far beyond the clip, never saturated:
     every term of it is clipped to C); and the ledger's mu per step."""
@@ -667,16 +667,16 @@ def audit_scores(name, with_canary, steps, **overrides):
     rows = [(torch.zeros(10), torch.tensor(0))] * 8 + ([(canary[0], label[0])] if with_canary else [])
     module = build(name, backbone, noise_seed=0, **overrides)
     audit = CanaryAudit(canary, label)
-    fit(module, full_batch_loader(rows, steps), steps, [audit])
+    fit(module, full_batch_loader(rows, steps), steps, [audit], **(trainer_kwargs or {}))
     return audit.scores, accounted_mu(module.privacy.ledger.counts) / math.sqrt(steps)
 
 
-def audit_agrees(name, **overrides):
+def audit_agrees(name, trainer_kwargs=None, **overrides):
     """The measured ``mu`` (mean shift over spread) and the measured spread of the scores (the noise std over the
     canary's shift of 1, i.e. ``1 / mu``; chi-square interval) against the ledger's ``mu`` per step, 99.9%
     intervals; and the assumption-free lower bound under the accounted epsilon of one step."""
-    inside, claimed = audit_scores(name, True, 150, **overrides)
-    outside, _ = audit_scores(name, False, 150, **overrides)
+    inside, claimed = audit_scores(name, True, 150, trainer_kwargs, **overrides)
+    outside, _ = audit_scores(name, False, 150, trainer_kwargs, **overrides)
     measured, spread = gaussian_mu(inside, outside, confidence=0.999), gaussian_spread(outside, confidence=0.999)
     return (measured.low <= claimed <= measured.high and spread.low <= 1 / claimed <= spread.high
             and epsilon_lower_bound(inside, outside, delta=1e-5) <= gaussian_epsilon(claimed, 1e-5)), (measured, spread,

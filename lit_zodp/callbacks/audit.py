@@ -54,6 +54,7 @@ class CanaryAudit(pl.Callback):
         if problems:
             raise ConfigError(f"CanaryAudit cannot read this module's releases from its weights: {problems}")
         self._start = self._trainable(pl_module)
+        self.canary = tuple(value.to(pl_module.device) for value in self.canary)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._before = self._trainable(pl_module)
