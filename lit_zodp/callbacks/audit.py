@@ -38,11 +38,13 @@ class CanaryAudit(pl.Callback):
 
     ``restart_each_step`` (default): after each score the weights and the optimizer state return to the fit's
     start, so every step is an independent trial of one mechanism from the same weights (and the canary's loss
-    never saturates). Weight decay, momentum carried between steps and Adam-updated blocks are refused.
+    never saturates). Weight decay, momentum carried between steps and Adam-updated blocks are refused. The canary
+    is cast as the Trainer casts a batch (``precision="bf16-true"``, ``"16-true"``, ``"64-true"``).
     """
 
     def __init__(self, canary_inputs: Tensor, canary_target: Tensor, *, restart_each_step: bool = True) -> None:
         self.canary = (canary_inputs, canary_target)
+        self._canary = self.canary  # (cast at each fit's start as the Trainer casts a batch)
         self.restart_each_step = restart_each_step
         self.scores: list[float] = []
         self._start: dict[str, Tensor] = {}
@@ -54,7 +56,8 @@ class CanaryAudit(pl.Callback):
         if problems:
             raise ConfigError(f"CanaryAudit cannot read this module's releases from its weights: {problems}")
         self._start = self._trainable(pl_module)
-        self.canary = tuple(value.to(pl_module.device) for value in self.canary)
+        inputs, target = self.canary  # as the module's forwards see a batch (its device; precision "bf16-true", ...)
+        self._canary = (trainer.precision_plugin.convert_input(inputs.to(pl_module.device)), target.to(pl_module.device))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._before = self._trainable(pl_module)
@@ -90,7 +93,7 @@ class CanaryAudit(pl.Callback):
 
     def _canary_difference_sign(self, module: Any, names: list[str], seed: int) -> float:
         """The sign of the canary's own ``f(theta + lam u) - f(theta - lam u)`` at the step's weights."""
-        inputs, target = self.canary
+        inputs, target = self._canary
         directions = dict(zip(names, (u.double() for u in module.engine.direction(seed))))
 
         def loss_at(sign: float) -> Tensor:
@@ -123,7 +126,7 @@ class CanaryAudit(pl.Callback):
 
     def _canary_gradient(self, module: Any, names: list[str]) -> Tensor:
         """The gradient of the canary's loss at the step's weights (its clipped term's direction)."""
-        inputs, target = self.canary
+        inputs, target = self._canary
         params = dict(module.backbone.named_parameters())
         with _weights(module.backbone, self._before), torch.enable_grad():
             loss = per_example_loss(module.backbone, inputs, target).sum()
