@@ -52,6 +52,11 @@ class SyntheticClassificationDataModule(PublicPrivateDataModule):
         self.seed = seed
         super().__init__(**kwargs)
 
+    @property
+    def example_shape(self) -> tuple[int]:
+        """One input's shape ``[n_features]`` (a backbone that cannot read it is refused at setup)."""
+        return (self.n_features,)
+
     def config_errors(self) -> list[Optional[str]]:
         return super().config_errors() + [
             check_positive_int("n_samples", self.n_samples),

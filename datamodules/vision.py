@@ -29,10 +29,19 @@ class _VisionDataModule(PublicPrivateDataModule):
     """Shared ``image_size`` handling and validation of the image data modules."""
 
     known_num_classes = 10
+    #: One image's channels and side before ``image_size`` resizes it.
+    channels, side = 1, 28
 
     def __init__(self, image_size: Optional[int] = None, **kwargs: Any) -> None:
         self.image_size = image_size
         super().__init__(**kwargs)
+
+    @property
+    def example_shape(self) -> tuple[int, int, int]:
+        """One input's shape ``[C, H, W]``, from the configuration (a backbone that cannot read it is refused at
+        setup)."""
+        side = self.image_size or self.side
+        return (self.channels, side, side)
 
     def config_errors(self) -> list[Optional[str]]:
         return super().config_errors() + [_image_size_error(self.image_size)]
@@ -57,6 +66,8 @@ class DigitsDataModule(_FixedSplitVisionDataModule):
         image_size: resize to ``image_size x image_size``; ``None`` keeps 8x8.
         **kwargs: :class:`PublicPrivateDataModule` arguments.
     """
+
+    side = 8
 
     def __init__(self, test_fraction: float = 0.2, image_size: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(test_fraction=test_fraction, image_size=image_size, **kwargs)
@@ -150,6 +161,8 @@ class CIFAR10DataModule(_VisionDataModule):
             the same format with other contents (a subset, or test fixtures).
         **kwargs: :class:`PublicPrivateDataModule` arguments.
     """
+
+    channels, side = 3, 32
 
     def __init__(
         self,

@@ -573,3 +573,34 @@ def test_a_private_fit_under_a_strategy_that_returns_only_the_weights_ends_in_on
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lit-zodp: error:")]
     assert len(errors) == 1 and "strategy='ddp_spawn' trains in child processes" in errors[0]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--model.init_args.backbone.init_args.num_classes", "0"], "`num_classes` to be a positive int, but got 0"),
+    (["--model.init_args.backbone.init_args.activation", "relu2"], "`activation` in ['gelu', 'relu', 'silu', 'tanh']"),
+    (["--model.class_path", "lit_zodp.algorithms.DPGD0th", "--model.init_args.num_directions", "2"],
+     "expected `num_directions` 1, but got 2"),
+    (["--trainer.num_sanity_val_steps", "0", "--model.init_args.backbone.init_args.in_features", "32"],
+     "Model/data mismatch: the backbone TinyMLP has `in_features` 32, but the data's examples have shape (1, 8, 8): "
+     "64 features; set `in_features: 64`"),
+    (["--model.init_args.backbone", '{"class_path": "lit_zodp.backbones.TinyCNN", "init_args": {"in_channels": 3}}'],
+     "Model/data mismatch: the backbone TinyCNN has `in_channels` 3, but the data's images have shape (1, 8, 8)"),
+])
+def test_a_backbone_option_or_a_backbone_the_data_does_not_fit_is_one_line_before_any_step(
+        arguments, message, tmp_path, monkeypatch, capsys):
+    """Review 28. Before: a backbone's own check (``num_classes: 0``, an unknown ``activation``) and DPGD-0th's
+    ``num_directions`` raised a plain ValueError, a 72-90 line traceback; TinyMLP's ``in_features`` or TinyCNN's
+    ``in_channels`` other than the images' failed only in the first forward, a ~100-line traceback from a training
+    step (without the sanity check) whose message named the realized Poisson batch size."""
+    from lit_zodp.algorithms.base import AlgorithmModule
+
+    def no_step(*args, **kwargs):
+        raise AssertionError("a training step ran")
+
+    monkeypatch.setattr(AlgorithmModule, "on_train_batch_start", no_step, raising=False)
+    monkeypatch.chdir(tmp_path)
+    lines = _stderr_of_a_refused_run(["fit", "--config", str(QUICKSTART), "--trainer.max_steps", "3",
+                                      "--test_after_fit", "false", *arguments], capsys)
+    errors = [line for line in lines if line.startswith("lit-zodp: error:")]
+    assert len(errors) == 1 and message in errors[0], lines
+    assert not any("Traceback" in line for line in lines), lines

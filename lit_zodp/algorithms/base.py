@@ -228,6 +228,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.num_classes is None and data_classes:
             self.num_classes = data_classes
             self._build_metrics(data_classes)
+        _refuse_input_mismatch(self.backbone, self.trainer.datamodule if self._trainer else None)
         _refuse_text_mismatch(self.backbone, self.trainer.datamodule if self._trainer else None)
         if self.fixed_shape is not None and getattr(self.trainer.datamodule, "pad_to_max_length", True) is False:
             raise PrivacyConfigError(
@@ -900,6 +901,20 @@ def _refuse_loss_scaling(trainer: "pl.Trainer") -> None:
         raise ConfigError(
             "Invalid configuration: `trainer.precision='16-mixed'` scales the loss of a backward these modules "
             "do not run through Lightning: use precision 'bf16-mixed', '16-true' or 'bf16-true'")
+
+
+def _refuse_input_mismatch(backbone: nn.Module, datamodule: Any) -> None:
+    """A backbone that cannot read the data module's inputs (a text backbone on images, an image backbone on text,
+    ``in_features`` or ``in_channels`` other than the images'): one line at setup, from the configuration alone
+    (:meth:`~lit_zodp.backbones.base.Backbone.data_mismatch`; review 28). Before, the first forward raised a
+    traceback: in the sanity check, or at the first private step, naming the realized Poisson batch size."""
+    check = getattr(backbone, "data_mismatch", None)
+    if datamodule is None or not callable(check):
+        return
+    text = hasattr(getattr(datamodule, "tokenizer", None), "convert_tokens_to_ids")
+    error = check(text=text, example_shape=getattr(datamodule, "example_shape", None))
+    if error is not None:
+        raise ConfigError(f"Model/data mismatch: {error}")
 
 
 def _refuse_text_mismatch(backbone: nn.Module, datamodule: Any) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 from lit_zodp.backbones.base import batch_size_of
+from lit_zodp.errors import raise_if_any
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction, clipped_sum
 
 DERIVATIVES = "directional derivatives"
@@ -108,8 +109,8 @@ class DPGD0th(ZerothOrderModule):
     def __init__(self, backbone: nn.Module, **kwargs: Any) -> None:
         super().__init__(backbone, **kwargs)
         if self.num_directions != 1:
-            raise ValueError(f"DPGD-0th (Alg. 1) uses one direction per step, got num_directions="
-                             f"{self.num_directions}")
+            raise_if_any([f"DPGD-0th (Alg. 1) uses one direction per step: expected `num_directions` 1, but got "
+                          f"{self.num_directions}"])
 
     def step_plan(self) -> StepPlan:
         """One d-dimensional release of sensitivity C."""

