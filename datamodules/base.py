@@ -583,6 +583,20 @@ class PublicPrivateDataModule(LightningDataModule):
             return None
         return self.materialize(_random_subset(dataset, self.max_eval_samples, EVAL_SUBSET_SEED))
 
+    def built_example_shape(self) -> Optional[tuple[int, ...]]:
+        """One input's shape as the built splits give it (after the data module's own transforms: a resize, a grey
+        image repeated to RGB), read from the first non-private split (test, validation, public), which the backbone
+        reads as it reads the private one; ``None`` before :meth:`setup`, without such a split, or for inputs that are
+        not one tensor (tokenized text). Never read from the private set, so no refusal follows one private example
+        (review 29: a shape from the configuration alone refused a subclass that converted grey images to RGB)."""
+        for dataset in (self.test_dataset, self.val_dataset, self.public_dataset) if self._ready else ():
+            if dataset is None or len(dataset) == 0:
+                continue
+            example = dataset[0]
+            inputs = example[0] if isinstance(example, (tuple, list)) else example
+            return tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else None
+        return None
+
     def _require_setup(self) -> None:
         if not self._ready:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before the data is used")

@@ -55,7 +55,7 @@ class SyntheticClassificationDataModule(PublicPrivateDataModule):
     @property
     def example_shape(self) -> tuple[int]:
         """One input's shape ``[n_features]`` (a backbone that cannot read it is refused at setup)."""
-        return (self.n_features,)
+        return self.built_example_shape() or (self.n_features,)
 
     def config_errors(self) -> list[Optional[str]]:
         return super().config_errors() + [

@@ -38,10 +38,10 @@ class _VisionDataModule(PublicPrivateDataModule):
 
     @property
     def example_shape(self) -> tuple[int, int, int]:
-        """One input's shape ``[C, H, W]``, from the configuration (a backbone that cannot read it is refused at
-        setup)."""
+        """One input's shape ``[C, H, W]``: the built data's once set up (a subclass may convert or resize the images),
+        else from the configuration (a backbone that cannot read it is refused at setup)."""
         side = self.image_size or self.side
-        return (self.channels, side, side)
+        return self.built_example_shape() or (self.channels, side, side)
 
     def config_errors(self) -> list[Optional[str]]:
         return super().config_errors() + [_image_size_error(self.image_size)]

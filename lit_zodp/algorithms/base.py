@@ -911,8 +911,11 @@ def _refuse_input_mismatch(backbone: nn.Module, datamodule: Any) -> None:
     check = getattr(backbone, "data_mismatch", None)
     if datamodule is None or not callable(check):
         return
-    text = hasattr(getattr(datamodule, "tokenizer", None), "convert_tokens_to_ids")
-    error = check(text=text, example_shape=getattr(datamodule, "example_shape", None))
+    example_shape = getattr(datamodule, "example_shape", None)
+    # A declared tensor shape wins over a tokenizer: a data module may hold one for another purpose (the vocabulary of
+    # bag-of-words features, an encoder's precomputed embeddings) and give tensors (review 29).
+    text = example_shape is None and hasattr(getattr(datamodule, "tokenizer", None), "convert_tokens_to_ids")
+    error = check(text=text, example_shape=example_shape)
     if error is not None:
         raise ConfigError(f"Model/data mismatch: {error}")
 

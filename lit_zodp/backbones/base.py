@@ -122,7 +122,8 @@ def tensor_data_mismatch(backbone: nn.Module, text: bool, channels: Optional[tup
     name = type(backbone).__name__
     if text:
         return (f"the backbone {name} reads tensors, but the data module gives tokenized text: use a text backbone "
-                "(e.g. SentenceEncoderClassifier, HFSequenceClassifier)")
+                "(e.g. SentenceEncoderClassifier, HFSequenceClassifier), or, if its inputs are tensors, declare their "
+                "shape as the data module's `example_shape`")
     if channels is not None and example_shape is not None and len(example_shape) == 3 \
             and example_shape[0] != channels[1]:
         return (f"the backbone {name} has `{channels[0]}` {channels[1]}, but the data's images have shape "

@@ -513,3 +513,36 @@ def test_the_summary_shows_the_multiplier_a_step_is_accounted_at(k, shown):
     module = DPZero(mlp(), lr=0.05, seed=3, clip=1.0, noise_multiplier=1.0, delta=1e-5, num_directions=k)
     fit(module, poisson_loader(blobs(), 0.1), 2)
     assert shown in module.privacy.summary()
+
+
+def test_a_backbone_that_reads_what_the_data_module_actually_gives_is_not_refused():
+    """Review 29: the setup check read the vision modules' `example_shape` from class constants, so a subclass that
+    converts grey images to RGB was refused for a 3-channel backbone (and told to set 1 channel, which then failed
+    at the first forward); and any data module holding a tokenizer counted as text, so one giving tensors (features
+    over a tokenizer's vocabulary) was refused for TinyMLP. Now the built non-private splits give the shape, and a
+    declared `example_shape` wins over a tokenizer. A mismatch with what the data actually gives is still refused."""
+    from datamodules import DigitsDataModule, SyntheticClassificationDataModule
+    from datamodules.base import DataSplits
+    from datamodules.datasets import TensorPairDataset
+    from lit_zodp.backbones import TinyCNN, TinyMLP
+    from lit_zodp.errors import ConfigError
+
+    class RGBDigits(DigitsDataModule):
+        def load_splits(self):
+            splits = super().load_splits()
+            rgb = [TensorPairDataset(part.inputs.repeat(1, 3, 1, 1), part.targets) for part in (splits.train, splits.test)]
+            return DataSplits(train=rgb[0], test=rgb[1], num_classes=10)
+
+    class Vocabulary:
+        def convert_tokens_to_ids(self, tokens):
+            return 0
+
+    class BagOfWords(SyntheticClassificationDataModule):
+        tokenizer = Vocabulary()
+
+    data = dict(batch_size=32, val_fraction=0.0)
+    quiet_trainer(max_steps=1).fit(DPZero(TinyCNN(in_channels=3), target_epsilon=4.0), datamodule=RGBDigits(**data))
+    quiet_trainer(max_steps=1).fit(DPZero(TinyMLP(in_features=16, num_classes=2), target_epsilon=4.0),
+                                   datamodule=BagOfWords(**data))
+    with pytest.raises(ConfigError, match=r"`in_channels` 1, but the data's images have shape \(3, 8, 8\)"):
+        quiet_trainer(max_steps=1).fit(DPZero(TinyCNN(in_channels=1), target_epsilon=4.0), datamodule=RGBDigits(**data))
