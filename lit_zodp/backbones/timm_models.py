@@ -81,7 +81,19 @@ class TimmClassifier(Backbone):
             load_weights(self.model, state, head_keys=classifier_keys(self.model))
 
     def data_mismatch(self, *, text: bool, example_shape: Optional[tuple[int, ...]]) -> Optional[str]:
-        return tensor_data_mismatch(self, text, ("in_chans", self.in_chans), example_shape)
+        error = tensor_data_mismatch(self, text, ("in_chans", self.in_chans), example_shape)
+        if error is not None or example_shape is None or len(example_shape) != 3:
+            return error
+        # A patch embedding of one fixed image size (ViT, DeiT, Swin without dynamic_img_size) fails at its first
+        # forward on images of another size (review 29).
+        patch = getattr(self.model, "patch_embed", None)
+        size = getattr(patch, "img_size", None)
+        if getattr(patch, "strict_img_size", False) is True and size is not None \
+                and tuple(size) != tuple(example_shape[1:]):
+            return (f"the backbone TimmClassifier {self.model_name!r} reads images of size {tuple(size)}, but the "
+                    f"data's images have shape {tuple(example_shape)}: set `img_size: {example_shape[1]}` (or the "
+                    f"data's `image_size: {size[0]}`)")
+        return None
 
     def forward(self, inputs: Tensor) -> Tensor:
         """Logits ``[B, num_classes]`` of images ``[B, C, H, W]``."""

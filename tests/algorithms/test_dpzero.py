@@ -546,3 +546,23 @@ def test_a_backbone_that_reads_what_the_data_module_actually_gives_is_not_refuse
                                    datamodule=BagOfWords(**data))
     with pytest.raises(ConfigError, match=r"`in_channels` 1, but the data's images have shape \(3, 8, 8\)"):
         quiet_trainer(max_steps=1).fit(DPZero(TinyCNN(in_channels=1), target_epsilon=4.0), datamodule=RGBDigits(**data))
+
+
+def test_a_timm_model_of_another_fixed_image_size_than_the_data_is_refused_at_setup():
+    """Review 29: a ViT built for one image size (`img_size` 28) on 8x8 digits failed only at its first forward
+    ('Input height (8) doesn't match model (28)'); now one line at setup. The same model on the data resized to its
+    size trains."""
+    pytest.importorskip("timm")
+    from datamodules import DigitsDataModule
+    from lit_zodp.backbones import TimmClassifier
+    from lit_zodp.errors import ConfigError
+
+    def vit():
+        return TimmClassifier("vit_tiny_patch16_224", img_size=28, patch_size=7, in_chans=1, model_kwargs={"depth": 1})
+
+    with pytest.raises(ConfigError, match=r"reads images of size \(28, 28\), but the data's images have shape "
+                                          r"\(1, 8, 8\)"):
+        quiet_trainer(max_steps=1).fit(DPZero(vit(), target_epsilon=4.0), datamodule=DigitsDataModule(batch_size=32))
+    trainer = quiet_trainer(max_steps=1)
+    trainer.fit(DPZero(vit(), target_epsilon=4.0), datamodule=DigitsDataModule(batch_size=32, image_size=28))
+    assert trainer.global_step == 1
