@@ -106,7 +106,20 @@ class TinyCNN(Backbone):
         self.head = nn.Linear(8 * width, num_classes)
 
     def data_mismatch(self, *, text: bool, example_shape: Optional[tuple[int, ...]]) -> Optional[str]:
-        return tensor_data_mismatch(self, text, ("in_channels", self.in_channels), example_shape)
+        error = tensor_data_mismatch(self, text, ("in_channels", self.in_channels), example_shape)
+        if error is not None or example_shape is None:
+            return error
+        # Flat examples are read as square images (review 29: other sizes failed at the first forward).
+        if len(example_shape) == 1:
+            side = math.isqrt(example_shape[0] // self.in_channels)
+            if self.in_channels * side * side != example_shape[0]:
+                return (f"the backbone TinyCNN reads flat examples as square images of `in_channels` "
+                        f"{self.in_channels}, but the data's examples have {example_shape[0]} features: use TinyMLP "
+                        f"(`in_features: {example_shape[0]}`)")
+        elif len(example_shape) == 2 and self.in_channels != 1:
+            return (f"the backbone TinyCNN has `in_channels` {self.in_channels}, but the data's images have shape "
+                    f"{tuple(example_shape)} (one channel): set `in_channels: 1`")
+        return None
 
     def forward(self, inputs: Tensor) -> Tensor:
         """Logits ``[B, num_classes]``."""

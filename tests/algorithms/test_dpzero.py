@@ -566,3 +566,21 @@ def test_a_timm_model_of_another_fixed_image_size_than_the_data_is_refused_at_se
     trainer = quiet_trainer(max_steps=1)
     trainer.fit(DPZero(vit(), target_epsilon=4.0), datamodule=DigitsDataModule(batch_size=32, image_size=28))
     assert trainer.global_step == 1
+
+
+def test_a_tiny_cnn_that_cannot_read_flat_examples_as_square_images_is_refused_at_setup():
+    """Review 29: TinyCNN reads flat examples as square images; 10 features failed at the first forward ('cannot
+    read 10 features as square images'), now one line at setup. 64 features (8x8) train."""
+    from datamodules import SyntheticClassificationDataModule
+    from lit_zodp.backbones import TinyCNN
+    from lit_zodp.errors import ConfigError
+
+    def data(features):
+        return SyntheticClassificationDataModule(n_features=features, num_classes=10, batch_size=32, val_fraction=0.0)
+
+    with pytest.raises(ConfigError, match="TinyCNN reads flat examples as square images of `in_channels` 1, but the "
+                                          "data's examples have 10 features"):
+        quiet_trainer(max_steps=1).fit(DPZero(TinyCNN(), target_epsilon=4.0), datamodule=data(10))
+    trainer = quiet_trainer(max_steps=1)
+    trainer.fit(DPZero(TinyCNN(), target_epsilon=4.0), datamodule=data(64))
+    assert trainer.global_step == 1
