@@ -79,10 +79,10 @@ class CanaryAudit(pl.Callback):
     def _zeroth_order_score(self, module: Any, step: int, delta: dict[str, Tensor]) -> float:
         names = self._engine_names(module)
         seeds = [derive_seed(module.run_seed, step, k) for k in range(module.num_directions)]
-        directions = [torch.cat([u.detach().double().flatten() for u in module.engine.direction(seed)])
-                      for seed in seeds]
+        drawn = [dict(zip(names, (u.detach().double() for u in module.engine.direction(seed)))) for seed in seeds]
+        directions = [torch.cat([u[name].flatten() for name in names]) for u in drawn]
         change = torch.cat([delta[name].flatten() for name in names])
-        signs = [self._canary_difference_sign(module, names, seed) for seed in seeds]
+        signs = [self._canary_difference_sign(module, u) for u in drawn]
         size, clip = module.privacy.expected_batch_size, module.clip
         if getattr(module, "vector_noise", False):
             (u,) = directions
@@ -91,10 +91,10 @@ class CanaryAudit(pl.Callback):
         coefficients = torch.linalg.solve(basis.T @ basis, basis.T @ (-len(seeds) * change / module.lr))
         return float(sum(sign * size * g / clip for sign, g in zip(signs, coefficients)) / len(seeds))
 
-    def _canary_difference_sign(self, module: Any, names: list[str], seed: int) -> float:
-        """The sign of the canary's own ``f(theta + lam u) - f(theta - lam u)`` at the step's weights."""
+    def _canary_difference_sign(self, module: Any, directions: dict[str, Tensor]) -> float:
+        """The sign of the canary's own ``f(theta + lam u) - f(theta - lam u)`` at the step's weights (``u`` by
+        parameter name)."""
         inputs, target = self._canary
-        directions = dict(zip(names, (u.double() for u in module.engine.direction(seed))))
 
         def loss_at(sign: float) -> Tensor:
             weights = {name: value + sign * module.lam * directions[name] if name in directions else value
@@ -115,10 +115,9 @@ class CanaryAudit(pl.Callback):
         optimizer = module.optimizers().optimizer
         if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
             beta1 = optimizer.param_groups[0]["betas"][0]
-            by_param = dict(zip((id(p) for p in module.backbone.parameters()), module.backbone.parameters()))
             params = dict(module.backbone.named_parameters())
-            released = torch.cat([optimizer.state[by_param[id(params[name])]]["exp_avg"].double().flatten()
-                                  / (1 - beta1) for name in names])
+            released = torch.cat([optimizer.state[params[name]]["exp_avg"].double().flatten() / (1 - beta1)
+                                  for name in names])
         else:
             released = torch.cat([-delta[name].flatten() for name in names]) / module.lr
         size, clip = module.privacy.expected_batch_size, module.clip
