@@ -111,8 +111,7 @@ class TinyCNN(Backbone):
             return error
         # Flat examples are read as square images (review 29: other sizes failed at the first forward).
         if len(example_shape) == 1:
-            side = math.isqrt(example_shape[0] // self.in_channels)
-            if self.in_channels * side * side != example_shape[0]:
+            if self._square_side(example_shape[0]) is None:
                 return (f"the backbone TinyCNN reads flat examples as square images of `in_channels` "
                         f"{self.in_channels}, but the data's examples have {example_shape[0]} features: use TinyMLP "
                         f"(`in_features: {example_shape[0]}`)")
@@ -126,13 +125,18 @@ class TinyCNN(Backbone):
         x = self._as_images(as_float_input(inputs, self.head.weight))
         return self.head(self.features(x).flatten(1))
 
+    def _square_side(self, features: int) -> Optional[int]:
+        """The side ``S`` of the square images of ``in_channels`` that ``features`` flat values make, if any."""
+        side = math.isqrt(features // self.in_channels)
+        return side if self.in_channels * side * side == features else None
+
     def _as_images(self, x: Tensor) -> Tensor:
         """Reshape ``[B, H, W]`` or flat ``[B, C*S*S]`` inputs to ``[B, C, H, W]``."""
         if x.dim() == 3 and self.in_channels == 1:
             x = x.unsqueeze(1)
         elif x.dim() == 2:
-            side = math.isqrt(x.shape[1] // self.in_channels)
-            if self.in_channels * side * side != x.shape[1]:
+            side = self._square_side(x.shape[1])
+            if side is None:
                 raise ValueError(
                     f"cannot read {x.shape[1]} features as square images with {self.in_channels} channel(s)"
                 )
