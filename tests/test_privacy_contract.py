@@ -166,6 +166,31 @@ def test_a_release_whose_optimizer_step_failed_part_way_is_counted(name, tmp_pat
     assert [entry["count"] for entry in saved["privacy"]["ledger"]["entries"]] == [5]
 
 
+class RaisingOnException(Callback):
+    """A user's callback whose own ``on_exception`` raises: Lightning runs no later callback's ``on_exception`` (the
+    privacy callback's commit of the pending release), no teardown and no fit end."""
+
+    def on_exception(self, trainer, module, exception):
+        raise RuntimeError("the user's on_exception failed too")
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_release_pending_when_the_fit_end_never_ran_is_counted_in_checkpoints_and_the_next_fit(name, tmp_path):
+    """The 5th release reached the weights; a callback's raising ``on_exception`` skipped every commit of it. A
+    checkpoint the user saves then, and the module's next fit, still count 5 steps (before: 4, and the next fit's
+    plan dropped the pending release)."""
+    module, failing = build(name), FailingUpdate()
+    trainer = quiet_trainer(max_steps=10, callbacks=[RaisingOnException(), failing])
+    with pytest.raises(RuntimeError, match="on_exception failed too"):
+        trainer.fit(module, poisson_loader(blobs(), 0.25))
+    assert module.privacy.in_fit and module.privacy.ledger.total_count == 4  # the fit's end never ran
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    saved = torch.load(tmp_path / "after.ckpt", weights_only=False)
+    assert [entry["count"] for entry in saved["privacy"]["ledger"]["entries"]] == [5]
+    fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert module.privacy.ledger.total_count == 7 and module.privacy.fit_steps == 2
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_a_collate_making_inference_tensors_for_its_rows_trains_whatever_batches_are_empty(name):
     """Review 27: a collate computing its rows' features under ``torch.inference_mode()`` (a frozen encoder) and

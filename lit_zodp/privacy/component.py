@@ -17,6 +17,7 @@ or sampling state; it travels in every checkpoint, and on load the budget stays 
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 import weakref
@@ -201,7 +202,8 @@ class PrivacyComponent:
         ``split``: which rows are not private (``datamodules.base.split_id``, of public facts only; ``None``: unknown,
         a loader of the user's); a resume on another split than the checkpoint's is refused.
         """
-        self._in_fit = False  # (a fit that never reached its end_fit)
+        if self._in_fit:  # a fit that never reached its end_fit: its pending release is counted first
+            self.end_fit()
         if self.sampling is not None and self.sampling.name == ShuffledSampling.name and self.ledger.total_count:
             self._shuffled_before = True  # an earlier fit of this run, in this process, took shuffled steps
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
@@ -540,11 +542,10 @@ class PrivacyComponent:
         A step that released more than its plan is recorded as the steps that cover its releases
         before this raises: those releases are in the weights already.
         """
-        released, self._released = self._released, []
+        released, self._released = sorted(self._released), []
         constants = self._constants()
-        released.sort()
         planned = constants.names
-        steps = 1 if released == planned else _steps_covering(released, planned)
+        steps = _steps_covering(released, planned)
         self.fit_steps += steps
         if constants.cost:  # private
             for mechanism, count in constants.cost:
@@ -630,7 +631,22 @@ class PrivacyComponent:
                     "split": self.split, "single_pass": self.single_pass}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
-        return {"ledger": self.ledger.state_dict(), "plan": plan}
+        return {"ledger": self._ledger_with_pending_releases().state_dict(), "plan": plan}
+
+    def _ledger_with_pending_releases(self) -> PrivacyLedger:
+        """The ledger, with the releases no optimizer step has committed yet counted as the steps that cover them.
+
+        A checkpoint written between a step's release and its commit (a failing fit whose own ``on_exception``
+        callback raised before the privacy callback's could commit it, then ``trainer.save_checkpoint``) holds a
+        model that may carry the release: its ledger must count it (review 25's case, when the fit's end never runs).
+        """
+        if not (self._released and self._in_fit and self._constants().cost):
+            return self.ledger
+        ledger = copy.deepcopy(self.ledger)
+        steps = _steps_covering(sorted(self._released), self._constants().names)
+        for mechanism, count in self._constants().cost:
+            ledger.record(mechanism, count * steps)
+        return ledger
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the ledger; the checkpoint's budget binds together with the configured one."""
@@ -696,6 +712,8 @@ def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[s
 
 def _steps_covering(released: list[str], planned: list[str]) -> int:
     """Steps of the plan that cover ``released`` (at least one): each release counted as often as it ran."""
+    if released == planned:
+        return 1
     return max([1] + [math.ceil(released.count(name) / planned.count(name)) for name in set(released)])
 
 
