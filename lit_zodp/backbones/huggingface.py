@@ -806,8 +806,9 @@ class HFCandidateScorer(_ReadsText):
         ids, candidates = inputs["input_ids"], inputs["candidate_mask"]
         if ids.dim() != 3 or tuple(candidates.shape) != tuple(ids.shape):
             raise ValueError(
-                "input_ids and candidate_mask must both have shape [B, K, L]; got "
-                f"{tuple(ids.shape)} and {tuple(candidates.shape)}"
+                "input_ids and candidate_mask must both have shape [B, K, L]; got a "
+                f"{ids.dim()}-D input_ids and a candidate_mask of {'its' if candidates.shape == ids.shape else 'another'} "
+                "shape (no sizes named: a Poisson batch's size and padded length are private)"
             )
         size, k, length = ids.shape
         if self.num_classes is not None and k != self.num_classes:

@@ -72,7 +72,7 @@ class TinyMLP(Backbone):
         if x.shape[1] != self.in_features:
             raise ValueError(
                 f"TinyMLP expects {self.in_features} features per example, got {x.shape[1]} "
-                f"(input shape {tuple(inputs.shape)})"
+                f"(examples of shape {tuple(inputs.shape[1:])}; no batch size: a Poisson batch's is private)"
             )
         return self.net(x)
 
@@ -143,7 +143,7 @@ class TinyCNN(Backbone):
             x = x.reshape(x.shape[0], self.in_channels, side, side)
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(
-                f"TinyCNN expects images [B, {self.in_channels}, H, W], got shape {tuple(x.shape)}"
+                f"TinyCNN expects images [B, {self.in_channels}, H, W], got examples of shape {tuple(x.shape[1:])}"
             )
         return x
 

@@ -7,6 +7,7 @@ import argparse
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -391,3 +392,12 @@ def test_candidate_scorer_from_a_class_path_config(tiny_paths):
     assert isinstance(model, HFCandidateScorer) and model.loss == "lm" and model.length_normalize
     with pytest.raises(argparse.ArgumentError, match="loss"):
         parser.parse_object({"model": {"class_path": class_path, "init_args": dict(init_args, loss="mse")}})
+
+
+def test_a_candidate_batch_of_the_wrong_layout_is_refused_naming_no_batch_size_or_length(scorer, batch):
+    """The message names the layout expected, never the batch's size or padded length (private under Poisson
+    sampling and per-batch padding: review 17)."""
+    flat = {key: value[:, 0] for key, value in batch.items()}  # [B, L]: one candidate's rows, not [B, K, L]
+    with pytest.raises(ValueError, match=r"\[B, K, L\]; got a 2-D input_ids") as error:
+        scorer(flat)
+    assert re.findall(r"\d+", str(error.value)) == ["2"]  # the one number: input_ids' dimensions

@@ -50,6 +50,16 @@ def test_shape_errors_are_clear():
         TinyMLP(64, 10)(torch.randn(2, 10))
     with pytest.raises(ValueError, match="expects images"):
         TinyCNN(3, 10)(torch.randn(2, 1, 8, 8))
+
+
+@pytest.mark.parametrize("model, inputs", [(TinyMLP(64, 10), torch.randn(37, 10)),
+                                           (TinyCNN(3, 10), torch.randn(37, 1, 8, 8))])
+def test_shape_errors_name_the_example_shape_and_no_batch_size(model, inputs):
+    """A model/data mismatch on a user's own loader fails at the first private forward: its message names what one
+    example looks like, never the realized size of a Poisson batch (a function of the private data; review 17)."""
+    with pytest.raises(ValueError) as error:
+        model(inputs)
+    assert str(tuple(inputs.shape[1:])) in str(error.value) and "37" not in str(error.value)
     with pytest.raises(ValueError, match="square images"):
         TinyCNN(1, 10)(torch.randn(2, 10))
 
