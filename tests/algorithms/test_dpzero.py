@@ -59,7 +59,7 @@ class ConstantLoss(nn.Module):
         self.w = nn.Parameter(torch.randn(40))
 
     def forward(self, x):
-        return torch.zeros(x.shape[0], 3) + 0.0 * self.w.sum().detach()
+        return torch.zeros(x.shape[0], 3, dtype=self.w.dtype) + 0.0 * self.w.sum().detach()
 
 
 def test_update_is_exactly_parallel_to_u(dataset):
@@ -73,13 +73,16 @@ def test_update_is_exactly_parallel_to_u(dataset):
         assert cosine == pytest.approx(1.0, abs=1e-5)
 
 
-def test_empirical_noise_std_of_the_step_matches_sigma_clip_over_batch():
-    """With all central differences 0, each step is -lr * (z / B) * u with z ~ N(0, (sigma C)^2)."""
+@pytest.mark.parametrize("precision", ["32-true", "64-true"])
+def test_empirical_noise_std_of_the_step_matches_sigma_clip_over_batch(precision):
+    """With all central differences 0, each step is -lr * (z / B) * u with z ~ N(0, (sigma C)^2); a float64 model's
+    float64 losses (kept since review 32) are released with the same noise."""
     data = blobs(n=80)
     trace = ParameterTrace()
     sigma, clip, lr, steps = 2.0, 0.5, 0.1, 400
     module = DPZero(ConstantLoss(), lr=lr, clip=clip, noise_multiplier=sigma, seed=0, noise_seed=1)
-    fit(module, poisson_loader(data, 0.1), steps, [trace])
+    quiet_trainer(max_steps=steps, callbacks=[trace], precision=precision).fit(module, poisson_loader(data, 0.1))
+    assert next(module.backbone.parameters()).dtype == (torch.float64 if precision == "64-true" else torch.float32)
     B = 0.1 * 80
     coefficients = torch.tensor([
         -((a - b) @ direction(module, t)).item() / (lr * direction(module, t).pow(2).sum().item())
@@ -584,3 +587,48 @@ def test_a_tiny_cnn_that_cannot_read_flat_examples_as_square_images_is_refused_a
     trainer = quiet_trainer(max_steps=1)
     trainer.fit(DPZero(TinyCNN(), target_epsilon=4.0), datamodule=data(64))
     assert trainer.global_step == 1
+
+
+class SyntheticQuadratic(nn.Module):
+    """DPZero Sec. 5.1 / App. B.1: ``f(x; xi_i) = (x - x_i)^T A (x - x_i) / 2`` in float64, ``A = I``, rows ``x_i``."""
+
+    num_classes = 2
+
+    def __init__(self, dim):
+        super().__init__()
+        self.x = nn.Parameter(torch.zeros(dim, dtype=torch.float64))
+
+    def forward(self, inputs):
+        return inputs
+
+    def per_example_loss(self, inputs, targets):
+        r = self.x - inputs
+        return 0.5 * (r * r).sum(1)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(MeZO, {}), (DPZero, dict(clip=1e3, noise_multiplier=1.0)),
+                                        (DPZero, dict(clip=1e3, noise_multiplier=1.0, fixed_forward_rows=16))])
+def test_a_float64_models_central_differences_are_not_rounded_to_float32(cls, kwargs):
+    """The paper's synthetic quadratic (App. B.1: lam = 1e-4, x_i ~ N(1, I)) near its optimum, d = 1000: the
+    per-example central difference is ``u^T A (x - x_i)`` exactly. Rounding the losses (~500) to float32 before
+    the difference erred by ~2e-3 of it per example and ~4% of the batch mean's ``u^T grad F_B`` (an error floor
+    of the non-private reference that the gradient norm of Fig. 1 cannot go below)."""
+    from lit_zodp.zo import PerturbationEngine, make_direction_law
+
+    g = torch.Generator().manual_seed(0)
+    d, lam = 1000, 1e-4
+    rows = 1 + torch.randn(32, d, generator=g, dtype=torch.float64)
+    model = SyntheticQuadratic(d)
+    with torch.no_grad():
+        model.x.copy_(rows.mean(0) + 0.01 * torch.randn(d, generator=g, dtype=torch.float64))
+    module = cls(model, lr=1e-3, lam=lam, directions="sphere", perturbation="chunked", **kwargs)
+    module.engine = PerturbationEngine([model.x], make_direction_law("sphere"))
+    targets = torch.zeros(len(rows), dtype=torch.long)
+    for seed in range(3):
+        differences = module.directional_differences(seed, rows, targets)
+        module.restore()
+        u = module.engine.direction(seed)[0].double()
+        exact = (model.x.detach() - rows) @ u
+        assert differences.dtype == torch.float64
+        torch.testing.assert_close(differences, exact, rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(differences.mean(), exact.mean(), rtol=1e-7, atol=1e-9)
