@@ -131,24 +131,31 @@ class ReferenceDPZero:
                 p.copy_(value)
             return F.cross_entropy(model(x), y, reduction="none")
 
-    def step(self, t, x, y):
+    def step(self, t, x, y, k=1):
+        """Alg. 2 lines 2-3; with ``k`` directions (ours) each is line 3 with its own noise, averaged."""
         params = [p.detach().clone() for p in self.model.parameters()]
-        u = self.directions(derive_seed(self.run_seed, t, 0))
-        plus = self.losses([p + self.lam * z for p, z in zip(params, u)], x, y)
-        minus = self.losses([p - self.lam * z for p, z in zip(params, u)], x, y)
-        s = clip_scalars((plus - minus) / (2 * self.lam), self.clip).sum()
-        g = (s + self.noise.gaussian((1,), self.sigma * self.clip)[0]) / self.B
+        steps = []
+        for j in range(k):
+            u = self.directions(derive_seed(self.run_seed, t, j))
+            plus = self.losses([p + self.lam * z for p, z in zip(params, u)], x, y)
+            minus = self.losses([p - self.lam * z for p, z in zip(params, u)], x, y)
+            steps.append((u, clip_scalars((plus - minus) / (2 * self.lam), self.clip).sum()))
+        noise = self.noise.gaussian((k,), self.sigma * self.clip)
         with torch.no_grad():
-            for p, z in zip(self.model.parameters(), u):
-                p.sub_(self.lr * g * z)
+            for (u, s), z_t in zip(steps, noise):
+                g = (s + z_t) / self.B
+                for p, z in zip(self.model.parameters(), u):
+                    p.sub_(self.lr * g * z / k)
 
 
-@pytest.mark.parametrize("perturbation", ["chunked", "fused"])
-def test_matches_the_naive_reference_implementation(dataset, perturbation):
-    """Both engines (the fused one by its CPU reference) give the naive algorithm's iterates."""
+@pytest.mark.parametrize("perturbation,directions,k", [("chunked", "gaussian", 1), ("fused", "gaussian", 1),
+                                                       ("chunked", "sphere", 1), ("chunked", "gaussian", 3)])
+def test_matches_the_naive_reference_implementation(dataset, perturbation, directions, k):
+    """Both engines (the fused one by its CPU reference) give the naive algorithm's iterates; so do Alg. 2's own
+    law, u on the sqrt(d) sphere (line 2), and k = 3 directions (ours: k releases, the steps averaged)."""
     trace = ParameterTrace()
     module = DPZero(mlp(seed=2), lr=0.05, lam=1e-2, clip=0.3, noise_multiplier=0.7, seed=5, noise_seed=9,
-                    perturbation=perturbation)
+                    perturbation=perturbation, directions=directions, num_directions=k)
     batches = []
 
     class Record(Callback):
@@ -160,8 +167,11 @@ def test_matches_the_naive_reference_implementation(dataset, perturbation):
                                 run_seed=5, noise_seed=9,
                                 law_directions=lambda seed: direction_tensors(module, seed))
     for t, (x, y) in enumerate(batches):
-        reference.step(t, x, y)
+        reference.step(t, x, y, k)
     torch.testing.assert_close(flat(reference.model), flat(module.backbone), rtol=0, atol=1e-5)
+    if directions == "sphere":  # ||u|| = sqrt(d), one norm over all tensors
+        d = sum(p.numel() for p in module.backbone.parameters())
+        assert direction(module, 2).norm().item() == pytest.approx(math.sqrt(d), rel=1e-6)
 
 
 def test_empty_batches_do_not_crash_and_still_add_noise():
@@ -176,7 +186,9 @@ def test_empty_batches_do_not_crash_and_still_add_noise():
     assert module.privacy.ledger.total_count == 10
 
 
-def test_dpgd0th_clips_the_vector_estimate_and_adds_vector_noise(dataset):
+@pytest.mark.parametrize("directions", ["gaussian", "sphere"])
+def test_dpgd0th_clips_the_vector_estimate_and_adds_vector_noise(dataset, directions):
+    """Alg. 1 line 3: clip_C(g_i) of each vector g_i = s_i u, its own u law (line 2: the sqrt(d) sphere) included."""
     trace = ParameterTrace()
     batches = []
 
@@ -185,7 +197,7 @@ def test_dpgd0th_clips_the_vector_estimate_and_adds_vector_noise(dataset):
             batches.append(batch)
 
     lr, lam, clip = 0.05, 1e-2, 0.05
-    module = DPGD0th(mlp(seed=3), lr=lr, lam=lam, clip=clip, noise_multiplier=0.0, seed=2)
+    module = DPGD0th(mlp(seed=3), lr=lr, lam=lam, clip=clip, noise_multiplier=0.0, seed=2, directions=directions)
     fit(module, poisson_loader(dataset, 0.3), 3, [trace, Record()])
     reference = mlp(seed=3)
     B = 0.3 * len(dataset)
