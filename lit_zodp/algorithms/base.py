@@ -35,6 +35,7 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, Param
                                          beyond_tolerance, buffer_state, check_recheck_probability, eval_mode,
                                          refuse_batch_mixing, refuse_buffer_writes, renormalising_embeddings,
                                          rows_agree, rows_differ, step_mode_recompute, warn_unchecked_training_mode)
+from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.privacy import (NonPrivate, PoissonBatchSampler, PrivacyComponent, PrivateBatchSampler,
                               SinglePassBatchSampler, SpendLog, StepPlan)
 from lit_zodp.privacy.fixed_shape import (FixedShapeForwards, any_row_ends_early, cut_columns, rows_ending_early,
@@ -365,29 +366,35 @@ class AlgorithmModule(pl.LightningModule):
     def _losses(self, inputs, targets) -> Tensor:
         if self.fixed_shape is None:
             return self.example_losses(inputs, targets)
-        losses = torch.empty(len(targets), dtype=torch.float32, device=targets.device)
+        losses = None
         for rows, row_targets, positions in self.fixed_shape.chunks(inputs, targets):
-            losses[positions] = self.example_losses(rows, row_targets)[:len(positions)]
-        return losses
+            chunk = self.example_losses(rows, row_targets)
+            if losses is None:  # (the chunks' dtype: a float64 model's losses stay float64)
+                losses = torch.empty(len(targets), dtype=chunk.dtype, device=targets.device)
+            losses[positions] = chunk[:len(positions)]
+        return losses if losses is not None else torch.zeros(0, device=targets.device)
 
     def example_losses(self, inputs, targets) -> Tensor:
-        """The backbone's per-example losses (float32 or wider). In a private step a class target the model cannot
-        take gives a NaN loss, counted as zero, instead of failing the step that samples its row (review 21:
-        :func:`~lit_zodp.backbones.base.per_example_loss`). The check costs about six tensor ops per forward (56 us
-        per forward on the quickstart's CPU), so it runs only where needed: on the CPU, after the plain losses raised
-        (``IndexError: Target 7 is out of bounds``); on an accelerator, where a bad target is a device assert, unless
-        the host saw every target of the batch in range (:meth:`_vet_host_labels`)."""
+        """The backbone's per-example losses (float32 or wider: half precision is widened, a float64 model's are kept
+        for the central difference; a ``.float()`` here narrowed them, and on DPZero's synthetic quadratic, App. B.1
+        at ``lam = 1e-4``, losses of ~500 rounded to float32 moved each difference in steps of 0.3). In a private
+        step a class target the model cannot take gives a NaN loss, counted as zero, instead of failing the step that
+        samples its row (review 21: :func:`~lit_zodp.backbones.base.per_example_loss`). The check costs about six
+        tensor ops per forward (56 us per forward on the quickstart's CPU), so it runs only where needed: on the CPU,
+        after the plain losses raised (``IndexError: Target 7 is out of bounds``); on an accelerator, where a bad
+        target is a device assert, unless the host saw every target of the batch in range
+        (:meth:`_vet_host_labels`)."""
         if self.private and self._check_labels:
             return self._total_losses(inputs, targets)
         try:
-            return per_example_loss(self.backbone, inputs, targets).float()
+            return at_least_float32(per_example_loss(self.backbone, inputs, targets))
         except (IndexError, RuntimeError):
             if not self.private:
                 raise
         return self._total_losses(inputs, targets)  # (the check raises again an error that was not the targets')
 
     def _total_losses(self, inputs, targets) -> Tensor:
-        return per_example_loss(self.backbone, inputs, targets, total=True, classes=self.num_classes).float()
+        return at_least_float32(per_example_loss(self.backbone, inputs, targets, total=True, classes=self.num_classes))
 
     def _device_checks_labels(self) -> bool:
         """Whether this fit's class targets are checked before the device sees them: on an accelerator a target out
@@ -615,7 +622,7 @@ class AlgorithmModule(pl.LightningModule):
         inputs, targets = public_batch
         params = params if params is not None else [p for p in self.backbone.parameters() if p.requires_grad]
         with torch.enable_grad():
-            loss = per_example_loss(self.backbone, inputs, targets).float().mean()
+            loss = at_least_float32(per_example_loss(self.backbone, inputs, targets)).mean()
             grads = torch.autograd.grad(loss, params, allow_unused=True)
         return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
 

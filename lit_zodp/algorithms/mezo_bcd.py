@@ -361,7 +361,7 @@ class DPMeZOBCD(DPZero):
 
     def record_score(self, block: int, projected: Tensor) -> None:
         """``zbar_j <- alpha pg + (1 - alpha) zbar_j`` for the active block only (released pg: post-processing)."""
-        value = float(projected.float().mean())
+        value = float(projected.double().mean())
         score = abs(value) if self.adaptive_score == "abs" else value
         if math.isfinite(score):
             j = block - 1
@@ -376,10 +376,11 @@ class DPMeZOBCD(DPZero):
         lrs = [rates[id(p)] for p in params]                                            # eta_t (before the scheduler)
         local_t = self.global_step % self.steps_per_block + 1                           # Alg. 5 line 5: t in 1..nu
         self.update({})                                                                # restore (+lam u); a step
-        g = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        # moments in float32, or the parameters' dtype where wider (float64: kept, not narrowed)
+        g = [torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device) for p in params]
         for seed, c in coefficients.items():                                            # reseed s; u ~ N(0, I_|Bj|)
             for g_i, u_i in zip(g, self.engine.block_direction(seed)):
-                g_i.add_(u_i.to(g_i.device) * (c.to(g_i.device) / len(coefficients)))
+                g_i.add_(u_i.to(g_i.device, g_i.dtype) * (c.to(g_i.device) / len(coefficients)))
         if self.adam_state is None:
             self.adam_state = {"m": [torch.zeros_like(x) for x in g], "v": [torch.zeros_like(x) for x in g]}
         self.adam_state = {k: [t.to(x.device) for t, x in zip(v, g)] for k, v in self.adam_state.items()}

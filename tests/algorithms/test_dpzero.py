@@ -59,7 +59,7 @@ class ConstantLoss(nn.Module):
         self.w = nn.Parameter(torch.randn(40))
 
     def forward(self, x):
-        return torch.zeros(x.shape[0], 3) + 0.0 * self.w.sum().detach()
+        return torch.zeros(x.shape[0], 3, dtype=self.w.dtype) + 0.0 * self.w.sum().detach()
 
 
 def test_update_is_exactly_parallel_to_u(dataset):
@@ -73,13 +73,16 @@ def test_update_is_exactly_parallel_to_u(dataset):
         assert cosine == pytest.approx(1.0, abs=1e-5)
 
 
-def test_empirical_noise_std_of_the_step_matches_sigma_clip_over_batch():
-    """With all central differences 0, each step is -lr * (z / B) * u with z ~ N(0, (sigma C)^2)."""
+@pytest.mark.parametrize("precision", ["32-true", "64-true"])
+def test_empirical_noise_std_of_the_step_matches_sigma_clip_over_batch(precision):
+    """With all central differences 0, each step is -lr * (z / B) * u with z ~ N(0, (sigma C)^2); a float64 model's
+    float64 losses (kept since review 32) are released with the same noise."""
     data = blobs(n=80)
     trace = ParameterTrace()
     sigma, clip, lr, steps = 2.0, 0.5, 0.1, 400
     module = DPZero(ConstantLoss(), lr=lr, clip=clip, noise_multiplier=sigma, seed=0, noise_seed=1)
-    fit(module, poisson_loader(data, 0.1), steps, [trace])
+    quiet_trainer(max_steps=steps, callbacks=[trace], precision=precision).fit(module, poisson_loader(data, 0.1))
+    assert next(module.backbone.parameters()).dtype == (torch.float64 if precision == "64-true" else torch.float32)
     B = 0.1 * 80
     coefficients = torch.tensor([
         -((a - b) @ direction(module, t)).item() / (lr * direction(module, t).pow(2).sum().item())
@@ -128,24 +131,31 @@ class ReferenceDPZero:
                 p.copy_(value)
             return F.cross_entropy(model(x), y, reduction="none")
 
-    def step(self, t, x, y):
+    def step(self, t, x, y, k=1):
+        """Alg. 2 lines 2-3; with ``k`` directions (ours) each is line 3 with its own noise, averaged."""
         params = [p.detach().clone() for p in self.model.parameters()]
-        u = self.directions(derive_seed(self.run_seed, t, 0))
-        plus = self.losses([p + self.lam * z for p, z in zip(params, u)], x, y)
-        minus = self.losses([p - self.lam * z for p, z in zip(params, u)], x, y)
-        s = clip_scalars((plus - minus) / (2 * self.lam), self.clip).sum()
-        g = (s + self.noise.gaussian((1,), self.sigma * self.clip)[0]) / self.B
+        steps = []
+        for j in range(k):
+            u = self.directions(derive_seed(self.run_seed, t, j))
+            plus = self.losses([p + self.lam * z for p, z in zip(params, u)], x, y)
+            minus = self.losses([p - self.lam * z for p, z in zip(params, u)], x, y)
+            steps.append((u, clip_scalars((plus - minus) / (2 * self.lam), self.clip).sum()))
+        noise = self.noise.gaussian((k,), self.sigma * self.clip)
         with torch.no_grad():
-            for p, z in zip(self.model.parameters(), u):
-                p.sub_(self.lr * g * z)
+            for (u, s), z_t in zip(steps, noise):
+                g = (s + z_t) / self.B
+                for p, z in zip(self.model.parameters(), u):
+                    p.sub_(self.lr * g * z / k)
 
 
-@pytest.mark.parametrize("perturbation", ["chunked", "fused"])
-def test_matches_the_naive_reference_implementation(dataset, perturbation):
-    """Both engines (the fused one by its CPU reference) give the naive algorithm's iterates."""
+@pytest.mark.parametrize("perturbation,directions,k", [("chunked", "gaussian", 1), ("fused", "gaussian", 1),
+                                                       ("chunked", "sphere", 1), ("chunked", "gaussian", 3)])
+def test_matches_the_naive_reference_implementation(dataset, perturbation, directions, k):
+    """Both engines (the fused one by its CPU reference) give the naive algorithm's iterates; so do Alg. 2's own
+    law, u on the sqrt(d) sphere (line 2), and k = 3 directions (ours: k releases, the steps averaged)."""
     trace = ParameterTrace()
     module = DPZero(mlp(seed=2), lr=0.05, lam=1e-2, clip=0.3, noise_multiplier=0.7, seed=5, noise_seed=9,
-                    perturbation=perturbation)
+                    perturbation=perturbation, directions=directions, num_directions=k)
     batches = []
 
     class Record(Callback):
@@ -157,8 +167,11 @@ def test_matches_the_naive_reference_implementation(dataset, perturbation):
                                 run_seed=5, noise_seed=9,
                                 law_directions=lambda seed: direction_tensors(module, seed))
     for t, (x, y) in enumerate(batches):
-        reference.step(t, x, y)
+        reference.step(t, x, y, k)
     torch.testing.assert_close(flat(reference.model), flat(module.backbone), rtol=0, atol=1e-5)
+    if directions == "sphere":  # ||u|| = sqrt(d), one norm over all tensors
+        d = sum(p.numel() for p in module.backbone.parameters())
+        assert direction(module, 2).norm().item() == pytest.approx(math.sqrt(d), rel=1e-6)
 
 
 def test_empty_batches_do_not_crash_and_still_add_noise():
@@ -173,7 +186,9 @@ def test_empty_batches_do_not_crash_and_still_add_noise():
     assert module.privacy.ledger.total_count == 10
 
 
-def test_dpgd0th_clips_the_vector_estimate_and_adds_vector_noise(dataset):
+@pytest.mark.parametrize("directions", ["gaussian", "sphere"])
+def test_dpgd0th_clips_the_vector_estimate_and_adds_vector_noise(dataset, directions):
+    """Alg. 1 line 3: clip_C(g_i) of each vector g_i = s_i u, its own u law (line 2: the sqrt(d) sphere) included."""
     trace = ParameterTrace()
     batches = []
 
@@ -182,7 +197,7 @@ def test_dpgd0th_clips_the_vector_estimate_and_adds_vector_noise(dataset):
             batches.append(batch)
 
     lr, lam, clip = 0.05, 1e-2, 0.05
-    module = DPGD0th(mlp(seed=3), lr=lr, lam=lam, clip=clip, noise_multiplier=0.0, seed=2)
+    module = DPGD0th(mlp(seed=3), lr=lr, lam=lam, clip=clip, noise_multiplier=0.0, seed=2, directions=directions)
     fit(module, poisson_loader(dataset, 0.3), 3, [trace, Record()])
     reference = mlp(seed=3)
     B = 0.3 * len(dataset)
@@ -584,3 +599,48 @@ def test_a_tiny_cnn_that_cannot_read_flat_examples_as_square_images_is_refused_a
     trainer = quiet_trainer(max_steps=1)
     trainer.fit(DPZero(TinyCNN(), target_epsilon=4.0), datamodule=data(64))
     assert trainer.global_step == 1
+
+
+class SyntheticQuadratic(nn.Module):
+    """DPZero Sec. 5.1 / App. B.1: ``f(x; xi_i) = (x - x_i)^T A (x - x_i) / 2`` in float64, ``A = I``, rows ``x_i``."""
+
+    num_classes = 2
+
+    def __init__(self, dim):
+        super().__init__()
+        self.x = nn.Parameter(torch.zeros(dim, dtype=torch.float64))
+
+    def forward(self, inputs):
+        return inputs
+
+    def per_example_loss(self, inputs, targets):
+        r = self.x - inputs
+        return 0.5 * (r * r).sum(1)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(MeZO, {}), (DPZero, dict(clip=1e3, noise_multiplier=1.0)),
+                                        (DPZero, dict(clip=1e3, noise_multiplier=1.0, fixed_forward_rows=16))])
+def test_a_float64_models_central_differences_are_not_rounded_to_float32(cls, kwargs):
+    """The paper's synthetic quadratic (App. B.1: lam = 1e-4, x_i ~ N(1, I)) near its optimum, d = 1000: the
+    per-example central difference is ``u^T A (x - x_i)`` exactly. Rounding the losses (~500) to float32 before
+    the difference erred by ~2e-3 of it per example and ~4% of the batch mean's ``u^T grad F_B`` (an error floor
+    of the non-private reference that the gradient norm of Fig. 1 cannot go below)."""
+    from lit_zodp.zo import PerturbationEngine, make_direction_law
+
+    g = torch.Generator().manual_seed(0)
+    d, lam = 1000, 1e-4
+    rows = 1 + torch.randn(32, d, generator=g, dtype=torch.float64)
+    model = SyntheticQuadratic(d)
+    with torch.no_grad():
+        model.x.copy_(rows.mean(0) + 0.01 * torch.randn(d, generator=g, dtype=torch.float64))
+    module = cls(model, lr=1e-3, lam=lam, directions="sphere", perturbation="chunked", **kwargs)
+    module.engine = PerturbationEngine([model.x], make_direction_law("sphere"))
+    targets = torch.zeros(len(rows), dtype=torch.long)
+    for seed in range(3):
+        differences = module.directional_differences(seed, rows, targets)
+        module.restore()
+        u = module.engine.direction(seed)[0].double()
+        exact = (model.x.detach() - rows) @ u
+        assert differences.dtype == torch.float64
+        torch.testing.assert_close(differences, exact, rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(differences.mean(), exact.mean(), rtol=1e-7, atol=1e-9)
