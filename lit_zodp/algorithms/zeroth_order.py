@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lit_zodp.algorithms.base import AlgorithmModule
+from lit_zodp.algorithms.base import AlgorithmModule, remaining_steps
 from lit_zodp.errors import (
     ConfigError,
     LitZodpWarning,
@@ -140,7 +140,7 @@ class ZerothOrderModule(AlgorithmModule):
         if self.engine is None or not self.trainer.is_global_zero:
             return
         note = low_precision_note(rounding_loss(self.engine.params, self.lam), self.lam, type(self).__name__,
-                                  _remaining_steps(self.trainer), self.perturbed_share())
+                                  remaining_steps(self.trainer), self.perturbed_share())
         if note:
             rank_zero_warn(note, category=LitZodpWarning)
 
@@ -199,11 +199,6 @@ class ZerothOrderModule(AlgorithmModule):
             noise_terms = [(noise.noise, noise.noise_coefficient)]
         self.zo_optimizer.set_coefficients(terms, noise_terms)
         self.step_optimizer()
-
-
-def _remaining_steps(trainer) -> float:
-    """The optimizer steps this fit plans from here (``inf`` where nothing bounds it)."""
-    return float(trainer.estimated_stepping_batches) - trainer.global_step
 
 
 __all__ = ["ZerothOrderModule"]
