@@ -41,6 +41,7 @@ from lit_zodp.privacy import (NonPrivate, PoissonBatchSampler, PrivacyComponent,
 from lit_zodp.privacy.fixed_shape import (FixedShapeForwards, any_row_ends_early, cut_columns, rows_ending_early,
                                          take_rows, used_lengths)
 from lit_zodp.privacy.sampling import SamplingDescription, is_private_data, mark_private_data
+from lit_zodp.schedules import horizon_note
 from lit_zodp.zo.eval_mode import clear_eval_mode_caches
 
 #: Every concrete algorithm, by class name (filled by ``AlgorithmModule.__init_subclass__``).
@@ -287,6 +288,15 @@ class AlgorithmModule(pl.LightningModule):
         self._transfer_as_is = _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)
         self._classes_of_labels = label_classes(self.backbone, self.num_classes)  # as per_example_loss reads it
         self._sigma_logged = False
+        self._warn_short_schedule()
+
+    def _warn_short_schedule(self) -> None:
+        """One line where the ``lr_scheduler``'s horizon ends before the fit (:mod:`lit_zodp.schedules`): a horizon
+        written in epochs, as Lightning's automatic optimization counts them, ran out silently (review 30)."""
+        scheduler = self.lr_schedulers()
+        for note in [horizon_note(s, remaining_steps(self.trainer)) for s in _as_list(scheduler)]:
+            if note:
+                rank_zero_warn(note, category=LitZodpWarning)
 
     def _refuse_private_rows_of_several_shapes(self) -> None:
         """Under ``fixed_forward_rows``, rows of several shapes in a private loader are refused before the first step
@@ -890,6 +900,11 @@ def _refuse_unreachable_minimum(trainer: "pl.Trainer", steps_allowed: Optional[i
         raise PrivacyConfigError(
             f"The privacy budget allows {steps_allowed} more steps (to step {reachable}), but the Trainer's "
             f"`{name}` asks for {minimum}: Lightning would not stop at the budget. Lower `{name}` or raise the budget.")
+
+
+def remaining_steps(trainer: "pl.Trainer") -> float:
+    """The optimizer steps this fit plans from here (``inf`` where nothing bounds it)."""
+    return float(trainer.estimated_stepping_batches) - trainer.global_step
 
 
 def _planned_steps(trainer: "pl.Trainer") -> int:

@@ -189,6 +189,10 @@ class DPMeZOBCD(DPZero):
     def num_blocks(self) -> int:
         return len(self.block_names)
 
+    def perturbed_share(self) -> float:
+        """One block of ``N`` per step: a parameter is perturbed on about ``1 / N`` of the steps."""
+        return 1.0 / self.num_blocks
+
     def block_lr_factors(self) -> list[float]:
         """``eta_j / eta`` per block: 1 (``"uniform"``), ``min(1, median_k |B_k| / |B_j|)`` (``"size"``;
         the lower median for an even number of blocks), the same of the traces (``"curvature"``, once

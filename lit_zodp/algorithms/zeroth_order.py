@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lit_zodp.algorithms.base import AlgorithmModule
+from lit_zodp.algorithms.base import AlgorithmModule, remaining_steps
 from lit_zodp.errors import (
     ConfigError,
     LitZodpWarning,
@@ -31,6 +31,7 @@ from lit_zodp.zo import ZOSGD, PerturbationEngine, central_differences, derive_s
 from lit_zodp.zo.eval_mode import EvalMode, eval_mode_cache_owners
 from lit_zodp.zo.fused import SUPPORTED_DTYPES as FUSED_DTYPES, FusedPerturbation, triton_available
 from lit_zodp.zo.perturbation import DirectionCache
+from lit_zodp.zo.precision import low_precision_note, rounding_loss
 
 DIRECTION_LAWS = ("gaussian", "sphere")
 PERTURBATION_ENGINES = ("auto", "chunked", "fused")
@@ -126,6 +127,26 @@ class ZerothOrderModule(AlgorithmModule):
     def zo_optimizer(self) -> ZOSGD:
         optimizer = self.optimizers()
         return getattr(optimizer, "optimizer", optimizer)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._warn_low_precision()
+
+    def _warn_low_precision(self) -> None:
+        """One line at fit start where 16-bit weights round the step's in-place passes (review 30,
+        :mod:`lit_zodp.zo.precision`): measured once on a sample of the trained weights (no data). Before, a
+        ``bf16-true`` fit ran silently with its perturbations off by 24% at ``lam`` 1e-3 and its weights drifting 16%
+        of their norm in 2000 steps at ``lr`` 0 (a digits MLP: test accuracy 0.917 -> 0.892 without learning)."""
+        if self.engine is None or not self.trainer.is_global_zero:
+            return
+        note = low_precision_note(rounding_loss(self.engine.params, self.lam), self.lam, type(self).__name__,
+                                  remaining_steps(self.trainer), self.perturbed_share())
+        if note:
+            rank_zero_warn(note, category=LitZodpWarning)
+
+    def perturbed_share(self) -> float:
+        """The share of steps that perturb a given parameter (1: every step perturbs every parameter)."""
+        return 1.0
 
     def on_train_epoch_start(self) -> None:
         super().on_train_epoch_start()
