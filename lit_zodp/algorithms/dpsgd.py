@@ -6,7 +6,7 @@ Both privatize the flat clipped per-example gradient once per step,
 Poisson batch size, add/remove-one neighbours), then apply SGD with momentum or Adam to ``G~``
 (post-processing). Choices where the paper is silent (Sec. 5 and App. D give no values): Adam's
 ``beta1 = 0.9, beta2 = 0.999, eps = 1e-8`` (torch's defaults, the paper's ``phi`` is ``eps``) and
-decoupled weight decay (AdamW) when ``weight_decay > 0``.
+decoupled weight decay (AdamW) when ``weight_decay > 0``; DP-SGD takes torch SGD's coupled L2 term instead.
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ class FirstOrderModule(AlgorithmModule):
     """Base of the first-order algorithms (DP-SGD, DP-Adam and their non-private twins).
 
     Args (besides :class:`AlgorithmModule`'s):
-        weight_decay: decoupled weight decay of the optimizer (post-processing: no privacy cost).
+        weight_decay: the optimizer's weight decay on every trained tensor, biases and norms included: torch SGD's
+            L2 term added to the released gradient (DP-SGD, before momentum), AdamW's decoupled decay (DP-Adam);
+            post-processing of the release either way (no privacy cost).
         grad_mode: ``"hooks"`` (per-example gradients per layer), ``"ghost"`` (per-example norms
             without per-example gradients, taken in the backward, then a second backward of the
             clip-weighted loss: Li et al. 2022 ghost clipping, the memory of Opacus' ghost mode; for
