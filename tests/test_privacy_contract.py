@@ -626,6 +626,23 @@ def test_a_runs_epsilon_stays_marked_poisson_assumed_after_its_shuffled_steps(tm
     assert resumed.privacy.state_dict()["plan"]["poisson_assumed"]
 
 
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_runs_epsilon_stays_marked_test_seeded_after_a_resume_without_the_seed(name, tmp_path):
+    """Review 31: 4 steps with ``noise_seed: 5`` (noise anyone with that config reproduces), resumed to 8 without the
+    seed, printed ``epsilon = 2.723`` as a guarantee, and so did the checkpoint loaded with ``load_from_checkpoint``."""
+    from lit_zodp.cli import _epsilon_field
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(build(name, noise_seed=5), poisson_loader(blobs(), 0.1), 4, [checkpoint], enable_checkpointing=True)
+    loaded = ALGORITHMS[name].load_from_checkpoint(tmp_path / "last.ckpt", backbone=mlp(seed=1))
+    assert loaded.privacy.noise_seed is None and loaded.privacy.test_seeded
+    resumed = build(name)
+    quiet_trainer(max_steps=8).fit(resumed, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.privacy.ledger.total_count == 8 and resumed.privacy.test_seeded
+    assert "REPRODUCIBLE" in resumed.privacy.summary() and _epsilon_field(resumed.privacy).endswith("(test-seeded)")
+    assert resumed.privacy.state_dict()["plan"]["test_seeded"]
+
+
 def test_a_second_fit_in_the_process_keeps_the_runs_split_and_its_poisson_assumed_mark():
     """Review, 2026-11-28: the split and the mark were read only from a loaded checkpoint, while a second
     ``trainer.fit`` of the same module continues its ledger in memory: another split was accepted, and after shuffled

@@ -146,6 +146,7 @@ class PrivacyComponent:
     _step_constants: Optional[StepConstants] = None  # (a class default: components pickled before stop 34 lack it)
     fit_steps = 0  # (likewise, before stop 36)
     _in_fit = False  # between a plan and its end_fit: the settings below are fixed (likewise, before stop 37)
+    _seeded_before = False  # (likewise, before review 31)
     clip = _FixedWithinAFit()
     noise_multiplier = _FixedWithinAFit()
     sensitivity_factor = _FixedWithinAFit()
@@ -177,6 +178,7 @@ class PrivacyComponent:
         self.split: Optional[str] = None  # which rows are not private (datamodules.base.split_id)
         self.single_pass: Optional[list] = None  # the assignment (n, steps, seed) of the run's single pass
         self._shuffled_before = False  # steps of this run before this fit were shuffled
+        self._seeded_before = False  # steps of this run before this fit had noise a `noise_seed` reproduces
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
         self._released: list[str] = []
@@ -577,8 +579,9 @@ class PrivacyComponent:
 
     @property
     def test_seeded(self) -> bool:
-        """True when ``noise_seed`` (test only) keys the noise: anyone with the config can subtract it."""
-        return self.noise_seed is not None
+        """True when ``noise_seed`` (test only) keys the noise, now or at any step of the run: anyone with the config
+        can subtract it (review 31: a run resumed without the seed showed a plain epsilon over the seeded steps)."""
+        return self.noise_seed is not None or self._seeded_before
 
     def epsilon(self) -> float:
         """Epsilon spent so far (PRV upper bound); 0 before any step, inf without noise (now or at any step)."""
@@ -627,6 +630,7 @@ class PrivacyComponent:
                     "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
                     "branches": None if self.branches is None else dict(self.branches),
                     "noiseless_steps": self.noiseless_steps, "poisson_assumed": self.poisson_assumed,
+                    "test_seeded": self.test_seeded,
                     "split": self.split, "single_pass": self.single_pass}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
@@ -656,6 +660,7 @@ class PrivacyComponent:
         self.single_pass = _restored_pass(plan)
         # (steps before this fit were shuffled: the run's epsilon stays no guarantee)
         self._shuffled_before = bool(plan.get("poisson_assumed") or plan.get("sampling") == ShuffledSampling.name)
+        self._seeded_before = bool(plan.get("test_seeded"))  # (its noise is reproducible: the run's epsilon stays none)
         self.lineage, self.other_branch_steps = plan.get("lineage"), plan.get("other_branch_steps", 0)
         self.noiseless_steps = plan.get("noiseless_steps", 0)
         branches = plan.get("branches")  # None in a checkpoint from before branch maps

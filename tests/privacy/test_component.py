@@ -180,7 +180,7 @@ def test_state_dict_holds_the_ledger_and_the_plan_and_nothing_secret():
     assert set(state) == {"ledger", "plan"}
     assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "neighbours", "planned_steps",
                                   "sampling", "sample_rate", "n", "lineage", "other_branch_steps", "branches",
-                                  "noiseless_steps", "poisson_assumed", "split", "single_pass"}
+                                  "noiseless_steps", "poisson_assumed", "test_seeded", "split", "single_pass"}
     assert len(state["plan"]["lineage"]) == 32  # a random 128-bit id: public, it names the run's spend records
     assert list(state["plan"]["branches"].values()) == [1]  # this fit's branch: its one step is in the ledger
     restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
