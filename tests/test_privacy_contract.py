@@ -826,6 +826,45 @@ def test_a_second_continuation_of_one_checkpoint_counts_the_first(name, tmp_path
     assert "12 steps, 4 of them in other branches" in second.privacy.summary()
 
 
+def _shuffled_loader(dataset, batch_size):
+    from lit_zodp.privacy import ShuffleBatchSampler
+
+    with pytest.warns(Warning, match="sampling='shuffle'"):
+        sampler = ShuffleBatchSampler(len(dataset), batch_size)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_tensors)
+
+
+@pytest.mark.parametrize("branch", ["noiseless", "test_seeded", "shuffled"])
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_continuation_counts_what_made_another_branchs_steps_no_guarantee(name, branch, tmp_path):
+    """Review 31: 4 steps, then one continuation of the step-4 checkpoint to 8 at sigma 0, with a test `noise_seed` or
+    with shuffled batches, then a second, plain continuation of it. The second printed ``epsilon = 2.723`` after 8 steps
+    (the noiseless branch wrote no spend record) or a plain 3.072 / 3.085 after 12: the other branch's releases, which
+    its own fit marked as no guarantee, counted as Poisson steps with secret noise."""
+    from lit_zodp.callbacks.privacy import epsilon_metric
+    from lit_zodp.cli import _epsilon_field
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(build(name), poisson_loader(blobs(), 0.1), 4, [checkpoint], enable_checkpointing=True)
+    other = {"noiseless": dict(noise_multiplier=0.0), "test_seeded": dict(noise_seed=7), "shuffled": {}}[branch]
+    loader = _shuffled_loader(blobs(), 26) if branch == "shuffled" else poisson_loader(blobs(), 0.1)
+    quiet_trainer(max_steps=8).fit(build(name, **other), loader, ckpt_path=tmp_path / "last.ckpt")
+    second = build(name)
+    with pytest.warns(UserWarning, match="counts 4 steps, but its run .* released 8 in all branches"):
+        if branch == "noiseless":
+            with pytest.raises(PrivacyConfigError, match="already took 4 steps with `noise_multiplier`=0") as info:
+                quiet_trainer(max_steps=8).fit(second, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+            assert "\n" not in str(info.value)
+            assert second.privacy.ledger.total_count == 4 and second.privacy.epsilon() == math.inf
+            return
+        quiet_trainer(max_steps=8).fit(second, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+    assert second.privacy.ledger.total_count == 12 and second.privacy.other_branch_steps == 4
+    mark = {"test_seeded": "(test-seeded)", "shuffled": "(poisson-assumed)"}[branch]
+    assert _epsilon_field(second.privacy).endswith(mark) and "not a guarantee" in second.privacy.summary()
+    assert epsilon_metric(second.privacy) == ("epsilon_poisson_assumed" if branch == "shuffled" else "epsilon")
+    assert second.privacy.state_dict()["plan"]["poisson_assumed" if branch == "shuffled" else "test_seeded"]
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_the_budget_binds_across_a_rollback(name, tmp_path):
     """Planned for epsilon 1 over 12 steps with a checkpoint at 6: the run spends the budget; resuming

@@ -41,7 +41,8 @@ from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
 from lit_zodp.privacy.plan import StepPlan, composed_multiplier
 from lit_zodp.privacy.sampling import SamplingDescription, ShuffledSampling, SinglePassSampling
-from lit_zodp.privacy.spend_log import Counts, SpendLog, decode_counts, encode_counts, new_id, summed
+from lit_zodp.privacy.spend_log import (MARKS, Branch, Counts, SpendLog, decode_counts, encode_counts, new_id,
+                                        summed)
 
 #: The default delta's ceiling: the papers' 1e-5 (DPZero, DP-GRAPE), below ``1 / (10 n)`` for larger ``n``.
 DEFAULT_DELTA = 1e-5
@@ -216,9 +217,11 @@ class PrivacyComponent:
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
-        raise_if_any([self._noiseless_budget_error(), self._noiseless_past_error()])
+        raise_if_any([self._noiseless_budget_error()])
         self._step_constants = self._make_constants()
-        self._continue_lineage(spend_log, broadcast)
+        self._count_other_branches(spend_log, broadcast)
+        raise_if_any([self._noiseless_past_error()])  # (here, in its checkpoint, or in another branch: review 31)
+        self._open_branch(spend_log, broadcast)
         self._check_single_pass()
         self._check_accountable()
         self.steps_allowed = self._steps_allowed()
@@ -248,9 +251,10 @@ class PrivacyComponent:
         and the epsilon shown used to count only the noised steps."""
         if not self.noiseless_steps or not self.is_private:
             return None
-        return (f"This run already took {self.noiseless_steps} steps with `noise_multiplier`=0 (no noise): their "
-                "releases were the private clipped sums themselves, so no epsilon covers a continuation; start a "
-                "private run from weights that never saw the private data without noise")
+        return (f"This run already took {self.noiseless_steps} steps with `noise_multiplier`=0 (no noise; in this "
+                "branch or another branch of the run): their releases were the private clipped sums themselves, so no "
+                "epsilon covers a continuation; start a private run from weights that never saw the private data "
+                "without noise")
 
     def _noiseless_budget_error(self) -> Optional[str]:
         """A budget with sigma = 0 (audit 6): a resume that sets ``target_epsilon`` takes the checkpoint's
@@ -263,50 +267,72 @@ class PrivacyComponent:
                 f"({source}) would train without noise, and no budget binds an infinite epsilon: start a private "
                 "run from weights that never saw the private data without noise, or drop the budget for an ablation")
 
-    def _continue_lineage(self, spend_log: Optional[SpendLog], broadcast: Callable[[Any], Any]) -> None:
+    def _count_other_branches(self, spend_log: Optional[SpendLog], broadcast: Callable[[Any], Any]) -> None:
         """Count in the ledger every release of this run's other branches (a rollback or a fork:
-        :mod:`~lit_zodp.privacy.spend_log`), then start this fit's branch record."""
+        :mod:`~lit_zodp.privacy.spend_log`), and take their marks: a noiseless branch's steps count as steps without
+        noise, a shuffled or test-seeded one's make this epsilon no guarantee (review 31: a fork resumed at sigma 0, with
+        shuffled batches or with a `noise_seed` left the other branch's epsilon a plain, finite number)."""
         self.lineage = self.lineage or broadcast(new_id())
         logged = spend_log.branches(self.lineage) if spend_log else {}
-        missing, logged_steps = broadcast((encode_counts(self._unseen(logged)),
-                                           {branch: steps for branch, (_, steps) in logged.items()}))
+        missing, noiseless, marks = self._unseen(logged)
+        missing, noiseless, marks, logged_steps = broadcast((encode_counts(missing), noiseless, sorted(marks),
+                                                             {branch: record.steps for branch, record in logged.items()}))
         missing = decode_counts(missing)
-        if missing:
-            others, before = sum(missing.values()), self.ledger.total_count
+        if missing or noiseless:
+            others, before = sum(missing.values()) + noiseless, self.steps
             for mechanism, count in missing.items():
                 self.ledger.record(mechanism, count)
+            self.noiseless_steps += noiseless
             self.other_branch_steps += others
             warnings.warn(
                 f"This checkpoint's ledger counts {before} steps, but its run (lineage {self.lineage[:8]}) released "
                 f"{before + others} in all branches: a rollback or a second continuation of one checkpoint. The "
-                f"{others} other steps now count in epsilon and the budget (spend log "
+                f"{others} other steps now count in epsilon and the budget{_marks_text(marks)} (spend log "
                 f"{getattr(spend_log, 'directory', 'of rank 0')}).", LitZodpWarning, stacklevel=4)
+        self._shuffled_before = self._shuffled_before or "poisson_assumed" in marks
+        self._seeded_before = self._seeded_before or "test_seeded" in marks
         known = self.branches or {}  # the ledger now holds every logged step of every branch
         self.branches = {b: max(known.get(b, 0), logged_steps.get(b, 0)) for b in {*known, *logged_steps}}
-        self._spend_log = spend_log if self.is_private else None  # sigma = 0 records nothing
-        if self.is_private:
-            self.branch = broadcast(new_id())
-            self.branches[self.branch] = 0
-            if self._spend_log is not None:
-                step_cost = dict(self._constants().cost)  # what a step commits
-                self._spend_log.open_branch(self.lineage, self.branch, step_cost)
 
-    def _unseen(self, logged: dict[str, tuple[Counts, int]]) -> Counts:
-        """The logged releases this ledger lacks: per branch, the steps beyond those the ledger holds.
+    def _open_branch(self, spend_log: Optional[SpendLog], broadcast: Callable[[Any], Any]) -> None:
+        """Start this fit's branch record, with its marks; a noiseless fit's too (it records no mechanism)."""
+        self._spend_log = spend_log
+        self.branch = broadcast(new_id())
+        self.branches[self.branch] = 0
+        if spend_log is not None:
+            spend_log.open_branch(self.lineage, self.branch, dict(self._constants().cost), self._own_marks())
+
+    def _own_marks(self) -> list[str]:
+        """This fit's :data:`~lit_zodp.privacy.spend_log.MARKS`: what makes its steps no guarantee."""
+        own = {"noiseless": not self.is_private, "poisson_assumed": self.sampling.name == ShuffledSampling.name,
+               "test_seeded": self.noise_seed is not None}
+        return [mark for mark in MARKS if own[mark]]
+
+    def _unseen(self, logged: dict[str, Branch]) -> tuple[Counts, int, set]:
+        """The logged releases this ledger lacks, the logged noiseless steps it lacks, and the marks of the branches
+        they come from: per branch, the steps beyond those the ledger holds.
 
         Per branch, not per mechanism: steps the ledger holds from branches this machine never
         logged (another machine, another spend directory) must not hide a local fork. A checkpoint
-        from before branch maps (``branches is None``) is compared per mechanism.
+        from before branch maps (``branches is None``) is compared per mechanism, and takes every branch's marks.
         """
         if self.branches is None:
             counted, total = self.ledger.counts, summed(logged)
-            return {m: c - counted.get(m, 0) for m, c in total.items() if c > counted.get(m, 0)}
+            noiseless = sum(record.steps for record in logged.values() if "noiseless" in record.marks)
+            return ({m: c - counted.get(m, 0) for m, c in total.items() if c > counted.get(m, 0)},
+                    max(0, noiseless - self.noiseless_steps),
+                    {mark for record in logged.values() if record.steps for mark in record.marks})
         missing: Counts = {}
-        for branch, (per_step, steps) in logged.items():
-            extra = steps - self.branches.get(branch, 0)
-            for mechanism, count in per_step.items() if extra > 0 else ():
+        noiseless, marks = 0, set()
+        for branch, record in logged.items():
+            extra = record.steps - self.branches.get(branch, 0)
+            if extra <= 0:
+                continue
+            for mechanism, count in record.per_step.items():
                 missing[mechanism] = missing.get(mechanism, 0) + count * extra
-        return missing
+            noiseless += extra if "noiseless" in record.marks else 0
+            marks.update(record.marks)
+        return missing, noiseless, marks
 
     @property
     def in_fit(self) -> bool:
@@ -551,11 +577,11 @@ class PrivacyComponent:
         if constants.cost:  # private
             for mechanism, count in constants.cost:
                 self.ledger.record(mechanism, count * steps)
-            if self._spend_log is not None:
-                self._spend_log.count_step(steps)
-            self.branches[self.branch] += steps
         else:
             self.noiseless_steps += steps
+        if self._spend_log is not None:
+            self._spend_log.count_step(steps)
+        self.branches[self.branch] += steps
         if self.steps_allowed is not None:
             self.steps_allowed -= steps
         if released != planned:
@@ -687,6 +713,11 @@ def _restored_pass(plan: dict) -> Optional[list]:
     if plan.get("sampling") == SinglePassSampling.name and plan.get("sample_rate"):
         return [plan.get("n"), round(1 / plan["sample_rate"]), None]
     return None
+
+
+def _marks_text(marks: list) -> str:
+    """``; marked noiseless, test_seeded: no guarantee`` for the marks of the branches counted (empty without)."""
+    return f"; marked {', '.join(marks)}: no guarantee" if marks else ""
 
 
 def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[str]:
