@@ -790,6 +790,19 @@ def test_a_budget_that_stops_before_the_trainers_minimum_is_refused_before_a_ste
 
 
 @pytest.mark.parametrize("name", PRIVATE)
+def test_a_second_fit_of_one_module_keeps_the_runs_calibrated_sigma(name):
+    """Review 31: calibrated to epsilon 2 over 30 steps (sigma 1.528), a second ``trainer.fit`` of the same module with
+    40 steps at q = 0.05 recalibrated sigma for those steps alone (1.114): the budget let none run, and the summary
+    showed sigma 1.114. A second fit now takes the run's sigma, as a resume does; the budget still binds."""
+    module = build(name, noise_multiplier=None, target_epsilon=2.0)
+    fit(module, poisson_loader(blobs(), 0.1), 30)
+    sigma = module.privacy.noise_multiplier
+    fit(module, poisson_loader(blobs(), 0.05), 40)
+    assert module.privacy.noise_multiplier == sigma and f"sigma = {sigma:.4g}" in module.privacy.summary()
+    assert all(m.noise_multiplier == sigma for m in module.privacy.ledger.counts) and module.privacy.epsilon() <= 2.0
+
+
+@pytest.mark.parametrize("name", PRIVATE)
 def test_the_budget_binds_across_a_resume_with_more_steps(name, tmp_path):
     """The audit's case: planned for epsilon 1 over 20 steps, resumed to 40 steps: it must stop at the budget."""
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)

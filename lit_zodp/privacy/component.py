@@ -207,10 +207,10 @@ class PrivacyComponent:
         self._in_fit = False  # (a fit that never reached its end_fit)
         if self.sampling is not None and self.sampling.name == ShuffledSampling.name and self.ledger.total_count:
             self._shuffled_before = True  # an earlier fit of this run, in this process, took shuffled steps
+        restored = self._run_plan()
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
         self._reduce_sum = reduce_sum or _identity
         self._released, self.fit_steps = [], 0
-        restored = self._restored_plan or {}
         raise_if_any([_split_change_error(self.split, split)])  # (a resume, or a 2nd fit here)
         if split is not None:
             self.split = split
@@ -231,6 +231,16 @@ class PrivacyComponent:
             self.noise = (NoiseSource(self.noise_seed, stream=self.steps) if self.noise_seed is not None
                           else NoiseSource.from_secret(broadcast(secret_seed())))
         self._in_fit = True  # sigma, C and the neighbours are this fit's until end_fit
+
+    def _run_plan(self) -> dict:
+        """The plan the run's steps so far were taken under: this object's last fit's where it took steps (a second
+        ``trainer.fit``), else the loaded checkpoint's. Its sigma is the run's, as on a resume: a second fit with
+        ``target_epsilon`` recalibrated sigma for its own steps alone, the budget stopped it, and the summary showed a
+        sigma no step ran at (review 31: 30 steps at 1.528 for epsilon 2, then a second fit of 40 planned steps showed
+        1.114, and took none)."""
+        if self.sampling is not None and self.ledger.total_count:
+            return {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget}
+        return self._restored_plan or {}
 
     def sampling_change(self, sampling: SamplingDescription) -> Optional[str]:
         """A line when this fit samples its private examples otherwise than the run's last fit (here, or in its
