@@ -798,7 +798,7 @@ def test_a_second_fit_of_one_module_keeps_the_runs_calibrated_sigma(name):
     fit(module, poisson_loader(blobs(), 0.1), 30)
     sigma = module.privacy.noise_multiplier
     fit(module, poisson_loader(blobs(), 0.05), 40)
-    assert module.privacy.noise_multiplier == sigma and f"sigma = {sigma:.4g}" in module.privacy.summary()
+    assert module.privacy.noise_multiplier == sigma and f"30 at {sigma:.4g} (q = 0.1))" in module.privacy.summary()
     assert all(m.noise_multiplier == sigma for m in module.privacy.ledger.counts) and module.privacy.epsilon() <= 2.0
 
 

@@ -496,6 +496,22 @@ def test_a_shuffled_runs_epsilon_says_it_assumes_poisson_sampling():
     assert not poisson.poisson_assumed and "POISSON" not in poisson.summary()
 
 
+def test_the_summary_shows_the_sigma_and_rate_the_ledgers_steps_ran_at():
+    """Review 31: 10 steps at sigma 1, q 0.05, then a fit of 15 at sigma 0.8, q 0.1 read ``after 25 steps (...;
+    sigma = 0.8, poisson, q = 0.1)``; a later fit that took no step showed its own plan, which never ran."""
+    component = steps(planned(noise_multiplier=1.0), 10)
+    component.end_fit()
+    assert component.summary().endswith("after 10 steps (PRV accountant, upper bound; sigma = 1, poisson, q = 0.05)")
+    component.configured_noise_multiplier = 0.8  # (as a resume configured with another sigma)
+    component.plan(step_plan=PLAN, sampling=PoissonSampling(n=1000, sample_rate=0.1), planned_steps=100)
+    steps(component, 15).end_fit()
+    assert component.summary().endswith("after 25 steps (PRV accountant, upper bound; steps by noise multiplier per "
+                                        "step: 10 at 1 (q = 0.05), 15 at 0.8 (q = 0.1))")
+    component.plan(step_plan=(GaussianRelease("a"), GaussianRelease("b")), sampling=POISSON, planned_steps=100)
+    assert "25 steps (PRV accountant, upper bound; steps by noise multiplier per step: 10 at 1 (q = 0.05), 15 at " \
+           "0.8 (q = 0.1))" in component.summary()  # (a fit of two releases per step, 0.5657 each: none ran)
+
+
 def test_the_summary_names_the_accountant_used():
     """Before: "PRV accountant" under accountant="rdp" too."""
     assert "(PRV accountant, upper bound;" in steps(planned(noise_multiplier=1.0), 2).summary()
