@@ -231,24 +231,28 @@ class PrivacyComponent:
         if self.is_private:
             self.noise = (NoiseSource(self.noise_seed, stream=self.steps) if self.noise_seed is not None
                           else NoiseSource.from_secret(broadcast(secret_seed())))
+        self._restored_plan = None  # (taken: a later fit continues this one's plan, unless a checkpoint is loaded)
         self._in_fit = True  # sigma, C and the neighbours are this fit's until end_fit
 
     def _run_plan(self) -> dict:
-        """The plan the run's steps so far were taken under: this object's last fit's where it took steps (a second
-        ``trainer.fit``), else the loaded checkpoint's. Its sigma is the run's, as on a resume: a second fit with
+        """The plan the run's steps so far were taken under: a checkpoint's loaded since the last fit, else this
+        object's last fit's where it took steps (a second ``trainer.fit``). Its sigma is the run's, as on a resume: a second fit with
         ``target_epsilon`` recalibrated sigma for its own steps alone, the budget stopped it, and the summary showed a
         sigma no step ran at (review 31: 30 steps at 1.528 for epsilon 2, then a second fit of 40 planned steps showed
         1.114, and took none)."""
+        if self._restored_plan is not None:  # a checkpoint loaded since the last fit's plan: its run is continued
+            return self._restored_plan
         if self.sampling is not None and self.ledger.total_count:
             return {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget}
-        return self._restored_plan or {}
+        return {}
 
     def sampling_change(self, sampling: SamplingDescription) -> Optional[str]:
         """A line when this fit samples its private examples otherwise than the run's last fit (here, or in its
         checkpoint): allowed, each step is accounted at its own rate, but a resume that changed the data or the
         batch size said nothing (acceptance test, 2026-11-28)."""
-        before = ((self.sampling.name, self.sampling.sample_rate, self.sampling.n) if self.sampling is not None else
-                  tuple((self._restored_plan or {}).get(key) for key in ("sampling", "sample_rate", "n")))
+        before = (tuple((self._restored_plan or {}).get(key) for key in ("sampling", "sample_rate", "n"))
+                  if self._restored_plan is not None or self.sampling is None else
+                  (self.sampling.name, self.sampling.sample_rate, self.sampling.n))
         now = (sampling.name, sampling.sample_rate, sampling.n)
         if before[0] is None or (before[0], before[2]) == (now[0], now[2]) and math.isclose(before[1], now[1]):
             return None

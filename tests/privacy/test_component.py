@@ -496,6 +496,22 @@ def test_a_shuffled_runs_epsilon_says_it_assumes_poisson_sampling():
     assert not poisson.poisson_assumed and "POISSON" not in poisson.summary()
 
 
+def test_a_checkpoint_loaded_after_a_fit_is_the_run_the_next_fit_continues():
+    """Review 31: a second fit takes its run's plan (sigma, delta, budget); a checkpoint of another run loaded between
+    the fits is that run, whose budget is stated at its own delta (1e-6 here, not the first fit's 1e-5)."""
+    other = steps(planned(steps=50, target_epsilon=2.0, delta=1e-6), 5)
+    other.end_fit()
+    component = steps(planned(steps=200, target_epsilon=3.0, delta=None), 5)
+    component.end_fit()
+    component.load_state_dict(other.state_dict())
+    with pytest.raises(PrivacyConfigError, match="`delta`=1e-05 differs from the checkpoint's delta=1e-06"):
+        component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=300)
+    component.delta = 1e-6  # (as configured for the resume)
+    component.load_state_dict(other.state_dict())
+    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=300)
+    assert component.noise_multiplier == other.noise_multiplier and component.budget == 2.0
+
+
 def test_the_summary_shows_the_sigma_and_rate_the_ledgers_steps_ran_at():
     """Review 31: 10 steps at sigma 1, q 0.05, then a fit of 15 at sigma 0.8, q 0.1 read ``after 25 steps (...;
     sigma = 0.8, poisson, q = 0.1)``; a later fit that took no step showed its own plan, which never ran."""
