@@ -674,7 +674,9 @@ class PrivacyComponent:
     def state_dict(self) -> dict:
         """The ledger and the plan. Never the noise or sampling state: those are secret."""
         plan = None
-        if self.sampling is not None:
+        if self._restored_plan is not None:  # loaded, and no fit planned since: a refused one's partial plan is not saved
+            plan = dict(self._restored_plan)
+        elif self.sampling is not None:
             plan = {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget,
                     "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
                     "sample_rate": self.sampling.sample_rate, "n": self.sampling.n,
@@ -683,8 +685,6 @@ class PrivacyComponent:
                     "noiseless_steps": self.noiseless_steps, "poisson_assumed": self.poisson_assumed,
                     "test_seeded": self.test_seeded,
                     "split": self.split, "single_pass": self.single_pass}
-        elif self._restored_plan is not None:
-            plan = dict(self._restored_plan)
         return {"ledger": self.ledger.state_dict(), "plan": plan}
 
     def load_state_dict(self, state: dict) -> None:

@@ -512,6 +512,24 @@ def test_a_checkpoint_loaded_after_a_fit_is_the_run_the_next_fit_continues():
     assert component.noise_multiplier == other.noise_multiplier and component.budget == 2.0
 
 
+def test_a_refused_resume_saves_the_checkpoints_plan_not_its_own_partial_one():
+    """Review 31: a resume refused at its plan (another delta) had set its sampling, so its state (an
+    ``OnExceptionCheckpoint``) took the partial plan: budget None, delta 1e-6. Resumed from it with sigma 1 and no
+    budget, 10 steps at epsilon 2 went on for 30 more, to epsilon 5.23; the run's budget of 2 was gone."""
+    run = steps(planned(steps=10, target_epsilon=2.0), 10)
+    run.end_fit()
+    resumed = PrivacyComponent(clip=1.0, target_epsilon=2.0, delta=1e-6)
+    resumed.load_state_dict(run.state_dict())
+    with pytest.raises(PrivacyConfigError, match="differs from the checkpoint's delta"):
+        resumed.plan(step_plan=PLAN, sampling=POISSON, planned_steps=40)
+    plan = resumed.state_dict()["plan"]
+    assert (plan["budget"], plan["delta"], plan["noise_multiplier"]) == (2.0, 1e-5, run.noise_multiplier)
+    after = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    after.load_state_dict(resumed.state_dict())
+    after.plan(step_plan=PLAN, sampling=POISSON, planned_steps=40)
+    assert after.budget == 2.0 and after.steps_allowed == 0
+
+
 def test_the_summary_shows_the_sigma_and_rate_the_ledgers_steps_ran_at():
     """Review 31: 10 steps at sigma 1, q 0.05, then a fit of 15 at sigma 0.8, q 0.1 read ``after 25 steps (...;
     sigma = 0.8, poisson, q = 0.1)``; a later fit that took no step showed its own plan, which never ran."""
