@@ -651,6 +651,23 @@ def test_a_runs_epsilon_stays_marked_poisson_assumed_after_its_shuffled_steps(tm
     assert resumed.privacy.state_dict()["plan"]["poisson_assumed"]
 
 
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_runs_epsilon_stays_marked_test_seeded_after_a_resume_without_the_seed(name, tmp_path):
+    """Review 31: 4 steps with ``noise_seed: 5`` (noise anyone with that config reproduces), resumed to 8 without the
+    seed, printed ``epsilon = 2.723`` as a guarantee, and so did the checkpoint loaded with ``load_from_checkpoint``."""
+    from lit_zodp.cli import _epsilon_field
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(build(name, noise_seed=5), poisson_loader(blobs(), 0.1), 4, [checkpoint], enable_checkpointing=True)
+    loaded = ALGORITHMS[name].load_from_checkpoint(tmp_path / "last.ckpt", backbone=mlp(seed=1))
+    assert loaded.privacy.noise_seed is None and loaded.privacy.test_seeded
+    resumed = build(name)
+    quiet_trainer(max_steps=8).fit(resumed, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.privacy.ledger.total_count == 8 and resumed.privacy.test_seeded
+    assert "REPRODUCIBLE" in resumed.privacy.summary() and _epsilon_field(resumed.privacy).endswith("(test-seeded)")
+    assert resumed.privacy.state_dict()["plan"]["test_seeded"]
+
+
 def test_a_second_fit_in_the_process_keeps_the_runs_split_and_its_poisson_assumed_mark():
     """Review, 2026-11-28: the split and the mark were read only from a loaded checkpoint, while a second
     ``trainer.fit`` of the same module continues its ledger in memory: another split was accepted, and after shuffled
@@ -798,6 +815,19 @@ def test_a_budget_that_stops_before_the_trainers_minimum_is_refused_before_a_ste
 
 
 @pytest.mark.parametrize("name", PRIVATE)
+def test_a_second_fit_of_one_module_keeps_the_runs_calibrated_sigma(name):
+    """Review 31: calibrated to epsilon 2 over 30 steps (sigma 1.528), a second ``trainer.fit`` of the same module with
+    40 steps at q = 0.05 recalibrated sigma for those steps alone (1.114): the budget let none run, and the summary
+    showed sigma 1.114. A second fit now takes the run's sigma, as a resume does; the budget still binds."""
+    module = build(name, noise_multiplier=None, target_epsilon=2.0)
+    fit(module, poisson_loader(blobs(), 0.1), 30)
+    sigma = module.privacy.noise_multiplier
+    fit(module, poisson_loader(blobs(), 0.05), 40)
+    assert module.privacy.noise_multiplier == sigma and f"30 at {sigma:.4g} (q = 0.1))" in module.privacy.summary()
+    assert all(m.noise_multiplier == sigma for m in module.privacy.ledger.counts) and module.privacy.epsilon() <= 2.0
+
+
+@pytest.mark.parametrize("name", PRIVATE)
 def test_the_budget_binds_across_a_resume_with_more_steps(name, tmp_path):
     """The audit's case: planned for epsilon 1 over 20 steps, resumed to 40 steps: it must stop at the budget."""
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
@@ -832,6 +862,45 @@ def test_a_second_continuation_of_one_checkpoint_counts_the_first(name, tmp_path
     reference.record(mechanism, 12)
     assert second.privacy.epsilon() == pytest.approx(reference.epsilon(1e-5).upper, rel=1e-9)
     assert "12 steps, 4 of them in other branches" in second.privacy.summary()
+
+
+def _shuffled_loader(dataset, batch_size):
+    from lit_zodp.privacy import ShuffleBatchSampler
+
+    with pytest.warns(Warning, match="sampling='shuffle'"):
+        sampler = ShuffleBatchSampler(len(dataset), batch_size)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_tensors)
+
+
+@pytest.mark.parametrize("branch", ["noiseless", "test_seeded", "shuffled"])
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_continuation_counts_what_made_another_branchs_steps_no_guarantee(name, branch, tmp_path):
+    """Review 31: 4 steps, then one continuation of the step-4 checkpoint to 8 at sigma 0, with a test `noise_seed` or
+    with shuffled batches, then a second, plain continuation of it. The second printed ``epsilon = 2.723`` after 8 steps
+    (the noiseless branch wrote no spend record) or a plain 3.072 / 3.085 after 12: the other branch's releases, which
+    its own fit marked as no guarantee, counted as Poisson steps with secret noise."""
+    from lit_zodp.callbacks.privacy import epsilon_metric
+    from lit_zodp.cli import _epsilon_field
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(build(name), poisson_loader(blobs(), 0.1), 4, [checkpoint], enable_checkpointing=True)
+    other = {"noiseless": dict(noise_multiplier=0.0), "test_seeded": dict(noise_seed=7), "shuffled": {}}[branch]
+    loader = _shuffled_loader(blobs(), 26) if branch == "shuffled" else poisson_loader(blobs(), 0.1)
+    quiet_trainer(max_steps=8).fit(build(name, **other), loader, ckpt_path=tmp_path / "last.ckpt")
+    second = build(name)
+    with pytest.warns(UserWarning, match="counts 4 steps, but its run .* released 8 in all branches"):
+        if branch == "noiseless":
+            with pytest.raises(PrivacyConfigError, match="already took 4 steps with `noise_multiplier`=0") as info:
+                quiet_trainer(max_steps=8).fit(second, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+            assert "\n" not in str(info.value)
+            assert second.privacy.ledger.total_count == 4 and second.privacy.epsilon() == math.inf
+            return
+        quiet_trainer(max_steps=8).fit(second, poisson_loader(blobs(), 0.1), ckpt_path=tmp_path / "last.ckpt")
+    assert second.privacy.ledger.total_count == 12 and second.privacy.other_branch_steps == 4
+    mark = {"test_seeded": "(test-seeded)", "shuffled": "(poisson-assumed)"}[branch]
+    assert _epsilon_field(second.privacy).endswith(mark) and "not a guarantee" in second.privacy.summary()
+    assert epsilon_metric(second.privacy) == ("epsilon_poisson_assumed" if branch == "shuffled" else "epsilon")
+    assert second.privacy.state_dict()["plan"]["poisson_assumed" if branch == "shuffled" else "test_seeded"]
 
 
 @pytest.mark.parametrize("name", PRIVATE)

@@ -39,10 +39,12 @@ from lit_zodp.errors import (
 from lit_zodp.privacy.calibration import bisect_sigma, steps_within_budget
 from lit_zodp.privacy.clipping import check_clip
 from lit_zodp.privacy.ledger import PrivacyLedger
+from lit_zodp.privacy.mechanisms import Gaussian, SinglePassGaussian, SubsampledGaussian
 from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
 from lit_zodp.privacy.plan import StepPlan, composed_multiplier
 from lit_zodp.privacy.sampling import SamplingDescription, ShuffledSampling, SinglePassSampling
-from lit_zodp.privacy.spend_log import Counts, SpendLog, decode_counts, encode_counts, new_id, summed
+from lit_zodp.privacy.spend_log import (MARKS, Branch, Counts, SpendLog, decode_counts, encode_counts, new_id,
+                                        summed)
 
 #: The default delta's ceiling: the papers' 1e-5 (DPZero, DP-GRAPE), below ``1 / (10 n)`` for larger ``n``.
 DEFAULT_DELTA = 1e-5
@@ -147,6 +149,7 @@ class PrivacyComponent:
     _step_constants: Optional[StepConstants] = None  # (a class default: components pickled before stop 34 lack it)
     fit_steps = 0  # (likewise, before stop 36)
     _in_fit = False  # between a plan and its end_fit: the settings below are fixed (likewise, before stop 37)
+    _seeded_before = False  # (likewise, before review 31)
     clip = _FixedWithinAFit()
     noise_multiplier = _FixedWithinAFit()
     sensitivity_factor = _FixedWithinAFit()
@@ -178,6 +181,7 @@ class PrivacyComponent:
         self.split: Optional[str] = None  # which rows are not private (datamodules.base.split_id)
         self.single_pass: Optional[list] = None  # the assignment (n, steps, seed) of the run's single pass
         self._shuffled_before = False  # steps of this run before this fit were shuffled
+        self._seeded_before = False  # steps of this run before this fit had noise a `noise_seed` reproduces
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
         self._released: list[str] = []
@@ -206,19 +210,21 @@ class PrivacyComponent:
             self.end_fit()
         if self.sampling is not None and self.sampling.name == ShuffledSampling.name and self.ledger.total_count:
             self._shuffled_before = True  # an earlier fit of this run, in this process, took shuffled steps
+        restored = self._run_plan()
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
         self._reduce_sum = reduce_sum or _identity
         self._released, self.fit_steps = [], 0
-        restored = self._restored_plan or {}
         raise_if_any([_split_change_error(self.split, split)])  # (a resume, or a 2nd fit here)
         if split is not None:
             self.split = split
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
-        raise_if_any([self._noiseless_budget_error(), self._noiseless_past_error()])
+        raise_if_any([self._noiseless_budget_error()])
         self._step_constants = self._make_constants()
-        self._continue_lineage(spend_log, broadcast)
+        self._count_other_branches(spend_log, broadcast)
+        raise_if_any([self._noiseless_past_error()])  # (here, in its checkpoint, or in another branch: review 31)
+        self._open_branch(spend_log, broadcast)
         self._check_single_pass()
         self._check_accountable()
         self.steps_allowed = self._steps_allowed()
@@ -227,14 +233,28 @@ class PrivacyComponent:
         if self.is_private:
             self.noise = (NoiseSource(self.noise_seed, stream=self.steps) if self.noise_seed is not None
                           else NoiseSource.from_secret(broadcast(secret_seed())))
+        self._restored_plan = None  # (taken: a later fit continues this one's plan, unless a checkpoint is loaded)
         self._in_fit = True  # sigma, C and the neighbours are this fit's until end_fit
+
+    def _run_plan(self) -> dict:
+        """The plan the run's steps so far were taken under: a checkpoint's loaded since the last fit, else this
+        object's last fit's where it took steps (a second ``trainer.fit``). Its sigma is the run's, as on a resume: a second fit with
+        ``target_epsilon`` recalibrated sigma for its own steps alone, the budget stopped it, and the summary showed a
+        sigma no step ran at (review 31: 30 steps at 1.528 for epsilon 2, then a second fit of 40 planned steps showed
+        1.114, and took none)."""
+        if self._restored_plan is not None:  # a checkpoint loaded since the last fit's plan: its run is continued
+            return self._restored_plan
+        if self.sampling is not None and self.ledger.total_count:
+            return {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget}
+        return {}
 
     def sampling_change(self, sampling: SamplingDescription) -> Optional[str]:
         """A line when this fit samples its private examples otherwise than the run's last fit (here, or in its
         checkpoint): allowed, each step is accounted at its own rate, but a resume that changed the data or the
         batch size said nothing (acceptance test, 2026-11-28)."""
-        before = ((self.sampling.name, self.sampling.sample_rate, self.sampling.n) if self.sampling is not None else
-                  tuple((self._restored_plan or {}).get(key) for key in ("sampling", "sample_rate", "n")))
+        before = (tuple((self._restored_plan or {}).get(key) for key in ("sampling", "sample_rate", "n"))
+                  if self._restored_plan is not None or self.sampling is None else
+                  (self.sampling.name, self.sampling.sample_rate, self.sampling.n))
         now = (sampling.name, sampling.sample_rate, sampling.n)
         if before[0] is None or (before[0], before[2]) == (now[0], now[2]) and math.isclose(before[1], now[1]):
             return None
@@ -248,9 +268,10 @@ class PrivacyComponent:
         and the epsilon shown used to count only the noised steps."""
         if not self.noiseless_steps or not self.is_private:
             return None
-        return (f"This run already took {self.noiseless_steps} steps with `noise_multiplier`=0 (no noise): their "
-                "releases were the private clipped sums themselves, so no epsilon covers a continuation; start a "
-                "private run from weights that never saw the private data without noise")
+        return (f"This run already took {self.noiseless_steps} steps with `noise_multiplier`=0 (no noise; in this "
+                "branch or another branch of the run): their releases were the private clipped sums themselves, so no "
+                "epsilon covers a continuation; start a private run from weights that never saw the private data "
+                "without noise")
 
     def _noiseless_budget_error(self) -> Optional[str]:
         """A budget with sigma = 0 (audit 6): a resume that sets ``target_epsilon`` takes the checkpoint's
@@ -263,50 +284,72 @@ class PrivacyComponent:
                 f"({source}) would train without noise, and no budget binds an infinite epsilon: start a private "
                 "run from weights that never saw the private data without noise, or drop the budget for an ablation")
 
-    def _continue_lineage(self, spend_log: Optional[SpendLog], broadcast: Callable[[Any], Any]) -> None:
+    def _count_other_branches(self, spend_log: Optional[SpendLog], broadcast: Callable[[Any], Any]) -> None:
         """Count in the ledger every release of this run's other branches (a rollback or a fork:
-        :mod:`~lit_zodp.privacy.spend_log`), then start this fit's branch record."""
+        :mod:`~lit_zodp.privacy.spend_log`), and take their marks: a noiseless branch's steps count as steps without
+        noise, a shuffled or test-seeded one's make this epsilon no guarantee (review 31: a fork resumed at sigma 0, with
+        shuffled batches or with a `noise_seed` left the other branch's epsilon a plain, finite number)."""
         self.lineage = self.lineage or broadcast(new_id())
         logged = spend_log.branches(self.lineage) if spend_log else {}
-        missing, logged_steps = broadcast((encode_counts(self._unseen(logged)),
-                                           {branch: steps for branch, (_, steps) in logged.items()}))
+        missing, noiseless, marks = self._unseen(logged)
+        missing, noiseless, marks, logged_steps = broadcast((encode_counts(missing), noiseless, sorted(marks),
+                                                             {branch: record.steps for branch, record in logged.items()}))
         missing = decode_counts(missing)
-        if missing:
-            others, before = sum(missing.values()), self.ledger.total_count
+        if missing or noiseless:
+            others, before = sum(missing.values()) + noiseless, self.steps
             for mechanism, count in missing.items():
                 self.ledger.record(mechanism, count)
+            self.noiseless_steps += noiseless
             self.other_branch_steps += others
             warnings.warn(
                 f"This checkpoint's ledger counts {before} steps, but its run (lineage {self.lineage[:8]}) released "
                 f"{before + others} in all branches: a rollback or a second continuation of one checkpoint. The "
-                f"{others} other steps now count in epsilon and the budget (spend log "
+                f"{others} other steps now count in epsilon and the budget{_marks_text(marks)} (spend log "
                 f"{getattr(spend_log, 'directory', 'of rank 0')}).", LitZodpWarning, stacklevel=4)
+        self._shuffled_before = self._shuffled_before or "poisson_assumed" in marks
+        self._seeded_before = self._seeded_before or "test_seeded" in marks
         known = self.branches or {}  # the ledger now holds every logged step of every branch
         self.branches = {b: max(known.get(b, 0), logged_steps.get(b, 0)) for b in {*known, *logged_steps}}
-        self._spend_log = spend_log if self.is_private else None  # sigma = 0 records nothing
-        if self.is_private:
-            self.branch = broadcast(new_id())
-            self.branches[self.branch] = 0
-            if self._spend_log is not None:
-                step_cost = dict(self._constants().cost)  # what a step commits
-                self._spend_log.open_branch(self.lineage, self.branch, step_cost)
 
-    def _unseen(self, logged: dict[str, tuple[Counts, int]]) -> Counts:
-        """The logged releases this ledger lacks: per branch, the steps beyond those the ledger holds.
+    def _open_branch(self, spend_log: Optional[SpendLog], broadcast: Callable[[Any], Any]) -> None:
+        """Start this fit's branch record, with its marks; a noiseless fit's too (it records no mechanism)."""
+        self._spend_log = spend_log
+        self.branch = broadcast(new_id())
+        self.branches[self.branch] = 0
+        if spend_log is not None:
+            spend_log.open_branch(self.lineage, self.branch, dict(self._constants().cost), self._own_marks())
+
+    def _own_marks(self) -> list[str]:
+        """This fit's :data:`~lit_zodp.privacy.spend_log.MARKS`: what makes its steps no guarantee."""
+        own = {"noiseless": not self.is_private, "poisson_assumed": self.sampling.name == ShuffledSampling.name,
+               "test_seeded": self.noise_seed is not None}
+        return [mark for mark in MARKS if own[mark]]
+
+    def _unseen(self, logged: dict[str, Branch]) -> tuple[Counts, int, set]:
+        """The logged releases this ledger lacks, the logged noiseless steps it lacks, and the marks of the branches
+        they come from: per branch, the steps beyond those the ledger holds.
 
         Per branch, not per mechanism: steps the ledger holds from branches this machine never
         logged (another machine, another spend directory) must not hide a local fork. A checkpoint
-        from before branch maps (``branches is None``) is compared per mechanism.
+        from before branch maps (``branches is None``) is compared per mechanism, and takes every branch's marks.
         """
         if self.branches is None:
             counted, total = self.ledger.counts, summed(logged)
-            return {m: c - counted.get(m, 0) for m, c in total.items() if c > counted.get(m, 0)}
+            noiseless = sum(record.steps for record in logged.values() if "noiseless" in record.marks)
+            return ({m: c - counted.get(m, 0) for m, c in total.items() if c > counted.get(m, 0)},
+                    max(0, noiseless - self.noiseless_steps),
+                    {mark for record in logged.values() if record.steps for mark in record.marks})
         missing: Counts = {}
-        for branch, (per_step, steps) in logged.items():
-            extra = steps - self.branches.get(branch, 0)
-            for mechanism, count in per_step.items() if extra > 0 else ():
+        noiseless, marks = 0, set()
+        for branch, record in logged.items():
+            extra = record.steps - self.branches.get(branch, 0)
+            if extra <= 0:
+                continue
+            for mechanism, count in record.per_step.items():
                 missing[mechanism] = missing.get(mechanism, 0) + count * extra
-        return missing
+            noiseless += extra if "noiseless" in record.marks else 0
+            marks.update(record.marks)
+        return missing, noiseless, marks
 
     @property
     def in_fit(self) -> bool:
@@ -550,11 +593,11 @@ class PrivacyComponent:
         if constants.cost:  # private
             for mechanism, count in constants.cost:
                 self.ledger.record(mechanism, count * steps)
-            if self._spend_log is not None:
-                self._spend_log.count_step(steps)
-            self.branches[self.branch] += steps
         else:
             self.noiseless_steps += steps
+        if self._spend_log is not None:
+            self._spend_log.count_step(steps)
+        self.branches[self.branch] += steps
         if self.steps_allowed is not None:
             self.steps_allowed -= steps
         if released != planned:
@@ -578,8 +621,9 @@ class PrivacyComponent:
 
     @property
     def test_seeded(self) -> bool:
-        """True when ``noise_seed`` (test only) keys the noise: anyone with the config can subtract it."""
-        return self.noise_seed is not None
+        """True when ``noise_seed`` (test only) keys the noise, now or at any step of the run: anyone with the config
+        can subtract it (review 31: a run resumed without the seed showed a plain epsilon over the seeded steps)."""
+        return self.noise_seed is not None or self._seeded_before
 
     def epsilon(self) -> float:
         """Epsilon spent so far (PRV upper bound); 0 before any step, inf without noise (now or at any step)."""
@@ -604,7 +648,17 @@ class PrivacyComponent:
         if self.test_seeded:
             bound += "; the noise is REPRODUCIBLE from `noise_seed` (tests only): not a guarantee"
         return (f"epsilon = {epsilon} at delta = {self.delta:.3g} after {self.steps} steps{others} "
-                f"({self.ledger.accountant.upper()} accountant, {bound}; {self._sigma_text()}, {sampling})")
+                f"({self.ledger.accountant.upper()} accountant, {bound}; {self._steps_text(sampling)})")
+
+    def _steps_text(self, sampling: str) -> str:
+        """This fit's sigma and sampling where every step of the ledger is of its plan; else each kind of step the
+        ledger holds, with its count, as accounted (review 31: 10 steps at sigma 1, q 0.1 and 15 at 0.8, q 0.2 read
+        ``after 25 steps (...; sigma = 0.8, poisson, q = 0.2)``, and a fit that took no step showed its own plan)."""
+        own = {mechanism for mechanism, _ in self._step_constants.cost} if self._step_constants else set()
+        if set(self.ledger.counts) <= own:
+            return f"{self._sigma_text()}, {sampling}"
+        kinds = [f"{count} at {_mechanism_text(mechanism)}" for mechanism, count in self.ledger.counts.items()]
+        return "steps by noise multiplier per step: " + ", ".join(kinds)
 
     def _sigma_text(self) -> str:
         """``sigma = s``; where a step's releases compose to another multiplier (k directions: each of the k sums is
@@ -621,16 +675,17 @@ class PrivacyComponent:
     def state_dict(self) -> dict:
         """The ledger and the plan. Never the noise or sampling state: those are secret."""
         plan = None
-        if self.sampling is not None:
+        if self._restored_plan is not None:  # loaded, and no fit planned since: a refused one's partial plan is not saved
+            plan = dict(self._restored_plan)
+        elif self.sampling is not None:
             plan = {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget,
                     "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
                     "sample_rate": self.sampling.sample_rate, "n": self.sampling.n,
                     "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
                     "branches": None if self.branches is None else dict(self.branches),
                     "noiseless_steps": self.noiseless_steps, "poisson_assumed": self.poisson_assumed,
+                    "test_seeded": self.test_seeded,
                     "split": self.split, "single_pass": self.single_pass}
-        elif self._restored_plan is not None:
-            plan = dict(self._restored_plan)
         return {"ledger": self._ledger_with_pending_releases().state_dict(), "plan": plan}
 
     def _ledger_with_pending_releases(self) -> PrivacyLedger:
@@ -672,6 +727,7 @@ class PrivacyComponent:
         self.single_pass = _restored_pass(plan)
         # (steps before this fit were shuffled: the run's epsilon stays no guarantee)
         self._shuffled_before = bool(plan.get("poisson_assumed") or plan.get("sampling") == ShuffledSampling.name)
+        self._seeded_before = bool(plan.get("test_seeded"))  # (its noise is reproducible: the run's epsilon stays none)
         self.lineage, self.other_branch_steps = plan.get("lineage"), plan.get("other_branch_steps", 0)
         self.noiseless_steps = plan.get("noiseless_steps", 0)
         branches = plan.get("branches")  # None in a checkpoint from before branch maps
@@ -698,6 +754,22 @@ def _restored_pass(plan: dict) -> Optional[list]:
     if plan.get("sampling") == SinglePassSampling.name and plan.get("sample_rate"):
         return [plan.get("n"), round(1 / plan["sample_rate"]), None]
     return None
+
+
+def _mechanism_text(mechanism) -> str:
+    """``1.528 (q = 0.1)``: a ledger entry's noise multiplier per step and its sampling."""
+    if isinstance(mechanism, SubsampledGaussian):
+        return f"{mechanism.noise_multiplier:.4g} (q = {mechanism.sample_rate:.4g})"
+    if isinstance(mechanism, Gaussian):
+        return f"{mechanism.noise_multiplier:.4g} (full batch)"
+    if isinstance(mechanism, SinglePassGaussian):
+        return f"{mechanism.noise_multiplier:.4g} (single pass, counted once)"
+    return str(mechanism)
+
+
+def _marks_text(marks: list) -> str:
+    """``; marked noiseless, test_seeded: no guarantee`` for the marks of the branches counted (empty without)."""
+    return f"; marked {', '.join(marks)}: no guarantee" if marks else ""
 
 
 def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[str]:

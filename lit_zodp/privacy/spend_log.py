@@ -25,7 +25,7 @@ import mmap
 import os
 import warnings
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 from lit_zodp.errors import LitZodpWarning
 from lit_zodp.privacy.mechanisms import Mechanism, mechanism_from_dict, mechanism_to_dict
@@ -34,6 +34,19 @@ SPEND_DIR_ENV = "LIT_ZODP_SPEND_DIR"
 STEPS_WIDTH = 20  # digits of a branch's step count (JSON allows the spaces that pad it)
 
 Counts = dict[Mechanism, int]
+
+#: What makes a branch's steps no guarantee, which its releases do not show: ``noiseless`` (sigma = 0: it releases
+#: the clipped sums themselves, and records no mechanism), ``poisson_assumed`` (shuffled batches accounted as
+#: Poisson), ``test_seeded`` (noise a ``noise_seed`` reproduces). A fit counting the branch takes its marks.
+MARKS = ("noiseless", "poisson_assumed", "test_seeded")
+
+
+class Branch(NamedTuple):
+    """One branch's record: what one of its steps releases, its steps, and its :data:`MARKS`."""
+
+    per_step: Counts
+    steps: int
+    marks: tuple = ()
 
 
 def default_spend_dir() -> Path:
@@ -53,8 +66,8 @@ def new_id() -> str:
 class SpendLog:
     """One directory of branch records; :meth:`released` sums a lineage's branches.
 
-    A branch's record is the JSON ``{"per_step": [[mechanism, count], ...], "steps": N}``: what one
-    step releases (fixed within a fit) and the steps this fit made. ``N`` is a fixed-width field of
+    A branch's record is the JSON ``{"per_step": [[mechanism, count], ...], "marks": [...], "steps": N}``: what one
+    step releases (fixed within a fit), its :data:`MARKS` and the steps this fit made. ``N`` is a fixed-width field of
     the memory-mapped file, rewritten after every step (about a microsecond, no system call; a
     killed process leaves it in the page cache, which the kernel writes out).
 
@@ -73,8 +86,8 @@ class SpendLog:
         """Every release of ``lineage``: the sum over its branches of each one's own releases."""
         return summed(self.branches(lineage))
 
-    def branches(self, lineage: str) -> dict[str, tuple[Counts, int]]:
-        """``{branch: (what one step releases, steps)}`` of every readable record of ``lineage``."""
+    def branches(self, lineage: str) -> dict[str, Branch]:
+        """``{branch: Branch}`` of every readable record of ``lineage``."""
         found = {}
         for path in sorted((self.directory / lineage).glob("*.json")):
             record = _read_branch(path)
@@ -82,11 +95,12 @@ class SpendLog:
                 found[path.stem] = record
         return found
 
-    def open_branch(self, lineage: str, branch: str, per_step: Mapping[Mechanism, int]) -> None:
+    def open_branch(self, lineage: str, branch: str, per_step: Mapping[Mechanism, int],
+                    marks: Sequence[str] = ()) -> None:
         """Start this fit's record at 0 steps (never raises: warns where it cannot be written)."""
         self.close()
         self.path = self.directory / lineage / f"{branch}.json"
-        head = f'{{"per_step": {json.dumps(encode_counts(per_step))}, "steps": '
+        head = f'{{"per_step": {json.dumps(encode_counts(per_step))}, "marks": {json.dumps(list(marks))}, "steps": '
         self._at, self._steps = len(head.encode()), 0
         record = f"{head}{0:{STEPS_WIDTH}d}}}\n".encode()
         try:
@@ -151,25 +165,26 @@ def decode_counts(entries: list) -> Counts:
     return counts
 
 
-def summed(branches: Mapping[str, tuple[Counts, int]]) -> Counts:
-    """The releases of ``{branch: (per-step releases, steps)}`` over all its branches."""
+def summed(branches: Mapping[str, Branch]) -> Counts:
+    """The releases of ``{branch: Branch}`` over all its branches."""
     total: Counts = {}
-    for per_step, steps in branches.values():
-        for mechanism, count in per_step.items():
-            total[mechanism] = total.get(mechanism, 0) + count * steps
+    for branch in branches.values():
+        for mechanism, count in branch.per_step.items():
+            total[mechanism] = total.get(mechanism, 0) + count * branch.steps
     return total
 
 
-def _read_branch(path: Path) -> Optional[tuple[Counts, int]]:
-    """One branch's ``(per-step releases, steps)``; an unreadable record warns and counts nothing."""
+def _read_branch(path: Path) -> Optional[Branch]:
+    """One branch's record (a record from before review 31 has no marks); an unreadable one warns and counts
+    nothing."""
     try:
         record = json.loads(path.read_text())
-        return decode_counts(record["per_step"]), int(record["steps"])
+        return Branch(decode_counts(record["per_step"]), int(record["steps"]), tuple(record.get("marks", ())))
     except (OSError, ValueError, KeyError, TypeError) as error:
         warnings.warn(f"Skipping the unreadable spend record {path} ({error}): its releases are not counted",
                       LitZodpWarning, stacklevel=3)
         return None
 
 
-__all__ = ["SPEND_DIR_ENV", "STEPS_WIDTH", "SpendLog", "decode_counts", "default_spend_dir", "encode_counts",
+__all__ = ["Branch", "MARKS", "SPEND_DIR_ENV", "STEPS_WIDTH", "SpendLog", "decode_counts", "default_spend_dir", "encode_counts",
            "new_id", "summed"]

@@ -180,7 +180,7 @@ def test_state_dict_holds_the_ledger_and_the_plan_and_nothing_secret():
     assert set(state) == {"ledger", "plan"}
     assert set(state["plan"]) == {"noise_multiplier", "delta", "budget", "clip", "neighbours", "planned_steps",
                                   "sampling", "sample_rate", "n", "lineage", "other_branch_steps", "branches",
-                                  "noiseless_steps", "poisson_assumed", "split", "single_pass"}
+                                  "noiseless_steps", "poisson_assumed", "test_seeded", "split", "single_pass"}
     assert len(state["plan"]["lineage"]) == 32  # a random 128-bit id: public, it names the run's spend records
     assert list(state["plan"]["branches"].values()) == [1]  # this fit's branch: its one step is in the ledger
     restored = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
@@ -494,6 +494,56 @@ def test_a_shuffled_runs_epsilon_says_it_assumes_poisson_sampling():
     assert loaded.poisson_assumed
     poisson = steps(planned(noise_multiplier=1.0), 3)
     assert not poisson.poisson_assumed and "POISSON" not in poisson.summary()
+
+
+def test_a_checkpoint_loaded_after_a_fit_is_the_run_the_next_fit_continues():
+    """Review 31: a second fit takes its run's plan (sigma, delta, budget); a checkpoint of another run loaded between
+    the fits is that run, whose budget is stated at its own delta (1e-6 here, not the first fit's 1e-5)."""
+    other = steps(planned(steps=50, target_epsilon=2.0, delta=1e-6), 5)
+    other.end_fit()
+    component = steps(planned(steps=200, target_epsilon=3.0, delta=None), 5)
+    component.end_fit()
+    component.load_state_dict(other.state_dict())
+    with pytest.raises(PrivacyConfigError, match="`delta`=1e-05 differs from the checkpoint's delta=1e-06"):
+        component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=300)
+    component.delta = 1e-6  # (as configured for the resume)
+    component.load_state_dict(other.state_dict())
+    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=300)
+    assert component.noise_multiplier == other.noise_multiplier and component.budget == 2.0
+
+
+def test_a_refused_resume_saves_the_checkpoints_plan_not_its_own_partial_one():
+    """Review 31: a resume refused at its plan (another delta) had set its sampling, so its state (an
+    ``OnExceptionCheckpoint``) took the partial plan: budget None, delta 1e-6. Resumed from it with sigma 1 and no
+    budget, 10 steps at epsilon 2 went on for 30 more, to epsilon 5.23; the run's budget of 2 was gone."""
+    run = steps(planned(steps=10, target_epsilon=2.0), 10)
+    run.end_fit()
+    resumed = PrivacyComponent(clip=1.0, target_epsilon=2.0, delta=1e-6)
+    resumed.load_state_dict(run.state_dict())
+    with pytest.raises(PrivacyConfigError, match="differs from the checkpoint's delta"):
+        resumed.plan(step_plan=PLAN, sampling=POISSON, planned_steps=40)
+    plan = resumed.state_dict()["plan"]
+    assert (plan["budget"], plan["delta"], plan["noise_multiplier"]) == (2.0, 1e-5, run.noise_multiplier)
+    after = PrivacyComponent(clip=1.0, noise_multiplier=1.0)
+    after.load_state_dict(resumed.state_dict())
+    after.plan(step_plan=PLAN, sampling=POISSON, planned_steps=40)
+    assert after.budget == 2.0 and after.steps_allowed == 0
+
+
+def test_the_summary_shows_the_sigma_and_rate_the_ledgers_steps_ran_at():
+    """Review 31: 10 steps at sigma 1, q 0.05, then a fit of 15 at sigma 0.8, q 0.1 read ``after 25 steps (...;
+    sigma = 0.8, poisson, q = 0.1)``; a later fit that took no step showed its own plan, which never ran."""
+    component = steps(planned(noise_multiplier=1.0), 10)
+    component.end_fit()
+    assert component.summary().endswith("after 10 steps (PRV accountant, upper bound; sigma = 1, poisson, q = 0.05)")
+    component.configured_noise_multiplier = 0.8  # (as a resume configured with another sigma)
+    component.plan(step_plan=PLAN, sampling=PoissonSampling(n=1000, sample_rate=0.1), planned_steps=100)
+    steps(component, 15).end_fit()
+    assert component.summary().endswith("after 25 steps (PRV accountant, upper bound; steps by noise multiplier per "
+                                        "step: 10 at 1 (q = 0.05), 15 at 0.8 (q = 0.1))")
+    component.plan(step_plan=(GaussianRelease("a"), GaussianRelease("b")), sampling=POISSON, planned_steps=100)
+    assert "25 steps (PRV accountant, upper bound; steps by noise multiplier per step: 10 at 1 (q = 0.05), 15 at " \
+           "0.8 (q = 0.1))" in component.summary()  # (a fit of two releases per step, 0.5657 each: none ran)
 
 
 def test_the_summary_names_the_accountant_used():

@@ -44,6 +44,23 @@ def test_a_record_is_json_with_the_steps_padded_in_place(tmp_path):
     assert json.loads(text)["steps"] == 10 ** 4 and text.endswith(f"{10 ** 4:{STEPS_WIDTH}d}}}\n")
 
 
+def test_a_record_keeps_its_branchs_marks_and_one_without_them_reads_as_unmarked(tmp_path):
+    """Review 31: what makes a branch's steps no guarantee (no noise, shuffled batches, a test noise seed) is in its
+    record, for the other branches that count it; a record from before has none."""
+    log = SpendLog(tmp_path)
+    log.open_branch("run", "noiseless", {}, ["noiseless"])
+    steps(log, 3)
+    log.open_branch("run", "seeded", {A: 1}, ["poisson_assumed", "test_seeded"])
+    steps(log, 2)
+    log.close()
+    (tmp_path / "run" / "old.json").write_text('{"per_step": [[{"kind": "subsampled_gaussian", "noise_multiplier": '
+                                               '1.0, "sample_rate": 0.1}, 1]], "steps": 5}')
+    branches = SpendLog(tmp_path).branches("run")
+    assert branches["noiseless"] == ({}, 3, ("noiseless",))
+    assert branches["seeded"] == ({A: 1}, 2, ("poisson_assumed", "test_seeded"))
+    assert branches["old"] == ({A: 1}, 5, ()) and SpendLog(tmp_path).released("run") == {A: 7}
+
+
 @pytest.mark.parametrize("missing", ["unsupported", "absent"])
 def test_a_file_system_without_fallocate_still_keeps_the_record(tmp_path, monkeypatch, missing):
     import errno
