@@ -55,3 +55,42 @@ def test_a_module_returning_anything_else_is_refused_in_one_line():
             as error:
         per_example_loss(DictOutput("tuple"), x, y)
     assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------------------------ memory formats
+def conv_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("engine", [PerturbationEngine, lambda ps: FusedPerturbation(ps, backend="reference")])
+def test_a_channels_last_weight_is_perturbed_along_its_direction_and_keeps_its_layout(engine):
+    torch.manual_seed(0)
+    start = torch.randn(4, 3, 3, 3)
+    weight = nn.Parameter(start.clone().to(memory_format=torch.channels_last))
+    zo = engine([weight])
+    zo.perturb_(7, 0.5)
+    u = zo.direction(7)[0]
+    assert weight.is_contiguous(memory_format=torch.channels_last) and u.shape == weight.shape
+    torch.testing.assert_close(weight.detach(), start + 0.5 * u, rtol=0, atol=1e-6)
+    zo.restore_()
+    torch.testing.assert_close(weight.detach(), start, rtol=0, atol=1e-6)
+
+
+def test_a_weight_that_is_not_one_dense_buffer_is_refused_in_one_line():
+    weight = nn.Parameter(torch.randn(4, 6)[:, ::2])
+    with pytest.raises(ValueError, match=r"^A parameter of shape \(4, 3\) .* is not one dense buffer"):
+        PerturbationEngine([weight])
+
+
+@pytest.mark.parametrize("cls", [DPZero, DPMeZOBCD])
+def test_a_channels_last_model_trains_in_zeroth_order_modules(cls):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 3, 8, 8, generator=g)
+    data = TensorDataset(x, (x.mean((1, 2, 3)) > 0).long())
+    model = conv_net().to(memory_format=torch.channels_last)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    quiet_trainer(max_steps=2).fit(cls(model, lr=0.05, **PRIVACY), poisson_loader(data, 0.5))
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
