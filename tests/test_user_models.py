@@ -94,3 +94,37 @@ def test_a_channels_last_model_trains_in_zeroth_order_modules(cls):
     quiet_trainer(max_steps=2).fit(cls(model, lr=0.05, **PRIVACY), poisson_loader(data, 0.5))
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+# ------------------------------------------------------------------------- a shared embedding call
+class RepeatedPrompt(nn.Module):
+    """peft's prompt tuning: virtual tokens embedded once as ``[1, T]`` and ``repeat``-ed to the batch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.prompt, self.body, self.head = nn.Embedding(3, 10), nn.Linear(10, 10), nn.Linear(10, 3)
+
+    def forward(self, x):
+        prompts = self.prompt(torch.arange(3).unsqueeze(0)).repeat(len(x), 1, 1)     # [B, 3, 10]
+        states = torch.tanh(self.body(torch.cat([prompts, x.unsqueeze(1)], 1)))      # [B, 4, 10]
+        return self.head(states.mean(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
+def test_a_repeated_shared_embedding_call_gives_the_loop_references_clipped_sum(mode):
+    """The engine expanded the ``[1, T]`` call to ``[B, T]``, so ``repeat(B, 1, 1)`` made ``B^2`` rows and every batch
+    of two or more examples failed in ``torch.cat``; it now runs such a forward unexpanded (the embedding through the
+    torch.func fallback)."""
+    model = RepeatedPrompt().double()
+    x, y = blobs(n=6)[:]
+    x = x.double()
+    loss_fn = lambda: F.cross_entropy(model(x), y, reduction="none")  # noqa: E731
+    engine = PerExampleGradientEngine(model, mode=mode)
+    out = engine.clipped_sum(loss_fn, clip=1.25)
+    reference = loop_reference(model, lambda xi, yi: F.cross_entropy(model(xi), yi).sum(), x, y)
+    sums, norms = flat_clipped_sum(reference, engine.names, 1.25)
+    assert 0 < int((norms > 1.25).sum()) < len(norms)
+    for name, got in zip(engine.names, out.grads):
+        assert_rel_close(got, sums[name], 1e-6, name)
+    assert engine.last_recomputed and all(name.startswith("prompt") for name in engine.last_recomputed)
