@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lit_zodp.errors import PrivacyConfigError
+from lit_zodp.errors import ConfigError, PrivacyConfigError
 
 Inputs = Union[Tensor, Mapping[str, Tensor]]
 
@@ -157,11 +157,26 @@ def predict(model: nn.Module, inputs: Inputs) -> Tensor:
     return call_model(model, inputs)
 
 
-def call_model(model: nn.Module, inputs: Inputs) -> Any:
-    """Call a plain module on a tensor, or with keyword arguments for a dict of tensors."""
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    return model(inputs)
+def call_model(model: nn.Module, inputs: Inputs) -> Tensor:
+    """The logits of a plain module called on a tensor, or with keyword arguments for a dict of tensors
+    (:func:`logits_of` its output)."""
+    output = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+    return logits_of(output, type(model).__name__)
+
+
+def logits_of(output: Any, owner: str) -> Tensor:
+    """A plain module's logits: its output tensor, or the ``logits`` of a Hugging Face ``ModelOutput`` or a dict (a
+    ``transformers`` or ``peft`` model passed as the backbone). Any other output is refused in one line; before,
+    a ``SequenceClassifierOutput`` failed the first private step with ``AttributeError: ... 'is_floating_point'``
+    (review 34)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), Tensor):
+        return output["logits"]
+    raise ConfigError(
+        f"The backbone {owner} returned a {type(output).__name__}, but a module that is not a Backbone must return "
+        "its logits [B, classes]: a tensor, or a ModelOutput or dict holding `logits` (or subclass Backbone and "
+        "override `per_example_loss` and `predict`)")
 
 
 def num_classes_of(model: nn.Module) -> int | None:

@@ -135,6 +135,20 @@ class ClippedSum:
         return self
 
 
+class _ExpansionFailed(Exception):
+    """The recording forward failed after a shared ``[1, T]`` embedding call was expanded to the batch."""
+
+
+def _forward(loss_fn: Callable[[], Tensor], tape: Tape) -> Tensor:
+    """``loss_fn()``; a failure after the tape expanded a shared embedding call is :class:`_ExpansionFailed`."""
+    try:
+        return loss_fn()
+    except Exception as error:
+        if tape.expanded:
+            raise _ExpansionFailed() from error
+        raise
+
+
 class _Hidden:
     """A view of ``layer`` whose ``names`` parameters read as frozen, so its rule skips them."""
 
@@ -367,6 +381,7 @@ class PerExampleGradientEngine:
         #: every later batch of it, as on the checked one)
         self._uncovered_of: Dict[int, FrozenSet[int]] = {}
         self._misaligned: Dict[int, FrozenSet[CallKey]] = {}  # per verified structure: calls failing alignment
+        self._expand_shared = True  # shared [1, T] embedding indices expanded to the batch (until a forward fails)
 
     def __setstate__(self, state: dict) -> None:
         """A copy (a callback's ``deepcopy`` of the module: an EMA or teacher model) or unpickled engine keys its maps by
@@ -374,6 +389,7 @@ class PerExampleGradientEngine:
         first step fail with ``KeyError`` (review 24), and an id reused after the original was freed could have
         passed a structure of the copy as checked."""
         self.__dict__.update(state)
+        self.__dict__.setdefault("_expand_shared", True)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._module_names = {id(m): name for name, m in self.module.named_modules()}
         self._checked, self._misaligned, self._uncovered_of = set(), {}, {}
@@ -404,6 +420,9 @@ class PerExampleGradientEngine:
                 forward (:mod:`lit_zodp.privacy.fixed_shape`): factor 0, not counted. ``None``: all.
         """
         check_clip(clip)
+        return self._unexpanded_on_failure(lambda: self._clipped_sum(loss_fn, clip, examples))
+
+    def _clipped_sum(self, loss_fn: Callable[[], Tensor], clip: float, examples: Optional[int]) -> ClippedSum:
         tape = self._tape()
         try:
             with tape, outside_autocast(self._device_type):
@@ -430,6 +449,9 @@ class PerExampleGradientEngine:
 
     def per_example_gradients(self, loss_fn: Callable[[], Tensor]) -> List[Tensor]:
         """Unclipped per-example gradients ``[B, ...]`` (after the transform), aligned with ``params``."""
+        return self._unexpanded_on_failure(lambda: self._per_example_gradients(loss_fn))
+
+    def _per_example_gradients(self, loss_fn: Callable[[], Tensor]) -> List[Tensor]:
         tape = self._tape()
         try:
             with tape, outside_autocast(self._device_type):
@@ -443,7 +465,21 @@ class PerExampleGradientEngine:
     # ------------------------------------------------------------------------- one batch
 
     def _tape(self) -> Tape:
-        return Tape(self.module, self._layers, self._recomputed)
+        return Tape(self.module, self._layers, self._recomputed, expand_shared=self._expand_shared)
+
+    def _unexpanded_on_failure(self, run: Callable[[], Any]) -> Any:
+        """``run()``; if its forward failed after a shared ``[1, T]`` embedding call was expanded to the batch, again
+        without expanding, for this batch and every later one (those calls' parameters then go to the torch.func
+        fallback, or are refused in one line). A model may use such a call's ``[1, T, D]`` output in a way that
+        depends on its first dimension: peft's prompt tuning embeds its virtual tokens as ``[1, T]`` and
+        ``repeat(B, 1, 1)``-s the output, which the expansion made ``B^2`` rows, so every step with two or more
+        examples failed in ``torch.cat`` (review 34), and a first batch of one example passed: when a fit failed
+        told of the realized batch sizes."""
+        try:
+            return run()
+        except _ExpansionFailed:
+            self._expand_shared = False
+            return run()
 
     @property
     def _device_type(self) -> str:
@@ -462,7 +498,7 @@ class PerExampleGradientEngine:
         buffers, parameters = buffer_state(self.module, modules), ParameterWrites(self.module, modules)
         versions = parameters.versions()
         with uses, forward_autocast(self._device_type):
-            losses = loss_fn()
+            losses = _forward(loss_fn, tape)
         refuse_buffer_writes(self.module, buffers)
         parameters.refuse_since(versions)
         check_losses(losses)

@@ -110,11 +110,16 @@ class Tape:
         root: The engine's module; the leading dim of its first tensor argument is the batch hint.
         layers: Modules with a rule and trainable parameters.
         modules: Modules whose calls the fallback may recompute.
+        expand_shared: expand shared ``[1, T]`` embedding indices to the batch (:meth:`_broadcast_embedding_hook`).
     """
 
-    def __init__(self, root: nn.Module, layers: Iterable[nn.Module], modules: Iterable[nn.Module]):
+    def __init__(self, root: nn.Module, layers: Iterable[nn.Module], modules: Iterable[nn.Module],
+                 expand_shared: bool = True):
         self.root, self.layers, self.modules = root, list(layers), list(modules)
         self.recording = False
+        self.expand_shared = expand_shared
+        #: Whether a call's shared indices were expanded (the engine retries a failed forward without).
+        self.expanded = False
         #: When set, every output gradient goes to ``observer(call, output index, grad)`` instead
         #: of the call (the alignment check's extra backwards, :mod:`.alignment`).
         self.observer: Optional[Callable[[Any, int, Tensor], None]] = None
@@ -193,9 +198,10 @@ class Tape:
         inside a backward: a checkpointed forward run again must give the shapes it saved."""
         idx = _first_input(args, kwargs)
         hint = self.batch_hint
-        if not (self.recording and hint and hint > 1 and isinstance(idx, Tensor)
+        if not (self.expand_shared and self.recording and hint and hint > 1 and isinstance(idx, Tensor)
                 and idx.dim() >= 2 and idx.shape[0] == 1):
             return None
+        self.expanded = True
         expanded = idx.expand(hint, *idx.shape[1:])
         if args:
             return (expanded, *args[1:]), kwargs

@@ -322,7 +322,7 @@ class BlockPerturbation:
         """``e_Bj(u(seed))``: the block's direction zero-padded to every parameter (tests, references)."""
         out = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         for i, u in zip(self.blocks[self.active], self.engine.direction(seed)):
-            out[i] = u.float().view_as(self.params[i])
+            out[i] = u.float()
         return out
 
     def block_direction(self, seed: int) -> list[Tensor]:

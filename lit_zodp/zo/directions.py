@@ -41,8 +41,30 @@ def parameter_chunks(params: Sequence[Tensor], chunk_numel: int = DEFAULT_CHUNK)
     """Flat views of at most ``chunk_numel`` elements covering ``params`` in order."""
     chunks = []
     for p in params:
-        chunks.extend(p.view(-1).split(chunk_numel))
+        chunks.extend(flat_view(p).split(chunk_numel))
     return chunks
+
+
+def flat_view(p: Tensor) -> Tensor:
+    """``p`` as one flat view in the order of its storage: a contiguous tensor's own order; a dense one of another
+    layout (``channels_last``, a transposed weight) its memory order, which an i.i.d. direction does not care about.
+    Before, ``model.to(memory_format=torch.channels_last)`` failed every zeroth-order fit at its start with torch's
+    ``view size is not compatible with input tensor's size and stride`` (review 34). A tensor with gaps or
+    overlaps, which no in-place pass can write as one buffer, is refused."""
+    if p.is_contiguous():
+        return p.view(-1)
+    dense = p.permute(sorted(range(p.dim()), key=lambda d: -p.stride(d)))
+    if not dense.is_contiguous():
+        raise ValueError(f"A parameter of shape {tuple(p.shape)} and strides {p.stride()} is not one dense buffer, "
+                         "which the zeroth-order engine perturbs in place: make it contiguous (`.contiguous()`)")
+    return dense.view(-1)
+
+
+def unflattened_like(flat: Tensor, p: Tensor) -> Tensor:
+    """``flat`` (in :func:`flat_view`'s order of ``p``) as a tensor of ``p``'s shape and layout."""
+    out = torch.empty_like(p, dtype=flat.dtype, device=flat.device)
+    flat_view(out).copy_(flat)
+    return out
 
 
 def _mix64(x: int) -> int:

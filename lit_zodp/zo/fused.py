@@ -52,6 +52,7 @@ from torch import Tensor
 
 from lit_zodp.transfer import to_device_without_waiting
 from lit_zodp.zo import philox
+from lit_zodp.zo.directions import flat_view, unflattened_like
 from lit_zodp.zo.perturbation import _per_param
 
 try:  # Triton ships with CUDA builds of torch; the reference path needs none of it.
@@ -203,7 +204,7 @@ class FusedPerturbation:
 
     def direction(self, seed: int) -> list[Tensor]:
         """``z(seed)`` shaped like each parameter, float32 (references and tests)."""
-        return [philox.normal_range(seed, o, p.numel(), self.math, p.device).view_as(p)
+        return [unflattened_like(philox.normal_range(seed, o, p.numel(), self.math, p.device), p)
                 for p, o in zip(self.params, self.offsets)]
 
     def _track(self, seed: int, total: float) -> None:
@@ -264,8 +265,7 @@ def _check_params(params: Sequence[Tensor]) -> None:
             raise ValueError(f"Parameter {i} has dtype {p.dtype}; expected one of {SUPPORTED_DTYPES}")
         if p.device != device:
             raise ValueError(f"All parameters must be on one device, but got {device} and {p.device}")
-        if not p.is_contiguous():
-            raise ValueError(f"Parameter {i} is not contiguous; the fused engine writes it as a flat buffer")
+        flat_view(p)  # (one dense buffer, written in memory order from its data pointer; refused otherwise)
 
 
 def _check_offsets(params: Sequence[Tensor], offsets: Sequence[int]) -> None:
@@ -309,7 +309,7 @@ def _reference_pass(params, offsets, terms: _Terms, lrs, decays, math: str) -> N
         lr = _f32(lrs[index] if lrs is not None else 0.0)
         shrink = _f32(1.0) - lr * _f32(decays[index] if decays is not None else 0.0)
         alphas = [s - lr * c for s, c in zip(scales, coefficients)]
-        flat = p.view(-1)
+        flat = flat_view(p)
         for start in range(0, flat.numel(), REFERENCE_CHUNK):
             chunk = flat[start:start + REFERENCE_CHUNK]
             chunk.copy_(_reference_chunk(chunk, offset + start, terms.seeds, pending, alphas, shrink,

@@ -20,7 +20,8 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lit_zodp.zo.directions import GaussianDirections, default_chunk_numel, parameter_chunks
+from lit_zodp.zo.directions import (GaussianDirections, default_chunk_numel, flat_view, parameter_chunks,
+                                    unflattened_like)
 from lit_zodp.zo.parallel import Scratch, for_each_chunk
 
 
@@ -213,7 +214,7 @@ class PerturbationEngine:
     def direction(self, seed: int) -> list[Tensor]:
         """The full direction as tensors shaped like the parameters (tests and references only)."""
         flat = torch.cat([u.clone().float() for u in self.law.directions(self._chunks, seed)])
-        return [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in self.params]), self.params)]
+        return [unflattened_like(t, p) for t, p in zip(flat.split([p.numel() for p in self.params]), self.params)]
 
     def _track(self, seed: int, scale: float) -> None:
         total = self.pending.get(seed, 0.0) + scale
@@ -250,7 +251,7 @@ def _direction_chunk(law, chunk: Tensor, seed: int, index: int, factor: float, s
 def _chunk_owners(params: Sequence[Tensor], chunk_numel: int) -> list[int]:
     owners = []
     for index, p in enumerate(params):
-        owners.extend([index] * len(p.view(-1).split(chunk_numel)))
+        owners.extend([index] * len(flat_view(p).split(chunk_numel)))
     return owners
 
 
