@@ -61,7 +61,10 @@ def flat_view(p: Tensor) -> Tensor:
 
 
 def unflattened_like(flat: Tensor, p: Tensor) -> Tensor:
-    """``flat`` (in :func:`flat_view`'s order of ``p``) as a tensor of ``p``'s shape and layout."""
+    """``flat`` (in :func:`flat_view`'s order of ``p``) as a tensor of ``p``'s shape and layout (a view where ``p`` is
+    contiguous: MeZO-BCD's block Adam reads every step's direction through here)."""
+    if p.is_contiguous():
+        return flat.view(p.shape)
     out = torch.empty_like(p, dtype=flat.dtype, device=flat.device)
     flat_view(out).copy_(flat)
     return out
