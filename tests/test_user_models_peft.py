@@ -53,8 +53,8 @@ def padded(rows, labels, index):
     return {"input_ids": ids, "attention_mask": (ids != 0).long()}, labels[list(index)]
 
 
-def loader(rows, labels, q):
-    return DataLoader(list(range(len(rows))), batch_sampler=PoissonBatchSampler(len(rows), q),
+def loader(rows, labels, q, seed=None):
+    return DataLoader(list(range(len(rows))), batch_sampler=PoissonBatchSampler(len(rows), q, seed=seed),
                       collate_fn=lambda index: padded(rows, labels, index))
 
 
@@ -98,7 +98,7 @@ def test_zeroth_order_steps_perturb_and_move_exactly_the_lora_parameters():
 
 def test_a_private_lora_fit_learns():
     rows, labels = two_word_task()
-    model = lora_bert(lora_dropout=0.1, nonzero_b=False)
+    model = lora_bert(lora_dropout=0.0, nonzero_b=False)  # (dropout is drawn from secret states: not reproducible)
     every = padded(rows, labels, range(len(rows)))
 
     def mean_loss():
@@ -107,6 +107,7 @@ def test_a_private_lora_fit_learns():
             return float(per_example_loss(model, *every).mean())
 
     start = mean_loss()
-    quiet_trainer(max_steps=80).fit(DPSGD(model, lr=0.5, **PRIVACY), loader(rows, labels, 0.5))
+    with pytest.warns(UserWarning, match="noise_seed"):  # (test seeds: the noise and the batches are reproducible)
+        quiet_trainer(max_steps=80).fit(DPSGD(model, lr=0.5, noise_seed=0, **PRIVACY), loader(rows, labels, 0.5, seed=0))
     end = mean_loss()
-    assert start > 0.69 and end < 0.675, end  # (0.62-0.65 in six fits: the noise is secret)
+    assert start > 0.69 and end < 0.675, end
