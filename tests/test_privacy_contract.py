@@ -191,6 +191,34 @@ def test_a_release_pending_when_the_fit_end_never_ran_is_counted_in_checkpoints_
     assert module.privacy.ledger.total_count == 7 and module.privacy.fit_steps == 2
 
 
+class SaveBeforeTheThirdStepCommits(Callback):
+    """A user's callback that saves a checkpoint inside the 3rd optimizer step, after its release, before its commit
+    (``on_before_optimizer_step``: the ledger counts 2 steps, and the 3rd is pending)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if trainer.global_step == 2:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_checkpoint_written_between_a_release_and_its_commit_is_resumed_without_counting_the_step_twice(
+        name, tmp_path):
+    """Review 33: such a checkpoint's ledger counts the pending 3rd step (3), but its branch map said 2, so a resume
+    added 4 of the branch's 6 logged steps ("released 7 in all branches"): 7 + 3 new = 10 where the run released
+    6 + 3 = 9."""
+    path = tmp_path / "mid_step.ckpt"
+    fit(build(name), poisson_loader(blobs(), 0.25), 6, [SaveBeforeTheThirdStepCommits(path)])
+    saved = torch.load(path, weights_only=False)["privacy"]
+    assert saved["ledger"]["entries"][0]["count"] == 3 and list(saved["plan"]["branches"].values()) == [3]
+    resumed = build(name)
+    with pytest.warns(UserWarning, match="counts 3 steps, but its run .* released 6 in all branches"):
+        quiet_trainer(max_steps=5).fit(resumed, poisson_loader(blobs(), 0.25), ckpt_path=path)
+    assert resumed.privacy.ledger.total_count == 9 and resumed.privacy.other_branch_steps == 3
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_a_collate_making_inference_tensors_for_its_rows_trains_whatever_batches_are_empty(name):
     """Review 27: a collate computing its rows' features under ``torch.inference_mode()`` (a frozen encoder) and

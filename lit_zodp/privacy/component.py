@@ -620,32 +620,39 @@ class PrivacyComponent:
     # ----------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """The ledger and the plan. Never the noise or sampling state: those are secret."""
-        plan = None
+        plan, pending = None, self._pending_steps()
         if self.sampling is not None:
             plan = {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget,
                     "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
                     "sample_rate": self.sampling.sample_rate, "n": self.sampling.n,
                     "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
-                    "branches": None if self.branches is None else dict(self.branches),
+                    "branches": None if self.branches is None else _with_pending(self.branches, self.branch, pending),
                     "noiseless_steps": self.noiseless_steps, "poisson_assumed": self.poisson_assumed,
                     "split": self.split, "single_pass": self.single_pass}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
-        return {"ledger": self._ledger_with_pending_releases().state_dict(), "plan": plan}
+        return {"ledger": self._ledger_with_pending_releases(pending).state_dict(), "plan": plan}
 
-    def _ledger_with_pending_releases(self) -> PrivacyLedger:
-        """The ledger, with the releases no optimizer step has committed yet counted as the steps that cover them.
+    def _pending_steps(self) -> int:
+        """The steps that cover the releases no optimizer step has committed yet (0: none, or not private)."""
+        if not (self._released and self._in_fit and self._constants().cost):
+            return 0
+        return _steps_covering(sorted(self._released), self._constants().names)
+
+    def _ledger_with_pending_releases(self, pending: int) -> PrivacyLedger:
+        """The ledger, with the ``pending`` steps that cover the releases no optimizer step has committed yet.
 
         A checkpoint written between a step's release and its commit (a failing fit whose own ``on_exception``
-        callback raised before the privacy callback's could commit it, then ``trainer.save_checkpoint``) holds a
-        model that may carry the release: its ledger must count it (review 25's case, when the fit's end never runs).
+        callback raised before the privacy callback's could commit it, then ``trainer.save_checkpoint``; a user's
+        callback saving in ``on_before_optimizer_step``) holds a model that may carry the release: its ledger must
+        count it (review 25's case, when the fit's end never runs). The plan's branch map counts them too, or a
+        resume would add them again from the spend log, which logs the step at its commit (review 33).
         """
-        if not (self._released and self._in_fit and self._constants().cost):
+        if not pending:
             return self.ledger
         ledger = copy.deepcopy(self.ledger)
-        steps = _steps_covering(sorted(self._released), self._constants().names)
         for mechanism, count in self._constants().cost:
-            ledger.record(mechanism, count * steps)
+            ledger.record(mechanism, count * pending)
         return ledger
 
     def load_state_dict(self, state: dict) -> None:
@@ -708,6 +715,14 @@ def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[s
     return ("This fit's private split is not the one this run's earlier steps were taken on (another `data_seed`, "
             "fraction, `max_*_samples` or data): rows accounted as private could now be public or validation rows, "
             "used without noise; resume with the data settings of the run's checkpoint")
+
+
+def _with_pending(branches: dict[str, int], branch: Optional[str], pending: int) -> dict[str, int]:
+    """A copy of the branch map with this fit's branch ``pending`` steps further (the checkpoint's ledger counts them)."""
+    copied = dict(branches)
+    if pending and branch in copied:
+        copied[branch] += pending
+    return copied
 
 
 def _steps_covering(released: list[str], planned: list[str]) -> int:
