@@ -137,8 +137,11 @@ class FailingUpdate(Callback):
     """The 5th optimizer step writes its update into the weights, then fails before its post-hooks run (an update
     failing part-way: out of memory for a chunk's scratch, an interrupt)."""
 
+    def __init__(self, step=4):
+        self.step = step
+
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if trainer.global_step == 4:
+        if trainer.global_step == self.step:
             optimizer, self.before = trainer.optimizers[0], flat(module)
 
             def step(closure=None):
@@ -189,6 +192,21 @@ def test_a_release_pending_when_the_fit_end_never_ran_is_counted_in_checkpoints_
     assert [entry["count"] for entry in saved["privacy"]["ledger"]["entries"]] == [5]
     fit(module, poisson_loader(blobs(), 0.25), 2)
     assert module.privacy.ledger.total_count == 7 and module.privacy.fit_steps == 2
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_noiseless_release_pending_when_the_fit_end_never_ran_is_in_the_checkpoints_noiseless_steps(name, tmp_path):
+    """Review 33: a sigma = 0 ablation whose 1st update reached the weights and whose fit's end never ran saved
+    ``noiseless_steps`` 0, so a resume with noise took it for a private run (epsilon finite, the clipped sum itself in
+    the weights); the pending step is now one noiseless step, and the resume is refused."""
+    module = build(name, noise_multiplier=0.0)
+    trainer = quiet_trainer(max_steps=10, callbacks=[RaisingOnException(), FailingUpdate(step=0)])
+    with pytest.raises(RuntimeError, match="on_exception failed too"):
+        trainer.fit(module, poisson_loader(blobs(), 0.25))
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert torch.load(tmp_path / "after.ckpt", weights_only=False)["privacy"]["plan"]["noiseless_steps"] == 1
+    with pytest.raises(PrivacyConfigError, match="already took 1 steps with `noise_multiplier`=0"):
+        quiet_trainer(max_steps=3).fit(build(name), poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "after.ckpt")
 
 
 class SaveBeforeTheThirdStepCommits(Callback):

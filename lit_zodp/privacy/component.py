@@ -627,15 +627,16 @@ class PrivacyComponent:
                     "sample_rate": self.sampling.sample_rate, "n": self.sampling.n,
                     "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
                     "branches": None if self.branches is None else _with_pending(self.branches, self.branch, pending),
-                    "noiseless_steps": self.noiseless_steps, "poisson_assumed": self.poisson_assumed,
+                    "noiseless_steps": self.noiseless_steps + (pending if pending and not self._constants().cost else 0),
+                    "poisson_assumed": self.poisson_assumed,
                     "split": self.split, "single_pass": self.single_pass}
         elif self._restored_plan is not None:
             plan = dict(self._restored_plan)
         return {"ledger": self._ledger_with_pending_releases(pending).state_dict(), "plan": plan}
 
     def _pending_steps(self) -> int:
-        """The steps that cover the releases no optimizer step has committed yet (0: none, or not private)."""
-        if not (self._released and self._in_fit and self._constants().cost):
+        """The steps that cover the releases no optimizer step has committed yet (at sigma = 0: noiseless steps)."""
+        if not (self._released and self._in_fit):
             return 0
         return _steps_covering(sorted(self._released), self._constants().names)
 
@@ -648,7 +649,7 @@ class PrivacyComponent:
         count it (review 25's case, when the fit's end never runs). The plan's branch map counts them too, or a
         resume would add them again from the spend log, which logs the step at its commit (review 33).
         """
-        if not pending:
+        if not (pending and self._constants().cost):
             return self.ledger
         ledger = copy.deepcopy(self.ledger)
         for mechanism, count in self._constants().cost:
@@ -720,7 +721,7 @@ def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[s
 def _with_pending(branches: dict[str, int], branch: Optional[str], pending: int) -> dict[str, int]:
     """A copy of the branch map with this fit's branch ``pending`` steps further (the checkpoint's ledger counts them)."""
     copied = dict(branches)
-    if pending and branch in copied:
+    if pending and branch in copied:  # (a noiseless fit has no branch of its own)
         copied[branch] += pending
     return copied
 
