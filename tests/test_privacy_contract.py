@@ -209,6 +209,36 @@ def test_a_noiseless_release_pending_when_the_fit_end_never_ran_is_in_the_checkp
         quiet_trainer(max_steps=3).fit(build(name), poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "after.ckpt")
 
 
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_checkpoint_holding_a_pending_release_puts_it_in_the_spend_log_for_a_rollback(name, tmp_path):
+    """Review 33: the checkpoint saved after the fit's end never ran counts the 5th release, but the spend log logs a
+    step at its commit and the process ended before one: a rollback to step 2 counted 2 + 2 logged + 2 new = 6 steps
+    where the run released 5 + 2 = 7 (both checkpoints published). Saving a pending release logs it; its commit does
+    not log it again."""
+    every_step = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+    trainer = quiet_trainer(max_steps=10, callbacks=[RaisingOnException(), FailingUpdate(), every_step],
+                            enable_checkpointing=True)
+    with pytest.raises(RuntimeError, match="on_exception failed too"):
+        trainer.fit(build(name), poisson_loader(blobs(), 0.25))
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    trainer.save_checkpoint(tmp_path / "again.ckpt")  # (logged once)
+    resumed = build(name)  # (the failed fit's process ended: its module is never fitted again)
+    with pytest.warns(UserWarning, match="counts 2 steps, but its run .* released 5 in all branches"):
+        quiet_trainer(max_steps=4).fit(resumed, poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "step=2.ckpt")
+    assert resumed.privacy.ledger.total_count == 7
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_pending_release_logged_by_a_checkpoint_is_not_logged_again_by_its_commit(name, tmp_path):
+    """The mid-step checkpoint logs the 3rd step; the step then commits, and the fit runs to 6: the branch logs 6, and
+    a resume there (ledger 3) to step 3 counts 6 + 1 new."""
+    fit(build(name), poisson_loader(blobs(), 0.25), 6, [SaveBeforeTheThirdStepCommits(tmp_path / "mid.ckpt")])
+    resumed = build(name)
+    with pytest.warns(UserWarning, match="released 6 in all branches"):
+        quiet_trainer(max_steps=3).fit(resumed, poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "mid.ckpt")
+    assert resumed.privacy.ledger.total_count == 7
+
+
 class SaveBeforeTheThirdStepCommits(Callback):
     """A user's callback that saves a checkpoint inside the 3rd optimizer step, after its release, before its commit
     (``on_before_optimizer_step``: the ledger counts 2 steps, and the 3rd is pending)."""

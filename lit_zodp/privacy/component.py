@@ -147,6 +147,7 @@ class PrivacyComponent:
     _step_constants: Optional[StepConstants] = None  # (a class default: components pickled before stop 34 lack it)
     fit_steps = 0  # (likewise, before stop 36)
     _in_fit = False  # between a plan and its end_fit: the settings below are fixed (likewise, before stop 37)
+    _logged_ahead = 0  # (likewise, before review 33)
     clip = _FixedWithinAFit()
     noise_multiplier = _FixedWithinAFit()
     sensitivity_factor = _FixedWithinAFit()
@@ -181,6 +182,7 @@ class PrivacyComponent:
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
         self._released: list[str] = []
+        self._logged_ahead = 0  # pending steps a checkpoint logged in the spend log before their commit
         self.fit_steps = 0  # steps committed in this fit (a counter the privacy callback reads instead of the Trainer's)
         self.lineage: Optional[str] = None  # the run's id across resumes (spend log); public
         self.other_branch_steps = 0  # steps of other branches of the lineage counted in the ledger
@@ -208,7 +210,7 @@ class PrivacyComponent:
             self._shuffled_before = True  # an earlier fit of this run, in this process, took shuffled steps
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
         self._reduce_sum = reduce_sum or _identity
-        self._released, self.fit_steps = [], 0
+        self._released, self.fit_steps, self._logged_ahead = [], 0, 0
         restored = self._restored_plan or {}
         raise_if_any([_split_change_error(self.split, split)])  # (a resume, or a 2nd fit here)
         if split is not None:
@@ -550,9 +552,10 @@ class PrivacyComponent:
         if constants.cost:  # private
             for mechanism, count in constants.cost:
                 self.ledger.record(mechanism, count * steps)
-            if self._spend_log is not None:
-                self._spend_log.count_step(steps)
+            if self._spend_log is not None:  # (less the pending steps a checkpoint logged already)
+                self._spend_log.count_step(steps - self._logged_ahead)
             self.branches[self.branch] += steps
+            self._logged_ahead = 0
         else:
             self.noiseless_steps += steps
         if self.steps_allowed is not None:
@@ -621,6 +624,9 @@ class PrivacyComponent:
     def state_dict(self) -> dict:
         """The ledger and the plan. Never the noise or sampling state: those are secret."""
         plan, pending = None, self._pending_steps()
+        if pending > self._logged_ahead and self._spend_log is not None:
+            self._spend_log.count_step(pending - self._logged_ahead)  # published now, whether or not it ever commits
+            self._logged_ahead = pending
         if self.sampling is not None:
             plan = {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget,
                     "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
@@ -646,8 +652,10 @@ class PrivacyComponent:
         A checkpoint written between a step's release and its commit (a failing fit whose own ``on_exception``
         callback raised before the privacy callback's could commit it, then ``trainer.save_checkpoint``; a user's
         callback saving in ``on_before_optimizer_step``) holds a model that may carry the release: its ledger must
-        count it (review 25's case, when the fit's end never runs). The plan's branch map counts them too, or a
-        resume would add them again from the spend log, which logs the step at its commit (review 33).
+        count it (review 25's case, when the fit's end never runs). The plan's branch map counts them too, and so
+        does the spend log, at once (review 33): a resume of this checkpoint would otherwise add them again, and a
+        rollback to an older one would miss them if the process ended before their commit (the commit then logs only
+        the steps not logged yet).
         """
         if not (pending and self._constants().cost):
             return self.ledger
