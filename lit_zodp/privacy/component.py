@@ -544,18 +544,21 @@ class PrivacyComponent:
         A step that released more than its plan is recorded as the steps that cover its releases
         before this raises: those releases are in the weights already.
         """
-        released, self._released = sorted(self._released), []
+        released, self._released = self._released, []
+        released.sort()
         constants = self._constants()
         planned = constants.names
-        steps = _steps_covering(released, planned)
+        steps = 1 if released == planned else _steps_covering(released, planned)  # (the usual step: no call)
         self.fit_steps += steps
         if constants.cost:  # private
             for mechanism, count in constants.cost:
                 self.ledger.record(mechanism, count * steps)
-            if self._spend_log is not None:  # (less the pending steps a checkpoint logged already)
-                self._spend_log.count_step(steps - self._logged_ahead)
+            ahead = self._logged_ahead  # (pending steps a checkpoint logged already)
+            if self._spend_log is not None:
+                self._spend_log.count_step(steps - ahead)
             self.branches[self.branch] += steps
-            self._logged_ahead = 0
+            if ahead:
+                self._logged_ahead = 0
         else:
             self.noiseless_steps += steps
         if self.steps_allowed is not None:
