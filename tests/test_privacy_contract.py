@@ -137,8 +137,11 @@ class FailingUpdate(Callback):
     """The 5th optimizer step writes its update into the weights, then fails before its post-hooks run (an update
     failing part-way: out of memory for a chunk's scratch, an interrupt)."""
 
+    def __init__(self, step=4):
+        self.step = step
+
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if trainer.global_step == 4:
+        if trainer.global_step == self.step:
             optimizer, self.before = trainer.optimizers[0], flat(module)
 
             def step(closure=None):
@@ -189,6 +192,79 @@ def test_a_release_pending_when_the_fit_end_never_ran_is_counted_in_checkpoints_
     assert [entry["count"] for entry in saved["privacy"]["ledger"]["entries"]] == [5]
     fit(module, poisson_loader(blobs(), 0.25), 2)
     assert module.privacy.ledger.total_count == 7 and module.privacy.fit_steps == 2
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_noiseless_release_pending_when_the_fit_end_never_ran_is_in_the_checkpoints_noiseless_steps(name, tmp_path):
+    """Review 33: a sigma = 0 ablation whose 1st update reached the weights and whose fit's end never ran saved
+    ``noiseless_steps`` 0, so a resume with noise took it for a private run (epsilon finite, the clipped sum itself in
+    the weights); the pending step is now one noiseless step, and the resume is refused."""
+    module = build(name, noise_multiplier=0.0)
+    trainer = quiet_trainer(max_steps=10, callbacks=[RaisingOnException(), FailingUpdate(step=0)])
+    with pytest.raises(RuntimeError, match="on_exception failed too"):
+        trainer.fit(module, poisson_loader(blobs(), 0.25))
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert torch.load(tmp_path / "after.ckpt", weights_only=False)["privacy"]["plan"]["noiseless_steps"] == 1
+    with pytest.raises(PrivacyConfigError, match="already took 1 steps with `noise_multiplier`=0"):
+        quiet_trainer(max_steps=3).fit(build(name), poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "after.ckpt")
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_checkpoint_holding_a_pending_release_puts_it_in_the_spend_log_for_a_rollback(name, tmp_path):
+    """Review 33: the checkpoint saved after the fit's end never ran counts the 5th release, but the spend log logs a
+    step at its commit and the process ended before one: a rollback to step 2 counted 2 + 2 logged + 2 new = 6 steps
+    where the run released 5 + 2 = 7 (both checkpoints published). Saving a pending release logs it; its commit does
+    not log it again."""
+    every_step = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+    trainer = quiet_trainer(max_steps=10, callbacks=[RaisingOnException(), FailingUpdate(), every_step],
+                            enable_checkpointing=True)
+    with pytest.raises(RuntimeError, match="on_exception failed too"):
+        trainer.fit(build(name), poisson_loader(blobs(), 0.25))
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    trainer.save_checkpoint(tmp_path / "again.ckpt")  # (logged once)
+    resumed = build(name)  # (the failed fit's process ended: its module is never fitted again)
+    with pytest.warns(UserWarning, match="counts 2 steps, but its run .* released 5 in all branches"):
+        quiet_trainer(max_steps=4).fit(resumed, poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "step=2.ckpt")
+    assert resumed.privacy.ledger.total_count == 7
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_pending_release_logged_by_a_checkpoint_is_not_logged_again_by_its_commit(name, tmp_path):
+    """The mid-step checkpoint logs the 3rd step; the step then commits, and the fit runs to 6: the branch logs 6, and
+    a resume there (ledger 3) to step 3 counts 6 + 1 new."""
+    fit(build(name), poisson_loader(blobs(), 0.25), 6, [SaveBeforeTheThirdStepCommits(tmp_path / "mid.ckpt")])
+    resumed = build(name)
+    with pytest.warns(UserWarning, match="released 6 in all branches"):
+        quiet_trainer(max_steps=3).fit(resumed, poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "mid.ckpt")
+    assert resumed.privacy.ledger.total_count == 7
+
+
+class SaveBeforeTheThirdStepCommits(Callback):
+    """A user's callback that saves a checkpoint inside the 3rd optimizer step, after its release, before its commit
+    (``on_before_optimizer_step``: the ledger counts 2 steps, and the 3rd is pending)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if trainer.global_step == 2:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_checkpoint_written_between_a_release_and_its_commit_is_resumed_without_counting_the_step_twice(
+        name, tmp_path):
+    """Review 33: such a checkpoint's ledger counts the pending 3rd step (3), but its branch map said 2, so a resume
+    added 4 of the branch's 6 logged steps ("released 7 in all branches"): 7 + 3 new = 10 where the run released
+    6 + 3 = 9."""
+    path = tmp_path / "mid_step.ckpt"
+    fit(build(name), poisson_loader(blobs(), 0.25), 6, [SaveBeforeTheThirdStepCommits(path)])
+    saved = torch.load(path, weights_only=False)["privacy"]
+    assert saved["ledger"]["entries"][0]["count"] == 3 and list(saved["plan"]["branches"].values()) == [3]
+    resumed = build(name)
+    with pytest.warns(UserWarning, match="counts 3 steps, but its run .* released 6 in all branches"):
+        quiet_trainer(max_steps=5).fit(resumed, poisson_loader(blobs(), 0.25), ckpt_path=path)
+    assert resumed.privacy.ledger.total_count == 9 and resumed.privacy.other_branch_steps == 3
 
 
 @pytest.mark.parametrize("name", PRIVATE)

@@ -12,6 +12,7 @@ runs over every registered private module.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -175,6 +176,7 @@ class AlgorithmModule(pl.LightningModule):
         self._check_labels = False  # this step's losses check the class targets on the device (not vetted on the host)
         self._labels_on_device = False  # this private fit's targets reach an accelerator, where a bad one cannot raise
         self._transfer_as_is = False  # this fit's batches reach the step as the host batch moved (its hooks' own)
+        self._loss_dtype: Optional[torch.dtype] = None  # the model's losses' dtype (loss_dtype), read again each fit
         self._classes_of_labels: Optional[int] = None  # this fit's C of the class targets 0..C-1
         self.recheck_probability = recheck_probability  # (makes its recheck_clock)
         self._recheck_pending = False  # a step drawn for a re-check, until a batch of it could compare
@@ -288,6 +290,7 @@ class AlgorithmModule(pl.LightningModule):
         self._transfer_as_is = _moved_as_it_is(self) and _moved_as_it_is(self.trainer.datamodule)
         self._classes_of_labels = label_classes(self.backbone, self.num_classes)  # as per_example_loss reads it
         self._sigma_logged = False
+        self._loss_dtype = None  # (the precision plugin may have cast the weights since)
         self._warn_short_schedule()
 
     def _warn_short_schedule(self) -> None:
@@ -353,7 +356,7 @@ class AlgorithmModule(pl.LightningModule):
         if self._eval_mode_caches:  # (a forward at a new point: nothing may read the last point's biases)
             clear_eval_mode_caches(self._eval_mode_caches)
         if batch_size_of(inputs) == 0:
-            return torch.zeros(0, device=targets.device)
+            return torch.zeros(0, dtype=self.loss_dtype, device=targets.device)
         if self._labels_on_device:
             self._start_private_losses(targets)
         versions = self._parameter_writes.versions() if self._parameter_writes is not None else None
@@ -382,7 +385,18 @@ class AlgorithmModule(pl.LightningModule):
             if losses is None:  # (the chunks' dtype: a float64 model's losses stay float64)
                 losses = torch.empty(len(targets), dtype=chunk.dtype, device=targets.device)
             losses[positions] = chunk[:len(positions)]
-        return losses if losses is not None else torch.zeros(0, device=targets.device)
+        return losses if losses is not None else torch.zeros(0, dtype=self.loss_dtype, device=targets.device)
+
+    @property
+    def loss_dtype(self) -> torch.dtype:
+        """The per-example losses' dtype, of the model and never of a batch: float32, or the parameters' where wider
+        (:func:`~lit_zodp.per_example.ghost.at_least_float32`: a float64 model's). An empty batch's losses have it,
+        and a release is rounded to it: an empty batch's float32 zeros made a float64 model's release, and the update
+        it scales, a float32 number, so the weights showed which steps sampled no row (review 33)."""
+        if self._loss_dtype is None:
+            dtypes = [p.dtype for p in self.backbone.parameters() if p.is_floating_point()]
+            self._loss_dtype = functools.reduce(torch.promote_types, dtypes, torch.float32)
+        return self._loss_dtype
 
     def example_losses(self, inputs, targets) -> Tensor:
         """The backbone's per-example losses (float32 or wider: half precision is widened, a float64 model's are kept

@@ -77,8 +77,8 @@ class DPZero(ZerothOrderModule):
 
     def released_derivatives(self, seeds: list, inputs, targets, size: int) -> tuple[torch.Tensor, list]:
         """Line 3 for each of the k directions: the per-example differences, and the k-vector of their clipped sums
-        (float64: :func:`clipped_sum`) released once, ``+ z_t`` and ``/ B``, rounded to the differences' dtype after
-        the noise. The last direction's perturbation stays pending, to be fused into the update."""
+        (float64: :func:`clipped_sum`) released once, ``+ z_t`` and ``/ B``, rounded to the losses' dtype after
+        the noise (:attr:`loss_dtype`). The last direction's perturbation stays pending, to be fused into the update."""
         clipped_sums, differences = [], []
         for k, seed in enumerate(seeds):
             differences.append(self.directional_differences(seed, inputs, targets))
@@ -86,7 +86,7 @@ class DPZero(ZerothOrderModule):
             if k < len(seeds) - 1:
                 self.restore()
         released = self.privacy.release(stack_sums(clipped_sums), DERIVATIVES, batch_size=size,
-                                        dtype=differences[0].dtype)
+                                        dtype=self.loss_dtype)  # (the model's, never the batch's: review 33)
         return released, differences
 
 

@@ -150,6 +150,7 @@ class PrivacyComponent:
     fit_steps = 0  # (likewise, before stop 36)
     _in_fit = False  # between a plan and its end_fit: the settings below are fixed (likewise, before stop 37)
     _seeded_before = False  # (likewise, before review 31)
+    _logged_ahead = 0  # (likewise, before review 33)
     clip = _FixedWithinAFit()
     noise_multiplier = _FixedWithinAFit()
     sensitivity_factor = _FixedWithinAFit()
@@ -185,6 +186,7 @@ class PrivacyComponent:
         self._restored_plan: Optional[dict] = None
         self._reduce_sum: ReduceSum = _identity
         self._released: list[str] = []
+        self._logged_ahead = 0  # pending steps a checkpoint logged in the spend log before their commit
         self.fit_steps = 0  # steps committed in this fit (a counter the privacy callback reads instead of the Trainer's)
         self.lineage: Optional[str] = None  # the run's id across resumes (spend log); public
         self.other_branch_steps = 0  # steps of other branches of the lineage counted in the ledger
@@ -213,7 +215,7 @@ class PrivacyComponent:
         restored = self._run_plan()
         self.step_plan, self.sampling, self.planned_steps = tuple(step_plan), sampling, planned_steps
         self._reduce_sum = reduce_sum or _identity
-        self._released, self.fit_steps = [], 0
+        self._released, self.fit_steps, self._logged_ahead = [], 0, 0
         raise_if_any([_split_change_error(self.split, split)])  # (a resume, or a 2nd fit here)
         if split is not None:
             self.split = split
@@ -585,19 +587,23 @@ class PrivacyComponent:
         A step that released more than its plan is recorded as the steps that cover its releases
         before this raises: those releases are in the weights already.
         """
-        released, self._released = sorted(self._released), []
+        released, self._released = self._released, []
+        released.sort()
         constants = self._constants()
         planned = constants.names
-        steps = _steps_covering(released, planned)
+        steps = 1 if released == planned else _steps_covering(released, planned)  # (the usual step: no call)
         self.fit_steps += steps
         if constants.cost:  # private
             for mechanism, count in constants.cost:
                 self.ledger.record(mechanism, count * steps)
         else:
             self.noiseless_steps += steps
+        ahead = self._logged_ahead  # (pending steps a checkpoint logged already)
         if self._spend_log is not None:
-            self._spend_log.count_step(steps)
+            self._spend_log.count_step(steps - ahead)
         self.branches[self.branch] += steps
+        if ahead:
+            self._logged_ahead = 0
         if self.steps_allowed is not None:
             self.steps_allowed -= steps
         if released != planned:
@@ -674,7 +680,10 @@ class PrivacyComponent:
     # ----------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """The ledger and the plan. Never the noise or sampling state: those are secret."""
-        plan = None
+        plan, pending = None, self._pending_steps()
+        if pending > self._logged_ahead and self._spend_log is not None:
+            self._spend_log.count_step(pending - self._logged_ahead)  # published now, whether or not it ever commits
+            self._logged_ahead = pending
         if self._restored_plan is not None:  # loaded, and no fit planned since: a refused one's partial plan is not saved
             plan = dict(self._restored_plan)
         elif self.sampling is not None:
@@ -682,25 +691,34 @@ class PrivacyComponent:
                     "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
                     "sample_rate": self.sampling.sample_rate, "n": self.sampling.n,
                     "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
-                    "branches": None if self.branches is None else dict(self.branches),
-                    "noiseless_steps": self.noiseless_steps, "poisson_assumed": self.poisson_assumed,
-                    "test_seeded": self.test_seeded,
+                    "branches": None if self.branches is None else _with_pending(self.branches, self.branch, pending),
+                    "noiseless_steps": self.noiseless_steps + (pending if pending and not self._constants().cost else 0),
+                    "poisson_assumed": self.poisson_assumed, "test_seeded": self.test_seeded,
                     "split": self.split, "single_pass": self.single_pass}
-        return {"ledger": self._ledger_with_pending_releases().state_dict(), "plan": plan}
+        return {"ledger": self._ledger_with_pending_releases(pending).state_dict(), "plan": plan}
 
-    def _ledger_with_pending_releases(self) -> PrivacyLedger:
-        """The ledger, with the releases no optimizer step has committed yet counted as the steps that cover them.
+    def _pending_steps(self) -> int:
+        """The steps that cover the releases no optimizer step has committed yet (at sigma = 0: noiseless steps)."""
+        if not (self._released and self._in_fit):
+            return 0
+        return _steps_covering(sorted(self._released), self._constants().names)
+
+    def _ledger_with_pending_releases(self, pending: int) -> PrivacyLedger:
+        """The ledger, with the ``pending`` steps that cover the releases no optimizer step has committed yet.
 
         A checkpoint written between a step's release and its commit (a failing fit whose own ``on_exception``
-        callback raised before the privacy callback's could commit it, then ``trainer.save_checkpoint``) holds a
-        model that may carry the release: its ledger must count it (review 25's case, when the fit's end never runs).
+        callback raised before the privacy callback's could commit it, then ``trainer.save_checkpoint``; a user's
+        callback saving in ``on_before_optimizer_step``) holds a model that may carry the release: its ledger must
+        count it (review 25's case, when the fit's end never runs). The plan's branch map counts them too, and so
+        does the spend log, at once (review 33): a resume of this checkpoint would otherwise add them again, and a
+        rollback to an older one would miss them if the process ended before their commit (the commit then logs only
+        the steps not logged yet).
         """
-        if not (self._released and self._in_fit and self._constants().cost):
+        if not (pending and self._constants().cost):
             return self.ledger
         ledger = copy.deepcopy(self.ledger)
-        steps = _steps_covering(sorted(self._released), self._constants().names)
         for mechanism, count in self._constants().cost:
-            ledger.record(mechanism, count * steps)
+            ledger.record(mechanism, count * pending)
         return ledger
 
     def load_state_dict(self, state: dict) -> None:
@@ -780,6 +798,14 @@ def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[s
     return ("This fit's private split is not the one this run's earlier steps were taken on (another `data_seed`, "
             "fraction, `max_*_samples` or data): rows accounted as private could now be public or validation rows, "
             "used without noise; resume with the data settings of the run's checkpoint")
+
+
+def _with_pending(branches: dict[str, int], branch: Optional[str], pending: int) -> dict[str, int]:
+    """A copy of the branch map with this fit's branch ``pending`` steps further (the checkpoint's ledger counts them)."""
+    copied = dict(branches)
+    if pending and branch in copied:  # (a noiseless fit has no branch of its own)
+        copied[branch] += pending
+    return copied
 
 
 def _steps_covering(released: list[str], planned: list[str]) -> int:

@@ -644,3 +644,30 @@ def test_a_float64_models_central_differences_are_not_rounded_to_float32(cls, kw
         assert differences.dtype == torch.float64
         torch.testing.assert_close(differences, exact, rtol=1e-7, atol=1e-7)
         torch.testing.assert_close(differences.mean(), exact.mean(), rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("fixed_forward_rows", [None, 4])
+def test_a_float64_models_released_scalars_are_float64_whatever_the_realized_batch_size(fixed_forward_rows, monkeypatch):
+    """Review 33: since losses of a float64 model stay float64 (the synthetic quadratic, float64 rows, at the default
+    precision), an empty Poisson batch's losses (float32 zeros) made that step's release, and so its update's
+    coefficient, a float32 number: the weights showed which steps sampled no row (the realized size, secret). Every
+    release is now float64, empty batch or not."""
+    from lit_zodp.privacy import PrivacyComponent
+
+    released, original = [], PrivacyComponent.release
+
+    def recording(self, clipped_sum, name, **kwargs):
+        out = original(self, clipped_sum, name, **kwargs)
+        released.append((kwargs.get("batch_size"), out.dtype))
+        return out
+
+    monkeypatch.setattr(PrivacyComponent, "release", recording)
+    g = torch.Generator().manual_seed(0)
+    rows = 1 + torch.randn(64, 20, generator=g, dtype=torch.float64)
+    data = torch.utils.data.TensorDataset(rows, torch.zeros(64, dtype=torch.long))
+    module = DPZero(SyntheticQuadratic(20), lr=1e-3, lam=1e-4, clip=1e3, noise_multiplier=1.0, delta=1e-5,
+                    perturbation="chunked", fixed_forward_rows=fixed_forward_rows)
+    quiet_trainer(max_steps=12).fit(module, poisson_loader(data, 0.02, seed=1))
+    sizes = [size for size, _ in released]
+    assert 0 in sizes and any(sizes)  # (empty batches and others)
+    assert {dtype for _, dtype in released} == {torch.float64}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from functools import partial
 
 import pytest
 import torch
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, PolynomialLR, StepLR
+from torch.optim.lr_scheduler import (ChainedScheduler, ConstantLR, CosineAnnealingLR, LinearLR, PolynomialLR, SequentialLR,
+                                      StepLR)
 
 from lit_zodp.algorithms import ALGORITHMS
 from lit_zodp.errors import LitZodpWarning
@@ -64,3 +66,28 @@ def test_schedules_that_fit_the_plan_or_have_no_horizon_say_nothing_and_a_resume
     assert fit(module("MeZO", schedule), 12, ckpt_path=tmp_path / "eight.ckpt")[1] == []
     notes = fit(module("MeZO", schedule), 16, ckpt_path=tmp_path / "eight.ckpt")[1]
     assert len(notes) == 1 and "runs to step 16: after step 12 its lr is 0" in notes[0]
+
+
+def warmup_then_cosine(optimizer, T_max):
+    return SequentialLR(optimizer, [LinearLR(optimizer, start_factor=0.1, total_iters=2),
+                                    CosineAnnealingLR(optimizer, T_max=T_max)], milestones=[2])
+
+
+def test_a_warm_up_then_a_cosine_in_epochs_is_judged_by_its_cosine_and_so_is_a_chained_one():
+    """Review 33: ``SequentialLR`` (a warm-up of 2 steps, then ``CosineAnnealingLR(T_max=5)``) in a 20-step fit ended at
+    lr 0.033 of 0.05, climbing back, and a ``ChainedScheduler`` holding the same cosine at the full 0.05,
+    both unsaid: composite schedules were not judged. Their cosine now is, from the milestone where it starts."""
+    model = module("MeZO", partial(warmup_then_cosine, T_max=5))
+    _, notes = fit(model, 20)
+    assert notes == ["`lr_scheduler` SequentialLR's CosineAnnealingLR(T_max=5) counts optimizer steps (these modules "
+                     "step it once per training step, not per epoch), but this fit runs to step 20: after step 7 its "
+                     "lr climbs back to its maximum every 10 steps; set T_max: 18"]
+    # (the cosine's step 18, 8 into its period of 10: 0.65 of the maximum)
+    assert model.optimizers().param_groups[0]["lr"] == pytest.approx(0.05 * (1 + math.cos(math.pi * 8 / 5)) / 2)
+    model = module("MeZO", partial(warmup_then_cosine, T_max=18))
+    assert fit(model, 20)[1] == [] and model.optimizers().param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    chained = partial(lambda optimizer: ChainedScheduler([ConstantLR(optimizer, factor=0.5, total_iters=2),
+                                                          CosineAnnealingLR(optimizer, T_max=5)]))
+    notes = fit(module("MeZO", chained), 20)[1]
+    assert len(notes) == 1 and "ChainedScheduler's CosineAnnealingLR(T_max=5)" in notes[0]
+    assert "runs to step 20: after step 5" in notes[0] and notes[0].endswith("set T_max: 20")
