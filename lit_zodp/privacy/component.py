@@ -722,7 +722,13 @@ class PrivacyComponent:
         return ledger
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue the ledger; the checkpoint's budget binds together with the configured one."""
+        """Continue the ledger; the checkpoint's budget binds together with the configured one.
+
+        A fit of this object that never reached its end_fit is ended first (review 35): its pending release is this
+        object's, and its commit at the next plan went into the loaded ledger and branch map instead (8 steps run,
+        9 counted, resuming the checkpoint saved after the failure; a KeyError for another run's checkpoint)."""
+        if self._in_fit:
+            self.end_fit()
         if "ledger" not in state:
             raise PrivacyConfigError("This checkpoint holds no privacy ledger (a non-private run's): a private run "
                                      "cannot resume from it without losing what was spent.")
