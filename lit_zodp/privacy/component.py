@@ -685,7 +685,15 @@ class PrivacyComponent:
             self._spend_log.count_step(pending - self._logged_ahead)  # published now, whether or not it ever commits
             self._logged_ahead = pending
         if self._restored_plan is not None:  # loaded, and no fit planned since: a refused one's partial plan is not saved
-            plan = dict(self._restored_plan)
+            # but what its plan counted in the ledger (other branches' steps, their noiseless steps and marks) is, with
+            # the ledger (review 35: a resume refused after counting 3 steps of another branch saved ledger 6 and the
+            # branch map of 3, and a resume of that file counted the 3 again: 10 steps where 7 ran)
+            restored = self._restored_plan
+            plan = {**restored, "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
+                    "branches": None if self.branches is None else dict(self.branches),
+                    "noiseless_steps": self.noiseless_steps,
+                    "poisson_assumed": bool(restored.get("poisson_assumed") or self._shuffled_before),
+                    "test_seeded": bool(restored.get("test_seeded") or self._seeded_before)}
         elif self.sampling is not None:
             plan = {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget,
                     "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,

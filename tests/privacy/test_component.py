@@ -530,6 +530,33 @@ def test_a_refused_resume_saves_the_checkpoints_plan_not_its_own_partial_one():
     assert after.budget == 2.0 and after.steps_allowed == 0
 
 
+def test_a_resume_refused_after_counting_other_branches_saves_their_steps_with_the_ledger(tmp_path):
+    """Review 35: a resume refused after its plan counted the run's other branches (3 steps beyond the checkpoint, 2 of
+    a shuffled fork: ledger 8) saved the checkpoint's branch map (3) and no mark with that ledger, so a resume of the
+    file counted them again (13 steps where 8 ran) and, elsewhere, showed the shuffled steps as a guarantee."""
+    def fitted(component, sampling=POISSON, planned_steps=100):
+        component.plan(step_plan=PLAN, sampling=sampling, planned_steps=planned_steps, spend_log=SpendLog(tmp_path))
+        return component
+
+    run = fitted(PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5))
+    checkpoint = steps(run, 3).state_dict()
+    steps(run, 3).end_fit()
+    fork = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    fork.load_state_dict(checkpoint)
+    steps(fitted(fork, ShuffledSampling(n=1000, sample_rate=0.05)), 2).end_fit()
+    refused = PrivacyComponent(clip=1.0, noise_multiplier=0.1, delta=1e-5)
+    refused.load_state_dict(checkpoint)
+    with pytest.warns(UserWarning, match="released 8 in all branches"), pytest.raises(AccountingError):
+        fitted(refused, planned_steps=100_000)
+    saved = refused.state_dict()
+    elsewhere = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    elsewhere.load_state_dict(saved)
+    assert elsewhere.ledger.total_count == 8 and elsewhere.poisson_assumed
+    resumed = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    resumed.load_state_dict(saved)
+    assert fitted(resumed).ledger.total_count == 8 and resumed.poisson_assumed
+
+
 def test_the_summary_shows_the_sigma_and_rate_the_ledgers_steps_ran_at():
     """Review 31: 10 steps at sigma 1, q 0.05, then a fit of 15 at sigma 0.8, q 0.1 read ``after 25 steps (...;
     sigma = 0.8, poisson, q = 0.1)``; a later fit that took no step showed its own plan, which never ran."""
