@@ -375,7 +375,10 @@ class PrivacyComponent:
             self._spend_log.close()
 
     def __getstate__(self) -> dict:
-        """Copies and pickles never hold the secret noise source (a copy made during a fit cannot release)."""
+        """Copies and pickles never hold the secret noise source (a copy made during a fit cannot release). A pending
+        release is logged first (review 35): the copy's weights may carry it, its own commit cannot log it (a copy's
+        spend log writes nothing), and a rollback after the original's process ended missed it."""
+        self._log_pending()
         return {**self.__dict__, "noise": None, "_attached": None}
 
     def __setstate__(self, state: dict) -> None:
@@ -680,10 +683,7 @@ class PrivacyComponent:
     # ----------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """The ledger and the plan. Never the noise or sampling state: those are secret."""
-        plan, pending = None, self._pending_steps()
-        if pending > self._logged_ahead and self._spend_log is not None:
-            self._spend_log.count_step(pending - self._logged_ahead)  # published now, whether or not it ever commits
-            self._logged_ahead = pending
+        plan, pending = None, self._log_pending()
         if self._restored_plan is not None:  # loaded, and no fit planned since: a refused one's partial plan is not saved
             # but what its plan counted in the ledger (other branches' steps, their noiseless steps and marks) is, with
             # the ledger (review 35: a resume refused after counting 3 steps of another branch saved ledger 6 and the
@@ -704,6 +704,15 @@ class PrivacyComponent:
                     "poisson_assumed": self.poisson_assumed, "test_seeded": self.test_seeded,
                     "split": self.split, "single_pass": self.single_pass}
         return {"ledger": self._ledger_with_pending_releases(pending).state_dict(), "plan": plan}
+
+    def _log_pending(self) -> int:
+        """The pending steps (:meth:`_pending_steps`), logged in the spend log now: a checkpoint or a pickle is
+        published, whether or not they ever commit."""
+        pending = self._pending_steps()
+        if pending > self._logged_ahead and self._spend_log is not None:
+            self._spend_log.count_step(pending - self._logged_ahead)
+            self._logged_ahead = pending
+        return pending
 
     def _pending_steps(self) -> int:
         """The steps that cover the releases no optimizer step has committed yet (at sigma = 0: noiseless steps)."""

@@ -557,6 +557,25 @@ def test_a_resume_refused_after_counting_other_branches_saves_their_steps_with_t
     assert fitted(resumed).ledger.total_count == 8 and resumed.poisson_assumed
 
 
+def test_a_release_pending_in_a_pickled_component_is_in_the_spend_log_for_a_rollback(tmp_path):
+    """Review 35: a module pickled between a release and its commit (its fit's end never ran) carries the release in
+    its weights; the copy's next fit commits it (4 steps), but its spend log writes nothing, so after the original's
+    process ended a rollback to step 2 counted 2 + 1 + 2 = 5 of the 4 + 2 released."""
+    run = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    run.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100, spend_log=SpendLog(tmp_path))
+    checkpoint = steps(run, 2).state_dict()
+    steps(run, 1).release(torch.zeros(()), "g")
+    copy = pickle.loads(pickle.dumps(run))  # (the original's process ends here)
+    copy.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100, spend_log=SpendLog(tmp_path))
+    assert copy.ledger.total_count == 4
+    steps(copy, 2).end_fit()
+    rollback = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    rollback.load_state_dict(checkpoint)
+    with pytest.warns(UserWarning, match="released 6 in all branches"):
+        rollback.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100, spend_log=SpendLog(tmp_path))
+    assert rollback.ledger.total_count == 6
+
+
 def test_the_summary_shows_the_sigma_and_rate_the_ledgers_steps_ran_at():
     """Review 31: 10 steps at sigma 1, q 0.05, then a fit of 15 at sigma 0.8, q 0.1 read ``after 25 steps (...;
     sigma = 0.8, poisson, q = 0.1)``; a later fit that took no step showed its own plan, which never ran."""
