@@ -370,6 +370,8 @@ class PrivacyComponent:
                 self.commit_step()
             except AccountingError:
                 pass  # (released otherwise than planned: recorded as the steps covering them, as a step would)
+        if self.fit_steps and self.noise_seed is not None:  # (review 35: a next fit here without the seed showed a
+            self._seeded_before = True  # plain epsilon over these steps, as a resume did before review 31)
         self.noise, self._in_fit = None, False
         if self._spend_log is not None:
             self._spend_log.close()

@@ -576,6 +576,18 @@ def test_a_release_pending_in_a_pickled_component_is_in_the_spend_log_for_a_roll
     assert rollback.ledger.total_count == 6
 
 
+def test_a_next_fit_without_the_noise_seed_keeps_the_runs_test_seeded_mark():
+    """Review 35: 4 steps with a test ``noise_seed``, then a fit of the same component without it, showed epsilon 1.526
+    after 6 steps as a guarantee, and saved ``test_seeded`` False (a resume kept the mark since review 31)."""
+    component = steps(planned(noise_multiplier=1.0, noise_seed=7), 4)
+    component.end_fit()
+    component.noise_seed = None
+    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100)
+    steps(component, 2).end_fit()
+    assert component.test_seeded and component.state_dict()["plan"]["test_seeded"]
+    assert "after 6 steps" in component.summary() and "REPRODUCIBLE" in component.summary()
+
+
 def test_the_summary_shows_the_sigma_and_rate_the_ledgers_steps_ran_at():
     """Review 31: 10 steps at sigma 1, q 0.05, then a fit of 15 at sigma 0.8, q 0.1 read ``after 25 steps (...;
     sigma = 0.8, poisson, q = 0.1)``; a later fit that took no step showed its own plan, which never ran."""
