@@ -828,7 +828,7 @@ def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[s
 def _with_pending(branches: dict[str, int], branch: Optional[str], pending: int) -> dict[str, int]:
     """A copy of the branch map with this fit's branch ``pending`` steps further (the checkpoint's ledger counts them)."""
     copied = dict(branches)
-    if pending and branch in copied:  # (a noiseless fit has no branch of its own)
+    if pending and branch in copied:  # (a noiseless fit has one too since review 31: its pending steps are noiseless)
         copied[branch] += pending
     return copied
 
