@@ -195,6 +195,28 @@ def test_a_release_pending_when_the_fit_end_never_ran_is_counted_in_checkpoints_
 
 
 @pytest.mark.parametrize("name", PRIVATE)
+def test_a_checkpoint_loaded_into_a_module_whose_fit_end_never_ran_takes_no_pending_release(name, tmp_path):
+    """Review 35: the module's next plan committed the failed fit's pending release into the ledger loaded since, so
+    resuming the checkpoint saved after the failure (5 steps) to step 7 counted 5 + 1 + 3 = 9 where 8 ran, and another
+    run's checkpoint (3 steps) failed the plan with a KeyError (the failed fit's branch is not in its branch map)."""
+    module = build(name)
+    trainer = quiet_trainer(max_steps=10, callbacks=[RaisingOnException(), FailingUpdate()])
+    with pytest.raises(RuntimeError, match="on_exception failed too"):
+        trainer.fit(module, poisson_loader(blobs(), 0.25))
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    quiet_trainer(max_steps=7).fit(module, poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "after.ckpt")
+    assert module.privacy.ledger.total_count == 8 and sorted(module.privacy.branches.values()) == [3, 5]
+    other = fit(build(name), poisson_loader(blobs(), 0.25), 3)
+    other.save_checkpoint(tmp_path / "other.ckpt")
+    module = build(name)
+    with pytest.raises(RuntimeError, match="on_exception failed too"):
+        quiet_trainer(max_steps=10, callbacks=[RaisingOnException(), FailingUpdate()]).fit(
+            module, poisson_loader(blobs(), 0.25))
+    quiet_trainer(max_steps=5).fit(module, poisson_loader(blobs(), 0.25), ckpt_path=tmp_path / "other.ckpt")
+    assert module.privacy.ledger.total_count == 5 and module.privacy.fit_steps == 2
+
+
+@pytest.mark.parametrize("name", PRIVATE)
 def test_a_noiseless_release_pending_when_the_fit_end_never_ran_is_in_the_checkpoints_noiseless_steps(name, tmp_path):
     """Review 33: a sigma = 0 ablation whose 1st update reached the weights and whose fit's end never ran saved
     ``noiseless_steps`` 0, so a resume with noise took it for a private run (epsilon finite, the clipped sum itself in

@@ -370,12 +370,17 @@ class PrivacyComponent:
                 self.commit_step()
             except AccountingError:
                 pass  # (released otherwise than planned: recorded as the steps covering them, as a step would)
+        if self.fit_steps and self.noise_seed is not None:  # (review 35: a next fit here without the seed showed a
+            self._seeded_before = True  # plain epsilon over these steps, as a resume did before review 31)
         self.noise, self._in_fit = None, False
         if self._spend_log is not None:
             self._spend_log.close()
 
     def __getstate__(self) -> dict:
-        """Copies and pickles never hold the secret noise source (a copy made during a fit cannot release)."""
+        """Copies and pickles never hold the secret noise source (a copy made during a fit cannot release). A pending
+        release is logged first (review 35): the copy's weights may carry it, its own commit cannot log it (a copy's
+        spend log writes nothing), and a rollback after the original's process ended missed it."""
+        self._log_pending()
         return {**self.__dict__, "noise": None, "_attached": None}
 
     def __setstate__(self, state: dict) -> None:
@@ -680,12 +685,17 @@ class PrivacyComponent:
     # ----------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """The ledger and the plan. Never the noise or sampling state: those are secret."""
-        plan, pending = None, self._pending_steps()
-        if pending > self._logged_ahead and self._spend_log is not None:
-            self._spend_log.count_step(pending - self._logged_ahead)  # published now, whether or not it ever commits
-            self._logged_ahead = pending
+        plan, pending = None, self._log_pending()
         if self._restored_plan is not None:  # loaded, and no fit planned since: a refused one's partial plan is not saved
-            plan = dict(self._restored_plan)
+            # but what its plan counted in the ledger (other branches' steps, their noiseless steps and marks) is, with
+            # the ledger (review 35: a resume refused after counting 3 steps of another branch saved ledger 6 and the
+            # branch map of 3, and a resume of that file counted the 3 again: 10 steps where 7 ran)
+            restored = self._restored_plan
+            plan = {**restored, "lineage": self.lineage, "other_branch_steps": self.other_branch_steps,
+                    "branches": None if self.branches is None else dict(self.branches),
+                    "noiseless_steps": self.noiseless_steps,
+                    "poisson_assumed": bool(restored.get("poisson_assumed") or self._shuffled_before),
+                    "test_seeded": bool(restored.get("test_seeded") or self._seeded_before)}
         elif self.sampling is not None:
             plan = {"noise_multiplier": self.noise_multiplier, "delta": self.delta, "budget": self.budget,
                     "clip": self.clip, "neighbours": self.neighbours, "planned_steps": self.planned_steps, "sampling": self.sampling.name,
@@ -696,6 +706,15 @@ class PrivacyComponent:
                     "poisson_assumed": self.poisson_assumed, "test_seeded": self.test_seeded,
                     "split": self.split, "single_pass": self.single_pass}
         return {"ledger": self._ledger_with_pending_releases(pending).state_dict(), "plan": plan}
+
+    def _log_pending(self) -> int:
+        """The pending steps (:meth:`_pending_steps`), logged in the spend log now: a checkpoint or a pickle is
+        published, whether or not they ever commit."""
+        pending = self._pending_steps()
+        if pending > self._logged_ahead and self._spend_log is not None:
+            self._spend_log.count_step(pending - self._logged_ahead)
+            self._logged_ahead = pending
+        return pending
 
     def _pending_steps(self) -> int:
         """The steps that cover the releases no optimizer step has committed yet (at sigma = 0: noiseless steps)."""
@@ -722,7 +741,13 @@ class PrivacyComponent:
         return ledger
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue the ledger; the checkpoint's budget binds together with the configured one."""
+        """Continue the ledger; the checkpoint's budget binds together with the configured one.
+
+        A fit of this object that never reached its end_fit is ended first (review 35): its pending release is this
+        object's, and its commit at the next plan went into the loaded ledger and branch map instead (8 steps run,
+        9 counted, resuming the checkpoint saved after the failure; a KeyError for another run's checkpoint)."""
+        if self._in_fit:
+            self.end_fit()
         if "ledger" not in state:
             raise PrivacyConfigError("This checkpoint holds no privacy ledger (a non-private run's): a private run "
                                      "cannot resume from it without losing what was spent.")
@@ -803,7 +828,7 @@ def _split_change_error(before: Optional[str], now: Optional[str]) -> Optional[s
 def _with_pending(branches: dict[str, int], branch: Optional[str], pending: int) -> dict[str, int]:
     """A copy of the branch map with this fit's branch ``pending`` steps further (the checkpoint's ledger counts them)."""
     copied = dict(branches)
-    if pending and branch in copied:  # (a noiseless fit has no branch of its own)
+    if pending and branch in copied:  # (a noiseless fit has one too since review 31: its pending steps are noiseless)
         copied[branch] += pending
     return copied
 

@@ -530,6 +530,64 @@ def test_a_refused_resume_saves_the_checkpoints_plan_not_its_own_partial_one():
     assert after.budget == 2.0 and after.steps_allowed == 0
 
 
+def test_a_resume_refused_after_counting_other_branches_saves_their_steps_with_the_ledger(tmp_path):
+    """Review 35: a resume refused after its plan counted the run's other branches (3 steps beyond the checkpoint, 2 of
+    a shuffled fork: ledger 8) saved the checkpoint's branch map (3) and no mark with that ledger, so a resume of the
+    file counted them again (13 steps where 8 ran) and, elsewhere, showed the shuffled steps as a guarantee."""
+    def fitted(component, sampling=POISSON, planned_steps=100):
+        component.plan(step_plan=PLAN, sampling=sampling, planned_steps=planned_steps, spend_log=SpendLog(tmp_path))
+        return component
+
+    run = fitted(PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5))
+    checkpoint = steps(run, 3).state_dict()
+    steps(run, 3).end_fit()
+    fork = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    fork.load_state_dict(checkpoint)
+    steps(fitted(fork, ShuffledSampling(n=1000, sample_rate=0.05)), 2).end_fit()
+    refused = PrivacyComponent(clip=1.0, noise_multiplier=0.1, delta=1e-5)
+    refused.load_state_dict(checkpoint)
+    with pytest.warns(UserWarning, match="released 8 in all branches"), pytest.raises(AccountingError):
+        fitted(refused, planned_steps=100_000)
+    saved = refused.state_dict()
+    elsewhere = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    elsewhere.load_state_dict(saved)
+    assert elsewhere.ledger.total_count == 8 and elsewhere.poisson_assumed
+    resumed = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    resumed.load_state_dict(saved)
+    assert fitted(resumed).ledger.total_count == 8 and resumed.poisson_assumed
+
+
+def test_a_release_pending_in_a_pickled_component_is_in_the_spend_log_for_a_rollback(tmp_path):
+    """Review 35: a module pickled between a release and its commit (its fit's end never ran) carries the release in
+    its weights; the copy's next fit commits it (4 steps), but its spend log writes nothing, so after the original's
+    process ended a rollback to step 2 counted 2 + 1 + 2 = 5 of the 4 + 2 released."""
+    run = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    run.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100, spend_log=SpendLog(tmp_path))
+    checkpoint = steps(run, 2).state_dict()
+    steps(run, 1).release(torch.zeros(()), "g")
+    copy = pickle.loads(pickle.dumps(run))  # (the original's process ends here)
+    copy.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100, spend_log=SpendLog(tmp_path))
+    assert copy.ledger.total_count == 4
+    steps(copy, 2).end_fit()
+    rollback = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    rollback.load_state_dict(checkpoint)
+    with pytest.warns(UserWarning, match="released 6 in all branches"):
+        rollback.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100, spend_log=SpendLog(tmp_path))
+    assert rollback.ledger.total_count == 6
+
+
+def test_a_next_fit_without_the_noise_seed_keeps_the_runs_test_seeded_mark():
+    """Review 35: 4 steps with a test ``noise_seed``, then a fit of the same component without it, showed epsilon 1.526
+    after 6 steps as a guarantee, and saved ``test_seeded`` False (a resume kept the mark since review 31)."""
+    component = steps(planned(noise_multiplier=1.0, noise_seed=7), 4)
+    component.end_fit()
+    component.noise_seed = None
+    component.plan(step_plan=PLAN, sampling=POISSON, planned_steps=100)
+    steps(component, 2).end_fit()
+    assert component.test_seeded and component.state_dict()["plan"]["test_seeded"]
+    assert "after 6 steps" in component.summary() and "REPRODUCIBLE" in component.summary()
+
+
 def test_the_summary_shows_the_sigma_and_rate_the_ledgers_steps_ran_at():
     """Review 31: 10 steps at sigma 1, q 0.05, then a fit of 15 at sigma 0.8, q 0.1 read ``after 25 steps (...;
     sigma = 0.8, poisson, q = 0.1)``; a later fit that took no step showed its own plan, which never ran."""
