@@ -365,16 +365,20 @@ class PrivacyComponent:
         Releases that no optimizer step committed (a fit that failed between a step's release and its optimizer
         step's end) are recorded first, as the steps that cover them: they may be in the weights already (review 25:
         an update failing part-way left 5 releases, 4 in the ledger and in `OnExceptionCheckpoint`'s file)."""
-        if self._released and self._in_fit:
-            try:
-                self.commit_step()
-            except AccountingError:
-                pass  # (released otherwise than planned: recorded as the steps covering them, as a step would)
+        self._commit_pending()
         if self.fit_steps and self.noise_seed is not None:  # (review 35: a next fit here without the seed showed a
             self._seeded_before = True  # plain epsilon over these steps, as a resume did before review 31)
         self.noise, self._in_fit = None, False
         if self._spend_log is not None:
             self._spend_log.close()
+
+    def _commit_pending(self) -> None:
+        """Record the releases no optimizer step committed, as the steps that cover them (they may be in the weights)."""
+        if self._released and self._in_fit:
+            try:
+                self.commit_step()
+            except AccountingError:
+                pass  # (released otherwise than planned: recorded as the steps covering them, as a step would)
 
     def __getstate__(self) -> dict:
         """Copies and pickles never hold the secret noise source (a copy made during a fit cannot release). A pending
@@ -743,11 +747,11 @@ class PrivacyComponent:
     def load_state_dict(self, state: dict) -> None:
         """Continue the ledger; the checkpoint's budget binds together with the configured one.
 
-        A fit of this object that never reached its end_fit is ended first (review 35): its pending release is this
-        object's, and its commit at the next plan went into the loaded ledger and branch map instead (8 steps run,
-        9 counted, resuming the checkpoint saved after the failure; a KeyError for another run's checkpoint)."""
-        if self._in_fit:
-            self.end_fit()
+        A release still pending from a fit of this object that never reached its end_fit is committed first (review
+        35): it is this object's run's, and its commit at the next plan went into the loaded ledger and branch map
+        instead (8 steps run, 9 counted, resuming the checkpoint saved after the failure; a KeyError for another run's
+        checkpoint). The fit itself is left to the next plan, so a callback's load within a live fit does not end it."""
+        self._commit_pending()
         if "ledger" not in state:
             raise PrivacyConfigError("This checkpoint holds no privacy ledger (a non-private run's): a private run "
                                      "cannot resume from it without losing what was spent.")
