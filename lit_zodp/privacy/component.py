@@ -222,6 +222,7 @@ class PrivacyComponent:
         self.delta = self._resolve_delta(restored.get("delta"))
         self.noise_multiplier = self._resolve_sigma(restored.get("noise_multiplier"))
         self.budget = _smallest(self.max_epsilon, self.target_epsilon, restored.get("budget"))
+        _warn_if_any(_budget_kept_note(_smallest(self.max_epsilon, self.target_epsilon), restored.get("budget")))
         raise_if_any([self._noiseless_budget_error()])
         self._step_constants = self._make_constants()
         self._count_other_branches(spend_log, broadcast)
@@ -967,6 +968,21 @@ def _calibration_error(target_epsilon, eps_error) -> Optional[str]:
         return None
     return (f"Expected `target_epsilon` above `eps_error`={eps_error:g} (the accountant's error bound on epsilon), but "
             f"got {target_epsilon:g}: give a smaller eps_error, e.g. {target_epsilon / 10:g}")
+
+
+def _budget_kept_note(configured: Optional[float], runs: Optional[float]) -> Optional[str]:
+    """A line when the configured budget is above the run's (its checkpoint's, or this object's last fit's): the
+    smaller binds, so the larger one is dropped, which only the planned steps showed before (review 31: a Python
+    resume with `target_epsilon` 5 of a run budgeted at 2 said "allows 0 more steps" and nothing else)."""
+    if configured is None or runs is None or configured <= runs:
+        return None
+    return (f"The configured budget epsilon={configured:g} (`target_epsilon`/`max_epsilon`) is above this run's "
+            f"budget {runs:g} from its earlier steps: the smaller binds, as a run's budget cannot grow once spent from")
+
+
+def _warn_if_any(note: Optional[str]) -> None:
+    if note:
+        warnings.warn(note, LitZodpWarning, stacklevel=4)
 
 
 def _smallest(*values: Optional[float]) -> Optional[float]:

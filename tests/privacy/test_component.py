@@ -2,12 +2,13 @@
 
 import math
 import pickle
+import warnings
 from copy import deepcopy
 
 import pytest
 import torch
 
-from lit_zodp.errors import AccountingError, PrivacyConfigError
+from lit_zodp.errors import AccountingError, LitZodpWarning, PrivacyConfigError
 from lit_zodp.privacy import (
     FullBatchSampling,
     GaussianRelease,
@@ -637,3 +638,22 @@ def test_a_fit_sampling_otherwise_than_the_runs_last_is_named_in_one_line():
     resumed.load_state_dict(first.state_dict())
     assert resumed.sampling_change(POISSON) is None and "n = 900 private" in resumed.sampling_change(
         PoissonSampling(n=900, sample_rate=0.05))
+
+
+def test_a_configured_budget_above_the_runs_is_named_in_one_line_and_the_runs_binds():
+    """Review 31: a Python resume with `target_epsilon` 5 of a run budgeted at 2 kept 2, saying only that it allowed
+    no more step. The configured budget is now named as dropped; one at or below the run's says nothing."""
+    first = PrivacyComponent(clip=1.0, delta=1e-5, target_epsilon=2.0)
+    first.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
+    first.end_fit()
+    larger = PrivacyComponent(clip=1.0, delta=1e-5, target_epsilon=5.0)
+    larger.load_state_dict(first.state_dict())
+    with pytest.warns(LitZodpWarning, match=r"^The configured budget epsilon=5 .* above this run's budget 2 "):
+        larger.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
+    assert larger.budget == 2.0
+    stricter = PrivacyComponent(clip=1.0, delta=1e-5, target_epsilon=2.0, max_epsilon=1.5)
+    stricter.load_state_dict(first.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LitZodpWarning)
+        stricter.plan(step_plan=PLAN, sampling=POISSON, planned_steps=10)
+    assert stricter.budget == 1.5
