@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_zodp.errors import ConfigError, PrivacyConfigError
+from lit_zodp.per_example.ghost import at_least_float32
 
 Inputs = Union[Tensor, Mapping[str, Tensor]]
 
@@ -64,9 +65,7 @@ def loss_logits(logits: Tensor) -> Tensor:
     ``2 lam``: at ``lam`` 1e-3 each example's central difference moved in steps of 7.8, with an error of 0.50 of the
     derivatives' rms on a digits MLP (0.27 from the same bfloat16 logits in float32; review 30). The first-order
     backward casts the gradient back at the logits."""
-    if logits.is_floating_point() and logits.dtype not in (torch.float32, torch.float64):
-        return logits.float()
-    return logits
+    return at_least_float32(logits)
 
 
 def per_example_loss(model: nn.Module, inputs: Inputs, targets: Tensor, *, total: bool = False,
