@@ -29,6 +29,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lit_zodp.backbones.base import (Backbone, are_class_indices, batch_size_of, label_classes, num_classes_of,
                                      per_example_loss, predict)
+from lit_zodp.cli_errors import imported
 from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, check_positive, check_positive_int,
                              raise_if_any)
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, ParameterWrites, RecheckProbability,
@@ -737,24 +738,52 @@ class AlgorithmModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """The privacy state (ledger and plan, no secret) and the public run seed."""
         checkpoint["privacy"] = self.privacy.state_dict()
-        checkpoint["public_state"] = {"run_seed": self.run_seed}
+        checkpoint["public_state"] = {"run_seed": self.run_seed, "algorithm": _dotted_name(type(self))}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Trainer resumes and ``load_from_checkpoint`` alike: the ledger continues."""
+        resuming = self._trainer is not None and self.trainer.training
         private_steps = 0 if self.private else _private_steps_in(checkpoint)
-        if private_steps and self._trainer is not None and self.trainer.training:
+        if private_steps and resuming:
             raise PrivacyConfigError(
                 f"This checkpoint is a private run's ({private_steps} accounted steps): "
                 f"{type(self).__name__} would continue it without noise or accounting; resume with the private module, "
                 "or load its weights into a new non-private run yourself (the backbone's load_state_dict)")
-        if checkpoint.get("privacy") or "privacy" in checkpoint and not self.private:
-            self.privacy.load_state_dict(checkpoint["privacy"])
-        elif self.private:
+        has_privacy_state = checkpoint.get("privacy") or "privacy" in checkpoint and not self.private
+        if self.private and not has_privacy_state:
             raise PrivacyConfigError("This checkpoint has no privacy state (a non-private run's, or from elsewhere): its "
                                      "weights may have trained on the private data without noise, and a private run "
                                      "cannot resume from it without losing what was spent; start a private run from "
                                      "weights that never saw the private data.")
+        if resuming:
+            raise_if_any([self._another_algorithms_error(checkpoint)])
+        if has_privacy_state:
+            self.privacy.load_state_dict(checkpoint["privacy"])
         self.run_seed = checkpoint.get("public_state", {}).get("run_seed", self.run_seed)
+
+    def _another_algorithms_error(self, checkpoint: dict) -> Optional[str]:
+        """A Trainer resume continues the checkpoint's run: its optimizer state and its privacy ledger. Resumed by
+        another algorithm, it failed inside Lightning (first-order <-> zeroth-order: "loaded state dict has a
+        different number of parameter groups"; DPAdam -> DPSGD: ``KeyError: 'momentum'`` after a counted release)
+        or took the other algorithm's learning rate silently. Refused in one line, as the CLI refuses a class
+        change; the class under another import path, and a user's subclass of it, resume it. The class is the one
+        the checkpoint records (LightningCLI's ``_class_path`` for checkpoints written before it did). The message
+        offers no new run from these weights: for a private checkpoint it would not count what they spent."""
+        saved = ((checkpoint.get("public_state") or {}).get("algorithm")
+                 or (checkpoint.get("hyper_parameters") or {}).get("_class_path"))
+        if not saved or saved == _dotted_name(type(self)):
+            return None
+        saved_class = imported(saved)
+        if saved_class is type(self) or (isinstance(saved_class, type) and isinstance(self, saved_class)
+                                         and not type(self).__module__.startswith("lit_zodp.")):
+            return None  # the class under another import path, or a user's subclass of it
+        return (f"`ckpt_path`: this checkpoint was trained by {saved}, but the module resuming it is "
+                f"{_dotted_name(type(self))}; a resume continues the checkpoint's run (its optimizer state and "
+                f"privacy ledger): resume with {saved.rpartition('.')[2]}")
+
+
+def _dotted_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _private_steps_in(checkpoint: dict) -> int:
