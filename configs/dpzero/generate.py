@@ -224,8 +224,8 @@ def roberta_first_order_config(task: str, method: str) -> tuple[str, dict]:
         header += SST2_HEADER
     header += "\nlr: the paper grid-searches {5e-5, 1e-4, 5e-4, 1e-3} per task."
     if epsilon is None:
-        header += ("\nNot reproduced: the reference clips the batch gradient's norm to 1 (Hugging Face's max_grad_norm)\n"
-                   "before AdamW; this module has no such option, so AdamW runs unclipped.")
+        header += ("\nNot reproduced: the reference clips the batch gradient's norm to 1 (Hugging Face's\n"
+                   "max_grad_norm) before AdamW; this module has no such option, so AdamW runs unclipped.")
     else:
         header += ("\nclip: the paper grid-searches C in {0.1, 0.5, 1, 10} per task. Noise as private-transformers:\n"
                    "(sum of clipped gradients + N(0, sigma^2 C^2 I)) / B, sigma from its RDP accountant for\n"
