@@ -25,6 +25,11 @@ Data, as the authors' code prepares it (github.com/Liang137/DPZero, built on MeZ
   240 (MNLI, RTE). Validation on the generator's dev set (``k_dev: 512``: the next 512 examples of each
   class, LM-BFF's ``dev.tsv``; MNLI's ``dev_matched.tsv``), never on the test set; the reference
   evaluates dev at the end of training (``--eval_steps`` = T) and tests the last iterate once.
+  The model is MeZO's ``RobertaModelForPromptFinetuning`` (``roberta/src/models.py``), which defines no output
+  embeddings, so its ``lm_head.decoder`` is loaded as a copy of the word embeddings and never tied to them
+  (``--tie_emb`` defaults to off; the class warns "NOT tied"): the ZO step perturbs and updates the two apart
+  (``untie_word_embeddings: true``; Hugging Face's ``RobertaForMaskedLM`` would share one tensor and one direction).
+  Its unused ``classifier`` layer, which the reference perturbs too, changes no loss and is left out.
 * Table 4 (``opt/``): MeZO's ``tasks.py``: GLUE's SST-2 and the original BoolQ (Hugging Face
   ``boolq``: Google's ``train.jsonl`` / ``dev.jsonl``, no titles in the passages), 1,000 train + 500
   dev drawn with ``np.random.permutation`` under the seed, 1,000 test examples with the same seed;
@@ -186,7 +191,7 @@ SST2_HEADER = ("\nSST-2 is GLUE's (LM-BFF's data/original/GLUE-SST-2, read autom
 def roberta_config(task: str, method: str) -> tuple[str, dict]:
     if method in FIRST_ORDER:
         return roberta_first_order_config(task, method)
-    backbone = roberta_backbone(task)
+    backbone = roberta_backbone(task, untie_word_embeddings=True)
     data = roberta_data(task)
     config = {"seed_everything": 42, "trainer": trainer(10_000, 1000),
               "model": algorithm(method, backbone, lr=1.0e-6, clip=200.0, seed=42), "data": data}
@@ -194,7 +199,9 @@ def roberta_config(task: str, method: str) -> tuple[str, dict]:
     header = (f"DPZero paper, Table 2, row '{row}', column {task}: RoBERTa-large (355M), prompt-based\n"
               "fine-tuning (LM-BFF template, label words at <mask>), k = 512 per class, 1000 test examples,\n"
               "T = 10000, B = 64, lambda = 1e-3, lr = 1e-6 (App. B.2, Table 8). Paper: mean over data seeds\n"
-              "{42, 13, 21} (set data.init_args.data_seed and seed_everything).\n" + ROBERTA_DATA_HEADER)
+              "{42, 13, 21} (set data.init_args.data_seed and seed_everything). The LM head's decoder is its\n"
+              "own copy of the word embeddings, perturbed apart from them, as in MeZO's and DPZero's model\n"
+              "(untie_word_embeddings).\n" + ROBERTA_DATA_HEADER)
     if task == "SST-2":
         header += SST2_HEADER
     if METHODS[method] is not None:
