@@ -92,7 +92,7 @@ LM-BFF prompt model and data pipeline are the ones the DPZero rows use) and DPZe
   lora_dropout: 0.0, target_modules: [query, value], modules_to_save: [lm_head]}`` (peft trains a copy of the head,
   the frozen original kept beside it). Drop ``modules_to_save`` for private-transformers' rule (adapters only).
   DPZero's ``modeling_roberta.py`` lost MeZO's ``import loralib as lora``, so ``--apply_lora`` fails there as
-  published: the paper's LoRA runs came from code not in either repository.
+  published: the paper's LoRA runs did not use that file as it stands.
 * Dropout: train mode, RoBERTa's dropout 0.1, as in both references (the private modules draw the masks from secret
   states). Validation on the dev set every 100 steps; the last iterate is tested.
 """
