@@ -6,6 +6,7 @@ same family saved to disk (the real `from_pretrained` path, no download) and the
 small files written in the real formats.
 """
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,15 @@ from lit_zodp.cli import build_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs" / "dpzero").glob("*.yaml"))
-#: Run by default: every task of Table 2 and Table 4 once (DPZero at epsilon 2, one MeZO per table). The
-#: others differ from these only in target_epsilon or in the model id (the same tiny model here): slow.
+#: Run by default: every task of Table 2 and Table 4 once (DPZero at epsilon 2, one MeZO per table), and each
+#: first-order method of Table 2 once (AdamW, DP-AdamW, LoRA, DP-LoRA), on tasks of 2, 3 and 6 classes. The others
+#: differ from these only in target_epsilon, the task's data (run by the DPZero rows) or in the model id (the same
+#: tiny model here): slow.
 DEFAULT = {f"table2_roberta-large_{task}_dpzero_eps2" for task in ("mnli", "rte", "snli", "sst2", "sst5", "trec")} | {
     "table4_opt-1.3b_boolq_dpzero_eps2", "table4_opt-1.3b_sst2_dpzero_eps2", "table2_roberta-large_sst2_mezo",
-    "table4_opt-1.3b_sst2_mezo"}
+    "table4_opt-1.3b_sst2_mezo", "table2_roberta-large_sst2_adamw", "table2_roberta-large_mnli_dpadamw_eps2",
+    "table2_roberta-large_rte_lora", "table2_roberta-large_trec_dplora_eps2"}
+FIRST_ORDER_PRIVATE = [p for p in CONFIGS if "dpadamw_eps" in p.stem or "dplora_eps" in p.stem]
 
 
 def test_committed_configs_match_the_generator():
@@ -81,10 +86,18 @@ def test_paper_config_runs_with_a_tiny_model_of_the_same_family(path, tiny_world
     cli = build_cli(["fit", "--config", str(path), *overrides(config, models, data)])
     assert cli.trainer.global_step == 2
     model = cli.model
-    if config["model"]["class_path"].endswith("DPZero"):
+    if config["model"]["class_path"].endswith(("DPZero", "DPAdam")):
         assert model.privacy.target_epsilon == config["model"]["init_args"]["target_epsilon"]
         assert model.privacy.delta == 1e-5
         assert 0 < model.privacy.ledger.epsilon(model.privacy.delta).upper <= model.privacy.target_epsilon
+    backbone = config["model"]["init_args"]["backbone"]["init_args"]
+    if backbone.get("untie_word_embeddings"):  # the reference models' own decoder, trained apart from the embeddings
+        lm = model.backbone.model
+        assert lm.get_input_embeddings().weight is not lm.lm_head.decoder.weight
+    if backbone.get("lora"):  # LoRA on query/value and a copy of the LM head train; nothing else
+        trained = [n for n, p in model.backbone.named_parameters() if p.requires_grad]
+        assert trained and all("lora_" in n or "lm_head.modules_to_save" in n for n in trained)
+        assert {id(p) for p in model.engine.params} == {id(p) for p in model.backbone.parameters() if p.requires_grad}
     assert "test_acc" in cli.trainer.callback_metrics
     dm = cli.datamodule  # validation on dev examples held out of the private pool, never on the test set
     assert dm.val_dataset is not None and dm.val_dataset is not dm.test_dataset and len(dm.val_dataset) > 0
@@ -115,6 +128,58 @@ def test_paper_config_injects_the_reference_noise(path):
     assert injected == pytest.approx(2 * sigma * model["clip"] / B, rel=1e-12)
 
 
+@functools.lru_cache
+def private_transformers_sigma(target_epsilon, delta, q, steps, threshold=1e-3):
+    """The noise multiplier as private-transformers calibrates it (``RDPManager.compute_sigma``): bisection on sigma
+    until the bracket is narrower than ``threshold``, returning its upper end, with RDP at Opacus's orders (the same
+    orders) and the conversion of Canonne, Kamath and Steinke (Opacus's ``get_privacy_spent``)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp
+
+    def epsilon(sigma):
+        orders = RDPAccountant.DEFAULT_ALPHAS
+        return rdp.get_privacy_spent(orders=orders, rdp=rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=steps,
+                                                                        orders=orders), delta=delta)[0]
+
+    low, high = 0.1, 4.0
+    while epsilon(high) >= target_epsilon:
+        high *= 2
+    while epsilon(low) <= target_epsilon:
+        low /= 2
+    while high - low > threshold:
+        mid = (low + high) / 2
+        low, high = (low, mid) if epsilon(mid) < target_epsilon else (mid, high)
+    return high
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order")
+@pytest.mark.parametrize("path", FIRST_ORDER_PRIVATE, ids=lambda p: p.stem)
+def test_first_order_paper_config_injects_private_transformers_noise(path):
+    """private-transformers' PrivacyEngine: ``(sum_i clip_C(g_i) + N(0, sigma^2 C^2 I)) / B`` with sigma from its RDP
+    accountant for (epsilon, delta, q = B / n, T) under add/remove-one neighbours. Ours: Opacus's calibration of the
+    same RDP curve (``accountant: rdp``), within 0.3% of private-transformers' bisection, and never above the target."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from lit_zodp.algorithms import DPAdam
+    from lit_zodp.privacy import PoissonSampling
+    from tests.conftest import mlp
+
+    config = yaml.safe_load(path.read_text())
+    model, data = config["model"]["init_args"], config["data"]["init_args"]
+    n = data["k_shot"] * len(get_task(data["task"]).label_words)
+    B, steps = data["batch_size"], config["trainer"]["max_steps"]
+    assert (steps, B, model["delta"], model["neighbours"], model["accountant"]) == (1000, 64, 1e-5, "add_remove", "rdp")
+    module = DPAdam(mlp(), **{k: v for k, v in model.items() if k not in ("backbone", "lr_scheduler")})
+    module.privacy.plan(step_plan=module.step_plan(), sampling=PoissonSampling(n, B / n), planned_steps=steps)
+    (release,) = module.step_plan()
+    injected = module.privacy._noise_std(release) / module.privacy.expected_batch_size
+    sigma = get_noise_multiplier(target_epsilon=model["target_epsilon"], target_delta=model["delta"],
+                                 sample_rate=B / n, steps=steps)
+    assert injected == pytest.approx(sigma * model["clip"] / B, rel=1e-12)  # no factor 2: add/remove-one
+    theirs = private_transformers_sigma(model["target_epsilon"], model["delta"], B / n, steps)
+    assert injected == pytest.approx(theirs * model["clip"] / B, rel=3e-3)
+
+
 def test_every_readme_pointer_of_the_configs_names_a_readme_section():
     """The configs' `(data layout: see README, '<section>')` comments name a section README.md has."""
     import re
@@ -124,5 +189,5 @@ def test_every_readme_pointer_of_the_configs_names_a_readme_section():
     files = [*(ROOT / "configs").rglob("*.yaml"), ROOT / "configs" / "dpzero" / "generate.py"]
     pointers = {path.name: re.findall(r"see README, '([^']+)'", path.read_text()) for path in files}
     pointed = {name: found for name, found in pointers.items() if found}
-    assert len([name for name in pointed if name.endswith(".yaml")]) == 41  # 36 DPZero + 5 MeZO-BCD OPT/RoBERTa
+    assert len([name for name in pointed if name.endswith(".yaml")]) == 77  # 72 DPZero + 5 MeZO-BCD OPT/RoBERTa
     assert {title for found in pointed.values() for title in found} <= headings

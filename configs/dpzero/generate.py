@@ -4,8 +4,9 @@
 
 The YAML files are committed; ``tests/test_paper_configs.py`` checks they match this script, so edit
 here and regenerate. Hyper-parameters: DPZero paper, App. B.2 Table 8 (RoBERTa) and App. B.3
-Table 10 (OPT). The paper searched the clip C per task over a grid and does not report the chosen
-value; we set the grid's middle and name the grid in each file.
+Table 10 (OPT). The paper searched the clip C (and, for the first-order rows, the lr) per task over a
+grid and does not report the chosen value; we set the grid's middle (the lower of the two middle values
+of a grid of four, as Table 4's C = 50 of {10, 50, 100, 200}) and name the grid in each file.
 
 Noise, as the reference code injects it: ``std = 2 sigma C / B`` with sigma from Opacus's RDP
 accountant (``get_noise_multiplier``) for (epsilon, delta = 1e-5, q = B / n, T steps): the DPZero
@@ -24,6 +25,11 @@ Data, as the authors' code prepares it (github.com/Liang137/DPZero, built on MeZ
   240 (MNLI, RTE). Validation on the generator's dev set (``k_dev: 512``: the next 512 examples of each
   class, LM-BFF's ``dev.tsv``; MNLI's ``dev_matched.tsv``), never on the test set; the reference
   evaluates dev at the end of training (``--eval_steps`` = T) and tests the last iterate once.
+  The model is MeZO's ``RobertaModelForPromptFinetuning`` (``roberta/src/models.py``), which defines no output
+  embeddings, so its ``lm_head.decoder`` is loaded as a copy of the word embeddings and never tied to them
+  (``--tie_emb`` defaults to off; the class warns "NOT tied"): the ZO step perturbs and updates the two apart
+  (``untie_word_embeddings: true``; Hugging Face's ``RobertaForMaskedLM`` would share one tensor and one direction).
+  Its unused ``classifier`` layer, which the reference perturbs too, changes no loss and is left out.
 * Table 4 (``opt/``): MeZO's ``tasks.py``: GLUE's SST-2 and the original BoolQ (Hugging Face
   ``boolq``: Google's ``train.jsonl`` / ``dev.jsonl``, no titles in the passages), 1,000 train + 500
   dev drawn with ``np.random.permutation`` under the seed, 1,000 test examples with the same seed;
@@ -32,6 +38,63 @@ Data, as the authors' code prepares it (github.com/Liang137/DPZero, built on MeZ
 Both tables pad each batch to its longest row (the data modules' default, ``pad_to_max_length:
 false``); padding is masked, so the losses and accuracies are those of padding to ``max_length`` as
 the references do, at a fraction of the compute (SST-2's prompts are ~25 tokens of 128).
+
+Table 2's first-order rows (``*_adamw``, ``*_dpadamw_eps{6,2}``, ``*_lora``, ``*_dplora_eps{6,2}``). The paper
+(App. B.2, "Comparison with first-order methods"; Table 2's caption) gives: the same few-shot data as the DPZero
+rows, T = 1000, B = 64, lr in {5e-5, 1e-4, 5e-4, 1e-3} and C in {0.1, 0.5, 1, 10} by grid search, LoRA r = 8 and
+alpha = 16 "as in the original paper", AdamW for LoRA too, "all other parameters fixed to their default values",
+and the implementation of Li et al. (github.com/lxuechen/private-transformers), whose PrivacyEngine the DPZero
+repository does not include (it has no first-order private code). The rest is read from private-transformers
+(``private_transformers/privacy_engine.py``, ``accounting/``, ``lora_utils.py``, ``examples/classification/``, whose
+LM-BFF prompt model and data pipeline are the ones the DPZero rows use) and DPZero's ``roberta/`` (from MeZO):
+
+* Trained parameters (AdamW rows): all of them. ``run_classification.py`` calls ``model.requires_grad_(True)``
+  (``--static_embedding``, ``--static_lm_head`` default ``no``): word, position and token-type embeddings, every
+  layer, the LM head. Its ``RobertaForPromptFinetuning``, like MeZO's/DPZero's ``RobertaModelForPromptFinetuning``
+  ("By default for RoBERTa models the input embeddings and the output embeddings are NOT tied"), defines no output
+  embeddings, so Hugging Face does not tie ``lm_head.decoder`` to the word embeddings: the decoder is loaded as a
+  copy and trained as a separate parameter. ``untie_word_embeddings: true`` does that (Hugging Face's
+  ``RobertaForMaskedLM`` ties them: one tensor, one gradient, one perturbation). No pooler in either.
+* Optimizer: torch's AdamW, betas (0.9, 0.999) (Hugging Face's defaults), ``--adam_epsilon 1e-08``, ``--weight_decay
+  0`` (``run_wrapper.py``; Hugging Face's default too): ``DPAdam`` / ``Adam`` with ``weight_decay: 0.0``. The paper's
+  "AdamW" is the optimizer class; its decay is 0, so the no-decay groups (biases, LayerNorm weights) do not matter.
+* lr schedule (ambiguous): ``run_wrapper.py``, the launcher private-transformers' README points to, passes
+  ``--lr_decay yes``, a linear decay to 0 over the run without warm-up; ``run_classification.py``'s own default is
+  ``no`` (constant). We take the launcher's, which is also the Hugging Face Trainer's default (``linear``) that
+  DPZero's first-order code path uses (``roberta/src/trainer.py``, ``get_scheduler(lr_scheduler_type)``):
+  ``LinearLR(start_factor 1, end_factor 0, total_iters 1000)``, lr ``(1 - t / T)`` times the base at step ``t``.
+* Noise: ``_create_noisy_clipped_gradient`` adds ``N(0, (noise_multiplier * max_grad_norm)^2)`` to the SUM of the
+  per-example gradients clipped to ``max_grad_norm`` over all trainable parameters at once, then divides by the
+  batch size (the expected, "lot" size), the step our ``release`` takes. Its accountant (``accounting_mode``
+  ``rdp``, the default) is RDP of the Poisson-subsampled Gaussian of sensitivity C (add/remove-one neighbours) at
+  orders 1.1, 1.2, ..., 10.9, 12, ..., 63 (Opacus's ``DEFAULT_ALPHAS``), converted to (epsilon, delta) as Opacus's
+  ``get_privacy_spent`` does (Canonne, Kamath and Steinke), sigma by bisection to 1e-3: ``neighbours: add_remove``
+  (no factor 2, unlike the DPZero rows, whose reference sets ``std = 2 sigma C / B``) and ``accountant: rdp``.
+  Our calibration (Opacus's ``get_noise_multiplier``) is within 0.3% of that bisection for every row (checked in
+  ``tests/test_paper_configs.py``). q = B / n with n = 512 per class; delta = 1e-5 (Tables 3 and 9; the engine's
+  own default would be n^-1.1). The engine calibrates for ``ceil(epochs / q)`` steps from the epochs it is given;
+  the paper gives T only, so we calibrate for the T = 1000 steps run. Clipping mode: ghost clipping
+  (``run_wrapper.py``'s default ``--clipping_mode ghost``): ``grad_mode: ghost``, which also keeps RoBERTa-large's
+  per-example gradients (B x 406M) from ever existing; set ``micro_batch_size`` on a GPU of less memory.
+* Sampling: the reference trains on the Hugging Face Trainer's shuffled fixed-size batches and accounts them as
+  Poisson at q = B / n, as the DPZero rows' reference does; here batches are Poisson-sampled (expected size 64), so
+  the reported epsilon holds. The non-private rows sample the same way (their batch sizes vary around 64).
+* Not reproduced: the reference's non-private branch clips the mean batch gradient's global norm to
+  ``max_grad_norm`` = 1.0 (Hugging Face's default; ``clip_grad_norm_`` in ``examples/classification/src/
+  trainer.py``) before AdamW. ``Adam`` has no such option (its finite ``clip`` clips each example, another
+  operation), so the AdamW and LoRA rows run AdamW unclipped.
+* LoRA (ambiguous): private-transformers has LoRA for GPT-2 only (``lora_utils.convert_gpt2_attention_to_lora``,
+  ``mark_only_lora_as_trainable``). DPZero's own RoBERTa code puts loralib LoRA on ``query`` and ``value`` of every
+  self-attention (``roberta/src/modeling_roberta.py``, from MeZO; as the LoRA paper on RoBERTa) with no LoRA dropout,
+  A Kaiming-uniform and B zero (peft's default initialisation is the same), scaling alpha / r = 2, and
+  ``roberta/run.py`` freezes every ``roberta.*`` parameter but LoRA's, so the LM head (dense, layer norm, its own
+  decoder, bias) trains beside the adapters. We follow DPZero's code: ``lora: {r: 8, lora_alpha: 16,
+  lora_dropout: 0.0, target_modules: [query, value], modules_to_save: [lm_head]}`` (peft trains a copy of the head,
+  the frozen original kept beside it). Drop ``modules_to_save`` for private-transformers' rule (adapters only).
+  DPZero's ``modeling_roberta.py`` lost MeZO's ``import loralib as lora``, so ``--apply_lora`` fails there as
+  published: the paper's LoRA runs did not use that file as it stands.
+* Dropout: train mode, RoBERTa's dropout 0.1, as in both references (the private modules draw the masks from secret
+  states). Validation on the dev set every 100 steps; the last iterate is tested.
 """
 
 from __future__ import annotations
@@ -53,6 +116,15 @@ ROBERTA_LENGTHS = {"SST-2": (128, None), "SST-5": (128, 110), "SNLI": (256, None
 #: MeZO's run.py: max_length 2048 (BoolQ passages can be long); SST-2 sentences fit in 128
 OPT_LENGTHS = {"SST-2": 128, "BoolQ": 2048}
 METHODS = {"mezo": None, "dpzero_eps2": 2.0, "dpzero_eps6": 6.0}
+#: Table 2's first-order rows (App. B.2, "Comparison with first-order methods"): target epsilon, None = non-private
+FIRST_ORDER = {"adamw": None, "dpadamw_eps6": 6.0, "dpadamw_eps2": 2.0,
+               "lora": None, "dplora_eps6": 6.0, "dplora_eps2": 2.0}
+#: T = 1000, B = 64; lr searched in {5e-5, 1e-4, 5e-4, 1e-3}, C in {0.1, 0.5, 1, 10} (App. B.2): the lower middle value
+FIRST_ORDER_STEPS, FIRST_ORDER_LR, FIRST_ORDER_CLIP = 1000, 1.0e-4, 0.5
+#: LoRA (Hu et al.) as the authors' RoBERTa code places it: query and value of every self-attention, r = 8,
+#: alpha = 16 (App. B.2), no LoRA dropout; the LM head trains beside the adapters (a copy: peft's modules_to_save)
+LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["query", "value"],
+        "modules_to_save": ["lm_head"]}
 
 
 def algorithm(method: str, backbone: dict, *, lr: float, clip: float, seed: int) -> dict:
@@ -74,35 +146,97 @@ def trainer(steps: int, eval_every: int, *, keep_best: bool = False) -> dict:
     return config
 
 
-def roberta_config(task: str, method: str) -> tuple[str, dict]:
-    spec = get_task(task)
-    backbone = {"class_path": "lit_zodp.backbones.HFPromptClassifier",
-                "init_args": {"model_name_or_path": "roberta-large", "label_words": list(spec.label_words)}}
+def first_order_algorithm(method: str, backbone: dict, *, seed: int) -> dict:
+    """AdamW (torch's, weight decay 0, betas (0.9, 0.999), eps 1e-8) with private-transformers' linear decay of the
+    lr to 0 over T; the private rows clip per example (ghost clipping) and add private-transformers' noise."""
+    schedule = {"class_path": "torch.optim.lr_scheduler.LinearLR",
+                "init_args": {"start_factor": 1.0, "end_factor": 0.0, "total_iters": FIRST_ORDER_STEPS}}
+    common = {"backbone": backbone, "lr": FIRST_ORDER_LR, "betas": [0.9, 0.999], "eps": 1.0e-8, "weight_decay": 0.0,
+              "lr_scheduler": schedule, "seed": seed}
+    epsilon = FIRST_ORDER[method]
+    if epsilon is None:
+        return {"class_path": "lit_zodp.algorithms.Adam", "init_args": common}
+    return {"class_path": "lit_zodp.algorithms.DPAdam",
+            "init_args": {**common, "grad_mode": "ghost", "clip": FIRST_ORDER_CLIP, "target_epsilon": epsilon,
+                          "delta": 1.0e-5, "neighbours": "add_remove", "accountant": "rdp"}}
+
+
+def roberta_data(task: str) -> dict:
     max_length, first_sent_limit = ROBERTA_LENGTHS[task]
     lengths = {"max_length": max_length}
     if first_sent_limit is not None:
         lengths["first_sent_limit"] = first_sent_limit
-    data = {"class_path": "datamodules.PromptTextDataModule", "init_args": {
+    return {"class_path": "datamodules.PromptTextDataModule", "init_args": {
         "task": task, "data_dir": "data/original", "prompt": "mlm", "tokenizer": "roberta-large", **lengths,
         "faithful": True, "k_shot": 512, "k_dev": 512, "num_test": 1000, "test_seed": 42, "batch_size": 64,
         "data_seed": 42}}
+
+
+def roberta_backbone(task: str, **options) -> dict:
+    return {"class_path": "lit_zodp.backbones.HFPromptClassifier",
+            "init_args": {"model_name_or_path": "roberta-large", "label_words": list(get_task(task).label_words),
+                          **options}}
+
+
+ROBERTA_DATA_HEADER = (
+    "data: LM-BFF's k-shot draw of data/original (NumPy, seed = data_seed), the 1000 test examples\n"
+    "drawn once with seed 42, lengths of DPZero's run_fewshot.sh, LM-BFF's tokens exactly (faithful:\n"
+    "trailing spaces kept, tail truncation). Validation: the generator's dev set (k_dev = 512 per\n"
+    "class, not in the private training set), never the test set; the last iterate is tested once.\n"
+    "Batches are padded to their longest row (pad_to_max_length: false), the outputs unchanged.")
+SST2_HEADER = ("\nSST-2 is GLUE's (LM-BFF's data/original/GLUE-SST-2, read automatically), as in MeZO's and\n"
+               "DPZero's data scripts, not LM-BFF's own sentence-level SST-2.")
+
+
+def roberta_config(task: str, method: str) -> tuple[str, dict]:
+    if method in FIRST_ORDER:
+        return roberta_first_order_config(task, method)
+    backbone = roberta_backbone(task, untie_word_embeddings=True)
+    data = roberta_data(task)
     config = {"seed_everything": 42, "trainer": trainer(10_000, 1000),
               "model": algorithm(method, backbone, lr=1.0e-6, clip=200.0, seed=42), "data": data}
     row = "MeZO" if METHODS[method] is None else f"DPZero eps={METHODS[method]:g}"
     header = (f"DPZero paper, Table 2, row '{row}', column {task}: RoBERTa-large (355M), prompt-based\n"
               "fine-tuning (LM-BFF template, label words at <mask>), k = 512 per class, 1000 test examples,\n"
               "T = 10000, B = 64, lambda = 1e-3, lr = 1e-6 (App. B.2, Table 8). Paper: mean over data seeds\n"
-              "{42, 13, 21} (set data.init_args.data_seed and seed_everything).\n"
-              "data: LM-BFF's k-shot draw of data/original (NumPy, seed = data_seed), the 1000 test examples\n"
-              "drawn once with seed 42, lengths of DPZero's run_fewshot.sh, LM-BFF's tokens exactly (faithful:\n"
-              "trailing spaces kept, tail truncation). Validation: the generator's dev set (k_dev = 512 per\n"
-              "class, not in the private training set), never the test set; the last iterate is tested once.\n"
-              "Batches are padded to their longest row (pad_to_max_length: false), the outputs unchanged.")
+              "{42, 13, 21} (set data.init_args.data_seed and seed_everything). The LM head's decoder is its\n"
+              "own copy of the word embeddings, perturbed apart from them, as in MeZO's and DPZero's model\n"
+              "(untie_word_embeddings).\n" + ROBERTA_DATA_HEADER)
     if task == "SST-2":
-        header += ("\nSST-2 is GLUE's (LM-BFF's data/original/GLUE-SST-2, read automatically), as in MeZO's and\n"
-                   "DPZero's data scripts, not LM-BFF's own sentence-level SST-2.")
+        header += SST2_HEADER
     if METHODS[method] is not None:
         header += "\nclip: the paper grid-searches C in {50, 100, 150, 200, 250, 300, 400} per task."
+    return header, config
+
+
+def roberta_first_order_config(task: str, method: str) -> tuple[str, dict]:
+    lora = "lora" in method
+    backbone = roberta_backbone(task, untie_word_embeddings=True, **({"lora": LORA} if lora else {}))
+    config = {"seed_everything": 42, "trainer": trainer(FIRST_ORDER_STEPS, 100),
+              "model": first_order_algorithm(method, backbone, seed=42), "data": roberta_data(task)}
+    epsilon = FIRST_ORDER[method]
+    name = "LoRA" if lora else "AdamW"
+    row = name if epsilon is None else f"DP-{name} eps={epsilon:g}"
+    what = ("LoRA (r = 8, alpha = 16) on query and value, the LM head trained beside it" if lora
+            else "full fine-tuning: every parameter, embeddings included")
+    header = (f"DPZero paper, Table 2, row '{row}', column {task}: RoBERTa-large (355M), prompt-based\n"
+              f"fine-tuning as the DPZero rows; {what}.\n"
+              "AdamW, the first-order baselines of private-transformers (Li et al.): T = 1000, B = 64\n"
+              "(App. B.2); the lr decays linearly to 0, weight decay 0 (private-transformers' defaults). The LM\n"
+              "head's decoder is its own copy of the word embeddings, as in the reference models\n"
+              "(untie_word_embeddings). Paper: mean over data seeds {42, 13, 21} (set\n"
+              "data.init_args.data_seed and seed_everything). Full protocol: configs/dpzero/generate.py.\n"
+              + ROBERTA_DATA_HEADER)
+    if task == "SST-2":
+        header += SST2_HEADER
+    header += "\nlr: the paper grid-searches {5e-5, 1e-4, 5e-4, 1e-3} per task."
+    if epsilon is None:
+        header += ("\nNot reproduced: the reference clips the batch gradient's norm to 1 (Hugging Face's\n"
+                   "max_grad_norm) before AdamW; this module has no such option, so AdamW runs unclipped.")
+    else:
+        header += ("\nclip: the paper grid-searches C in {0.1, 0.5, 1, 10} per task. Noise as private-transformers:\n"
+                   "(sum of clipped gradients + N(0, sigma^2 C^2 I)) / B, sigma from its RDP accountant for\n"
+                   "(epsilon, delta = 1e-5, q = B / n, T steps), add/remove-one neighbours; Poisson batches here.")
     return header, config
 
 
@@ -144,7 +278,7 @@ def render(header: str, config: dict) -> str:
 def all_configs() -> dict[Path, str]:
     files = {}
     for task in ROBERTA_TASKS:
-        for method in METHODS:
+        for method in [*METHODS, *FIRST_ORDER]:
             name = f"table2_roberta-large_{task.lower().replace('-', '')}_{method}.yaml"
             files[ROOT / name] = render(*roberta_config(task, method))
     for size in OPT_MODELS:

@@ -326,6 +326,9 @@ class HFSequenceClassifier(_ReadsText):
         tokenizer_name_or_path: Tokenizer for :meth:`load_tokenizer`; defaults to the model's.
         dtype: ``float32``, ``float16`` or ``bfloat16``; ``None`` keeps the checkpoint's.
         model_kwargs: Extra keyword arguments for ``from_pretrained``.
+        lora: ``peft.LoraConfig`` arguments (``{r: 8, lora_alpha: 16, target_modules: [query, value]}``): LoRA
+            adapters injected into the model, which then trains them (and the ``modules_to_save``) only; needs
+            ``peft``. ``None``: every parameter trains.
     """
 
     def __init__(
@@ -338,6 +341,7 @@ class HFSequenceClassifier(_ReadsText):
         tokenizer_name_or_path: Optional[str] = None,
         dtype: Optional[str] = None,
         model_kwargs: Optional[dict[str, Any]] = None,
+        lora: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         from transformers import AutoModelForSequenceClassification
@@ -355,6 +359,8 @@ class HFSequenceClassifier(_ReadsText):
         )
         _ensure_pad_token_id(self.model.config)
         _check_pad_token_id(self.model)
+        if lora is not None:
+            apply_lora(self.model, lora)
         self.input_keys = accepted_input_keys(self.model)
         self.tokenizer_path = _tokenizer_path(tokenizer_name_or_path, model_name_or_path)
         self.train()  # from_pretrained leaves the inner model in eval mode
@@ -591,6 +597,12 @@ class HFPromptClassifier(_ReadsText):
         tokenizer_name_or_path: Tokenizer for the label words and mask token.
         dtype: ``float32``, ``float16`` or ``bfloat16``; ``None`` keeps the checkpoint's.
         model_kwargs: Extra keyword arguments for ``from_pretrained``.
+        untie_word_embeddings: give the LM head's decoder its own copy of the input word embeddings (as loaded), so
+            the two train as separate parameters, as in the DPZero and private-transformers reference models (see
+            :func:`untie_word_embeddings_of`). ``False`` keeps the checkpoint's tying (Hugging Face ties them).
+        lora: ``peft.LoraConfig`` arguments (``{r: 8, lora_alpha: 16, target_modules: [query, value]}``): LoRA
+            adapters injected into the model, which then trains them (and the ``modules_to_save``) only; needs
+            ``peft``. ``None``: every parameter trains.
     """
 
     def __init__(
@@ -606,6 +618,8 @@ class HFPromptClassifier(_ReadsText):
         tokenizer_name_or_path: Optional[str] = None,
         dtype: Optional[str] = None,
         model_kwargs: Optional[dict[str, Any]] = None,
+        untie_word_embeddings: bool = False,
+        lora: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         if lm_type not in ("auto", "mlm", "causal"):
@@ -615,6 +629,10 @@ class HFPromptClassifier(_ReadsText):
         self.lm_type = _lm_type(lm_type, model_name_or_path, config, config_overrides)
         auto_class = _lm_auto_class(self.lm_type)
         self.model = build_hf_model(auto_class, model_name_or_path, model_kwargs=model_kwargs, **build)
+        if untie_word_embeddings:
+            untie_word_embeddings_of(self.model)
+        if lora is not None:
+            apply_lora(self.model, lora)
         self.input_keys = accepted_input_keys(self.model)
         tokenizer = None
         if label_word_ids is None or (self.lm_type == "mlm" and mask_token_id is None):
@@ -724,6 +742,9 @@ class HFCandidateScorer(_ReadsText):
         dtype: ``float32``, ``float16`` or ``bfloat16``; ``None`` keeps the checkpoint's. Log-probs
             are computed in float32 (float64 for a float64 model).
         model_kwargs: Extra keyword arguments for ``from_pretrained``.
+        lora: ``peft.LoraConfig`` arguments (``{r: 8, lora_alpha: 16, target_modules: [query, value]}``): LoRA
+            adapters injected into the model, which then trains them (and the ``modules_to_save``) only; needs
+            ``peft``. ``None``: every parameter trains.
 
     First-order private training (DP-SGD/DP-Adam) is refused: the transformer's calls hold ``K`` rows
     per example, which the per-example gradient engine would credit to the wrong examples whenever a
@@ -746,6 +767,7 @@ class HFCandidateScorer(_ReadsText):
         tokenizer_name_or_path: Optional[str] = None,
         dtype: Optional[str] = None,
         model_kwargs: Optional[dict[str, Any]] = None,
+        lora: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
@@ -771,6 +793,8 @@ class HFCandidateScorer(_ReadsText):
             model_kwargs=model_kwargs,
         )
         _ensure_pad_token_id(self.model.config)
+        if lora is not None:
+            apply_lora(self.model, lora)
         self.input_keys = tuple(k for k in accepted_input_keys(self.model) if k != "inputs_embeds")
         self.head_name = lm_head_name(self.model, "causal")
         self.no_cache = no_cache_kwargs(self.model)
@@ -1081,6 +1105,70 @@ def _check_pad_token_id(model: nn.Module) -> None:
                           f"token of this model's vocabulary of {vocab}; set it to the tokenizer's pad id")
 
 
+def untie_word_embeddings_of(model: nn.Module) -> None:
+    """Give ``model``'s output embeddings (an MLM's decoder, a causal LM's ``lm_head``) their own copy of the input
+    embedding matrix as loaded, so the two train as separate parameters.
+
+    Hugging Face ties them (one tensor) for BERT, RoBERTa and OPT; the DPZero paper's reference models do not: MeZO's
+    and DPZero's ``RobertaModelForPromptFinetuning`` ("By default for RoBERTa models the input embeddings and the
+    output embeddings are NOT tied") and private-transformers' ``RobertaForPromptFinetuning`` define no output
+    embeddings, so ``from_pretrained`` loads ``lm_head.decoder.weight`` as a separate copy of the word embeddings.
+    Copying after loading gives the same start whatever the checkpoint stores (a safetensors file keeps one of two
+    tied tensors, so ``tie_word_embeddings: false`` at load time could leave the decoder randomly initialised).
+    """
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or not isinstance(getattr(outputs, "weight", None), Tensor):
+        raise ConfigError(f"`untie_word_embeddings`: {type(model).__name__} has no output embeddings to untie")
+    if outputs.weight is inputs.weight:
+        outputs.weight = nn.Parameter(inputs.weight.detach().clone(), requires_grad=inputs.weight.requires_grad)
+    for config in {id(c): c for c in (model.config, _text_config(model.config))}.values():
+        config.tie_word_embeddings = False  # (so no later tie_weights() ties them again)
+
+
+def _text_config(config: Any) -> Any:
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+#: ``peft.LoraConfig`` fields a backbone's ``lora`` option may not set: the backbone keeps the transformers model
+#: itself (no ``PeftModel`` wrapper, so no ``task_type``) and trains the adapters it injects.
+_LORA_REFUSED = ("task_type", "inference_mode")
+
+
+def apply_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
+    """Inject ``peft`` LoRA adapters into ``model`` in place; every other parameter is frozen except the modules named
+    in ``modules_to_save`` (peft trains a copy of each).
+
+    Args:
+        model: a transformers model (its class and forward are kept: the backbone calls it as before).
+        lora: keyword arguments of ``peft.LoraConfig`` (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
+            ``modules_to_save``...), e.g. ``{r: 8, lora_alpha: 16, target_modules: [query, value]}``.
+
+    Returns:
+        ``model``, with the adapters injected.
+    """
+    if not isinstance(lora, Mapping) or not all(isinstance(key, str) for key in lora):
+        raise ConfigError(f"`lora` takes a mapping of peft.LoraConfig arguments (r, lora_alpha, target_modules...), "
+                          f"but got {lora!r}")
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("`lora` needs the peft package: pip install peft") from None
+    refused = sorted(key for key in lora if key in _LORA_REFUSED)
+    if refused:
+        raise ConfigError(f"`lora`: {', '.join(refused)} cannot be set here (the backbone keeps the transformers model "
+                          "and trains the adapters it injects)")
+    try:
+        config = peft.LoraConfig(**dict(lora))
+    except TypeError as err:  # an unknown field
+        raise ConfigError(f"`lora`: {err} (give peft.LoraConfig's field names: r, lora_alpha, lora_dropout, "
+                          "target_modules, modules_to_save...)") from err
+    try:
+        return peft.inject_adapter_in_model(config, model)
+    except ValueError as err:  # e.g. "Target modules {...} not found in the base model"
+        raise ConfigError(f"`lora`: {str(err).strip().splitlines()[0]}") from err
+
+
 
 #: Names of learned absolute position tables (BERT family, BART/OPT, GPT-2's ``wpe``).
 _POSITION_TABLES = ("position_embeddings", "embed_positions", "wpe")
@@ -1178,6 +1266,7 @@ __all__ = [
     "SENTIMENT_LABEL_DESCRIPTIONS",
     "SentenceEncoderClassifier",
     "accepted_input_keys",
+    "apply_lora",
     "build_hf_model",
     "length_dependent_state",
     "lm_head_name",
@@ -1192,4 +1281,5 @@ __all__ = [
     "text_data_mismatch",
     "tiny_bert_config",
     "token_log_probs",
+    "untie_word_embeddings_of",
 ]
