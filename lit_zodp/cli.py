@@ -150,9 +150,12 @@ def _model_arguments(config) -> dict:
 
 
 def _checkpoint_class(path: str) -> Optional[str]:
-    """The model class a checkpoint saved (LightningCLI's ``_class_path`` hyperparameter); ``None`` when it saved
-    none (or cannot be read: Lightning will say why)."""
-    return (_read_checkpoint(path).get("hyper_parameters") or {}).get("_class_path")
+    """The model class a checkpoint saved (LightningCLI's ``_class_path`` hyperparameter, or the algorithm our modules
+    record, for a checkpoint written in Python); ``None`` when it saved none (or cannot be read: Lightning will say
+    why)."""
+    checkpoint = _read_checkpoint(path)
+    return ((checkpoint.get("hyper_parameters") or {}).get("_class_path")
+            or (checkpoint.get("public_state") or {}).get("algorithm"))
 
 
 def _read_checkpoint(path: str) -> dict:

@@ -389,6 +389,27 @@ def test_a_resume_refuses_a_model_class_other_than_the_checkpoints(tmp_path, mon
         "lit_zodp.algorithms.MeZO" in errors[0]
 
 
+def test_a_resume_of_a_checkpoint_written_in_python_is_held_to_its_recorded_class(tmp_path, monkeypatch, capsys):
+    """A checkpoint saved by a Trainer of one's own has no LightningCLI ``_class_path``; the algorithm our modules
+    record names its class, so the CLI refuses another one in its own line (stop 46)."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    _fit_with_checkpoint(tmp_path, config=_mezo())
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    del saved["hyper_parameters"]["_class_path"]
+    python_written = str(tmp_path / "python.ckpt")
+    torch.save(saved, python_written)
+    private = yaml.safe_load(yaml.safe_dump(TINY))
+    private["model"]["init_args"].update(target_epsilon=None, noise_multiplier=1.0)
+    errors = _stderr_of_a_refused_run(["fit", "--config", str(write_config(tmp_path, private, "private.yaml")),
+                                       "--ckpt_path", python_written], capsys)
+    assert errors == [f"lit-zodp: error: `model.class_path`: the checkpoint {python_written!r} was trained by "
+                      "lit_zodp.algorithms.dpzero.MeZO, but the configuration names lit_zodp.algorithms.DPZero; a "
+                      "resume continues the checkpoint's run (privacy included): configure "
+                      "lit_zodp.algorithms.dpzero.MeZO, or start a new run without ckpt_path"]
+
+
 def test_a_resume_names_each_configured_option_the_checkpoint_replaces(tmp_path, monkeypatch):
     """Before: --model.init_args.lr 0.1 on a resume was silently replaced by the checkpoint's 0.05. The
     checkpoint's values are kept (its ledger depends on them); a budget keeps the smaller value and is named
