@@ -70,7 +70,7 @@ class LitZODPCLI(LightningCLI):
             return
         if os.path.isfile(path):
             _refuse_another_class(configured.get("class_path"), _checkpoint_class(path), path)
-        super()._parse_ckpt_path()
+            self._merge_checkpoint_options(path, configured.get("class_path"))
         restored = _model_arguments(self.config)
         configured = _target_as_budget_of_a_fixed_sigma(configured, restored, path)
         for key in BUDGET_ARGUMENTS:
@@ -80,6 +80,24 @@ class LitZODPCLI(LightningCLI):
         if "noise_seed" in restored:  # (a checkpoint from before hparams left it out: the configured seed, or none)
             self.config[subcommand].model.init_args["noise_seed"] = configured.get("noise_seed")
         _warn_replaced(configured, _model_arguments(self.config), path, subcommand)
+
+    def _merge_checkpoint_options(self, path: str, configured_class: Optional[str]) -> None:
+        """LightningCLI's merge of the checkpoint's saved model options into the configuration. A checkpoint written
+        by a Trainer of one's own has no ``_class_path`` among them, and LightningCLI parsed its options as
+        ``LightningModule``'s and failed in two lines (``Option 'clip' is not accepted by
+        lightning.LightningModule``, ``Parsing of ckpt_path hyperparameters failed!``); they are the configured
+        class's (its class was checked against the one the checkpoint records)."""
+        options = dict(_read_checkpoint(path).get("hyper_parameters") or {})
+        options.pop("_instantiator", None)
+        if not options:
+            return
+        class_path = options.pop("_class_path", None) or configured_class
+        model = {"class_path": class_path, "dict_kwargs": options} if class_path else options
+        try:
+            self.config = self.parser.parse_object({self.config.subcommand: {"model": model}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
 
     def before_fit(self) -> None:
         """A private fit under a launcher that returns only the weights is refused here, in this process (one line),

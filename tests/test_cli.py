@@ -410,6 +410,29 @@ def test_a_resume_of_a_checkpoint_written_in_python_is_held_to_its_recorded_clas
                       "lit_zodp.algorithms.dpzero.MeZO, or start a new run without ckpt_path"]
 
 
+def test_a_private_checkpoint_written_in_python_resumes_through_the_cli(tmp_path, monkeypatch):
+    """Before, LightningCLI parsed such a checkpoint's options (no ``_class_path``) as ``LightningModule``'s and
+    failed: "`model.init_args.clip`: Option 'clip' is not accepted by lightning.LightningModule" and "Parsing of
+    ckpt_path hyperparameters failed!". Its options are the configured class's; the run, its options and its ledger
+    continue."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    sigma = yaml.safe_load(yaml.safe_dump(TINY))  # (a fixed sigma: a target's plan would allow 0 more steps)
+    sigma["model"]["init_args"].update(target_epsilon=None, noise_multiplier=1.0)
+    _fit_with_checkpoint(tmp_path, "--trainer.max_steps", "4", "--model.init_args.lr", "0.05", config=sigma)
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    del saved["hyper_parameters"]["_class_path"]
+    python_written = str(tmp_path / "python.ckpt")
+    torch.save(saved, python_written)
+    with pytest.warns(UserWarning, match=r"lr: configured 0.1, checkpoint 0.05 \(kept\)"):
+        cli = build_cli(["fit", "--config", str(write_config(tmp_path, sigma, "again.yaml")), "--trainer.max_steps",
+                         "7", "--model.init_args.lr", "0.1", "--ckpt_path", python_written, "--test_after_fit",
+                         "false"])
+    assert cli.trainer.global_step == 7 and cli.model.lr == 0.05
+    assert cli.model.privacy.ledger.total_count == 7
+
+
 def test_a_resume_names_each_configured_option_the_checkpoint_replaces(tmp_path, monkeypatch):
     """Before: --model.init_args.lr 0.1 on a resume was silently replaced by the checkpoint's 0.05. The
     checkpoint's values are kept (its ledger depends on them); a budget keeps the smaller value and is named
