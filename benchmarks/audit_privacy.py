@@ -211,6 +211,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.quick and "--steps" not in argv:
         args.steps = 200
+    fit_steps = min(args.fit_steps, args.steps)  # the fits' real length: fewer scores than --fit-steps, one shorter fit
     _common.setup_worker(args.threads)
     DEVICE["name"] = args.device
     if args.device == "cuda":
@@ -221,11 +222,11 @@ def main(argv: list[str]) -> int:
         meta_gpu = None
     started = time.perf_counter()
     meta = _common.machine_info() | {"command": _common.command_line("audit_privacy.py", argv),
-                                     "steps": args.steps, "fit_steps": args.fit_steps, "sigma": args.sigma,
+                                     "steps": args.steps, "fit_steps": fit_steps, "sigma": args.sigma,
                                      "device": args.device, "gpu": meta_gpu}
     result = {"meta": meta, "full_batch": [], "sampling": None}
     for label, algorithm, overrides in CONFIGS:
-        result["full_batch"].append(full_batch_row(label, algorithm, overrides, args.steps, args.fit_steps,
+        result["full_batch"].append(full_batch_row(label, algorithm, overrides, args.steps, fit_steps,
                                                    args.sigma))
         print(without_scores(result["full_batch"][-1]), flush=True)
     result["sampling"] = sampling_row(args.steps, args.sampling_sigma, args.sample_rate)
