@@ -7,6 +7,12 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def _import(name, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop(name, None)
+    return __import__(name)
+
+
 def test_a_quick_audit_reports_the_fits_it_ran_not_the_fit_steps_default(tmp_path, monkeypatch):
     """``--quick`` takes 200 scores, so every fit is 200 steps: the header and each row's epsilon are of a 200-step
     fit (review 37: the header said "as fits of 400 steps" and "epsilon: of one 400-step fit" beside the ledger's
@@ -36,12 +42,6 @@ def test_a_quick_audit_reports_the_fits_it_ran_not_the_fit_steps_default(tmp_pat
     assert set(asked) == {200}
     assert "200 steps in each, as fits of 200 steps" in text
     assert "epsilon: of one 200-step fit" in text
-
-
-def _import(name, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    sys.modules.pop(name, None)
-    return __import__(name)
 
 
 def test_re_rendering_a_finished_accuracy_run_keeps_its_notes_written_by_hand(tmp_path, monkeypatch):
