@@ -69,3 +69,21 @@ def test_a_results_file_without_notes_is_re_rendered_whole(monkeypatch):
     assert accuracy.hand_written_part("# title\n\n| a |\n") == ""
     assert accuracy.hand_written_part("# t\n\nNotes (written by hand after the run):\n\n* x\n") == (
         "\nNotes (written by hand after the run):\n\n* x\n")
+
+
+def test_a_tiny_cpu_smoke_run_of_the_gpu_benchmark_leaves_the_committed_gpu_results_alone(monkeypatch):
+    """benchmarks/README's CPU smoke test of ``--bcd`` (``--tiny --device cpu ... --bcd --no-opacus``, no ``--out``)
+    wrote its tiny-model rows over ``benchmarks/results/bench_zo_gpu.{md,json}``, the H100 table the README links
+    (review 37). A ``--tiny`` run without ``--out`` now writes under ``results/quick/``, as ``--quick`` runs do."""
+    zo_gpu = _import("bench_zo_gpu", monkeypatch)
+    written = []
+    monkeypatch.setattr(zo_gpu, "spawn", lambda args, model, dtype, batches: {"rows": []})
+    monkeypatch.setattr(zo_gpu, "write", lambda stem, meta, rows, raw: written.append(stem))
+    monkeypatch.setattr(zo_gpu, "render", lambda rows: "table\n\nrows")
+    monkeypatch.setattr(zo_gpu, "header", lambda meta: "")
+    monkeypatch.setattr(zo_gpu, "announce_written", lambda stem: None)
+    zo_gpu.main(["--tiny", "--device", "cpu", "--repeats", "1", "--models", "minilm", "--dtypes", "fp32"])
+    assert written == [BENCHMARKS / "results" / "quick" / "bench_zo_gpu"]
+    written.clear()
+    zo_gpu.main(["--tiny", "--device", "cpu", "--models", "minilm", "--dtypes", "fp32", "--out", "/tmp/somewhere"])
+    assert written == [Path("/tmp/somewhere")]
