@@ -42,6 +42,9 @@ def test_a_quick_audit_reports_the_fits_it_ran_not_the_fit_steps_default(tmp_pat
     assert set(asked) == {200}
     assert "200 steps in each, as fits of 200 steps" in text
     assert "epsilon: of one 200-step fit" in text
+    asked.clear()  # an explicit --steps wins over --quick's 200, in either spelling
+    assert audit_privacy.main(["--quick", "--steps=300", "--out", str(stem)]) in (0, None)
+    assert set(asked) == {300} and "300 steps in each, as fits of 300 steps" in stem.with_suffix(".md").read_text()
 
 
 def test_re_rendering_a_finished_accuracy_run_keeps_its_notes_written_by_hand(tmp_path, monkeypatch):
