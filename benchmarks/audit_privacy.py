@@ -19,8 +19,8 @@ Two parts:
   inclusion rate against the accounted ``q`` (Clopper-Pearson interval), the steps whose score says "in" in the fit
   without it (must be 0), and the lag-1 correlation of inclusions (Poisson steps are independent: near 0).
 
-    python benchmarks/audit_privacy.py                    # 2000 steps per module and world, sigma 1 (~2 minutes)
-    python benchmarks/audit_privacy.py --steps 10000      # intervals of about +-0.03 on mu (~8 minutes)
+    python benchmarks/audit_privacy.py                    # 2000 steps per module and world, sigma 1 (a few minutes)
+    python benchmarks/audit_privacy.py --steps 10000      # intervals of about +-0.03 on mu (13 minutes on 2 busy cores)
     python benchmarks/audit_privacy.py --quick            # 200 steps
 """
 
@@ -197,7 +197,8 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2000, help="scores per module, with and without the canary")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="scores per module, with and without the canary (default 2000; 200 with --quick)")
     parser.add_argument("--fit-steps", type=int, default=400, help="steps per fit (the accountant's reach at sigma 1)")
     parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier of the full-batch part")
     parser.add_argument("--sampling-sigma", type=float, default=0.1)
@@ -209,8 +210,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--save-scores", action="store_true", help="also write every score to <stem>.npz")
     parser.add_argument("--out", default=None, help="results stem (default benchmarks/results/audit_privacy)")
     args = parser.parse_args(argv)
-    if args.quick and "--steps" not in argv:
-        args.steps = 200
+    if args.steps is None:  # (not `"--steps" in argv`, which missed `--steps=500`)
+        args.steps = 200 if args.quick else 2000
+    fit_steps = min(args.fit_steps, args.steps)  # the fits' real length: fewer scores than --fit-steps, one shorter fit
     _common.setup_worker(args.threads)
     DEVICE["name"] = args.device
     if args.device == "cuda":
@@ -221,11 +223,11 @@ def main(argv: list[str]) -> int:
         meta_gpu = None
     started = time.perf_counter()
     meta = _common.machine_info() | {"command": _common.command_line("audit_privacy.py", argv),
-                                     "steps": args.steps, "fit_steps": args.fit_steps, "sigma": args.sigma,
+                                     "steps": args.steps, "fit_steps": fit_steps, "sigma": args.sigma,
                                      "device": args.device, "gpu": meta_gpu}
     result = {"meta": meta, "full_batch": [], "sampling": None}
     for label, algorithm, overrides in CONFIGS:
-        result["full_batch"].append(full_batch_row(label, algorithm, overrides, args.steps, args.fit_steps,
+        result["full_batch"].append(full_batch_row(label, algorithm, overrides, args.steps, fit_steps,
                                                    args.sigma))
         print(without_scores(result["full_batch"][-1]), flush=True)
     result["sampling"] = sampling_row(args.steps, args.sampling_sigma, args.sample_rate)

@@ -700,8 +700,20 @@ def render_probe(rows: list[dict], meta: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Marks where a results file's notes written after the run begin ("## Reading (written by hand after the run)").
+HAND_WRITTEN = "(written by hand"
+
+
+def hand_written_part(markdown: str) -> str:
+    """The notes of an earlier ``.md`` from the first line marked :data:`HAND_WRITTEN` to the end (``""`` if none),
+    after a blank line: a re-render regenerates everything above them and keeps them."""
+    lines = markdown.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if HAND_WRITTEN in line), None)
+    return "" if start is None else "\n" + "".join(lines[start:])
+
+
 def rerender(path: Path) -> None:
-    """Re-summarize a saved run (its original command stays in the header)."""
+    """Re-summarize a saved run (its original command stays in the header; notes written by hand are kept)."""
     data = json.loads(path.read_text())
     run_args = argparse.Namespace(**data["meta"]["args"])
     if "runs" in data and isinstance(data["runs"], list):      # a probe
@@ -710,7 +722,9 @@ def rerender(path: Path) -> None:
         data["summary"] = summarize(data["runs"])
         text = render(data["runs"], data["summary"], data["meta"], run_args)
         path.write_text(json.dumps(data, indent=1))
-    path.with_suffix(".md").write_text(text)
+    md = path.with_suffix(".md")
+    text += hand_written_part(md.read_text() if md.exists() else "")
+    md.write_text(text)
     print(text)
 
 
@@ -761,7 +775,8 @@ def main(argv=None) -> None:
     parser.add_argument("--probe-subset", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--no-test", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--render", metavar="JSON", default=None,
-                        help="rewrite the .md (and the summary in the .json) of a finished run from its .json")
+                        help="rewrite the .md (and the summary in the .json) of a finished run from its .json; "
+                             "notes marked '(written by hand' in the .md are kept")
     args = parser.parse_args(argv)
     if args.worker:
         return run_worker(args)

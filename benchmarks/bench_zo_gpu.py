@@ -985,7 +985,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="every model shrunk to 2 layers, hidden 64, vocabulary 4096 (CPU smoke test)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
-    parser.add_argument("--out", default=None, help="results file stem (default benchmarks/results/bench_zo_gpu)")
+    parser.add_argument("--out", default=None, help="results file stem (default benchmarks/results/bench_zo_gpu; "
+                             "with --tiny benchmarks/results/quick/bench_zo_gpu)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="STEM",
                         help="render one table from the .json of earlier runs (per-model parts) into --out")
     # worker-only
@@ -1020,7 +1021,7 @@ def main(argv=None) -> None:
     meta.update(command=command, on_cuda=on_cuda and args.device != "cpu",
                 args={k: v for k, v in vars(args).items()
                       if k not in ("worker", "model", "dtype", "worker_batches", "result_file", "merge")})
-    stem = results_stem(args.out, "bench_zo_gpu")
+    stem = results_stem(args.out, "bench_zo_gpu", quick=args.tiny)  # a --tiny smoke run leaves the GPU results alone
     started = time.perf_counter()
     rows, raw = [], []
     plan = [(m, d, [int(b) for b in args.batches.split(",")] if args.batches else DEFAULT_BATCHES[m])
