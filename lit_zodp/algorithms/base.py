@@ -775,8 +775,10 @@ class AlgorithmModule(pl.LightningModule):
             return None
         saved_class = imported(saved)
         if saved_class is type(self) or (isinstance(saved_class, type) and isinstance(self, saved_class)
-                                         and not type(self).__module__.startswith("lit_zodp.")):
-            return None  # the class under another import path, or a user's subclass of it
+                                         and not type(self).__module__.startswith("lit_zodp.")
+                                         and _library_class(type(self)) is _library_class(saved_class)):
+            return None  # the class under another import path, or a user's subclass of it (of the same algorithm:
+            # DPMeZOBCD subclasses DPZero, and a user's subclass of it is no DPZero)
         return (f"`ckpt_path`: this checkpoint was trained by {saved}, but the module resuming it is "
                 f"{_dotted_name(type(self))}; a resume continues the checkpoint's run (its optimizer state and "
                 f"privacy ledger): resume with {saved.rpartition('.')[2]}")
@@ -784,6 +786,11 @@ class AlgorithmModule(pl.LightningModule):
 
 def _dotted_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _library_class(cls: type) -> Optional[type]:
+    """The nearest of ``cls``'s classes that lit_zodp defines (the algorithm a user's subclass runs)."""
+    return next((c for c in cls.__mro__ if c.__module__.startswith("lit_zodp.")), None)
 
 
 def _private_steps_in(checkpoint: dict) -> int:

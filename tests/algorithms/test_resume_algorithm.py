@@ -63,3 +63,19 @@ def test_a_checkpoint_records_its_algorithm_and_load_from_checkpoint_still_reads
     module = DPGD0th(mlp(), lr=0.01, **PRIVATE)
     module.on_load_checkpoint(saved)
     assert module.privacy.ledger.total_count == 3
+
+
+def test_a_users_subclass_of_another_algorithm_that_subclasses_the_saved_one_is_refused(tmp_path,
+                                                                                        spend_log_per_test):
+    """Review 39: DPMeZOBCD subclasses DPZero, so a user's subclass of DPMeZOBCD passed ``isinstance(self, DPZero)``
+    and resumed a DPZero checkpoint (6 steps, ledger 6) as the MeZO-BCD algorithm the refusal exists to stop. A
+    user's subclass resumes only its own library algorithm's checkpoints."""
+    class MyDPMeZOBCD(DPMeZOBCD):
+        pass
+
+    path = checkpoint_of(tmp_path, DPZero(mlp(), lr=0.01, **PRIVATE))
+    resumed = MyDPMeZOBCD(mlp(), lr=0.02, **PRIVATE)
+    trainer = quiet_trainer(max_steps=6)
+    with pytest.raises(ConfigError, match=r"trained by lit_zodp\.algorithms\.dpzero\.DPZero.*resume with DPZero$"):
+        trainer.fit(resumed, poisson_loader(blobs(), 0.1, seed=1), ckpt_path=str(path))
+    assert trainer.global_step == 0 and resumed.privacy.ledger.total_count == 0
