@@ -631,6 +631,8 @@ class HFPromptClassifier(_ReadsText):
         self.model = build_hf_model(auto_class, model_name_or_path, model_kwargs=model_kwargs, **build)
         if untie_word_embeddings:
             untie_word_embeddings_of(self.model)
+        else:
+            self.register_load_state_dict_pre_hook(_refuse_untied_weights_in_a_tied_model)
         if lora is not None:
             apply_lora(self.model, lora)
         self.input_keys = accepted_input_keys(self.model)
@@ -1125,6 +1127,22 @@ def untie_word_embeddings_of(model: nn.Module) -> None:
         config.tie_word_embeddings = False  # (so no later tie_weights() ties them again)
 
 
+def _refuse_untied_weights_in_a_tied_model(module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+                                           *_: Any) -> None:
+    """A ``load_state_dict`` pre-hook: weights of an untied run (``untie_word_embeddings``: the decoder trained apart
+    from the embeddings) matched every key of the tied model, which loaded both into its one tensor, the decoder's
+    last: the trained embeddings silently lost (review 39)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(prefix + name)
+    for tied in (group for group in names.values() if len(group) > 1):
+        saved = [state_dict[name] for name in tied if isinstance(state_dict.get(name), Tensor)]
+        if any(s.shape != saved[0].shape or not torch.equal(s, saved[0]) for s in saved[1:]):
+            raise ConfigError(f"These weights hold {' and '.join(tied)} apart (a run with untie_word_embeddings: "
+                              "true), but this backbone ties them (one tensor): build it with untie_word_embeddings: "
+                              "true to load them")
+
+
 def _text_config(config: Any) -> Any:
     getter = getattr(config, "get_text_config", None)
     return getter() if callable(getter) else config
@@ -1164,9 +1182,15 @@ def apply_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
         raise ConfigError(f"`lora`: {err} (give peft.LoraConfig's field names: r, lora_alpha, lora_dropout, "
                           "target_modules, modules_to_save...)") from err
     try:
-        return peft.inject_adapter_in_model(config, model)
-    except ValueError as err:  # e.g. "Target modules {...} not found in the base model"
+        peft.inject_adapter_in_model(config, model)
+    except (ValueError, TypeError) as err:  # e.g. "Target modules {...} not found in the base model"; r: "8"
         raise ConfigError(f"`lora`: {str(err).strip().splitlines()[0]}") from err
+    wrapped = [name for name, module in model.named_modules() if type(module).__name__ == "ModulesToSaveWrapper"]
+    unmatched = [entry for entry in (config.modules_to_save or ()) if not any(w.endswith(entry) for w in wrapped)]
+    if unmatched:  # (peft ignores them: the module the user meant to train stayed frozen)
+        raise ConfigError(f"`lora`: modules_to_save {unmatched} name no module of {type(model).__name__} (peft "
+                          "would leave them frozen)")
+    return model
 
 
 

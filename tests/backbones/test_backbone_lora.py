@@ -103,3 +103,33 @@ def test_lora_without_peft_is_refused_in_one_line(tiny_paths, monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # (an import of peft then raises ImportError)
     with pytest.raises(ConfigError, match=r"^`lora` needs the peft package: pip install peft$"):
         apply_lora(model, LORA)
+
+
+def test_an_untied_models_weights_loaded_into_a_tied_one_are_refused_in_one_line(tiny_paths):
+    """Review 39: a strict ``load_state_dict`` of an untied run's weights (decoder trained apart from the embeddings)
+    into a backbone built without ``untie_word_embeddings`` matched every key and silently replaced the embeddings
+    by the trained decoder (max |change| 1.0 here). The tied model's weights load into an untied one unchanged."""
+    untied = HFPromptClassifier(tiny_paths["roberta"], label_words=WORDS, untie_word_embeddings=True)
+    with torch.no_grad():
+        untied.model.lm_head.decoder.weight.add_(1.0)
+    tied = HFPromptClassifier(tiny_paths["roberta"], label_words=WORDS)
+    embeddings = tied.model.get_input_embeddings().weight.detach().clone()
+    with pytest.raises(ConfigError, match=r"untie_word_embeddings: true") as info:
+        tied.load_state_dict(untied.state_dict())
+    assert "\n" not in str(info.value) and torch.equal(tied.model.get_input_embeddings().weight, embeddings)
+    again = HFPromptClassifier(tiny_paths["roberta"], label_words=WORDS, untie_word_embeddings=True)
+    again.load_state_dict(tied.state_dict())
+    assert torch.equal(again.model.lm_head.decoder.weight, embeddings)
+
+
+@pytest.mark.parametrize("lora, match", [
+    ({"r": 8, "target_modules": ["query"], "modules_to_save": ["no_such_head"]}, "`lora`: modules_to_save .*no_such_head"),
+    ({"r": "8", "target_modules": ["query"]}, "`lora`: "),
+])
+def test_a_lora_option_peft_ignores_or_fails_on_is_refused_in_one_line(tiny_paths, lora, match):
+    """Review 39: a ``modules_to_save`` naming no module was ignored (the head the user meant to train stayed frozen,
+    4 parameters trained); ``r: "8"`` raised peft's bare TypeError."""
+    pytest.importorskip("peft")
+    with pytest.raises(ConfigError, match=match) as info:
+        HFPromptClassifier(tiny_paths["roberta"], label_words=WORDS, lora=lora)
+    assert "\n" not in str(info.value)
