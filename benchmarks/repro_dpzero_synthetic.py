@@ -88,7 +88,11 @@ PAPER_GRID = {
 #:   curvature converge slowly from ``x_0 = 0``): 640 and 2560 (5120, Table 6's largest, improved DPZero and
 #:   DPGD-0th by up to 1.5x at d = 2000 in exploratory runs, at 2x the cost); DP-GD: 160 and 640 (its best for
 #:   every pattern and d explored; 2560 was never better).
-#: * Cost: 8 fits per cell, about 13 minutes for d in {20, 200}, every pattern and method, on one core.
+#: * Edges: where a cell's best step size is the smallest or the largest of its grid, the next two of Table 6's
+#:   step sizes beyond it are tried too (at every T of the cell), until the best lies inside; where its best T is
+#:   the smallest, the two smaller T of Table 6 (:func:`edge_extension`). A best at T = 2560 is not extended (cost).
+#: * Cost: 8 fits per cell and the extensions, about 15 minutes of CPU for d in {20, 200}, every pattern and
+#:   method, on one core.
 #:
 #: ``--grid paper`` runs Table 6's grid.
 REDUCED_GRID = {
@@ -167,7 +171,7 @@ def run_one(data, method: str, hessian: str, dim: int, steps: int, lr: float, cl
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     trainer.fit(module, datamodule=data)
     fit_seconds = time.perf_counter() - started
     (tested,) = trainer.test(module, datamodule=data, verbose=False)
@@ -182,7 +186,31 @@ def run_one(data, method: str, hessian: str, dim: int, steps: int, lr: float, cl
             "train_loss": train_loss, "test_loss": tested["test_loss"],
             "sigma": float(module.privacy.noise_multiplier), "epsilon": float(module.privacy.epsilon()),
             "steps_taken": trainer.global_step, "fit_seconds": fit_seconds,
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu_started}
+
+
+def edge_extension(cell: list[dict], points: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+    """Where the cell's best step size is the smallest or largest it tried, the next two of Table 6's step sizes
+    beyond it, at every T of the cell; where its best T is the smallest it tried, the next two smaller of Table 6's
+    T, at every step size (a larger T than 2560 is not tried: its cost). Empty when the best lies inside, or at the
+    end of Table 6's values."""
+    best = best_of(cell)
+    steps = sorted({p[0] for p in points})
+    rates = sorted({p[1] for p in points})
+    clip = points[0][2]
+    table_rates, table_steps = PAPER_GRID["lr"], PAPER_GRID["steps"]
+    extra = []
+    if math.isfinite(best["train_grad_norm"]):
+        if best["lr"] == rates[0]:
+            at = table_rates.index(rates[0])
+            extra += [(t, lr, clip) for lr in table_rates[max(0, at - 2):at] for t in steps]
+        elif best["lr"] == rates[-1]:
+            at = table_rates.index(rates[-1])
+            extra += [(t, lr, clip) for lr in table_rates[at + 1:at + 3] for t in steps]
+        if best["steps"] == steps[0] and len(steps) > 0:
+            at = table_steps.index(steps[0])
+            extra += [(t, lr, clip) for t in table_steps[max(0, at - 2):at] for lr in rates]
+    return extra
 
 
 def best_of(runs: list[dict]) -> dict:
@@ -275,10 +303,10 @@ def main(argv: list[str] | None = None) -> dict:
     dims, hessians, methods = parse_dims(args.dims), args.hessians.split(","), args.methods.split(",")
     grid = GRIDS[args.grid]
     total_runs = sum(len(grid_points(grid[m], m, h, d)) for m in methods for h in hessians for d in dims)
-    print(f"{total_runs} fits: dims {dims}, patterns {hessians}, methods {methods}, grid {args.grid}, "
+    print(f"{total_runs} fits (and the edge extensions): dims {dims}, patterns {hessians}, methods {methods}, grid {args.grid}, "
           f"noise {args.noise}", flush=True)
     runs, best, start = [], {}, {}
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     for dim in dims:
         data = QuadraticDataModule(dim=dim, n_train=N_TRAIN, n_test=N_TEST, seed=args.data_seed,
                                    eval_batch_size=N_TEST, epoch_steps=max(grid[m]["steps"][-1] for m in methods))
@@ -286,22 +314,29 @@ def main(argv: list[str] | None = None) -> dict:
         for hessian in hessians:
             start[(hessian, dim)] = initial_grad_norm(data, hessian, dim)
             for method in methods:
-                cell = [run_one(data, method, hessian, dim, steps, lr, clip, args)
-                        for steps, lr, clip in grid_points(grid[method], method, hessian, dim)]
+                points = grid_points(grid[method], method, hessian, dim)
+                cell = [run_one(data, method, hessian, dim, *point, args) for point in points]
+                while args.grid == "reduced":  # a best step size or T at the edge of the grid: extend it (Table 6's)
+                    more = sorted(set(edge_extension(cell, points)) - set(points))
+                    if not more:
+                        break
+                    points += more
+                    cell += [run_one(data, method, hessian, dim, *point, args) for point in more]
                 runs += cell
                 best[(hessian, dim, method)] = best_of(cell)
                 b = best[(hessian, dim, method)]
                 print(f"{hessian:8s} d={dim:5d} {method:8s} best train {b['train_grad_norm']:.4g} test "
                       f"{b['test_grad_norm']:.4g} at T={b['steps']} lr={b['lr']:g} C={b['clip']:g} "
-                      f"({sum(r['seconds'] for r in cell):.0f} s, {time.perf_counter() - began:.0f} s in all)",
-                      flush=True)
-    wall = time.perf_counter() - began
+                      f"({sum(r['seconds'] for r in cell):.0f} s, {time.perf_counter() - began:.0f} s in all, "
+                      f"{time.process_time() - cpu_began:.0f} s CPU)", flush=True)
+    wall, cpu = time.perf_counter() - began, time.process_time() - cpu_began
     header = (f"# DPZero synthetic quadratic (Sec. 5.1, App. B.1, Fig. 1) with lit_zodp's modules\n\n"
               f"Best exact gradient norm ||A (x_T - mean x_i)|| of the last iterate over the {args.grid} grid, "
               f"picked by the train value; n_train = n_test = {N_TRAIN}, eps = {EPSILON:g}, delta = {DELTA:g}, "
               f"lam = {LAM:g}, x_0 = 0, full batch, sphere directions, noise: {args.noise} "
               f"({'PRV add/remove calibrated' if args.noise == 'prv' else 'Alg. 1-2 line 3 sigma'}). "
-              f"{len(runs)} fits in {wall / 60:.1f} min on {args.threads} CPU thread(s).\n")
+              f"{len(runs)} fits in {wall / 60:.1f} min ({cpu / 60:.1f} min of CPU time) on {args.threads} CPU "
+              f"thread(s).\n")
     markdown = header + "\n" + table(best, dims, start) + "\n" + growth(best, dims)
     print("\n" + markdown)
     data_out = {"config": {**vars(args), "dims": dims, "hessians": hessians, "methods": methods,
@@ -311,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "lam": LAM, "n_train": N_TRAIN, "n_test": N_TEST},
                 "environment": {"python": platform.python_version(), "torch": torch.__version__,
                                 "machine": platform.machine(), "threads": args.threads},
-                "wall_seconds": wall,
+                "wall_seconds": wall, "cpu_seconds": cpu,
                 "initial_grad_norm": {f"{h}/{d}": v for (h, d), v in start.items()},
                 "best": {f"{h}/{d}/{m}": run for (h, d, m), run in best.items()},
                 "runs": runs}

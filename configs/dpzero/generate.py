@@ -156,16 +156,16 @@ SYNTHETIC_METHODS = {"dpzero": ("lit_zodp.algorithms.DPZero", "DPZero (Alg. 2)")
 SYNTHETIC_HESSIANS = {"identity": "A = I, effective rank d, Fig. 1 (a)/(d)",
                       "sqrt": "A = diag(1/sqrt(i)), effective rank O(sqrt(d)), Fig. 1 (b)/(e)",
                       "log": "A = diag(1/i), effective rank O(log d), Fig. 1 (c)/(f)"}
-SYNTHETIC_BEST = {  # (hessian, method): (T, lr, clip, train grad norm, test grad norm)
-    ("identity", "dpzero"): (2560, 0.01, 10.0, None, None),
-    ("identity", "dpgd0th"): (2560, 0.01, 100.0, None, None),
-    ("identity", "dpgd"): (640, 0.1, 10.0, None, None),
-    ("sqrt", "dpzero"): (2560, 0.1, 1.0, None, None),
-    ("sqrt", "dpgd0th"): (2560, 0.1, 30.0, None, None),
-    ("sqrt", "dpgd"): (640, 0.3, 1.0, None, None),
-    ("log", "dpzero"): (2560, 0.1, 1.0, None, None),
-    ("log", "dpgd0th"): (2560, 0.1, 10.0, None, None),
-    ("log", "dpgd"): (640, 0.3, 1.0, None, None),
+SYNTHETIC_BEST = {  # (hessian, method): (T, lr, clip, train grad norm, test grad norm) at d = 200
+    ("identity", "dpzero"): (2560, 0.01, 10.0, 0.2453, 0.3182),
+    ("identity", "dpgd0th"): (2560, 0.003, 100.0, 1.631, 1.621),
+    ("identity", "dpgd"): (80, 0.1, 10.0, 0.08625, 0.223),
+    ("sqrt", "dpzero"): (2560, 0.1, 1.0, 0.03785, 0.04717),
+    ("sqrt", "dpgd0th"): (2560, 0.03, 30.0, 0.3353, 0.3342),
+    ("sqrt", "dpgd"): (160, 1.0, 1.0, 0.01645, 0.0351),
+    ("log", "dpzero"): (2560, 0.1, 1.0, 0.03145, 0.03434),
+    ("log", "dpgd0th"): (2560, 0.1, 10.0, 0.09608, 0.09253),
+    ("log", "dpgd"): (640, 1.0, 1.0, 0.01475, 0.02231),
 }
 
 
