@@ -146,6 +146,24 @@ def test_a_private_fit_keeps_float64_and_logs_its_gradient_norm():
     assert module.privacy.sampling.name == "full_batch"
 
 
+def test_the_gradient_norm_of_the_private_rows_is_never_logged():
+    """The exact gradient norm over the training rows is an un-noised statistic of the private set: a private module
+    logs it only over held-out rows, and evaluating it on the private loader is refused like accuracy is."""
+    from lit_zodp.cli import result_line
+    from lit_zodp.errors import PrivacyConfigError
+
+    data = QuadraticDataModule(dim=4, n_train=200, n_test=100)
+    module = DPZero(QuadraticLoss(4, "log"), lr=0.1, clip=1.0, target_epsilon=2.0, delta=1e-6, lam=1e-4)
+    trainer = quiet_trainer(max_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=data)
+        with pytest.raises(PrivacyConfigError, match="reads the private training data"):
+            trainer.validate(module, dataloaders=data.train_dataloader(), verbose=False)
+    line = result_line(module, data, trainer, {"test_grad_norm": 0.012345, "test_loss": 1.0}, 1.0)
+    assert " accuracy=- grad_norm=0.01235 steps=2 " in line
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(dim=5, hessian="cubic"), r"Expected the backbone's `hessian` in \['identity', 'sqrt', 'log'\], but got "
                                    r"'cubic'"),
