@@ -4,7 +4,7 @@ from datamodules.base import DataSplits, PublicPrivateDataModule, check_disjoint
 from datamodules.collate import EmptySafeCollate, PadToLongest, empty_like_batch
 from datamodules.datasets import ImageTensorDataset, TensorPairDataset, TextDataset
 from datamodules.prompt_text import PromptRecords, PromptTextDataModule
-from datamodules.synthetic import SyntheticClassificationDataModule
+from datamodules.synthetic import QuadraticDataModule, SyntheticClassificationDataModule
 from datamodules.text import MovieReviewsDataModule
 from datamodules.text_tasks import TASK_NAMES, TaskSpec, get_task, load_task, template_table
 from datamodules.vision import CIFAR10DataModule, DigitsDataModule, MLXtendMNISTDataModule, MNISTDataModule
@@ -21,6 +21,7 @@ __all__ = [
     "PadToLongest",
     "PromptRecords",
     "PromptTextDataModule",
+    "QuadraticDataModule",
     "PublicPrivateDataModule",
     "SyntheticClassificationDataModule",
     "TASK_NAMES",

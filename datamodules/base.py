@@ -553,7 +553,7 @@ class PublicPrivateDataModule(LightningDataModule):
         errors: list[Optional[str]] = []
         if pool_size == 0 or n_private == 0:
             errors.append(f"No private examples left (pool of {pool_size}); lower public_fraction/val_fraction")
-        elif self.batch_size > n_private:
+        elif self.batch_size > n_private and self.sampling != "full_batch":  # (a full batch does not read it)
             errors.append(
                 f"`batch_size`={self.batch_size} (the expected Poisson batch size B) exceeds the number of "
                 f"private examples n_private={n_private}: the sample rate q = B / n_private = "

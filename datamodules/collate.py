@@ -71,6 +71,16 @@ class EmptySafeCollate:
         return {**self.__dict__, "_empty": None}
 
 
+def stacked_collate(examples: Any) -> Any:
+    """Collate a :class:`~datamodules.datasets.StackedRows` batch (gathered by the dataset's ``__getitems__``) as its
+    ``(inputs, targets)``; anything else with ``default_collate``."""
+    from datamodules.datasets import StackedRows
+
+    if isinstance(examples, StackedRows):
+        return examples.inputs, examples.targets
+    return default_collate(examples)
+
+
 def trim_to_longest(inputs: Mapping[str, torch.Tensor], mask_key: str = "attention_mask") -> dict[str, torch.Tensor]:
     """Cut the sequence dimension of a tokenized batch to its longest row.
 
@@ -113,4 +123,5 @@ def text_collate(pad_to_max_length: bool) -> Optional[Callable[[list], Any]]:
     return None if pad_to_max_length else PadToLongest()
 
 
-__all__ = ["EmptySafeCollate", "PadToLongest", "empty_like_batch", "text_collate", "trim_to_longest"]
+__all__ = ["EmptySafeCollate", "PadToLongest", "empty_like_batch", "stacked_collate", "text_collate",
+           "trim_to_longest"]

@@ -261,6 +261,8 @@ def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: fl
         "epsilon": _epsilon_field(privacy),
         "delta": f"{privacy.delta:.3g}" if getattr(privacy, "delta", None) else "-",
         "accuracy": f"{accuracy:.4f}" if accuracy is not None else "-",
+        # a backbone's own test metric in place of accuracy (the synthetic quadratic's ||grad F||, DPZero Fig. 1)
+        **({"grad_norm": f"{test_metrics['test_grad_norm']:.4g}"} if "test_grad_norm" in test_metrics else {}),
         "steps": trainer.global_step if steps is None else steps,
         "wall_s": f"{wall_seconds:.1f}",
     }

@@ -10,6 +10,7 @@ import functools
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from datamodules.testing import write_task_files
@@ -18,7 +19,10 @@ from lit_zodp.backbones import save_tiny_pretrained
 from lit_zodp.cli import build_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs" / "dpzero").glob("*.yaml"))
+ALL_CONFIGS = sorted((ROOT / "configs" / "dpzero").glob("*.yaml"))
+#: Sec. 5.1's synthetic quadratic: no model or data files (:func:`test_synthetic_config_runs_at_a_small_dimension`)
+SYNTHETIC = [p for p in ALL_CONFIGS if p.stem.startswith("sec51_")]
+CONFIGS = [p for p in ALL_CONFIGS if p not in SYNTHETIC]
 #: Run by default: every task of Table 2 and Table 4 once (DPZero at epsilon 2, one MeZO per table), and each
 #: first-order method of Table 2 once (AdamW, DP-AdamW, LoRA, DP-LoRA), on tasks of 2, 3 and 6 classes. The others
 #: differ from these only in target_epsilon, the task's data (run by the DPZero rows) or in the model id (the same
@@ -41,7 +45,7 @@ def test_committed_configs_match_the_generator():
     generate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generate)
     expected = generate.all_configs()
-    assert sorted(expected) == CONFIGS
+    assert sorted(expected) == ALL_CONFIGS
     for path, text in expected.items():
         assert path.read_text() == text, f"{path.name} is stale: run python configs/dpzero/generate.py"
 
@@ -182,6 +186,31 @@ def test_first_order_paper_config_injects_private_transformers_noise(path):
     assert injected == pytest.approx(sigma * model["clip"] / B, rel=1e-12)  # no factor 2: add/remove-one
     theirs = private_transformers_sigma(model["target_epsilon"], model["delta"], B / n, steps)
     assert injected == pytest.approx(theirs * model["clip"] / B, rel=3e-3)
+
+
+@pytest.mark.parametrize("path", SYNTHETIC, ids=lambda p: p.stem)
+def test_synthetic_config_runs_at_a_small_dimension(path, tmp_path, monkeypatch):
+    """DPZero Sec. 5.1 / App. B.1 as configured (Table 6's epsilon, delta, lambda; full batch; x_0 = 0), run through
+    the CLI at d = 8 with fewer rows: the same modules, data module and metrics."""
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    model, data = config["model"]["init_args"], config["data"]["init_args"]
+    assert (model["target_epsilon"], model["delta"], model["clip"] > 0) == (2.0, 1e-6, True)
+    assert data["sampling"] == "full_batch" and data["n_train"] == data["n_test"] == 10_000
+    assert model["backbone"]["init_args"]["dim"] == data["dim"] and model["backbone"]["init_args"]["init"] == 0
+    if "lam" in model:
+        assert (model["lam"], model["directions"]) == (1e-4, "sphere")
+    cli = build_cli(["fit", "--config", str(path), "--model.init_args.backbone.init_args.dim", "8",
+                     "--data.init_args.dim", "8", "--data.init_args.n_train", "200", "--data.init_args.n_test", "100",
+                     "--data.init_args.epoch_steps", "4", "--trainer.max_steps", "4", "--trainer.val_check_interval",
+                     "2", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+                     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+                     "--trainer.enable_checkpointing", "false"])
+    assert cli.trainer.global_step == 4
+    assert 0 < cli.model.privacy.ledger.epsilon(1e-6).upper <= 2.0
+    assert cli.model.privacy.sampling.name == "full_batch"
+    assert "test_grad_norm" in cli.trainer.callback_metrics  # (the test after fit; validation logged val_grad_norm)
+    assert cli.model.backbone.x.dtype == torch.float64
 
 
 def test_every_readme_pointer_of_the_configs_names_a_readme_section():

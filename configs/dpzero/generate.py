@@ -1,4 +1,5 @@
-"""Writes the DPZero paper's experiment configs (Tables 2 and 4). Run from the repo root:
+"""Writes the DPZero paper's experiment configs (Tables 2 and 4, and the synthetic example of Sec. 5.1). Run from the
+repo root:
 
     python configs/dpzero/generate.py
 
@@ -34,6 +35,17 @@ Data, as the authors' code prepares it (github.com/Liang137/DPZero, built on MeZ
   ``boolq``: Google's ``train.jsonl`` / ``dev.jsonl``, no titles in the passages), 1,000 train + 500
   dev drawn with ``np.random.permutation`` under the seed, 1,000 test examples with the same seed;
   ``max_length`` 2048 (``run.py``'s default; prompts cut from the left).
+
+Sec. 5.1 / App. B.1 (``sec51_quadratic_<pattern>_<method>.yaml``): the synthetic quadratic
+``F(x) = (1/2n) sum_i (x - x_i)^T A (x - x_i)``, rows ``x_i ~ N(1, I)``, n = 10,000 to train and 10,000 to
+test, A = I, diag(1/sqrt(i)) or diag(1/i), epsilon 2, delta 1e-6, lambda 1e-4, for DPZero (Alg. 2), DPGD-0th
+(Alg. 1) and DP-GD (``DPSGD`` without momentum). Every method is full batch, as Alg. 1-2 and the code the example
+is based on (Li et al. 2022) are; x_0 = 0 (Li et al.'s code; the paper states none); directions on the
+``sqrt(d)`` sphere (Alg. 1-2 line 2); the package's accounting (PRV, add/remove: the paper states none for this
+experiment; see ``benchmarks/repro_dpzero_synthetic.py``). T, step size and clip: the best of the reduced grid
+of ``benchmarks/repro_dpzero_synthetic.py`` at d = 200 (Table 6 searches T, step size and clip; the chosen values
+are not reported). Validation and test log ``val_grad_norm`` / ``test_grad_norm``: the exact
+``||A (x - mean_i x_i)||`` over the test rows (Fig. 1 (d)-(f)).
 
 Both tables pad each batch to its longest row (the data modules' default, ``pad_to_max_length:
 false``); padding is masked, so the losses and accuracies are those of padding to ``max_length`` as
@@ -269,9 +281,62 @@ def opt_config(size: str, task: str, method: str) -> tuple[str, dict]:
     return header, config
 
 
-def render(header: str, config: dict) -> str:
+#: Sec. 5.1: the dimension of the configs, and the best (T, step size, clip) of the reduced grid there with the
+#: train and test gradient norms it reached (benchmarks/results/repro_dpzero_synthetic.md).
+SYNTHETIC_DIM = 200
+SYNTHETIC_METHODS = {"dpzero": ("lit_zodp.algorithms.DPZero", "DPZero (Alg. 2)"),
+                     "dpgd0th": ("lit_zodp.algorithms.DPGD0th", "DPGD-0th (Alg. 1)"),
+                     "dpgd": ("lit_zodp.algorithms.DPSGD", "DP-GD (DPSGD, no momentum)")}
+SYNTHETIC_HESSIANS = {"identity": "A = I, effective rank d, Fig. 1 (a)/(d)",
+                      "sqrt": "A = diag(1/sqrt(i)), effective rank O(sqrt(d)), Fig. 1 (b)/(e)",
+                      "log": "A = diag(1/i), effective rank O(log d), Fig. 1 (c)/(f)"}
+SYNTHETIC_BEST = {  # (hessian, method): (T, lr, clip, train grad norm, test grad norm) at d = 200
+    ("identity", "dpzero"): (2560, 0.01, 10.0, 0.2453, 0.3182),
+    ("identity", "dpgd0th"): (2560, 0.003, 100.0, 1.631, 1.621),
+    ("identity", "dpgd"): (80, 0.1, 10.0, 0.08625, 0.223),
+    ("sqrt", "dpzero"): (2560, 0.1, 1.0, 0.03785, 0.04717),
+    ("sqrt", "dpgd0th"): (2560, 0.03, 30.0, 0.3353, 0.3342),
+    ("sqrt", "dpgd"): (160, 1.0, 1.0, 0.01645, 0.0351),
+    ("log", "dpzero"): (2560, 0.1, 1.0, 0.03145, 0.03434),
+    ("log", "dpgd0th"): (2560, 0.1, 10.0, 0.09608, 0.09253),
+    ("log", "dpgd"): (640, 1.0, 1.0, 0.01475, 0.02231),
+}
+
+
+def synthetic_config(hessian: str, method: str) -> tuple[str, dict]:
+    steps, lr, clip, train, test = SYNTHETIC_BEST[hessian, method]
+    class_path, name = SYNTHETIC_METHODS[method]
+    backbone = {"class_path": "lit_zodp.backbones.QuadraticLoss",
+                "init_args": {"dim": SYNTHETIC_DIM, "hessian": hessian, "init": 0.0, "dtype": "float64"}}
+    model = {"backbone": backbone, "lr": lr}
+    if method == "dpgd":
+        model |= {"momentum": 0.0, "grad_mode": "bookkeeping"}
+    else:
+        model |= {"lam": 1.0e-4, "directions": "sphere", "perturbation": "chunked"}
+    model |= {"seed": 0, "clip": clip, "target_epsilon": 2.0, "delta": 1.0e-6}
+    data = {"class_path": "datamodules.QuadraticDataModule", "init_args": {
+        "dim": SYNTHETIC_DIM, "n_train": 10_000, "n_test": 10_000, "mean": 1.0, "std": 1.0, "seed": 0,
+        "sampling": "full_batch", "epoch_steps": steps, "eval_batch_size": 10_000}}
+    trainer_config = {"accelerator": "auto", "devices": 1, "max_steps": steps, "val_check_interval": steps // 4,
+                      "log_every_n_steps": 50, "enable_checkpointing": True}
+    config = {"seed_everything": 0, "trainer": trainer_config,
+              "model": {"class_path": class_path, "init_args": model}, "data": data}
+    reached = (f"\nThe benchmark's fit of these values reached a train / test gradient norm of {train:.3g} / "
+               f"{test:.3g} (PRV noise, one draw).") if train is not None else ""
+    header = (f"DPZero paper, Sec. 5.1 / App. B.1, Fig. 1: {name} on the synthetic quadratic,\n"
+              f"{SYNTHETIC_HESSIANS[hessian]}, d = {SYNTHETIC_DIM}. Rows x_i ~ N(1, I), 10000 train / 10000 test,\n"
+              "(epsilon, delta) = (2, 1e-6), lambda = 1e-4 (Table 6), full batch (Alg. 1-2), x_0 = 0.\n"
+              f"T = {steps}, step size {lr:g}, clip {clip:g}: the best of benchmarks/repro_dpzero_synthetic.py's reduced\n"
+              "grid at this d (the paper searches Table 6's grid and reports the best gradient norm, not the values).\n"
+              "test_grad_norm (and val_grad_norm: the test rows) is the exact ||A (x - mean x_i)|| (Fig. 1 (d)-(f)).\n"
+              "Other dimensions: set model.init_args.backbone.init_args.dim and data.init_args.dim alike."
+              + reached)
+    return header, config
+
+
+def render(header: str, config: dict, usage: str = "# Run: lightning fit --config <this file>   "
+                                                    "(data layout: see README, 'Paper configs')") -> str:
     comment = "\n".join(f"# {line}" if line else "#" for line in header.splitlines())
-    usage = "# Run: lightning fit --config <this file>   (data layout: see README, 'Paper configs')"
     return f"{comment}\n{usage}\n" + yaml.safe_dump(config, sort_keys=False)
 
 
@@ -286,6 +351,11 @@ def all_configs() -> dict[Path, str]:
             for method in METHODS:
                 name = f"table4_opt-{size}_{task.lower().replace('-', '')}_{method}.yaml"
                 files[ROOT / name] = render(*opt_config(size, task, method))
+    for hessian in SYNTHETIC_HESSIANS:
+        for method in SYNTHETIC_METHODS:
+            files[ROOT / f"sec51_quadratic_{hessian}_{method}.yaml"] = render(
+                *synthetic_config(hessian, method),
+                usage="# Run: lightning fit --config <this file>   (no data to download: the rows are drawn from seed)")
     return files
 
 

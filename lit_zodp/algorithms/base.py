@@ -200,7 +200,12 @@ class AlgorithmModule(pl.LightningModule):
         self.num_classes = num_classes or num_classes_of(backbone)
         self.val_accuracy: Optional[MulticlassAccuracy] = None
         self.test_accuracy: Optional[MulticlassAccuracy] = None
-        if self.num_classes:
+        # a backbone's own evaluation metrics (the synthetic quadratic's gradient norm) replace loss and accuracy
+        own = getattr(backbone, "evaluation_metrics", None)
+        own = own() if callable(own) else None
+        self.val_metrics: Optional[nn.ModuleDict] = nn.ModuleDict(own) if own else None
+        self.test_metrics: Optional[nn.ModuleDict] = nn.ModuleDict(backbone.evaluation_metrics()) if own else None
+        if self.num_classes and self.val_metrics is None:
             self._build_metrics(self.num_classes)
 
     # ----------------------------------------------------------------- the algorithm's declaration
@@ -232,7 +237,8 @@ class AlgorithmModule(pl.LightningModule):
                 f"DataModule has {data_classes}")
         if self.num_classes is None and data_classes:
             self.num_classes = data_classes
-            self._build_metrics(data_classes)
+            if self.val_metrics is None:
+                self._build_metrics(data_classes)
         _refuse_input_mismatch(self.backbone, self.trainer.datamodule if self._trainer else None)
         _refuse_text_mismatch(self.backbone, self.trainer.datamodule if self._trainer else None)
         if self.fixed_shape is not None and getattr(self.trainer.datamodule, "pad_to_max_length", True) is False:
@@ -724,6 +730,13 @@ class AlgorithmModule(pl.LightningModule):
     def _evaluate(self, batch, metric: Optional[MulticlassAccuracy], prefix: str) -> None:
         inputs, targets = batch
         if batch_size_of(inputs) == 0:
+            return
+        own = self.val_metrics if prefix == "val" else self.test_metrics
+        if own is not None:  # the backbone's metrics (Backbone.evaluation_metrics), computed over the whole set
+            with torch.no_grad():
+                self.backbone.update_evaluation(own, inputs, targets)
+            for name, value in own.items():
+                self.log(f"{prefix}_{name}", value, prog_bar=name != "loss", batch_size=len(targets))
             return
         with torch.no_grad():
             logits = self(inputs)

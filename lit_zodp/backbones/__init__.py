@@ -1,7 +1,8 @@
 """Backbones that map a batch's inputs to logits and per-example losses (see :mod:`.base`).
 
-The timm and Hugging Face adapters are imported on first use (``lit_zodp.backbones.TimmClassifier``
-works as usual, also as a LightningCLI ``class_path``), so importing this package stays fast.
+The timm and Hugging Face adapters, and the synthetic quadratic (torchmetrics), are imported on first use
+(``lit_zodp.backbones.TimmClassifier`` works as usual, also as a LightningCLI ``class_path``), so importing
+this package stays fast.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ if TYPE_CHECKING:  # pragma: no cover
         resolve_model_path,
         tiny_bert_config,
     )
+    from lit_zodp.backbones.quadratic import QuadraticLoss
     from lit_zodp.backbones.timm_models import TimmClassifier
     from lit_zodp.backbones.tiny_hf import save_tiny_pretrained
 
 _LAZY = {
+    "QuadraticLoss": "lit_zodp.backbones.quadratic",
     "TimmClassifier": "lit_zodp.backbones.timm_models",
     "HFCandidateScorer": "lit_zodp.backbones.huggingface",
     "HFPromptClassifier": "lit_zodp.backbones.huggingface",
@@ -68,6 +71,7 @@ __all__ = [
     "HFPromptClassifier",
     "HFSequenceClassifier",
     "Inputs",
+    "QuadraticLoss",
     "SENTIMENT_LABEL_DESCRIPTIONS",
     "SentenceEncoderClassifier",
     "TimmClassifier",

@@ -58,6 +58,18 @@ class Backbone(nn.Module):
         """Class scores ``[B, num_classes]`` used for accuracy."""
         return self(inputs)
 
+    def evaluation_metrics(self) -> Optional[dict[str, Any]]:
+        """The metrics validation and test log instead of cross-entropy and accuracy, by name (torchmetrics
+        ``Metric`` objects, new ones at each call: the module makes one set per stage and logs them as
+        ``val_<name>`` / ``test_<name>``), or ``None``: a classifier's ``loss`` and ``acc``. A backbone that
+        returns metrics fills them in :meth:`update_evaluation` (e.g. the synthetic quadratic's exact gradient
+        norm, :class:`~lit_zodp.backbones.quadratic.QuadraticLoss`)."""
+        return None
+
+    def update_evaluation(self, metrics: Mapping[str, Any], inputs: Inputs, targets: Tensor) -> None:
+        """Update :meth:`evaluation_metrics`' ``metrics`` with one evaluation batch (no grad)."""
+        raise NotImplementedError(f"{type(self).__name__} returns evaluation_metrics but does not update them")
+
 
 def loss_logits(logits: Tensor) -> Tensor:
     """``logits`` in at least float32 for the loss. A 16-bit model's cross-entropy was rounded to its dtype (a loss
