@@ -25,7 +25,6 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
-from torchmetrics.aggregation import MeanMetric
 
 from lit_zodp.backbones._utils import as_float_input, check_positive_int
 from lit_zodp.backbones.base import Backbone, tensor_data_mismatch
@@ -118,6 +117,28 @@ class GradientNorm(Metric):
         return (self.total / self.count.clamp_min(1)).norm()
 
 
+class MeanLoss(Metric):
+    """The mean of the evaluated rows' losses, summed in float64 states (all batches, all DDP ranks). A
+    ``MeanMetric`` with ``set_dtype(float64)`` cast every loss to float32 once the Trainer moved the module to its
+    device (torchmetrics' ``_apply`` resets the cast dtype to float32), rounding the mean (review 40)."""
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, losses: Tensor) -> None:
+        """Add the losses ``[B]`` of one batch."""
+        self.total += losses.detach().to(self.total).sum()
+        self.count += losses.numel()
+
+    def compute(self) -> Tensor:
+        return self.total / self.count.clamp_min(1)
+
+
 class QuadraticLoss(Backbone):
     """``f(x; x_i) = (x - x_i)^T A (x - x_i) / 2`` with the point ``x`` as the only parameter (DPZero Sec. 5.1).
 
@@ -196,9 +217,7 @@ class QuadraticLoss(Backbone):
 
     def evaluation_metrics(self) -> dict[str, Metric]:
         """``loss`` (``F`` over the evaluated set, Fig. 2) and ``grad_norm`` (``||grad F||``, Fig. 1)."""
-        loss = MeanMetric()
-        loss.set_dtype(torch.float64)
-        return {"loss": loss, "grad_norm": GradientNorm(self.dim)}
+        return {"loss": MeanLoss(), "grad_norm": GradientNorm(self.dim)}
 
     @torch.no_grad()
     def update_evaluation(self, metrics: Mapping[str, Metric], inputs: Tensor, targets: Tensor) -> None:
@@ -234,4 +253,4 @@ register_sampler(QuadraticLoss, parameters=("x",), norms=_per_example_norms,
                  summed=_summed_grads)(_per_example_grads)
 
 
-__all__ = ["DTYPES", "GradientNorm", "HESSIANS", "QuadraticLoss", "hessian_diagonal"]
+__all__ = ["DTYPES", "GradientNorm", "HESSIANS", "MeanLoss", "QuadraticLoss", "hessian_diagonal"]

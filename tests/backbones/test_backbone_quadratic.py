@@ -134,6 +134,22 @@ def test_validation_and_test_log_the_exact_gradient_norm_over_the_whole_set():
     assert metrics["val_grad_norm"] == pytest.approx(float(exact.norm()), rel=1e-6)
 
 
+def test_the_evaluated_loss_is_averaged_in_float64_after_the_trainer_moves_the_module():
+    """``*_loss`` is the float64 mean of the losses: a MeanMetric's ``set_dtype(float64)`` was undone by the
+    Trainer's ``module.to(device)`` (torchmetrics resets its cast dtype to float32), so each loss was rounded to
+    float32 before averaging (review 40: test_loss 2.66073263 for the exact 2.66073254)."""
+    data = QuadraticDataModule(dim=5, n_train=100, n_test=37, eval_batch_size=10)
+    model = QuadraticLoss(5, "sqrt", init=0.3)
+    module = MeZO(model, lr=1e-3, lam=1e-4)
+    data.setup()
+    test_rows = data.test_dataset.inputs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (metrics,) = quiet_trainer(max_steps=1).test(module, datamodule=data, verbose=False)
+    with torch.no_grad():
+        assert metrics["test_loss"] == pytest.approx(float(model(test_rows).mean()), rel=1e-13)
+
+
 def test_a_private_fit_keeps_float64_and_logs_its_gradient_norm():
     data = QuadraticDataModule(dim=4, n_train=200, n_test=100, eval_batch_size=64)
     module = DPSGD(QuadraticLoss(4, "identity"), lr=0.5, clip=3.0, target_epsilon=2.0, delta=1e-6)
