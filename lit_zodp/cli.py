@@ -69,8 +69,9 @@ class LitZODPCLI(LightningCLI):
                 raise_if_any([budget_order_error(configured.get("target_epsilon"), configured.get("max_epsilon"))])
             return
         if os.path.isfile(path):
-            _refuse_another_class(configured.get("class_path"), _checkpoint_class(path), path)
-            self._merge_checkpoint_options(path, configured.get("class_path"))
+            checkpoint = _read_checkpoint(path)
+            _refuse_another_class(configured.get("class_path"), _checkpoint_class(checkpoint), path)
+            self._merge_checkpoint_options(checkpoint, configured.get("class_path"))
         restored = _model_arguments(self.config)
         configured = _target_as_budget_of_a_fixed_sigma(configured, restored, path)
         for key in BUDGET_ARGUMENTS:
@@ -81,13 +82,13 @@ class LitZODPCLI(LightningCLI):
             self.config[subcommand].model.init_args["noise_seed"] = configured.get("noise_seed")
         _warn_replaced(configured, _model_arguments(self.config), path, subcommand)
 
-    def _merge_checkpoint_options(self, path: str, configured_class: Optional[str]) -> None:
+    def _merge_checkpoint_options(self, checkpoint: dict, configured_class: Optional[str]) -> None:
         """LightningCLI's merge of the checkpoint's saved model options into the configuration. A checkpoint written
         by a Trainer of one's own has no ``_class_path`` among them, and LightningCLI parsed its options as
         ``LightningModule``'s and failed in two lines (``Option 'clip' is not accepted by
         lightning.LightningModule``, ``Parsing of ckpt_path hyperparameters failed!``); they are the configured
         class's (its class was checked against the one the checkpoint records)."""
-        options = dict(_read_checkpoint(path).get("hyper_parameters") or {})
+        options = dict(checkpoint.get("hyper_parameters") or {})
         options.pop("_instantiator", None)
         if not options:
             return
@@ -167,11 +168,9 @@ def _model_arguments(config) -> dict:
     return {"class_path": model.get("class_path"), **init_args}
 
 
-def _checkpoint_class(path: str) -> Optional[str]:
+def _checkpoint_class(checkpoint: dict) -> Optional[str]:
     """The model class a checkpoint saved (LightningCLI's ``_class_path`` hyperparameter, or the algorithm our modules
-    record, for a checkpoint written in Python); ``None`` when it saved none (or cannot be read: Lightning will say
-    why)."""
-    checkpoint = _read_checkpoint(path)
+    record, for a checkpoint written in Python); ``None`` when it saved none."""
     return ((checkpoint.get("hyper_parameters") or {}).get("_class_path")
             or (checkpoint.get("public_state") or {}).get("algorithm"))
 
@@ -261,8 +260,9 @@ def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: fl
         "epsilon": _epsilon_field(privacy),
         "delta": f"{privacy.delta:.3g}" if getattr(privacy, "delta", None) else "-",
         "accuracy": f"{accuracy:.4f}" if accuracy is not None else "-",
-        # a backbone's own test metric in place of accuracy (the synthetic quadratic's ||grad F||, DPZero Fig. 1)
-        **({"grad_norm": f"{test_metrics['test_grad_norm']:.4g}"} if "test_grad_norm" in test_metrics else {}),
+        # a backbone's own test metrics besides its loss (the synthetic quadratic's ||grad F||, DPZero Fig. 1)
+        **{name: f"{test_metrics[f'test_{name}']:.4g}" for name in (getattr(model, "test_metrics", None) or {})
+           if name != "loss" and f"test_{name}" in test_metrics},
         "steps": trainer.global_step if steps is None else steps,
         "wall_s": f"{wall_seconds:.1f}",
     }
