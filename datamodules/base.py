@@ -680,7 +680,7 @@ class PublicPrivateDataModule(LightningDataModule):
             elif isinstance(previous, SinglePassBatchSampler) and previous.description == sampler.description:
                 sampler.load_state_dict(previous.state_dict())  # a reloaded loader continues the pass
         elif self.sampling == "full_batch":
-            sampler = FullBatchSampler(self.n_private, **place)
+            sampler = FullBatchSampler(self.n_private, steps_per_epoch=self.steps_per_epoch, **place)
         else:
             seed = self._test_seed_for_this_build()
             with warnings.catch_warnings():

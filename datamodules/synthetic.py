@@ -3,7 +3,6 @@ the rows of DPZero's synthetic quadratic (Sec. 5.1, App. B.1)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Optional
 
 import torch
@@ -12,8 +11,7 @@ from torch.utils.data import Dataset
 from datamodules.base import DataSplits, PublicPrivateDataModule
 from datamodules.collate import stacked_collate
 from datamodules.datasets import RowsDataset, TensorPairDataset
-from lit_zodp.errors import check_positive, check_positive_int
-from lit_zodp.privacy.sampling import FullBatchSampler, PrivateBatchSampler
+from lit_zodp.errors import check_finite, check_positive, check_positive_int
 
 
 def gaussian_blobs(n: int, centers: torch.Tensor, generator: torch.Generator) -> TensorPairDataset:
@@ -150,15 +148,8 @@ class QuadraticDataModule(PublicPrivateDataModule):
 
     @property
     def steps_per_epoch(self) -> int:
+        """``epoch_steps`` full batches per epoch (the base class's sampler repeats the full batch as often)."""
         return self.epoch_steps if self.sampling == "full_batch" else super().steps_per_epoch
-
-    def private_batch_sampler(self, rank: int = 0, world_size: int = 1) -> PrivateBatchSampler:
-        """The base class's sampler; a full batch repeated ``epoch_steps`` times per epoch."""
-        if self.sampling != "full_batch" or self.epoch_steps == 1:
-            return super().private_batch_sampler(rank, world_size)
-        self._batch_sampler = FullBatchSampler(self.n_private, steps_per_epoch=self.epoch_steps, rank=rank,
-                                               world_size=world_size)
-        return self._batch_sampler
 
     def materialize(self, dataset: Dataset) -> RowsDataset:
         """Each kept split as one tensor of rows, served a batch at a time (:class:`RowsDataset`)."""
@@ -177,12 +168,6 @@ class QuadraticDataModule(PublicPrivateDataModule):
         train = rows(self.n_train)
         test = rows(self.n_test)
         return DataSplits(train=train, test=test, num_classes=1)
-
-
-def check_finite(name: str, value: Any) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return f"Expected `{name}` to be a finite float, but got {value!r}"
-    return None
 
 
 __all__ = ["QuadraticDataModule", "SyntheticClassificationDataModule", "gaussian_blobs"]

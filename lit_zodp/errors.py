@@ -68,6 +68,12 @@ def check_positive(name: str, value, *, allow_inf: bool = False) -> Optional[str
     return None
 
 
+def check_finite(name: str, value) -> Optional[str]:
+    if not _is_number(value) or not math.isfinite(value):
+        return f"Expected `{name}` to be a finite float, but got {value!r}"
+    return None
+
+
 def check_non_negative(name: str, value) -> Optional[str]:
     if not _is_number(value) or math.isnan(value) or value < 0 or math.isinf(value):
         return f"Expected `{name}` to be a finite float >= 0, but got {value!r}"
