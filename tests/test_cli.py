@@ -389,17 +389,24 @@ def test_a_resume_refuses_a_model_class_other_than_the_checkpoints(tmp_path, mon
         "lit_zodp.algorithms.MeZO" in errors[0]
 
 
+def _as_written_in_python(tmp_path) -> str:
+    """The last checkpoint of :func:`_fit_with_checkpoint` as a Trainer of one's own writes it: no LightningCLI
+    ``_class_path`` among its options."""
+    import torch
+
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    del saved["hyper_parameters"]["_class_path"]
+    path = str(tmp_path / "python.ckpt")
+    torch.save(saved, path)
+    return path
+
+
 def test_a_resume_of_a_checkpoint_written_in_python_is_held_to_its_recorded_class(tmp_path, monkeypatch, capsys):
     """A checkpoint saved by a Trainer of one's own has no LightningCLI ``_class_path``; the algorithm our modules
     record names its class, so the CLI refuses another one in its own line (stop 46)."""
-    import torch
-
     monkeypatch.chdir(tmp_path)
     _fit_with_checkpoint(tmp_path, config=_mezo())
-    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
-    del saved["hyper_parameters"]["_class_path"]
-    python_written = str(tmp_path / "python.ckpt")
-    torch.save(saved, python_written)
+    python_written = _as_written_in_python(tmp_path)
     private = yaml.safe_load(yaml.safe_dump(TINY))
     private["model"]["init_args"].update(target_epsilon=None, noise_multiplier=1.0)
     errors = _stderr_of_a_refused_run(["fit", "--config", str(write_config(tmp_path, private, "private.yaml")),
@@ -415,16 +422,11 @@ def test_a_private_checkpoint_written_in_python_resumes_through_the_cli(tmp_path
     failed: "`model.init_args.clip`: Option 'clip' is not accepted by lightning.LightningModule" and "Parsing of
     ckpt_path hyperparameters failed!". Its options are the configured class's; the run, its options and its ledger
     continue."""
-    import torch
-
     monkeypatch.chdir(tmp_path)
     sigma = yaml.safe_load(yaml.safe_dump(TINY))  # (a fixed sigma: a target's plan would allow 0 more steps)
     sigma["model"]["init_args"].update(target_epsilon=None, noise_multiplier=1.0)
     _fit_with_checkpoint(tmp_path, "--trainer.max_steps", "4", "--model.init_args.lr", "0.05", config=sigma)
-    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
-    del saved["hyper_parameters"]["_class_path"]
-    python_written = str(tmp_path / "python.ckpt")
-    torch.save(saved, python_written)
+    python_written = _as_written_in_python(tmp_path)
     with pytest.warns(UserWarning, match=r"lr: configured 0.1, checkpoint 0.05 \(kept\)"):
         cli = build_cli(["fit", "--config", str(write_config(tmp_path, sigma, "again.yaml")), "--trainer.max_steps",
                          "7", "--model.init_args.lr", "0.1", "--ckpt_path", python_written, "--test_after_fit",
