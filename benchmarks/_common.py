@@ -35,14 +35,16 @@ def setup_worker(threads: int, chunk_numel: int | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "transformers", "opacus"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     import torch
 
     torch.set_num_threads(threads)
-    # Same imports in every worker, so the memory baselines are comparable.
+    # Same imports in every worker, so the memory baselines are comparable; before quieting the loggers, whose level
+    # Lightning's import sets (to INFO: set first, the quieting was undone).
     import lightning.pytorch  # noqa: F401
     import opacus  # noqa: F401
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "transformers", "opacus"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
     import lit_zodp.algorithms  # noqa: F401
 

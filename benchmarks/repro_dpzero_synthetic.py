@@ -39,13 +39,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import logging
 import math
-import os
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -54,7 +51,7 @@ for path in (str(HERE), str(ROOT)):  # (run as a script from anywhere: _common, 
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from _common import write_results  # noqa: E402
+from _common import setup_worker, write_results  # noqa: E402
 
 PAPER_DIMS = (20, 50, 100, 200, 500, 1000, 2000)
 DEFAULT_DIMS = (20, 200)
@@ -291,17 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(HERE / "results" / "repro_dpzero_synthetic"))
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    warnings.filterwarnings("ignore")
-    import lightning.pytorch  # noqa: F401  (before quieting: its import sets its loggers' level)
+    setup_worker(args.threads)
     import torch
 
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
     from datamodules import QuadraticDataModule
-
-    torch.set_num_threads(args.threads)
     dims, hessians, methods = parse_dims(args.dims), args.hessians.split(","), args.methods.split(",")
     grid = GRIDS[args.grid]
     total_runs = sum(len(grid_points(grid[m], m, h, d)) for m in methods for h in hessians for d in dims)
