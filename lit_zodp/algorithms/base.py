@@ -788,7 +788,6 @@ class AlgorithmModule(pl.LightningModule):
             return None
         saved_class = imported(saved)
         if saved_class is type(self) or (isinstance(saved_class, type) and isinstance(self, saved_class)
-                                         and not type(self).__module__.startswith("lit_zodp.")
                                          and _library_class(type(self)) is _library_class(saved_class)):
             return None  # the class under another import path, or a user's subclass of it (of the same algorithm:
             # DPMeZOBCD subclasses DPZero, and a user's subclass of it is no DPZero)
