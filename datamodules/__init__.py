@@ -4,6 +4,7 @@ from datamodules.base import DataSplits, PublicPrivateDataModule, check_disjoint
 from datamodules.collate import EmptySafeCollate, PadToLongest, empty_like_batch
 from datamodules.datasets import ImageTensorDataset, TensorPairDataset, TextDataset
 from datamodules.prompt_text import PromptRecords, PromptTextDataModule
+from datamodules.qa import QA_TASK_NAMES, QADataModule
 from datamodules.synthetic import QuadraticDataModule, SyntheticClassificationDataModule
 from datamodules.text import MovieReviewsDataModule
 from datamodules.text_tasks import TASK_NAMES, TaskSpec, get_task, load_task, template_table
@@ -23,6 +24,8 @@ __all__ = [
     "PromptTextDataModule",
     "QuadraticDataModule",
     "PublicPrivateDataModule",
+    "QADataModule",
+    "QA_TASK_NAMES",
     "SyntheticClassificationDataModule",
     "TASK_NAMES",
     "TaskSpec",

@@ -581,7 +581,12 @@ class PublicPrivateDataModule(LightningDataModule):
     def _eval_split(self, dataset: Optional[Dataset]) -> Optional[Dataset]:
         if dataset is None:
             return None
-        return self.materialize(_random_subset(dataset, self.max_eval_samples, EVAL_SUBSET_SEED))
+        return self.materialize_evaluation(_random_subset(dataset, self.max_eval_samples, EVAL_SUBSET_SEED))
+
+    def materialize_evaluation(self, dataset: Dataset) -> Dataset:
+        """A validation or test split as the loaders read it: :meth:`materialize` unless a subclass adds what only
+        evaluation reads (the gold answers of generative QA, :class:`~datamodules.qa.QADataModule`)."""
+        return self.materialize(dataset)
 
     def built_example_shape(self) -> Optional[tuple[int, ...]]:
         """One input's shape as the built splits give it (after the data module's own transforms: a resize, a grey

@@ -311,10 +311,72 @@ def write_task_files(
     return folder
 
 
+#: Words of the synthetic QA passages (:func:`write_qa_files`), for a tiny tokenizer's vocabulary.
+QA_WORDS = ("Title: Context: Passage: Question: Answer: The river runs through the city of town in year "
+            "How many bridges are there ? What is the name of the river ? When was it built ? blue green red "
+            "seven twelve three 1850 May Oak Elm")
+
+
+def squad_official(articles: int, paragraphs: int = 2, questions: int = 2, offset: int = 0) -> dict[str, Any]:
+    """A SQuAD v1.1 JSON object (``{"data": [...]}``) of synthetic passages; the first question of each passage
+    has two gold answers, the others one."""
+    data = []
+    for a in range(offset, offset + articles):
+        paras = []
+        for p in range(paragraphs):
+            context = f"The river {a} runs through the city {p} . It has seven bridges and the river is blue ."
+            qas = [{"id": f"{a}-{p}-{q}", "question": f" How many bridges are there {q} ? ",
+                    "answers": [{"text": "seven", "answer_start": 40}] + ([{"text": "seven bridges",
+                                                                             "answer_start": 40}] if q == 0 else [])}
+                   for q in range(questions)]
+            paras.append({"context": context, "qas": qas})
+        data.append({"title": f"River_{a}", "paragraphs": paras})
+    return {"version": "1.1", "data": data}
+
+
+def drop_official(passages: int, offset: int = 0) -> dict[str, Any]:
+    """A DROP JSON object (passage ids -> passage and ``qa_pairs``) whose questions cover a number, a date, one
+    span, several spans and a mixed answer (skipped by the Hugging Face conversion)."""
+    blank = {"number": "", "date": {"day": "", "month": "", "year": ""}, "spans": []}
+    kinds = [
+        {**blank, "number": "12"},
+        {**blank, "date": {"day": "3", "month": "May", "year": "1850"}},
+        {**blank, "spans": ["Oak"]},
+        {**blank, "spans": ["Oak", "Elm"]},
+        {**blank, "number": "7", "spans": ["Oak"]},  # mixed: skipped
+    ]
+    data = {}
+    for n in range(offset, offset + passages):
+        qa_pairs = [{"query_id": f"{n}-{k}", "question": f"What is the name of the river {k} ?", "answer": answer,
+                     "validated_answers": [answer, {**blank, "spans": ["green"]}] if k < 4 else [answer]}
+                    for k, answer in enumerate(kinds)]
+        data[f"nfl_{n}"] = {"passage": f"The river Oak {n} and the river Elm were built in 1850 .",
+                            "qa_pairs": qa_pairs}
+    return data
+
+
+def write_qa_files(root: Union[str, os.PathLike], task: str, train: int = 4, test: int = 2) -> Path:
+    """Write ``task``'s (``SQuAD`` or ``DROP``) official JSON files with synthetic questions in ``root/<task>``
+    (SQuAD: ``train`` / ``test`` articles of 2 passages with 2 questions; DROP: passages of 4 kept questions)."""
+    folder = Path(root) / task.lower()
+    folder.mkdir(parents=True, exist_ok=True)
+    if task.lower() == "squad":
+        files = {"train-v1.1.json": squad_official(train), "dev-v1.1.json": squad_official(test, offset=1000)}
+    else:
+        files = {"drop_dataset_train.json": drop_official(train), "drop_dataset_dev.json": drop_official(test, 1000)}
+    for name, data in files.items():
+        (folder / name).write_text(json.dumps(data))
+    return folder
+
+
 __all__ = [
     "DIR_NAMES",
+    "QA_WORDS",
     "build_tiny_bpe_tokenizer",
+    "drop_official",
+    "squad_official",
     "synthetic_example",
     "synthetic_examples",
+    "write_qa_files",
     "write_task_files",
 ]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from datamodules.testing import write_task_files
+from datamodules.testing import QA_WORDS, write_qa_files, write_task_files
 from datamodules.text_tasks import get_task
 from lit_zodp.backbones import save_tiny_pretrained
 from lit_zodp.cli import build_cli
@@ -30,7 +30,8 @@ CONFIGS = [p for p in ALL_CONFIGS if p not in SYNTHETIC]
 DEFAULT = {f"table2_roberta-large_{task}_dpzero_eps2" for task in ("mnli", "rte", "snli", "sst2", "sst5", "trec")} | {
     "table4_opt-1.3b_boolq_dpzero_eps2", "table4_opt-1.3b_sst2_dpzero_eps2", "table2_roberta-large_sst2_mezo",
     "table4_opt-1.3b_sst2_mezo", "table2_roberta-large_sst2_adamw", "table2_roberta-large_mnli_dpadamw_eps2",
-    "table2_roberta-large_rte_lora", "table2_roberta-large_trec_dplora_eps2"}
+    "table2_roberta-large_rte_lora", "table2_roberta-large_trec_dplora_eps2", "table5_opt-1.3b_squad_dpzero_eps2",
+    "table5_opt-1.3b_drop_mezo"}
 FIRST_ORDER_PRIVATE = [p for p in CONFIGS if "dpadamw_eps" in p.stem or "dplora_eps" in p.stem]
 #: MeZO-BCD's configs of Hub models (the MiniLM ones run in the movie-review tests; opt-125m in test_cli): the
 #: private RoBERTa one by default.
@@ -54,7 +55,7 @@ def test_committed_configs_match_the_generator():
 def tiny_world(tmp_path_factory):
     root = tmp_path_factory.mktemp("paper")
     words = [w for task in ("SST-5", "TREC", "MNLI", "BoolQ") for w in get_task(task).label_words]
-    texts = [" ".join(words * 20), " ".join(f"It was {w}." for w in words * 20)]
+    texts = [" ".join(words * 20), " ".join(f"It was {w}." for w in words * 20), QA_WORDS]
     models = {family: save_tiny_pretrained(root / family, family, vocab_texts=texts)
               for family in ("roberta", "opt")}
     data = {}
@@ -64,6 +65,7 @@ def tiny_world(tmp_path_factory):
     write_task_files(root / "glue", "SST-2", "glue")
     write_task_files(root / "boolq", "BoolQ", "superglue")  # the original BoolQ's jsonl files (MeZO's)
     data["glue"], data["boolq"] = root / "glue", root / "boolq"
+    data["squad"], data["drop"] = write_qa_files(root, "SQuAD"), write_qa_files(root, "DROP")  # official JSON
     return models, data
 
 
@@ -106,11 +108,12 @@ def test_paper_config_runs_with_a_tiny_model_of_the_same_family(path, tiny_world
         trained = [n for n, p in model.backbone.named_parameters() if p.requires_grad]
         assert trained and all("lora_" in n or "lm_head.modules_to_save" in n for n in trained)
         assert {id(p) for p in model.engine.params} == {id(p) for p in model.backbone.parameters() if p.requires_grad}
-    assert "test_acc" in cli.trainer.callback_metrics
+    generative = config["data"]["class_path"] == "datamodules.QADataModule"  # Table 5: F1 of generated answers
+    assert ("test_f1" if generative else "test_acc") in cli.trainer.callback_metrics
     dm = cli.datamodule  # validation on dev examples held out of the private pool, never on the test set
     assert dm.val_dataset is not None and dm.val_dataset is not dm.test_dataset and len(dm.val_dataset) > 0
-    if config.get("test_ckpt") == "best":  # Table 4: the best dev checkpoint is the one tested
-        assert cli.trainer.checkpoint_callback.monitor == "val_acc"
+    if config.get("test_ckpt") == "best":  # Tables 4-5: the checkpoint of the lowest dev loss is the one tested
+        assert cli.trainer.checkpoint_callback.monitor == "val_loss"
         assert cli.trainer.checkpoint_callback.best_model_path
 
 
@@ -222,5 +225,5 @@ def test_every_readme_pointer_of_the_configs_names_a_readme_section():
     files = [*(ROOT / "configs").rglob("*.yaml"), ROOT / "configs" / "dpzero" / "generate.py"]
     pointers = {path.name: re.findall(r"see README, '([^']+)'", path.read_text()) for path in files}
     pointed = {name: found for name, found in pointers.items() if found}
-    assert len([name for name in pointed if name.endswith(".yaml")]) == 77  # 72 DPZero + 5 MeZO-BCD OPT/RoBERTa
+    assert len([name for name in pointed if name.endswith(".yaml")]) == 95  # 90 DPZero + 5 MeZO-BCD OPT/RoBERTa
     assert {title for found in pointed.values() for title in found} <= headings

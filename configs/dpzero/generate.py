@@ -1,4 +1,4 @@
-"""Writes the DPZero paper's experiment configs (Tables 2 and 4, and the synthetic example of Sec. 5.1). Run from the
+"""Writes the DPZero paper's experiment configs (Tables 2, 4 and 5, and the synthetic example of Sec. 5.1). Run from the
 repo root:
 
     python configs/dpzero/generate.py
@@ -151,9 +151,10 @@ def algorithm(method: str, backbone: dict, *, lr: float, clip: float, seed: int)
 def trainer(steps: int, eval_every: int, *, keep_best: bool = False) -> dict:
     config = {"accelerator": "auto", "devices": 1, "max_steps": steps, "val_check_interval": eval_every,
               "check_val_every_n_epoch": None, "log_every_n_steps": 50, "enable_checkpointing": True}
-    if keep_best:  # MeZO/DPZero OPT runs: load_best_model_at_end on the dev set, eval every eval_steps
+    if keep_best:  # MeZO/DPZero OPT runs: load_best_model_at_end on the dev set, eval every eval_steps; with no
+        # metric_for_best_model the Hugging Face Trainer keeps the lowest dev loss (MeZO's run.py passes none)
         config["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                "init_args": {"monitor": "val_acc", "mode": "max", "save_top_k": 1,
+                                "init_args": {"monitor": "val_loss", "mode": "min", "save_top_k": 1,
                                               "save_last": True}}]
     return config
 
@@ -270,12 +271,48 @@ def opt_config(size: str, task: str, method: str) -> tuple[str, dict]:
               "T = 20000, B = 8, lambda = 1e-3, fp16 weights (App. B.3, Table 10). Paper: mean over seeds\n"
               "{0, 29, 83}. lr: the paper grid-searches {1e-6, 1e-7}.\n"
               "Model selection as the reference (load_best_model_at_end): validation on the 500 dev examples\n"
-              "every 4000 steps, the best checkpoint by val_acc is tested (test_ckpt: best). The dev examples\n"
-              "are not in the private training set.")
+              "every 4000 steps, the checkpoint of the lowest val_loss is tested (test_ckpt: best; the Hugging\n"
+              "Face Trainer's default metric_for_best_model). The dev examples are not in the private training set.")
     if task == "BoolQ":
         header += ("\ndata: the original BoolQ (Google's train.jsonl/dev.jsonl, Hugging Face `boolq`), as MeZO;\n"
                    "SuperGLUE's copy prefixes every passage with its title. Prompt '<passage> <Question>?\\n' +\n"
                    "'Yes'/'No', up to 2048 tokens (MeZO's max_length), the prompt cut from the left.")
+    if METHODS[method] is not None:
+        header += "\nclip: the paper grid-searches C in {10, 50, 100, 200}."
+    return header, config
+
+
+#: Table 5 (generation): MeZO's SQuAD (v1.1) and DROP, read from the official JSON files (or Hugging Face's rows)
+QA_TASKS = {"SQuAD": "data/squad", "DROP": "data/drop"}
+
+
+def opt_qa_config(size: str, task: str, method: str) -> tuple[str, dict]:
+    backbone = {"class_path": "lit_zodp.backbones.HFAnswerGenerator",
+                "init_args": {"model_name_or_path": OPT_MODELS[size], "max_new_tokens": 50, "dtype": "float16"}}
+    data = {"class_path": "datamodules.QADataModule", "init_args": {
+        "task": task, "data_dir": QA_TASKS[task], "tokenizer": OPT_MODELS[size], "max_length": 1998,
+        "num_train": 1000, "num_dev": 500, "num_test": 1000, "batch_size": 8, "data_seed": 0}}
+    config = {"seed_everything": 0, "trainer": trainer(20_000, 4000, keep_best=True),
+              "model": algorithm(method, backbone, lr=1.0e-6, clip=50.0, seed=0), "data": data,
+              "test_ckpt": "best"}
+    row = "MeZO" if METHODS[method] is None else f"DPZero eps={METHODS[method]:g}"
+    prompt = ("'Title: <title>\\nContext: <context>\\nQuestion: <question>\\nAnswer:'" if task == "SQuAD"
+              else "'Passage: <passage>\\nQuestion: <question>\\nAnswer:'")
+    header = (f"DPZero paper, Table 5, row '{row}', column OPT-{size.upper()} {task} (F1): MeZO's prompt\n"
+              f"{prompt} and target ' <first gold answer>\\n'; the loss is each\n"
+              "example's mean NLL of its answer tokens (DPZero's per-example reduction), 1000 train / 500 dev /\n"
+              "1000 test, T = 20000, B = 8, lambda = 1e-3, fp16 weights (App. B.3, Table 10). Paper: mean over seeds\n"
+              "{0, 29, 83}. lr: the paper grid-searches {1e-6, 1e-7}.\n"
+              "Evaluation as MeZO: greedy generation of at most 50 tokens, stopping at a newline or </s>, scored by\n"
+              "SQuAD's token F1 against every gold answer (test_f1; also test_em). max_length 1998 = MeZO's 2048 less\n"
+              "the 50 generated tokens; prompts cut from the left. The checkpoint of the lowest val_loss (every 4000\n"
+              "steps, the 500 dev examples, not in the private training set) is tested, as the reference's\n"
+              "load_best_model_at_end.")
+    if task == "DROP":
+        header += ("\ndata: the official drop_dataset_{train,dev}.json (or Hugging Face's ucinlp/drop rows); each\n"
+                   "answer span is scored on its own, as MeZO (not DROP's multi-span metric).")
+    else:
+        header += "\ndata: the official train-v1.1.json / dev-v1.1.json (or Hugging Face's squad rows)."
     if METHODS[method] is not None:
         header += "\nclip: the paper grid-searches C in {10, 50, 100, 200}."
     return header, config
@@ -351,6 +388,11 @@ def all_configs() -> dict[Path, str]:
             for method in METHODS:
                 name = f"table4_opt-{size}_{task.lower().replace('-', '')}_{method}.yaml"
                 files[ROOT / name] = render(*opt_config(size, task, method))
+    for size in OPT_MODELS:
+        for task in QA_TASKS:
+            for method in METHODS:
+                name = f"table5_opt-{size}_{task.lower()}_{method}.yaml"
+                files[ROOT / name] = render(*opt_qa_config(size, task, method))
     for hessian in SYNTHETIC_HESSIANS:
         for method in SYNTHETIC_METHODS:
             files[ROOT / f"sec51_quadratic_{hessian}_{method}.yaml"] = render(

@@ -23,6 +23,7 @@ from lit_zodp.backbones.base import (
 from lit_zodp.backbones.tiny import TinyCNN, TinyMLP
 
 if TYPE_CHECKING:  # pragma: no cover
+    from lit_zodp.backbones.generation import HFAnswerGenerator
     from lit_zodp.backbones.huggingface import (
         SENTIMENT_LABEL_DESCRIPTIONS,
         HFCandidateScorer,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 _LAZY = {
     "QuadraticLoss": "lit_zodp.backbones.quadratic",
     "TimmClassifier": "lit_zodp.backbones.timm_models",
+    "HFAnswerGenerator": "lit_zodp.backbones.generation",
     "HFCandidateScorer": "lit_zodp.backbones.huggingface",
     "HFPromptClassifier": "lit_zodp.backbones.huggingface",
     "HFSequenceClassifier": "lit_zodp.backbones.huggingface",
@@ -67,6 +69,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Backbone",
+    "HFAnswerGenerator",
     "HFCandidateScorer",
     "HFPromptClassifier",
     "HFSequenceClassifier",

@@ -28,6 +28,7 @@ from torchmetrics import Metric
 
 from lit_zodp.backbones._utils import as_float_input, check_positive_int
 from lit_zodp.backbones.base import Backbone, tensor_data_mismatch
+from lit_zodp.backbones.metrics import MeanLoss
 from lit_zodp.errors import ConfigError
 from lit_zodp.per_example.samplers import register_sampler
 
@@ -115,28 +116,6 @@ class GradientNorm(Metric):
 
     def compute(self) -> Tensor:
         return (self.total / self.count.clamp_min(1)).norm()
-
-
-class MeanLoss(Metric):
-    """The mean of the evaluated rows' losses, summed in float64 states (all batches, all DDP ranks). A
-    ``MeanMetric`` with ``set_dtype(float64)`` cast every loss to float32 once the Trainer moved the module to its
-    device (torchmetrics' ``_apply`` resets the cast dtype to float32), rounding the mean (review 40)."""
-
-    full_state_update = False
-    higher_is_better = False
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("total", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, losses: Tensor) -> None:
-        """Add the losses ``[B]`` of one batch."""
-        self.total += losses.detach().to(self.total).sum()
-        self.count += losses.numel()
-
-    def compute(self) -> Tensor:
-        return self.total / self.count.clamp_min(1)
 
 
 class QuadraticLoss(Backbone):

@@ -462,6 +462,8 @@ def test_paper_configs_carry_the_reference_settings():
             assert (data["max_length"], data.get("first_sent_limit")) == lengths[data["task"]], path.name
             assert not data.get("dedupe", False) and "truncation" not in data  # faithful: LM-BFF's tail truncation
             assert data["k_dev"] == data["k_shot"] == 512  # validation on LM-BFF's dev.tsv, not the test set
+        elif path.name.startswith("table5"):  # MeZO's 2048 positions less the 50 generated tokens
+            assert data["max_length"] == 1998 and data["data_dir"] == f"data/{data['task'].lower()}", path.name
         elif data["task"] == "BoolQ":
             assert data["max_length"] == 2048 and data["data_dir"] == "data/boolq", path.name
         assert not data.get("pad_to_max_length", False)  # dynamic padding
