@@ -1,0 +1,128 @@
+"""HFAnswerGenerator: the per-example answer NLL that trains, greedy generation and SQuAD's F1 that evaluate."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from datamodules.qa import QADataModule, QARecord, QARecords, answer_token_ids
+from datamodules.testing import QA_WORDS, write_qa_files
+from lit_zodp.backbones.generation import (ANSWER_IDS, HFAnswerGenerator, answer_exact_match, answer_f1,
+                                           normalize_answer, token_f1)
+from lit_zodp.backbones.tiny_hf import save_tiny_pretrained
+from lit_zodp.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    path = save_tiny_pretrained(root / "opt", "opt", vocab_texts=[QA_WORDS])
+    write_qa_files(root, "SQuAD", train=3, test=2)
+    dm = QADataModule("SQuAD", str(root), tokenizer=path, max_length=64, num_train=6, num_dev=2, num_test=4,
+                      batch_size=2)
+    return path, dm
+
+
+def records(n):
+    """Questions of different prompt lengths (left padding in generation is exercised)."""
+    return [QARecord({"title": f"River_{i}", "context": "The river runs through the city . " * (1 + 2 * i),
+                      "question": "How many bridges are there ?"}, ("seven", "seven bridges")) for i in range(n)]
+
+
+def test_squads_normalization_f1_and_exact_match():
+    assert normalize_answer("  The Blue,  sky!  ") == "blue sky"
+    assert normalize_answer("an apple a day") == "apple day"
+    assert token_f1("the Blue sky!", "blue sky") == 1.0
+    assert token_f1("blue", "blue sky") == pytest.approx(2 / 3)  # precision 1, recall 1/2
+    assert token_f1("blue blue", "blue") == pytest.approx(2 / 3)  # a bag: one shared "blue"
+    assert token_f1("red", "blue sky") == 0.0 and token_f1("", "blue") == 0.0 and token_f1("the", "a") == 0.0
+    assert answer_f1("blue", ["green", "blue sky", "blue"]) == 1.0 and answer_f1("blue", []) == 0.0
+    assert answer_exact_match("The blue.", ["blue", "sky"]) == 1.0 and answer_exact_match("blue sky", ["blue"]) == 0.0
+
+
+def test_the_per_example_loss_is_the_mean_nll_of_each_answers_tokens(world):
+    path, dm = world
+    model = HFAnswerGenerator(path, dtype="float64").eval()  # (no dropout: the zeroth-order forwards run in eval mode)
+    rows = dm.materialize(QARecords(records(3))).inputs
+    losses = model.per_example_loss(rows, torch.zeros(3, dtype=torch.long))
+    for i in range(3):
+        used = rows["attention_mask"][i, 0].bool()
+        ids, answer = rows["input_ids"][i, 0][used], rows["candidate_mask"][i, 0][used].bool()
+        log_probs = F.log_softmax(model.model(input_ids=ids[None]).logits[0, :-1].double(), -1)
+        token_nll = -log_probs.gather(1, ids[1:, None])[:, 0]  # position t predicts token t + 1
+        assert losses[i].item() == pytest.approx(token_nll[answer[1:]].mean().item(), rel=1e-9)
+
+
+def greedy_reference(model, prompt, max_new_tokens, stops):
+    """Token by token argmax over the unpadded prompt, stopping at a stop token."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            token = int(model.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+        if token in stops:
+            break
+        ids.append(token)
+    return model.tokenizer.decode(ids[len(prompt):], skip_special_tokens=True).strip()
+
+
+def test_greedy_answers_equal_an_argmax_loop_over_each_unpadded_prompt(world):
+    path, dm = world
+    model = HFAnswerGenerator(path, max_new_tokens=6, dtype="float64", generation_batch_size=2)
+    rows = dm.materialize(QARecords(records(3))).inputs
+    prompts = model.prompts(rows)
+    tok = dm.tokenizer
+    assert tok.decode(prompts[0]).endswith("Question: How many bridges are there ?\nAnswer:")
+    assert len({len(p) for p in prompts}) == 3
+    stops = model.stop_token_ids()
+    assert stops == [tok.eos_token_id, tok("\n", add_special_tokens=False)["input_ids"][-1]]
+    assert model.generate_answers(rows) == [greedy_reference(model, p, 6, stops) for p in prompts]
+    assert model.model.training  # (generation runs in eval mode and restores the mode)
+
+
+def test_a_prompt_longer_than_the_positions_allow_is_cut_from_the_left_for_generation(world, monkeypatch):
+    path, dm = world
+    model = HFAnswerGenerator(path, max_new_tokens=50)
+    room = model.model.config.max_position_embeddings  # 128 for the tiny OPT
+    seen = {}
+
+    def generate(input_ids, attention_mask, **kwargs):
+        seen["ids"], seen["mask"] = input_ids, attention_mask
+        return torch.cat([input_ids, torch.full((len(input_ids), 1), 2)], 1)
+
+    monkeypatch.setattr(model.model, "generate", generate)
+    long = [2] + list(range(10, 110))  # 101 tokens: BOS + 100
+    model._generate([long, [2, 7, 8]])
+    kept = seen["ids"][0][seen["mask"][0].bool()].tolist()
+    assert len(kept) == room - 50 and kept == [2] + long[-(room - 50 - 1):]
+    assert seen["ids"][1][seen["mask"][1].bool()].tolist() == [2, 7, 8]  # left-padded to the longest
+
+
+def test_evaluation_scores_the_generated_answers_against_every_gold(world):
+    path, dm = world
+    model = HFAnswerGenerator(path, max_new_tokens=4).eval()  # (Lightning evaluates in eval mode)
+    examples = records(4)
+    rows = dm.materialize(QARecords(examples)).inputs
+    predicted = model.generate_answers(rows)
+    assert all(predicted)  # (the tiny model answers something: the test below needs non-empty predictions)
+    answers = [(predicted[0], "unrelated"), ("unrelated",), (predicted[2] + " unrelated",), ("x", predicted[3])]
+    golds = [QARecord(example.fields, gold) for example, gold in zip(examples, answers)]
+    inputs = {**rows, ANSWER_IDS: answer_token_ids(dm.tokenizer, golds)}
+    metrics = model.evaluation_metrics()
+    model.update_evaluation(metrics, inputs, torch.zeros(4, dtype=torch.long))
+    f1 = [answer_f1(p, g.answers) for p, g in zip(predicted, golds)]
+    assert f1[0] == f1[3] == 1.0 and 0 < f1[2] < 1
+    assert metrics["f1"].compute().item() == pytest.approx(sum(f1) / 4)
+    assert metrics["em"].compute().item() == pytest.approx(sum(answer_exact_match(p, g.answers)
+                                                               for p, g in zip(predicted, golds)) / 4)
+    loss = model.per_example_loss(rows, torch.zeros(4, dtype=torch.long)).double().mean()
+    assert metrics["loss"].compute().item() == pytest.approx(loss.item())
+
+
+def test_fixed_and_invalid_options_are_refused_in_one_line(world):
+    path, _ = world
+    with pytest.raises(ConfigError, match="`loss` is fixed for HFAnswerGenerator"):
+        HFAnswerGenerator(path, loss="classification")
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        HFAnswerGenerator(path, max_new_tokens=0)
+    model = HFAnswerGenerator(path)
+    with pytest.raises(ValueError, match="evaluation batches need `answer_ids`"):
+        model.update_evaluation(model.evaluation_metrics(), {"input_ids": torch.zeros(1, 1, 3)}, torch.zeros(1))
