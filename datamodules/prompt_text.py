@@ -697,6 +697,11 @@ class PromptTextDataModule(PublicPrivateDataModule):
 
     # ------------------------------------------------------------------------- attributes
     @property
+    def task_name(self) -> str:
+        """The task (``SST-2``, ``BoolQ``...): the RESULT line's ``task``."""
+        return self.spec.name
+
+    @property
     def labels(self) -> list[str]:
         """Class names in label order."""
         return list(self.spec.labels)

@@ -391,6 +391,11 @@ class QADataModule(PublicPrivateDataModule):
         return self._tokenizer
 
     @property
+    def task_name(self) -> str:
+        """The task (``SQuAD``, ``DROP``): the RESULT line's ``task``."""
+        return self.task.name
+
+    @property
     def template(self) -> str:
         """The prompt and its target, readable."""
         from datamodules.text_tasks import describe

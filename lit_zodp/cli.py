@@ -255,7 +255,7 @@ def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: fl
     privacy = getattr(model, "privacy", None)
     accuracy = test_metrics.get("test_acc")
     fields = {
-        "task": type(datamodule).__name__ if datamodule is not None else "-",
+        "task": _task_name(datamodule),
         "algorithm": type(model).__name__,
         "epsilon": _epsilon_field(privacy),
         "delta": f"{privacy.delta:.3g}" if getattr(privacy, "delta", None) else "-",
@@ -267,6 +267,13 @@ def result_line(model, datamodule, trainer, test_metrics: dict, wall_seconds: fl
         "wall_s": f"{wall_seconds:.1f}",
     }
     return "RESULT " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def _task_name(datamodule) -> str:
+    """The data module's ``task_name`` (the paper task of a text module: ``SST-2``, ``SQuAD``), else its class."""
+    if datamodule is None:
+        return "-"
+    return str(getattr(datamodule, "task_name", None) or type(datamodule).__name__)
 
 
 def _epsilon_field(privacy) -> str:

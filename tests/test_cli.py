@@ -47,6 +47,18 @@ def test_fit_config_end_to_end_in_process(tmp_path, monkeypatch, caplog):
     assert line.startswith("RESULT task=SyntheticClassificationDataModule algorithm=DPZero epsilon=")
 
 
+def test_the_result_line_names_a_text_modules_paper_task(tmp_path):
+    from types import SimpleNamespace
+
+    from datamodules import PromptTextDataModule, QADataModule
+    from lit_zodp.algorithms import MeZO
+    from tests.conftest import mlp
+
+    trainer = SimpleNamespace(global_step=3)
+    for dm, task in ((PromptTextDataModule("sst2", str(tmp_path)), "SST-2"), (QADataModule("drop", str(tmp_path)), "DROP")):
+        assert result_line(MeZO(mlp(), lr=0.1), dm, trainer, {}, 1.0).startswith(f"RESULT task={task} algorithm=MeZO ")
+
+
 def test_bad_config_fails_before_training(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = yaml.safe_load(yaml.safe_dump(TINY))
