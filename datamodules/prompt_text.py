@@ -883,6 +883,9 @@ def backbone_mismatch(dm: "PromptTextDataModule", backbone: Any) -> Optional[str
         return (f"Model/data mismatch: data prompt={dm.prompt!r} renders {dm.spec.name} as prompts, but the backbone "
                 f"{name} adds a new random classification head (chance accuracy at the start): {fix}, or set the "
                 "data's prompt: none")
+    if name == "HFAnswerGenerator":
+        return (f"Model/data mismatch: the backbone HFAnswerGenerator generates answers to QADataModule's questions "
+                f"(SQuAD, DROP), but {dm.spec.name} is scored by its candidates: {fix}")
     lm_type = getattr(backbone, "lm_type", None)
     if name == "HFPromptClassifier" and dm.prompt == "mlm" and lm_type != "mlm":
         return f"Model/data mismatch: data prompt='mlm' needs a masked LM, but the backbone is a {lm_type} LM: {fix}"

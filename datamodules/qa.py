@@ -443,6 +443,34 @@ class QADataModule(PublicPrivateDataModule):
         """Pad each batch to its longest row, unless ``pad_to_max_length``."""
         return text_collate(self.pad_to_max_length)
 
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Refuse a backbone that does not generate answers (before any file is read), then load, draw and
+        tokenize (once)."""
+        from datamodules.prompt_text import _attached_model
+
+        model = _attached_model(self)
+        if model is not None:
+            error = qa_backbone_mismatch(self, getattr(model, "backbone", None))
+            if error is not None:
+                raise ConfigError(error)
+        super().setup(stage)
+
+
+def qa_backbone_mismatch(dm: QADataModule, backbone: Any) -> Optional[str]:
+    """One line when ``backbone`` is a library backbone other than
+    :class:`~lit_zodp.backbones.HFAnswerGenerator` (which alone generates and scores answers), else ``None``.
+    A candidate scorer would train on the answer but test by a one-candidate accuracy (a traceback of the
+    metric, or a meaningless 100%); a classifier would read the rows as classes. A user's own backbone passes."""
+    from lit_zodp.backbones.generation import HFAnswerGenerator
+
+    if backbone is None or isinstance(backbone, HFAnswerGenerator):
+        return None
+    if not type(backbone).__module__.startswith("lit_zodp."):
+        return None
+    return (f"Model/data mismatch: QADataModule gives {dm.task.name} questions whose answers are generated and "
+            f"scored by F1, which the backbone {type(backbone).__name__} does not do: use class_path "
+            "lit_zodp.backbones.HFAnswerGenerator")
+
 
 def _first_of_each(order: Sequence[int], keys: Sequence[Any]) -> list[int]:
     seen: set = set()
@@ -477,4 +505,5 @@ __all__ = [
     "drop_answers",
     "get_qa_task",
     "load_qa",
+    "qa_backbone_mismatch",
 ]

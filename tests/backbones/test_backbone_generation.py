@@ -126,3 +126,29 @@ def test_fixed_and_invalid_options_are_refused_in_one_line(world):
     model = HFAnswerGenerator(path)
     with pytest.raises(ValueError, match="evaluation batches need `answer_ids`"):
         model.update_evaluation(model.evaluation_metrics(), {"input_ids": torch.zeros(1, 1, 3)}, torch.zeros(1))
+
+
+def test_backbones_that_cannot_answer_are_refused_in_one_line_before_the_first_step(world):
+    """A masked LM is refused before its weights load; a library backbone other than HFAnswerGenerator with
+    QADataModule, and HFAnswerGenerator with PromptTextDataModule, are named at the data module's setup (before,
+    a masked LM failed at the first validation, a candidate scorer with a traceback of the accuracy metric)."""
+    from types import SimpleNamespace
+
+    from datamodules.prompt_text import PromptTextDataModule, backbone_mismatch
+    from datamodules.qa import qa_backbone_mismatch
+    from lit_zodp.backbones import HFCandidateScorer, tiny_bert_config
+
+    path, dm = world
+    with pytest.raises(ConfigError, match=r"^HFAnswerGenerator `model_name_or_path`: .* is a masked LM"):
+        HFAnswerGenerator(config=tiny_bert_config())
+    generator, scorer = HFAnswerGenerator(path), HFCandidateScorer(path, loss="lm")
+    assert qa_backbone_mismatch(dm, generator) is None and qa_backbone_mismatch(dm, torch.nn.Linear(2, 2)) is None
+    message = qa_backbone_mismatch(dm, scorer)
+    assert "HFCandidateScorer does not do" in message and "HFAnswerGenerator" in message and "\n" not in message
+    fresh = QADataModule("SQuAD", dm.data_dir, tokenizer=path, max_length=64, num_train=6, num_dev=2, batch_size=2)
+    fresh.trainer = SimpleNamespace(lightning_module=SimpleNamespace(backbone=scorer))
+    with pytest.raises(ConfigError, match="^Model/data mismatch: QADataModule gives SQuAD questions"):
+        fresh.setup("fit")
+    sst2 = PromptTextDataModule("SST-2", dm.data_dir, prompt="causal")
+    assert "HFAnswerGenerator generates answers" in backbone_mismatch(sst2, generator)
+    assert backbone_mismatch(sst2, scorer) is None
