@@ -427,9 +427,12 @@ class QADataModule(PublicPrivateDataModule):
             val_from_train_file=dev is not None, deduplicated=self.dedupe)
 
     def materialize(self, dataset: Dataset) -> TensorPairDataset:
-        """Prompt + first gold answer as the one candidate ``[N, 1, max_length]``."""
+        """Prompt + first gold answer as the one candidate ``[N, 1, max_length]``. An answer longer than
+        ``max_length`` less the BOS and one prompt token keeps its first tokens: refusing it would tell that a
+        private answer is that long (MeZO would keep the row's last tokens)."""
         records, labels = items_and_labels(dataset, QARecords, "records")
-        inputs = encode_causal(self.tokenizer, self.task.spec, [r.prompt_record() for r in records], self.max_length)
+        inputs = encode_causal(self.tokenizer, self.task.spec, [r.prompt_record() for r in records], self.max_length,
+                               cut_candidates=True)
         return TensorPairDataset(inputs, labels)
 
     def materialize_evaluation(self, dataset: Dataset) -> TensorPairDataset:
