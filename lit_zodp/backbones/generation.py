@@ -55,8 +55,16 @@ def token_f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+#: first gold answers that MeZO's F1 scores by exact match instead (its ``metrics.py``: QuAC's and SQuAD 2.0's
+#: unanswerable marks)
+NO_ANSWER_MARKS = ("CANNOTANSWER", "no answer")
+
+
 def answer_f1(prediction: str, golds: Sequence[str]) -> float:
-    """The best :func:`token_f1` of ``prediction`` over the gold answers (SQuAD and MeZO)."""
+    """The best :func:`token_f1` of ``prediction`` over the gold answers (SQuAD and MeZO); as MeZO, when the first
+    gold is an unanswerable mark (:data:`NO_ANSWER_MARKS`), 1 if the prediction normalizes to it, else 0."""
+    if golds and golds[0] in NO_ANSWER_MARKS:
+        return float(normalize_answer(prediction) == normalize_answer(golds[0]))
     return max((token_f1(prediction, gold) for gold in golds), default=0.0)
 
 
@@ -141,7 +149,8 @@ class HFAnswerGenerator(HFCandidateScorer):
         """The gold answers of each example as text (:data:`ANSWER_IDS` decoded; empty rows skipped)."""
         golds = []
         for example in answer_ids.tolist():
-            texts = [self.tokenizer.decode([t for t in row if t != NO_TOKEN]) for row in example]
+            texts = [self.tokenizer.decode([t for t in row if t != NO_TOKEN], clean_up_tokenization_spaces=False)
+                     for row in example]  # (the text as tokenized: a clean-up would turn "do n't" into "don't")
             golds.append([text.strip() for text, row in zip(texts, example) if any(t != NO_TOKEN for t in row)])
         return golds
 
@@ -184,8 +193,15 @@ class HFAnswerGenerator(HFCandidateScorer):
         answers = []
         for row in output[:, width:].tolist():
             cut = next((j for j, token in enumerate(row) if token in stops), len(row))
-            answers.append(self.tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
+            answers.append(self.decode_answer(row[:cut]))
         return answers
+
+    def decode_answer(self, tokens: Sequence[int]) -> str:
+        """Generated tokens as MeZO's answer: decoded without special tokens, with the tokenization-space clean-up
+        that its Transformers (4.28) applied by default (``" 's"`` -> ``"'s"``, ``" ."`` -> ``"."``; Transformers 5
+        no longer does, which changes F1 where the model spaces them), and stripped."""
+        text = self.tokenizer.decode(list(tokens), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.clean_up_tokenization(text).strip()
 
     def stop_token_ids(self) -> list[int]:
         """End-of-sequence, and with ``stop_at_newline`` the newline's last token (MeZO's stop tokens)."""
@@ -217,6 +233,7 @@ def _refuse_masked_lm(path: Optional[str], config: Any, overrides: Any) -> None:
 __all__ = [
     "ANSWER_IDS",
     "HFAnswerGenerator",
+    "NO_ANSWER_MARKS",
     "NO_TOKEN",
     "answer_exact_match",
     "answer_f1",
