@@ -423,12 +423,21 @@ def candidate_texts(spec: TaskSpec, record: Mapping[str, str]) -> list[str]:
 
 
 def encode_causal(
-    tokenizer: Any, spec: TaskSpec, records: Sequence[Mapping[str, str]], max_length: int
+    tokenizer: Any, spec: TaskSpec, records: Sequence[Mapping[str, str]], max_length: int,
+    cut_candidates: bool = False,
 ) -> dict[str, Tensor]:
-    """Candidate-scoring inputs ``{input_ids, attention_mask, candidate_mask}`` ``[N, K, max_length]``."""
+    """Candidate-scoring inputs ``{input_ids, attention_mask, candidate_mask}`` ``[N, K, max_length]``.
+
+    ``cut_candidates``: a candidate longer than ``max_length`` less the special prefix and one prompt token keeps
+    its first tokens that fit, where it is refused otherwise. For candidates that are a row's own text (a QA
+    answer): a refusal would tell that some private answer is that long."""
     if spec.causal is None:
         raise ValueError(f"{spec.name} has no causal template; prompt modes: {list(spec.prompt_modes)}")
     prefix, _ = special_affixes(tokenizer)
+    longest = max_length - len(prefix) - 1
+    if cut_candidates and longest < 1:
+        raise ValueError(f"{spec.name}: max_length={max_length} leaves no room for a prompt token and an answer "
+                         "token; raise max_length")
     prompts = _token_ids(tokenizer, [render_text(spec.causal, r) for r in records])
     k = spec.num_classes
     fixed = spec.fixed_candidates
@@ -437,6 +446,8 @@ def encode_causal(
         candidates = [shared] * len(records)
     else:
         flat = _token_ids(tokenizer, [t for r in records for t in candidate_texts(spec, r)])
+        if cut_candidates:
+            flat = [c[:longest] for c in flat]
         candidates = [flat[i * k : (i + 1) * k] for i in range(len(records))]
     n = len(records)
     shape = (n, k, max_length)
@@ -883,6 +894,9 @@ def backbone_mismatch(dm: "PromptTextDataModule", backbone: Any) -> Optional[str
         return (f"Model/data mismatch: data prompt={dm.prompt!r} renders {dm.spec.name} as prompts, but the backbone "
                 f"{name} adds a new random classification head (chance accuracy at the start): {fix}, or set the "
                 "data's prompt: none")
+    if name == "HFAnswerGenerator":
+        return (f"Model/data mismatch: the backbone HFAnswerGenerator generates answers to QADataModule's questions "
+                f"(SQuAD, DROP), but {dm.spec.name} is scored by its candidates: {fix}")
     lm_type = getattr(backbone, "lm_type", None)
     if name == "HFPromptClassifier" and dm.prompt == "mlm" and lm_type != "mlm":
         return f"Model/data mismatch: data prompt='mlm' needs a masked LM, but the backbone is a {lm_type} LM: {fix}"

@@ -337,6 +337,10 @@ class QADataModule(PublicPrivateDataModule):
         num_test: test examples drawn from the validation split (MeZO: 1000); ``None``: all of them.
         test_seed: seed of the test draw; ``None``: ``data_seed``.
         dedupe: skip repeated questions (same passage and question) before drawing.
+        bos_token_id: the id of every row's first token in place of the tokenizer's own (``None``: the tokenizer's).
+            MeZO's and DPZero's OPT code sets ``tokenizer.bos_token_id = 0`` (their "HF tokenizer bug fix") on the
+            slow tokenizer, which then starts each row with ``<s>`` (0) where OPT's tokenizer puts ``</s>`` (2);
+            the Table 5 configs set 0 as they ran.
         pad_to_max_length: pad every batch to ``max_length``; ``False`` pads each to its longest row.
         **kwargs: :class:`~datamodules.base.PublicPrivateDataModule` arguments (``batch_size``, ``data_seed``...).
     """
@@ -353,6 +357,7 @@ class QADataModule(PublicPrivateDataModule):
         num_test: Optional[int] = 1000,
         test_seed: Optional[int] = None,
         dedupe: bool = False,
+        bos_token_id: Optional[int] = None,
         pad_to_max_length: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -366,6 +371,7 @@ class QADataModule(PublicPrivateDataModule):
         self.num_test = num_test
         self.test_seed = test_seed
         self.dedupe = dedupe
+        self.bos_token_id = bos_token_id
         self.pad_to_max_length = pad_to_max_length
         self._tokenizer: Any = None
         super().__init__(**kwargs)
@@ -374,6 +380,9 @@ class QADataModule(PublicPrivateDataModule):
         errors = super().config_errors() + [check_positive_int("max_length", self.max_length)]
         errors += [check_positive_int(name, getattr(self, name))
                    for name in ("num_train", "num_dev", "num_test") if getattr(self, name) is not None]
+        bos = self.bos_token_id
+        if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or bos < 0):
+            errors.append(f"`bos_token_id` must be a token id (an integer >= 0) or null, got {self.bos_token_id!r}")
         if self.data_format not in QA_DATA_FORMATS:
             errors.append(f"`data_format` must be one of {list(QA_DATA_FORMATS)}, got {self.data_format!r}")
         for name in ("dedupe", "pad_to_max_length"):
@@ -427,10 +436,26 @@ class QADataModule(PublicPrivateDataModule):
             val_from_train_file=dev is not None, deduplicated=self.dedupe)
 
     def materialize(self, dataset: Dataset) -> TensorPairDataset:
-        """Prompt + first gold answer as the one candidate ``[N, 1, max_length]``."""
+        """Prompt + first gold answer as the one candidate ``[N, 1, max_length]``. An answer longer than
+        ``max_length`` less the BOS and one prompt token keeps its first tokens: refusing it would tell that a
+        private answer is that long (MeZO would keep the row's last tokens)."""
         records, labels = items_and_labels(dataset, QARecords, "records")
-        inputs = encode_causal(self.tokenizer, self.task.spec, [r.prompt_record() for r in records], self.max_length)
+        inputs = encode_causal(self.tokenizer, self.task.spec, [r.prompt_record() for r in records], self.max_length,
+                               cut_candidates=True)
+        if self.bos_token_id is not None:
+            self._check_bos_token_id()
+            inputs["input_ids"][..., 0] = self.bos_token_id
         return TensorPairDataset(inputs, labels)
+
+    def _check_bos_token_id(self) -> None:
+        from datamodules.prompt_text import special_affixes
+
+        if len(special_affixes(self.tokenizer)[0]) != 1:
+            raise ConfigError(f"`data.init_args.bos_token_id`: the tokenizer {self.tokenizer_name!r} starts a row with "
+                              "no single special token to replace; set bos_token_id: null")
+        if self.bos_token_id >= len(self.tokenizer):
+            raise ConfigError(f"`data.init_args.bos_token_id`: {self.bos_token_id} is not in the vocabulary of "
+                              f"{self.tokenizer_name!r} ({len(self.tokenizer)} tokens)")
 
     def materialize_evaluation(self, dataset: Dataset) -> TensorPairDataset:
         """Validation and test rows also carry every gold answer (:data:`ANSWER_IDS`) for the F1."""
@@ -442,6 +467,34 @@ class QADataModule(PublicPrivateDataModule):
     def batch_collate(self) -> Optional[Callable[[list], Any]]:
         """Pad each batch to its longest row, unless ``pad_to_max_length``."""
         return text_collate(self.pad_to_max_length)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Refuse a backbone that does not generate answers (before any file is read), then load, draw and
+        tokenize (once)."""
+        from datamodules.prompt_text import _attached_model
+
+        model = _attached_model(self)
+        if model is not None:
+            error = qa_backbone_mismatch(self, getattr(model, "backbone", None))
+            if error is not None:
+                raise ConfigError(error)
+        super().setup(stage)
+
+
+def qa_backbone_mismatch(dm: QADataModule, backbone: Any) -> Optional[str]:
+    """One line when ``backbone`` is a library backbone other than
+    :class:`~lit_zodp.backbones.HFAnswerGenerator` (which alone generates and scores answers), else ``None``.
+    A candidate scorer would train on the answer but test by a one-candidate accuracy (a traceback of the
+    metric, or a meaningless 100%); a classifier would read the rows as classes. A user's own backbone passes."""
+    from lit_zodp.backbones.generation import HFAnswerGenerator
+
+    if backbone is None or isinstance(backbone, HFAnswerGenerator):
+        return None
+    if not type(backbone).__module__.startswith("lit_zodp."):
+        return None
+    return (f"Model/data mismatch: QADataModule gives {dm.task.name} questions whose answers are generated and "
+            f"scored by F1, which the backbone {type(backbone).__name__} does not do: use class_path "
+            "lit_zodp.backbones.HFAnswerGenerator")
 
 
 def _first_of_each(order: Sequence[int], keys: Sequence[Any]) -> list[int]:
@@ -477,4 +530,5 @@ __all__ = [
     "drop_answers",
     "get_qa_task",
     "load_qa",
+    "qa_backbone_mismatch",
 ]

@@ -291,7 +291,7 @@ def opt_qa_config(size: str, task: str, method: str) -> tuple[str, dict]:
                 "init_args": {"model_name_or_path": OPT_MODELS[size], "max_new_tokens": 50, "dtype": "float16"}}
     data = {"class_path": "datamodules.QADataModule", "init_args": {
         "task": task, "data_dir": QA_TASKS[task], "tokenizer": OPT_MODELS[size], "max_length": 1998,
-        "num_train": 1000, "num_dev": 500, "num_test": 1000, "batch_size": 8, "data_seed": 0}}
+        "num_train": 1000, "num_dev": 500, "num_test": 1000, "bos_token_id": 0, "batch_size": 8, "data_seed": 0}}
     config = {"seed_everything": 0, "trainer": trainer(20_000, 4000, keep_best=True),
               "model": algorithm(method, backbone, lr=1.0e-6, clip=50.0, seed=0), "data": data,
               "test_ckpt": "best"}
@@ -305,9 +305,10 @@ def opt_qa_config(size: str, task: str, method: str) -> tuple[str, dict]:
               "{0, 29, 83}. lr: the paper grid-searches {1e-6, 1e-7}.\n"
               "Evaluation as MeZO: greedy generation of at most 50 tokens, stopping at a newline or </s>, scored by\n"
               "SQuAD's token F1 against every gold answer (test_f1; also test_em). max_length 1998 = MeZO's 2048 less\n"
-              "the 50 generated tokens; prompts cut from the left. The checkpoint of the lowest val_loss (every 4000\n"
-              "steps, the 500 dev examples, not in the private training set) is tested, as the reference's\n"
-              "load_best_model_at_end.")
+              "the 50 generated tokens; prompts cut from the left. bos_token_id 0: MeZO's OPT rows start with <s>\n"
+              "(its slow tokenizer after `tokenizer.bos_token_id = 0`), not OPT's </s>. The checkpoint of the\n"
+              "lowest val_loss (every 4000 steps, the 500 dev examples, not in the private training set) is tested,\n"
+              "as the reference's load_best_model_at_end.")
     if task == "DROP":
         header += ("\ndata: the official drop_dataset_{train,dev}.json (or Hugging Face's ucinlp/drop rows); each\n"
                    "answer span is scored on its own, as MeZO (not DROP's multi-span metric).")

@@ -53,15 +53,19 @@ def test_the_per_example_loss_is_the_mean_nll_of_each_answers_tokens(world):
 
 
 def greedy_reference(model, prompt, max_new_tokens, stops):
-    """Token by token argmax over the unpadded prompt, stopping at a stop token."""
+    """Token by token argmax over the unpadded prompt, stopping at a stop token, in eval mode as generation (in
+    training mode dropout drew other tokens: the comparison passed only while both decoded to the same U+FFFD)."""
     ids = list(prompt)
+    was_training = model.model.training
+    model.model.eval()
     for _ in range(max_new_tokens):
         with torch.no_grad():
             token = int(model.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
         if token in stops:
             break
         ids.append(token)
-    return model.tokenizer.decode(ids[len(prompt):], skip_special_tokens=True).strip()
+    model.model.train(was_training)
+    return model.decode_answer(ids[len(prompt):])
 
 
 def test_greedy_answers_equal_an_argmax_loop_over_each_unpadded_prompt(world):
@@ -126,3 +130,55 @@ def test_fixed_and_invalid_options_are_refused_in_one_line(world):
     model = HFAnswerGenerator(path)
     with pytest.raises(ValueError, match="evaluation batches need `answer_ids`"):
         model.update_evaluation(model.evaluation_metrics(), {"input_ids": torch.zeros(1, 1, 3)}, torch.zeros(1))
+
+
+def test_backbones_that_cannot_answer_are_refused_in_one_line_before_the_first_step(world):
+    """A masked LM is refused before its weights load; a library backbone other than HFAnswerGenerator with
+    QADataModule, and HFAnswerGenerator with PromptTextDataModule, are named at the data module's setup (before,
+    a masked LM failed at the first validation, a candidate scorer with a traceback of the accuracy metric)."""
+    from types import SimpleNamespace
+
+    from datamodules.prompt_text import PromptTextDataModule, backbone_mismatch
+    from datamodules.qa import qa_backbone_mismatch
+    from lit_zodp.backbones import HFCandidateScorer, tiny_bert_config
+
+    path, dm = world
+    with pytest.raises(ConfigError, match=r"^HFAnswerGenerator `model_name_or_path`: .* is a masked LM"):
+        HFAnswerGenerator(config=tiny_bert_config())
+    generator, scorer = HFAnswerGenerator(path), HFCandidateScorer(path, loss="lm")
+    assert qa_backbone_mismatch(dm, generator) is None and qa_backbone_mismatch(dm, torch.nn.Linear(2, 2)) is None
+    message = qa_backbone_mismatch(dm, scorer)
+    assert "HFCandidateScorer does not do" in message and "HFAnswerGenerator" in message and "\n" not in message
+    fresh = QADataModule("SQuAD", dm.data_dir, tokenizer=path, max_length=64, num_train=6, num_dev=2, batch_size=2)
+    fresh.trainer = SimpleNamespace(lightning_module=SimpleNamespace(backbone=scorer))
+    with pytest.raises(ConfigError, match="^Model/data mismatch: QADataModule gives SQuAD questions"):
+        fresh.setup("fit")
+    sst2 = PromptTextDataModule("SST-2", dm.data_dir, prompt="causal")
+    assert "HFAnswerGenerator generates answers" in backbone_mismatch(sst2, generator)
+    assert backbone_mismatch(sst2, scorer) is None
+
+
+def test_f1_scores_an_unanswerable_first_gold_by_exact_match_as_mezo():
+    """MeZO's metrics.py: a first gold 'CANNOTANSWER' or 'no answer' is matched exactly (token F1 gave 'no' 2/3)."""
+    assert answer_f1("no", ["no answer"]) == 0.0 and answer_f1("No answer.", ["no answer", "x"]) == 1.0
+    assert answer_f1("cannot", ["CANNOTANSWER"]) == 0.0 and answer_f1("CANNOTANSWER", ["CANNOTANSWER"]) == 1.0
+    assert answer_f1("no", ["blue", "no answer"]) == pytest.approx(2 / 3)  # (only the first gold is a mark)
+
+
+def test_answers_are_decoded_as_mezos_transformers_and_golds_as_written(world, monkeypatch):
+    """Predictions: MeZO's Transformers 4.28 decoded with its tokenization-space clean-up (" 's" -> "'s", which
+    normalizes to "s" joined to the word); gold answers: their text exactly, even under a tokenizer that cleans up."""
+    path, dm = world
+    model = HFAnswerGenerator(path, max_new_tokens=8).eval()
+    tok = model.tokenizer
+    said = tok("Oak 's city , do n't", add_special_tokens=False)["input_ids"]
+    rows = dm.materialize(QARecords(records(1))).inputs
+    width = model.prompts(rows)[0]
+    monkeypatch.setattr(model.model, "generate", lambda input_ids, **kw: torch.cat(
+        [input_ids, torch.tensor([said + [tok.eos_token_id]])], 1))
+    assert model.generate_answers(rows) == ["Oak's city, don't"] and width
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True, raising=False)
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", True,
+                        raising=False)
+    golds = answer_token_ids(tok, [QARecord(records(1)[0].fields, ("Oak 's city", "do n't"))])
+    assert model.gold_answers(golds) == [["Oak 's city", "do n't"]]

@@ -165,3 +165,51 @@ def test_bad_options_and_missing_files_end_in_one_line_naming_the_option(tmp_pat
     (tmp_path / "squad" / "dev-v1.1.json").write_text(json.dumps({"nodata": []}))
     with pytest.raises(ValueError, match="expected the official JSON with a top-level 'data' list"):
         QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path).setup()
+
+
+def test_a_private_answer_longer_than_max_length_is_cut_not_refused(tmp_path, opt_path):
+    """The answer is a private row's text: a refusal ('a candidate does not fit') told that some private answer
+    has max_length tokens or more. It keeps its first tokens, after the BOS and one prompt token."""
+    from datamodules.qa import QARecords
+
+    write_qa_files(tmp_path, "SQuAD", train=3, test=2)
+    dm = QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, max_length=10, num_train=6, num_dev=2, batch_size=2)
+    long = QARecord({"title": "River_0", "context": "The river", "question": "How ?"}, ("seven bridges " * 10,))
+    short = QARecord({"title": "River_1", "context": "The river", "question": "How ?"}, ("seven",))
+    rows = dm.materialize(QARecords([long, short])).inputs
+    answer = dm.tokenizer(" " + "seven bridges " * 10 + "\n", add_special_tokens=False)["input_ids"]
+    used = rows["input_ids"][0, 0][rows["attention_mask"][0, 0].bool()].tolist()
+    assert used[0] == dm.tokenizer.bos_token_id and used[2:] == answer[:8]
+    assert rows["candidate_mask"][0, 0].tolist() == [0, 0] + [1] * 8
+    short_answer = dm.tokenizer(" seven\n", add_special_tokens=False)["input_ids"]
+    assert rows["candidate_mask"][1, 0].sum().item() == len(short_answer)
+    with pytest.raises(ValueError, match="max_length=2 leaves no room"):
+        QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, max_length=2, num_train=6, num_dev=2,
+                     batch_size=2).materialize(QARecords([short]))
+
+
+def test_bos_token_id_starts_every_row_as_mezos_opt_tokenizer(tmp_path, opt_path):
+    """MeZO and DPZero set ``tokenizer.bos_token_id = 0`` on OPT's slow tokenizer, whose rows then start with <s>
+    (0) instead of </s> (2); ``bos_token_id: 0`` (the Table 5 configs) gives those rows, training and evaluation,
+    and generation reads it as the prompt's first token."""
+    from datamodules.qa import QARecords
+    from lit_zodp.backbones.generation import HFAnswerGenerator
+
+    write_qa_files(tmp_path, "SQuAD", train=3, test=2)
+    plain = QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, max_length=64, num_train=6, num_dev=2,
+                         num_test=2, batch_size=2)
+    mezo = QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, max_length=64, num_train=6, num_dev=2,
+                        num_test=2, batch_size=2, bos_token_id=0)
+    records = QARecords(plain.load_splits().train.records[:3])
+    before, after = plain.materialize(records).inputs, mezo.materialize(records).inputs
+    assert (before["input_ids"][..., 0] == plain.tokenizer.bos_token_id).all() and plain.tokenizer.bos_token_id == 2
+    assert (after["input_ids"][..., 0] == 0).all()
+    assert torch.equal(after["input_ids"][..., 1:], before["input_ids"][..., 1:])
+    mezo.setup()
+    assert (mezo.test_dataset.inputs["input_ids"][..., 0] == 0).all()
+    assert all(p[0] == 0 for p in HFAnswerGenerator(opt_path).prompts(mezo.test_dataset.inputs))
+    for bad in (-1, "0", True):
+        with pytest.raises(ConfigError, match="`bos_token_id` must be a token id"):
+            QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, bos_token_id=bad)
+    with pytest.raises(ConfigError, match="is not in the vocabulary"):
+        QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, max_length=64, bos_token_id=10**6).materialize(records)
