@@ -283,6 +283,31 @@ def special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
     raise ValueError(f"cannot locate the text among the special tokens of {type(tokenizer).__name__}: {full}")
 
 
+def bos_token_id_error(value: Any) -> Optional[str]:
+    """The one-line error of a ``bos_token_id`` option that is not ``None`` or a token id, else ``None``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        return f"`bos_token_id` must be a token id (an integer >= 0) or null, got {value!r}"
+    return None
+
+
+def start_rows_with(inputs: dict[str, Tensor], tokenizer: Any, bos_token_id: Optional[int], tokenizer_name: str
+                    ) -> dict[str, Tensor]:
+    """Every row's first token set to ``bos_token_id`` in place of the tokenizer's own special prefix (``None``:
+    unchanged). MeZO's and DPZero's OPT code sets ``tokenizer.bos_token_id = 0`` ("HF tokenizer bug fix") on the
+    slow tokenizer, whose rows then start with ``<s>`` (0) where OPT's tokenizer puts ``</s>`` (2); the paper
+    configs of OPT set 0 as they ran. Rows are right-padded, so column 0 is each row's first token."""
+    if bos_token_id is None:
+        return inputs
+    if len(special_affixes(tokenizer)[0]) != 1:
+        raise ConfigError(f"`data.init_args.bos_token_id`: the tokenizer {tokenizer_name!r} starts a row with no "
+                          "single special token to replace; set bos_token_id: null")
+    if bos_token_id >= len(tokenizer):
+        raise ConfigError(f"`data.init_args.bos_token_id`: {bos_token_id} is not in the vocabulary of "
+                          f"{tokenizer_name!r} ({len(tokenizer)} tokens)")
+    inputs["input_ids"][..., 0] = bos_token_id
+    return inputs
+
+
 def _token_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     if not texts:
         return []
@@ -584,6 +609,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
         faithful: ``prompt="mlm"``: match LM-BFF's tokens exactly (see above); default ``False``.
         pad_to_max_length: pad every batch to ``max_length``; ``False`` (default) pads each batch to its
             longest row.
+        bos_token_id: ``prompt="causal"``: the id of every row's first token in place of the tokenizer's own
+            (``None``: the tokenizer's). The Table 4 configs set 0, as MeZO's and DPZero's OPT code ran
+            (:func:`start_rows_with`).
         public_task: a task whose training file is a separate public source (PAZO: SNLI for MNLI); it
             must have the same classes and fields. Its own repeats are dropped; private rows equal to one
             of its examples leave the private set (never the reverse: the public split depends on its
@@ -626,6 +654,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
         truncation: Optional[Literal["fields", "tail"]] = None,
         faithful: bool = False,
         pad_to_max_length: bool = False,
+        bos_token_id: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         self.task = task
@@ -649,6 +678,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
         self.truncation = truncation
         self.faithful = faithful
         self.pad_to_max_length = pad_to_max_length
+        self.bos_token_id = bos_token_id
         self.spec: Optional[TaskSpec] = _try_task(task)
         self.public_spec: Optional[TaskSpec] = _try_task(public_task) if public_task is not None else None
         self.known_num_classes = self.spec.num_classes if self.spec is not None else None
@@ -672,6 +702,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
             errors.append(f"Expected `truncation` in {TRUNCATIONS} or None, but got {self.truncation!r}")
         if self.prompt != "mlm" and (self.first_sent_limit is not None or self.truncation is not None):
             errors.append("`first_sent_limit` and `truncation` apply to prompt='mlm' only")
+        errors.append(bos_token_id_error(self.bos_token_id))
+        if self.bos_token_id is not None and self.prompt != "causal":
+            errors.append("`bos_token_id` applies to prompt='causal' only (the first token of a causal LM's rows)")
         if self.spec is None:
             errors.append(f"Unknown task {self.task!r}; expected one of {list(TASK_NAMES)}")
         for name in ("data_format", "public_data_format"):
@@ -847,7 +880,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
             options = {"first_sent_limit": self.first_sent_limit, "truncation": self.truncation,
                        "faithful": self.faithful}
         inputs = encode_records(self.tokenizer, self.spec, records, self.prompt, self.max_length, **options)
-        return TensorPairDataset(inputs, labels)
+        return TensorPairDataset(start_rows_with(inputs, self.tokenizer, self.bos_token_id, self.tokenizer_name), labels)
 
     def batch_collate(self) -> Optional[Callable[[list], Any]]:
         """Pad each batch to its longest row (mask positions and candidate spans unchanged), unless

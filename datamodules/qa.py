@@ -54,7 +54,8 @@ from torch.utils.data import Dataset
 from datamodules.base import DataSplits, PublicPrivateDataModule
 from datamodules.collate import text_collate
 from datamodules.datasets import TensorPairDataset, items_and_labels
-from datamodules.prompt_text import _token_ids, encode_causal, numpy_permutation, prepare_tokenizer
+from datamodules.prompt_text import (_token_ids, bos_token_id_error, encode_causal, numpy_permutation,
+                                     prepare_tokenizer, start_rows_with)
 from datamodules.text_tasks import Field, TaskSpec, task_key
 from lit_zodp.backbones.generation import ANSWER_IDS, NO_TOKEN
 from lit_zodp.errors import ConfigError, LitZodpWarning, check_positive_int
@@ -337,10 +338,8 @@ class QADataModule(PublicPrivateDataModule):
         num_test: test examples drawn from the validation split (MeZO: 1000); ``None``: all of them.
         test_seed: seed of the test draw; ``None``: ``data_seed``.
         dedupe: skip repeated questions (same passage and question) before drawing.
-        bos_token_id: the id of every row's first token in place of the tokenizer's own (``None``: the tokenizer's).
-            MeZO's and DPZero's OPT code sets ``tokenizer.bos_token_id = 0`` (their "HF tokenizer bug fix") on the
-            slow tokenizer, which then starts each row with ``<s>`` (0) where OPT's tokenizer puts ``</s>`` (2);
-            the Table 5 configs set 0 as they ran.
+        bos_token_id: the id of every row's first token in place of the tokenizer's own (``None``: the tokenizer's;
+            the Table 5 configs set 0 as MeZO's and DPZero's OPT code ran: :func:`~datamodules.prompt_text.start_rows_with`).
         pad_to_max_length: pad every batch to ``max_length``; ``False`` pads each to its longest row.
         **kwargs: :class:`~datamodules.base.PublicPrivateDataModule` arguments (``batch_size``, ``data_seed``...).
     """
@@ -380,9 +379,7 @@ class QADataModule(PublicPrivateDataModule):
         errors = super().config_errors() + [check_positive_int("max_length", self.max_length)]
         errors += [check_positive_int(name, getattr(self, name))
                    for name in ("num_train", "num_dev", "num_test") if getattr(self, name) is not None]
-        bos = self.bos_token_id
-        if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or bos < 0):
-            errors.append(f"`bos_token_id` must be a token id (an integer >= 0) or null, got {self.bos_token_id!r}")
+        errors.append(bos_token_id_error(self.bos_token_id))
         if self.data_format not in QA_DATA_FORMATS:
             errors.append(f"`data_format` must be one of {list(QA_DATA_FORMATS)}, got {self.data_format!r}")
         for name in ("dedupe", "pad_to_max_length"):
@@ -442,20 +439,7 @@ class QADataModule(PublicPrivateDataModule):
         records, labels = items_and_labels(dataset, QARecords, "records")
         inputs = encode_causal(self.tokenizer, self.task.spec, [r.prompt_record() for r in records], self.max_length,
                                cut_candidates=True)
-        if self.bos_token_id is not None:
-            self._check_bos_token_id()
-            inputs["input_ids"][..., 0] = self.bos_token_id
-        return TensorPairDataset(inputs, labels)
-
-    def _check_bos_token_id(self) -> None:
-        from datamodules.prompt_text import special_affixes
-
-        if len(special_affixes(self.tokenizer)[0]) != 1:
-            raise ConfigError(f"`data.init_args.bos_token_id`: the tokenizer {self.tokenizer_name!r} starts a row with "
-                              "no single special token to replace; set bos_token_id: null")
-        if self.bos_token_id >= len(self.tokenizer):
-            raise ConfigError(f"`data.init_args.bos_token_id`: {self.bos_token_id} is not in the vocabulary of "
-                              f"{self.tokenizer_name!r} ({len(self.tokenizer)} tokens)")
+        return TensorPairDataset(start_rows_with(inputs, self.tokenizer, self.bos_token_id, self.tokenizer_name), labels)
 
     def materialize_evaluation(self, dataset: Dataset) -> TensorPairDataset:
         """Validation and test rows also carry every gold answer (:data:`ANSWER_IDS`) for the F1."""

@@ -260,7 +260,7 @@ def opt_config(size: str, task: str, method: str) -> tuple[str, dict]:
                               "dtype": "float16"}}
     data = {"class_path": "datamodules.PromptTextDataModule", "init_args": {
         "task": task, "data_dir": data_dir, "data_format": data_format, "prompt": "causal",
-        "tokenizer": OPT_MODELS[size], "max_length": OPT_LENGTHS[task],
+        "tokenizer": OPT_MODELS[size], "max_length": OPT_LENGTHS[task], "bos_token_id": 0,
         "num_train": 1000, "num_dev": 500, "num_test": 1000, "batch_size": 8, "data_seed": 0}}
     config = {"seed_everything": 0, "trainer": trainer(20_000, 4000, keep_best=True),
               "model": algorithm(method, backbone, lr=1.0e-6, clip=50.0, seed=0), "data": data,
@@ -272,7 +272,9 @@ def opt_config(size: str, task: str, method: str) -> tuple[str, dict]:
               "{0, 29, 83}. lr: the paper grid-searches {1e-6, 1e-7}.\n"
               "Model selection as the reference (load_best_model_at_end): validation on the 500 dev examples\n"
               "every 4000 steps, the checkpoint of the lowest val_loss is tested (test_ckpt: best; the Hugging\n"
-              "Face Trainer's default metric_for_best_model). The dev examples are not in the private training set.")
+              "Face Trainer's default metric_for_best_model). The dev examples are not in the private training set.\n"
+              "bos_token_id 0: MeZO's OPT rows start with <s> (its slow tokenizer after `tokenizer.bos_token_id = 0`),\n"
+              "not OPT's </s>.")
     if task == "BoolQ":
         header += ("\ndata: the original BoolQ (Google's train.jsonl/dev.jsonl, Hugging Face `boolq`), as MeZO;\n"
                    "SuperGLUE's copy prefixes every passage with its title. Prompt '<passage> <Question>?\\n' +\n"

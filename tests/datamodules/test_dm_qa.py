@@ -213,3 +213,23 @@ def test_bos_token_id_starts_every_row_as_mezos_opt_tokenizer(tmp_path, opt_path
             QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, bos_token_id=bad)
     with pytest.raises(ConfigError, match="is not in the vocabulary"):
         QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, max_length=64, bos_token_id=10**6).materialize(records)
+
+
+def test_bos_token_id_starts_every_causal_prompt_row_of_a_classification_task_too(tmp_path, opt_path):
+    """Table 4 (OPT on SST-2/BoolQ) as MeZO ran it: every candidate row starts with <s> (0), the rest unchanged."""
+    from datamodules import PromptTextDataModule
+    from datamodules.testing import write_task_files
+
+    write_task_files(tmp_path, "SST-2", "glue")
+    options = dict(prompt="causal", tokenizer=opt_path, max_length=32, num_train=4, num_dev=2, batch_size=2)
+    plain = PromptTextDataModule("SST-2", str(tmp_path), **options)
+    mezo = PromptTextDataModule("SST-2", str(tmp_path), bos_token_id=0, **options)
+    plain.setup(), mezo.setup()
+    for split in ("private_dataset", "val_dataset", "test_dataset"):
+        before, after = getattr(plain, split).inputs["input_ids"], getattr(mezo, split).inputs["input_ids"]
+        assert (before[..., 0] == 2).all() and (after[..., 0] == 0).all()
+        assert torch.equal(after[..., 1:], before[..., 1:])
+    with pytest.raises(ConfigError, match="`bos_token_id` applies to prompt='causal' only"):
+        PromptTextDataModule("SST-2", str(tmp_path), prompt="mlm", tokenizer=opt_path, bos_token_id=0)
+    with pytest.raises(ConfigError, match="`bos_token_id` must be a token id"):
+        PromptTextDataModule("SST-2", str(tmp_path), prompt="causal", tokenizer=opt_path, bos_token_id="0")
