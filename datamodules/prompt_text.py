@@ -18,7 +18,9 @@ reference puts it (:func:`numpy_permutation`, :func:`shuffled_examples`).
   file reader differs). A class with fewer examples keeps all of them (with a warning). With the
   ``lm-bff`` layout the folder ``<k_shot>-<data_seed>`` is already sampled and is read as is.
 * ``num_train`` / ``num_dev`` (MeZO's ``sample_train_sets`` for OPT: 1,000 / 500): the first
-  ``num_train + num_dev`` examples of the shuffled file, the last ``num_dev`` of them for dev.
+  ``num_train + num_dev`` examples of the shuffled file, the last ``num_dev`` of them for dev. A file
+  shorter than that keeps its ``num_dev`` dev examples and trains on the rest, as MeZO does (CB, 250
+  examples, at MeZO's 1,000 / 100: 150 train, 100 dev; COPA, 400: 300 / 100), with a warning.
 * ``num_test``: the examples on the first ``num_test`` rows of the test file shuffled with the test
   seed (all of them, in file order, when the file is not longer) (:func:`row_subset`). With
   ``k_shot`` the seed is 42 for every data seed, as in MeZO/DPZero's ``k-shot-1k-test`` generator
@@ -228,6 +230,14 @@ def sample_pool(
             taken = set(train)
             return train, [i for i in order if i not in taken][:num_dev]
         return k_shot_draw(labels, order, k_shot, k_dev, what)
+    if num_train is not None and num_dev is not None and k_dev is None and num_train + num_dev > len(order):
+        # MeZO's sample_train_sets: the first num_train + num_dev of the order (here all of it), dev the LAST num_dev,
+        # so a short file keeps its dev set and trains on fewer (CB: 250 -> 150 train + 100 dev at 1000 / 100)
+        cut = max(len(order) - num_dev, 0)
+        warnings.warn(f"{what}: num_train + num_dev = {num_train + num_dev} but the file holds {len(order)} examples; "
+                      f"as MeZO, dev is the last {len(order) - cut} of them and training the first {cut}",
+                      LitZodpWarning)
+        return list(order[:cut]), list(order[cut:])
     if num_train is not None:
         if num_train > len(order):
             warnings.warn(f"{what}: num_train={num_train} but the file holds {len(order)} examples; kept all of them",

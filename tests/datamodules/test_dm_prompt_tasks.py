@@ -21,6 +21,7 @@ from datamodules.prompt_text import (
     candidate_texts,
     encode_causal,
     encode_mlm,
+    numpy_permutation,
     fit_lengths,
     prepare_tokenizer,
     record_key,
@@ -29,7 +30,7 @@ from datamodules.prompt_text import (
 )
 from datamodules.testing import build_tiny_bpe_tokenizer, synthetic_examples, write_task_files
 from datamodules.text_tasks import parse_hf_name, render_text
-from lit_zodp.errors import ConfigError, PrivacyConfigError
+from lit_zodp.errors import ConfigError, LitZodpWarning, PrivacyConfigError
 
 GLUE_TASKS = ("SST-2", "SST-5", "SNLI", "MNLI", "RTE", "TREC")
 SUPERGLUE_TASKS = ("BoolQ", "CB", "RTE", "WIC", "WSC", "COPA", "MultiRC")
@@ -267,6 +268,19 @@ def test_num_train_dev_test_subsets(tmp_path, tokenizers):
     # train and dev are disjoint draws of the training file
     train, dev = sample_pool([i % 2 for i in range(30)], list(range(30))[::-1], num_train=12, num_dev=5)
     assert train == list(range(29, 17, -1)) and dev == [17, 16, 15, 14, 13]
+
+
+
+def test_short_file_keeps_mezos_dev_set():
+    """MeZO's sample_train_sets draws the first num_train + num_dev of the permutation and makes the LAST num_dev
+    of them dev: CB (250 examples) at its script's 1000 / 100 trains on 150 and validates on 100 (COPA: 300 / 100)."""
+    order = numpy_permutation(250, 0)
+    mezo = order[: 1000 + 100]  # all 250
+    with pytest.warns(LitZodpWarning, match="dev is the last 100 of them and training the first 150"):
+        train, dev = sample_pool([i % 3 for i in range(250)], order, num_train=1000, num_dev=100)
+    assert train == mezo[:-100] and dev == mezo[-100:]
+    train, dev = sample_pool([0] * 400, numpy_permutation(400, 0), num_train=1000, num_dev=100)
+    assert (len(train), len(dev)) == (300, 100)
 
 
 def test_lm_bff_folders_are_picked_by_k_and_seed(tmp_path, tokenizers):
