@@ -429,6 +429,47 @@ def test_mlm_truncation_keeps_the_template_and_mask(tokenizers):
 # ------------------------------------------------------------------------------------ causal
 
 
+
+#: MeZO's default template of each task (large_models/templates.py; BoolQ: BoolQTemplateV3), written out: the prompt
+#: MeZO scores the candidates after (``encode(sample).strip(' ')``) and each candidate in label order, the text
+#: ``verbalize(sample, candidate)`` adds to it (its tokens are the option tokens MeZO scores)
+MEZO_CAUSAL = {
+    "SST-2": ({"sentence": " a gripping , funny film . "}, "a gripping , funny film . It was", [" terrible", " great"]),
+    "RTE": ({"premise": "Dana went home.", "hypothesis": "Dana left."},
+            'Dana went home.\nDoes this mean that "Dana left." is true? Yes or No?\n', ["Yes", "No"]),
+    "CB": ({"premise": "It rained all day.", "hypothesis": "it was wet"},
+           'Suppose It rained all day. Can we infer that "it was wet"? Yes, No, or Maybe?\n', ["Yes", "No", "Maybe"]),
+    "BoolQ": ({"passage": "Paris is the capital of France.", "question": "is paris in france"},
+              "Paris is the capital of France. Is paris in france?\n", ["No", "Yes"]),
+    "WIC": ({"word": "bank", "sentence1": "He sat on the bank.", "sentence2": "The bank was closed."},
+            'Does the word "bank" have the same meaning in these two sentences? Yes, No?\nHe sat on the bank.\n'
+            "The bank was closed.\n", ["No", "Yes"]),
+    "WSC": ({"text": "Mark told Pete he was late.", "span1_text": "Mark", "span2_text": "He"},
+            'Mark told Pete he was late.\nIn the previous sentence, does the pronoun "he" refer to Mark? Yes or No?\n',
+            ["No", "Yes"]),
+    "MultiRC": ({"paragraph": "Sent 1: Tom ran.", "question": "Who ran?", "answer": "Tom"},
+                'Sent 1: Tom ran.\nQuestion: Who ran?\nI found this answer "Tom". Is that correct? Yes or No?\n',
+                ["No", "Yes"]),
+    "COPA": ({"premise": "The man fell.", "question": "cause", "choice1": "He tripped.", "choice2": "I pushed him."},
+             "The man fell because", [" he tripped.", " I pushed him."]),
+}
+
+
+@pytest.mark.parametrize("task", sorted(MEZO_CAUSAL))
+def test_causal_templates_are_mezos_byte_for_byte(task):
+    """Spaces before the candidates, newlines, quotes, BoolQ's '?' and capital, WSC's lower-cased pronoun, COPA's
+    connective (' so ' for an effect) and lower-cased first word (but "I"), as MeZO's strings; candidates in label
+    order (CB: entailment, contradiction, neutral)."""
+    record, prompt, candidates = MEZO_CAUSAL[task]
+    spec = get_task(task)
+    assert render_text(spec.causal, record) == prompt
+    assert candidate_texts(spec, record) == candidates
+    if task == "COPA":
+        effect = {**record, "question": "effect", "choice1": "The Man cried."}
+        assert render_text(spec.causal, effect) == "The man fell so"
+        assert candidate_texts(spec, effect)[0] == " the Man cried."
+
+
 @pytest.mark.parametrize("kind", ["opt", "gpt2"])
 def test_causal_candidate_mask_covers_exactly_the_candidates(tokenizers, kind):
     tokenizer = load_hf_tokenizer(tokenizers[kind])
