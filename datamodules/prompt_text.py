@@ -602,7 +602,8 @@ class PromptTextDataModule(PublicPrivateDataModule):
         num_train: training examples (random subset; MeZO/OPT: 1000). Exclusive with ``k_shot``.
         k_dev: validation examples per class, drawn from the training examples not kept for training.
         num_dev: validation examples (random; MeZO/OPT: 500), from the same remainder. Exclusive with
-            ``k_dev``.
+            ``k_dev``. A file of fewer than ``num_train + num_dev`` examples keeps ``num_dev`` for validation
+            (its permutation's last) and trains on the rest, as MeZO (CB, COPA: ``num_dev`` 100).
         num_test: test examples (random subset of the test file's rows; the papers: 1000).
         test_seed: seed of the ``num_test`` subset. ``None``: 42 with ``k_shot`` (LM-BFF's generator in
             MeZO/DPZero's ``k-shot-1k-test`` mode draws one test subset with seed 42 for every data
