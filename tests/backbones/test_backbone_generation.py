@@ -182,3 +182,14 @@ def test_answers_are_decoded_as_mezos_transformers_and_golds_as_written(world, m
                         raising=False)
     golds = answer_token_ids(tok, [QARecord(records(1)[0].fields, ("Oak 's city", "do n't"))])
     assert model.gold_answers(golds) == [["Oak 's city", "do n't"]]
+
+
+def test_max_new_tokens_must_leave_the_prompt_a_token_in_the_models_positions(world):
+    """A prompt is cut to the positions less max_new_tokens (its BOS kept); max_new_tokens >= positions - 1 left it
+    BOS alone (or nothing) and generated past the positions: F1 of answers to no question, silently."""
+    path, _ = world
+    room = HFAnswerGenerator(path, max_new_tokens=126)._max_positions()
+    assert room == 128  # (the tiny OPT)
+    for too_many in (127, 128, 500):
+        with pytest.raises(ConfigError, match=r"^HFAnswerGenerator `max_new_tokens`: 1?\d\d\d? leaves no prompt token"):
+            HFAnswerGenerator(path, max_new_tokens=too_many)
