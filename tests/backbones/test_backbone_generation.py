@@ -243,3 +243,22 @@ def test_a_qa_fit_tests_its_best_val_loss_checkpoint_and_reloads_without_its_tok
     assert loaded.backbone._tokenizer is None
     for key, value in checkpoint["state_dict"].items():
         assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_a_max_length_beyond_the_models_positions_is_refused_at_setup_before_any_row_is_read(world):
+    """max_length above the model's positions: a row longer than them ended the fit with an index error in the
+    forward only when a private row that long was sampled (a crash whose step told that such a row exists)."""
+    from types import SimpleNamespace
+
+    from datamodules.qa import qa_backbone_mismatch
+
+    path, dm = world
+    generator = HFAnswerGenerator(path, max_new_tokens=4)
+    assert qa_backbone_mismatch(dm, generator) is None  # max_length 64 of 128 positions
+    long = QADataModule("SQuAD", "/nonexistent", tokenizer=path, max_length=129, num_train=6, num_dev=2, batch_size=2)
+    long.trainer = SimpleNamespace(lightning_module=SimpleNamespace(backbone=generator))
+    with pytest.raises(ConfigError, match=r"^`data.init_args.max_length`: 129 is more than the 128 positions of the "
+                                          r"backbone's model"):
+        long.setup("fit")
+    long.max_length = 128
+    assert qa_backbone_mismatch(long, generator) is None
