@@ -19,7 +19,8 @@ checks the parts are disjoint, and serves:
 * ``val_dataloader()`` / ``test_dataloader()``: plain sequential loaders. Under DDP every rank
   evaluates the FULL set by default (identical metrics on each rank, no synchronization needed);
   ``shard_eval=True`` shards with ``DistributedSampler(shuffle=False)`` instead (a few examples are
-  repeated when the size is not divisible by the world size, as with Lightning's own sampler).
+  repeated when the size is not divisible by the world size, as with Lightning's own sampler, and
+  the logged means count them twice: that warns).
 
 DDP requires ``Trainer(use_distributed_sampler=False)``: the data module does the distributed sampling.
 
@@ -730,20 +731,26 @@ class PublicPrivateDataModule(LightningDataModule):
     def val_dataloader(self) -> Union[DataLoader, list]:
         """Sequential loader over the validation set (the test set when none is held out)."""
         self._require_setup()
-        return [] if self.val_dataset is None else self._eval_loader(self.val_dataset)
+        return [] if self.val_dataset is None else self._eval_loader(self.val_dataset, "validation")
 
     def test_dataloader(self) -> DataLoader:
         """Sequential loader over the test set."""
         self._require_setup()
         if self.test_dataset is None:
             raise RuntimeError(f"{type(self).__name__} has no test split")
-        return self._eval_loader(self.test_dataset)
+        return self._eval_loader(self.test_dataset, "test")
 
-    def _eval_loader(self, dataset: Dataset) -> DataLoader:
+    def _eval_loader(self, dataset: Dataset, what: str = "evaluation") -> DataLoader:
         rank, world_size = self._rank_and_world_size()
         sampler = None
         if self.shard_eval and world_size > 1:
             sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+            repeated = sampler.total_size - len(dataset)
+            if repeated and rank == 0:
+                warnings.warn(f"shard_eval: the {len(dataset)} {what} rows do not divide among {world_size} ranks, so "
+                              f"the sampler repeats {repeated} of them and the logged means (loss, accuracy, F1) count "
+                              "those twice; set shard_eval: false (every rank evaluates the full set) for exact means",
+                              LitZodpWarning)
         return DataLoader(
             dataset,
             batch_size=self.eval_batch_size,

@@ -909,11 +909,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
                 raise ConfigError(error)
         ready = self._ready
         super().setup(stage)
-        if not ready and self.val_dataset is not None and self.val_dataset is self.test_dataset:
-            warnings.warn(
-                f"{self.spec.name}: no validation split (no k_dev/num_dev, no dev file in the lm-bff folder, "
-                "val_fraction 0): validation runs on the test set; set k_dev (LM-BFF: k_dev = k_shot) or num_dev",
-                LitZodpWarning)
+        if not ready:
+            warn_validation_on_test(self, f"{self.spec.name}: no validation split (no k_dev/num_dev, no dev file in "
+                                    "the lm-bff folder, val_fraction 0)", "set k_dev (LM-BFF: k_dev = k_shot) or num_dev")
 
 
 #: backbones that put a new, randomly initialised classification head on the model
@@ -951,6 +949,13 @@ def backbone_mismatch(dm: "PromptTextDataModule", backbone: Any) -> Optional[str
         return (f"Model/data mismatch: data prompt='mlm' gives masked-LM prompts, not the candidate rows {name} "
                 f"scores: {fix}")
     return None
+
+
+def warn_validation_on_test(dm: PublicPrivateDataModule, why: str, fix: str) -> None:
+    """Warn when ``dm``'s validation loader reads its test set (no validation split was drawn): its metrics, and a
+    checkpoint or early stop chosen by them, then select on the test set."""
+    if dm.val_dataset is not None and dm.val_dataset is dm.test_dataset:
+        warnings.warn(f"{why}: validation runs on the test set; {fix}", LitZodpWarning)
 
 
 def _attached_model(dm: PublicPrivateDataModule) -> Any:

@@ -454,25 +454,36 @@ class QADataModule(PublicPrivateDataModule):
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Refuse a backbone that does not generate answers (before any file is read), then load, draw and
-        tokenize (once)."""
-        from datamodules.prompt_text import _attached_model
+        tokenize (once), and warn when validation falls back to the test set."""
+        from datamodules.prompt_text import _attached_model, warn_validation_on_test
 
         model = _attached_model(self)
         if model is not None:
             error = qa_backbone_mismatch(self, getattr(model, "backbone", None))
             if error is not None:
                 raise ConfigError(error)
+        ready = self._ready
         super().setup(stage)
+        if not ready:
+            warn_validation_on_test(self, f"{self.task.name}: no validation split (num_dev null, val_fraction 0)",
+                                    "set num_dev (MeZO: 500) or val_fraction")
 
 
 def qa_backbone_mismatch(dm: QADataModule, backbone: Any) -> Optional[str]:
     """One line when ``backbone`` is a library backbone other than
-    :class:`~lit_zodp.backbones.HFAnswerGenerator` (which alone generates and scores answers), else ``None``.
+    :class:`~lit_zodp.backbones.HFAnswerGenerator` (which alone generates and scores answers), or one whose model
+    has fewer positions than ``max_length`` (a row that long, private or not, failed in the forward), else ``None``.
     A candidate scorer would train on the answer but test by a one-candidate accuracy (a traceback of the
     metric, or a meaningless 100%); a classifier would read the rows as classes. A user's own backbone passes."""
     from lit_zodp.backbones.generation import HFAnswerGenerator
 
-    if backbone is None or isinstance(backbone, HFAnswerGenerator):
+    if isinstance(backbone, HFAnswerGenerator):
+        room = backbone._max_positions()
+        if room is not None and dm.max_length > room:  # (a row that long failed in the forward when sampled)
+            return (f"`data.init_args.max_length`: {dm.max_length} is more than the {room} positions of the "
+                    f"backbone's model; set max_length <= {room} (MeZO: the positions less max_new_tokens)")
+        return None
+    if backbone is None:
         return None
     if not type(backbone).__module__.startswith("lit_zodp."):
         return None

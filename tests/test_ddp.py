@@ -6,6 +6,7 @@ disjoint shards of the same mask, all-reduce their clipped sums and add the same
 steps the parameters equal those of one process with the same global batch.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -207,3 +208,98 @@ def test_a_refusal_on_one_rank_stops_every_rank_in_one_line_each(tmp_path, rank)
         assert errors[1].startswith("lit-zodp: error: rank 0: stopped because another rank failed")
     time.sleep(1)
     assert not _processes_running(str(path)), "a rank is still running"
+
+
+QA_PROBE_MODULE = '''
+import json
+
+from lightning.pytorch.callbacks import Callback
+
+from lit_zodp.backbones import HFAnswerGenerator
+
+
+class HalfRightGenerator(HFAnswerGenerator):
+    """Generates as HFAnswerGenerator, then answers the gold "seven" where the prompt's token sum is odd: F1 and EM
+    means strictly between 0 and 1 (a tiny random model's own answers score 0), so a row counted twice shows."""
+
+    def generate_answers(self, inputs):
+        generated = super().generate_answers(inputs)
+        return ["seven" if sum(p) % 2 else g for p, g in zip(self.prompts(inputs), generated)]
+
+
+class SaveEvaluation(Callback):
+    """Every rank appends its logged val/test metrics to ``<path>.rank<r>.jsonl``."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def _save(self, trainer):
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val_", "test_"))}
+        with open(f"{self.path}.rank{trainer.global_rank}.jsonl", "a") as handle:
+            handle.write(json.dumps(metrics) + "\\n")
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self._save(trainer)
+
+    def on_test_end(self, trainer, pl_module):
+        self._save(trainer)
+'''
+
+
+def run_qa(tmp_path, name, devices) -> list[list[dict]]:
+    """A tiny generative-QA fit (QADataModule + HFAnswerGenerator, validation every 2 steps, the best val_loss
+    checkpoint tested): each rank's logged val/test metrics in order."""
+    from datamodules.testing import QA_WORDS, write_qa_files
+    from lit_zodp.backbones.tiny_hf import save_tiny_pretrained
+
+    opt = tmp_path / "opt"
+    if not opt.exists():
+        save_tiny_pretrained(opt, "opt", vocab_texts=[QA_WORDS])
+        write_qa_files(tmp_path, "SQuAD", train=3, test=3)
+        (tmp_path / "qa_probe.py").write_text(QA_PROBE_MODULE)
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": devices, "max_steps": 4, "val_check_interval": 2,
+                    "check_val_every_n_epoch": None, "logger": False, "enable_progress_bar": False,
+                    "enable_model_summary": False, "default_root_dir": str(tmp_path / name),
+                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                   "init_args": {"dirpath": str(tmp_path / name), "monitor": "val_loss"}},
+                                  {"class_path": "qa_probe.SaveEvaluation",
+                                   "init_args": {"path": str(tmp_path / name / "metrics")}}]},
+        "model": {"class_path": "lit_zodp.algorithms.DPZero", "init_args": {
+            "backbone": {"class_path": "qa_probe.HalfRightGenerator",
+                         "init_args": {"model_name_or_path": str(opt), "max_new_tokens": 3}},
+            "lr": 1e-3, "clip": 1.0, "noise_multiplier": 1.0, "seed": 7, "noise_seed": 5}},
+        "data": {"class_path": "datamodules.QADataModule", "init_args": {
+            "task": "SQuAD", "data_dir": str(tmp_path), "tokenizer": str(opt), "max_length": 64, "num_train": 8,
+            "num_dev": 3, "num_test": 5, "bos_token_id": 0, "batch_size": 4, "eval_batch_size": 2,
+            "sampling_seed": 1}},
+        "test_ckpt": "best",
+    }
+    if devices > 1:
+        config["trainer"]["strategy"] = "ddp"
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    executable = shutil.which("lit-zodp") or str(Path(sys.executable).parent / "lit-zodp")
+    if not Path(executable).exists():
+        pytest.skip("lit-zodp console script not installed (pip install -e .)")
+    result = subprocess.run([executable, "fit", "--config", str(path)], cwd=tmp_path, env=importable_from(tmp_path),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [[json.loads(line) for line in (tmp_path / name / f"metrics.rank{r}.jsonl").read_text().splitlines()]
+            for r in range(devices)]
+
+
+@pytest.mark.slow  # two CLI fits with generation (~35 s on 2 cores); run with -m slow
+def test_two_ranks_evaluate_generated_answers_as_one_process(tmp_path, spend_log_per_test):
+    """Generative QA under DDP: each rank generates over the whole evaluation split (shard_eval off) and the
+    F1/EM/loss states are summed over the ranks, so validation and test (of the best val_loss checkpoint) log the
+    means of one process, every example counted once (5 test rows, 3 validation rows: not divisible by 2)."""
+    (single,) = run_qa(tmp_path, "single", devices=1)
+    rank0, rank1 = run_qa(tmp_path, "ddp", devices=2)
+    assert [list(m) for m in single] == [["val_loss", "val_f1", "val_em"]] * 2 + [["test_loss", "test_f1", "test_em"]]
+    assert 0 < single[-1]["test_f1"] < 1 and 0 < single[0]["val_f1"] < 1
+    assert rank0 == rank1
+    for one, ddp in zip(single, rank0, strict=True):
+        assert ddp == pytest.approx(one, rel=1e-6)

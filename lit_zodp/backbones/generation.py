@@ -120,6 +120,10 @@ class HFAnswerGenerator(HFCandidateScorer):
         self.stop_at_newline = bool(stop_at_newline)
         self.generation_batch_size = generation_batch_size
         self._tokenizer: Any = None
+        room = self._max_positions()
+        if room is not None and self.max_new_tokens > room - 2:
+            raise ConfigError(f"HFAnswerGenerator `max_new_tokens`: {self.max_new_tokens} leaves no prompt token in the "
+                              f"model's {room} positions (the BOS, one prompt token and the answer): at most {room - 2}")
 
     # ------------------------------------------------------------------------------ evaluation
     def evaluation_metrics(self) -> dict[str, Metric]:

@@ -182,3 +182,83 @@ def test_answers_are_decoded_as_mezos_transformers_and_golds_as_written(world, m
                         raising=False)
     golds = answer_token_ids(tok, [QARecord(records(1)[0].fields, ("Oak 's city", "do n't"))])
     assert model.gold_answers(golds) == [["Oak 's city", "do n't"]]
+
+
+def test_max_new_tokens_must_leave_the_prompt_a_token_in_the_models_positions(world):
+    """A prompt is cut to the positions less max_new_tokens (its BOS kept); max_new_tokens >= positions - 1 left it
+    BOS alone (or nothing) and generated past the positions: F1 of answers to no question, silently."""
+    path, _ = world
+    room = HFAnswerGenerator(path, max_new_tokens=126)._max_positions()
+    assert room == 128  # (the tiny OPT)
+    for too_many in (127, 128, 500):
+        with pytest.raises(ConfigError, match=r"^HFAnswerGenerator `max_new_tokens`: 1?\d\d\d? leaves no prompt token"):
+            HFAnswerGenerator(path, max_new_tokens=too_many)
+
+
+def test_a_qa_fit_tests_its_best_val_loss_checkpoint_and_reloads_without_its_tokenizer(world, tmp_path, monkeypatch,
+                                                                                     spend_log_per_test):
+    """Table 5's shape end to end, small: a DPZero fit of HFAnswerGenerator on QADataModule validates every 2 steps,
+    tests the lowest val_loss checkpoint (`test_ckpt: best`); `lightning test --ckpt_path` of that checkpoint logs the
+    same test metrics; the checkpoint holds no tokenizer (loaded on first use only) and `load_from_checkpoint` with
+    the backbone restores every weight."""
+    import pickle
+
+    import yaml
+
+    from lit_zodp.algorithms import DPZero
+    from lit_zodp.cli import build_cli
+
+    path, dm = world
+    monkeypatch.chdir(tmp_path)
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 4, "val_check_interval": 2,
+                    "check_val_every_n_epoch": None, "logger": False, "enable_progress_bar": False,
+                    "enable_model_summary": False,
+                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                   "init_args": {"dirpath": str(tmp_path / "ckpt"), "monitor": "val_loss",
+                                                 "save_last": True}}]},
+        "model": {"class_path": "lit_zodp.algorithms.DPZero", "init_args": {
+            "backbone": {"class_path": "lit_zodp.backbones.HFAnswerGenerator",
+                         "init_args": {"model_name_or_path": path, "max_new_tokens": 3}},
+            "lr": 1e-2, "clip": 1.0, "noise_multiplier": 1.0, "seed": 7}},
+        "data": {"class_path": "datamodules.QADataModule", "init_args": {
+            "task": "SQuAD", "data_dir": dm.data_dir, "tokenizer": path, "max_length": 64, "num_train": 6,
+            "num_dev": 2, "num_test": 4, "bos_token_id": 0, "batch_size": 3, "eval_batch_size": 2}},
+        "test_ckpt": "best",
+    }
+    (tmp_path / "qa.yaml").write_text(yaml.safe_dump(config))
+    fitted = build_cli(["fit", "--config", str(tmp_path / "qa.yaml")])
+    best = fitted.trainer.checkpoint_callback.best_model_path
+    assert best and fitted.trainer.global_step == 4
+    metrics = {k: float(v) for k, v in fitted.trainer.callback_metrics.items() if k.startswith("test_")}
+    assert set(metrics) == {"test_loss", "test_f1", "test_em"}
+    checkpoint = torch.load(best, weights_only=False, map_location="cpu")
+    assert b"Tokenizer" not in pickle.dumps(checkpoint) and fitted.model.backbone._tokenizer is not None
+    config.pop("test_ckpt")
+    (tmp_path / "qa-test.yaml").write_text(yaml.safe_dump(config))
+    tested = build_cli(["test", "--config", str(tmp_path / "qa-test.yaml"), "--ckpt_path", best])
+    assert {k: float(v) for k, v in tested.trainer.callback_metrics.items()} == pytest.approx(metrics, rel=1e-9)
+    loaded = DPZero.load_from_checkpoint(best, backbone=HFAnswerGenerator(path, max_new_tokens=3))
+    assert loaded.backbone._tokenizer is None
+    for key, value in checkpoint["state_dict"].items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_a_max_length_beyond_the_models_positions_is_refused_at_setup_before_any_row_is_read(world):
+    """max_length above the model's positions: a row longer than them ended the fit with an index error in the
+    forward only when a private row that long was sampled (a crash whose step told that such a row exists)."""
+    from types import SimpleNamespace
+
+    from datamodules.qa import qa_backbone_mismatch
+
+    path, dm = world
+    generator = HFAnswerGenerator(path, max_new_tokens=4)
+    assert qa_backbone_mismatch(dm, generator) is None  # max_length 64 of 128 positions
+    long = QADataModule("SQuAD", "/nonexistent", tokenizer=path, max_length=129, num_train=6, num_dev=2, batch_size=2)
+    long.trainer = SimpleNamespace(lightning_module=SimpleNamespace(backbone=generator))
+    with pytest.raises(ConfigError, match=r"^`data.init_args.max_length`: 129 is more than the 128 positions of the "
+                                          r"backbone's model"):
+        long.setup("fit")
+    long.max_length = 128
+    assert qa_backbone_mismatch(long, generator) is None

@@ -317,6 +317,30 @@ def test_eval_loaders_full_set_per_rank_or_sharded():
     assert sorted(shards[0] + shards[1]) == list(range(20_000, 20_010))
 
 
+def test_sharded_evaluation_warns_when_the_sampler_repeats_rows(recwarn):
+    """shard_eval pads a split that does not divide among the ranks with repeated rows (DistributedSampler), which
+    every logged mean (loss, accuracy, a generative QA's F1) then counts twice: 10 rows on 3 ranks repeat 2 (measured
+    with QADataModule's 5 test rows on 2 ranks: F1 0.667 logged for 0.6). Said once, on rank 0; silent when the rows
+    divide or every rank evaluates the full set."""
+    import warnings as _warnings
+
+    from lit_zodp.errors import LitZodpWarning
+
+    def said(shard_eval, world, rank=0):
+        dm = make(n=100, batch_size=10, eval_batch_size=4, shard_eval=shard_eval)
+        dm.trainer = fake_trainer(rank, world)
+        with _warnings.catch_warnings(record=True) as caught:
+            _warnings.simplefilter("always")
+            rows = sum((pool_indices(b) for b in dm.test_dataloader()), [])
+        return [str(w.message) for w in caught if issubclass(w.category, LitZodpWarning)], rows
+
+    messages, rows = said(True, 3)
+    assert len(rows) == 4  # 10 rows padded to 12: rank 0 holds 4
+    assert len(messages) == 1 and "10 test rows" in messages[0] and "repeats 2" in messages[0]
+    assert "shard_eval: false" in messages[0] and "\n" not in messages[0]
+    assert said(True, 3, rank=1)[0] == [] and said(True, 2)[0] == [] and said(False, 3)[0] == []
+
+
 def test_worker_processes_collate_empty_batches_and_sampler_stays_in_main_process():
     dm = make(n=300, batch_size=1, sampling_seed=2, num_workers=1)  # q = 1/300: many empty batches
     reference = make(n=300, batch_size=1, sampling_seed=2)

@@ -233,3 +233,29 @@ def test_bos_token_id_starts_every_causal_prompt_row_of_a_classification_task_to
         PromptTextDataModule("SST-2", str(tmp_path), prompt="mlm", tokenizer=opt_path, bos_token_id=0)
     with pytest.raises(ConfigError, match="`bos_token_id` must be a token id"):
         PromptTextDataModule("SST-2", str(tmp_path), prompt="causal", tokenizer=opt_path, bos_token_id="0")
+
+
+def test_no_validation_draw_warns_that_validation_runs_on_the_test_set(tmp_path, opt_path, recwarn):
+    """num_dev: null and val_fraction 0: validation (and a `test_ckpt: best` selection) read the test set, which
+    PromptTextDataModule warns about and QADataModule did in silence."""
+    import warnings
+
+    from lit_zodp.errors import LitZodpWarning
+
+    write_qa_files(tmp_path, "SQuAD", train=3, test=2)
+
+    def said(**options):
+        dm = QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, max_length=64, num_train=6, batch_size=2,
+                          **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dm.setup("fit")
+            dm.setup("test")  # (said once)
+        return dm, [str(w.message) for w in caught if issubclass(w.category, LitZodpWarning)
+                    and "test set" in str(w.message)]
+
+    dm, messages = said(num_dev=None)
+    assert dm.val_dataset is dm.test_dataset
+    assert messages == ["SQuAD: no validation split (num_dev null, val_fraction 0): validation runs on the test set; "
+                        "set num_dev (MeZO: 500) or val_fraction"]
+    assert said(num_dev=2)[1] == [] and said(num_dev=None, val_fraction=0.25)[1] == []
