@@ -230,17 +230,22 @@ def sample_pool(
             taken = set(train)
             return train, [i for i in order if i not in taken][:num_dev]
         return k_shot_draw(labels, order, k_shot, k_dev, what)
-    if num_train is not None and num_dev is not None and k_dev is None and num_train + num_dev > len(order):
-        # MeZO's sample_train_sets: the first num_train + num_dev of the order (here all of it), dev the LAST num_dev,
-        # so a short file keeps its dev set and trains on fewer (CB: 250 -> 150 train + 100 dev at 1000 / 100)
-        cut = max(len(order) - num_dev, 0)
-        warnings.warn(f"{what}: num_train + num_dev = {num_train + num_dev} but the file holds {len(order)} examples; "
-                      f"as MeZO, dev is the last {len(order) - cut} of them and training the first {cut}",
-                      LitZodpWarning)
-        return list(order[:cut]), list(order[cut:])
+    # what is printed names the file's size (public), never len(order): with ``dedupe`` that counts the file's
+    # repeats, so a warning's text (or whether it fires) told whether one private row repeats another
+    size = len(labels)
+    if num_train is not None and num_dev is not None and k_dev is None:
+        # MeZO's sample_train_sets and run.py: the first num_train + num_dev of the order, dev the LAST num_dev of
+        # them, so a short file keeps its dev set and trains on fewer (CB: 250 -> 150 train + 100 dev at 1000 / 100)
+        if num_train + num_dev > size:
+            warnings.warn(f"{what}: num_train + num_dev = {num_train + num_dev} but the file holds {size} examples; as "
+                          f"MeZO, dev is the last {min(num_dev, size)} of them (shuffled) and training the rest (at most "
+                          f"{max(size - num_dev, 0)})", LitZodpWarning)
+        taken = list(order[: num_train + num_dev])
+        cut = max(len(taken) - num_dev, 0)
+        return taken[:cut], taken[cut:]
     if num_train is not None:
-        if num_train > len(order):
-            warnings.warn(f"{what}: num_train={num_train} but the file holds {len(order)} examples; kept all of them",
+        if num_train > size:
+            warnings.warn(f"{what}: num_train={num_train} but the file holds {size} examples; kept all of them",
                           LitZodpWarning)
         train, rest = list(order[:num_train]), list(order[num_train:])
     else:
@@ -249,8 +254,9 @@ def sample_pool(
     if k_dev is not None:
         _, dev = k_shot_draw(labels, rest, 0, k_dev, f"{what} (dev)")
     elif num_dev is not None:
-        if num_dev > len(rest):
-            warnings.warn(f"{what}: num_dev={num_dev} but only {len(rest)} examples are left for dev", LitZodpWarning)
+        if num_dev > size:  # num_train is None here: rest is the whole order
+            warnings.warn(f"{what}: num_dev={num_dev} but the file holds {size} examples; all of them are dev",
+                          LitZodpWarning)
         dev = rest[:num_dev]
     if train is None:
         taken = set(dev)

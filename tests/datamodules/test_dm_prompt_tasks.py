@@ -276,11 +276,38 @@ def test_short_file_keeps_mezos_dev_set():
     of them dev: CB (250 examples) at its script's 1000 / 100 trains on 150 and validates on 100 (COPA: 300 / 100)."""
     order = numpy_permutation(250, 0)
     mezo = order[: 1000 + 100]  # all 250
-    with pytest.warns(LitZodpWarning, match="dev is the last 100 of them and training the first 150"):
+    with pytest.warns(LitZodpWarning, match=r"dev is the last 100 of them \(shuffled\) and training the rest \(at most 150\)"):
         train, dev = sample_pool([i % 3 for i in range(250)], order, num_train=1000, num_dev=100)
     assert train == mezo[:-100] and dev == mezo[-100:]
     train, dev = sample_pool([0] * 400, numpy_permutation(400, 0), num_train=1000, num_dev=100)
     assert (len(train), len(dev)) == (300, 100)
+
+
+@pytest.mark.parametrize("num_train,num_dev", [(1000, 5), (27, 3), (None, 40), (40, None)])
+def test_a_short_files_warning_says_the_same_whatever_one_private_rows_text_is(tmp_path, tokenizers, num_train,
+                                                                                num_dev):
+    """Review 44: with ``dedupe`` the short-file warnings named (and fired on) the examples left after dropping
+    repeats, so what setup printed told whether one private row repeats another. They name the file's size now."""
+    write_task_files(tmp_path, "BoolQ", "superglue", per_class=15, eval_per_class=3)
+    path = tmp_path / "BoolQ" / "train.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    outputs = []
+    for text in (rows[3]["question"], "a question found nowhere else"):  # a repeat of row 3, or a fresh text
+        changed = [dict(row) for row in rows]
+        changed[7].update(question=text, passage=rows[3]["passage"] if text == rows[3]["question"] else "fresh")
+        path.write_text("".join(json.dumps(row) + "\n" for row in changed))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                make_dm(tmp_path, "BoolQ", num_train=num_train, num_dev=num_dev, dedupe=True, prompt="causal",
+                        tokenizer=tokenizers["opt"]).setup()
+                error = None
+            except Exception as err:  # noqa: BLE001 (a refusal is output too: num_dev 40 leaves no training row)
+                error = str(err)
+        outputs.append(([str(w.message) for w in caught], error))
+    assert outputs[0] == outputs[1]
+    short = [message for message in outputs[0][0] if "file holds" in message]
+    assert short == [] if (num_train, num_dev) == (27, 3) else short and all("30 examples" in m for m in short)
 
 
 def test_lm_bff_folders_are_picked_by_k_and_seed(tmp_path, tokenizers):
