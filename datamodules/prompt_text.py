@@ -959,8 +959,9 @@ def backbone_mismatch(dm: "PromptTextDataModule", backbone: Any) -> Optional[str
 
 def warn_validation_on_test(dm: PublicPrivateDataModule, why: str, fix: str) -> None:
     """Warn when ``dm``'s validation loader reads its test set (no validation split was drawn): its metrics, and a
-    checkpoint or early stop chosen by them, then select on the test set."""
-    if dm.val_dataset is not None and dm.val_dataset is dm.test_dataset:
+    checkpoint or early stop chosen by them, then select on the test set. Said on rank 0 only: under DDP every
+    rank sets up, and the line came once per rank."""
+    if dm._rank_and_world_size()[0] == 0 and dm.val_dataset is not None and dm.val_dataset is dm.test_dataset:
         warnings.warn(f"{why}: validation runs on the test set; {fix}", LitZodpWarning)
 
 

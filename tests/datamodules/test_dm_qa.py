@@ -259,3 +259,34 @@ def test_no_validation_draw_warns_that_validation_runs_on_the_test_set(tmp_path,
     assert messages == ["SQuAD: no validation split (num_dev null, val_fraction 0): validation runs on the test set; "
                         "set num_dev (MeZO: 500) or val_fraction"]
     assert said(num_dev=2)[1] == [] and said(num_dev=None, val_fraction=0.25)[1] == []
+
+
+@pytest.mark.parametrize("module", ["qa", "prompt"])
+def test_validation_on_the_test_set_is_said_on_rank_zero_only(tmp_path, opt_path, module):
+    """Review 44: every DDP rank sets up, and the warning came once per rank (2 identical lines on 2 ranks)."""
+    import warnings
+
+    from dm_helpers import fake_trainer
+
+    from datamodules import PromptTextDataModule
+    from datamodules.testing import write_task_files
+    from lit_zodp.errors import LitZodpWarning
+
+    write_qa_files(tmp_path, "SQuAD", train=3, test=2)
+    write_task_files(tmp_path, "SST-2", "glue", per_class=4)
+
+    def said(rank):
+        if module == "qa":
+            dm = QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, max_length=64, num_train=6, num_dev=None,
+                              batch_size=2)
+        else:
+            dm = PromptTextDataModule("SST-2", str(tmp_path), prompt="causal", tokenizer=opt_path, max_length=48,
+                                      batch_size=2)
+        dm.trainer = fake_trainer(rank, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dm.setup("fit")
+        assert dm.val_dataset is dm.test_dataset
+        return [str(w.message) for w in caught if issubclass(w.category, LitZodpWarning) and "test set" in str(w.message)]
+
+    assert len(said(0)) == 1 and said(1) == []
