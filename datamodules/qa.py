@@ -14,7 +14,8 @@ single candidate (:func:`datamodules.prompt_text.encode_causal`: the prompt is c
 
 Sampling (MeZO's ``sample_train_sets`` for OPT: ``num_train`` 1000, ``num_dev`` 500, ``num_test`` 1000): one
 NumPy permutation of the training split with ``data_seed``; training takes its first ``num_train`` examples
-and validation the next ``num_dev``; the test examples are the first ``num_test`` of the validation split
+and validation the next ``num_dev`` (a split shorter than both keeps ``num_dev``, the permutation's last, and
+trains on the rest, as MeZO); the test examples are the first ``num_test`` of the validation split
 permuted with ``test_seed`` (default ``data_seed``, as MeZO's ``num_eval`` draw).
 
 Files (``data_dir``, or a ``squad`` / ``drop`` folder in it):
@@ -419,7 +420,7 @@ class QADataModule(PublicPrivateDataModule):
         if self.dedupe:
             order = _first_of_each(order, [r.key() for r in train])
         what = f"{self.task.name} ({self.data_dir})"
-        pool_idx, dev_idx = _draw(order, self.num_train, self.num_dev, what)
+        pool_idx, dev_idx = _draw(order, self.num_train, self.num_dev, what, len(train))
         pool = QARecords([train[i] for i in pool_idx])
         dev = QARecords([train[i] for i in dev_idx]) if dev_idx else None
         test_order = numpy_permutation(len(test), self.data_seed if self.test_seed is None else self.test_seed)
@@ -502,16 +503,24 @@ def _first_of_each(order: Sequence[int], keys: Sequence[Any]) -> list[int]:
     return out
 
 
-def _draw(order: Sequence[int], num_train: Optional[int], num_dev: Optional[int], what: str
+def _draw(order: Sequence[int], num_train: Optional[int], num_dev: Optional[int], what: str, size: int
           ) -> tuple[list[int], list[int]]:
-    """MeZO's draw: training = the first ``num_train`` of the permutation, validation = the next ``num_dev``."""
+    """MeZO's draw (``sample_train_sets`` and ``run.py``): the first ``num_train + num_dev`` of the permutation,
+    validation the last ``num_dev`` of them, training the rest (``num_train`` when the split is long enough).
+    ``size``: the training split's example count (public); what is printed names it, never ``len(order)``, which with
+    ``dedupe`` counts the split's repeats, so a warning told whether one private row repeats another."""
     if num_train is None:
         dev = list(order[: num_dev or 0])
         return sorted(set(order) - set(dev)), dev
-    if num_train + (num_dev or 0) > len(order):
-        warnings.warn(f"{what}: num_train + num_dev = {num_train + (num_dev or 0)} but the training split holds "
-                      f"{len(order)} examples; kept what there is", LitZodpWarning)
-    return list(order[:num_train]), list(order[num_train : num_train + (num_dev or 0)])
+    wanted = num_train + (num_dev or 0)
+    if wanted > size:
+        kept = (f"as MeZO, dev is the last {min(num_dev, size)} of them (shuffled) and training the rest (at most "
+                f"{max(size - num_dev, 0)})" if num_dev else "kept all of them")
+        warnings.warn(f"{what}: num_train + num_dev = {wanted} but the training split holds {size} examples; {kept}",
+                      LitZodpWarning)
+    taken = list(order[:wanted])
+    cut = max(len(taken) - (num_dev or 0), 0)
+    return taken[:cut], taken[cut:]
 
 
 __all__ = [

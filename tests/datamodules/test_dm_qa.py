@@ -290,3 +290,32 @@ def test_validation_on_the_test_set_is_said_on_rank_zero_only(tmp_path, opt_path
         return [str(w.message) for w in caught if issubclass(w.category, LitZodpWarning) and "test set" in str(w.message)]
 
     assert len(said(0)) == 1 and said(1) == []
+
+
+@pytest.mark.parametrize("num_train,num_dev", [(1000, 3), (10, 2), (20, None)])
+def test_a_short_qa_split_draws_as_mezo_and_says_the_same_whatever_one_private_rows_text_is(tmp_path, opt_path,
+                                                                                           num_train, num_dev):
+    """Review 44: MeZO keeps num_dev for dev when the split is short (dev: the permutation's last num_dev); with
+    ``dedupe`` the warning named, and fired on, the examples left once repeats were dropped (one private question
+    repeating another changed what setup printed). It names the split's size now."""
+    import warnings
+
+    folder = write_qa_files(tmp_path, "SQuAD", train=3, test=2)  # 3 articles x 2 passages x 2 questions: 12
+    path = folder / "train-v1.1.json"
+    data = json.loads(path.read_text())
+    outputs = []
+    for repeat in (True, False):
+        changed = json.loads(json.dumps(data))
+        qas = changed["data"][1]["paragraphs"][0]["qas"]
+        qas[1]["question"] = qas[0]["question"] if repeat else "a question found nowhere else"
+        path.write_text(json.dumps(changed))
+        dm = QADataModule("SQuAD", str(tmp_path), tokenizer=opt_path, max_length=64, num_train=num_train,
+                          num_dev=num_dev, batch_size=2, dedupe=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dm.setup("fit")
+        outputs.append([str(w.message) for w in caught if "holds" in str(w.message)])
+        if not repeat and num_dev == 3:  # 12 examples: MeZO's 1003 are all of them, dev the last 3
+            assert (len(dm.pool_dataset), len(dm.val_dataset)) == (9, 3)
+    assert outputs[0] == outputs[1]
+    assert (outputs[0] == []) if (num_train, num_dev) == (10, 2) else ("12 examples" in outputs[0][0])
