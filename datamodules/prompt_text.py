@@ -237,9 +237,9 @@ def sample_pool(
         # MeZO's sample_train_sets and run.py: the first num_train + num_dev of the order, dev the LAST num_dev of
         # them, so a short file keeps its dev set and trains on fewer (CB: 250 -> 150 train + 100 dev at 1000 / 100)
         if num_train + num_dev > size:
-            warnings.warn(f"{what}: num_train + num_dev = {num_train + num_dev} but the file holds {size} examples; as "
-                          f"MeZO, dev is the last {min(num_dev, size)} of them (shuffled) and training the rest (at most "
-                          f"{max(size - num_dev, 0)})", LitZodpWarning)
+            warnings.warn(f"{what}: num_train + num_dev = {num_train + num_dev} but the file holds {size} examples; "
+                          f"as MeZO, dev is the last {min(num_dev, size)} of them (shuffled) and training the rest "
+                          f"(at most {max(size - num_dev, 0)})", LitZodpWarning)
         taken = list(order[: num_train + num_dev])
         cut = max(len(taken) - num_dev, 0)
         return taken[:cut], taken[cut:]

@@ -276,7 +276,8 @@ def test_short_file_keeps_mezos_dev_set():
     of them dev: CB (250 examples) at its script's 1000 / 100 trains on 150 and validates on 100 (COPA: 300 / 100)."""
     order = numpy_permutation(250, 0)
     mezo = order[: 1000 + 100]  # all 250
-    with pytest.warns(LitZodpWarning, match=r"dev is the last 100 of them \(shuffled\) and training the rest \(at most 150\)"):
+    with pytest.warns(LitZodpWarning, match=r"dev is the last 100 of them \(shuffled\) and training the rest "
+                                            r"\(at most 150\)"):
         train, dev = sample_pool([i % 3 for i in range(250)], order, num_train=1000, num_dev=100)
     assert train == mezo[:-100] and dev == mezo[-100:]
     train, dev = sample_pool([0] * 400, numpy_permutation(400, 0), num_train=1000, num_dev=100)

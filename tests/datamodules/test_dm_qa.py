@@ -287,7 +287,8 @@ def test_validation_on_the_test_set_is_said_on_rank_zero_only(tmp_path, opt_path
             warnings.simplefilter("always")
             dm.setup("fit")
         assert dm.val_dataset is dm.test_dataset
-        return [str(w.message) for w in caught if issubclass(w.category, LitZodpWarning) and "test set" in str(w.message)]
+        return [str(w.message) for w in caught
+                if issubclass(w.category, LitZodpWarning) and "test set" in str(w.message)]
 
     assert len(said(0)) == 1 and said(1) == []
 
