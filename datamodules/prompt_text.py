@@ -464,19 +464,19 @@ def candidate_texts(spec: TaskSpec, record: Mapping[str, str]) -> list[str]:
 
 
 def encode_causal(
-    tokenizer: Any, spec: TaskSpec, records: Sequence[Mapping[str, str]], max_length: int,
-    cut_candidates: bool = False,
+    tokenizer: Any, spec: TaskSpec, records: Sequence[Mapping[str, str]], max_length: int
 ) -> dict[str, Tensor]:
     """Candidate-scoring inputs ``{input_ids, attention_mask, candidate_mask}`` ``[N, K, max_length]``.
 
-    ``cut_candidates``: a candidate longer than ``max_length`` less the special prefix and one prompt token keeps
-    its first tokens that fit, where it is refused otherwise. For candidates that are a row's own text (a QA
-    answer): a refusal would tell that some private answer is that long."""
+    A candidate that is a row's own text (COPA's choices, a QA answer) and is longer than ``max_length`` less the
+    special prefix and one prompt token keeps its first tokens that fit: a refusal would tell that some private
+    row's text is that long (reviews 41, 44). Candidates shared by every row (label words) are public and refused
+    when they do not fit."""
     if spec.causal is None:
         raise ValueError(f"{spec.name} has no causal template; prompt modes: {list(spec.prompt_modes)}")
     prefix, _ = special_affixes(tokenizer)
     longest = max_length - len(prefix) - 1
-    if cut_candidates and longest < 1:
+    if spec.fixed_candidates is None and longest < 1:
         raise ValueError(f"{spec.name}: max_length={max_length} leaves no room for a prompt token and an answer "
                          "token; raise max_length")
     prompts = _token_ids(tokenizer, [render_text(spec.causal, r) for r in records])
@@ -486,9 +486,7 @@ def encode_causal(
         shared = _token_ids(tokenizer, fixed)
         candidates = [shared] * len(records)
     else:
-        flat = _token_ids(tokenizer, [t for r in records for t in candidate_texts(spec, r)])
-        if cut_candidates:
-            flat = [c[:longest] for c in flat]
+        flat = [c[:longest] for c in _token_ids(tokenizer, [t for r in records for t in candidate_texts(spec, r)])]
         candidates = [flat[i * k : (i + 1) * k] for i in range(len(records))]
     n = len(records)
     shape = (n, k, max_length)

@@ -438,8 +438,7 @@ class QADataModule(PublicPrivateDataModule):
         ``max_length`` less the BOS and one prompt token keeps its first tokens: refusing it would tell that a
         private answer is that long (MeZO would keep the row's last tokens)."""
         records, labels = items_and_labels(dataset, QARecords, "records")
-        inputs = encode_causal(self.tokenizer, self.task.spec, [r.prompt_record() for r in records], self.max_length,
-                               cut_candidates=True)
+        inputs = encode_causal(self.tokenizer, self.task.spec, [r.prompt_record() for r in records], self.max_length)
         return TensorPairDataset(start_rows_with(inputs, self.tokenizer, self.bos_token_id, self.tokenizer_name), labels)
 
     def materialize_evaluation(self, dataset: Dataset) -> TensorPairDataset:

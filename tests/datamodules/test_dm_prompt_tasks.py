@@ -538,9 +538,16 @@ def test_causal_truncation_cuts_the_prompt_from_the_left(tokenizers):
         assert ids[0] == tokenizer.bos_token_id
         assert tokenizer.decode(ids[out["candidate_mask"][0, j].bool()]) == cand
         assert tokenizer.decode(ids[out["attention_mask"][0, j].bool()]).endswith("w299 Is it true?\n" + cand)
+    # a choice is a private row's text: too long, it keeps its first tokens (a refusal told that some private choice
+    # was that long; review 44); the shared label words are public and refused when they cannot fit
+    copa = {"premise": "p", "choice1": "a " * 20, "choice2": "b", "question": "cause"}
+    out = encode_causal(tokenizer, get_task("COPA"), [copa], 8)
+    long_choice = tokenizer(candidate_texts(get_task("COPA"), copa)[0], add_special_tokens=False)["input_ids"]
+    row = out["input_ids"][0, 0][out["attention_mask"][0, 0].bool()].tolist()
+    assert len(row) == 8 and row[0] == tokenizer.bos_token_id and row[2:] == long_choice[:6]
+    assert out["candidate_mask"][0, 0].sum() == 6 and out["candidate_mask"][0, 1].sum() >= 1
     with pytest.raises(ValueError, match="does not fit"):
-        encode_causal(tokenizer, get_task("COPA"), [{"premise": "p", "choice1": "a " * 20, "choice2": "b",
-                                                   "question": "cause"}], 8)
+        encode_causal(tokenizer, get_task("SST-5"), [{"sentence": "fine"}], 1)
 
 
 def test_causal_datamodule_batches_and_empty_batches(tmp_path, tokenizers):
