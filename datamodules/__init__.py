@@ -7,7 +7,7 @@ from datamodules.prompt_text import PromptRecords, PromptTextDataModule
 from datamodules.qa import QA_TASK_NAMES, QADataModule
 from datamodules.synthetic import QuadraticDataModule, SyntheticClassificationDataModule
 from datamodules.text import MovieReviewsDataModule
-from datamodules.text_tasks import TASK_NAMES, TaskSpec, get_task, load_task, template_table
+from datamodules.text_tasks import TASK_NAMES, VARYING_TASK_NAMES, TaskSpec, get_task, load_task, template_table
 from datamodules.vision import CIFAR10DataModule, DigitsDataModule, MLXtendMNISTDataModule, MNISTDataModule
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "QA_TASK_NAMES",
     "SyntheticClassificationDataModule",
     "TASK_NAMES",
+    "VARYING_TASK_NAMES",
     "TaskSpec",
     "TensorPairDataset",
     "TextDataset",

@@ -90,6 +90,7 @@ from datamodules.text_tasks import (
     MASK,
     PROMPT_MODES,
     TASK_NAMES,
+    VARYING_TASK_NAMES,
     Field,
     TaskData,
     TaskSpec,
@@ -464,14 +465,20 @@ def candidate_texts(spec: TaskSpec, record: Mapping[str, str]) -> list[str]:
 
 
 def encode_causal(
-    tokenizer: Any, spec: TaskSpec, records: Sequence[Mapping[str, str]], max_length: int
+    tokenizer: Any, spec: TaskSpec, records: Sequence[Mapping[str, str]], max_length: int,
+    num_candidates: Optional[int] = None,
 ) -> dict[str, Tensor]:
     """Candidate-scoring inputs ``{input_ids, attention_mask, candidate_mask}`` ``[N, K, max_length]``.
 
     A candidate that is a row's own text (COPA's choices, a QA answer) and is longer than ``max_length`` less the
     special prefix and one prompt token keeps its first tokens that fit: a refusal would tell that some private
     row's text is that long (reviews 41, 44). Candidates shared by every row (label words) are public and refused
-    when they do not fit."""
+    when they do not fit.
+
+    A task with ``varying_candidates`` (ReCoRD) pads each example to ``K = num_candidates`` (default: the most
+    candidates of ``records``) with absent rows: no token attended to, no candidate token (pad ids), which
+    :class:`~lit_zodp.backbones.HFCandidateScorer` scores ``-inf`` without running them; ``gold_mask [N, K]``
+    (long) is added, 1 on each example's gold candidates (any is a correct prediction)."""
     if spec.causal is None:
         raise ValueError(f"{spec.name} has no causal template; prompt modes: {list(spec.prompt_modes)}")
     prefix, _ = special_affixes(tokenizer)
@@ -482,7 +489,15 @@ def encode_causal(
     prompts = _token_ids(tokenizer, [render_text(spec.causal, r) for r in records])
     k = spec.num_classes
     fixed = spec.fixed_candidates
-    if fixed is not None:
+    golds = None
+    if spec.varying_candidates is not None:
+        texts, golds = zip(*(spec.varying_candidates(r) for r in records)) if records else ((), ())
+        k = max((len(t) for t in texts), default=1) if num_candidates is None else num_candidates
+        if any(len(t) > k for t in texts):  # (a caller's K below its own examples' count: no count of any example)
+            raise ValueError(f"{spec.name}: num_candidates is smaller than an example's number of candidates")
+        flat = iter(c[:longest] for c in _token_ids(tokenizer, [t for ts in texts for t in ts]))
+        candidates = [[next(flat) for _ in ts] for ts in texts]
+    elif fixed is not None:
         shared = _token_ids(tokenizer, fixed)
         candidates = [shared] * len(records)
     else:
@@ -495,7 +510,7 @@ def encode_causal(
     candidate_mask = torch.zeros(shape, dtype=torch.long)
     for i in range(n):
         cands = candidates[i]
-        if any(len(c) == 0 for c in cands):
+        if not cands or any(len(c) == 0 for c in cands):
             raise ValueError(f"{spec.name}: an example has an empty candidate")  # (no row's place or text in it)
         room = max_length - len(prefix) - max(len(c) for c in cands)
         if room < 0:
@@ -512,7 +527,13 @@ def encode_causal(
             input_ids[i, j, : len(row)] = torch.tensor(row, dtype=torch.long)
             attention[i, j, : len(row)] = 1
             candidate_mask[i, j, start : len(row)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention, "candidate_mask": candidate_mask}
+    if golds is None:
+        return {"input_ids": input_ids, "attention_mask": attention, "candidate_mask": candidate_mask}
+    gold_mask = torch.zeros((n, k), dtype=torch.long)
+    for i, gold in enumerate(golds):
+        gold_mask[i, list(gold)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention, "candidate_mask": candidate_mask,
+            "gold_mask": gold_mask}
 
 
 def encode_plain(
@@ -540,14 +561,18 @@ def encode_records(
     records: Sequence[Mapping[str, str]],
     prompt: str,
     max_length: int,
+    num_candidates: Optional[int] = None,
     **mlm_options: Any,
 ) -> dict[str, Tensor]:
     """Tensors of ``records`` in a prompt mode (``"mlm"``, ``"causal"`` or ``"none"``); ``mlm_options``
-    (``first_sent_limit``, ``truncation``, ``faithful``) go to :func:`encode_mlm`."""
+    (``first_sent_limit``, ``truncation``, ``faithful``) go to :func:`encode_mlm`, ``num_candidates`` (the ``K``
+    of a task with ``varying_candidates``) to :func:`encode_causal`."""
     if prompt not in ENCODERS:
         raise ValueError(f"Unknown prompt mode {prompt!r}; expected one of {list(ENCODERS)}")
     if prompt == "mlm":
         return encode_mlm(tokenizer, spec, records, max_length, **mlm_options)
+    if prompt == "causal":
+        return encode_causal(tokenizer, spec, records, max_length, num_candidates)
     return ENCODERS[prompt](tokenizer, spec, records, max_length)
 
 
@@ -696,7 +721,8 @@ class PromptTextDataModule(PublicPrivateDataModule):
         self.bos_token_id = bos_token_id
         self.spec: Optional[TaskSpec] = _try_task(task)
         self.public_spec: Optional[TaskSpec] = _try_task(public_task) if public_task is not None else None
-        self.known_num_classes = self.spec.num_classes if self.spec is not None else None
+        # (a task whose candidates vary per example knows its K after reading the data: see load_splits)
+        self.known_num_classes = self.spec.num_classes or None if self.spec is not None else None
         self._tokenizer = None
         self.task_data = None
         super().__init__(**kwargs)
@@ -721,7 +747,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
         if self.bos_token_id is not None and self.prompt != "causal":
             errors.append("`bos_token_id` applies to prompt='causal' only (the first token of a causal LM's rows)")
         if self.spec is None:
-            errors.append(f"Unknown task {self.task!r}; expected one of {list(TASK_NAMES)}")
+            errors.append(f"Unknown task {self.task!r}; expected one of {[*TASK_NAMES, *VARYING_TASK_NAMES]}")
         for name in ("data_format", "public_data_format"):
             if getattr(self, name) not in DATA_FORMATS:
                 errors.append(f"Expected `{name}` in {DATA_FORMATS}, but got {getattr(self, name)!r}")
@@ -731,6 +757,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
             errors.append(
                 f"Task {self.spec.name} supports prompt modes {self.spec.prompt_modes}, not {self.prompt!r}"
             )
+        if self.spec is not None and self.spec.varying_candidates is not None and (
+                self.k_shot is not None or self.k_dev is not None or self.public_k_shot is not None):
+            errors.append(f"{self.spec.name} has no classes to draw k examples of: use num_train / num_dev")
         if self.k_shot is not None and self.num_train is not None:
             errors.append("Give `k_shot` (examples per class) or `num_train` (examples), not both")
         if self.k_dev is not None and self.num_dev is not None:
@@ -741,7 +770,8 @@ class PromptTextDataModule(PublicPrivateDataModule):
             errors.append(f"Expected `tokenizer` to be a model id or path, but got {self.tokenizer_name!r}")
         if self.public_task is not None:
             if self.public_spec is None:
-                errors.append(f"Unknown public_task {self.public_task!r}; expected one of {list(TASK_NAMES)}")
+                errors.append(f"Unknown public_task {self.public_task!r}; expected one of "
+                              f"{[*TASK_NAMES, *VARYING_TASK_NAMES]}")
             elif self.spec is not None and (
                 self.public_spec.labels != self.spec.labels or self.public_spec.fields != self.spec.fields
             ):
@@ -777,8 +807,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
 
     @property
     def num_candidates(self) -> int:
-        """``K``: candidates per example in causal mode (the number of classes)."""
-        return self.spec.num_classes
+        """``K``: candidates per example in causal mode (the number of classes; for a task whose candidates vary,
+        ReCoRD, the most any example of the data module's splits has, known after ``setup()``)."""
+        return self.spec.num_classes or self.num_classes
 
     @property
     def template(self) -> str:
@@ -846,14 +877,20 @@ class PromptTextDataModule(PublicPrivateDataModule):
         pool = PromptRecords.from_split(train, pool_idx)
         test = PromptRecords.from_split(data.test, row_subset(data.test, self.num_test, self.resolved_test_seed))
         pool_ids = [record_key(spec, r) for r in pool.records]
-        splits = DataSplits(train=pool, val=dev, test=test, num_classes=spec.num_classes, train_ids=pool_ids,
+        public = self._load_public() if self.public_task is not None else None
+        num_classes = spec.num_classes
+        if spec.varying_candidates is not None:  # every split padded to one K: the most candidates of any example
+            every = [*pool.records, *(dev.records if dev is not None else ()), *test.records,
+                     *(public[0].records if public is not None else ())]
+            num_classes = max((len(spec.varying_candidates(r)[0]) for r in every), default=1)
+        splits = DataSplits(train=pool, val=dev, test=test, num_classes=num_classes, train_ids=pool_ids,
                             val_ids=None if dev is None else [record_key(spec, r) for r in dev.records],
                             train_groups=record_groups(spec, pool.records),
                             val_groups=None if dev is None else record_groups(spec, dev.records),
                             val_from_train_file=dev is not None and data.data_format != "lm-bff",
                             deduplicated=self.dedupe)
-        if self.public_task is not None:
-            splits.public, splits.public_ids = self._load_public()
+        if public is not None:
+            splits.public, splits.public_ids = public
         return splits
 
     def _read(self, spec: TaskSpec, option: str, folder: str, data_format: str, k_shot: Optional[int]) -> TaskData:
@@ -894,6 +931,8 @@ class PromptTextDataModule(PublicPrivateDataModule):
         if self.prompt == "mlm":
             options = {"first_sent_limit": self.first_sent_limit, "truncation": self.truncation,
                        "faithful": self.faithful}
+        if self.prompt == "causal" and self.spec.varying_candidates is not None:
+            options = {"num_candidates": self._num_classes}
         inputs = encode_records(self.tokenizer, self.spec, records, self.prompt, self.max_length, **options)
         return TensorPairDataset(start_rows_with(inputs, self.tokenizer, self.bos_token_id, self.tokenizer_name), labels)
 
@@ -909,6 +948,10 @@ class PromptTextDataModule(PublicPrivateDataModule):
         model = _attached_model(self)
         if model is not None:
             error = backbone_mismatch(self, getattr(model, "backbone", None))
+            if error is None and not self._ready and self.spec.varying_candidates is not None and (
+                    getattr(model, "num_classes", None) is not None):
+                error = (f"{self.spec.name}'s examples have varying numbers of candidates: leave the model's "
+                         "`num_classes` (and the backbone's) unset; the data module sets it")
             if error is not None:
                 raise ConfigError(error)
         ready = self._ready

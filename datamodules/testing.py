@@ -113,6 +113,7 @@ DIR_NAMES = {
     "wsc": "WSC",
     "copa": "COPA",
     "multirc": "MultiRC",
+    "record": "ReCoRD",
 }
 _SST5_WORDS = ("awful", "weak", "middling", "nice", "wonderful")
 _MNLI_TRAIN = (
@@ -263,6 +264,45 @@ def _write_jsonl(spec: TaskSpec, key: str, path: Path, examples, with_labels: bo
     return path
 
 
+#: Entity names of the synthetic ReCoRD passages (:func:`record_object`)
+RECORD_NAMES = ("Alice", "Bob", "Paris", "London", "Acme", "Oak")
+
+
+def record_object(i: int, with_answers: bool = True) -> dict[str, Any]:
+    """Passage ``i`` of a synthetic ReCoRD file in SuperGLUE's nested layout (``passage{text, entities[{start,
+    end}]}`` with inclusive ends, ``qas[{query, answers[{start, end, text}], idx}]``): ``2 + i % 4`` distinct
+    entities, the first mentioned twice, and two queries; the first query's answers are two mentions of one
+    entity, the second's (when ``i`` is even) two different entities."""
+    names = RECORD_NAMES[: 2 + i % 4]
+    text = (f"{names[0]} met {' and '.join(names[1:])} in the park, story {i}. {names[0]} smiled.\n"
+            f"@highlight\n{names[-1]} was there {i}\n@highlight\nThe sun rose")
+
+    def mentions(name: str) -> list[dict[str, Any]]:
+        starts = [k for k in range(len(text)) if text.startswith(name, k)]
+        return [{"start": k, "end": k + len(name) - 1, "text": name} for k in starts]
+
+    entities = [{"start": m["start"], "end": m["end"]} for name in names for m in mentions(name)]
+    golds = [mentions(names[0])] + [mentions(names[1]) + mentions(names[-1]) if i % 2 == 0 else mentions(names[-1])]
+    qas = []
+    for q, answers in enumerate(golds):
+        qa = {"query": f"@placeholder was happy in story {i} part {q} .", "idx": 2 * i + q}
+        if with_answers:
+            qa["answers"] = answers
+        qas.append(qa)
+    return {"source": "Synthetic", "passage": {"text": text, "entities": entities}, "qas": qas, "idx": i}
+
+
+def _write_record(folder: Path, train: int, test: int) -> Path:
+    """ReCoRD's ``train.jsonl`` (``train`` passages), ``val.jsonl`` and an unanswered ``test.jsonl``."""
+    for name, objects in (("train", [record_object(i) for i in range(train)]),
+                          ("val", [record_object(10_000 + i) for i in range(test)]),
+                          ("test", [record_object(20_000 + i, with_answers=False) for i in range(2)])):
+        with open(folder / f"{name}.jsonl", "w", encoding="utf-8") as handle:
+            for obj in objects:
+                handle.write(json.dumps(obj) + "\n")
+    return folder
+
+
 def write_task_files(
     root: Union[str, os.PathLike],
     task: str,
@@ -281,6 +321,9 @@ def write_task_files(
             and an unlabelled ``test.jsonl``).
         per_class: training examples per class (``glue``/``superglue``).
         eval_per_class: dev/test examples per class.
+
+        ReCoRD (no classes): ``per_class`` training and ``eval_per_class`` validation passages of two queries each
+        (:func:`record_object`), ``superglue`` layout only.
         k_seed_folders: ``(k, seed)`` of the ``lm-bff`` folders; each has ``k`` training examples per
             class (different ones per seed).
     """
@@ -288,6 +331,10 @@ def write_task_files(
     key = next(k for k, v in TASKS.items() if v is spec)
     folder = Path(root) / DIR_NAMES[key]
     folder.mkdir(parents=True, exist_ok=True)
+    if key == "record":  # no classes: per_class passages (two queries each), eval_per_class validation passages
+        if data_format != "superglue":
+            raise ValueError(f"{spec.name} has the superglue layout only")
+        return _write_record(folder, per_class, eval_per_class)
     train = synthetic_examples(spec, per_class)
     test = synthetic_examples(spec, eval_per_class, offset=10_000)
     if data_format == "glue":

@@ -1,7 +1,9 @@
 """The language-model task suite of the papers: readers, label lists, prompt templates and candidates.
 
-Twelve tasks: SST-2, SST-5, SNLI, MNLI, RTE, TREC (LM-BFF / MeZO RoBERTa-large setting, DPZero Table 2)
-and BoolQ, CB, WIC, WSC, COPA, MultiRC (SuperGLUE, MeZO OPT setting, DPZero Table 4, MeZO-BCD).
+Thirteen tasks: SST-2, SST-5, SNLI, MNLI, RTE, TREC (LM-BFF / MeZO RoBERTa-large setting, DPZero Table 2)
+and BoolQ, CB, WIC, WSC, COPA, MultiRC, ReCoRD (SuperGLUE, MeZO OPT setting, DPZero Table 4, MeZO-BCD).
+ReCoRD (``VARYING_TASK_NAMES``) is causal only and has no classes: each example's candidates are its passage's
+entities, several of which may be gold (:attr:`TaskSpec.varying_candidates`).
 :func:`load_task` reads a local folder in one of the standard layouts (or a Hugging Face ``datasets``
 name) and returns normalized records: one ``dict`` of canonical text fields plus an integer label per
 example. Rendering the records into tensors is done by :mod:`datamodules.prompt_text`.
@@ -54,7 +56,9 @@ writes them) with the per-task formats above; ``k_shot`` and the seed select the
 line). ``val.jsonl`` is the test set (the SuperGLUE test labels are hidden; MeZO evaluates on the
 validation set too; ``dev.jsonl`` is accepted in its place). Fields: BoolQ ``passage, question, label
 (bool)`` (Google's original BoolQ, ``train.jsonl`` + ``dev.jsonl``, names it ``answer`` and adds an
-unread ``title``); CB/RTE ``premise, hypothesis, label (str)``; WiC ``word, sentence1, sentence2, label
+unread ``title``); ReCoRD ``passage{text, entities[{start, end}]}, qas[{query, answers[{start, end, text}]}]``
+(inclusive ends), flattened to one example per query (the Hugging Face layout ``passage, query, entities,
+answers`` too); CB/RTE ``premise, hypothesis, label (str)``; WiC ``word, sentence1, sentence2, label
 (bool)``; WSC ``text, target{span1_text, span2_text}, label (bool)``; COPA ``premise, choice1, choice2,
 question (cause|effect), label (0|1)``; MultiRC ``passage{text, questions[{question, answers[{text,
 label}]}]}``, flattened to one example per (paragraph, question, answer). The Hugging Face flat variants
@@ -199,6 +203,12 @@ def _copa_connective(question: str) -> str:
         raise ValueError(f"COPA question must be 'cause' or 'effect', got {question!r}") from None
 
 
+def _record_highlights(text: str) -> str:
+    """MeZO's ReCoRD passage (``ReCoRDTemplateGPT3``): each ``@highlight`` line becomes a ``- `` item; the
+    prompt's leading spaces go (MeZO strips the rendered text of spaces)."""
+    return text.replace("@highlight\n", "- ").lstrip(" ")
+
+
 TRANSFORMS: dict[str, Callable[[str], str]] = {
     "drop_last": _drop_last,
     "drop_final_punctuation": _drop_final_punctuation,
@@ -209,6 +219,7 @@ TRANSFORMS: dict[str, Callable[[str], str]] = {
     "lower_first_word": _lower_first_word,
     "lower": str.lower,
     "copa_connective": _copa_connective,
+    "record_highlights": _record_highlights,
 }
 
 
@@ -284,6 +295,10 @@ class TaskSpec:
         group_field: the field naming the unit several rows share (MultiRC: the paragraph, one row per
             answer option), or ``None``. The privacy unit stays one row; the public and validation
             hold-outs are carved by whole groups, so no paragraph is on both sides of the private set.
+        varying_candidates: for a task whose examples each have their own number of candidates (ReCoRD: one per
+            entity of the passage), a function of a record giving its candidate completions and the indices of its
+            gold ones (any of which is a correct prediction); ``labels`` is then empty and an example's label is the
+            index of its first gold candidate (the one trained on). ``None``: one candidate per class.
     """
 
     name: str
@@ -304,10 +319,12 @@ class TaskSpec:
     flatten: Optional[Callable[[Mapping[str, Any]], list[dict[str, Any]]]] = None
     folder_names: tuple[str, ...] = ()
     group_field: Optional[str] = None
+    varying_candidates: Optional[Callable[[Mapping[str, str]], tuple[list[str], list[int]]]] = None
 
     @property
     def num_classes(self) -> int:
-        """Number of classes; in causal mode the number of candidates per example."""
+        """Number of classes; in causal mode the number of candidates per example (0: it varies, see
+        ``varying_candidates``)."""
         return len(self.labels)
 
     @property
@@ -328,6 +345,8 @@ class TaskSpec:
         key = normalize_label(raw)
         if key in self.skip_labels:
             return None
+        if self.varying_candidates is not None:  # the first gold candidate's index; anything else: no gold (skipped)
+            return int(key) if key.isdigit() else None
         table = {str(i): i for i in range(self.num_classes)}
         table.update({name.lower(): i for i, name in enumerate(self.labels)})
         table.update(self.label_aliases)
@@ -424,6 +443,40 @@ def _flatten_boolq(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     if record.get("label") is None and "answer" in record:
         return [{**record, "label": record["answer"]}]
     return [dict(record)]
+
+
+def _record_row(passage: str, query: str, entities: Sequence[str], answers: Sequence[str]) -> dict[str, Any]:
+    """One ReCoRD example: the entities and answers as sorted, distinct texts (Hugging Face's ``super_glue``
+    ``record``, which MeZO reads), stored as JSON lists so that a record stays a mapping of strings. The label
+    is the index of the first answer (in sorted order) among the entities, MeZO's ``correct_candidate[0]``; -1
+    (an unlabelled row, dropped) when no answer is an entity (SuperGLUE's hidden test answers)."""
+    entities = sorted({str(e) for e in entities})
+    answers = sorted({str(a) for a in answers})
+    label = next((entities.index(a) for a in answers if a in entities), -1)
+    return {"passage": str(passage), "query": str(query), "entities": json.dumps(entities),
+            "answers": json.dumps(answers), "label": label}
+
+
+def _flatten_record(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """SuperGLUE ReCoRD (``passage{text, entities[{start, end}]}, qas[{query, answers[{start, end, text}]}]``, the
+    ends inclusive): one example per query, the passage's entities its candidates. The Hugging Face layout (one row
+    per query: ``passage, query, entities, answers`` as texts) is read too."""
+    passage = record.get("passage")
+    if not isinstance(passage, Mapping):
+        return [_record_row(passage, record.get("query"), record.get("entities") or (), record.get("answers") or ())]
+    text = passage["text"]
+    entities = [text[e["start"] : e["end"] + 1] for e in passage.get("entities", [])]
+    return [_record_row(text, qa["query"], entities, [a["text"] for a in qa.get("answers") or ()])
+            for qa in record.get("qas", [])]
+
+
+def _record_candidates(record: Mapping[str, str]) -> tuple[list[str], list[int]]:
+    """ReCoRD's candidates: the query with ``@placeholder`` replaced by each entity, after ``"\n-"`` (MeZO's
+    ``ReCoRDTemplateGPT3.verbalize`` less its ``encode``: ``" " + query``, trailing spaces stripped); the gold
+    ones are the entities among the answers."""
+    entities, answers = json.loads(record["entities"]), set(json.loads(record["answers"]))
+    texts = [(" " + record["query"].replace("@placeholder", entity)).rstrip(" ") for entity in entities]
+    return texts, [i for i, entity in enumerate(entities) if entity in answers]
 
 
 _SUPERGLUE = ("super_glue", {"train": "train", "test": "validation"})
@@ -680,9 +733,28 @@ _register(
     )
 )
 
-#: Canonical task names, in the papers' order (DPZero Table 2, then the SuperGLUE tasks of MeZO).
+_register(
+    TaskSpec(
+        name="ReCoRD",
+        labels=(),
+        fields=("passage", "query", "entities", "answers"),
+        field_aliases={k: (k,) for k in ("passage", "query", "entities", "answers")},
+        # MeZO's ReCoRDTemplateGPT3: encode f"{passage}\n-", verbalize f"{passage}\n- {query}" (@placeholder filled)
+        causal=(Field("passage", transform=("record_highlights",), strip=False), "\n-"),
+        hf=("super_glue", "record", _SUPERGLUE[1]),
+        source="causal: MeZO (ReCoRDTemplateGPT3; one candidate per entity of the passage)",
+        flatten=_flatten_record,
+        group_field="passage",  # the queries of one passage: hold-outs carved by whole passages (as MultiRC's)
+        varying_candidates=_record_candidates,
+    )
+)
+
+#: Canonical names of the tasks with one candidate per class, in the papers' order (DPZero Table 2, then the
+#: SuperGLUE tasks of MeZO).
 TASK_NAMES = ("SST-2", "SST-5", "SNLI", "MNLI", "RTE", "TREC", "BoolQ", "CB", "WIC", "WSC", "COPA", "MultiRC")
-TASKS = {task_key(name): TASKS[task_key(name)] for name in TASK_NAMES}
+#: The tasks whose examples have their own number of candidates (``TaskSpec.varying_candidates``; causal only).
+VARYING_TASK_NAMES = ("ReCoRD",)
+TASKS = {task_key(name): TASKS[task_key(name)] for name in (*TASK_NAMES, *VARYING_TASK_NAMES)}
 
 
 def get_task(name: str) -> TaskSpec:
@@ -690,7 +762,7 @@ def get_task(name: str) -> TaskSpec:
     try:
         return TASKS[task_key(name)]
     except KeyError:
-        raise ValueError(f"Unknown task {name!r}; expected one of {list(TASK_NAMES)}") from None
+        raise ValueError(f"Unknown task {name!r}; expected one of {[*TASK_NAMES, *VARYING_TASK_NAMES]}") from None
 
 
 def template_table() -> str:
@@ -701,7 +773,8 @@ def template_table() -> str:
         if spec.mlm is not None:
             rows.append(f"  mlm:    {describe(spec.mlm)!r}  words {list(spec.label_words)}")
         if spec.causal is not None:
-            cands = [c if isinstance(c, str) else describe((c,)) for c in spec.candidates]
+            cands = (["<one per example's entity>"] if spec.candidates is None
+                     else [c if isinstance(c, str) else describe((c,)) for c in spec.candidates])
             rows.append(f"  causal: {describe(spec.causal)!r}  + candidates {cands}")
         if spec.pair is not None:
             rows.append(f"  none:   {' | '.join(describe(p) for p in spec.pair)!r}")
@@ -1150,6 +1223,7 @@ __all__ = [
     "PROMPT_MODES",
     "TASKS",
     "TASK_NAMES",
+    "VARYING_TASK_NAMES",
     "TaskData",
     "TaskSpec",
     "TaskSplit",

@@ -36,7 +36,7 @@ FIRST_ORDER_PRIVATE = [p for p in CONFIGS if "dpadamw_eps" in p.stem or "dplora_
 #: MeZO-BCD's configs of Hub models (the MiniLM ones run in the movie-review tests; opt-125m in test_cli): the
 #: private RoBERTa one by default.
 BCD_CONFIGS = sorted(p for p in (ROOT / "configs" / "mezo_bcd").glob("*.yaml") if p.stem.startswith(("roberta", "opt")))
-DEFAULT |= {"roberta-large_sst2_dp_mezo_bcd_eps2"}
+DEFAULT |= {"roberta-large_sst2_dp_mezo_bcd_eps2", "opt-13b_record_mezo_bcd"}
 #: MeZO-BCD's Table 2 (OPT-13B), written by configs/mezo_bcd/generate.py: the other files there are hand-written
 BCD_TABLE2 = sorted(p for p in BCD_CONFIGS if p.stem.startswith("opt-13b_"))
 
@@ -58,10 +58,11 @@ def test_committed_configs_match_the_generator(folder, committed):
         assert path.read_text() == text, f"{path.name} is stale: run python configs/{folder}/generate.py"
 
 
-def test_mezo_bcd_table2_covers_its_columns_but_record():
-    """Table 2's eleven columns less ReCoRD (not a PromptTextDataModule task); MeZO's per-task draws and losses."""
+def test_mezo_bcd_table2_covers_its_eleven_columns():
+    """Table 2's eleven columns; MeZO's per-task draws and losses (mezo.sh: ReCoRD and COPA LM-style)."""
     configs = {p.stem.split("_")[1]: yaml.safe_load(p.read_text()) for p in BCD_TABLE2}
-    assert sorted(configs) == sorted(["sst2", "rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad", "drop"])
+    assert sorted(configs) == sorted(["sst2", "rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "record", "squad",
+                                      "drop"])
     for task, config in configs.items():
         data, model = config["data"]["init_args"], config["model"]["init_args"]
         assert (data["bos_token_id"], data["batch_size"], data["num_train"], data["num_test"]) == (0, 16, 1000, 1000)
@@ -69,8 +70,8 @@ def test_mezo_bcd_table2_covers_its_columns_but_record():
         assert (model["lr"], model["lam"], model["order"], config["trainer"]["max_steps"]) == (1e-5, 1e-3, "random",
                                                                                              20_000)
         backbone = model["backbone"]["init_args"]
-        if data.get("prompt") == "causal":  # --train_as_classification but for COPA (LM-style on the gold choice)
-            assert backbone.get("loss", "classification") == ("lm" if task == "copa" else "classification")
+        if data.get("prompt") == "causal":  # --train_as_classification but for COPA, ReCoRD (LM-style on the gold)
+            assert backbone.get("loss", "classification") == ("lm" if task in ("copa", "record") else "classification")
             assert backbone["length_normalize"] and data["max_length"] == 2048
 
 
@@ -88,7 +89,7 @@ def tiny_world(tmp_path_factory):
     write_task_files(root / "glue", "SST-2", "glue")
     write_task_files(root / "boolq", "BoolQ", "superglue")  # the original BoolQ's jsonl files (MeZO's)
     data["glue"], data["boolq"] = root / "glue", root / "boolq"
-    for task in ("RTE", "CB", "WIC", "WSC", "COPA", "MultiRC"):  # SuperGLUE's jsonl files (MeZO-BCD's Table 2)
+    for task in ("RTE", "CB", "WIC", "WSC", "COPA", "MultiRC", "ReCoRD"):  # SuperGLUE's jsonl (MeZO-BCD's Table 2)
         write_task_files(root / "superglue", task, "superglue")
     data["superglue"] = root / "superglue"
     data["squad"], data["drop"] = write_qa_files(root, "SQuAD"), write_qa_files(root, "DROP")  # official JSON

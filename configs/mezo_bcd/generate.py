@@ -37,11 +37,17 @@ prompts and losses (Table 6: "identical to those used in MeZO"):
 * ``bos_token_id: 0``: LoZO's ``run_lozo.py``, as MeZO's ``run.py``, loads OPT's slow tokenizer and sets
   ``tokenizer.bos_token_id = 0`` ("HF tokenizer bug fix"), so every row starts with ``<s>`` (0), not OPT's ``</s>``.
 
-Not here: ReCoRD (Table 2's ninth column). MeZO scores each candidate entity by the likelihood of the query with
-``@placeholder`` replaced by it (``ReCoRDTemplateGPT3``: the passage with ``@highlight\\n`` turned into ``- ``, then
-``\\n- <query>``), a variable number of candidates per example, several gold entities (any counts as correct), and
-LM-style training on the first gold one; ``PromptTextDataModule`` has a fixed candidate count per task and
-candidates appended after a shared prompt.
+* ReCoRD (Table 2's ninth column; MeZO's ``ReCoRDDataset`` reads Hugging Face's ``super_glue`` ``record``: one
+  example per query, the passage's distinct entity texts, sorted, as its candidates, the distinct answer texts,
+  sorted, as its gold set). ``ReCoRDTemplateGPT3``: the prompt is the passage with ``@highlight\\n`` turned into
+  ``- `` followed by ``\\n-``, each candidate `` <query>`` with ``@placeholder`` replaced by one entity, so the
+  number of candidates varies per example (``PromptTextDataModule`` pads each to the most of any example with rows
+  ``HFCandidateScorer`` scores -inf without running them). ``mezo.sh``: ``--train_as_classification False``, so
+  LM-style training on the first gold answer's candidate (``run.py``: ``correct_candidate[0]``), the mean NLL of
+  its tokens; prediction the candidate of the highest mean log-probability; accuracy counts any gold answer
+  (``metrics.py``: ``predicted_candidate in correct_candidate``). Its splits are long (100,730 / 10,000 queries):
+  1000 train + 500 dev, 1000 test. ``max_rows_per_forward: 32`` bounds a forward to the rows of the other tasks'
+  batches (16 examples of 2 or 3 candidates), whatever an example's number of entities; scores do not depend on it.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ SHORT_TEST = {"SST-2": 872, "RTE": 277, "CB": 56, "WSC": 104, "WIC": 638, "COPA"
 GENERATION = {"SQuAD": "data/squad", "DROP": "data/drop"}
 #: Table 2's values, row 'MeZO-BCD' (seed 0), for the headers
 REPORTED = {"SST-2": 93.0, "RTE": 70.0, "CB": 71.4, "BoolQ": 72.4, "WSC": 63.5, "WIC": 61.9, "MultiRC": 62.8,
-            "COPA": 89.0, "SQuAD": 83.7, "DROP": 31.0}
+            "COPA": 89.0, "ReCoRD": 81.6, "SQuAD": 83.7, "DROP": 31.0}
 
 
 def trainer(monitor: str) -> dict:
@@ -132,6 +138,31 @@ def classification_config(task: str) -> tuple[str, dict]:
     return header, config
 
 
+def record_config() -> tuple[str, dict]:
+    backbone = {"class_path": "lit_zodp.backbones.HFCandidateScorer",
+                "init_args": {"model_name_or_path": MODEL, "loss": "lm", "length_normalize": True,
+                              "max_rows_per_forward": 32, "dtype": "float16"}}
+    data = {"class_path": "datamodules.PromptTextDataModule", "init_args": {
+        "task": "ReCoRD", "data_dir": "data/superglue", "data_format": "superglue", "prompt": "causal",
+        "tokenizer": MODEL, "max_length": 2048, "bos_token_id": 0, "num_train": 1000, "num_dev": 500,
+        "num_test": 1000, "batch_size": 16, "data_seed": 0}}
+    config = {"seed_everything": 0, "trainer": trainer("val_acc"), "model": algorithm(backbone), "data": data,
+              "test_ckpt": "best"}
+    header = (f"MeZO-BCD paper (Park et al.), Table 2, row 'MeZO-BCD', column ReCoRD (accuracy; reported\n"
+              f"{REPORTED['ReCoRD']:.1f}): OPT-13B, MeZO's ReCoRDTemplateGPT3 (templates.py): the passage with\n"
+              "'@highlight\\n' turned into '- ', then '\\n-', one candidate per entity of the passage (' ' + the\n"
+              "query with @placeholder replaced by it; their number varies per example: absent rows score -inf,\n"
+              "unrun);\n"
+              "trained LM-style on the first gold answer's candidate (mean NLL of its tokens; mezo.sh:\n"
+              "--train_as_classification False), the candidate of higher mean log-probability predicted, right when\n"
+              "it is any gold answer (metrics.py); num_train 1000 / num_dev 500 / num_test 1000; max_length 2048,\n"
+              "prompts cut from the left; max_rows_per_forward 32 bounds memory (scores do not depend on it).\n"
+              + COMMON + SELECTION + "checkpoint of the best val_acc (the dev examples) is tested.\n" + BOS +
+              "\ndata: SuperGLUE's ReCoRD train.jsonl / val.jsonl in ReCoRD/ (Hugging Face super_glue record, as\n"
+              "MeZO).")
+    return header, config
+
+
 def generation_config(task: str) -> tuple[str, dict]:
     backbone = {"class_path": "lit_zodp.backbones.HFAnswerGenerator",
                 "init_args": {"model_name_or_path": MODEL, "max_new_tokens": 50, "dtype": "float16"}}
@@ -161,6 +192,7 @@ def file_name(task: str) -> str:
 
 def all_configs() -> dict[Path, str]:
     files = {ROOT / file_name(task): render(*classification_config(task)) for task in CLASSIFICATION}
+    files[ROOT / file_name("ReCoRD")] = render(*record_config())
     files |= {ROOT / file_name(task): render(*generation_config(task)) for task in GENERATION}
     return files
 

@@ -744,7 +744,7 @@ class AlgorithmModule(pl.LightningModule):
         size = len(targets)
         self.log(f"{prefix}_loss", loss, batch_size=size, sync_dist=True)
         if metric is not None:
-            metric(logits, targets)
+            metric(logits, credited_targets(logits, targets, inputs))
             self.log(f"{prefix}_acc", metric, prog_bar=True, batch_size=size)
 
     # ----------------------------------------------------------------------------- checkpoints
@@ -794,6 +794,18 @@ class AlgorithmModule(pl.LightningModule):
         return (f"`ckpt_path`: this checkpoint was trained by {saved}, but the module resuming it is "
                 f"{_dotted_name(type(self))}; a resume continues the checkpoint's run (its optimizer state and "
                 f"privacy ledger): resume with {saved.rpartition('.')[2]}")
+
+
+def credited_targets(logits: Tensor, targets: Tensor, inputs: Any) -> Tensor:
+    """The targets accuracy compares the predictions with: ``targets``, except where the inputs carry a
+    ``gold_mask [B, K]`` (ReCoRD: several gold candidates, any of which is right; ``targets`` is the first, the
+    one trained on), in which case a prediction that is a gold candidate is its own target."""
+    gold = inputs.get("gold_mask") if isinstance(inputs, Mapping) else None
+    if gold is None:
+        return targets
+    predicted = logits.argmax(-1)
+    hit = gold.to(predicted.device).gather(1, predicted.unsqueeze(1)).squeeze(1).bool()
+    return torch.where(hit, predicted, targets.to(predicted.device))
 
 
 def _dotted_name(cls: type) -> str:

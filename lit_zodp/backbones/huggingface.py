@@ -708,7 +708,11 @@ class HFCandidateScorer(_ReadsText):
     * ``input_ids`` ``[B, K, L]``: prompt + candidate ``k``, right-padded (left padding also works);
     * ``attention_mask`` ``[B, K, L]``: 1 on real tokens;
     * ``candidate_mask`` ``[B, K, L]``: 1 exactly on candidate ``k``'s tokens (never position 0: a
-      candidate is predicted from the prompt before it); every row needs at least one.
+      candidate is predicted from the prompt before it); every row needs at least one, except an absent
+      row: one with no token attended to and no candidate token (``attention_mask`` and ``candidate_mask``
+      0 throughout), which pads an example with fewer candidates than ``K`` (ReCoRD: one per entity of
+      its passage). An absent row scores ``-inf`` and is never run through the model, so it is never
+      predicted, adds nothing to the classification loss's softmax, and cannot be a target.
 
     Other keys the model takes (``position_ids``...) may be given with the same shape; the rest are
     ignored. Losses:
@@ -803,11 +807,16 @@ class HFCandidateScorer(_ReadsText):
         self.train()  # from_pretrained leaves the inner model in eval mode
 
     def forward(self, inputs: Mapping[str, Tensor]) -> Tensor:
-        """Candidate scores ``[B, K]`` (at least float32): summed or mean token log-likelihoods."""
+        """Candidate scores ``[B, K]`` (at least float32): summed or mean token log-likelihoods; ``-inf`` for an
+        absent row (see the class docs), which is not run."""
         batch, candidates, (size, k) = self._flatten(inputs)
         if size == 0:
             return empty_logits(self, k)
-        return self._row_scores(batch, candidates).view(size, k)
+        present = _present_rows(candidates, batch.get("attention_mask"))
+        if present is None:
+            return self._row_scores(batch, candidates).view(size, k)
+        scores = self._row_scores({key: v[present] for key, v in batch.items()}, candidates[present])
+        return scores.new_full((size * k,), float("-inf")).index_put((present,), scores).view(size, k)
 
     def per_example_loss(self, inputs: Mapping[str, Tensor], targets: Tensor) -> Tensor:
         """``classification``: cross-entropy of the scores; ``lm``: NLL of the target candidate. ``[B]``."""
@@ -820,6 +829,7 @@ class HFCandidateScorer(_ReadsText):
         if targets.shape != (size,) or bool(((targets < 0) | (targets >= k)).any()):
             raise ValueError(f"targets must hold one candidate index in [0, {k}) per example")  # no private values
         rows = torch.arange(size, device=targets.device) * k + targets  # the target rows only
+        # (an absent target row has no candidate token: _check_candidates refuses it, naming no row or count)
         return -self._row_scores({key: v[rows] for key, v in batch.items()}, candidates[rows])
 
     def _flatten(self, inputs: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], Tensor, tuple[int, int]]:
@@ -977,6 +987,19 @@ def no_cache_kwargs(model: nn.Module) -> dict[str, Any]:
     """``{"use_cache": False}`` where the model takes it: scoring needs no key/value cache."""
     takes = all("use_cache" in inspect.signature(m.forward).parameters for m in (model, model.base_model))
     return {"use_cache": False} if takes else {}
+
+
+def _present_rows(candidates: Tensor, attention_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """The indices of the rows to run, or ``None`` when every row is (no absent row: the path of the tasks whose
+    examples all have ``K`` candidates, unchanged). A row is absent when it attends to no token and has no
+    candidate token; one that attends to some token without a candidate token is still refused by
+    :func:`_check_candidates`."""
+    if attention_mask is None:
+        return None
+    absent = ~(attention_mask.bool().any(1) | candidates.any(1))
+    if not bool(absent.any()):
+        return None
+    return (~absent).nonzero().flatten()
 
 
 def _check_candidates(candidates: Tensor, attention_mask: Optional[Tensor]) -> None:

@@ -427,7 +427,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "mezo_bcd").
 
 #: Table 2's OPT-13B files (configs/mezo_bcd/generate.py) differ in task, data and loss: SQuAD, DROP (generation) and
 #: COPA (LM-style loss, the choices as candidates) by default, the other classification columns slow
-TABLE2_DEFAULT = {"opt-13b_copa_mezo_bcd", "opt-13b_squad_mezo_bcd", "opt-13b_drop_mezo_bcd"}
+TABLE2_DEFAULT = {"opt-13b_copa_mezo_bcd", "opt-13b_squad_mezo_bcd", "opt-13b_drop_mezo_bcd", "opt-13b_record_mezo_bcd"}
 
 
 @pytest.mark.parametrize("path", [p if not p.stem.startswith("opt-13b_") or p.stem in TABLE2_DEFAULT
@@ -448,6 +448,30 @@ def test_paper_config_runs_with_a_tiny_model_of_the_same_family(path, tiny_world
     assert model.num_blocks == len(model.blocks()) > 2 and model.block_names[0] == "embeddings"
     if model.private:
         assert 0 < model.privacy.ledger.epsilon(model.privacy.delta).upper <= model.privacy.target_epsilon
+
+
+def test_the_record_config_pads_candidates_trains_lm_style_and_counts_any_gold(tiny_world, tmp_path, monkeypatch):
+    """Table 2's ReCoRD column on a tiny OPT: every split padded to the most entities of any example, the LM-style
+    loss on the first gold's candidate, and test_acc the share of test examples whose prediction is any gold."""
+    from lit_zodp.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    models, data = tiny_world
+    path = next(p for p in CONFIGS if p.stem == "opt-13b_record_mezo_bcd")
+    config = yaml.safe_load(path.read_text())
+    cli = build_cli(["fit", "--config", str(path), *overrides(config, models, data), "--data.init_args.num_test", "4"])
+    model, dm = cli.model, cli.datamodule
+    assert cli.trainer.global_step == 2 and model.backbone.loss == "lm"
+    assert dm.num_classes == model.num_classes == 5  # the synthetic passages have 2 to 5 entities
+    hits, absent_wins = [], 0
+    model.eval()
+    with torch.no_grad():
+        for inputs, targets in dm.test_dataloader():
+            predicted = model(inputs).argmax(1)
+            hits += inputs["gold_mask"][torch.arange(len(targets)), predicted].bool().tolist()
+            absent_wins += int((inputs["candidate_mask"][torch.arange(len(targets)), predicted].sum(-1) == 0).sum())
+    assert len(hits) == 4 and absent_wins == 0
+    assert float(cli.trainer.callback_metrics["test_acc"]) == pytest.approx(sum(hits) / len(hits))
 
 
 def test_the_cpu_direction_cache_changes_no_bit_of_the_trajectory():

@@ -237,6 +237,78 @@ def test_bad_candidate_inputs(scorer, batch):
         HFCandidateScorer(scorer.tokenizer_path, loss="mse")
 
 
+# ------------------------------------------------------------------ a varying number of candidates (ReCoRD)
+
+
+def absent_rows(batch, rows):
+    """``batch`` with the rows ``[(b, k), ...]`` made absent, as a data module pads an example with fewer
+    candidates than ``K``: pad ids, nothing attended to, no candidate token."""
+    out = {key: value.clone() for key, value in batch.items()}
+    for b, k in rows:
+        out["input_ids"][b, k] = 1  # OPT's pad id
+        out["attention_mask"][b, k] = 0
+        out["candidate_mask"][b, k] = 0
+    return out
+
+
+#: example 0 keeps 2 of its 3 candidates, example 3 keeps 1; the targets are present candidates
+ABSENT = [(0, 2), (3, 1), (3, 2)]
+PRESENT_TARGETS = torch.tensor([1, 0, 1, 0])
+
+
+@pytest.mark.parametrize("length_normalize", [False, True])
+def test_absent_candidates_score_minus_infinity_and_are_never_run(tiny_paths, batch, length_normalize, monkeypatch):
+    model = HFCandidateScorer(tiny_paths["opt"], length_normalize=length_normalize).eval()
+    padded = absent_rows(batch, ABSENT)
+    rows_run = []
+    forward = model.model.base_model.forward
+    monkeypatch.setattr(model.model.base_model, "forward",
+                        lambda **kw: rows_run.append(kw["input_ids"].shape[0]) or forward(**kw))
+    with torch.no_grad():
+        full, scores = model(batch), model(padded)
+    assert rows_run == [12, 9]  # the 3 absent rows never reach the transformer
+    absent = torch.zeros(4, 3, dtype=torch.bool)
+    absent[tuple(zip(*ABSENT))] = True
+    assert bool(torch.isneginf(scores[absent]).all()) and bool(torch.isfinite(scores[~absent]).all())
+    torch.testing.assert_close(scores[~absent], full[~absent], atol=1e-5, rtol=1e-5)  # the rest as without padding
+    assert not bool(absent[torch.arange(4), scores.argmax(1)].any())
+    # an absent row never wins, even the one that would have had the best score: the runner-up does
+    best = full.argmax(1)
+    with torch.no_grad():
+        without_best = model(absent_rows(batch, [(b, int(best[b])) for b in range(4)]))
+    assert torch.equal(without_best.argmax(1), full.scatter(1, best[:, None], float("-inf")).argmax(1))
+
+
+def test_the_classification_loss_over_present_candidates_is_a_cross_entropy_over_them_alone(tiny_paths, batch):
+    model = HFCandidateScorer(tiny_paths["opt"], length_normalize=True).eval()
+    padded = absent_rows(batch, ABSENT)
+    with torch.no_grad():
+        losses = model.per_example_loss(padded, PRESENT_TARGETS)
+        full = model(batch)
+    kept = [[0, 1], [0, 1, 2], [0, 1, 2], [0]]  # the present candidates of each example
+    for b, keep in enumerate(kept):  # a reference cross-entropy over the present candidates only
+        reference = F.cross_entropy(full[b, keep][None].double(), PRESENT_TARGETS[b : b + 1])
+        torch.testing.assert_close(losses[b].double(), reference, atol=1e-5, rtol=1e-5)
+    assert float(losses[3]) == 0.0  # one candidate: certain
+    lm = HFCandidateScorer(tiny_paths["opt"], loss="lm", length_normalize=True).eval()
+    with torch.no_grad():  # LM-style (MeZO's ReCoRD): the target row's NLL, absent rows or not
+        torch.testing.assert_close(lm.per_example_loss(padded, PRESENT_TARGETS),
+                                   -full[torch.arange(4), PRESENT_TARGETS], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["classification", "lm"])
+def test_losses_with_absent_candidates_do_not_depend_on_the_batch(tiny_paths, batch, loss, independent):
+    model = HFCandidateScorer(tiny_paths["opt"], loss=loss, length_normalize=True).eval()
+    independent(model, absent_rows(batch, ABSENT), PRESENT_TARGETS, atol=1e-5)
+
+
+def test_a_row_attending_to_tokens_without_a_candidate_is_still_refused(scorer, batch):
+    no_candidate = dict(batch, candidate_mask=batch["candidate_mask"].clone())
+    no_candidate["candidate_mask"][1, 2] = 0  # attention kept: not an absent row
+    with torch.no_grad(), pytest.raises(ValueError, match="at least one candidate token"):
+        scorer(absent_rows(no_candidate, [(0, 2)]))
+
+
 # ----------------------------------------------------------------------------- masked LM at the mask
 
 
