@@ -711,8 +711,10 @@ class HFCandidateScorer(_ReadsText):
       candidate is predicted from the prompt before it); every row needs at least one, except an absent
       row: one with no token attended to and no candidate token (``attention_mask`` and ``candidate_mask``
       0 throughout), which pads an example with fewer candidates than ``K`` (ReCoRD: one per entity of
-      its passage). An absent row scores ``-inf`` and is never run through the model, so it is never
-      predicted, adds nothing to the classification loss's softmax, and cannot be a target.
+      its passage). An absent row scores ``-inf`` and is not run through the model (under
+      ``fixed_forward_rows`` it runs as a constant placeholder, so every forward keeps the shape
+      ``[B*K, L]``), so it is never predicted, adds nothing to the classification loss's softmax, and
+      cannot be a target.
 
     Other keys the model takes (``position_ids``...) may be given with the same shape; the rest are
     ignored. Losses:
@@ -815,8 +817,27 @@ class HFCandidateScorer(_ReadsText):
         present = _present_rows(candidates, batch.get("attention_mask"))
         if present is None:
             return self._row_scores(batch, candidates).view(size, k)
+        if self.row_shapes:  # fixed_forward_rows: every row runs, so the call's shape is not set by batch-mates
+            return self._fixed_shape_scores(batch, candidates, present).view(size, k)
         scores = self._row_scores({key: v[present] for key, v in batch.items()}, candidates[present])
         return scores.new_full((size * k,), float("-inf")).index_put((present,), scores).view(size, k)
+
+    def _fixed_shape_scores(self, batch: dict[str, Tensor], candidates: Tensor, present: Tensor) -> Tensor:
+        """Scores ``[R]`` of every row under ``fixed_forward_rows``, an absent row's ``-inf``: each absent row runs
+        as a constant placeholder (its pad ids, the first two positions attended to, the second a candidate) whose
+        score is dropped. Running only the present rows (review 46) made the transformer's call ``[present, L]``, a
+        row count set by the chunk-mates' entity counts, which is what ``fixed_forward_rows`` excludes (kernels pick
+        their reduction order by shape); the placeholder depends on no row's data."""
+        absent = torch.ones(candidates.shape[0], dtype=torch.bool, device=candidates.device)
+        absent[present] = False
+        batch, candidates = dict(batch), candidates.clone()
+        candidates[absent, 1] = True
+        if "attention_mask" in batch:
+            attention = batch["attention_mask"].clone()
+            attention[absent, :2] = 1
+            batch["attention_mask"] = attention
+        scores = self._row_scores(batch, candidates)
+        return torch.where(absent, torch.full_like(scores, float("-inf")), scores)
 
     def per_example_loss(self, inputs: Mapping[str, Tensor], targets: Tensor) -> Tensor:
         """``classification``: cross-entropy of the scores; ``lm``: NLL of the target candidate. ``[B]``."""

@@ -473,3 +473,38 @@ def test_a_candidate_batch_of_the_wrong_layout_is_refused_naming_no_batch_size_o
     with pytest.raises(ValueError, match=r"\[B, K, L\]; got a 2-D input_ids") as error:
         scorer(flat)
     assert re.findall(r"\d+", str(error.value)) == ["2"]  # the one number: input_ids' dimensions
+
+
+@pytest.mark.parametrize("length_normalize", [False, True])
+def test_under_fixed_forward_rows_absent_candidates_keep_the_forward_shape(tiny_paths, batch, length_normalize,
+                                                                             monkeypatch):
+    """Review 46: with ``row_shapes`` (``fixed_forward_rows``) the transformer ran only the present rows, so its call's
+    row count was set by the chunk-mates' entity counts (ReCoRD), the shape dependence ``fixed_forward_rows``
+    excludes. Every row now runs (an absent one as a placeholder whose score is dropped): scores and both losses as
+    before, the call ``[B*K, L]`` whatever is absent."""
+    for loss in ("classification", "lm"):
+        model = HFCandidateScorer(tiny_paths["opt"], loss=loss, length_normalize=length_normalize).eval()
+        plain = HFCandidateScorer(tiny_paths["opt"], loss=loss, length_normalize=length_normalize).eval()
+        model.row_shapes = True
+        padded = absent_rows(batch, ABSENT)
+        rows_run = []
+        forward = model.model.base_model.forward
+        monkeypatch.setattr(model.model.base_model, "forward",
+                            lambda **kw: rows_run.append(tuple(kw["input_ids"].shape)) or forward(**kw))
+        with torch.no_grad():
+            scores, reference = model(padded), plain(padded)
+            losses, reference_losses = (model.per_example_loss(padded, PRESENT_TARGETS),
+                                        plain.per_example_loss(padded, PRESENT_TARGETS))
+        assert rows_run[0] == tuple(batch["input_ids"].flatten(0, 1).shape)  # 12 rows, absent ones included
+        assert torch.equal(torch.isneginf(scores), torch.isneginf(reference))
+        torch.testing.assert_close(scores, reference, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(losses, reference_losses, atol=1e-5, rtol=1e-5)
+        assert bool(torch.isfinite(losses).all())
+
+
+@pytest.mark.parametrize("loss", ["classification", "lm"])
+def test_losses_with_absent_candidates_under_fixed_forward_rows_do_not_depend_on_the_batch(tiny_paths, batch, loss,
+                                                                                            independent):
+    model = HFCandidateScorer(tiny_paths["opt"], loss=loss, length_normalize=True).eval()
+    model.row_shapes = True
+    independent(model, absent_rows(batch, ABSENT), PRESENT_TARGETS, atol=1e-5)
