@@ -34,7 +34,14 @@ Data, as the authors' code prepares it (github.com/Liang137/DPZero, built on MeZ
 * Table 4 (``opt/``): MeZO's ``tasks.py``: GLUE's SST-2 and the original BoolQ (Hugging Face
   ``boolq``: Google's ``train.jsonl`` / ``dev.jsonl``, no titles in the passages), 1,000 train + 500
   dev drawn with ``np.random.permutation`` under the seed, 1,000 test examples with the same seed;
-  ``max_length`` 2048 (``run.py``'s default; prompts cut from the left).
+  ``max_length`` 2048 (``run.py``'s default; prompts cut from the left); every row starts with ``<s>``
+  (``bos_token_id: 0``: ``run.py`` sets ``tokenizer.bos_token_id = 0`` for OPT on the slow tokenizer, which
+  then starts rows with ``<s>`` where OPT's tokenizer puts ``</s>``); the checkpoint of the lowest dev loss is
+  tested (``load_best_model_at_end`` with the Hugging Face Trainer's default ``metric_for_best_model``).
+* Table 5 (``opt/``, generation): MeZO's SQuAD (v1.1) and DROP with its prompts and draws, as Table 4; the
+  target is `` <first gold answer>\n``, the loss each example's mean answer NLL (DPZero's
+  ``forward_wrap_with_option_len_dpzero``), ``max_length`` 1998 (2048 less the 50 generated tokens); evaluation
+  generates greedily and scores SQuAD's token F1 (``datamodules/qa.py``, ``lit_zodp/backbones/generation.py``).
 
 Sec. 5.1 / App. B.1 (``sec51_quadratic_<pattern>_<method>.yaml``): the synthetic quadratic
 ``F(x) = (1/2n) sum_i (x - x_i)^T A (x - x_i)``, rows ``x_i ~ N(1, I)``, n = 10,000 to train and 10,000 to
