@@ -57,7 +57,7 @@ from datamodules.collate import text_collate
 from datamodules.datasets import TensorPairDataset, items_and_labels
 from datamodules.prompt_text import (_token_ids, bos_token_id_error, encode_causal, numpy_permutation,
                                      prepare_tokenizer, start_rows_with)
-from datamodules.text_tasks import Field, TaskSpec, task_key
+from datamodules.text_tasks import Field, TaskSpec, json_lines, task_key
 from lit_zodp.backbones.generation import ANSWER_IDS, NO_TOKEN
 from lit_zodp.errors import ConfigError, LitZodpWarning, check_positive_int
 
@@ -219,18 +219,13 @@ JSONL_FILES = {"train": ("train.jsonl",), "test": ("validation.jsonl", "dev.json
 def read_jsonl_rows(task: QATask, path: Path) -> list[QARecord]:
     """Hugging Face rows, one JSON object per line; rows without an answer are skipped."""
     records = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = task.read_row(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: line {number} is not JSON: {err}") from None
-            except (KeyError, TypeError) as err:  # (the field's name, never a row's text)
-                raise ValueError(f"{path}: line {number} is not a {task.name} row (missing {err})") from None
-            if record is not None:
-                records.append(record)
+    for number, row in json_lines(path):
+        try:
+            record = task.read_row(row)
+        except (KeyError, TypeError) as err:  # (the field's name, never a row's text)
+            raise ValueError(f"{path}: line {number} is not a {task.name} row (missing {err})") from None
+        if record is not None:
+            records.append(record)
     return records
 
 

@@ -97,7 +97,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -942,19 +942,22 @@ def _parses_as_label(spec: TaskSpec, row: Sequence[str]) -> bool:
     return False
 
 
-def read_jsonl(spec: TaskSpec, path: Union[str, Path]) -> TaskSplit:
-    """A SuperGLUE ``.jsonl`` file (one JSON object per line)."""
-    path = Path(path)
-    rows = []
+def json_lines(path: Union[str, Path]) -> Iterator[tuple[int, Any]]:
+    """``(line number, object)`` of each non-blank line of a JSON-lines file; a line that is not JSON raises one
+    line naming the file and the line (never its text)."""
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                yield number, json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}: line {number} is not JSON: {err}") from None
-    return normalize_records(spec, rows, str(path))
+
+
+def read_jsonl(spec: TaskSpec, path: Union[str, Path]) -> TaskSplit:
+    """A SuperGLUE ``.jsonl`` file (one JSON object per line)."""
+    return normalize_records(spec, [row for _, row in json_lines(path)], str(path))
 
 
 def read_split(spec: TaskSpec, path: Union[str, Path]) -> TaskSplit:

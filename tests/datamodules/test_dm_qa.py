@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from datamodules.qa import QADataModule, QARecord, drop_answers, get_qa_task, load_qa
-from datamodules.testing import QA_WORDS, drop_official, squad_official, write_qa_files
+from datamodules.testing import QA_WORDS, squad_official, write_qa_files
 from lit_zodp.backbones.generation import ANSWER_IDS, NO_TOKEN
 from lit_zodp.backbones.tiny_hf import save_tiny_pretrained
 from lit_zodp.errors import ConfigError
