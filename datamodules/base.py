@@ -47,7 +47,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 from datamodules.collate import EmptySafeCollate
-from lit_zodp.errors import LitZodpWarning, PrivacyConfigError, check_positive_int, raise_if_any
+from lit_zodp.errors import ConfigError, LitZodpWarning, PrivacyConfigError, check_positive_int, raise_if_any
 from lit_zodp.privacy.noise import secret_seed, warn_test_seed
 from lit_zodp.privacy.sampling import (
     SHUFFLE_WARNING,
@@ -235,6 +235,20 @@ def _random_subset(dataset: Dataset, size: Optional[int], seed: int) -> Dataset:
         return dataset
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
     return Subset(dataset, sorted(order[:size].tolist()))
+
+
+def attached_model(dm: LightningDataModule) -> Any:
+    """The LightningModule of the Trainer the data module is attached to (``None`` outside a Trainer)."""
+    trainer = getattr(dm, "trainer", None)
+    return getattr(trainer, "lightning_module", None) if trainer is not None else None
+
+
+def warn_validation_on_test(dm: "PublicPrivateDataModule", why: str, fix: str) -> None:
+    """Warn when ``dm``'s validation loader reads its test set (no validation split was drawn): its metrics, and a
+    checkpoint or early stop chosen by them, then select on the test set. Said on rank 0 only: under DDP every
+    rank sets up, and the line came once per rank."""
+    if dm._rank_and_world_size()[0] == 0 and dm.val_dataset is not None and dm.val_dataset is dm.test_dataset:
+        warnings.warn(f"{why}: validation runs on the test set; {fix}", LitZodpWarning)
 
 
 def fixed_test_split(size: int, test_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -450,7 +464,13 @@ class PublicPrivateDataModule(LightningDataModule):
             self._batch_sampler.forget_stream()
 
     def setup(self, stage: Optional[str] = None) -> None:
-        """Load and split the data once (later calls for other stages are no-ops)."""
+        """Refuse an attached module that cannot read this data (:meth:`model_mismatch`, at every call, before any
+        file is read), then load and split the data once (later calls for other stages are no-ops) and warn when
+        validation falls back to the test set (:meth:`validation_fallback`)."""
+        model = attached_model(self)
+        error = self.model_mismatch(model) if model is not None else None
+        if error is not None:
+            raise ConfigError(error)
         if self._ready:
             return
         splits = self.load_splits()
@@ -458,6 +478,19 @@ class PublicPrivateDataModule(LightningDataModule):
             splits = DataSplits(**splits)
         self._build(splits)
         self._ready = True
+        note = self.validation_fallback()
+        if note is not None:
+            warn_validation_on_test(self, *note)
+
+    def model_mismatch(self, model: Any) -> Optional[str]:
+        """One line when the LightningModule this data module is attached to cannot read its batches (the text
+        modules name the backbone to use), else ``None`` (the default)."""
+        return None
+
+    def validation_fallback(self) -> Optional[tuple[str, str]]:
+        """``(why, fix)`` of the warning said when validation reads the test set (no validation split drawn), or
+        ``None`` (the default: no warning)."""
+        return None
 
     def _build(self, splits: DataSplits) -> None:
         raise_if_any([check_positive_int("num_classes", splits.num_classes)])

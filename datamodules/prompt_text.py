@@ -942,23 +942,19 @@ class PromptTextDataModule(PublicPrivateDataModule):
         return text_collate(self.pad_to_max_length)
 
     # ------------------------------------------------------------------------------ setup checks
-    def setup(self, stage: Optional[str] = None) -> None:
-        """Refuse a backbone that cannot read these prompts (before any file is read), load, sample and
-        tokenize (once), and warn when validation falls back to the test set."""
-        model = _attached_model(self)
-        if model is not None:
-            error = backbone_mismatch(self, getattr(model, "backbone", None))
-            if error is None and not self._ready and self.spec.varying_candidates is not None and (
-                    getattr(model, "num_classes", None) is not None):
-                error = (f"{self.spec.name}'s examples have varying numbers of candidates: leave the model's "
-                         "`num_classes` (and the backbone's) unset; the data module sets it")
-            if error is not None:
-                raise ConfigError(error)
-        ready = self._ready
-        super().setup(stage)
-        if not ready:
-            warn_validation_on_test(self, f"{self.spec.name}: no validation split (no k_dev/num_dev, no dev file in "
-                                    "the lm-bff folder, val_fraction 0)", "set k_dev (LM-BFF: k_dev = k_shot) or num_dev")
+    def model_mismatch(self, model: Any) -> Optional[str]:
+        """A backbone that cannot read these prompts (:func:`backbone_mismatch`), or a model that sets its own
+        ``num_classes`` for a task whose candidates vary per example (the data module sets it)."""
+        error = backbone_mismatch(self, getattr(model, "backbone", None))
+        if error is None and not self._ready and self.spec.varying_candidates is not None and (
+                getattr(model, "num_classes", None) is not None):
+            error = (f"{self.spec.name}'s examples have varying numbers of candidates: leave the model's "
+                     "`num_classes` (and the backbone's) unset; the data module sets it")
+        return error
+
+    def validation_fallback(self) -> tuple[str, str]:
+        return (f"{self.spec.name}: no validation split (no k_dev/num_dev, no dev file in the lm-bff folder, "
+                "val_fraction 0)", "set k_dev (LM-BFF: k_dev = k_shot) or num_dev")
 
 
 #: backbones that put a new, randomly initialised classification head on the model
@@ -996,20 +992,6 @@ def backbone_mismatch(dm: "PromptTextDataModule", backbone: Any) -> Optional[str
         return (f"Model/data mismatch: data prompt='mlm' gives masked-LM prompts, not the candidate rows {name} "
                 f"scores: {fix}")
     return None
-
-
-def warn_validation_on_test(dm: PublicPrivateDataModule, why: str, fix: str) -> None:
-    """Warn when ``dm``'s validation loader reads its test set (no validation split was drawn): its metrics, and a
-    checkpoint or early stop chosen by them, then select on the test set. Said on rank 0 only: under DDP every
-    rank sets up, and the line came once per rank."""
-    if dm._rank_and_world_size()[0] == 0 and dm.val_dataset is not None and dm.val_dataset is dm.test_dataset:
-        warnings.warn(f"{why}: validation runs on the test set; {fix}", LitZodpWarning)
-
-
-def _attached_model(dm: PublicPrivateDataModule) -> Any:
-    """The LightningModule of the Trainer the data module is attached to (``None`` outside a Trainer)."""
-    trainer = getattr(dm, "trainer", None)
-    return getattr(trainer, "lightning_module", None) if trainer is not None else None
 
 
 def _try_task(name: Optional[str]) -> Optional[TaskSpec]:

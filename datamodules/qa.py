@@ -447,21 +447,14 @@ class QADataModule(PublicPrivateDataModule):
         """Pad each batch to its longest row, unless ``pad_to_max_length``."""
         return text_collate(self.pad_to_max_length)
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        """Refuse a backbone that does not generate answers (before any file is read), then load, draw and
-        tokenize (once), and warn when validation falls back to the test set."""
-        from datamodules.prompt_text import _attached_model, warn_validation_on_test
+    def model_mismatch(self, model: Any) -> Optional[str]:
+        """A backbone that does not generate answers, or whose model has fewer positions than ``max_length``
+        (:func:`qa_backbone_mismatch`)."""
+        return qa_backbone_mismatch(self, getattr(model, "backbone", None))
 
-        model = _attached_model(self)
-        if model is not None:
-            error = qa_backbone_mismatch(self, getattr(model, "backbone", None))
-            if error is not None:
-                raise ConfigError(error)
-        ready = self._ready
-        super().setup(stage)
-        if not ready:
-            warn_validation_on_test(self, f"{self.task.name}: no validation split (num_dev null, val_fraction 0)",
-                                    "set num_dev (MeZO: 500) or val_fraction")
+    def validation_fallback(self) -> tuple[str, str]:
+        return (f"{self.task.name}: no validation split (num_dev null, val_fraction 0)",
+                "set num_dev (MeZO: 500) or val_fraction")
 
 
 def qa_backbone_mismatch(dm: QADataModule, backbone: Any) -> Optional[str]:
