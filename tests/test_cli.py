@@ -379,12 +379,18 @@ def _mezo(config=TINY):
     return config
 
 
+def _dpzero_at_noise_1():
+    """The TINY DPZero config at a fixed noise multiplier of 1 (no target epsilon)."""
+    config = yaml.safe_load(yaml.safe_dump(TINY))
+    config["model"]["init_args"].update(target_epsilon=None, noise_multiplier=1.0)
+    return config
+
+
 def test_a_resume_refuses_a_model_class_other_than_the_checkpoints(tmp_path, monkeypatch, capsys):
     """Before: a DPZero config (noise_multiplier 1) resumed from a MeZO checkpoint trained on as MeZO, not private."""
     monkeypatch.chdir(tmp_path)
     _fit_with_checkpoint(tmp_path, config=_mezo())
-    private = yaml.safe_load(yaml.safe_dump(TINY))
-    private["model"]["init_args"].update(target_epsilon=None, noise_multiplier=1.0)
+    private = _dpzero_at_noise_1()
     last = str(tmp_path / "ckpt" / "last.ckpt")
     errors = _stderr_of_a_refused_run(["fit", "--config", str(write_config(tmp_path, private, "private.yaml")),
                                        "--ckpt_path", last], capsys)
@@ -419,8 +425,7 @@ def test_a_resume_of_a_checkpoint_written_in_python_is_held_to_its_recorded_clas
     monkeypatch.chdir(tmp_path)
     _fit_with_checkpoint(tmp_path, config=_mezo())
     python_written = _as_written_in_python(tmp_path)
-    private = yaml.safe_load(yaml.safe_dump(TINY))
-    private["model"]["init_args"].update(target_epsilon=None, noise_multiplier=1.0)
+    private = _dpzero_at_noise_1()
     errors = _stderr_of_a_refused_run(["fit", "--config", str(write_config(tmp_path, private, "private.yaml")),
                                        "--ckpt_path", python_written], capsys)
     assert errors == [f"lit-zodp: error: `model.class_path`: the checkpoint {python_written!r} was trained by "
