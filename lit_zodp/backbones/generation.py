@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lit_zodp.backbones.huggingface import HFCandidateScorer
+from lit_zodp.backbones.huggingface import HFCandidateScorer, _text_config
 from lit_zodp.backbones.metrics import MeanLoss, MeanScore
 from lit_zodp.errors import ConfigError, check_positive_int
 
@@ -219,8 +219,7 @@ class HFAnswerGenerator(HFCandidateScorer):
         return stops
 
     def _max_positions(self) -> Optional[int]:
-        config = self.model.config
-        return getattr(getattr(config, "get_text_config", lambda: config)(), "max_position_embeddings", None)
+        return getattr(_text_config(self.model.config), "max_position_embeddings", None)
 
 
 def _refuse_masked_lm(path: Optional[str], config: Any, overrides: Any) -> None:
