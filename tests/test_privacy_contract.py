@@ -40,9 +40,14 @@ def test_the_registry_holds_todays_algorithms():
     assert {"DPZero", "DPGD0th"} <= set(PRIVATE) and "MeZO" in EVERY and "MeZO" not in PRIVATE
 
 
+#: Per-algorithm settings that make the contract exercise what the algorithm adds: a projection rank below
+#: both MLP weights' smaller sides (10 and 3), so both are projected (one on each side) and the biases are not.
+ALGORITHM_KWARGS = {name: dict(rank=2) for name in ("DPGRAPE", "GRAPE", "DPGaLore", "GaLore")}
+
+
 def build(name, backbone=None, cls=None, **overrides):
     cls = cls or ALGORITHMS[name]
-    kwargs = dict(lr=0.05, seed=3)
+    kwargs = dict(lr=0.05, seed=3) | ALGORITHM_KWARGS.get(cls.__name__, {})
     if cls.private:
         kwargs |= dict(clip=1.0, noise_multiplier=1.0, delta=1e-5)
     return cls(backbone if backbone is not None else mlp(seed=1), **(kwargs | overrides))
@@ -832,7 +837,10 @@ def test_the_weights_show_one_row_exactly_as_much_as_accounted(name):
     directions), and the spread ``1 / mu``. Fails if the noise, the clipping, or the division by B were wrong, or if
     the ledger's sigma were not the one applied (half the noise measured mu 1.97, 99.9% interval [1.50, 2.43],
     against 1)."""
-    agrees, numbers = audit_agrees(name, **(dict(num_directions=2) if name == "DPZero" else {}))
+    overrides = {"DPZero": dict(num_directions=2),
+                 # its projection is post-processing of DP-Adam's full release, which the weights show only in part
+                 "DPGaLore": dict(rank=16)}
+    agrees, numbers = audit_agrees(name, **overrides.get(name, {}))
     assert agrees, numbers
 
 

@@ -7,11 +7,12 @@ concrete algorithm; the privacy contract test suite runs over its private ones.
 """
 
 from lit_zodp.algorithms.base import ALGORITHMS, AlgorithmModule
+from lit_zodp.algorithms.dp_grape import DPGRAPE, GRAPE, DPGaLore, GaLore
 from lit_zodp.algorithms.dpsgd import SGD, Adam, DPAdam, DPSGD
 from lit_zodp.algorithms.dpzero import DPGD0th, DPZero, MeZO
 from lit_zodp.algorithms.first_order import FirstOrderModule
 from lit_zodp.algorithms.mezo_bcd import DPMeZOBCD, MeZOBCD
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 
-__all__ = ["ALGORITHMS", "Adam", "AlgorithmModule", "DPAdam", "DPGD0th", "DPMeZOBCD", "DPSGD", "DPZero",
-           "FirstOrderModule", "MeZO", "MeZOBCD", "SGD", "ZerothOrderModule"]
+__all__ = ["ALGORITHMS", "Adam", "AlgorithmModule", "DPAdam", "DPGD0th", "DPGRAPE", "DPGaLore", "DPMeZOBCD", "DPSGD",
+           "DPZero", "FirstOrderModule", "GRAPE", "GaLore", "MeZO", "MeZOBCD", "SGD", "ZerothOrderModule"]

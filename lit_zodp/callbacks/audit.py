@@ -21,6 +21,7 @@ from torch import Tensor
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 from lit_zodp.backbones.base import per_example_loss
 from lit_zodp.errors import ConfigError
+from lit_zodp.projection import ProjectedAdam, project
 from lit_zodp.zo.seeds import derive_seed
 
 
@@ -32,9 +33,10 @@ class CanaryAudit(pl.Callback):
       ``(1/k) sum_j sign_j B g_j / C``, ``sign_j`` the sign of the canary's own central difference along ``u_j``
       (the attacker computes it), ``B`` the expected batch size.
     * Zeroth order, vector noise (DPGD-0th): ``-B (theta' - theta) . u / (lr |u| C)`` times that sign.
-    * First order (DPSGD, DPAdam): the released gradient ``g`` (``-(theta' - theta) / lr`` for SGD; Adam's first
-      moment ``m / (1 - beta1)`` from the optimizer state, which a checkpoint holds) along the canary's gradient
-      direction: ``B g . grad / (|grad| C)``.
+    * First order (DPSGD, DPAdam, DP-GRAPE): the released gradient ``g`` (``-(theta' - theta) / lr`` for SGD; Adam's
+      first moment ``m / (1 - beta1)`` from the optimizer state, which a checkpoint holds) along the canary's gradient
+      direction: ``B g . grad / (|grad| C)``; for DP-GRAPE both in the step's projected space (``grad`` projected
+      by the public ``P``).
 
     ``restart_each_step`` (default): after each score the weights and the optimizer state return to the fit's
     start, so every step is an independent trial of one mechanism from the same weights (and the canary's loss
@@ -70,7 +72,7 @@ class CanaryAudit(pl.Callback):
         if isinstance(pl_module, ZerothOrderModule):
             score = self._zeroth_order_score(pl_module, step, delta)
         else:
-            score = self._first_order_score(pl_module, delta)
+            score = self._first_order_score(pl_module, step, delta)
         self.scores.append(score)
         if self.restart_each_step:
             self._restart(pl_module)
@@ -109,28 +111,33 @@ class CanaryAudit(pl.Callback):
                               "use a canary whose loss moves with every direction (large inputs)")
         return 1.0 if difference > 0 else -1.0
 
-    def _first_order_score(self, module: Any, delta: dict[str, Tensor]) -> float:
+    def _first_order_score(self, module: Any, step: int, delta: dict[str, Tensor]) -> float:
         names = list(delta)
-        gradient = self._canary_gradient(module, names)
+        gradients = self._canary_gradients(module, names)
         optimizer = module.optimizers().optimizer
-        if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        params = dict(module.backbone.named_parameters())
+        if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW | ProjectedAdam):
             beta1 = optimizer.param_groups[0]["betas"][0]
-            params = dict(module.backbone.named_parameters())
-            released = torch.cat([optimizer.state[params[name]]["exp_avg"].double().flatten() / (1 - beta1)
-                                  for name in names])
+            released = [optimizer.state[params[name]]["exp_avg"].double() / (1 - beta1) for name in names]
         else:
-            released = torch.cat([-delta[name].flatten() for name in names]) / module.lr
+            released = [-delta[name] / module.lr for name in names]
+        if hasattr(module, "projections_at"):  # DP-GRAPE: the release lives in the step's projected space
+            by_name = dict(zip(module.engine.names, module.projections_at(step)))
+            gradients = [g if by_name.get(name) is None else project(g, by_name[name])
+                         for name, g in zip(names, gradients)]
+        gradient = torch.cat([g.flatten() for g in gradients])
+        released = torch.cat([r.flatten() for r in released])
         size, clip = module.privacy.expected_batch_size, module.clip
         return float(size * (released @ gradient) / (gradient.norm() * clip))
 
-    def _canary_gradient(self, module: Any, names: list[str]) -> Tensor:
-        """The gradient of the canary's loss at the step's weights (its clipped term's direction)."""
+    def _canary_gradients(self, module: Any, names: list[str]) -> list[Tensor]:
+        """The gradient of the canary's loss at the step's weights (its clipped term's direction), per parameter."""
         inputs, target = self._canary
         params = dict(module.backbone.named_parameters())
         with _weights(module.backbone, self._before), torch.enable_grad():
             loss = per_example_loss(module.backbone, inputs, target).sum()
             grads = torch.autograd.grad(loss, [params[name] for name in names])
-        return torch.cat([g.double().flatten() for g in grads])
+        return [g.double() for g in grads]
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -188,6 +195,9 @@ def _unsupported(module: Any) -> Optional[str]:
         return f"block_lr={module.block_lr!r} (use 'uniform')"
     if getattr(module, "lr_scheduler_factory", None) is not None:
         return "an lr_scheduler (leave it unset)"
+    if getattr(module, "projected", None) and not hasattr(module, "projections_at"):
+        return ("naive DP-GaLore's projection is post-processing of its full release, which the weights show only in "
+                "part: audit it with a `rank` at least every layer's smaller side (nothing projected)")
     return None
 
 
