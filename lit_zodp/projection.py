@@ -31,6 +31,8 @@ from lit_zodp.zo.seeds import derive_seed
 
 #: Key of the projector stream: never shared with the zeroth-order direction seeds (``derive_seed(run, step, k)``).
 PROJECTION_STREAM = 0x6A9E
+#: Name components of the layers left unprojected by default (the paper leaves RoBERTa's LM head unprojected).
+UNPROJECTED = ("lm_head", "classifier", "head")
 
 
 def projection_side(shape: Sequence[int]) -> str:
@@ -49,7 +51,7 @@ def gaussian_projection(seed: int, rows: int, rank: int, device: torch.device | 
     return normal_range(seed, 0, rows * rank, device=device).view(rows, rank) / math.sqrt(rank)
 
 
-def projected_names(module: nn.Module, rank: int, unprojected: Iterable[str] = ()) -> list[str]:
+def projected_names(module: nn.Module, rank: int, unprojected: Iterable[str] = UNPROJECTED) -> list[str]:
     """Names of the trainable weights DP-GRAPE projects: the ``weight`` of every ``nn.Linear`` whose smaller
     dimension exceeds ``rank`` (a projection onto ``r >= m`` dimensions saves nothing), held by that layer alone
     (a weight tied to an embedding keeps its full per-example gradient, as the embeddings do: "nonlinear layers are
@@ -172,16 +174,17 @@ class ProjectedAdam(Optimizer):
         state = self.state[param]
         if "step" not in state:  # (naive DP-GaLore keeps its projector here too)
             state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(gradient, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(gradient, dtype=torch.float32)
+            dtype = torch.promote_types(gradient.dtype, torch.float32)  # (moments of bf16 weights in float32)
+            state["exp_avg"] = torch.zeros_like(gradient, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(gradient, dtype=dtype)
         raise_if_any([None if state["exp_avg"].shape == gradient.shape else
                       f"ProjectedAdam's moments have shape {tuple(state['exp_avg'].shape)}, but the handed gradient "
                       f"has {tuple(gradient.shape)}: the projection rank or the projected weights changed"])
         state["step"] += 1
         t = state["step"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        g = gradient.to(torch.float32)
-        m.mul_(beta1).add_(g, alpha=1 - beta1)                      # M^t = beta1 M + (1 - beta1) R~
+        g = gradient.to(m.dtype)
+        m.lerp_(g, 1 - beta1)                                       # M^t = beta1 M + (1 - beta1) R~ (as torch)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)               # V^t = beta2 V + (1 - beta2) R~^2
         denominator = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)   # torch's order of operations
         step_size = lr / (1 - beta1 ** t)
@@ -194,5 +197,5 @@ class ProjectedAdam(Optimizer):
         param.add_(direction.to(param.dtype), alpha=-step_size)
 
 
-__all__ = ["PROJECTION_STREAM", "ProjectedAdam", "SeededProjections", "gaussian_projection", "project",
+__all__ = ["PROJECTION_STREAM", "ProjectedAdam", "UNPROJECTED", "SeededProjections", "gaussian_projection", "project",
            "project_back", "projected_names", "projection_side", "projector_seed"]

@@ -44,10 +44,8 @@ from lit_zodp.errors import check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedSum
 from lit_zodp.per_example.transforms import Projection
 from lit_zodp.privacy import clipped_fraction
-from lit_zodp.projection import ProjectedAdam, SeededProjections, project, projected_names, projection_side
-
-#: Name components of the layers left unprojected by default (the paper leaves RoBERTa's LM head unprojected).
-UNPROJECTED = ("lm_head", "classifier", "head")
+from lit_zodp.projection import (UNPROJECTED, ProjectedAdam, SeededProjections, project, projected_names,
+                                 projection_side)
 
 
 class _ProjectedAdamModule(DPAdam):
