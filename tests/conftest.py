@@ -44,6 +44,12 @@ def poisson_loader(dataset, sample_rate, *, seed=0, steps_per_epoch=None):
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
 
 
+#: Per-algorithm settings under which the registry-wide tests (privacy contract, GPU) exercise what an algorithm adds:
+#: a projection rank below both :func:`mlp` weights' smaller sides (10 and 3), so both are projected (one on each
+#: side) and the biases are not.
+ALGORITHM_KWARGS = {name: dict(rank=2) for name in ("DPGRAPE", "GRAPE", "DPGaLore", "GaLore")}
+
+
 def mlp(features=10, classes=3, seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))

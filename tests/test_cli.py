@@ -187,7 +187,7 @@ def test_an_optimizer_override_is_not_an_option(tmp_path, monkeypatch):
                    "--optimizer.lr", "0.05"])
 
 
-@pytest.mark.parametrize("name", ["quickstart_dpsgd", "quickstart_dpadam", "vit_mnist_dpadam"])
+@pytest.mark.parametrize("name", ["quickstart_dpsgd", "quickstart_dpadam", "quickstart_dpgrape", "vit_mnist_dpadam"])
 def test_first_order_configs_run_a_few_steps(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).resolve().parents[1] / "configs" / "first_order" / f"{name}.yaml"

@@ -27,7 +27,8 @@ from lit_zodp.errors import AccountingError, ConfigError, PrivacyConfigError
 from lit_zodp.privacy import (FullBatchSampler, GaussianRelease, NoiseSource, PoissonBatchSampler, PrivacyComponent,
                               PrivacyLedger)
 from lit_zodp.privacy.audit import accounted_mu, epsilon_lower_bound, gaussian_epsilon, gaussian_mu, gaussian_spread
-from tests.conftest import TokenBag, blobs, collate_tensors, mlp, poisson_loader, quiet_trainer, token_loader
+from tests.conftest import (ALGORITHM_KWARGS, TokenBag, blobs, collate_tensors, mlp, poisson_loader, quiet_trainer,
+                            token_loader)
 
 PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)
 EVERY = sorted(ALGORITHMS)
@@ -38,11 +39,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set",
 
 def test_the_registry_holds_todays_algorithms():
     assert {"DPZero", "DPGD0th"} <= set(PRIVATE) and "MeZO" in EVERY and "MeZO" not in PRIVATE
-
-
-#: Per-algorithm settings that make the contract exercise what the algorithm adds: a projection rank below
-#: both MLP weights' smaller sides (10 and 3), so both are projected (one on each side) and the biases are not.
-ALGORITHM_KWARGS = {name: dict(rank=2) for name in ("DPGRAPE", "GRAPE", "DPGaLore", "GaLore")}
 
 
 def build(name, backbone=None, cls=None, **overrides):
@@ -817,6 +813,11 @@ def audit_scores(name, with_canary, steps, trainer_kwargs=None, **overrides):
     return audit.scores, accounted_mu(module.privacy.ledger.counts) / math.sqrt(steps)
 
 
+#: What the audit reads differently: DPZero's sqrt(k) of k directions; naive DP-GaLore's projection is post-processing
+#: of DP-Adam's full release, which the weights show only in part, so it is audited projecting nothing.
+AUDIT_KWARGS = {"DPZero": dict(num_directions=2), "DPGaLore": dict(rank=16)}
+
+
 def audit_agrees(name, trainer_kwargs=None, **overrides):
     """The measured ``mu`` (mean shift over spread) and the measured spread of the scores (the noise std over the
     canary's shift of 1, i.e. ``1 / mu``; chi-square interval) against the ledger's ``mu`` per step, 99.9%
@@ -837,10 +838,7 @@ def test_the_weights_show_one_row_exactly_as_much_as_accounted(name):
     directions), and the spread ``1 / mu``. Fails if the noise, the clipping, or the division by B were wrong, or if
     the ledger's sigma were not the one applied (half the noise measured mu 1.97, 99.9% interval [1.50, 2.43],
     against 1)."""
-    overrides = {"DPZero": dict(num_directions=2),
-                 # its projection is post-processing of DP-Adam's full release, which the weights show only in part
-                 "DPGaLore": dict(rank=16)}
-    agrees, numbers = audit_agrees(name, **overrides.get(name, {}))
+    agrees, numbers = audit_agrees(name, **AUDIT_KWARGS.get(name, {}))
     assert agrees, numbers
 
 

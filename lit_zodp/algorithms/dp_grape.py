@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from lit_zodp.algorithms.dpsgd import DPAdam, eps_vanishing_error
+from lit_zodp.algorithms.dpsgd import DPAdam
 from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedSum
@@ -64,7 +64,7 @@ class _ProjectedAdamModule(DPAdam):
         self.projected = set(projected_names(self.backbone, rank, self.unprojected)) & set(self.engine.names)
 
     def make_optimizer(self, params):
-        raise_if_any([eps_vanishing_error(self.eps, params)])
+        """Projected Adam (its moments and ``phi`` in at least float32, so float16 weights need no larger ``eps``)."""
         return ProjectedAdam(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
 
     def on_train_start(self) -> None:

@@ -287,3 +287,17 @@ def test_the_non_private_twins_train_and_keep_projected_moments():
         state = trainer.optimizers[0].state
         assert [tuple(state[p]["exp_avg"].shape) for p in module.backbone.parameters()] == [
             (16, 3), (16,), (3, 16), (6,)]
+
+
+def test_projected_adam_keeps_float32_moments_so_float16_weights_step_where_adams_eps_would_vanish():
+    """DP-Adam refuses float16 weights at eps 1e-8 (it rounds to 0 there: m / 0 where v underflows); projected Adam
+    keeps its moments, and phi, in float32, so a coordinate whose gradient is 0 stays where it is."""
+    weight = nn.Parameter(torch.ones(4, 6, dtype=torch.float16))
+    optimizer = ProjectedAdam([weight], lr=0.1, eps=1e-8)
+    gradient = torch.zeros(2, 6)
+    gradient[0, 0] = 1e-3
+    optimizer.hand([gradient], [Projection(torch.eye(4, 2), "left")])
+    optimizer.step()
+    assert optimizer.state[weight]["exp_avg"].dtype == torch.float32 and torch.isfinite(weight).all()
+    moved = (weight.float() - 1).abs() > 0
+    assert moved[0, 0] and moved.sum() == 1
