@@ -1,0 +1,309 @@
+"""DP-GRAPE (Mulrooney et al. Alg. 1 + 2), GRAPE, DP-GaLore: numeric identities against slow hand-written references.
+
+The references below are independent of the engine: per-example gradients from one autograd backward per example,
+projected with ``P = N_s(0, 1/r)`` drawn from the public seed of the step's period, one flat clip over every
+projected and unprojected coordinate, and Adam with projected moments written out line by line (Alg. 2 with torch's
+bias correction, as the module documents).
+"""
+
+import math
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_zodp.algorithms import DPGRAPE, GRAPE, DPAdam, DPGaLore, GaLore
+from lit_zodp.algorithms.first_order import GRAD_MODES
+from lit_zodp.errors import ConfigError
+from lit_zodp.privacy import FullBatchSampler
+from lit_zodp.projection import gaussian_projection, projection_side, projector_seed
+from tests.conftest import collate_tensors, poisson_loader, quiet_trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set", "ignore:.*ckpt_path.*",
+                                        "ignore:.*dataloader is not resumable.*", "ignore:.*val_dataloader.*")
+
+RANK = 4
+
+
+class Net(nn.Module):
+    """Both sides projected (``up`` [14, 6] right, ``down`` [9, 14] left), and an embedding, a LayerNorm, biases and
+    a ``head`` left unprojected."""
+
+    def __init__(self, seed=0, vocab=11):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(vocab, 6)
+        self.up = nn.Linear(6, 14)
+        self.norm = nn.LayerNorm(14)
+        self.down = nn.Linear(14, 9)
+        self.head = nn.Linear(9, 3)
+
+    def forward(self, x):
+        h = self.norm(torch.tanh(self.up(self.emb(x))))
+        return self.head(torch.tanh(self.down(h)).mean(1))
+
+
+def tokens(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randint(0, 11, (n, 5), generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def full_batch(dataset, steps):
+    return DataLoader(dataset, batch_sampler=FullBatchSampler(len(dataset), steps_per_epoch=steps),
+                      collate_fn=collate_tensors)
+
+
+PRIVATE = dict(clip=1.0, noise_multiplier=1.0, delta=1e-5, noise_seed=5)
+
+
+def build(cls=DPGRAPE, backbone=None, **overrides):
+    kwargs = dict(rank=RANK, lr=0.01, seed=3) | (PRIVATE if cls.private else {})
+    return cls(backbone if backbone is not None else Net(), **(kwargs | overrides))
+
+
+class Recorder(Callback):
+    """Each step's batch, projected clipped sum, release, and the weights before and after."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.steps.append({"before": {n: p.detach().clone() for n, p in module.backbone.named_parameters()}})
+        private_gradient, release = module.private_gradient, module.release_gradient
+        record = self.steps[-1]
+
+        def recorded_private_gradient(inputs, targets):
+            record["inputs"], record["targets"] = inputs.clone(), targets.clone()
+            return private_gradient(inputs, targets)
+
+        def recorded_release(clipped):
+            record["clipped"] = [g.detach().clone() for g in clipped.grads]
+            record["released"] = [g.detach().clone() for g in release(clipped)]
+            record["batch_size"] = clipped.batch_size
+            return record["released"]
+
+        module.private_gradient, module.release_gradient = recorded_private_gradient, recorded_release
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.steps[-1]["after"] = {n: p.detach().clone() for n, p in module.backbone.named_parameters()}
+        del module.private_gradient, module.release_gradient
+
+
+def fit(module, loader, steps, **trainer_kwargs):
+    recorder = Recorder()
+    trainer = quiet_trainer(max_steps=steps, callbacks=[recorder], **trainer_kwargs)
+    trainer.fit(module, loader)
+    return recorder.steps, trainer
+
+
+def projector(module, name, param, step):
+    """``P`` of ``name`` at the 0-based ``step``, from the public seed alone (never from the module's state)."""
+    index = [n for n in module.engine.names if n in module.projected].index(name)
+    side = projection_side(param.shape)
+    rows = param.shape[0] if side == "left" else param.shape[1]
+    seed = projector_seed(module.run_seed, step // module.projection_frequency, index)
+    return gaussian_projection(seed, rows, module.rank).double(), side
+
+
+def project(g, matrix, side):
+    return matrix.T @ g if side == "left" else g @ matrix
+
+
+def project_back(u, matrix, side):
+    return matrix @ u if side == "left" else u @ matrix.T
+
+
+def reference_clipped_sum(module, weights, inputs, targets, step, clip):
+    """``sum_i clip_C(R_i)``: one backward per example on a float64 copy, projected, ONE flat norm over all."""
+    model = Net().double()
+    model.load_state_dict({n: w.double() for n, w in weights.items()})
+    names = list(module.engine.names)
+    params = dict(model.named_parameters())
+    total = None
+    for i in range(len(targets)):
+        loss = F.cross_entropy(model(inputs[i:i + 1]), targets[i:i + 1])
+        grads = torch.autograd.grad(loss, [params[n] for n in names])
+        rows = [project(g, *projector(module, n, params[n], step)) if n in module.projected else g
+                for n, g in zip(names, grads)]
+        norm = torch.cat([r.flatten() for r in rows]).norm()
+        scale = min(1.0, clip / norm.item())
+        rows = [r * scale for r in rows]
+        total = rows if total is None else [t + r for t, r in zip(total, rows)]
+    return total
+
+
+# ------------------------------------------------------------------------- 1. faithfulness to Alg. 1 and 2
+@pytest.mark.parametrize("mode", GRAD_MODES)
+def test_the_clipped_sum_is_the_flat_clip_of_the_projected_per_example_gradients_in_every_mode(mode):
+    """Left (``P^T G_i``) and right (``G_i P``) projections from the public seed, unprojected embedding, LayerNorm,
+    biases and head, one flat clip over all of them (a clip whose threshold sits inside the norms' range: a
+    per-layer clip, a clip of the unprojected norm, or a projection after the clip would each differ)."""
+    module = build(grad_mode=mode, clip=1.7)
+    assert module.projected == {"up.weight", "down.weight"}
+    steps, _ = fit(module, full_batch(tokens(24), 2), 2)
+    for step, record in enumerate(steps):
+        expected = reference_clipped_sum(module, record["before"], record["inputs"], record["targets"], step, 1.7)
+        for name, got, want in zip(module.engine.names, record["clipped"], expected):
+            assert got.shape == want.shape, name
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6, msg=name)
+    shapes = dict(zip(module.engine.names, (g.shape for g in steps[0]["clipped"])))
+    assert shapes["up.weight"] == (14, RANK) and shapes["down.weight"] == (RANK, 14)
+
+
+def test_the_reference_sees_a_clip_that_binds_for_some_examples_only():
+    """(The threshold of the test above clips part of the batch: both branches of ``min(1, C / |R_i|)`` run.)"""
+    module = build(clip=1.7)
+    steps, _ = fit(module, full_batch(tokens(24), 1), 1)
+    record = steps[0]
+    model = Net().double()
+    model.load_state_dict({n: w.double() for n, w in record["before"].items()})
+    params = dict(model.named_parameters())
+    norms = []
+    for i in range(24):
+        loss = F.cross_entropy(model(record["inputs"][i:i + 1]), record["targets"][i:i + 1])
+        grads = torch.autograd.grad(loss, [params[n] for n in module.engine.names])
+        norms.append(torch.cat([(project(g, *projector(module, n, params[n], 0)) if n in module.projected else g)
+                                .flatten() for n, g in zip(module.engine.names, grads)]).norm().item())
+    assert min(norms) < 1.7 < max(norms)
+
+
+def test_the_noise_lives_in_the_projected_dimension_with_std_sigma_c_over_b():
+    """The release adds ``N(0, sigma^2 C^2)`` to exactly ``r sum n_l + d_unprojected`` coordinates, divided by B."""
+    module = build(noise_multiplier=3.0, clip=2.0)
+    steps, _ = fit(module, poisson_loader(tokens(64), 0.25, seed=1), 1)
+    record = steps[0]
+    dimension = sum(g.numel() for g in record["released"])
+    unprojected = sum(p.numel() for n, p in module.backbone.named_parameters() if n not in module.projected)
+    assert dimension == 14 * RANK + RANK * 14 + unprojected  # up: [14, r] (right: out 14 > in 6); down: [r, 14] (left)
+    size = module.privacy.expected_batch_size
+    assert size == 16
+    noise = torch.cat([(r * size - c).flatten() for r, c in zip(record["released"], record["clipped"])]).double()
+    assert abs(noise.std().item() / (3.0 * 2.0) - 1) < 0.12 and abs(noise.mean().item()) < 0.15 * 6.0
+
+
+def adam_reference(module, steps, full=None):
+    """Alg. 2 (torch's bias correction, as documented): the weights after each step from the releases alone, with
+    ``P`` regenerated from the public seeds of each step's period. ``full``: the released gradient is full-shape
+    (DP-GaLore); then it is given with its projection per step."""
+    (beta1, beta2), eps, lr = module.betas, module.eps, module.lr
+    weights = {n: w.double() for n, w in steps[0]["before"].items()}
+    names = list(module.engine.names)
+    m, v, out = {}, {}, []
+    for t, record in enumerate(steps, start=1):
+        for name, g in zip(names, record["released"]):
+            g = g.double()
+            if name in module.projected and full is not None:
+                matrix, side = full[t - 1][name]
+                g = project(g, matrix, side)
+            m[name] = beta1 * m.get(name, 0) + (1 - beta1) * g
+            v[name] = beta2 * v.get(name, 0) + (1 - beta2) * g * g
+            direction = m[name] / (v[name].sqrt() / math.sqrt(1 - beta2 ** t) + eps)
+            if name in module.projected:
+                matrix, side = (full[t - 1][name] if full is not None
+                                else projector(module, name, record["before"][name], t - 1))
+                direction = project_back(direction, matrix, side)
+            weights[name] = weights[name] - lr / (1 - beta1 ** t) * direction
+        out.append({n: w.clone() for n, w in weights.items()})
+    return out, m, v
+
+
+@pytest.mark.parametrize("frequency", [1, 2, 3])
+def test_the_update_is_w_minus_alpha_p_m_over_sqrt_v_with_p_renewed_exactly_every_f_steps(frequency):
+    """Seven steps: every step's weights equal the hand-written Alg. 2 on the recorded releases, with ``P`` from the
+    seed of period ``t // F`` (the same ``P`` as the backward's, which the clipped-sum test pins); the moments have
+    the projected shape and are carried across every change of subspace (neither reset nor re-projected)."""
+    module = build(projection_frequency=frequency)
+    steps, _ = fit(module, poisson_loader(tokens(64), 0.25, seed=1), 7)
+    expected, m, v = adam_reference(module, steps)
+    for t, (record, want) in enumerate(zip(steps, expected)):
+        for name, w in record["after"].items():
+            torch.testing.assert_close(w.double(), want[name], rtol=1e-5, atol=1e-7, msg=f"step {t} {name}")
+    state = module.optimizers().optimizer.state
+    for name, param in zip(module.engine.names, module.engine.params):
+        assert state[param]["step"] == 7
+        assert state[param]["exp_avg"].shape == m[name].shape
+        torch.testing.assert_close(state[param]["exp_avg"].double(), m[name], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(state[param]["exp_avg_sq"].double(), v[name], rtol=1e-5, atol=1e-10)
+    assert state[dict(module.backbone.named_parameters())["down.weight"]]["exp_avg"].shape == (RANK, 14)
+
+
+@pytest.mark.parametrize("frequency", [1, 3])
+def test_the_projector_changes_exactly_at_the_steps_t_mod_f_zero(frequency):
+    module = build(projection_frequency=frequency)
+    fit(module, poisson_loader(tokens(64), 0.25, seed=1), 1)
+    param = dict(module.backbone.named_parameters())["up.weight"]
+    index = module.engine.names.index("up.weight")
+    matrices = [module.projections_at(t)[index].matrix.clone() for t in range(7)]
+    for t in range(1, 7):
+        same = torch.equal(matrices[t], matrices[t - 1])
+        assert same == (t % frequency != 0), t
+        torch.testing.assert_close(matrices[t].double(), projector(module, "up.weight", param, t)[0])
+
+
+def test_the_projector_is_public_the_same_whatever_the_data_and_the_noise():
+    """``P`` is a function of the run seed, the period and the tensor's index alone."""
+    a, b = build(noise_seed=1), build(noise_seed=2)
+    fit(a, poisson_loader(tokens(64, seed=0), 0.25, seed=1), 2)
+    fit(b, poisson_loader(tokens(64, seed=9), 0.5, seed=4), 2)
+    for pa, pb in zip(a.projections_at(5), b.projections_at(5)):
+        assert (pa is None) == (pb is None)
+        if pa is not None:
+            assert torch.equal(pa.matrix, pb.matrix) and pa.side == pb.side
+    c = build(seed=4)
+    fit(c, poisson_loader(tokens(64), 0.25, seed=1), 1)
+    assert not torch.equal(c.projections_at(0)[1].matrix, a.projections_at(0)[1].matrix)
+
+
+# ------------------------------------------------------------------------- 4. reductions
+def test_dp_grape_with_nothing_projected_is_dp_adam_bit_for_bit():
+    """``rank`` at least every Linear's smaller side: no projection, and the fit is DP-Adam's, same seeds."""
+    with pytest.warns(UserWarning, match="projects no tensor"):
+        grape = build(rank=9)
+    assert grape.projected == set()
+    adam = DPAdam(Net(), lr=0.01, seed=3, **PRIVATE)
+    fit(grape, poisson_loader(tokens(64), 0.25, seed=1), 5)
+    fit(adam, poisson_loader(tokens(64), 0.25, seed=1), 5)
+    for (name, a), b in zip(grape.backbone.named_parameters(), adam.backbone.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_grape_equals_a_hand_written_projected_adam_on_the_batch_mean():
+    """The non-private twin: the mean gradient of the realized batch, projected by the seeded ``P``, Adam (Alg. 2)."""
+    module = build(GRAPE, projection_frequency=2)
+    steps, _ = fit(module, poisson_loader(tokens(64), 0.25, seed=1), 5)
+    for t, record in enumerate(steps):
+        model = Net().double()
+        model.load_state_dict({n: w.double() for n, w in record["before"].items()})
+        params = dict(model.named_parameters())
+        loss = F.cross_entropy(model(record["inputs"]), record["targets"])
+        grads = torch.autograd.grad(loss, [params[n] for n in module.engine.names])
+        for name, got, g in zip(module.engine.names, record["released"], grads):
+            want = project(g, *projector(module, name, params[name], t)) if name in module.projected else g
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-8, msg=f"step {t} {name}")
+    expected, _, _ = adam_reference(module, steps)
+    for name, w in steps[-1]["after"].items():
+        torch.testing.assert_close(w.double(), expected[-1][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_dp_galore_projects_the_noisy_release_on_its_top_singular_vectors_every_f_steps():
+    """Alg. 5: ``P`` is ``U[:, :r]`` (left) or ``V[:, :r]`` (right) of the SVD of the step's RELEASED (noisy)
+    gradient at ``t mod F == 0`` and kept between; Adam on ``P^T G~``; the weights follow the reference."""
+    module = build(DPGaLore, projection_frequency=2)
+    steps, _ = fit(module, poisson_loader(tokens(64), 0.25, seed=1), 5)
+    full, current = [], {}
+    for t, record in enumerate(steps):
+        for name, g in zip(module.engine.names, record["released"]):
+            if name in module.projected and t % 2 == 0:
+                side = projection_side(g.shape)
+                u, _, vh = torch.linalg.svd(g.float(), full_matrices=False)  # (the module's float32 SVD: same signs)
+                current[name] = ((u[:, :RANK] if side == "left" else vh[:RANK].T).double(), side)
+        full.append(dict(current))
+    expected, _, _ = adam_reference(module, steps, full=full)
+    for t, record in enumerate(steps):
+        for name, w in record["after"].items():
+            # (singular vectors are defined up to sign; Adam's direction P (M / sqrt V) is sign-invariant per column
+            # only while the sign does not change, which the kept projector guarantees within a period)
+            torch.testing.assert_close(w.double(), expected[t][name], rtol=1e-4, atol=1e-6, msg=f"step {t} {name}")
