@@ -181,7 +181,7 @@ class ProjectedAdam(Optimizer):
         t = state["step"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         g = gradient.to(torch.float32)
-        m.mul_(beta1).add_(g, alpha=1 - beta1)                      # M^t = beta1 M + (1 - beta1) R~
+        m.lerp_(g, 1 - beta1)                                       # M^t = beta1 M + (1 - beta1) R~ (torch's lerp)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)               # V^t = beta2 V + (1 - beta2) R~^2
         denominator = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)   # torch's order of operations
         step_size = lr / (1 - beta1 ** t)
