@@ -32,6 +32,8 @@ on the top-``r`` singular vectors of the privatized gradient, recomputed every `
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -40,7 +42,7 @@ from torch import Tensor, nn
 
 from lit_zodp.algorithms.dpsgd import DPAdam, eps_vanishing_error
 from lit_zodp.backbones.base import batch_size_of
-from lit_zodp.errors import check_positive_int, raise_if_any
+from lit_zodp.errors import LitZodpWarning, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedSum
 from lit_zodp.per_example.transforms import Projection
 from lit_zodp.privacy import clipped_fraction
@@ -63,7 +65,32 @@ class _ProjectedAdamModule(DPAdam):
                       else f"Expected `unprojected` a list of layer-name components, but got {unprojected!r}"])
         super().__init__(backbone, **kwargs)
         self.rank, self.projection_frequency, self.unprojected = rank, projection_frequency, tuple(unprojected)
+        raise_if_any([_unmatched_unprojected_error(self.backbone, self.unprojected)])
         self.projected = set(projected_names(self.backbone, rank, self.unprojected)) & set(self.engine.names)
+        if not self.projected:
+            warnings.warn(f"{type(self).__name__}(rank={rank}) projects no tensor: no trainable nn.Linear weight has "
+                          f"a smaller side above {rank} (outside `unprojected`), so every gradient keeps its full "
+                          f"dimension and this is {'DP-' if self.private else ''}Adam; lower `rank` to project",
+                          LitZodpWarning, stacklevel=2)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A Trainer resume continues the checkpoint's subspaces and projected moments: with another ``rank`` or
+        ``unprojected`` the moments' shapes no longer match, and the step failed inside Adam after its release was
+        spent and part of the weights had moved; another ``projection_frequency`` silently moved the run to another
+        period's projectors. Refused in one line, before any step."""
+        if self._trainer is not None and self.trainer.training:
+            raise_if_any([self._projection_change_error(checkpoint.get("hyper_parameters") or {})])
+        super().on_load_checkpoint(checkpoint)
+
+    def _projection_change_error(self, saved: dict) -> Optional[str]:
+        now = {"rank": self.rank, "projection_frequency": self.projection_frequency,
+               "unprojected": list(self.unprojected)}
+        changed = [f"`{key}` {saved[key]!r} -> {value!r}" for key, value in now.items()
+                   if key in saved and (list(saved[key]) if key == "unprojected" else saved[key]) != value]
+        if not changed:
+            return None
+        return (f"`ckpt_path`: this checkpoint's projected Adam moments and subspaces were made with other projection "
+                f"settings ({', '.join(changed)}); a resume continues them: resume with the checkpoint's settings")
 
     def make_optimizer(self, params):
         raise_if_any([eps_vanishing_error(self.eps, params)])
@@ -86,6 +113,17 @@ class _ProjectedAdamModule(DPAdam):
         """Alg. 2: hand the (projected) released gradients to projected Adam and step it (the ledger commits)."""
         self.optimizers().optimizer.hand(gradients, projections)
         self.step_optimizer()
+
+
+def _unmatched_unprojected_error(module: nn.Module, unprojected: Sequence[str]) -> Optional[str]:
+    """An ``unprojected`` entry (beyond the defaults, which many models lack) that is no component of any layer's
+    name: a typo left the layer it meant projected, silently."""
+    components = {part for name, _ in module.named_modules() for part in re.split(r"\.", name) if part}
+    unmatched = [n for n in unprojected if n not in UNPROJECTED and n not in components]
+    if not unmatched:
+        return None
+    return (f"`unprojected` names {', '.join(repr(n) for n in unmatched)}, but no layer of the model has such a name "
+            f"component (e.g. {', '.join(repr(c) for c in sorted(components)[:5])})")
 
 
 class DPGRAPE(_ProjectedAdamModule):

@@ -258,12 +258,14 @@ def test_the_projector_is_public_the_same_whatever_the_data_and_the_noise():
 
 
 # ------------------------------------------------------------------------- 4. reductions
-def test_dp_grape_with_nothing_projected_is_dp_adam_bit_for_bit():
-    """``rank`` at least every Linear's smaller side: no projection, and the fit is DP-Adam's, same seeds."""
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_dp_grape_with_nothing_projected_is_dp_adam_bit_for_bit(weight_decay):
+    """``rank`` at least every Linear's smaller side: no projection, and the fit is DP-Adam's, same seeds, bit for bit
+    (ProjectedAdam's first moment was ``mul_(beta1).add_(g)`` where torch's AdamW lerps: 1e-7 apart after 5 steps)."""
     with pytest.warns(UserWarning, match="projects no tensor"):
-        grape = build(rank=9)
+        grape = build(rank=9, weight_decay=weight_decay)
     assert grape.projected == set()
-    adam = DPAdam(Net(), lr=0.01, seed=3, **PRIVATE)
+    adam = DPAdam(Net(), lr=0.01, seed=3, weight_decay=weight_decay, **PRIVATE)
     fit(grape, poisson_loader(tokens(64), 0.25, seed=1), 5)
     fit(adam, poisson_loader(tokens(64), 0.25, seed=1), 5)
     for (name, a), b in zip(grape.backbone.named_parameters(), adam.backbone.parameters()):
@@ -307,3 +309,78 @@ def test_dp_galore_projects_the_noisy_release_on_its_top_singular_vectors_every_
             # (singular vectors are defined up to sign; Adam's direction P (M / sqrt V) is sign-invariant per column
             # only while the sign does not change, which the kept projector guarantees within a period)
             torch.testing.assert_close(w.double(), expected[t][name], rtol=1e-4, atol=1e-6, msg=f"step {t} {name}")
+
+
+# ------------------------------------------------------------------------- 2. resume
+def _checkpoint(module, loader, steps, path):
+    trainer = quiet_trainer(max_steps=steps)
+    trainer.fit(module, loader)
+    trainer.save_checkpoint(path)
+    return path
+
+
+@pytest.mark.parametrize("cls", [GRAPE, GaLore])
+def test_a_fit_of_n_steps_equals_k_steps_and_a_resume_of_the_rest(cls, tmp_path):
+    """The resumed fit continues the same projectors (GRAPE: from the run seed and the step; GaLore: the SVD
+    projector kept in the optimizer state, renewed at step 4 only) and the same projected moments."""
+    whole = build(cls, projection_frequency=4)
+    fit(whole, full_batch(tokens(32), 7), 7)
+    path = _checkpoint(build(cls, projection_frequency=4), full_batch(tokens(32), 3), 3, tmp_path / "k.ckpt")
+    resumed = build(cls, projection_frequency=4)
+    trainer = quiet_trainer(max_steps=7)
+    trainer.fit(resumed, full_batch(tokens(32), 7), ckpt_path=str(path))
+    assert trainer.global_step == 7
+    for (name, a), b in zip(whole.backbone.named_parameters(), resumed.backbone.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("change", [dict(rank=3), dict(projection_frequency=7), dict(unprojected=["head", "up"])])
+@pytest.mark.parametrize("cls", [DPGRAPE, DPGaLore])
+def test_a_resume_with_other_projection_settings_is_refused_in_one_line_before_any_step(cls, change, tmp_path):
+    """Before, another ``rank`` (or ``unprojected``) failed inside ProjectedAdam after the step's release was counted
+    and the embedding had moved; another ``projection_frequency`` resumed silently on other projectors."""
+    path = _checkpoint(build(cls, projection_frequency=5), poisson_loader(tokens(), 0.25, seed=1), 3,
+                       tmp_path / "k.ckpt")
+    resumed = build(cls, **({"projection_frequency": 5} | change))
+    before = [p.detach().clone() for p in resumed.parameters()]
+    trainer = quiet_trainer(max_steps=6)
+    with pytest.raises(ConfigError) as refused:
+        trainer.fit(resumed, poisson_loader(tokens(), 0.25, seed=1), ckpt_path=str(path))
+    message = str(refused.value)
+    assert "\n" not in message and f"`{next(iter(change))}`" in message
+    assert resumed.privacy.ledger.total_count == 0 and trainer.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, resumed.parameters()))
+
+
+def test_a_resume_with_the_same_settings_continues(tmp_path):
+    path = _checkpoint(build(projection_frequency=5), poisson_loader(tokens(), 0.25, seed=1), 3, tmp_path / "k.ckpt")
+    resumed = build(projection_frequency=5)
+    trainer = quiet_trainer(max_steps=5)
+    trainer.fit(resumed, poisson_loader(tokens(), 0.25, seed=1), ckpt_path=str(path))
+    assert trainer.global_step == 5
+
+
+# ------------------------------------------------------------------------- 3. bad configuration
+@pytest.mark.parametrize("cls", [DPGRAPE, GRAPE, DPGaLore, GaLore])
+@pytest.mark.parametrize("bad", [dict(rank=0), dict(rank=-2), dict(projection_frequency=0),
+                                 dict(unprojected="head")])
+def test_bad_projection_settings_are_refused_in_one_line(cls, bad):
+    with pytest.raises(ConfigError) as refused:
+        build(cls, **bad)
+    assert "\n" not in str(refused.value) and f"`{next(iter(bad))}`" in str(refused.value)
+
+
+@pytest.mark.parametrize("cls", [DPGRAPE, DPGaLore])
+def test_an_unprojected_name_matching_no_layer_is_refused_rather_than_ignored(cls):
+    """``unprojected=["haed"]`` (a typo for ``head``) left ``head`` under the defaults' rule silently."""
+    with pytest.raises(ConfigError, match="'haed'"):
+        build(cls, unprojected=["haed"])
+    assert build(cls, unprojected=["lm_head", "classifier", "head", "down"]).projected == {"up.weight"}
+
+
+@pytest.mark.parametrize("backbone", [lambda: Net(), lambda: nn.Sequential(nn.Embedding(11, 3), nn.Flatten(),
+                                                                           nn.Tanh(), nn.Flatten(), )])
+def test_a_rank_that_projects_nothing_warns(backbone):
+    with pytest.warns(UserWarning, match="projects no tensor"):
+        module = build(backbone=backbone(), rank=64)
+    assert module.projected == set()
