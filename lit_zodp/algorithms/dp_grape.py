@@ -154,6 +154,15 @@ class DPGRAPE(_ProjectedAdamModule):
     def projected_sum(self, clipped: ClippedSum, projections: list[Optional[Projection]]) -> ClippedSum:
         """The non-private path (:meth:`_batch_gradient`, no per-example gradients) sums full gradients: project the
         sum (``sum_i P^T G_i = P^T sum_i G_i``)."""
+        late = [name for name, g, p, pr in zip(self.engine.names, clipped.grads, self.engine.params, projections)
+                if pr is not None and g.shape == p.shape]
+        # A projection AFTER the per-example clip is no projection of clipped rows: |P^T G| reaches sigma_max(P) |G|,
+        # above C (sigma_max ~ 1 + sqrt(m / r)), so the noise would no longer cover one example. Only the sum of the
+        # unclipped batch gradient (the non-private twin's path) may be projected here.
+        raise_if_any([None if not (late and self.privacy.is_private) else
+                      f"The per-example gradients of {', '.join(f'`{n}`' for n in late[:3])} came back unprojected, so "
+                      f"they were clipped in full; projecting their clipped sum would raise the sensitivity above "
+                      f"`clip`: the engine's transform must be this module's SeededProjections"])
         grads = [project(g, pr) if pr is not None and g.shape == p.shape else g
                  for g, p, pr in zip(clipped.grads, self.engine.params, projections)]
         return ClippedSum(grads, clipped.norms, clipped.batch_size)

@@ -384,3 +384,17 @@ def test_a_rank_that_projects_nothing_warns(backbone):
     with pytest.warns(UserWarning, match="projects no tensor"):
         module = build(backbone=backbone(), rank=64)
     assert module.projected == set()
+
+
+def test_a_private_step_never_projects_a_sum_clipped_in_full():
+    """If the engine handed back full per-example-clipped sums for a projected weight (its transform replaced), the
+    module projected the clipped SUM: ``|P^T G|`` then exceeds ``C`` (up to ``sigma_max(P) C``) and the noise covers
+    less than one example. Refused before the release instead."""
+    module = build()
+    module.engine.transform = None
+    trainer = quiet_trainer(max_steps=2)
+    with pytest.raises(ConfigError, match="came back unprojected"):
+        trainer.fit(module, poisson_loader(tokens(), 0.5, seed=1))
+    assert module.privacy.ledger.total_count == 0
+    matrix = gaussian_projection(projector_seed(3, 0, 1), 9, RANK).double()
+    assert torch.linalg.matrix_norm(matrix, ord=2) > 1.5  # (how far above C such a projected clipped sum can reach)
