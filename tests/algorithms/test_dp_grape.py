@@ -116,10 +116,11 @@ def project_back(u, matrix, side):
     return matrix @ u if side == "left" else u @ matrix.T
 
 
-def reference_clipped_sum(module, weights, inputs, targets, step, clip):
+def reference_clipped_sum(module, weights, inputs, targets, step, clip, factory=Net):
     """``sum_i clip_C(R_i)``: one backward per example on a float64 copy, projected, ONE flat norm over all."""
-    model = Net().double()
-    model.load_state_dict({n: w.double() for n, w in weights.items()})
+    model = factory().double()
+    missing, unexpected = model.load_state_dict({n: w.double() for n, w in weights.items()}, strict=False)
+    assert not unexpected and all(n in {"out.weight"} for n in missing)  # (a tied weight is named once)
     names = list(module.engine.names)
     params = dict(model.named_parameters())
     total = None
@@ -151,6 +152,35 @@ def test_the_clipped_sum_is_the_flat_clip_of_the_projected_per_example_gradients
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6, msg=name)
     shapes = dict(zip(module.engine.names, (g.shape for g in steps[0]["clipped"])))
     assert shapes["up.weight"] == (14, RANK) and shapes["down.weight"] == (RANK, 14)
+
+
+class Tied(nn.Module):
+    """An output layer tied to the embedding (a LM head): a Linear whose weight has two holders."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(11, 8)
+        self.mix = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 11, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mix(self.emb(x))).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_a_weight_tied_to_an_embedding_keeps_its_full_gradient_inside_the_flat_clip(mode):
+    """The tied output weight is not projected (its per-example gradient sums the embedding's and the head's uses);
+    ``mix`` is; the clipped sum equals the reference's in ghost mode too."""
+    module = build(backbone=Tied(), grad_mode=mode, clip=0.5)
+    assert module.projected == {"mix.weight"}
+    steps, _ = fit(module, full_batch(tokens(16), 1), 1)
+    record = steps[0]
+    expected = reference_clipped_sum(module, record["before"], record["inputs"], record["targets"], 0, 0.5,
+                                     factory=Tied)
+    for name, got, want in zip(module.engine.names, record["clipped"], expected):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_the_reference_sees_a_clip_that_binds_for_some_examples_only():
