@@ -154,6 +154,16 @@ def test_the_clipped_sum_is_the_flat_clip_of_the_projected_per_example_gradients
     assert shapes["up.weight"] == (14, RANK) and shapes["down.weight"] == (RANK, 14)
 
 
+def test_micro_batches_accumulate_the_same_projected_clipped_sum():
+    """One logical batch in micro-batches of 5: the same projectors for each, the clipped sums added, noise once."""
+    module = build(micro_batch_size=5, clip=1.7)
+    steps, _ = fit(module, full_batch(tokens(24), 2), 2)
+    for step, record in enumerate(steps):
+        expected = reference_clipped_sum(module, record["before"], record["inputs"], record["targets"], step, 1.7)
+        for name, got, want in zip(module.engine.names, record["clipped"], expected):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6, msg=name)
+
+
 class Tied(nn.Module):
     """An output layer tied to the embedding (a LM head): a Linear whose weight has two holders."""
 
