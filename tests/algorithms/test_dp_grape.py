@@ -438,3 +438,20 @@ def test_a_private_step_never_projects_a_sum_clipped_in_full():
     assert module.privacy.ledger.total_count == 0
     matrix = gaussian_projection(projector_seed(3, 0, 1), 9, RANK).double()
     assert torch.linalg.matrix_norm(matrix, ord=2) > 1.5  # (how far above C such a projected clipped sum can reach)
+
+
+def test_a_projector_cached_on_another_device_is_drawn_again_on_the_parameters():
+    """A module fitted again on another device within the same period of F steps found its cached projectors on
+    the first device (its engine then failed at ``g @ P``); the same matrix is drawn again on the new device."""
+    from lit_zodp.per_example.transforms import Projection
+    from lit_zodp.projection import SeededProjections
+
+    param = torch.zeros(9, 14)
+    projections = SeededProjections(["w"], RANK, 10)
+    projections.run_seed = 3
+    projections.at_step(4)
+    first = projections.projection("w", param).matrix.clone()
+    projections._matrices["w"] = Projection(torch.empty(9, RANK, device="meta"), "left")  # (as if on another device)
+    projections.at_step(7)
+    again = projections.projection("w", param)
+    assert again.matrix.device == param.device and torch.equal(again.matrix, first)
