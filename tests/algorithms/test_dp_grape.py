@@ -455,3 +455,17 @@ def test_a_projector_cached_on_another_device_is_drawn_again_on_the_parameters()
     projections.at_step(7)
     again = projections.projection("w", param)
     assert again.matrix.device == param.device and torch.equal(again.matrix, first)
+
+
+def test_a_resume_without_a_configured_seed_continues_the_checkpoints_projectors(tmp_path):
+    """No ``seed``: the run seed drawn at the first fit is the checkpoint's public state, and the resumed fit draws
+    the same ``P`` from it (a fresh draw would change the subspace under the projected moments)."""
+    first = build(seed=None)
+    path = _checkpoint(first, poisson_loader(tokens(), 0.25, seed=1), 3, tmp_path / "k.ckpt")
+    resumed = build(seed=None)
+    torch.manual_seed(12345)  # (another process's torch seed)
+    trainer = quiet_trainer(max_steps=4)
+    trainer.fit(resumed, poisson_loader(tokens(), 0.25, seed=1), ckpt_path=str(path))
+    assert resumed.run_seed == first.run_seed
+    for a, b in zip(first.projections_at(3), resumed.projections_at(3)):
+        assert (a is None and b is None) or torch.equal(a.matrix, b.matrix)
