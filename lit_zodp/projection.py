@@ -100,7 +100,10 @@ class SeededProjections(GradientTransform):
     def projection(self, name: str, param: Tensor) -> Optional[Projection]:
         if name not in self.index:
             return None
-        if name not in self._matrices:
+        cached = self._matrices.get(name)
+        if cached is not None and cached.matrix.device != param.device:  # (a later fit of the module on another
+            cached = None                                                  # device, within the same period)
+        if cached is None:
             raise_if_any([None if self.run_seed is not None and self.period is not None else
                           "SeededProjections needs `run_seed` and `at_step(step)` before its first projection"])
             side = projection_side(param.shape)

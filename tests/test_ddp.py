@@ -150,6 +150,33 @@ def test_two_ranks_probe_the_same_curvature_rates_as_one_process(tmp_path):
         torch.testing.assert_close(ddp["state_dict"][key], value, rtol=0, atol=2e-5)
 
 
+#: DP-GRAPE at a rank that projects: TINY's TinyMLP (hidden 8) has no Linear whose smaller side exceeds the default
+#: rank 16, so the registry-wide DDP checks above run DP-GRAPE and DP-GaLore with nothing projected (DP-Adam).
+PROJECTING = {"rank": 4, "backbone": {"class_path": "lit_zodp.backbones.TinyMLP",
+                                      "init_args": {"in_features": 16, "num_classes": 2, "hidden": 32}}}
+
+
+@pytest.mark.slow  # three CLI fits, two of them DDP (~2 min on 2 cores); run with -m slow
+@pytest.mark.parametrize("algorithm", ["DPGRAPE", "DPGaLore"])
+def test_two_ranks_project_on_the_same_subspaces_as_one_process(tmp_path, algorithm, spend_log_per_test):
+    """Both sides projected (``net.0`` [32, 16] right, ``net.2`` [32, 32] left; the head [2, 32] not): every rank
+    draws the same seeded ``P`` (DP-GRAPE: from the broadcast run seed, also when the config sets none) or the same
+    SVD of the broadcast release (DP-GaLore), so two ranks equal one process and stay equal to each other."""
+    single = run(tmp_path, "single", algorithm, devices=1, model_args=PROJECTING)
+    ddp = run(tmp_path, "ddp", algorithm, devices=2, model_args=PROJECTING)
+    moments = [state["exp_avg"].shape for state in ddp["optimizer_states"][0]["state"].values()]
+    assert (32, 4) in moments and (4, 32) in moments, moments  # (a projection happened, on both sides)
+    for key, value in single["state_dict"].items():
+        torch.testing.assert_close(ddp["state_dict"][key], value, rtol=0, atol=2e-5)
+    (tmp_path / "rank_state.py").write_text(RANK_STATE_MODULE)
+    run(tmp_path, "unseeded", algorithm, devices=2, model_args=PROJECTING | {"seed": None, "noise_seed": None},
+        data_args={"sampling_seed": None},
+        callbacks=[{"class_path": "rank_state.SaveRankState", "init_args": {"dirpath": str(tmp_path / "unseeded")}}])
+    rank0, rank1 = (torch.load(tmp_path / "unseeded" / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    for key, value in rank0.items():
+        assert torch.equal(value, rank1[key]), f"{key} differs between the ranks"
+
+
 REFUSING_MODULE = '''
 from lit_zodp.algorithms import DPZero
 from lit_zodp.errors import PrivacyConfigError

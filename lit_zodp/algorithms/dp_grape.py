@@ -32,6 +32,8 @@ on the top-``r`` singular vectors of the privatized gradient, recomputed every `
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -40,7 +42,7 @@ from torch import Tensor, nn
 
 from lit_zodp.algorithms.dpsgd import DPAdam
 from lit_zodp.backbones.base import batch_size_of
-from lit_zodp.errors import check_positive_int, raise_if_any
+from lit_zodp.errors import LitZodpWarning, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedSum
 from lit_zodp.per_example.transforms import Projection
 from lit_zodp.privacy import clipped_fraction
@@ -61,7 +63,32 @@ class _ProjectedAdamModule(DPAdam):
                       else f"Expected `unprojected` a list of layer-name components, but got {unprojected!r}"])
         super().__init__(backbone, **kwargs)
         self.rank, self.projection_frequency, self.unprojected = rank, projection_frequency, tuple(unprojected)
+        raise_if_any([_unmatched_unprojected_error(self.backbone, self.unprojected)])
         self.projected = set(projected_names(self.backbone, rank, self.unprojected)) & set(self.engine.names)
+        if not self.projected:
+            warnings.warn(f"{type(self).__name__}(rank={rank}) projects no tensor: no trainable nn.Linear weight has "
+                          f"a smaller side above {rank} (outside `unprojected`), so every gradient keeps its full "
+                          f"dimension and this is {'DP-' if self.private else ''}Adam; lower `rank` to project",
+                          LitZodpWarning, stacklevel=2)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A Trainer resume continues the checkpoint's subspaces and projected moments: with another ``rank`` or
+        ``unprojected`` the moments' shapes no longer match, and the step failed inside Adam after its release was
+        spent and part of the weights had moved; another ``projection_frequency`` silently moved the run to another
+        period's projectors. Refused in one line, before any step."""
+        if self._trainer is not None and self.trainer.training:
+            raise_if_any([self._projection_change_error(checkpoint.get("hyper_parameters") or {})])
+        super().on_load_checkpoint(checkpoint)
+
+    def _projection_change_error(self, saved: dict) -> Optional[str]:
+        now = {"rank": self.rank, "projection_frequency": self.projection_frequency,
+               "unprojected": list(self.unprojected)}
+        changed = [f"`{key}` {saved[key]!r} -> {value!r}" for key, value in now.items()
+                   if key in saved and (list(saved[key]) if key == "unprojected" else saved[key]) != value]
+        if not changed:
+            return None
+        return (f"`ckpt_path`: this checkpoint's projected Adam moments and subspaces were made with other projection "
+                f"settings ({', '.join(changed)}); a resume continues them: resume with the checkpoint's settings")
 
     def make_optimizer(self, params):
         """Projected Adam (its moments and ``phi`` in at least float32, so float16 weights need no larger ``eps``)."""
@@ -84,6 +111,17 @@ class _ProjectedAdamModule(DPAdam):
         """Alg. 2: hand the (projected) released gradients to projected Adam and step it (the ledger commits)."""
         self.optimizers().optimizer.hand(gradients, projections)
         self.step_optimizer()
+
+
+def _unmatched_unprojected_error(module: nn.Module, unprojected: Sequence[str]) -> Optional[str]:
+    """An ``unprojected`` entry (beyond the defaults, which many models lack) that is no component of any layer's
+    name: a typo left the layer it meant projected, silently."""
+    components = {part for name, _ in module.named_modules() for part in re.split(r"\.", name) if part}
+    unmatched = [n for n in unprojected if n not in UNPROJECTED and n not in components]
+    if not unmatched:
+        return None
+    return (f"`unprojected` names {', '.join(repr(n) for n in unmatched)}, but no layer of the model has such a name "
+            f"component (e.g. {', '.join(repr(c) for c in sorted(components)[:5])})")
 
 
 class DPGRAPE(_ProjectedAdamModule):
@@ -114,6 +152,15 @@ class DPGRAPE(_ProjectedAdamModule):
     def projected_sum(self, clipped: ClippedSum, projections: list[Optional[Projection]]) -> ClippedSum:
         """The non-private path (:meth:`_batch_gradient`, no per-example gradients) sums full gradients: project the
         sum (``sum_i P^T G_i = P^T sum_i G_i``)."""
+        late = [name for name, g, p, pr in zip(self.engine.names, clipped.grads, self.engine.params, projections)
+                if pr is not None and g.shape == p.shape]
+        # A projection AFTER the per-example clip is no projection of clipped rows: |P^T G| reaches sigma_max(P) |G|,
+        # above C (sigma_max ~ 1 + sqrt(m / r)), so the noise would no longer cover one example. Only the sum of the
+        # unclipped batch gradient (the non-private twin's path) may be projected here.
+        raise_if_any([None if not (late and self.privacy.is_private) else
+                      f"The per-example gradients of {', '.join(f'`{n}`' for n in late[:3])} came back unprojected, so "
+                      f"they were clipped in full; projecting their clipped sum would raise the sensitivity above "
+                      f"`clip`: the engine's transform must be this module's SeededProjections"])
         grads = [project(g, pr) if pr is not None and g.shape == p.shape else g
                  for g, p, pr in zip(clipped.grads, self.engine.params, projections)]
         return ClippedSum(grads, clipped.norms, clipped.batch_size)
