@@ -14,7 +14,8 @@ sigma 1, dropout off; on ViT ``cls_token``/``pos_embed`` frozen for every method
   (``poisson_sampling=False``), hooks mode or ghost clipping.
 
 ``<mode>`` is the engine's ``grad_mode`` (``--grad-modes hooks,ghost``): ``hooks`` materialises every per-example
-gradient (the paper's setting: its Table 2 is about that storage), ``ghost`` keeps norms only (two backwards).
+gradient (the paper's setting: its Table 2 is about that storage), ``ghost`` keeps norms only (two backwards),
+``bookkeeping`` norms and sums from the kept rows (one backward).
 
 Measured per method (all methods in this one process, interleaved, their order rotating each repetition):
 
@@ -39,9 +40,17 @@ Measured per method (all methods in this one process, interleaved, their order r
 Usage::
 
     python benchmarks/bench_dp_grape.py --device cuda                    # ViT-Base 224/16 + RoBERTa-large (GPU)
+    python benchmarks/bench_dp_grape.py --device cuda --models roberta_large --grad-modes hooks,bookkeeping
     python benchmarks/bench_dp_grape.py --models vit_base --vit-depth 2 --img-size 32 --patch-size 4 \\
-        --batches 8,16,32 --device cpu                                   # CPU: reduced-depth ViT-Base
+        --batches 8,16,32 --methods dpgrape,dpadam,opacus_adam_hooks --grad-modes hooks --device cpu \\
+        --out benchmarks/results/bench_dp_grape_cpu_vitb2               # CPU: 2-block ViT-Base (~15 min, 2 cores)
+    python benchmarks/bench_dp_grape.py --models roberta_large --roberta-layers 2 --seq-len 32 --batches 8 \\
+        --methods dpgrape,dpadam --grad-modes hooks,bookkeeping --repeats 2 --steps-per-repeat 1 --device cpu \\
+        --out benchmarks/results/bench_dp_grape_cpu_roberta2            # CPU: 2-layer RoBERTa-large
     python benchmarks/bench_dp_grape.py --tiny                           # seconds: a 1-block ViT-Base, CPU
+
+On a busy CPU the SVDs of naive DP-GaLore take minutes per renewal (every fit's first step, and the renewal
+timing): leave ``dpgalore`` out of long CPU runs, or run it alone at one batch size.
 """
 
 from __future__ import annotations
@@ -192,13 +201,15 @@ def measured_peak(fn, device) -> dict:
 
     if device.type == "cuda":
         sync(device)
+        torch.cuda.empty_cache()  # the other methods' freed blocks: the reserved peak is then this step's
         before, reserved_before = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         sync(device)
+        peak_reserved = torch.cuda.max_memory_reserved(device)
         return {"peak_step": torch.cuda.max_memory_allocated(device) - before,
-                "peak_allocated": torch.cuda.max_memory_allocated(device),
-                "peak_reserved": torch.cuda.max_memory_reserved(device), "reserved_before": reserved_before}
+                "peak_allocated": torch.cuda.max_memory_allocated(device), "peak_reserved": peak_reserved,
+                "reserved_before": reserved_before, "reserved_step": peak_reserved - reserved_before}
     return {"peak_step": cpu_peak_during(fn)}
 
 
@@ -372,7 +383,7 @@ def sizes(backbone, rank: int) -> dict:
     return {"d": d, "released": released, "projected_tensors": count}
 
 
-def renewal_times(backbone, rank: int, device, repeats: int) -> dict:
+def renewal_times(backbone, rank: int, device, repeats: int, algos) -> dict:
     """Seconds of one renewal of every projector: DP-GRAPE's Philox draws and DP-GaLore's SVDs (on random
     gradients of the projected layers' shapes), median of ``repeats``."""
     import torch
@@ -396,8 +407,10 @@ def renewal_times(backbone, rank: int, device, repeats: int) -> dict:
             u, _, vh = torch.linalg.svd(g, full_matrices=False)
             (u[:, :rank] if projection_side(g.shape) == "left" else vh[:rank].T).contiguous()
 
-    out = {}
+    out = {"dpgrape_draw": None, "dpgalore_svd": None}
     for key, fn in (("dpgrape_draw", draw), ("dpgalore_svd", svd)):
+        if key.split("_")[0] not in algos:  # (the SVDs alone take minutes on a busy CPU)
+            continue
         fn()
         out[key] = median_of([probe_call(fn, device)[0] for _ in range(repeats)])
     return out
@@ -419,7 +432,8 @@ def run_config(args, model: str, batch: int, device) -> dict:
             runners[method] = Runner(method, copy.deepcopy(base), dataset, batch, device, args, rank)
         except Exception as err:  # record why this method cannot run this configuration
             row["errors"][method] = f"{type(err).__name__}: {err}"[:600]
-    row["renewal"] = renewal_times(base, rank, device, max(args.repeats, 1))
+    row["renewal"] = renewal_times(base, rank, device, max(args.repeats, 1),
+                                   {m.split("_")[0] for m in methods})
     del base
     for method in runners:
         row["times"][method], row["rep_of"][method] = [], []
@@ -478,9 +492,9 @@ def summarize(row: dict) -> list[dict]:
         step = median_of(row["times"][method])
         mem = row["memory"].get(method, {})
         algo, _, mode = method.rpartition("_")
-        renewal = amortised.get(algo, 0.0) / row["F"]
+        renewal = (amortised.get(algo) or 0.0) / row["F"]
         predicted = (row["released"] if algo == "dpgrape" else row["d"]) * row["batch"] * 4
-        if mode == "ghost":
+        if mode in ("ghost", "bookkeeping"):  # norms and sums from the rows: no per-example gradient is held
             predicted = 0
         adam = "dpadam_" + mode
         lines.append({
@@ -491,6 +505,7 @@ def summarize(row: dict) -> list[dict]:
             "vs_dpadam": paired_ratio(row, method, adam) if adam in row["times"] and method != adam else None,
             "per_example_bytes": mem.get("per_example"), "per_example_predicted": predicted,
             "peak_step_bytes": mem.get("peak_step"), "peak_reserved_bytes": mem.get("peak_reserved"),
+            "reserved_step_bytes": mem.get("reserved_step"),
             "moments_bytes": (mem.get("optimizer") or {}).get("moments"),
             "projector_bytes": (mem.get("optimizer") or {}).get("other"),
         })
@@ -510,9 +525,10 @@ def render(rows: list[dict], meta: dict) -> str:
            f"clip {CLIP}, sigma {SIGMA}; {meta['repeats']} repetitions x {meta['steps_per_repeat']} steady steps "
            f"(median); {meta.get('total_wall_s', 0):.0f} s in all.", "",
            "Per-example: bytes of the per-example gradients held at the clip (Opacus: `grad_sample`); *predicted*: "
-           "`4 B (r sum n_l + unprojected)` for DP-GRAPE, `4 B d` otherwise (0 in ghost mode). Peak step: "
-           + ("`max_memory_allocated` above the allocation before the step (reserved: `max_memory_reserved`, the "
-              "paper's measure, whole process)." if cuda else
+           "`4 B (r sum n_l + unprojected)` for DP-GRAPE, `4 B d` otherwise (0 in ghost and bookkeeping modes). Peak step: "
+           + ("`max_memory_allocated` above the allocation before the step; reserved step: `max_memory_reserved` (the "
+              "paper's measure) above the reserve before the step, after `empty_cache` (the whole process's "
+              "reserve, every method's model in it, is `peak_reserved` in the JSON)." if cuda else
               "peak of the bytes allocated during one steady step by torch's CPU allocator "
               "(torch.profiler allocation events).")
            + " Moments: Adam's `exp_avg` + `exp_avg_sq`; projectors: DP-GRAPE's `P_l` of the period, DP-GaLore's"
@@ -524,14 +540,14 @@ def render(rows: list[dict], meta: dict) -> str:
                 f"{row['F']}: {row['projected_tensors']} projected tensors, r sum n_l + unprojected = "
                 f"{row['released']:,})", "",
                 "| method | step s | samples/s | +renewal | vs DP-Adam | per-example MiB | predicted MiB | "
-                f"peak step MiB |{' reserved MiB |' if cuda else ''} moments MiB | projectors MiB | first step s |",
+                f"peak step MiB |{' reserved step MiB |' if cuda else ''} moments MiB | projectors MiB | first step s |",
                 f"|---|---:|---:|---:|---:|---:|---:|---:|{'---:|' if cuda else ''}---:|---:|---:|"]
         for line in summarize(row):
             out.append(f"| {line['method']} | {fmt(line['step_s'])} | {fmt(line['samples_per_s'], '.1f')} | "
                        f"{fmt(line['samples_per_s_with_renewal'], '.1f')} | {fmt(line['vs_dpadam'], '.2f')} | "
                        f"{mib(line['per_example_bytes'])} | {mib(line['per_example_predicted'])} | "
                        f"{mib(line['peak_step_bytes'])} |"
-                       + (f" {mib(line['peak_reserved_bytes'])} |" if cuda else "")
+                       + (f" {mib(line['reserved_step_bytes'])} |" if cuda else "")
                        + f" {mib(line['moments_bytes'])} | {mib(line['projector_bytes'])} | {fmt(line['first_step_s'])} |")
         phases = {m: v for m, v in row.get("phases", {}).items() if v}
         if phases:
@@ -600,16 +616,26 @@ def main(argv=None) -> None:
         for batch in [int(b) for b in (args.batches or default).split(",")]:
             print(f"[bench_dp_grape] {model} batch {batch} on {device}", flush=True)
             rows.append(run_config(args, model, batch, device))
+            report(args, argv, rows, device, started, final=False)  # a long run leaves its finished rows
+    return report(args, argv, rows, device, started, final=True)
+
+
+def report(args, argv, rows: list, device, started: float, final: bool) -> int:
+    """Write the table and JSON of ``rows`` (after each configuration, and at the end, printed)."""
+    import torch
+
     meta = {"command": command_line("bench_dp_grape.py", argv), "machine": machine_info(), "device": str(device),
             "cuda_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "threads": torch.get_num_threads(), "repeats": args.repeats, "steps_per_repeat": args.steps_per_repeat,
             "args": vars(args)}
     finish_meta(meta, started)
+    meta["finished"] = final
     markdown = render(rows, meta)
-    print(markdown)
+    if final:
+        print(markdown)
     data = {"meta": meta, "rows": rows, "summary": [{"model": r["model"], "batch": r["batch"], "lines": summarize(r)}
                                                     for r in rows]}
-    write_results(results_stem(args.out, "bench_dp_grape", quick=args.tiny), markdown, data)
+    write_results(results_stem(args.out, "bench_dp_grape", quick=args.tiny), markdown, data, announce=final)
     return 0
 
 
