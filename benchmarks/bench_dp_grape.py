@@ -277,7 +277,8 @@ def make_ours(backbone, algo: str, grad_mode: str, rank: int, frequency: int):
             self.memory["per_example"] = sum(self.engine_bytes)
             self.memory["optimizer"] = optimizer_state_bytes(self.optimizers().optimizer)
             if isinstance(getattr(self, "projections", None), SeededProjections):  # DP-GRAPE's P_l of this period
-                self.memory["optimizer"]["other"] += tensor_bytes([p.matrix for p in self.projections._matrices.values()])
+                matrices = [p.matrix for p in self.projections._matrices.values()]
+                self.memory["optimizer"]["other"] += tensor_bytes(matrices)
             return out
 
     Measured.__name__ = Measured.__qualname__ = f"Measured{base.__name__}"
@@ -454,7 +455,8 @@ def run_config(args, model: str, batch: int, device) -> dict:
         row["first_times"][method] = runner.first_times[args.warmup:]
         row.setdefault("phases", {})[method] = runner.phases()
         if runner.module is not None and runner.module.engine.last_recomputed:  # the torch.func fallback ran
-            row["errors"][f"{method} (note)"] = f"recomputed by torch.func: {sorted(runner.module.engine.last_recomputed)}"
+            recomputed = sorted(runner.module.engine.last_recomputed)
+            row["errors"][f"{method} (note)"] = f"recomputed by torch.func: {recomputed}"
         if args.no_memory:
             continue
         try:
@@ -525,7 +527,8 @@ def render(rows: list[dict], meta: dict) -> str:
            f"clip {CLIP}, sigma {SIGMA}; {meta['repeats']} repetitions x {meta['steps_per_repeat']} steady steps "
            f"(median); {meta.get('total_wall_s', 0):.0f} s in all.", "",
            "Per-example: bytes of the per-example gradients held at the clip (Opacus: `grad_sample`); *predicted*: "
-           "`4 B (r sum n_l + unprojected)` for DP-GRAPE, `4 B d` otherwise (0 in ghost and bookkeeping modes). Peak step: "
+           "`4 B (r sum n_l + unprojected)` for DP-GRAPE, `4 B d` otherwise (0 in ghost and bookkeeping modes). "
+           "Peak step: "
            + ("`max_memory_allocated` above the allocation before the step; reserved step: `max_memory_reserved` (the "
               "paper's measure) above the reserve before the step, after `empty_cache` (the whole process's "
               "reserve, every method's model in it, is `peak_reserved` in the JSON)." if cuda else
@@ -540,7 +543,8 @@ def render(rows: list[dict], meta: dict) -> str:
                 f"{row['F']}: {row['projected_tensors']} projected tensors, r sum n_l + unprojected = "
                 f"{row['released']:,})", "",
                 "| method | step s | samples/s | +renewal | vs DP-Adam | per-example MiB | predicted MiB | "
-                f"peak step MiB |{' reserved step MiB |' if cuda else ''} moments MiB | projectors MiB | first step s |",
+                f"peak step MiB |{' reserved step MiB |' if cuda else ''} moments MiB | projectors MiB | "
+                "first step s |",
                 f"|---|---:|---:|---:|---:|---:|---:|---:|{'---:|' if cuda else ''}---:|---:|---:|"]
         for line in summarize(row):
             out.append(f"| {line['method']} | {fmt(line['step_s'])} | {fmt(line['samples_per_s'], '.1f')} | "
@@ -548,13 +552,15 @@ def render(rows: list[dict], meta: dict) -> str:
                        f"{mib(line['per_example_bytes'])} | {mib(line['per_example_predicted'])} | "
                        f"{mib(line['peak_step_bytes'])} |"
                        + (f" {mib(line['reserved_step_bytes'])} |" if cuda else "")
-                       + f" {mib(line['moments_bytes'])} | {mib(line['projector_bytes'])} | {fmt(line['first_step_s'])} |")
+                       + f" {mib(line['moments_bytes'])} | {mib(line['projector_bytes'])} | "
+                         f"{fmt(line['first_step_s'])} |")
         phases = {m: v for m, v in row.get("phases", {}).items() if v}
         if phases:
             out += ["", "| method (steady step, median s) | " + " | ".join(PHASES) + " |",
                     "|---|" + "---:|" * len(PHASES)]
             out += [f"| {m} | " + " | ".join(fmt(v.get(p), ".4f") for p in PHASES) + " |" for m, v in phases.items()]
-        out += ["", f"Projector renewal (once per F steps): DP-GRAPE draw {fmt(row['renewal']['dpgrape_draw'], '.4f')} s,"
+        out += ["", "Projector renewal (once per F steps): DP-GRAPE draw "
+                    f"{fmt(row['renewal']['dpgrape_draw'], '.4f')} s,"
                     f" DP-GaLore SVDs {fmt(row['renewal']['dpgalore_svd'], '.4f')} s."]
         for method, err in row["errors"].items():
             out.append(f"* {method}: {err}")
@@ -567,7 +573,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=None, help=f"comma list of {MODELS} (default: both; --tiny: vit_base)")
-    parser.add_argument("--batches", default=None, help="comma list (default on CUDA: ViT 16,32,64, RoBERTa 8,16,32; on CPU 8,16)")
+    parser.add_argument("--batches", default=None,
+                        help="comma list (default on CUDA: ViT 16,32,64, RoBERTa 8,16,32; on CPU 8,16)")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help=f"comma list of {ALGOS + OPACUS} (ours run in every --grad-modes mode)")
     parser.add_argument("--grad-modes", default="hooks,ghost", help="the engine's modes for ours")
