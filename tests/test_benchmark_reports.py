@@ -107,3 +107,29 @@ def test_a_tiny_cpu_smoke_run_of_the_gpu_benchmark_leaves_the_committed_gpu_resu
     written.clear()
     zo_gpu.main(["--tiny", "--device", "cpu", "--models", "minilm", "--dtypes", "fp32", "--out", "/tmp/somewhere"])
     assert written == [Path("/tmp/somewhere")]
+
+
+def test_a_tiny_dp_grape_run_reports_projected_per_example_storage_beside_dp_adams(tmp_path, monkeypatch):
+    """``bench_dp_grape.py --tiny`` (the paper's Sec. 5 memory/throughput comparison on a 1-block, width-64 ViT-Base):
+    a real CPU run of DP-GRAPE and DP-Adam in hooks mode writes its table and JSON under ``--out``, and the measured
+    per-example storage is the paper's formula (``4 B (r sum n_l + unprojected)`` vs ``4 B d``), DP-GRAPE's smaller."""
+    import torch
+
+    bench = _import("bench_dp_grape", monkeypatch)
+    threads = torch.get_num_threads()
+    stem = tmp_path / "grape"
+    try:
+        assert bench.main(["--tiny", "--methods", "dpgrape,dpadam", "--grad-modes", "hooks", "--out", str(stem)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    import json
+
+    text = stem.with_suffix(".md").read_text()
+    assert "| dpgrape_hooks |" in text and "| dpadam_hooks |" in text and "--tiny" in text
+    data = json.loads(stem.with_suffix(".json").read_text())
+    lines = {line["method"]: line for line in data["summary"][0]["lines"]}
+    grape, adam = lines["dpgrape_hooks"], lines["dpadam_hooks"]
+    assert grape["per_example_bytes"] == grape["per_example_predicted"] < adam["per_example_bytes"]
+    assert adam["per_example_bytes"] == adam["per_example_predicted"] == 4 * 4 * data["rows"][0]["d"]
+    assert grape["moments_bytes"] == 2 * 4 * data["rows"][0]["released"] < adam["moments_bytes"]
+    assert grape["step_s"] > 0 and grape["vs_dpadam"] > 0 and not data["rows"][0]["errors"]
