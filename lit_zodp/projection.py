@@ -156,6 +156,8 @@ class ProjectedAdam(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
+        """One Adam step of every tensor: the moments of all tensors with a few multi-tensor (``foreach``) kernels, as
+        torch's AdamW, then each projected tensor's ``W -= alpha P (M / (sqrt(V) + phi))`` as one matrix product."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -164,41 +166,68 @@ class ProjectedAdam(Optimizer):
                       "ProjectedAdam.step() needs the released gradients: call hand(gradients, projections) first"])
         handed = iter(self._handed)
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                gradient, projection = next(handed)
-                self._step_one(param, gradient, projection, group["lr"], beta1, beta2, group["eps"],
-                               group["weight_decay"])
+            items = [(param, *next(handed)) for param in group["params"]]
+            for same_step in self._by_step(items).values():
+                self._step_tensors(same_step, group)
         self._handed = None
         return loss
 
-    def _step_one(self, param: Tensor, gradient: Tensor, projection: Optional[Projection], lr: float, beta1: float,
-                  beta2: float, eps: float, weight_decay: float) -> None:
-        state = self.state[param]
-        if "step" not in state:  # (naive DP-GaLore keeps its projector here too)
-            state["step"] = 0
-            dtype = torch.promote_types(gradient.dtype, torch.float32)  # (moments of bf16 weights in float32)
-            state["exp_avg"] = torch.zeros_like(gradient, dtype=dtype)
-            state["exp_avg_sq"] = torch.zeros_like(gradient, dtype=dtype)
-        raise_if_any([None if state["exp_avg"].shape == gradient.shape else
-                      f"ProjectedAdam's moments have shape {tuple(state['exp_avg'].shape)}, but the handed gradient "
-                      f"has {tuple(gradient.shape)}: the projection rank or the projected weights changed"])
-        state["step"] += 1
-        t = state["step"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        g = gradient.to(m.dtype)
-        m.lerp_(g, 1 - beta1)                                       # M^t = beta1 M + (1 - beta1) R~ (as torch)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)               # V^t = beta2 V + (1 - beta2) R~^2
-        denominator = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)   # torch's order of operations
+    def _by_step(self, items: list) -> dict:
+        """Each tensor's state (made at its first step), its step counter advanced; tensors grouped by (step, dtypes),
+        which share their bias corrections and kernels (in a fit every tensor steps together: one group per dtype)."""
+        groups: dict = {}
+        for param, gradient, projection in items:
+            state = self.state[param]
+            if "step" not in state:  # (naive DP-GaLore keeps its projector here too)
+                state["step"] = 0
+                dtype = torch.promote_types(gradient.dtype, torch.float32)  # (moments of bf16 weights in float32)
+                state["exp_avg"] = torch.zeros_like(gradient, dtype=dtype)
+                state["exp_avg_sq"] = torch.zeros_like(gradient, dtype=dtype)
+            raise_if_any([None if state["exp_avg"].shape == gradient.shape else
+                          f"ProjectedAdam's moments have shape {tuple(state['exp_avg'].shape)}, but the handed "
+                          f"gradient has {tuple(gradient.shape)}: the projection rank or the projected weights changed"])
+            state["step"] += 1
+            key = (state["step"], state["exp_avg"].dtype, param.dtype, param.device)
+            groups.setdefault(key, []).append((param, gradient.to(state["exp_avg"].dtype), projection))
+        return groups
+
+    def _step_tensors(self, items: list, group: dict) -> None:
+        params = [param for param, _, _ in items]
+        grads = [gradient for _, gradient, _ in items]
+        m = [self.state[param]["exp_avg"] for param in params]
+        v = [self.state[param]["exp_avg_sq"] for param in params]
+        (beta1, beta2), lr, eps, weight_decay = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+        t = self.state[params[0]]["step"]
+        torch._foreach_lerp_(m, grads, 1 - beta1)                        # M^t = beta1 M + (1 - beta1) R~ (as torch)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)        # V^t = beta2 V + (1 - beta2) R~^2
+        denominators = torch._foreach_sqrt(v)                           # torch's order of operations
+        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** t))
+        torch._foreach_add_(denominators, eps)
         step_size = lr / (1 - beta1 ** t)
         if weight_decay:
-            param.mul_(1 - lr * weight_decay)
-        if projection is None:
-            param.addcdiv_(m.to(param.dtype), denominator.to(param.dtype), value=-step_size)
-            return
-        direction = project_back(m / denominator, projection)     # P (M / (sqrt(V) + phi))
-        param.add_(direction.to(param.dtype), alpha=-step_size)
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        plain = [i for i, (_, _, projection) in enumerate(items) if projection is None]
+        if plain:
+            same = params[0].dtype == m[0].dtype
+            torch._foreach_addcdiv_([params[i] for i in plain],
+                                    [m[i] if same else m[i].to(params[i].dtype) for i in plain],
+                                    [denominators[i] if same else denominators[i].to(params[i].dtype) for i in plain],
+                                    value=-step_size)
+        for param, mi, denominator, (_, _, projection) in zip(params, m, denominators, items):
+            if projection is not None:
+                _add_projected_(param, mi.div(denominator), projection, -step_size)
 
+
+def _add_projected_(param: Tensor, update: Tensor, projection: Projection, alpha: float) -> None:
+    """``param += alpha P U`` (left) or ``alpha U P^T`` (right): one fused matrix product where the dtypes agree."""
+    p = projection.matrix.to(update.dtype)
+    if param.dtype != update.dtype:
+        param.add_(project_back(update, projection).to(param.dtype), alpha=alpha)
+    elif projection.side == "left":
+        param.addmm_(p, update, alpha=alpha)
+    else:
+        param.addmm_(update, p.T, alpha=alpha)
 
 __all__ = ["PROJECTION_STREAM", "ProjectedAdam", "UNPROJECTED", "SeededProjections", "gaussian_projection", "project",
            "project_back", "projected_names", "projection_side", "projector_seed"]
