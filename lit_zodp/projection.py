@@ -146,6 +146,22 @@ class ProjectedAdam(Optimizer):
     def ordered(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts every floating state tensor to its parameter's dtype; the moments (and naive
+        DP-GaLore's projector) are float32 whatever the parameters' dtype, so a resume of a bf16/fp16 model would
+        round them and step apart from the uninterrupted run: the saved tensors are put back as saved (on the
+        parameter's device)."""
+        saved = {index: {key: value for key, value in values.items()
+                         if isinstance(value, Tensor) and value.is_floating_point()}
+                 for index, values in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        indices = [index for group in state_dict["param_groups"] for index in group["params"]]
+        by_index = dict(zip(indices, self.ordered))
+        for index, values in saved.items():
+            param = by_index[index]
+            for key, value in values.items():
+                self.state[param][key] = value.detach().to(param.device, copy=True)
+
     def hand(self, gradients: Sequence[Tensor], projections: Sequence[Optional[Projection]]) -> None:
         """The released gradients (projected where a projection is given) that the next ``step()`` applies."""
         ordered = self.ordered
