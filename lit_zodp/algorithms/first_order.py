@@ -74,7 +74,8 @@ class FirstOrderModule(AlgorithmModule):
             "leave `micro_batch_size` unset",
             None if not (self.private and getattr(backbone, "several_rows_per_example", False)) else
             f"{type(backbone).__name__} forwards several rows per example, which per-example gradients cannot "
-            f"attribute to their example: train it with a zeroth-order module (DPZero, DPMeZOBCD)",
+            f"attribute to their example: train it with a zeroth-order module (DPZero, DPMeZOBCD)"
+            + (" or with `loss: lm` (one row per example)" if hasattr(backbone, "loss") else ""),
         ])
         super().__init__(backbone, **kwargs)
         self.weight_decay = weight_decay

@@ -754,13 +754,19 @@ class HFCandidateScorer(_ReadsText):
             adapters injected into the model, which then trains them (and the ``modules_to_save``) only; needs
             ``peft``. ``None``: every parameter trains.
 
-    First-order private training (DP-SGD/DP-Adam) is refused: the transformer's calls hold ``K`` rows
-    per example, which the per-example gradient engine would credit to the wrong examples whenever a
-    call's row count equals the batch size (an audit measured 1.85 C of sensitivity). The ZO modules
-    clip the per-example loss difference and are unaffected.
+    First-order private training (DP-SGD/DP-Adam/DP-GRAPE) is refused with ``loss="classification"``: the
+    transformer's calls hold ``K`` rows per example, which the per-example gradient engine would credit to the
+    wrong examples whenever a call's row count equals the batch size (an audit measured 1.85 C of sensitivity).
+    ``loss="lm"`` forwards each example's target row only (one row per example, as a plain causal LM), which the
+    engine attributes as any single-row model. The ZO modules clip the per-example loss difference and are
+    unaffected.
     """
 
-    several_rows_per_example = True
+    @property
+    def several_rows_per_example(self) -> bool:
+        """Whether a training forward holds several rows per example: the classification loss scores every
+        candidate row; the LM loss runs the target row alone (:meth:`per_example_loss`)."""
+        return self.loss == "classification"
 
     def __init__(
         self,

@@ -262,3 +262,46 @@ def test_a_max_length_beyond_the_models_positions_is_refused_at_setup_before_any
         long.setup("fit")
     long.max_length = 128
     assert qa_backbone_mismatch(long, generator) is None
+
+
+@pytest.mark.parametrize("grad_mode", ["hooks", "ghost", "bookkeeping"])
+def test_a_first_order_private_step_clips_each_examples_answer_gradient_as_one_backward_per_example(world, grad_mode):
+    """The LM loss forwards one row per example (the answer's), so the per-example engine attributes it as any single
+    row model: DP-Adam's clipped sum equals one backward per example, flat-clipped (DP-GRAPE Table 12 trains so)."""
+    from lit_zodp.algorithms import DPAdam
+
+    path, dm = world
+    clip = 0.05
+    module = DPAdam(HFAnswerGenerator(path, dtype="float64"), lr=1e-3, clip=clip, noise_multiplier=0.0, seed=0,
+                    grad_mode=grad_mode)
+    module.backbone.eval()  # (no dropout: the reference must draw the same forward)
+    rows = dm.materialize(QARecords(records(4))).inputs
+    targets = torch.zeros(4, dtype=torch.long)
+    clipped = module.private_gradient(rows, targets)
+    reference = HFAnswerGenerator(path, dtype="float64")
+    reference.load_state_dict(module.backbone.state_dict())
+    reference.eval()
+    params = [p for p in reference.parameters() if p.requires_grad]
+    total, norms = [torch.zeros_like(p) for p in params], []
+    for i in range(4):
+        one = {key: value[i:i + 1] for key, value in rows.items()}
+        grads = torch.autograd.grad(reference.per_example_loss(one, targets[:1]).sum(), params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        norms.append(torch.sqrt(sum(g.pow(2).sum() for g in grads)).item())
+        factor = min(1.0, clip / norms[-1])
+        total = [t + factor * g for t, g in zip(total, grads)]
+    assert min(norms) > clip  # every example is clipped: a misattributed row would show
+    for got, want in zip(clipped.grads, total):
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(clipped.norms.double(), torch.tensor(norms, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_classification_over_candidate_rows_stays_refused_for_first_order_private_training(world):
+    from lit_zodp.algorithms import DPGRAPE
+    from lit_zodp.backbones import HFCandidateScorer
+    from lit_zodp.errors import PrivacyConfigError
+
+    path, _ = world
+    with pytest.raises(PrivacyConfigError, match="several rows per example.*loss: lm"):
+        DPGRAPE(HFCandidateScorer(path, num_classes=2), lr=1e-3, clip=1.0, noise_multiplier=1.0)
+    assert not HFCandidateScorer(path, loss="lm").several_rows_per_example
