@@ -89,7 +89,7 @@ def test_every_row_of_tables_3_4_12_has_its_config_with_the_paper_values():
             backbone = model["backbone"]
             assert backbone["class_path"] == dpzero["model"]["init_args"]["backbone"]["class_path"]
             assert backbone["init_args"] == {**dpzero["model"]["init_args"]["backbone"]["init_args"], "dtype": "float32"}
-        assert model["grad_mode"] == ("hooks" if row["class"].endswith("DPGRAPE") else "ghost")
+        assert model["grad_mode"] == ("bookkeeping" if row["class"].endswith("DPGRAPE") else "ghost")
 
 
 @pytest.mark.filterwarnings("ignore:Optimal order")
