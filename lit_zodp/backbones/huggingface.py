@@ -857,7 +857,7 @@ class HFCandidateScorer(_ReadsText):
             raise ValueError(f"targets must hold one candidate index in [0, {k}) per example")  # no private values
         rows = torch.arange(size, device=targets.device) * k + targets  # the target rows only
         # (an absent target row has no candidate token: _check_candidates refuses it, naming no row or count)
-        return -self._row_scores({key: v[rows] for key, v in batch.items()}, candidates[rows])
+        return -self._row_scores({key: v[rows] for key, v in batch.items()}, candidates[rows], row_first=True)
 
     def _flatten(self, inputs: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], Tensor, tuple[int, int]]:
         """``[B, K, L]`` inputs as ``[B*K, L]`` model inputs and candidate mask, on the model's device."""
@@ -890,41 +890,68 @@ class HFCandidateScorer(_ReadsText):
         batch = right_padded({**batch, "candidate_mask": candidates.to(device).reshape(size * k, length).bool()})
         return batch, batch.pop("candidate_mask"), (size, k)
 
-    def _row_scores(self, batch: dict[str, Tensor], candidates: Tensor) -> Tensor:
-        """Score ``[R]`` of each row: the (mean) log-likelihood of its candidate tokens."""
+    def _row_scores(self, batch: dict[str, Tensor], candidates: Tensor, row_first: bool = False) -> Tensor:
+        """Score ``[R]`` of each row: the (mean) log-likelihood of its candidate tokens (``row_first``: see
+        :meth:`_chunk_scores`)."""
         _check_candidates(candidates, batch.get("attention_mask"))
         rows = candidates.shape[0]
         step = self.max_rows_per_forward or rows
         scores = torch.cat([
-            self._chunk_scores({k: v[i : i + step] for k, v in batch.items()}, candidates[i : i + step])
+            self._chunk_scores({k: v[i : i + step] for k, v in batch.items()}, candidates[i : i + step], row_first)
             for i in range(0, rows, step)
         ])
         if self.length_normalize:
             scores = scores / candidates.sum(1).to(scores.dtype)
         return scores
 
-    def _chunk_scores(self, batch: dict[str, Tensor], candidates: Tensor) -> Tensor:
+    def _chunk_scores(self, batch: dict[str, Tensor], candidates: Tensor, row_first: bool = False) -> Tensor:
         """Summed log-likelihood ``[R]`` of each row's candidate tokens.
 
-        The head, log-sum-exp and sum run over all candidate positions of the chunk at once; with
-        ``row_shapes`` (``fixed_forward_rows``) they run row by row, so their shapes are set by the row
-        alone, not by how many candidate tokens its chunk-mates have (GPU kernels pick their reduction
-        order by shape; audit 4).
+        The head, log-sum-exp and sum run over the ``N`` candidate positions of the chunk gathered into ``[N, H]``
+        (the cheapest: only the positions scored), :data:`HEAD_CHUNK` at a time. With ``row_first`` (the LM loss,
+        one row per example, which first-order private modules train) the head runs on ``[R, P, H]`` instead, each
+        row's candidate states padded to the chunk's longest ``P`` (a padding slot repeats the row's own first state
+        and is dropped after the head), ``HEAD_CHUNK // R`` positions of every row at a time: each head call is
+        row-first, so the per-example gradient engine credits row ``i`` of it to example ``i``. On ``[N, H]`` the
+        head call (OPT's, tied to the input embeddings) was row-first only when every row had the same number of
+        candidate tokens: a Poisson batch of answers of different lengths (DROP's) left the tied weight without a
+        layer rule, and the private step failed the engine's coverage check (DP-GRAPE Table 12's DP-Adam, review
+        51). With ``row_shapes`` (``fixed_forward_rows``) the head runs row by row, so its shapes are set by the
+        row alone, not by how many candidate tokens its chunk-mates have (GPU kernels pick their reduction order by
+        shape; audit 4).
         """
         # the state at position t predicts token t + 1: gather the states before each candidate token
         rows, positions = candidates[:, 1:].nonzero(as_tuple=True)
         tokens = batch["input_ids"][rows, positions + 1]
         if self.head_name is None:  # the model's own forward (logit soft-capping or scaling after the head)
-            outputs, head = self.model(**batch, **self.no_cache).logits[rows, positions], nn.Identity()
+            states, head = self.model(**batch, **self.no_cache).logits, nn.Identity()
         else:
-            outputs = self.model.base_model(**batch, **self.no_cache).last_hidden_state[rows, positions]
+            states = self.model.base_model(**batch, **self.no_cache).last_hidden_state
             head = self.model.get_submodule(self.head_name)
-        if not self.row_shapes:
-            log_probs = _head_log_probs(head, outputs, tokens)
+        if self.row_shapes:
+            counts = candidates[:, 1:].sum(1).tolist()
+            outputs = states[rows, positions]
+            return torch.stack([_head_log_probs(head, row, row_tokens).sum()
+                                for row, row_tokens in zip(outputs.split(counts), tokens.split(counts))])
+        if not row_first:
+            log_probs = _head_log_probs(head, states[rows, positions], tokens)
             return log_probs.new_zeros(candidates.shape[0]).index_add(0, rows, log_probs)
-        counts = candidates[:, 1:].sum(1).tolist()
-        return torch.stack([_head_log_probs(head, row, row_tokens).sum()
-                            for row, row_tokens in zip(outputs.split(counts), tokens.split(counts))])
+        count = candidates.shape[0]
+        per_row = candidates[:, 1:].sum(1)
+        width = int(per_row.max()) if count else 0
+        slot = torch.arange(len(rows), device=rows.device) - (per_row.cumsum(0) - per_row)[rows]
+        where = torch.zeros(count, width, dtype=torch.long, device=rows.device)  # padding: the row's own state 0
+        where[rows, slot] = positions
+        wanted = torch.zeros(count, width, dtype=tokens.dtype, device=tokens.device)
+        wanted[rows, slot] = tokens
+        valid = torch.zeros(count, width, dtype=torch.bool, device=rows.device)
+        valid[rows, slot] = True
+        grid = states[torch.arange(count, device=rows.device)[:, None], where]  # [R, P, H], row r's states only
+        step = max(1, HEAD_CHUNK // max(count, 1))
+        log_probs = torch.cat([token_log_probs(head(grid[:, j:j + step]).flatten(0, 1),
+                                               wanted[:, j:j + step].flatten()).view(count, -1)
+                               for j in range(0, width, step)], dim=1) if width else grid.new_zeros(count, 0)
+        return torch.where(valid, log_probs, torch.zeros_like(log_probs)).sum(1)
 
     def load_tokenizer(self, **kwargs: Any) -> Any:
         """The tokenizer matching this model."""

@@ -296,6 +296,74 @@ def test_a_first_order_private_step_clips_each_examples_answer_gradient_as_one_b
     torch.testing.assert_close(clipped.norms.double(), torch.tensor(norms, dtype=torch.float64), rtol=1e-6, atol=0)
 
 
+ANSWERS = ("seven", "twelve old stone bridges", "blue green", "The river of Oak and Elm town")
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("grad_mode", ["hooks", "ghost", "bookkeeping"])
+def test_answers_of_different_token_counts_clip_as_one_backward_per_example(world, grad_mode, training):
+    """A Poisson batch of answers of different lengths (DROP's): the LM head (OPT's, tied to the input embeddings)
+    ran on the candidate states of all rows gathered into ``[N, H]``, which is row-first only when every answer has
+    the same token count, so the engine found no rule for the tied weight and failed its coverage check (DP-GRAPE
+    Table 12's DP-Adam DROP config, at random). The head now runs row-first; the clipped sum and norms equal one
+    backward per example in float64, in each mode, batch sizes 1 to 4 (training mode: the secret dropout is
+    replayed by the engine; the reference then runs without dropout, so only the sum's coverage is asserted)."""
+    from lit_zodp.algorithms import DPAdam
+
+    path, dm = world
+    clip = 0.05
+    qa = [QARecord({"title": f"River_{i}", "context": "The river runs through the city . " * (1 + 2 * i),
+                    "question": "What is the name of the river ?"}, (answer,)) for i, answer in enumerate(ANSWERS)]
+    all_rows = dm.materialize(QARecords(qa)).inputs
+    counts = all_rows["candidate_mask"][:, 0].sum(1).tolist()
+    assert len(set(counts)) == len(ANSWERS)  # every answer a different token count
+    for size in (1, 2, 3, 4):
+        rows = {key: value[:size] for key, value in all_rows.items()}
+        targets = torch.zeros(size, dtype=torch.long)
+        module = DPAdam(HFAnswerGenerator(path, dtype="float64"), lr=1e-3, clip=clip, noise_multiplier=0.0, seed=0,
+                        grad_mode=grad_mode)
+        module.backbone.train(training)
+        clipped = module.private_gradient(rows, targets)  # (refused before: no rule for the tied embedding)
+        if training:
+            continue
+        reference = HFAnswerGenerator(path, dtype="float64")
+        reference.load_state_dict(module.backbone.state_dict())
+        reference.eval()
+        params = [p for p in reference.parameters() if p.requires_grad]
+        total, norms = [torch.zeros_like(p) for p in params], []
+        for i in range(size):
+            one = {key: value[i:i + 1] for key, value in rows.items()}
+            grads = torch.autograd.grad(reference.per_example_loss(one, targets[:1]).sum(), params, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+            norms.append(torch.sqrt(sum(g.pow(2).sum() for g in grads)).item())
+            total = [t + min(1.0, clip / norms[-1]) * g for t, g in zip(total, grads)]
+        assert min(norms) > clip
+        for got, want in zip(clipped.grads, total):
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(clipped.norms.double(), torch.tensor(norms, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_answer_scores_of_different_token_counts_do_not_depend_on_batch_mates(world):
+    """Row-first head calls (row i: example i's answer states), and each example's loss in a batch of answers of
+    different lengths equals its loss alone."""
+    path, dm = world
+    model = HFAnswerGenerator(path, dtype="float64").eval()
+    qa = [QARecord({"title": "River", "context": "The river runs through the city . ",
+                    "question": "What is the name of the river ?"}, (answer,)) for answer in ANSWERS]
+    rows = dm.materialize(QARecords(qa)).inputs
+    targets = torch.zeros(len(ANSWERS), dtype=torch.long)
+    seen = []
+    handle = model.model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    try:
+        together = model.per_example_loss(rows, targets)
+    finally:
+        handle.remove()
+    assert seen and all(shape[0] == len(ANSWERS) for shape in seen)  # every head call row-first
+    alone = torch.cat([model.per_example_loss({k: v[i:i + 1] for k, v in rows.items()}, targets[:1])
+                       for i in range(len(ANSWERS))])
+    torch.testing.assert_close(together, alone, rtol=1e-12, atol=0)
+
+
 def test_classification_over_candidate_rows_stays_refused_for_first_order_private_training(world):
     from lit_zodp.algorithms import DPGRAPE
     from lit_zodp.backbones import HFCandidateScorer
