@@ -47,10 +47,10 @@ Chosen here where the paper is silent (each also named in the files' headers):
 * OPT dtype: float32 (the torch default; Adam's phi = 1e-8 rounds to 0 in float16, which DP-Adam refuses). It agrees
   with the paper's "DP-Adam OOM at 6.7B even at batch 1" on 80 GB (float32 weights + Adam moments of 6.7B > 80 GB).
 
-Not runnable today (``tests/test_dp_grape_configs.py`` records it): the OPT rows (Tables 4, 12) use DPZero's
-candidate-scoring backbones (``HFCandidateScorer``, ``HFAnswerGenerator``), which declare several rows per example,
-and the first-order private modules refuse them (their per-example gradients could not attribute the rows). The
-configs are written as the paper specifies and load once the backbones allow first-order private training.
+The SQuAD and DROP rows (Table 12) run: ``HFAnswerGenerator`` trains on each example's answer row alone (one row per
+example). Not runnable today (``tests/test_dp_grape_configs.py`` records it): the SST-2 and BoolQ rows (Table 4), whose
+``HFCandidateScorer`` classification loss forwards every candidate's row of an example, which the first-order private
+modules refuse (their per-example gradients could not attribute the rows). They are written as the paper specifies.
 """
 
 from __future__ import annotations
@@ -170,9 +170,9 @@ def opt_config(size: str, task: str, method: str, level: str) -> tuple[str, dict
               f"and prompts of DPZero's Table {'5' if qa else '4'} configs (MeZO's), 1000 train / 500 dev / 1000 test, B = 8;\n"
               f"{what} (App. C.3); C = {clip:g}, Table 11's choice from {{0.1, 1, 5, 20}}. float32 weights.\n"
               "Paper: mean final test score over three seeds (set data.init_args.data_seed and seed_everything).\n"
-              + SILENT + "\n"
-              "NOT RUNNABLE YET: this backbone declares several rows per example, which the first-order private\n"
-              "modules refuse (per-example gradients could not attribute the rows to their example).")
+              + SILENT
+              + ("" if qa else "\nNOT RUNNABLE YET: the classification loss forwards every candidate's row of an example,\n"
+                 "which the first-order private modules refuse (per-example gradients could not attribute the rows)."))
     if qa:
         header += ("\nEvaluation as DPZero's Table 5 configs: greedy generation of at most 50 tokens, SQuAD's token F1\n"
                    "(test_f1); max_length 1998 = 2048 less the 50 generated tokens; bos_token_id 0 (<s>, as MeZO).")
