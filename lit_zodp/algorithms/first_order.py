@@ -76,6 +76,7 @@ class FirstOrderModule(AlgorithmModule):
             f"{type(backbone).__name__} forwards several rows per example, which per-example gradients cannot "
             f"attribute to their example: train it with a zeroth-order module (DPZero, DPMeZOBCD)"
             + (" or with `loss: lm` (one row per example)" if hasattr(backbone, "loss") else ""),
+            _split_rows_error(backbone, kwargs.get("fixed_forward_rows")) if self.private else None,
         ])
         super().__init__(backbone, **kwargs)
         self.weight_decay = weight_decay
@@ -191,6 +192,23 @@ def _replaced_parameters(engine: PerExampleGradientEngine, backbone: nn.Module) 
     that name (pruning keeps the tensor, as ``weight_orig``)."""
     held = {(name, id(p)) for name, p in zip(engine.names, engine.params)}
     return [name for name, p in backbone.named_parameters() if p.requires_grad and (name, id(p)) not in held]
+
+
+def _split_rows_error(backbone: nn.Module, fixed_forward_rows: Any) -> Optional[str]:
+    """A candidate scorer that splits its rows across forwards (``max_rows_per_forward``, or row by row under
+    ``fixed_forward_rows``) makes calls without one row per example, whose per-example gradients the engine cannot
+    form: the step failed at the first Poisson batch larger than the split (review 51), so when the fit failed
+    followed the private batch sizes. Refused at construction."""
+    if not hasattr(backbone, "max_rows_per_forward"):
+        return None
+    if backbone.max_rows_per_forward is not None:
+        return (f"{type(backbone).__name__}(max_rows_per_forward={backbone.max_rows_per_forward}) splits a batch's rows "
+                "across forwards, which per-example gradients cannot attribute: leave it unset for first-order private "
+                "training (use `micro_batch_size` to bound memory)")
+    if fixed_forward_rows is not None:
+        return (f"`fixed_forward_rows` runs {type(backbone).__name__}'s rows one by one, which per-example gradients "
+                "cannot attribute: leave it unset for first-order private training (use `micro_batch_size`)")
+    return None
 
 
 def anomaly_mode_error() -> Optional[str]:

@@ -373,3 +373,17 @@ def test_classification_over_candidate_rows_stays_refused_for_first_order_privat
     with pytest.raises(PrivacyConfigError, match="several rows per example.*loss: lm"):
         DPGRAPE(HFCandidateScorer(path, num_classes=2), lr=1e-3, clip=1.0, noise_multiplier=1.0)
     assert not HFCandidateScorer(path, loss="lm").several_rows_per_example
+
+
+@pytest.mark.parametrize("split", ["max_rows_per_forward", "fixed_forward_rows"])
+def test_a_candidate_scorer_splitting_its_rows_is_refused_for_first_order_private_training(world, split):
+    """Calls without one row per example: the engine could not form the per-example gradients, and the step failed at
+    the first Poisson batch larger than the split (so the failure followed the private batch sizes)."""
+    from lit_zodp.algorithms import DPAdam
+    from lit_zodp.errors import PrivacyConfigError
+
+    path, _ = world
+    backbone = HFAnswerGenerator(path, **({"max_rows_per_forward": 2} if split == "max_rows_per_forward" else {}))
+    extra = {"fixed_forward_rows": 4} if split == "fixed_forward_rows" else {}
+    with pytest.raises(PrivacyConfigError, match=split):
+        DPAdam(backbone, lr=1e-3, clip=1.0, noise_multiplier=1.0, **extra)
