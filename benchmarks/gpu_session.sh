@@ -29,6 +29,9 @@
 #   bcd          bench_zo_gpu.py --models opt_1_3b --dtypes fp32 --batches 16 --bcd --no-opacus
 #                --no-adamw (MeZO-BCD cycle, MeZO, the paper's MeZO, two forwards; 5 repeats)
 #                -> results/bench_zo_gpu_bcd_opt.{md,json}                                   ~2-4 min
+#   dp_grape     bench_dp_grape.py --device cuda --models vit_base (b16,32,64) and roberta_large --grad-modes
+#                hooks,bookkeeping (b8,16,32): DP-GRAPE vs DP-Adam vs naive DP-GaLore vs Opacus DP-Adam, memory and
+#                step time -> results/bench_dp_grape_gpu_{vit,roberta}.{md,json}                     ~5-8 min
 #   profile      profile_zo_step.py: MeZO and DPZero steps profiled (cProfile under training_step, torch.profiler
 #                kernels and operators) on MiniLM b32 fp32 and bf16 and RoBERTa-large b16 bf16
 #                -> results/profile_<model>_<dtype>_b<batch>.txt                              ~2.5 min
@@ -140,7 +143,7 @@ mkdir -p "$RES" "$LOGS"
 #: Per-piece caps in seconds (each under 9 minutes), further cut by what is left of DEADLINE.
 declare -A CAP=([tests]=540 [zo_roberta]=540 [zo_opt]=540 [zo_minilm]=300 [merge]=60 [first_order]=540
                 [bcd]=480 [bcd_accuracy]=540 [fixed_shape]=300 [profile]=240 [triton]=540
-                [audit]=240)
+                [audit]=240 [dp_grape]=270)
 for cap in ${CAPS:-}; do  # CAPS="zo_minilm=100 zo_roberta=220": this call's own caps
     if [[ "$cap" =~ ^([a-z_]+)=([0-9]+)$ && -n "${CAP[${BASH_REMATCH[1]}]:-}" ]]; then
         CAP[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}
@@ -293,6 +296,20 @@ piece_bcd() {
     return $rc
 }
 
+piece_dp_grape() {
+    local rc=0 stem
+    ensure_deps || return 1
+    for spec in "vit vit_base 16,32,64 hooks,ghost" "roberta roberta_large 8,16,32 hooks,bookkeeping"; do
+        read -r tag model batches modes <<<"$spec"
+        stem="$RES/bench_dp_grape_gpu_$tag"
+        # shellcheck disable=SC2086
+        run_logged dp_grape "$(budget dp_grape)" "$PY" benchmarks/bench_dp_grape.py --device cuda --models "$model" \
+            --batches "$batches" --grad-modes "$modes" --out "$stem" $EXTRA_ARGS || rc=1
+        export_out dp_grape "$stem.md" "$stem.json"
+    done
+    return $rc
+}
+
 piece_bcd_accuracy() {
     ensure_deps || return 1
     if [[ ! -f .gpu_carry/minilm/model.fp16.safetensors || ! -f .gpu_carry/rotten_tomatoes.csv ]]; then
@@ -423,6 +440,7 @@ run_piece() {
         merge) piece_merge ;;
         first_order) piece_first_order ;;
         bcd) piece_bcd ;;
+        dp_grape) piece_dp_grape ;;
         bcd_accuracy) piece_bcd_accuracy ;;
         fixed_shape) piece_fixed_shape ;;
         profile) piece_profile ;;
@@ -430,7 +448,7 @@ run_piece() {
         wheels) piece_wheels ;;
         carry) piece_carry ;;
         triton) piece_triton ;;
-        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy fixed_shape profile audit all wheels carry triton)"; return 2 ;;
+        *) say "unknown piece '$piece' (tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy fixed_shape dp_grape profile audit all wheels carry triton)"; return 2 ;;
     esac
     rc=$?
     say "=== $piece: done, rc=$rc, wall $((SECONDS - start)) s"
