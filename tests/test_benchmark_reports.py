@@ -62,6 +62,12 @@ def test_a_quick_audit_reports_the_fits_it_ran_not_the_fit_steps_default(tmp_pat
     asked.clear()  # an explicit --steps wins over --quick's 200, in either spelling
     assert audit_privacy.main(["--quick", "--steps=300", "--out", str(stem)]) in (0, None)
     assert set(asked) == {300} and "300 steps in each, as fits of 300 steps" in stem.with_suffix(".md").read_text()
+    asked.clear()  # --modules audits those modules only, and the Poisson part only beside DPZero
+    assert audit_privacy.main(["--quick", "--modules", "DPGRAPE", "--out", str(stem)]) in (0, None)
+    text = stem.with_suffix(".md").read_text()
+    assert len(asked) == 1 and "| DPGRAPE, rank 2 |" in text and "Poisson sampling" not in text
+    with pytest.raises(SystemExit):
+        audit_privacy.main(["--quick", "--modules", "DPGRAPEE", "--out", str(stem)])
 
 
 def test_re_rendering_a_finished_accuracy_run_keeps_its_notes_written_by_hand(tmp_path, monkeypatch):
