@@ -67,6 +67,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import bench_dpzero as bd  # noqa: E402  (light at import: heavy imports happen in its functions)
+import bench_first_order as bfo  # noqa: E402  (light at import too)
 from _common import (command_line, finish_meta, fmt, machine_info, median_of, probe_call,  # noqa: E402
                      probe_timed, resolve_device, results_stem, setup_worker, sync, write_results)
 
@@ -85,10 +86,6 @@ CLIP, SIGMA, LR, DELTA = 1.0, 1.0, 1e-6, 1e-5
 
 #: ViT-Base (``vit_base_patch16_224``: width 768, 12 blocks, 12 heads, MLP 3072), random init.
 VIT_BASE = "vit_base_patch16_224"
-#: RoBERTa-large (``roberta-large``'s config.json) built from ``RobertaConfig`` with random weights.
-ROBERTA_LARGE = dict(vocab_size=50265, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                     intermediate_size=4096, max_position_embeddings=514, type_vocab_size=1,
-                     layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)
 
 
 # =====================================================================================
@@ -96,35 +93,24 @@ ROBERTA_LARGE = dict(vocab_size=50265, hidden_size=1024, num_hidden_layers=24, n
 # =====================================================================================
 
 def build(args, model: str, batch: int, device):
-    """``(backbone, inputs, targets, dataset)``: random-init ViT-Base (timm) or RoBERTa-large (HF config)."""
+    """``(backbone, inputs, targets, dataset)``: random-init ViT-Base (timm), or RoBERTa-large from its configuration
+    as ``bench_first_order`` builds it (``--roberta-layers``, ``--seq-len``)."""
+    if model == "roberta_large":
+        return bfo.build(args, model, batch, device)
+    if model != "vit_base":
+        raise ValueError(f"unknown model {model!r}; choose from {MODELS}")
     import torch
 
-    from lit_zodp.backbones import HFSequenceClassifier, TimmClassifier
+    from lit_zodp.backbones import TimmClassifier
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    if model == "vit_base":
-        extra = {k: v for k, v in (("depth", args.vit_depth), ("embed_dim", args.vit_width),
-                                   ("num_heads", args.vit_heads)) if v}
-        backbone = TimmClassifier(VIT_BASE, num_classes=10, img_size=args.img_size, patch_size=args.patch_size,
-                                  **extra)
-        inputs = torch.randn(batch, 3, args.img_size, args.img_size, generator=g)
-        targets = torch.randint(0, 10, (batch,), generator=g)
-    elif model == "roberta_large":
-        overrides = dict(ROBERTA_LARGE)
-        if args.roberta_layers:
-            overrides["num_hidden_layers"] = args.roberta_layers
-        backbone = HFSequenceClassifier(config={"model_type": "roberta", **overrides}, num_classes=2)
-        ids = torch.randint(3, overrides["vocab_size"], (batch, args.seq_len), generator=g)
-        ids[:, 0], ids[:, -1] = overrides["bos_token_id"], overrides["eos_token_id"]
-        inputs = {"input_ids": ids, "attention_mask": torch.ones(batch, args.seq_len, dtype=torch.long),
-                  "token_type_ids": torch.zeros(batch, args.seq_len, dtype=torch.long)}
-        targets = torch.randint(0, 2, (batch,), generator=g)
-    else:
-        raise ValueError(f"unknown model {model!r}; choose from {MODELS}")
-    backbone = backbone.to(device)
-    inputs = {k: v.to(device) for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.to(device)
-    targets = targets.to(device)
+    extra = {k: v for k, v in (("depth", args.vit_depth), ("embed_dim", args.vit_width),
+                               ("num_heads", args.vit_heads)) if v}
+    backbone = TimmClassifier(VIT_BASE, num_classes=10, img_size=args.img_size, patch_size=args.patch_size, **extra)
+    inputs = torch.randn(batch, 3, args.img_size, args.img_size, generator=g)
+    targets = torch.randint(0, 10, (batch,), generator=g)
+    backbone, inputs, targets = backbone.to(device), inputs.to(device), targets.to(device)
     return backbone, inputs, targets, bd.FixedBatch(inputs, targets)
 
 
