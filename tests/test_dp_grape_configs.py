@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from datamodules.text_tasks import get_task
 from lit_zodp.cli import build_cli
 from lit_zodp.errors import PrivacyConfigError
-from tests.test_paper_configs import load_generator, overrides, tiny_world  # noqa: F401 (tiny_world: a fixture)
+from tests.test_paper_configs import (injected_and_rdp_noise, load_generator, overrides,  # noqa: F401
+                                     tiny_world)  # (tiny_world: a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "configs" / "dp_grape"
@@ -97,24 +97,8 @@ def test_every_row_of_tables_3_4_12_has_its_config_with_the_paper_values():
 def test_config_injects_the_rdp_noise_of_its_budget(path):
     """``(sum_i clip_C(P^T g_i) + N(0, sigma^2 C^2 I)) / B``, sigma = Opacus get_noise_multiplier(eps, delta, q = B / n,
     T) under add/remove-one neighbours (no factor 2)."""
-    from opacus.accountants.utils import get_noise_multiplier
-
-    from lit_zodp import algorithms
-    from lit_zodp.privacy import PoissonSampling
-    from tests.conftest import mlp
-
-    config = yaml.safe_load(path.read_text())
-    model, data = config["model"]["init_args"], config["data"]["init_args"]
-    n = data["k_shot"] * len(get_task(data["task"]).label_words) if data.get("k_shot") else data["num_train"]
-    B, steps = data["batch_size"], config["trainer"]["max_steps"]
-    cls = getattr(algorithms, config["model"]["class_path"].rsplit(".", 1)[1])
-    module = cls(mlp(), **{k: v for k, v in model.items() if k != "backbone"})
-    module.privacy.plan(step_plan=module.step_plan(), sampling=PoissonSampling(n, B / n), planned_steps=steps)
-    (release,) = module.step_plan()
-    injected = module.privacy._noise_std(release) / module.privacy.expected_batch_size
-    sigma = get_noise_multiplier(target_epsilon=model["target_epsilon"], target_delta=model["delta"],
-                                 sample_rate=B / n, steps=steps)
-    assert injected == pytest.approx(sigma * model["clip"] / B, rel=1e-12)
+    injected, sigma, clip_over_b = injected_and_rdp_noise(path)
+    assert injected == pytest.approx(sigma * clip_over_b, rel=1e-12)
 
 
 DEFAULT = {"table3_roberta-large_sst2_dpgrape_eps2", "table3_roberta-large_mnli_dpgrape_eps6",

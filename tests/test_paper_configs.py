@@ -146,12 +146,12 @@ def test_paper_config_runs_with_a_tiny_model_of_the_same_family(path, tiny_world
         assert cli.trainer.checkpoint_callback.best_model_path
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if "dpzero_eps" in p.stem], ids=lambda p: p.stem)
-def test_paper_config_injects_the_reference_noise(path):
-    """std = 2 sigma C / B, sigma = Opacus get_noise_multiplier(eps, delta, q = B / n, T) (DPZero's trainers)."""
+def injected_and_rdp_noise(path: Path) -> tuple[float, float, float]:
+    """A private config's ``(injected noise std, Opacus RDP sigma of its (eps, delta, q = B / n, T), C / B)``: the
+    std its module adds to the clipped sum's mean, planned as a fit of the config would, on a stand-in MLP."""
     from opacus.accountants.utils import get_noise_multiplier
 
-    from lit_zodp.algorithms import DPZero
+    from lit_zodp import algorithms
     from lit_zodp.privacy import PoissonSampling
     from tests.conftest import mlp
 
@@ -159,13 +159,22 @@ def test_paper_config_injects_the_reference_noise(path):
     model, data = config["model"]["init_args"], config["data"]["init_args"]
     n = data["k_shot"] * len(get_task(data["task"]).label_words) if data.get("k_shot") else data["num_train"]
     B, steps = data["batch_size"], config["trainer"]["max_steps"]
-    module = DPZero(mlp(), **{k: v for k, v in model.items() if k != "backbone"})
+    cls = getattr(algorithms, config["model"]["class_path"].rsplit(".", 1)[1])
+    module = cls(mlp(), **{k: v for k, v in model.items() if k != "backbone"})
     module.privacy.plan(step_plan=module.step_plan(), sampling=PoissonSampling(n, B / n), planned_steps=steps)
     (release,) = module.step_plan()
     injected = module.privacy._noise_std(release) / module.privacy.expected_batch_size
     sigma = get_noise_multiplier(target_epsilon=model["target_epsilon"], target_delta=model["delta"],
                                  sample_rate=B / n, steps=steps)
-    assert injected == pytest.approx(2 * sigma * model["clip"] / B, rel=1e-12)
+    return injected, sigma, model["clip"] / B
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "dpzero_eps" in p.stem], ids=lambda p: p.stem)
+def test_paper_config_injects_the_reference_noise(path):
+    """std = 2 sigma C / B, sigma = Opacus get_noise_multiplier(eps, delta, q = B / n, T) (DPZero's trainers)."""
+    injected, sigma, clip_over_b = injected_and_rdp_noise(path)
+    assert "DPZero" in yaml.safe_load(path.read_text())["model"]["class_path"]
+    assert injected == pytest.approx(2 * sigma * clip_over_b, rel=1e-12)
 
 
 @functools.lru_cache
