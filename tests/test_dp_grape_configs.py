@@ -106,17 +106,23 @@ DEFAULT = {"table3_roberta-large_sst2_dpgrape_eps2", "table3_roberta-large_mnli_
            "table4_opt-1.3b_sst2_dpadam_eps6", "table12_opt-1.3b_squad_dpgrape_eps6", "table12_opt-2.7b_drop_dpadam_eps2"}
 
 
+def tiny_fit(path, tiny_world):  # noqa: F811
+    """``lightning fit`` of ``path`` on the tiny model and files of its family (``overrides``); two private steps
+    within the config's budget."""
+    models, data = tiny_world
+    cli = build_cli(["fit", "--config", str(path), *overrides(yaml.safe_load(path.read_text()), models, data)])
+    assert cli.trainer.global_step == cli.model.privacy.steps == 2
+    assert 0 < cli.model.privacy.ledger.epsilon(1e-5).upper <= cli.model.privacy.target_epsilon
+    return cli
+
+
 @pytest.mark.parametrize("path", [p if p.stem in DEFAULT else pytest.param(p, marks=pytest.mark.slow)
                                   for p in ROBERTA], ids=lambda p: p.stem)
 def test_table3_config_runs_with_a_tiny_roberta(path, tiny_world, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.chdir(tmp_path)
-    models, data = tiny_world
-    config = yaml.safe_load(path.read_text())
-    cli = build_cli(["fit", "--config", str(path), *overrides(config, models, data)])
+    cli = tiny_fit(path, tiny_world)
     model = cli.model
-    assert cli.trainer.global_step == model.privacy.steps == 2
     assert (model.rank, model.projection_frequency) == (16, 100)
-    assert 0 < model.privacy.ledger.epsilon(1e-5).upper <= model.privacy.target_epsilon
     # the tiny RoBERTa's encoder Linears (hidden 32 > r = 16) are projected; the embeddings and LM head are not
     assert model.projected and all("lm_head" not in n and "embeddings" not in n for n in model.projected)
     lm = model.backbone.model
@@ -136,12 +142,8 @@ def test_table12_config_runs_with_a_tiny_opt(path, tiny_world, tmp_path, monkeyp
     """SQuAD and DROP train on each example's answer row alone (the LM loss: one row per example), which the
     per-example engine attributes; two steps and a test with greedy answers on a tiny OPT."""
     monkeypatch.chdir(tmp_path)
-    models, data = tiny_world
-    config = yaml.safe_load(path.read_text())
-    cli = build_cli(["fit", "--config", str(path), *overrides(config, models, data)])
+    cli = tiny_fit(path, tiny_world)
     model = cli.model
-    assert cli.trainer.global_step == model.privacy.steps == 2
-    assert 0 < model.privacy.ledger.epsilon(1e-5).upper <= model.privacy.target_epsilon
     if hasattr(model, "rank"):  # DP-GRAPE: the decoder's Linears projected, the LM head (tied) not
         assert model.projected and all("lm_head" not in n for n in model.projected)
     assert "test_f1" in cli.trainer.callback_metrics
