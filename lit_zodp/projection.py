@@ -113,17 +113,6 @@ class SeededProjections(GradientTransform):
         return self._matrices[name]
 
 
-def project(gradient: Tensor, projection: Projection) -> Tensor:
-    """``P^T G`` (left) or ``G P`` (right) of a full-shape gradient (linear: a projected sum is the sum projected)."""
-    return projection.of_gradients(gradient)
-
-
-def project_back(update: Tensor, projection: Projection) -> Tensor:
-    """``P U`` (left: ``U [r, in]``) or ``U P^T`` (right: ``U [out, r]``): a projected step in the weight's shape."""
-    p = projection.matrix.to(update.dtype)
-    return p @ update if projection.side == "left" else update @ p.T
-
-
 class ProjectedAdam(Optimizer):
     """Adam with moments in each tensor's projected space, the update projected back (DP-GRAPE Alg. 2).
 
@@ -239,11 +228,11 @@ def _add_projected_(param: Tensor, update: Tensor, projection: Projection, alpha
     """``param += alpha P U`` (left) or ``alpha U P^T`` (right): one fused matrix product where the dtypes agree."""
     p = projection.matrix.to(update.dtype)
     if param.dtype != update.dtype:
-        param.add_(project_back(update, projection).to(param.dtype), alpha=alpha)
+        param.add_(projection.back(update).to(param.dtype), alpha=alpha)
     elif projection.side == "left":
         param.addmm_(p, update, alpha=alpha)
     else:
         param.addmm_(update, p.T, alpha=alpha)
 
-__all__ = ["PROJECTION_STREAM", "ProjectedAdam", "UNPROJECTED", "SeededProjections", "gaussian_projection", "project",
-           "project_back", "projected_names", "projection_side", "projector_seed"]
+__all__ = ["PROJECTION_STREAM", "ProjectedAdam", "UNPROJECTED", "SeededProjections", "gaussian_projection",
+           "projected_names", "projection_side", "projector_seed"]

@@ -46,7 +46,7 @@ from lit_zodp.errors import LitZodpWarning, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedSum
 from lit_zodp.per_example.transforms import Projection
 from lit_zodp.privacy import clipped_fraction
-from lit_zodp.projection import (UNPROJECTED, ProjectedAdam, SeededProjections, project, projected_names,
+from lit_zodp.projection import (UNPROJECTED, ProjectedAdam, SeededProjections, projected_names,
                                  projection_side)
 
 
@@ -161,7 +161,7 @@ class DPGRAPE(_ProjectedAdamModule):
                       f"The per-example gradients of {', '.join(f'`{n}`' for n in late[:3])} came back unprojected, so "
                       f"they were clipped in full; projecting their clipped sum would raise the sensitivity above "
                       f"`clip`: the engine's transform must be this module's SeededProjections"])
-        grads = [project(g, pr) if pr is not None and g.shape == p.shape else g
+        grads = [pr.of_gradients(g) if pr is not None and g.shape == p.shape else g
                  for g, p, pr in zip(clipped.grads, self.engine.params, projections)]
         return ClippedSum(grads, clipped.norms, clipped.batch_size)
 
@@ -223,7 +223,7 @@ class DPGaLore(_ProjectedAdamModule):
         clipped = self.private_gradient(inputs, targets)                  # sum_i clip_C(G_i), flat clip
         released = self.release_gradient(clipped)                         # G~ = (. + N(0, sigma^2 C^2 I_d)) / B
         projections = self.galore_projections(released)                   # P_l <- SVD(G~_l)[:, :r] every F
-        projected = [g if pr is None else project(g, pr) for g, pr in zip(released, projections)]
+        projected = [g if pr is None else pr.of_gradients(g) for g, pr in zip(released, projections)]
         self.apply_projected(projected, projections)                      # Alg. 2: projected Adam
         self.log_step(size, lambda: clipped_fraction(clipped.norms, self.clip))
 

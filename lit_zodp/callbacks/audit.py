@@ -21,7 +21,7 @@ from torch import Tensor
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 from lit_zodp.backbones.base import per_example_loss
 from lit_zodp.errors import ConfigError
-from lit_zodp.projection import ProjectedAdam, project
+from lit_zodp.projection import ProjectedAdam
 from lit_zodp.zo.seeds import derive_seed
 
 
@@ -123,7 +123,7 @@ class CanaryAudit(pl.Callback):
             released = [-delta[name] / module.lr for name in names]
         if hasattr(module, "projections_at"):  # DP-GRAPE: the release lives in the step's projected space
             by_name = dict(zip(module.engine.names, module.projections_at(step)))
-            gradients = [g if by_name.get(name) is None else project(g, by_name[name])
+            gradients = [g if by_name.get(name) is None else by_name[name].of_gradients(g)
                          for name, g in zip(names, gradients)]
         gradient = torch.cat([g.flatten() for g in gradients])
         released = torch.cat([r.flatten() for r in released])

@@ -66,6 +66,11 @@ class Projection:
         p = self.matrix.to(grads.dtype)
         return p.T @ grads if self.side == "left" else grads @ p
 
+    def back(self, update: Tensor) -> Tensor:
+        """``P U`` (left: ``U [r, in]``) or ``U P^T`` (right: ``U [out, r]``): a projected step in the weight's shape."""
+        p = self.matrix.to(update.dtype)
+        return p @ update if self.side == "left" else update @ p.T
+
     def of_rows(self, a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
         """Project the rows ``a [B, T, in]``, ``g [B, T, out]`` of ``G_i = sum_t g_t a_t^T``."""
         if self.side == "left":

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lit_zodp.per_example.transforms import Projection
-from lit_zodp.projection import ProjectedAdam, gaussian_projection, project
+from lit_zodp.projection import ProjectedAdam, gaussian_projection
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -18,7 +18,7 @@ def test_a_resumed_projected_adam_keeps_float32_moments_and_steps_as_the_uninter
 
     def run(optimizer, params, steps):
         for g_w, g_b in steps:
-            optimizer.hand([project(g_w, projection), g_b], [projection, None])
+            optimizer.hand([projection.of_gradients(g_w), g_b], [projection, None])
             optimizer.step()
 
     straight = [torch.nn.Parameter(p.detach().clone()) for p in (weight, bias)]
