@@ -11,7 +11,7 @@ autograd, eval mode).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
@@ -190,14 +190,15 @@ class ZerothOrderModule(AlgorithmModule):
         self.engine.restore_()
 
     def update(self, coefficients: Mapping[int, Tensor | float], scale: float = 1.0,
-               noise: Optional[DirectionRelease] = None) -> None:
-        """``x <- x - lr * scale * sum_k c_k u_k`` (minus the release's secret noise vector), fused with the restore."""
+               noise: Optional[DirectionRelease] = None, dense: Sequence[tuple[Sequence[Tensor], float]] = ()) -> None:
+        """``x <- x - lr * scale * sum_k c_k u_k`` (minus the release's secret noise vector), fused with the restore;
+        ``dense``: ``(g, a)`` pairs adding ``-lr * a * g`` for public vectors ``g`` (one tensor per parameter)."""
         # tensors stay on the device; scale 1 (one direction) launches nothing
         terms = {seed: c if scale == 1.0 else c * scale for seed, c in coefficients.items()}
         noise_terms = []
         if noise is not None and noise.noise is not None:
             noise_terms = [(noise.noise, noise.noise_coefficient)]
-        self.zo_optimizer.set_coefficients(terms, noise_terms)
+        self.zo_optimizer.set_coefficients(terms, noise_terms, dense)
         self.step_optimizer()
 
 

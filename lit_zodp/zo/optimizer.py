@@ -42,21 +42,29 @@ class ZOSGD(Optimizer):
             raise ValueError("The engine must perturb exactly the optimizer's parameters, in param-group order")
         self._coefficients: dict[int, float] = {}
         self._extra: list[tuple] = []
+        self._dense: list[tuple[Sequence[Tensor], float]] = []
 
     def set_coefficients(self, coefficients: Mapping[int, float | Tensor],
-                         extra_terms: Sequence[tuple] = ()) -> None:
+                         extra_terms: Sequence[tuple] = (),
+                         dense_terms: Sequence[tuple[Sequence[Tensor], float]] = ()) -> None:
         """Directional derivatives ``{seed: c}`` that the next ``step()`` applies.
 
         ``extra_terms`` are ``(noise, c)`` pairs adding ``-lr * c * xi`` (the secret noise vector of
         DPGD-0th, drawn chunk by chunk from its 128-bit key into the float64 update; chunked engine
         only). The chunked engine takes Python floats (a device tensor is read once here); others get
-        them as given.
+        them as given. ``dense_terms`` are ``(tensors, c)`` pairs adding ``-lr * c * g`` for a public vector
+        ``g`` held as one tensor per parameter (PAZO's public gradients), after the engine's pass.
         """
         chunked = isinstance(self.engine, PerturbationEngine)
         self._coefficients = {int(k): float(v) if chunked else v for k, v in coefficients.items()}
         if extra_terms and not chunked:
             raise ValueError(f"{type(self.engine).__name__} does not apply extra noise terms")
         self._extra = [(noise, float(c)) for noise, c in extra_terms]
+        self._dense = [(list(tensors), float(c)) for tensors, c in dense_terms]
+        for tensors, _ in self._dense:
+            if len(tensors) != len(self.engine.params):
+                raise ValueError(f"A dense term needs one tensor per parameter ({len(self.engine.params)}), "
+                                 f"but got {len(tensors)}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -70,7 +78,10 @@ class ZOSGD(Optimizer):
             decays += [group["weight_decay"]] * len(group["params"])
         extra = {"extra_terms": self._extra} if self._extra else {}
         self.engine.restore_and_update_(self._coefficients, lr=lrs, weight_decay=decays, **extra)
-        self._coefficients, self._extra = {}, []
+        for tensors, c in self._dense:
+            for p, g, lr in zip(self.engine.params, tensors, lrs):
+                p.add_(g.to(p.dtype), alpha=-lr * c)
+        self._coefficients, self._extra, self._dense = {}, [], []
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
