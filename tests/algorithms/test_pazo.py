@@ -1,0 +1,307 @@
+"""PAZO (paper 004): each variant's step against a naive implementation of its algorithm, the subspace engine's
+geometry, the plan's composition into one query at sigma, the paper's limits, and the configuration errors."""
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from lit_zodp.algorithms import (MeZO, NonPrivatePAZOM, NonPrivatePAZOP, NonPrivatePAZOS, PAZOM, PAZOP,
+                                 PAZOS)
+from lit_zodp.errors import ConfigError, PrivacyConfigError
+from lit_zodp.privacy import FullBatchSampler, NoiseSource
+from lit_zodp.privacy.plan import composed_multiplier
+from lit_zodp.zo import derive_seed
+from lit_zodp.zo.subspace import (SubspacePerturbation, column_dots, normalize_columns_, orthonormalize_,
+                                  subspace_coefficients)
+from tests.conftest import blobs, collate_tensors, mlp, quiet_trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:`(noise|sampling)_seed`")
+
+PRIVATE_SET, PUBLIC_SET = blobs(n=48, seed=0), blobs(n=12, seed=7)
+
+
+def loaders(public_rows=12):
+    private = DataLoader(PRIVATE_SET, batch_sampler=FullBatchSampler(len(PRIVATE_SET), steps_per_epoch=1),
+                         collate_fn=collate_tensors)
+    public = DataLoader(PUBLIC_SET, batch_size=public_rows, collate_fn=collate_tensors)
+    return {"private": private, "public": public}
+
+
+def one_step(module, public_rows=12):
+    """One training step on the full private set and the first ``public_rows`` public rows: (before, after)."""
+    before = [p.detach().clone() for p in module.backbone.parameters()]
+    quiet_trainer(max_steps=1).fit(module, loaders(public_rows))
+    return before, [p.detach().clone() for p in module.backbone.parameters()]
+
+
+def losses_at(backbone, params, x, y):
+    """Per-example cross-entropy of ``backbone`` at the parameters ``params`` (a list in ``parameters()`` order)."""
+    names = [name for name, _ in backbone.named_parameters()]
+    logits = torch.func.functional_call(backbone, dict(zip(names, params)), (x,))
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def gradient_at(backbone, params, x, y):
+    params = [p.detach().clone().requires_grad_() for p in params]
+    return list(torch.autograd.grad(losses_at(backbone, params, x, y).mean(), params))
+
+
+def in_model_order(module, tensors):
+    """Tensors given in the engine's order (weights first), reordered as ``backbone.parameters()``."""
+    place = {id(p): i for i, p in enumerate(module.engine.params)}
+    return [tensors[place[id(p)]] for p in module.backbone.parameters()]
+
+
+def rows(dataset, count=None):
+    x, y = dataset.tensors
+    return (x, y) if count is None else (x[:count], y[:count])
+
+
+def central(backbone, params, direction, lam, x, y):
+    plus = losses_at(backbone, [p + lam * v for p, v in zip(params, direction)], x, y)
+    minus = losses_at(backbone, [p - lam * v for p, v in zip(params, direction)], x, y)
+    return (plus - minus) / (2 * lam)
+
+
+# ------------------------------------------------------------------------------------------ the algorithms, naively
+def test_pazo_m_is_algorithm_1():
+    """x_{t+1} = x_t - eta (alpha g_pub + (1 - alpha) s u), u = d^(-1/4) u_0, s the mean central difference along u."""
+    lr, alpha, lam = 0.2, 0.3, 1e-3
+    module = NonPrivatePAZOM(mlp(seed=1), lr=lr, alpha=alpha, lam=lam, seed=3)
+    before, after = one_step(module)
+    d = sum(p.numel() for p in before)
+    u = [v / d ** 0.25 for v in in_model_order(module, module.engine.direction(derive_seed(module.run_seed, 0, 0)))]
+    s = central(module.backbone, before, u, lam, *rows(PRIVATE_SET)).mean()
+    public = gradient_at(module.backbone, before, *rows(PUBLIC_SET))
+    for x0, x1, g, v in zip(before, after, public, u):
+        torch.testing.assert_close(x1, x0 - lr * (alpha * g + (1 - alpha) * s * v), rtol=1e-4, atol=1e-6)
+    assert sum(float(v.pow(2).sum()) for v in u) == pytest.approx(math.sqrt(d), rel=0.5)  # E||u||^2 = sqrt(d)
+
+
+def gram_schmidt(columns):
+    """Sequential classical Gram-Schmidt of flat float64 columns, then normalisation."""
+    basis = []
+    for g in columns:
+        g = g.double().clone()
+        for q in basis:
+            g -= (q @ g) * q
+        basis.append(g / g.norm())
+    return basis
+
+
+@pytest.mark.parametrize("basis", ["orthonormal", "normalized"])
+def test_pazo_p_is_algorithm_2(basis):
+    """G from k public gradients on consecutive parts of the public batch; x_{t+1} = x_t - eta s G u, u ~ N(0, I_k)."""
+    lr, lam, k = 0.2, 1e-3, 3
+    module = NonPrivatePAZOP(mlp(seed=1), lr=lr, lam=lam, k=k, basis=basis, seed=3)
+    before, after = one_step(module)
+    x, y = rows(PUBLIC_SET)
+    flats = [torch.cat([g.flatten() for g in gradient_at(module.backbone, before, x[4 * j:4 * j + 4], y[4 * j:4 * j + 4])])
+             for j in range(k)]
+    columns = gram_schmidt(flats) if basis == "orthonormal" else [g.double() / g.double().norm() for g in flats]
+    u = subspace_coefficients(derive_seed(module.run_seed, 0, 0), k)
+    flat_direction = sum(c * q for c, q in zip(u, columns)).float()
+    direction = list(flat_direction.split([p.numel() for p in before]))
+    direction = [v.view_as(p) for v, p in zip(direction, before)]
+    s = central(module.backbone, before, direction, lam, *rows(PRIVATE_SET)).mean()
+    for x0, x1, v in zip(before, after, direction):
+        torch.testing.assert_close(x1, x0 - lr * s * v, rtol=1e-4, atol=1e-6)
+    step = torch.cat([(x1 - x0).flatten() for x0, x1 in zip(before, after)]).double()
+    matrix = torch.stack(columns, 1)
+    residual = step - matrix @ torch.linalg.lstsq(matrix, step).solution
+    assert residual.norm() <= 1e-2 * step.norm()  # the update lies in col(G) (up to the float32 parameters)
+
+
+def test_pazo_s_is_algorithm_3_and_steps_to_the_chosen_query():
+    """Non-private: j* = argmin_j mean_i f(x_t - eta g_j; xi_i), and x_{t+1} IS that queried point (bitwise)."""
+    lr, k = 0.5, 3
+    module = NonPrivatePAZOS(mlp(seed=1), lr=lr, k=k, seed=3)
+    before, after = one_step(module)
+    x, y = rows(PUBLIC_SET)
+    gradients = [gradient_at(module.backbone, before, x[4 * j:4 * j + 4], y[4 * j:4 * j + 4]) for j in range(k)]
+    losses = [float(losses_at(module.backbone, [p - lr * g for p, g in zip(before, gs)], *rows(PRIVATE_SET)).mean())
+              for gs in gradients]
+    best = min(range(k), key=losses.__getitem__)
+    assert len(set(losses)) == k  # the candidates differ
+    for x0, x1, g in zip(before, after, gradients[best]):
+        torch.testing.assert_close(x1, x0 - lr * g, rtol=1e-5, atol=1e-7)
+        assert torch.equal(x1, x0.clone().add_(g, alpha=-lr))  # the queried point itself
+
+
+def test_pazo_s_picks_the_argmin_of_the_noised_losses(monkeypatch):
+    """Private: the released k-vector is (clipped sums + noise) / B and the step follows its argmin, not the true one."""
+    draws = []
+    original = NoiseSource.noised
+
+    def noised(self, x, std, *, divisor=1.0, dtype=None):
+        out = original(self, x, std, divisor=divisor, dtype=dtype)
+        draws.append((x.detach().clone(), std, divisor, out.detach().clone()))
+        return out
+
+    monkeypatch.setattr(NoiseSource, "noised", noised)
+    lr, k, clip, sigma = 0.5, 3, 1.5, 0.05
+    module = PAZOS(mlp(seed=1), lr=lr, k=k, clip=clip, noise_multiplier=sigma, delta=1e-5, seed=3)
+    before, after = one_step(module)
+    ((sums, std, divisor, released),) = draws
+    x, y = rows(PUBLIC_SET)
+    gradients = [gradient_at(module.backbone, before, x[4 * j:4 * j + 4], y[4 * j:4 * j + 4]) for j in range(k)]
+    clipped = [losses_at(module.backbone, [p - lr * g for p, g in zip(before, gs)], *rows(PRIVATE_SET))
+               .clamp(-clip, clip).double().sum() for gs in gradients]
+    torch.testing.assert_close(sums, torch.stack(clipped), rtol=1e-6, atol=1e-6)
+    assert std == pytest.approx(math.sqrt(k) * sigma * clip) and divisor == len(PRIVATE_SET)
+    chosen = int(released.argmin())
+    for x0, x1, g in zip(before, after, gradients[chosen]):
+        torch.testing.assert_close(x1, x0 - lr * g, rtol=1e-5, atol=1e-7)
+
+
+def test_pazo_s_takes_the_explored_candidate_only_when_strictly_better(monkeypatch):
+    """exploration > 0: a second release (the explored loss) and x_{t+1} = x_t - eta (g_j_hat + z') iff it is lower."""
+    original = NoiseSource.noised
+    for explored_wins in (True, False):
+        draws = []
+
+        def noised(self, x, std, *, divisor=1.0, dtype=None):
+            out = original(self, x, std, divisor=divisor, dtype=dtype)
+            if x.dim() == 0:  # the explored loss: pushed far below or above the candidates
+                out = out - 1e3 if explored_wins else out + 1e3
+            draws.append(out)
+            return out
+
+        monkeypatch.setattr(NoiseSource, "noised", noised)
+        module = PAZOS(mlp(seed=1), lr=0.5, k=3, exploration=0.05, clip=1.5, noise_multiplier=0.05, delta=1e-5, seed=3)
+        before, after = one_step(module)
+        assert len(draws) == 2
+        x, y = rows(PUBLIC_SET)
+        chosen = int(draws[0].argmin())
+        g = gradient_at(module.backbone, before, x[4 * chosen:4 * chosen + 4], y[4 * chosen:4 * chosen + 4])
+        step = [(x0 - x1) / 0.5 for x0, x1 in zip(before, after)]
+        offsets = [s - gj for s, gj in zip(step, g)]
+        spread = torch.cat([o.flatten() for o in offsets])
+        if explored_wins:
+            assert float(spread.std()) == pytest.approx(0.05, rel=0.35)  # z' ~ N(0, 0.05^2 I)
+        else:
+            assert float(spread.abs().max()) < 1e-5
+
+
+def test_pazo_s_with_one_candidate_and_no_exploration_is_public_gradient_sgd():
+    module = NonPrivatePAZOS(mlp(seed=1), lr=0.3, k=1, seed=3)
+    before, after = one_step(module)
+    for x0, x1, g in zip(before, after, gradient_at(module.backbone, before, *rows(PUBLIC_SET))):
+        torch.testing.assert_close(x1, x0 - 0.3 * g, rtol=1e-5, atol=1e-7)
+
+
+def test_pazo_m_without_the_public_gradient_is_dpzero_at_the_quarter_power_radius():
+    """alpha = 0: PAZO-M(lam, lr) = MeZO(lam d^(-1/4), lr d^(-1/2)) (u = d^(-1/4) u_0), and it needs no public batch."""
+    lam, lr = 1e-3, 0.2
+    pazo = NonPrivatePAZOM(mlp(seed=1), lr=lr, alpha=0.0, lam=lam, seed=3)
+    d = sum(p.numel() for p in pazo.backbone.parameters())
+    mezo = MeZO(mlp(seed=1), lr=lr / math.sqrt(d), lam=lam / d ** 0.25, seed=3)
+    quiet_trainer(max_steps=3).fit(pazo, loaders()["private"])  # (private batches only)
+    quiet_trainer(max_steps=3).fit(mezo, loaders()["private"])
+    for a, b in zip(pazo.backbone.parameters(), mezo.backbone.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------ privacy
+@pytest.mark.parametrize("make", [lambda: PAZOM(mlp(), num_directions=3, clip=1.0, noise_multiplier=1.0),
+                                  lambda: PAZOP(mlp(), num_directions=5, clip=1.0, noise_multiplier=1.0),
+                                  lambda: PAZOS(mlp(), k=4, clip=1.0, noise_multiplier=1.0),
+                                  lambda: PAZOS(mlp(), k=4, exploration=0.01, clip=1.0, noise_multiplier=1.0)])
+def test_a_step_of_m_queries_at_m_times_the_variance_is_one_query_at_sigma(make):
+    """Sec. 3: each of the m queries has noise std sqrt(m) C sigma, and they compose into one Gaussian at sigma."""
+    module = make()
+    plan = module.step_plan()
+    queries = sum(r.sensitivity ** 2 for r in plan)
+    assert queries == pytest.approx(getattr(module, "queries", module.num_directions))
+    assert all(r.noise == pytest.approx(math.sqrt(queries)) for r in plan)
+    assert composed_multiplier(plan, 1.7) == pytest.approx(1.7)
+
+
+def test_pazo_m_releases_q_sums_each_with_noise_std_sqrt_q_sigma_c(monkeypatch):
+    stds = []
+    original = NoiseSource.noised
+    monkeypatch.setattr(NoiseSource, "noised", lambda self, x, std, **kw: stds.append((x.shape, std))
+                        or original(self, x, std, **kw))
+    one_step(PAZOM(mlp(seed=1), lr=0.1, num_directions=3, clip=0.7, noise_multiplier=1.3, delta=1e-5, seed=3))
+    assert stds == [(torch.Size([3]), pytest.approx(math.sqrt(3) * 1.3 * 0.7))]
+
+
+# ------------------------------------------------------------------------------------------ the subspace engine
+def random_basis(k=3, shapes=((4, 5), (5,)), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(k, *s, generator=g) for s in shapes]
+
+
+def test_gram_schmidt_gives_an_orthonormal_basis_and_zeroes_a_dependent_column():
+    basis = random_basis()
+    orthonormalize_(basis)
+    torch.testing.assert_close(column_dots(basis), torch.eye(3, dtype=torch.float64), atol=1e-6, rtol=0)
+    dependent = random_basis()
+    for b in dependent:
+        b[2] = 2 * b[0] - b[1]
+    residuals = orthonormalize_(dependent)
+    assert residuals[2] == 0.0 and all(float(b[2].abs().max()) == 0 for b in dependent)
+    torch.testing.assert_close(column_dots(dependent), torch.diag(torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)),
+                               atol=1e-6, rtol=0)
+
+
+def test_normalized_columns_have_unit_norm_and_keep_their_direction():
+    basis = random_basis()
+    original = [b.clone() for b in basis]
+    norms = normalize_columns_(basis)
+    torch.testing.assert_close(column_dots(basis).diagonal(), torch.ones(3, dtype=torch.float64), atol=1e-6, rtol=0)
+    for b, o in zip(basis, original):
+        for j in range(3):
+            torch.testing.assert_close(b[j] * norms[j], o[j], rtol=1e-5, atol=1e-6)
+
+
+def test_subspace_perturbation_restores_and_updates_along_g_u():
+    params = [torch.randn(4, 5), torch.randn(5)]
+    start = [p.clone() for p in params]
+    engine = SubspacePerturbation(params, 3)
+    basis = random_basis()
+    orthonormalize_(basis)
+    engine.set_basis(basis)
+    v = engine.direction(11)
+    engine.perturb_(11, 1e-2)
+    engine.perturb_(11, -2e-2)
+    with pytest.raises(RuntimeError, match="pending"):
+        engine.set_basis(basis)
+    engine.restore_and_update_({11: 0.5}, lr=0.1)
+    for p, p0, vi in zip(params, start, v):
+        torch.testing.assert_close(p, p0 - 0.05 * vi, rtol=0, atol=1e-6)
+    engine.perturb_(11, 1e-2)
+    engine.restore_()
+    for p, p0, vi in zip(params, start, v):
+        torch.testing.assert_close(p, p0 - 0.05 * vi, rtol=0, atol=1e-6)
+    assert not engine.pending
+
+
+# ------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize("make, words", [
+    (lambda: PAZOM(mlp(), alpha=1.5), "`alpha` in [0, 1]"),
+    (lambda: PAZOP(mlp(), k=0), "`k`"),
+    (lambda: PAZOP(mlp(), basis="qr"), "`basis`"),
+    (lambda: PAZOP(mlp(), directions="sphere"), "leave `directions`"),
+    (lambda: PAZOS(mlp(), num_directions=2), "leave `num_directions`"),
+    (lambda: PAZOS(mlp(), exploration=-1.0), "`exploration`"),
+])
+def test_bad_options_are_refused_in_one_line(make, words):
+    with pytest.raises(PrivacyConfigError, match="Invalid configuration: .*" + re.escape(words)):
+        make()
+
+
+def test_a_step_without_public_batches_is_refused_in_one_line():
+    module = PAZOP(mlp(seed=1), k=3, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    with pytest.raises(ConfigError, match="needs a public batch with every private one: .*public_in_step"):
+        quiet_trainer(max_steps=1).fit(module, loaders()["private"])
+    assert module.privacy.ledger.total_count == 0  # refused before any release was counted
+
+
+def test_a_public_batch_smaller_than_k_is_refused():
+    with pytest.raises(ConfigError, match="k=3 parts, but got 2 public rows"):
+        one_step(NonPrivatePAZOS(mlp(seed=1), k=3), public_rows=2)
