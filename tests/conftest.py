@@ -50,6 +50,27 @@ def poisson_loader(dataset, sample_rate, *, seed=0, steps_per_epoch=None):
 ALGORITHM_KWARGS = {name: dict(rank=2) for name in ("DPGRAPE", "GRAPE", "DPGaLore", "GaLore")}
 
 
+def public_rows_like(backbone):
+    """A fixed public batch (data-independent of every private set) for ``backbone``: 12 blob rows, or 12 token rows
+    for a :class:`TokenBag`."""
+    if isinstance(backbone, TokenBag):
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(1, 20, (12, 6), generator=g)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 2, (12,), generator=g)
+    leaves = [m for m in backbone.modules() if not list(m.children())]
+    linears = [m for m in leaves if isinstance(m, nn.Linear)]
+    features = leaves[0].in_features if isinstance(leaves[0], nn.Linear) else 10  # (blobs' rows, as the tests feed)
+    return blobs(n=12, features=features, classes=linears[-1].out_features, seed=7).tensors
+
+
+def with_public_data(module):
+    """``module``, given a public batch for every step if its algorithm needs one (PAZO): the registry-wide suites
+    feed private batches alone."""
+    if getattr(module, "needs_public_batches", False):
+        module.use_public_data([public_rows_like(module.backbone)])
+    return module
+
+
 def mlp(features=10, classes=3, seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))

@@ -27,7 +27,10 @@ PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)  # the
 #: TINY's model projects nothing at the default rank, so these two run DP-Adam's path here: slow, beside the
 #: projecting-rank DDP test of each (``test_two_ranks_project_on_the_same_subspaces_as_one_process``, slow too).
 PROJECTED = {"DPGRAPE", "DPGaLore"}
-REGISTRY = [pytest.param(name, marks=pytest.mark.slow) if name in PROJECTED else name for name in PRIVATE]
+#: PAZO's public batches: one per step from the DataModule, the same on every rank (slow: ~2 min for the three).
+PUBLIC = {name for name in PRIVATE if getattr(ALGORITHMS[name], "needs_public_batches", False)}
+PUBLIC_DATA = {"public_fraction": 0.1, "public_in_step": True, "public_batch_size": 6}
+REGISTRY = [pytest.param(name, marks=pytest.mark.slow) if name in PROJECTED | PUBLIC else name for name in PRIVATE]
 
 
 def importable_from(folder) -> dict:
@@ -46,7 +49,8 @@ def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None, cal
         config["trainer"]["strategy"] = "ddp"
     config["model"]["class_path"] = f"lit_zodp.algorithms.{algorithm}"
     config["model"]["init_args"].update({"seed": 7, "noise_seed": 5, **(model_args or {})})
-    config["data"]["init_args"].update({"sampling_seed": 123, "n_samples": 256, **(data_args or {})})
+    config["data"]["init_args"].update({"sampling_seed": 123, "n_samples": 256,
+                                        **(PUBLIC_DATA if algorithm in PUBLIC else {}), **(data_args or {})})
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     arguments = ["fit", "--config", str(path), "--test_after_fit", "false"]

@@ -15,7 +15,8 @@ import torch
 from lit_zodp.algorithms import ALGORITHMS
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.privacy import NoiseSource, SecretGaussianVector
-from tests.conftest import ALGORITHM_KWARGS, TokenBag, blobs, mlp, poisson_loader, quiet_trainer, token_loader
+from tests.conftest import (ALGORITHM_KWARGS, TokenBag, blobs, mlp, poisson_loader, quiet_trainer, token_loader,
+                            with_public_data)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set")]
 
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`(noise|sampli
 def test_every_module_takes_steps_on_cuda(name, precision):
     cls = ALGORITHMS[name]
     kwargs = dict(lr=0.05, seed=3) | (dict(clip=1.0, noise_multiplier=1.0, delta=1e-5) if cls.private else {})
-    module = cls(mlp(seed=1), **kwargs, **ALGORITHM_KWARGS.get(name, {}))
+    module = with_public_data(cls(mlp(seed=1), **kwargs, **ALGORITHM_KWARGS.get(name, {})))
     before = torch.cat([p.detach().flatten() for p in module.backbone.parameters()]).clone()
     trainer = quiet_trainer(max_steps=3, accelerator="gpu", devices=1, precision=precision)
     trainer.fit(module, poisson_loader(blobs(), 0.25))
@@ -221,8 +222,10 @@ def test_leading_padding_is_rotated_on_cuda_as_on_the_cpu():
 def test_the_weights_show_one_row_on_cuda_exactly_as_much_as_accounted(name):
     """The contract's empirical audit on the GPU: the fused engine and the release summed on the device (the host's
     keystream noise added there) must show the canary exactly as the ledger accounts, mu and spread."""
-    from tests.test_privacy_contract import AUDIT_KWARGS, audit_agrees
+    from tests.test_privacy_contract import AUDIT_KWARGS, AUDITED_ELSEWHERE, audit_agrees
 
+    if name in AUDITED_ELSEWHERE:
+        pytest.skip(f"{name}'s weights show only which candidate won: its release is audited in tests/algorithms")
     agrees, numbers = audit_agrees(name, dict(accelerator="gpu", devices=1), **AUDIT_KWARGS.get(name, {}))
     assert agrees, numbers
 

@@ -106,6 +106,8 @@ class AlgorithmModule(pl.LightningModule):
     #: cannot raise (an accelerator) and the host has not vetted the batch (:meth:`example_losses`).
     labels_checked_in_every_forward: ClassVar[bool] = False
     recheck_probability = RecheckProbability()
+    #: True while :meth:`public_gradient` forwards and backpropagates a public batch (PAZO's): hooks tell it apart.
+    public_forward = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -648,13 +650,21 @@ class AlgorithmModule(pl.LightningModule):
         """Gradient of the mean loss on a PUBLIC batch at the current parameters (no privacy cost).
 
         Backprop on the public batch only: no private tensor enters this graph. ``params``
-        defaults to the trainable parameters; unused ones get zeros.
+        defaults to the trainable parameters; unused ones get zeros. ``public_forward`` is True during its forward
+        and backward (a forward hook can tell it from a private forward).
         """
+        if torch.is_inference_mode_enabled():
+            raise_if_any(["A public gradient (backprop on a public batch) runs inside `torch.inference_mode()`, where "
+                          "no backward can run: call trainer.fit outside inference_mode"])
         inputs, targets = public_batch
         params = params if params is not None else [p for p in self.backbone.parameters() if p.requires_grad]
-        with torch.enable_grad():
-            loss = at_least_float32(per_example_loss(self.backbone, inputs, targets)).mean()
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        self.public_forward = True  # (forward hooks tell this forward from a private one)
+        try:
+            with torch.enable_grad():
+                loss = at_least_float32(per_example_loss(self.backbone, inputs, targets)).mean()
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+        finally:
+            self.public_forward = False
         return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
 
     def reduce_sum(self, tensor: Tensor) -> Tensor:

@@ -32,9 +32,10 @@ Choices where the paper is silent or where its text and the authors' code (githu
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Iterable
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 
 from lit_zodp.algorithms.dpzero import DERIVATIVES, DPZero
@@ -60,13 +61,19 @@ class _PublicAssisted(DPZero):
     #: Every training step needs a public batch (the DataModule's ``public_in_step``).
     needs_public_batches = True
 
+    def use_public_data(self, batches: Iterable) -> "_PublicAssisted":
+        """Take each step's public batch from ``batches`` (an iterable of ``(inputs, targets)``, e.g. a DataLoader,
+        read again from its start when exhausted) where the training batch carries none: for a Trainer fed private
+        batches alone. The same batches must reach every DDP rank. Returns the module."""
+        self._public_source = batches
+        self._public_iterator = None
+        return self
+
     def public_batches(self, batch, k: int) -> list:
         """Alg. 1-3 line 1: the step's public batch cut into ``k`` consecutive parts ``B'_1..B'_k``."""
         _, public = self.split_batch(batch)
         if public is None:
-            raise ConfigError(f"{type(self).__name__} needs a public batch with every private one: give the DataModule "
-                              "`public_in_step: true` and a public split (public_fraction > 0), or train on "
-                              "{'private': loader, 'public': loader}")
+            public = self._next_public_batch()
         inputs, targets = public
         rows = len(targets)
         if rows < k:
@@ -74,6 +81,24 @@ class _PublicAssisted(DPZero):
                               f"rows: set the DataModule's `public_batch_size` to at least {k} (k times b')")
         bounds = [round(rows * j / k) for j in range(k + 1)]
         return [(take_rows(inputs, slice(a, b)), targets[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+    def __getstate__(self) -> dict:
+        """A copy or pickle holds the public source, not an iterator over it (a DataLoader's iterator pickles not)."""
+        return {**super().__getstate__(), "_public_iterator": None}
+
+    def _next_public_batch(self):
+        source = getattr(self, "_public_source", None)
+        if source is None:
+            raise ConfigError(f"{type(self).__name__} needs a public batch with every private one: give the DataModule "
+                              "`public_in_step: true` and a public split (public_fraction > 0), train on "
+                              "{'private': loader, 'public': loader}, or call `module.use_public_data(loader)`")
+        batch = next(self._public_iterator, None) if self._public_iterator is not None else None
+        if batch is None:
+            self._public_iterator = iter(source)
+            batch = next(self._public_iterator, None)
+            if batch is None:
+                raise ConfigError(f"{type(self).__name__}: the public data given to `use_public_data` is empty")
+        return move_data_to_device(batch, self.device)
 
     def private_batch(self, batch):
         (inputs, targets), _ = self.split_batch(batch)
@@ -113,6 +138,11 @@ class PAZOM(_PublicAssisted):
         """``d^(-1/4)``: the module's direction law (``E||u||^2 = d``) rescaled to ``E||u||^2 = sqrt(d)`` (App. A.1)."""
         return self.engine.dim ** -0.25
 
+    @property
+    def update_scale(self) -> float:
+        """``(1 - alpha) d^(-1/4) / q``: line 8's weight of each released ``s_j`` times the engine's ``u_0``."""
+        return (1.0 - self.alpha) * self.radius_factor / self.num_directions
+
     def directional_differences(self, seed: int, inputs, targets) -> Tensor:
         """``(f(x + lam u) - f(x - lam u)) / (2 lam)`` per example with ``u = d^(-1/4) u_0``, ``u_0`` the engine's
         direction: the engine moves by ``lam d^(-1/4) u_0``. Leaves ``x - lam u`` pending."""
@@ -126,9 +156,8 @@ class PAZOM(_PublicAssisted):
                            if self.alpha > 0 else None)
         seeds = self.direction_seeds()                                                       # line 5
         derivatives, differences = self.released_derivatives(seeds, inputs, targets, size)  # line 6: clip, + z, / b
-        zo_weight = (1.0 - self.alpha) * self.radius_factor / len(seeds)                     # g~ = sum_j s_j u_j
-        dense = [(public_gradient, self.alpha)] if public_gradient is not None else []
-        self.update(dict(zip(seeds, derivatives.unbind())), scale=zo_weight, dense=dense)    # line 8
+        dense = [(public_gradient, self.alpha)] if public_gradient is not None else []       # g~ = sum_j s_j u_j
+        self.update(dict(zip(seeds, derivatives.unbind())), scale=self.update_scale, dense=dense)  # line 8
         self.log_step(size, lambda: clipped_fraction(torch.cat(differences), self.clip))
 
 

@@ -185,6 +185,12 @@ class ZerothOrderModule(AlgorithmModule):
             raise RuntimeError("public_gradient() while a perturbation is pending: restore the parameters first")
         return super().public_gradient(public_batch, params)
 
+    @property
+    def update_scale(self) -> float:
+        """``a`` in the step ``x <- x - lr a sum_j c_j u_j`` over the released coefficients ``c_j`` and the engine's
+        directions ``u_j``: ``1 / k`` for the k directions' average (an auditor reads the release through it)."""
+        return 1.0 / self.num_directions
+
     def restore(self) -> None:
         """Undo the pending perturbation (when the next direction is probed before the update)."""
         self.engine.restore_()

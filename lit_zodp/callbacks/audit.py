@@ -28,8 +28,9 @@ from lit_zodp.zo.seeds import derive_seed
 class CanaryAudit(pl.Callback):
     """Records one score per training step: the step's release along the canary's clipped term, over ``C``.
 
-    * Zeroth order, scalar releases (DPZero, DPMeZOBCD with ``block_optimizer="sgd"``): the k released
-      coefficients are solved from ``theta' - theta = -(lr / k) sum_j g_j u_j`` with the public ``u_j``; the score is
+    * Zeroth order, scalar releases (DPZero, DPMeZOBCD with ``block_optimizer="sgd"``, PAZO-M at ``alpha = 0``,
+      PAZO-P): the k released coefficients are solved from ``theta' - theta = -lr a sum_j g_j u_j`` with the public
+      ``u_j`` (the engine's: PAZO-P's ``G u_j``) and the module's ``update_scale`` ``a`` (``1 / k``); the score is
       ``(1/k) sum_j sign_j B g_j / C``, ``sign_j`` the sign of the canary's own central difference along ``u_j``
       (the attacker computes it), ``B`` the expected batch size.
     * Zeroth order, vector noise (DPGD-0th): ``-B (theta' - theta) . u / (lr |u| C)`` times that sign.
@@ -90,7 +91,7 @@ class CanaryAudit(pl.Callback):
             (u,) = directions
             return float(-size * (change @ u) / (module.lr * u.norm() * clip) * signs[0])
         basis = torch.stack(directions, dim=1)  # d x k
-        coefficients = torch.linalg.solve(basis.T @ basis, basis.T @ (-len(seeds) * change / module.lr))
+        coefficients = torch.linalg.solve(basis.T @ basis, basis.T @ (-change / (module.lr * module.update_scale)))
         return float(sum(sign * size * g / clip for sign, g in zip(signs, coefficients)) / len(seeds))
 
     def _canary_difference_sign(self, module: Any, directions: dict[str, Tensor]) -> float:
@@ -195,6 +196,11 @@ def _unsupported(module: Any) -> Optional[str]:
         return f"block_lr={module.block_lr!r} (use 'uniform')"
     if getattr(module, "lr_scheduler_factory", None) is not None:
         return "an lr_scheduler (leave it unset)"
+    if getattr(module, "alpha", 0.0):
+        return (f"alpha={module.alpha}: PAZO-M's public gradient moves the weights beside the release (audit it at "
+                "alpha 0: the release does not depend on alpha)")
+    if hasattr(module, "exploration"):
+        return "PAZO-S's weights show only which public candidate its released losses chose (post-processing)"
     if getattr(module, "projected", None) and not hasattr(module, "projections_at"):
         return ("naive DP-GaLore's projection is post-processing of its full release, which the weights show only in "
                 "part: audit it with a `rank` at least every layer's smaller side (nothing projected)")

@@ -305,3 +305,52 @@ def test_a_step_without_public_batches_is_refused_in_one_line():
 def test_a_public_batch_smaller_than_k_is_refused():
     with pytest.raises(ConfigError, match="k=3 parts, but got 2 public rows"):
         one_step(NonPrivatePAZOS(mlp(seed=1), k=3), public_rows=2)
+
+
+# ------------------------------------------------------------------------------------------ PAZO-S's release, audited
+def pazo_s_release_scores(with_canary, steps=150, k=3, exploration=0.01, clip=1.0):
+    """The released losses of full-batch PAZO-S fits on 8 zero rows of a bias-free linear model (loss log 3 at every
+    weight: clipped to C, known to the attacker) with or without a canary of norm 1e4 labelled with its least likely
+    class (its loss is far beyond C at every candidate: it adds exactly C to each query). Score per step:
+    ``sum_j (B f_j - 8 C) / (m C)`` over the m queries, ``N(1, sigma^2)`` with the canary and ``N(0, sigma^2)``
+    without if each query carries ``sqrt(m) sigma C`` noise."""
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Linear(10, 3, bias=False))
+    canary = torch.randn(1, 10, generator=torch.Generator().manual_seed(1))
+    canary = canary * (1e4 / canary.norm())
+    label = backbone(canary).argmin(1).detach()
+    x = torch.cat([torch.zeros(8, 10)] + ([canary] if with_canary else []))
+    y = torch.cat([torch.zeros(8, dtype=torch.long)] + ([label] if with_canary else []))
+    dataset = torch.utils.data.TensorDataset(x, y)
+    private = DataLoader(dataset, batch_sampler=FullBatchSampler(len(dataset), steps_per_epoch=steps),
+                         collate_fn=collate_tensors)
+    module = PAZOS(backbone, lr=1e-3, k=k, exploration=exploration, clip=clip, noise_multiplier=1.0, delta=1e-5,
+                   seed=3, noise_seed=0 if with_canary else 1).use_public_data([rows(PUBLIC_SET)])
+    released = []
+    original = NoiseSource.noised
+
+    def noised(self, value, std, *, divisor=1.0, dtype=None):
+        out = original(self, value, std, divisor=divisor, dtype=dtype)
+        released.append(out.double().flatten() * divisor)
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NoiseSource, "noised", noised)
+        quiet_trainer(max_steps=steps).fit(module, private)
+    per_step = torch.cat(released).view(steps, -1)  # [steps, m]
+    m = per_step.shape[1]
+    assert m == k + (exploration > 0)
+    return ((per_step - 8 * clip).sum(1) / (m * clip)).tolist(), module
+
+
+def test_pazo_s_releases_show_one_row_exactly_as_much_as_accounted():
+    """The contract's audit (tests/test_privacy_contract.py), on PAZO-S's release, which its weights show only through
+    the argmin: the measured mu must be the ledger's per step (1 / sigma), and the spread 1 / mu. Fails if the noise
+    drawn were not the one the ledger accounts, or the losses were clipped elsewhere than at C (at 1.5 C: mu 1.5)."""
+    from lit_zodp.privacy.audit import accounted_mu, gaussian_mu, gaussian_spread
+
+    inside, module = pazo_s_release_scores(True)
+    outside, _ = pazo_s_release_scores(False)
+    claimed = accounted_mu(module.privacy.ledger.counts) / math.sqrt(150)
+    measured, spread = gaussian_mu(inside, outside, confidence=0.999), gaussian_spread(outside, confidence=0.999)
+    assert measured.low <= claimed <= measured.high and spread.low <= 1 / claimed <= spread.high, (measured, spread)
