@@ -354,3 +354,23 @@ def test_pazo_s_releases_show_one_row_exactly_as_much_as_accounted():
     claimed = accounted_mu(module.privacy.ledger.counts) / math.sqrt(150)
     measured, spread = gaussian_mu(inside, outside, confidence=0.999), gaussian_spread(outside, confidence=0.999)
     assert measured.low <= claimed <= measured.high and spread.low <= 1 / claimed <= spread.high, (measured, spread)
+
+
+# ------------------------------------------------------------------------------------------ the configs, as users run them
+@pytest.mark.parametrize("name", ["quickstart_pazom", "quickstart_pazop", "quickstart_pazos"])
+def test_the_quickstart_configs_train_on_the_datamodules_public_batches(tmp_path, monkeypatch, name):
+    """`lightning fit --config configs/pazo/<name>.yaml`: the DataModule's public split feeds every step (public_in_step),
+    disjoint from the private split, and the ledger counts each step once at the calibrated sigma."""
+    from pathlib import Path
+
+    from lit_zodp.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[2] / "configs" / "pazo" / f"{name}.yaml"
+    cli = build_cli(["fit", "--config", str(config), "--trainer.max_steps", "3", "--trainer.enable_progress_bar",
+                     "false", "--test_after_fit", "false"])
+    data, module = cli.datamodule, cli.model
+    assert cli.trainer.global_step == module.privacy.steps == 3
+    assert 0 < module.privacy.epsilon() <= module.privacy.target_epsilon
+    assert data.public_in_step and len(data.public_dataset) > 0
+    assert getattr(module, "_public_source", None) is None  # the training batches carried the public part
