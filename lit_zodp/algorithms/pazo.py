@@ -32,17 +32,16 @@ Choices where the paper is silent or where its text and the authors' code (githu
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 
 from lit_zodp.algorithms.dpzero import DERIVATIVES, DPZero
+from lit_zodp.algorithms.public import PublicBatches
 from lit_zodp.backbones.base import batch_size_of
-from lit_zodp.errors import ConfigError, check_non_negative, check_positive_int, raise_if_any
+from lit_zodp.errors import check_non_negative, check_positive_int, raise_if_any
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction, clipped_sum
-from lit_zodp.privacy.fixed_shape import take_rows
 from lit_zodp.zo import central_differences, derive_seed
 from lit_zodp.zo.subspace import SubspacePerturbation, normalize_columns_, orthonormalize_
 
@@ -53,56 +52,11 @@ EXPLORED_LOSS = "explored loss"
 EXPLORATION_STREAM = 0x9A20
 
 
-class _PublicAssisted(DPZero):
+class _PublicAssisted(PublicBatches, DPZero):
     """What the three PAZO variants share: ``k`` public batches per step and a release of ``m`` queries at ``m``
     times the variance, which compose into one query at multiplier ``sigma`` (Sec. 3)."""
 
     abstract = True
-    #: Every training step needs a public batch (the DataModule's ``public_in_step``).
-    needs_public_batches = True
-
-    def use_public_data(self, batches: Iterable) -> "_PublicAssisted":
-        """Take each step's public batch from ``batches`` (an iterable of ``(inputs, targets)``, e.g. a DataLoader,
-        read again from its start when exhausted) where the training batch carries none: for a Trainer fed private
-        batches alone. The same batches must reach every DDP rank. Returns the module."""
-        self._public_source = batches
-        self._public_iterator = None
-        return self
-
-    def public_batches(self, batch, k: int) -> list:
-        """Alg. 1-3 line 1: the step's public batch cut into ``k`` consecutive parts ``B'_1..B'_k``."""
-        _, public = self.split_batch(batch)
-        if public is None:
-            public = self._next_public_batch()
-        inputs, targets = public
-        rows = len(targets)
-        if rows < k:
-            raise ConfigError(f"{type(self).__name__} cuts each public batch into k={k} parts, but got {rows} public "
-                              f"rows: set the DataModule's `public_batch_size` to at least {k} (k times b')")
-        bounds = [round(rows * j / k) for j in range(k + 1)]
-        return [(take_rows(inputs, slice(a, b)), targets[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-    def __getstate__(self) -> dict:
-        """A copy or pickle holds the public source, not an iterator over it (a DataLoader's iterator pickles not)."""
-        return {**super().__getstate__(), "_public_iterator": None}
-
-    def _next_public_batch(self):
-        source = getattr(self, "_public_source", None)
-        if source is None:
-            raise ConfigError(f"{type(self).__name__} needs a public batch with every private one: give the DataModule "
-                              "`public_in_step: true` and a public split (public_fraction > 0), train on "
-                              "{'private': loader, 'public': loader}, or call `module.use_public_data(loader)`")
-        batch = next(self._public_iterator, None) if self._public_iterator is not None else None
-        if batch is None:
-            self._public_iterator = iter(source)
-            batch = next(self._public_iterator, None)
-            if batch is None:
-                raise ConfigError(f"{type(self).__name__}: the public data given to `use_public_data` is empty")
-        return move_data_to_device(batch, self.device)
-
-    def private_batch(self, batch):
-        (inputs, targets), _ = self.split_batch(batch)
-        return inputs, targets
 
 
 class PAZOM(_PublicAssisted):
