@@ -13,8 +13,9 @@ from lit_zodp.algorithms.dpzero import DPGD0th, DPZero, MeZO
 from lit_zodp.algorithms.first_order import FirstOrderModule
 from lit_zodp.algorithms.mezo_bcd import DPMeZOBCD, MeZOBCD
 from lit_zodp.algorithms.pazo import PAZOM, PAZOP, PAZOS, NonPrivatePAZOM, NonPrivatePAZOP, NonPrivatePAZOS
+from lit_zodp.algorithms.public_first_order import DOPESGD, DPMD, NonPrivateDOPESGD, NonPrivateDPMD
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 
-__all__ = ["ALGORITHMS", "Adam", "AlgorithmModule", "DPAdam", "DPGD0th", "DPGRAPE", "DPGaLore", "DPMeZOBCD", "DPSGD",
-           "DPZero", "FirstOrderModule", "GRAPE", "GaLore", "MeZO", "MeZOBCD", "NonPrivatePAZOM",
+__all__ = ["ALGORITHMS", "Adam", "AlgorithmModule", "DOPESGD", "DPAdam", "DPMD", "DPGD0th", "DPGRAPE", "DPGaLore", "DPMeZOBCD", "DPSGD",
+           "DPZero", "FirstOrderModule", "GRAPE", "GaLore", "MeZO", "MeZOBCD", "NonPrivateDOPESGD", "NonPrivateDPMD", "NonPrivatePAZOM",
            "NonPrivatePAZOP", "NonPrivatePAZOS", "PAZOM", "PAZOP", "PAZOS", "SGD", "ZerothOrderModule"]

@@ -110,6 +110,18 @@ class Projections(GradientTransform):
         return self.projections.get(name)
 
 
+class Recentring(GradientTransform):
+    """``g_i - c`` for every example, ``c`` a public vector by parameter name (DOPE-SGD's recentred clipping: the clip
+    then bounds each example's distance to ``c``). ``centers`` may be replaced between steps."""
+
+    def __init__(self, centers: Optional[Mapping[str, Tensor]] = None) -> None:
+        self.centers = dict(centers or {})
+
+    def apply(self, name: str, param: Tensor, grads: Tensor) -> Tensor:
+        center = self.centers.get(name)
+        return grads if center is None else grads - center.to(grads.dtype)
+
+
 class _Function(GradientTransform):
     """A plain callable ``fn(name, param, grads) -> grads`` as a generic rewrite."""
 
