@@ -142,6 +142,12 @@ class FirstOrderModule(AlgorithmModule):
         mask whoever sits there (:mod:`lit_zodp.privacy.training_randomness`)."""
         return secret_training_randomness(self.device) if self.private else contextlib.nullcontext()
 
+    def public_gradient(self, public_batch, params: Optional[list[Tensor]] = None) -> list[Tensor]:
+        """:meth:`AlgorithmModule.public_gradient` with its dropout drawn as a private forward's (secret states), so a
+        private step leaves torch's seeded streams where they were, public batch or not (DOPE-SGD, DPMD)."""
+        with self._training_randomness():
+            return super().public_gradient(public_batch, params)
+
     def _batch_gradient(self, loss_fns: list) -> ClippedSum:
         """Without clipping and noise (the non-private twins' default, or a private module's sigma = 0,
         clip = inf ablation) the sum needs no per-example gradient: one ordinary backward per

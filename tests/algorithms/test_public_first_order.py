@@ -73,3 +73,17 @@ def test_dope_sgd_refuses_norm_only_gradient_modes():
         DOPESGD(mlp(), grad_mode="ghost", clip=1.0, noise_multiplier=1.0)
     with pytest.raises(PrivacyConfigError, match="`total_steps`"):
         NonPrivateDPMD(mlp(), total_steps=0)
+
+
+def test_the_canary_audit_refuses_dpmd_while_its_weights_mix_in_the_public_gradient():
+    """A DPMD step moves the weights by a_t times the release plus (1 - a_t) times g_pub, which the audit does not
+    read: refused (the contract suite audits DPMD with a_t = 1 throughout)."""
+    from lit_zodp.callbacks.audit import CanaryAudit
+    from lit_zodp.errors import ConfigError
+    from tests.algorithms.test_pazo import loaders
+    from tests.conftest import quiet_trainer
+
+    module = DPMD(mlp(seed=1), lr=0.1, clip=1.0, noise_multiplier=1.0, delta=1e-5)
+    audit = CanaryAudit(*[t[:1] for t in rows(PRIVATE_SET)])
+    with pytest.raises(ConfigError, match="DPMD's weights show a_t times its release"):
+        quiet_trainer(max_steps=2, callbacks=[audit]).fit(module, loaders())
