@@ -15,7 +15,8 @@ from lit_zodp.privacy import SPEND_DIR_ENV, PoissonBatchSampler
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LitLogger.*")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# one thread per pytest-xdist worker (`-n 2`: two workers share the two cores), else two
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 def blobs(n=256, features=10, classes=3, seed=0):
