@@ -82,13 +82,13 @@ def main(argv: list[str] | None = None) -> None:
         accuracies = [r["accuracy"] for r in runs[method]]
         rows.append(f"| {method} | `{METHODS[method]}` | {', '.join(f'{a:.3f}' for a in accuracies)} | "
                     f"{statistics.mean(accuracies):.3f} | {statistics.median(r['wall_s'] for r in runs[method]):.1f} |")
-    meta = {"command": command_line("benchmarks/compare_public_data.py", sys.argv[1:] if argv is None else argv),
+    meta = {"command": command_line("compare_public_data.py", sys.argv[1:] if argv is None else argv),
             "machine": machine_info(), "public_fraction": args.public_fraction, "max_steps": args.max_steps,
             "seconds": round(time.time() - started, 1)}
     markdown = (f"Digits, epsilon 4 (delta 1e-5), public fraction {args.public_fraction}, "
                 f"{args.max_steps or 'each config'}'s steps; `{meta['command']}`\n\n" + "\n".join(rows) + "\n")
     print(markdown)
-    write_results(results_stem(args.out, f"compare_public_data_pf{args.public_fraction}"), markdown,
+    write_results(results_stem(args.out, f"compare_public_data_public{round(100 * args.public_fraction)}pct"), markdown,
                   {"meta": meta, "runs": runs})
 
 
