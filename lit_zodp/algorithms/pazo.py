@@ -58,6 +58,11 @@ class _PublicAssisted(PublicBatches, DPZero):
 
     abstract = True
 
+    def step_plan(self) -> StepPlan:
+        """PAZO-M/P: the q-vector of clipped sums, each with noise std ``sqrt(q) sigma C``: one query at ``sigma``."""
+        q = self.num_directions
+        return (GaussianRelease(DERIVATIVES, sensitivity=math.sqrt(q), noise=math.sqrt(q)),)
+
 
 class PAZOM(_PublicAssisted):
     """PAZO-M, Algorithm 1: a public gradient mixed with a private two-point estimate.
@@ -81,11 +86,6 @@ class PAZOM(_PublicAssisted):
         raise_if_any([None if 0.0 <= alpha <= 1.0 else f"Expected `alpha` in [0, 1], but got {alpha!r}"])
         super().__init__(backbone, **kwargs)
         self.alpha = float(alpha)
-
-    def step_plan(self) -> StepPlan:
-        """The q-vector of clipped sums, each with noise std ``sqrt(q) sigma C``: one query at ``sigma``."""
-        q = self.num_directions
-        return (GaussianRelease(DERIVATIVES, sensitivity=math.sqrt(q), noise=math.sqrt(q)),)
 
     @property
     def radius_factor(self) -> float:
@@ -145,10 +145,6 @@ class PAZOP(_PublicAssisted):
         ])
         super().__init__(backbone, **kwargs)
         self.k, self.basis = int(k), basis
-
-    def step_plan(self) -> StepPlan:
-        q = self.num_directions
-        return (GaussianRelease(DERIVATIVES, sensitivity=math.sqrt(q), noise=math.sqrt(q)),)
 
     def make_engine(self, params: list[nn.Parameter], offsets=None, cache=None) -> SubspacePerturbation:
         return SubspacePerturbation(params, self.k)
