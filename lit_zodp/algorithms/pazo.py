@@ -24,6 +24,9 @@ Choices where the paper is silent or where its text and the authors' code (githu
 * PAZO-S's exploration candidate (Alg. 3 lines 4-6) is released after the first ``k`` losses (adaptive composition,
   the same total); it replaces the best candidate only if its noisy loss is strictly lower (the code). Its noise
   ``z' ~ N(0, epsilon^2 I)`` is public randomness (from the run seed and the step): it is not a privacy noise.
+* Non-finite private losses (PAZO-S, Alg. 3 line 6; the paper is silent): a NaN loss counts as ``+inf``, the worst
+  loss, clipped to ``C`` (:func:`clipped_loss_sum`); the library's rule for differences, NaN as 0, would make a
+  diverged queried point the best candidate.
 * Weight decay (not in the paper, whose optimiser is plain SGD) is decoupled and applied in the update only; PAZO-S's
   queried points are ``x_t - eta g_j`` without it, so with ``weight_decay > 0`` the step leaves the queried point.
 * Output: the last iterate (the code's evaluation).
@@ -51,6 +54,16 @@ CANDIDATE_LOSSES = "candidate losses"
 EXPLORED_LOSS = "explored loss"
 #: Spawn key of PAZO-S's exploration noise ``z'`` (public: run seed and step).
 EXPLORATION_STREAM = 0x9A20
+
+
+def clipped_loss_sum(losses: Tensor, clip: float) -> Tensor:
+    """Alg. 3 line 6's ``sum_i clip_C(f(x_t - eta g_j; xi_i))`` with a NaN loss (a forward that overflowed at the
+    queried point) counted as the worst loss, ``+inf``, so clipped to ``C`` (``C = inf``: an infinite sum).
+    :func:`~lit_zodp.privacy.clipped_sum` counts a non-finite value as 0, neutral for a difference but the best of
+    losses: a candidate whose point diverged won line 8's argmin and made every weight NaN (review 53). Each value
+    stays in ``[-C, C]``: the sensitivity is unchanged."""
+    worst = torch.where(torch.isnan(losses), torch.full_like(losses, math.inf), losses)
+    return worst.sum(dtype=torch.float64) if math.isinf(clip) else clipped_sum(worst, clip)
 
 
 class _PublicAssisted(DPZero):
@@ -273,7 +286,7 @@ class PAZOS(_PublicAssisted):
         finally:
             for p, x in zip(params, start):
                 p.copy_(x)
-        return clipped_sum(losses, self.clip), losses
+        return clipped_loss_sum(losses, self.clip), losses
 
     def exploration_candidate(self, best: list[Tensor]) -> list[Tensor]:
         """Line 5: ``g_j_hat + z'``, ``z' ~ N(0, epsilon^2 I)`` drawn from the public (run seed, step)."""

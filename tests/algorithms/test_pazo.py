@@ -187,6 +187,30 @@ def test_pazo_s_takes_the_explored_candidate_only_when_strictly_better(monkeypat
             assert float(spread.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("make", [
+    lambda: PAZOS(mlp(seed=1), lr=0.5, k=3, clip=10.0, noise_multiplier=0.05, delta=1e-5, seed=3),
+    lambda: NonPrivatePAZOS(mlp(seed=1), lr=0.5, k=3, seed=3)], ids=["private", "non_private"])
+def test_pazo_s_counts_a_nan_loss_as_the_worst_and_never_steps_to_a_diverged_candidate(make):
+    """Alg. 3 line 8 takes the argmin of the losses: a queried point where the private losses are NaN (an overflowed
+    forward, here a public part with a NaN feature) must lose to any finite candidate. Counted as 0 (the best loss),
+    it won the argmin and made every weight NaN (review 53)."""
+    x, y = rows(PUBLIC_SET)
+    x = x.clone()
+    x[:4, 0] = float("nan")  # B'_1: its gradient, hence its queried point, is NaN
+    module = make().use_public_data([(x, y)])
+    before = [p.detach().clone() for p in module.backbone.parameters()]
+    quiet_trainer(max_steps=1).fit(module, loaders()["private"])
+    after = [p.detach().clone() for p in module.backbone.parameters()]
+    gradients = [gradient_at(module.backbone, before, x[4 * j:4 * j + 4], y[4 * j:4 * j + 4]) for j in (1, 2)]
+    losses = [float(losses_at(module.backbone, [p - 0.5 * g for p, g in zip(before, gs)], *rows(PRIVATE_SET)).mean())
+              for gs in gradients]
+    taken = [all(torch.equal(x1, x0.clone().add_(g, alpha=-0.5)) for x0, x1, g in zip(before, after, gs))
+             for gs in gradients]
+    assert any(taken)  # a finite candidate's queried point, bitwise
+    if not module.private:
+        assert taken[losses.index(min(losses))]
+
+
 def test_pazo_s_with_one_candidate_and_no_exploration_is_public_gradient_sgd():
     module = NonPrivatePAZOS(mlp(seed=1), lr=0.3, k=1, seed=3)
     before, after = one_step(module)
