@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
+from lightning.pytorch.callbacks import LambdaCallback
 
 from lit_zodp.algorithms import (MeZO, NonPrivatePAZOM, NonPrivatePAZOP, NonPrivatePAZOS, PAZOM, PAZOP,
                                  PAZOS)
@@ -216,6 +217,39 @@ def test_pazo_s_with_one_candidate_and_no_exploration_is_public_gradient_sgd():
     before, after = one_step(module)
     for x0, x1, g in zip(before, after, gradient_at(module.backbone, before, *rows(PUBLIC_SET))):
         torch.testing.assert_close(x1, x0 - 0.3 * g, rtol=1e-5, atol=1e-7)
+
+
+class CachedBias(torch.nn.Module):
+    """An MLP plus a bias that eval mode reads from a cache filled at its first forward, as timm's LeViT caches its
+    attention biases (``attention_bias_cache``) until its next ``train()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.bias, self.attention_bias_cache = mlp(seed=1), torch.nn.Parameter(torch.zeros(3)), {}
+
+    def forward(self, x):
+        if not self.training and "cpu" not in self.attention_bias_cache:
+            self.attention_bias_cache["cpu"] = self.bias * 1.0
+        return self.body(x) + (self.bias if self.training else self.attention_bias_cache["cpu"])
+
+
+def test_a_public_gradient_reads_no_eval_mode_cache_of_an_earlier_forward():
+    """Line 2's g = grad f(x_t; B') at x_t itself: a cache filled by the last private forward (no graph, at a queried
+    point) gave the cached bias a zero public gradient from the second step on, so PAZO-S with k = 1 (public-gradient
+    SGD) stopped moving it (review 53)."""
+    module = NonPrivatePAZOS(CachedBias(), lr=0.3, k=1, seed=3).use_public_data([rows(PUBLIC_SET)])
+    after_first = []
+    keep = LambdaCallback(on_train_batch_end=lambda trainer, m, *_: after_first.append(
+        [p.detach().clone() for p in m.backbone.parameters()]))
+    private = DataLoader(PRIVATE_SET, batch_sampler=FullBatchSampler(len(PRIVATE_SET), steps_per_epoch=2),
+                         collate_fn=collate_tensors)
+    quiet_trainer(max_steps=2, callbacks=[keep]).fit(module, private)
+    start = after_first[0]
+    reference = CachedBias().train()  # (train mode: no cache)
+    expected = gradient_at(reference, start, *rows(PUBLIC_SET))
+    assert float(expected[-1].abs().max()) > 0  # the bias has a public gradient
+    for x0, x1, g in zip(start, module.backbone.parameters(), expected):
+        torch.testing.assert_close(x1.detach(), x0 - 0.3 * g, rtol=1e-5, atol=1e-7)
 
 
 def test_pazo_m_without_the_public_gradient_is_dpzero_at_the_quarter_power_radius():
