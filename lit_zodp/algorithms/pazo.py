@@ -85,13 +85,17 @@ class _PublicAssisted(DPZero):
     def public_batches(self, batch, k: int) -> list:
         """Alg. 1-3 line 1: the step's public batch cut into ``k`` consecutive parts ``B'_1..B'_k``."""
         _, public = self.split_batch(batch)
-        if public is None:
+        given = public is None  # (from `use_public_data`)
+        if given:
             public = self._next_public_batch()
         inputs, targets = public
         rows = len(targets)
         if rows < k:
+            fix = (f"give `use_public_data` a loader of at least {k} rows in every batch (batch_size >= {k}, "
+                   "drop_last=True)" if given else
+                   f"set the DataModule's `public_batch_size` (the public loader's batch size) to at least {k}")
             raise ConfigError(f"{type(self).__name__} cuts each public batch into k={k} parts, but got {rows} public "
-                              f"rows: set the DataModule's `public_batch_size` to at least {k} (k times b')")
+                              f"rows: {fix} (k times b')")
         bounds = [round(rows * j / k) for j in range(k + 1)]
         return [(take_rows(inputs, slice(a, b)), targets[a:b]) for a, b in zip(bounds, bounds[1:])]
 

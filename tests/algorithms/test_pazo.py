@@ -361,8 +361,20 @@ def test_a_step_without_public_batches_is_refused_in_one_line():
 
 
 def test_a_public_batch_smaller_than_k_is_refused():
-    with pytest.raises(ConfigError, match="k=3 parts, but got 2 public rows"):
+    with pytest.raises(ConfigError, match="k=3 parts, but got 2 public rows: set the DataModule's `public_batch_size`"):
         one_step(NonPrivatePAZOS(mlp(seed=1), k=3), public_rows=2)
+
+
+def test_a_short_batch_of_a_use_public_data_loader_is_refused_naming_that_loader():
+    """The DataModule's option does not apply to a loader given to `use_public_data`: the error names what to change
+    there (its third batch holds the 2 rows left over)."""
+    module = NonPrivatePAZOS(mlp(seed=1), k=3).use_public_data(DataLoader(PUBLIC_SET, batch_size=5,
+                                                                            collate_fn=collate_tensors))
+    private = DataLoader(PRIVATE_SET, batch_sampler=FullBatchSampler(len(PRIVATE_SET), steps_per_epoch=3),
+                         collate_fn=collate_tensors)
+    with pytest.raises(ConfigError, match=r"got 2 public rows: give `use_public_data` a loader .*drop_last=True"):
+        quiet_trainer(max_steps=3).fit(module, private)
+    assert module.global_step == 2
 
 
 # ------------------------------------------------------------------------------------------ PAZO-S's release, audited
