@@ -156,6 +156,11 @@ class PAZOM(_PublicAssisted):
         return self.engine.dim ** -0.25
 
     @property
+    def coordinate_step(self) -> float:
+        """``lam d^(-1/4)``: line 7's ``u`` is ``d^(-1/4)`` times a standard direction (the low-precision note)."""
+        return self.lam * self.radius_factor
+
+    @property
     def update_scale(self) -> float:
         """``(1 - alpha) d^(-1/4) / q``: line 8's weight of each released ``s_j`` times the engine's ``u_0``."""
         return (1.0 - self.alpha) * self.radius_factor / self.num_directions
@@ -265,6 +270,9 @@ class PAZOS(_PublicAssisted):
                       f"(got {kwargs['num_directions']})"])
         super().__init__(backbone, **kwargs)
         self.k, self.exploration = int(k), float(exploration)
+
+    #: Nothing is perturbed in place: each queried point is copied back exactly (no low-precision note on ``lam``).
+    coordinate_step = None
 
     @property
     def queries(self) -> int:

@@ -3,6 +3,7 @@ geometry, the plan's composition into one query at sigma, the paper's limits, an
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from lightning.pytorch.callbacks import LambdaCallback
 
 from lit_zodp.algorithms import (MeZO, NonPrivatePAZOM, NonPrivatePAZOP, NonPrivatePAZOS, PAZOM, PAZOP,
                                  PAZOS)
-from lit_zodp.errors import ConfigError, PrivacyConfigError
+from lit_zodp.errors import ConfigError, LitZodpWarning, PrivacyConfigError
 from lit_zodp.privacy import FullBatchSampler, NoiseSource
 from lit_zodp.privacy.plan import composed_multiplier
 from lit_zodp.zo import derive_seed
@@ -286,6 +287,24 @@ def test_pazo_m_releases_q_sums_each_with_noise_std_sqrt_q_sigma_c(monkeypatch):
                         or original(self, x, std, **kw))
     one_step(PAZOM(mlp(seed=1), lr=0.1, num_directions=3, clip=0.7, noise_multiplier=1.3, delta=1e-5, seed=3))
     assert stds == [(torch.Size([3]), pytest.approx(math.sqrt(3) * 1.3 * 0.7))]
+
+
+def rounding_notes(module):
+    """The low-precision notes of a one-step ``bf16-true`` fit (:mod:`lit_zodp.zo.precision`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(max_steps=1, precision="bf16-true").fit(module, loaders())
+    return [str(w.message) for w in caught if issubclass(w.category, LitZodpWarning) and "in place" in str(w.message)]
+
+
+def test_the_low_precision_note_measures_pazo_ms_quarter_power_step_and_skips_pazo_s():
+    """PAZO-M perturbs by lam d^(-1/4) u_0 (Alg. 1 line 7): at lam 6e-3 on this 227-weight MLP, bf16 rounds lam u_0 by
+    about 5% (no note: MeZO's fit stays silent) but PAZO-M's applied step by about 18%, which the fit must say. PAZO-S
+    perturbs nothing in place (its queried points are copied back exactly): a note about lam was false (review 53)."""
+    assert not rounding_notes(MeZO(mlp(seed=1), lr=0.1, lam=6e-3, seed=3))
+    (note,) = rounding_notes(NonPrivatePAZOM(mlp(seed=1), lr=0.1, lam=6e-3, seed=3))
+    assert note.startswith("NonPrivatePAZOM perturbs bfloat16 weights in place at lam=0.006")
+    assert not rounding_notes(NonPrivatePAZOS(mlp(seed=1), lr=0.1, k=3, seed=3))
 
 
 # ------------------------------------------------------------------------------------------ the subspace engine
