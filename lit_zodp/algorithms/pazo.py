@@ -115,6 +115,8 @@ class _PublicAssisted(DPZero):
             batch = next(self._public_iterator, None)
             if batch is None:
                 raise ConfigError(f"{type(self).__name__}: the public data given to `use_public_data` is empty")
+        if self._trainer is not None:  # (as Lightning's loop treats a training batch: a `*-true` precision's dtype)
+            batch = self._trainer.precision_plugin.convert_input(batch)
         return move_data_to_device(batch, self.device)
 
     def private_batch(self, batch):

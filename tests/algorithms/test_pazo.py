@@ -384,6 +384,25 @@ def test_a_public_batch_smaller_than_k_is_refused():
         one_step(NonPrivatePAZOS(mlp(seed=1), k=3), public_rows=2)
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_use_public_data_batches_get_the_trainers_precision_as_the_training_batches_do(precision):
+    """Lightning casts a training batch's floating tensors to a ``*-true`` precision's dtype (``convert_input``); a
+    public batch from `use_public_data` was not, and the first public gradient failed ("mat1 and mat2 must have the
+    same dtype, but got Float and BFloat16", review 53). Now both routes of the same public batch train alike."""
+    def trained(module, data):
+        quiet_trainer(max_steps=2, precision=precision).fit(module, data)
+        return [p.detach() for p in module.backbone.parameters()]
+
+    given = NonPrivatePAZOM(mlp(seed=1), lr=0.2, alpha=0.5, seed=3).use_public_data(
+        DataLoader(PUBLIC_SET, batch_size=12, collate_fn=collate_tensors))
+    private = DataLoader(PRIVATE_SET, batch_sampler=FullBatchSampler(len(PRIVATE_SET), steps_per_epoch=2),
+                         collate_fn=collate_tensors)
+    public = DataLoader(PUBLIC_SET, batch_size=12, collate_fn=collate_tensors)
+    for a, b in zip(trained(given, private), trained(NonPrivatePAZOM(mlp(seed=1), lr=0.2, alpha=0.5, seed=3),
+                                                     {"private": private, "public": public})):
+        assert torch.equal(a, b)
+
+
 def test_a_short_batch_of_a_use_public_data_loader_is_refused_naming_that_loader():
     """The DataModule's option does not apply to a loader given to `use_public_data`: the error names what to change
     there (its third batch holds the 2 rows left over)."""
