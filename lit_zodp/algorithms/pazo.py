@@ -76,8 +76,9 @@ class _PublicAssisted(DPZero):
 
     def use_public_data(self, batches: Iterable) -> "_PublicAssisted":
         """Take each step's public batch from ``batches`` (an iterable of ``(inputs, targets)``, e.g. a DataLoader,
-        read again from its start when exhausted) where the training batch carries none: for a Trainer fed private
-        batches alone. The same batches must reach every DDP rank. Returns the module."""
+        read again from its start when exhausted; step ``t`` takes batch ``t`` modulo its length, so a resumed fit
+        continues the stream) where the training batch carries none: for a Trainer fed private batches alone. The
+        same batches must reach every DDP rank. Returns the module."""
         self._public_source = batches
         self._public_iterator = None
         return self
@@ -109,7 +110,9 @@ class _PublicAssisted(DPZero):
             raise ConfigError(f"{type(self).__name__} needs a public batch with every private one: give the DataModule "
                               "`public_in_step: true` and a public split (public_fraction > 0), train on "
                               "{'private': loader, 'public': loader}, or call `module.use_public_data(loader)`")
-        batch = next(self._public_iterator, None) if self._public_iterator is not None else None
+        if self._public_iterator is None:  # (this fit's first draw)
+            self._public_iterator = self._public_stream_at(self.global_step)
+        batch = next(self._public_iterator, None)
         if batch is None:
             self._public_iterator = iter(source)
             batch = next(self._public_iterator, None)
@@ -118,6 +121,19 @@ class _PublicAssisted(DPZero):
         if self._trainer is not None:  # (as Lightning's loop treats a training batch: a `*-true` precision's dtype)
             batch = self._trainer.precision_plugin.convert_input(batch)
         return move_data_to_device(batch, self.device)
+
+    def _public_stream_at(self, step: int):
+        """An iterator over the public source at step ``step``'s batch, ``step`` modulo its length (one batch a step):
+        a fit resumed from a checkpoint continues the stream. A source without a length is read from its start."""
+        length = len(self._public_source) if hasattr(self._public_source, "__len__") else 0
+        iterator = iter(self._public_source)
+        for _ in range(step % length if length else 0):
+            next(iterator, None)
+        return iterator
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._public_iterator = None  # (each fit finds its place in the stream from its step)
 
     def private_batch(self, batch):
         (inputs, targets), _ = self.split_batch(batch)

@@ -403,6 +403,28 @@ def test_use_public_data_batches_get_the_trainers_precision_as_the_training_batc
         assert torch.equal(a, b)
 
 
+def test_a_resumed_fit_reads_the_use_public_data_stream_where_the_checkpoint_left_it(tmp_path):
+    """Step t takes the t-th public batch of the cycling stream (Alg. 1-3 line 1; the DataModule's stream keeps its
+    place in checkpoints): a fit resumed at step 2 in a new module took batch 0 again, not batch 2 (review 53)."""
+    x, y = rows(PUBLIC_SET)
+    stream = [(x[3 * j:3 * j + 3], y[3 * j:3 * j + 3]) for j in range(4)]
+
+    def fit(steps, ckpt_path=None, module=None):
+        module = module or NonPrivatePAZOS(mlp(seed=1), lr=0.3, k=1, seed=3).use_public_data(stream)
+        private = DataLoader(PRIVATE_SET, batch_sampler=FullBatchSampler(len(PRIVATE_SET), steps_per_epoch=10),
+                             collate_fn=collate_tensors)
+        trainer = quiet_trainer(max_steps=steps)
+        trainer.fit(module, private, ckpt_path=ckpt_path)
+        return trainer, module
+
+    _, straight = fit(3)
+    first, _ = fit(2)
+    first.save_checkpoint(tmp_path / "two.ckpt")
+    _, resumed = fit(3, ckpt_path=tmp_path / "two.ckpt")
+    for a, b in zip(straight.backbone.parameters(), resumed.backbone.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_a_short_batch_of_a_use_public_data_loader_is_refused_naming_that_loader():
     """The DataModule's option does not apply to a loader given to `use_public_data`: the error names what to change
     there (its third batch holds the 2 rows left over)."""
