@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 from lightning.pytorch.callbacks import LambdaCallback
+from torch.utils.data import DataLoader
 
 from lit_zodp.algorithms import (MeZO, NonPrivatePAZOM, NonPrivatePAZOP, NonPrivatePAZOS, PAZOM, PAZOP,
                                  PAZOS)
