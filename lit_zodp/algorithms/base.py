@@ -651,7 +651,9 @@ class AlgorithmModule(pl.LightningModule):
 
         Backprop on the public batch only: no private tensor enters this graph. ``params``
         defaults to the trainable parameters; unused ones get zeros. ``public_forward`` is True during its forward
-        and backward (a forward hook can tell it from a private forward).
+        and backward (a forward hook can tell it from a private forward). Eval-mode caches (LeViT's attention biases)
+        are emptied before and after: filled by the last private forward, without a graph and at another point, they
+        gave the cached parameters a zero public gradient (review 53).
         """
         if torch.is_inference_mode_enabled():
             raise_if_any(["A public gradient (backprop on a public batch) runs inside `torch.inference_mode()`, where "
@@ -659,12 +661,14 @@ class AlgorithmModule(pl.LightningModule):
         inputs, targets = public_batch
         params = params if params is not None else [p for p in self.backbone.parameters() if p.requires_grad]
         self.public_forward = True  # (forward hooks tell this forward from a private one)
+        clear_eval_mode_caches(self._eval_mode_caches)  # (at x_t: not the last forward's point, nor its no-grad tensor)
         try:
             with torch.enable_grad():
                 loss = at_least_float32(per_example_loss(self.backbone, inputs, targets)).mean()
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
         finally:
             self.public_forward = False
+            clear_eval_mode_caches(self._eval_mode_caches)  # (holds no graph into the next forward)
         return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
 
     def reduce_sum(self, tensor: Tensor) -> Tensor:

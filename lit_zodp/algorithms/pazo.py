@@ -24,6 +24,9 @@ Choices where the paper is silent or where its text and the authors' code (githu
 * PAZO-S's exploration candidate (Alg. 3 lines 4-6) is released after the first ``k`` losses (adaptive composition,
   the same total); it replaces the best candidate only if its noisy loss is strictly lower (the code). Its noise
   ``z' ~ N(0, epsilon^2 I)`` is public randomness (from the run seed and the step): it is not a privacy noise.
+* Non-finite private losses (PAZO-S, Alg. 3 line 6; the paper is silent): a NaN loss counts as ``+inf``, the worst
+  loss, clipped to ``C`` (:func:`clipped_loss_sum`); the library's rule for differences, NaN as 0, would make a
+  diverged queried point the best candidate.
 * Weight decay (not in the paper, whose optimiser is plain SGD) is decoupled and applied in the update only; PAZO-S's
   queried points are ``x_t - eta g_j`` without it, so with ``weight_decay > 0`` the step leaves the queried point.
 * Output: the last iterate (the code's evaluation).
@@ -50,6 +53,16 @@ CANDIDATE_LOSSES = "candidate losses"
 EXPLORED_LOSS = "explored loss"
 #: Spawn key of PAZO-S's exploration noise ``z'`` (public: run seed and step).
 EXPLORATION_STREAM = 0x9A20
+
+
+def clipped_loss_sum(losses: Tensor, clip: float) -> Tensor:
+    """Alg. 3 line 6's ``sum_i clip_C(f(x_t - eta g_j; xi_i))`` with a NaN loss (a forward that overflowed at the
+    queried point) counted as the worst loss, ``+inf``, so clipped to ``C`` (``C = inf``: an infinite sum).
+    :func:`~lit_zodp.privacy.clipped_sum` counts a non-finite value as 0, neutral for a difference but the best of
+    losses: a candidate whose point diverged won line 8's argmin and made every weight NaN (review 53). Each value
+    stays in ``[-C, C]``: the sensitivity is unchanged."""
+    worst = torch.where(torch.isnan(losses), torch.full_like(losses, math.inf), losses)
+    return worst.sum(dtype=torch.float64) if math.isinf(clip) else clipped_sum(worst, clip)
 
 
 class _PublicAssisted(PublicBatches, DPZero):
@@ -91,6 +104,11 @@ class PAZOM(_PublicAssisted):
     def radius_factor(self) -> float:
         """``d^(-1/4)``: the module's direction law (``E||u||^2 = d``) rescaled to ``E||u||^2 = sqrt(d)`` (App. A.1)."""
         return self.engine.dim ** -0.25
+
+    @property
+    def coordinate_step(self) -> float:
+        """``lam d^(-1/4)``: line 7's ``u`` is ``d^(-1/4)`` times a standard direction (the low-precision note)."""
+        return self.lam * self.radius_factor
 
     @property
     def update_scale(self) -> float:
@@ -199,6 +217,9 @@ class PAZOS(_PublicAssisted):
         super().__init__(backbone, **kwargs)
         self.k, self.exploration = int(k), float(exploration)
 
+    #: Nothing is perturbed in place: each queried point is copied back exactly (no low-precision note on ``lam``).
+    coordinate_step = None
+
     @property
     def queries(self) -> int:
         """``m``: the private loss queries per step, ``k`` plus the exploration candidate's."""
@@ -223,7 +244,7 @@ class PAZOS(_PublicAssisted):
         finally:
             for p, x in zip(params, start):
                 p.copy_(x)
-        return clipped_sum(losses, self.clip), losses
+        return clipped_loss_sum(losses, self.clip), losses
 
     def exploration_candidate(self, best: list[Tensor]) -> list[Tensor]:
         """Line 5: ``g_j_hat + z'``, ``z' ~ N(0, epsilon^2 I)`` drawn from the public (run seed, step)."""

@@ -3,15 +3,17 @@ geometry, the plan's composition into one query at sigma, the paper's limits, an
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import LambdaCallback
 from torch.utils.data import DataLoader
 
 from lit_zodp.algorithms import (MeZO, NonPrivatePAZOM, NonPrivatePAZOP, NonPrivatePAZOS, PAZOM, PAZOP,
                                  PAZOS)
-from lit_zodp.errors import ConfigError, PrivacyConfigError
+from lit_zodp.errors import ConfigError, LitZodpWarning, PrivacyConfigError
 from lit_zodp.privacy import FullBatchSampler, NoiseSource
 from lit_zodp.privacy.plan import composed_multiplier
 from lit_zodp.zo import derive_seed
@@ -187,11 +189,68 @@ def test_pazo_s_takes_the_explored_candidate_only_when_strictly_better(monkeypat
             assert float(spread.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("make", [
+    lambda: PAZOS(mlp(seed=1), lr=0.5, k=3, clip=10.0, noise_multiplier=0.05, delta=1e-5, seed=3),
+    lambda: NonPrivatePAZOS(mlp(seed=1), lr=0.5, k=3, seed=3)], ids=["private", "non_private"])
+def test_pazo_s_counts_a_nan_loss_as_the_worst_and_never_steps_to_a_diverged_candidate(make):
+    """Alg. 3 line 8 takes the argmin of the losses: a queried point where the private losses are NaN (an overflowed
+    forward, here a public part with a NaN feature) must lose to any finite candidate. Counted as 0 (the best loss),
+    it won the argmin and made every weight NaN (review 53)."""
+    x, y = rows(PUBLIC_SET)
+    x = x.clone()
+    x[:4, 0] = float("nan")  # B'_1: its gradient, hence its queried point, is NaN
+    module = make().use_public_data([(x, y)])
+    before = [p.detach().clone() for p in module.backbone.parameters()]
+    quiet_trainer(max_steps=1).fit(module, loaders()["private"])
+    after = [p.detach().clone() for p in module.backbone.parameters()]
+    gradients = [gradient_at(module.backbone, before, x[4 * j:4 * j + 4], y[4 * j:4 * j + 4]) for j in (1, 2)]
+    losses = [float(losses_at(module.backbone, [p - 0.5 * g for p, g in zip(before, gs)], *rows(PRIVATE_SET)).mean())
+              for gs in gradients]
+    taken = [all(torch.equal(x1, x0.clone().add_(g, alpha=-0.5)) for x0, x1, g in zip(before, after, gs))
+             for gs in gradients]
+    assert any(taken)  # a finite candidate's queried point, bitwise
+    if not module.private:
+        assert taken[losses.index(min(losses))]
+
+
 def test_pazo_s_with_one_candidate_and_no_exploration_is_public_gradient_sgd():
     module = NonPrivatePAZOS(mlp(seed=1), lr=0.3, k=1, seed=3)
     before, after = one_step(module)
     for x0, x1, g in zip(before, after, gradient_at(module.backbone, before, *rows(PUBLIC_SET))):
         torch.testing.assert_close(x1, x0 - 0.3 * g, rtol=1e-5, atol=1e-7)
+
+
+class CachedBias(torch.nn.Module):
+    """An MLP plus a bias that eval mode reads from a cache filled at its first forward, as timm's LeViT caches its
+    attention biases (``attention_bias_cache``) until its next ``train()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.bias, self.attention_bias_cache = mlp(seed=1), torch.nn.Parameter(torch.zeros(3)), {}
+
+    def forward(self, x):
+        if not self.training and "cpu" not in self.attention_bias_cache:
+            self.attention_bias_cache["cpu"] = self.bias * 1.0
+        return self.body(x) + (self.bias if self.training else self.attention_bias_cache["cpu"])
+
+
+def test_a_public_gradient_reads_no_eval_mode_cache_of_an_earlier_forward():
+    """Line 2's g = grad f(x_t; B') at x_t itself: a cache filled by the last private forward (no graph, at a queried
+    point) gave the cached bias a zero public gradient from the second step on, so PAZO-S with k = 1 (public-gradient
+    SGD) stopped moving it (review 53)."""
+    module = NonPrivatePAZOS(CachedBias(), lr=0.3, k=1, seed=3).use_public_data([rows(PUBLIC_SET)])
+    after_first = []
+    keep = LambdaCallback(on_train_batch_end=lambda trainer, m, *_: after_first.append(
+        [p.detach().clone() for p in m.backbone.parameters()]))
+    private = DataLoader(PRIVATE_SET, batch_sampler=FullBatchSampler(len(PRIVATE_SET), steps_per_epoch=2),
+                         collate_fn=collate_tensors)
+    quiet_trainer(max_steps=2, callbacks=[keep]).fit(module, private)
+    start = after_first[0]
+    reference = CachedBias().train()  # (train mode: no cache)
+    expected = gradient_at(reference, start, *rows(PUBLIC_SET))
+    assert float(expected[-1].abs().max()) > 0  # the bias has a public gradient
+    for x0, x1, g in zip(start, module.backbone.parameters(), expected):
+        torch.testing.assert_close(x1.detach(), x0 - 0.3 * g, rtol=1e-5, atol=1e-7)
 
 
 def test_pazo_m_without_the_public_gradient_is_dpzero_at_the_quarter_power_radius():
@@ -228,6 +287,24 @@ def test_pazo_m_releases_q_sums_each_with_noise_std_sqrt_q_sigma_c(monkeypatch):
                         or original(self, x, std, **kw))
     one_step(PAZOM(mlp(seed=1), lr=0.1, num_directions=3, clip=0.7, noise_multiplier=1.3, delta=1e-5, seed=3))
     assert stds == [(torch.Size([3]), pytest.approx(math.sqrt(3) * 1.3 * 0.7))]
+
+
+def rounding_notes(module):
+    """The low-precision notes of a one-step ``bf16-true`` fit (:mod:`lit_zodp.zo.precision`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(max_steps=1, precision="bf16-true").fit(module, loaders())
+    return [str(w.message) for w in caught if issubclass(w.category, LitZodpWarning) and "in place" in str(w.message)]
+
+
+def test_the_low_precision_note_measures_pazo_ms_quarter_power_step_and_skips_pazo_s():
+    """PAZO-M perturbs by lam d^(-1/4) u_0 (Alg. 1 line 7): at lam 6e-3 on this 227-weight MLP, bf16 rounds lam u_0 by
+    about 5% (no note: MeZO's fit stays silent) but PAZO-M's applied step by about 18%, which the fit must say. PAZO-S
+    perturbs nothing in place (its queried points are copied back exactly): a note about lam was false (review 53)."""
+    assert not rounding_notes(MeZO(mlp(seed=1), lr=0.1, lam=6e-3, seed=3))
+    (note,) = rounding_notes(NonPrivatePAZOM(mlp(seed=1), lr=0.1, lam=6e-3, seed=3))
+    assert note.startswith("NonPrivatePAZOM perturbs bfloat16 weights in place at lam=0.006")
+    assert not rounding_notes(NonPrivatePAZOS(mlp(seed=1), lr=0.1, k=3, seed=3))
 
 
 # ------------------------------------------------------------------------------------------ the subspace engine
@@ -303,8 +380,61 @@ def test_a_step_without_public_batches_is_refused_in_one_line():
 
 
 def test_a_public_batch_smaller_than_k_is_refused():
-    with pytest.raises(ConfigError, match="k=3 parts, but got 2 public rows"):
+    with pytest.raises(ConfigError, match="k=3 parts, but got 2 public rows: set the DataModule's `public_batch_size`"):
         one_step(NonPrivatePAZOS(mlp(seed=1), k=3), public_rows=2)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_use_public_data_batches_get_the_trainers_precision_as_the_training_batches_do(precision):
+    """Lightning casts a training batch's floating tensors to a ``*-true`` precision's dtype (``convert_input``); a
+    public batch from `use_public_data` was not, and the first public gradient failed ("mat1 and mat2 must have the
+    same dtype, but got Float and BFloat16", review 53). Now both routes of the same public batch train alike."""
+    def trained(module, data):
+        quiet_trainer(max_steps=2, precision=precision).fit(module, data)
+        return [p.detach() for p in module.backbone.parameters()]
+
+    given = NonPrivatePAZOM(mlp(seed=1), lr=0.2, alpha=0.5, seed=3).use_public_data(
+        DataLoader(PUBLIC_SET, batch_size=12, collate_fn=collate_tensors))
+    private = DataLoader(PRIVATE_SET, batch_sampler=FullBatchSampler(len(PRIVATE_SET), steps_per_epoch=2),
+                         collate_fn=collate_tensors)
+    public = DataLoader(PUBLIC_SET, batch_size=12, collate_fn=collate_tensors)
+    for a, b in zip(trained(given, private), trained(NonPrivatePAZOM(mlp(seed=1), lr=0.2, alpha=0.5, seed=3),
+                                                     {"private": private, "public": public})):
+        assert torch.equal(a, b)
+
+
+def test_a_resumed_fit_reads_the_use_public_data_stream_where_the_checkpoint_left_it(tmp_path):
+    """Step t takes the t-th public batch of the cycling stream (Alg. 1-3 line 1; the DataModule's stream keeps its
+    place in checkpoints): a fit resumed at step 2 in a new module took batch 0 again, not batch 2 (review 53)."""
+    x, y = rows(PUBLIC_SET)
+    stream = [(x[3 * j:3 * j + 3], y[3 * j:3 * j + 3]) for j in range(4)]
+
+    def fit(steps, ckpt_path=None, module=None):
+        module = module or NonPrivatePAZOS(mlp(seed=1), lr=0.3, k=1, seed=3).use_public_data(stream)
+        private = DataLoader(PRIVATE_SET, batch_sampler=FullBatchSampler(len(PRIVATE_SET), steps_per_epoch=10),
+                             collate_fn=collate_tensors)
+        trainer = quiet_trainer(max_steps=steps)
+        trainer.fit(module, private, ckpt_path=ckpt_path)
+        return trainer, module
+
+    _, straight = fit(3)
+    first, _ = fit(2)
+    first.save_checkpoint(tmp_path / "two.ckpt")
+    _, resumed = fit(3, ckpt_path=tmp_path / "two.ckpt")
+    for a, b in zip(straight.backbone.parameters(), resumed.backbone.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_short_batch_of_a_use_public_data_loader_is_refused_naming_that_loader():
+    """The DataModule's option does not apply to a loader given to `use_public_data`: the error names what to change
+    there (its third batch holds the 2 rows left over)."""
+    module = NonPrivatePAZOS(mlp(seed=1), k=3).use_public_data(DataLoader(PUBLIC_SET, batch_size=5,
+                                                                            collate_fn=collate_tensors))
+    private = DataLoader(PRIVATE_SET, batch_sampler=FullBatchSampler(len(PRIVATE_SET), steps_per_epoch=3),
+                         collate_fn=collate_tensors)
+    with pytest.raises(ConfigError, match=r"got 2 public rows: give `use_public_data` a loader .*drop_last=True"):
+        quiet_trainer(max_steps=3).fit(module, private)
+    assert module.global_step == 2
 
 
 # ------------------------------------------------------------------------------------------ PAZO-S's release, audited
