@@ -27,6 +27,8 @@ Choices where the paper is silent or where its text and the authors' code (githu
 * Non-finite private losses (PAZO-S, Alg. 3 line 6; the paper is silent): a NaN loss counts as ``+inf``, the worst
   loss, clipped to ``C`` (:func:`clipped_loss_sum`); the library's rule for differences, NaN as 0, would make a
   diverged queried point the best candidate.
+* Public gradients (line 2) are taken in eval mode (no dropout), as every forward of a zeroth-order step here; the
+  authors' code takes them in train mode.
 * Weight decay (not in the paper, whose optimiser is plain SGD) is decoupled and applied in the update only; PAZO-S's
   queried points are ``x_t - eta g_j`` without it, so with ``weight_decay > 0`` the step leaves the queried point.
 * Output: the last iterate (the code's evaluation).
@@ -96,7 +98,11 @@ class PAZOM(_PublicAssisted):
     non_private_twin = "NonPrivatePAZOM"
 
     def __init__(self, backbone: nn.Module, *, alpha: float = 0.5, **kwargs: Any) -> None:
-        raise_if_any([None if 0.0 <= alpha <= 1.0 else f"Expected `alpha` in [0, 1], but got {alpha!r}"])
+        raise_if_any([None if 0.0 <= alpha <= 1.0 else f"Expected `alpha` in [0, 1], but got {alpha!r}",
+                      None if alpha != 1.0 or not self.private else
+                      "`alpha` = 1 steps along the public gradient alone and multiplies every private release by 0: "
+                      "it would spend privacy for nothing; train on public data without privacy "
+                      "(configs/pazo/quickstart_public_only.yaml) or set alpha < 1"])
         super().__init__(backbone, **kwargs)
         self.alpha = float(alpha)
 

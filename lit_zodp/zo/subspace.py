@@ -53,8 +53,9 @@ def normalize_columns_(basis: Sequence[Tensor]) -> list[float]:
 
 @torch.no_grad()
 def orthonormalize_(basis: Sequence[Tensor]) -> list[float]:
-    """Classical Gram-Schmidt over the columns, in order, then normalisation (PAZO-P; the authors' code orthogonalises
-    sequentially, then normalises). Inner products are accumulated in float64 across the tensors. Returns each
+    """Gram-Schmidt over the columns, in order, each normalised (PAZO-P; the authors' code orthogonalises sequentially,
+    then normalises). The modified form: each projection is taken against the column as updated so far (the classical
+    form's result in exact arithmetic, and more stable in floating point). Inner products are accumulated in float64 across the tensors. Returns each
     column's residual norm; a degenerate residual (a public gradient in the span of the previous ones) becomes a
     zero column, so ``G^T G`` is the identity on the kept columns and zero elsewhere."""
     k = basis[0].shape[0]

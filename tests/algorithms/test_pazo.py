@@ -361,6 +361,7 @@ def test_subspace_perturbation_restores_and_updates_along_g_u():
 # ------------------------------------------------------------------------------------------ errors
 @pytest.mark.parametrize("make, words", [
     (lambda: PAZOM(mlp(), alpha=1.5), "`alpha` in [0, 1]"),
+    (lambda: PAZOM(mlp(), alpha=1.0, clip=1.0, noise_multiplier=1.0), "would spend privacy for nothing"),
     (lambda: PAZOP(mlp(), k=0), "`k`"),
     (lambda: PAZOP(mlp(), basis="qr"), "`basis`"),
     (lambda: PAZOP(mlp(), directions="sphere"), "leave `directions`"),
