@@ -130,7 +130,7 @@ class PAZOM(_PublicAssisted):
     def training_step(self, batch, batch_idx: int) -> None:
         inputs, targets = self.private_batch(batch)                                          # line 1
         size = batch_size_of(inputs)
-        public_gradient = (self.public_gradient(self.public_batches(batch, 1)[0], self.engine.params)  # line 2
+        public_gradient = (self.finite_public_gradient(self.public_batches(batch, 1)[0], self.engine.params)  # l. 2
                            if self.alpha > 0 else None)
         seeds = self.direction_seeds()                                                       # line 5
         derivatives, differences = self.released_derivatives(seeds, inputs, targets, size)  # line 6: clip, + z, / b
@@ -179,7 +179,7 @@ class PAZOP(_PublicAssisted):
         basis = [torch.empty((self.k, *p.shape), dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
                  for p in params]
         for j, public in enumerate(public_batches):
-            for b, g in zip(basis, self.public_gradient(public, params)):
+            for b, g in zip(basis, self.finite_public_gradient(public, params)):
                 b[j].copy_(g)
         (orthonormalize_ if self.basis == "orthonormal" else normalize_columns_)(basis)
         return basis

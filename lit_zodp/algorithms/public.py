@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
 
 from lit_zodp.errors import ConfigError
 from lit_zodp.privacy.fixed_shape import take_rows
@@ -38,6 +41,8 @@ class PublicBatches:
         given = public is None  # (from `use_public_data`)
         if given:
             public = self._next_public_batch()
+        if not getattr(self, "_public_ranks_checked", False):
+            self._refuse_public_batches_differing_between_ranks(public)
         inputs, targets = public
         rows = len(targets)
         if rows < k:
@@ -48,6 +53,28 @@ class PublicBatches:
                               f"rows: {fix} (k times b')")
         bounds = [round(rows * j / k) for j in range(k + 1)]
         return [(take_rows(inputs, slice(a, b)), targets[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+    def finite_public_gradient(self, public_batch, params) -> list[Tensor]:
+        """:meth:`public_gradient`, refused in one line where it is not finite (the public loss diverged at these
+        weights): PAZO-M would write NaN into every weight, and PAZO-P's basis would lose the column silently. Refused
+        before the step releases anything; the weights it is taken at are post-processing of earlier releases."""
+        grads = self.public_gradient(public_batch, params)
+        if not bool(torch.stack([g.isfinite().all() for g in grads]).all()):
+            raise ConfigError(f"{type(self).__name__}: the public gradient at step {self.global_step} is not finite "
+                              "(the public batch's loss is inf or NaN at these weights): lower `lr`, or check the "
+                              "public data")
+        return grads
+
+    def _refuse_public_batches_differing_between_ranks(self, public) -> None:
+        """Under DDP every rank must step along the same public gradients: a loader shuffled per rank, or Lightning's
+        distributed sampler splitting a public loader passed to ``trainer.fit``, would make the replicas drift apart
+        silently. Checked once per fit, on its first public batch (a digest all-reduced across ranks)."""
+        self._public_ranks_checked = True
+        world_size = self.trainer.world_size if self._trainer is not None else 1
+        if world_size > 1 and public_batches_differ(public_digest(public), self.reduce_sum, world_size):
+            raise ConfigError(f"{type(self).__name__}: the DDP ranks got different public batches; every rank must "
+                              "read the same ones (the DataModule's `public_in_step` does; a loader of your own must "
+                              "not be shuffled per rank or split by a distributed sampler)")
 
     def private_batch(self, batch):
         """The step's private ``(inputs, targets)``."""
@@ -88,6 +115,26 @@ class PublicBatches:
     def on_train_start(self) -> None:
         super().on_train_start()
         self._public_iterator = None  # (each fit finds its place in the stream from its step)
+        self._public_ranks_checked = False
 
 
-__all__ = ["PublicBatches"]
+def public_digest(public) -> Tensor:
+    """A float64 vector that differs between two public batches unless they hold the same rows in the same order: per
+    tensor, the position-weighted sum of its rows' sums and its sum of squares."""
+    parts = []
+    for leaf in tree_flatten(public)[0]:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            rows = leaf.detach().double().reshape(len(leaf), -1)
+            positions = torch.arange(1, len(rows) + 1, dtype=torch.float64, device=rows.device)
+            parts += [(rows.sum(1) * positions).sum(), rows.pow(2).sum()]
+    return torch.stack(parts)
+
+
+def public_batches_differ(digest: Tensor, reduce_sum, world_size: int) -> bool:
+    """Whether the ranks' digests differ: their all-reduced sum is ``world_size`` times this rank's only if all agree
+    (to float64 rounding)."""
+    total = reduce_sum(digest.clone())
+    return not torch.allclose(total, digest * world_size, rtol=1e-12, atol=1e-12)
+
+
+__all__ = ["PublicBatches", "public_batches_differ", "public_digest"]

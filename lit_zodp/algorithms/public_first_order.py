@@ -68,7 +68,7 @@ class DOPESGD(PublicBatches, DPSGD):
         inputs, targets = self.private_batch(batch)
         size = batch_size_of(inputs)
         (public,) = self.public_batches(batch)
-        center = [g.detach() for g in self.public_gradient(public, self.engine.params)]  # g_pub
+        center = [g.detach() for g in self.finite_public_gradient(public, self.engine.params)]  # g_pub
         clipped = self.recentred_gradient(center, inputs, targets)                        # sum_i clip_C(g_i - g_pub)
         released = self.release_gradient(clipped)                                          # (. + N) / B
         self.apply_gradient([r + c.to(r.dtype) for r, c in zip(released, center)])        # + g_pub, SGD step
@@ -109,7 +109,7 @@ class DPMD(PublicBatches, DPSGD):
         inputs, targets = self.private_batch(batch)
         size = batch_size_of(inputs)
         (public,) = self.public_batches(batch)
-        public_gradient = self.public_gradient(public, self.engine.params)                # g_pub
+        public_gradient = self.finite_public_gradient(public, self.engine.params)                # g_pub
         clipped = self.private_gradient(inputs, targets)                                    # sum_i clip_C(g_i)
         released = self.release_gradient(clipped)                                          # g~ = (. + N) / B
         a = self.private_weight(self.global_step)

@@ -505,3 +505,53 @@ def test_the_quickstart_configs_train_on_the_datamodules_public_batches(tmp_path
     assert 0 < module.privacy.epsilon() <= module.privacy.target_epsilon
     assert data.public_in_step and len(data.public_dataset) > 0
     assert getattr(module, "_public_source", None) is None  # the training batches carried the public part
+
+
+# ------------------------------------------------------------------------------------------ public data, checked
+def test_a_public_batch_digest_tells_other_rows_and_another_order_apart():
+    from lit_zodp.algorithms.public import public_batches_differ, public_digest
+
+    x, y = rows(PUBLIC_SET)
+    digest = public_digest((x, y))
+    assert torch.equal(digest, public_digest((x.clone(), y.clone())))
+    for other in [(x.flip(0), y.flip(0)), (x[:-1], y[:-1]), (x + 1e-3, y)]:
+        assert not torch.allclose(public_digest(other), digest)
+    assert not public_batches_differ(digest, lambda d: 2 * d, 2)  # two ranks holding this batch
+    assert public_batches_differ(digest, lambda d: d + public_digest((x.flip(0), y.flip(0))), 2)
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_ranks_with_different_public_batches_are_refused_at_the_first_one(agree):
+    """Under DDP, a public loader shuffled per rank (or split by Lightning's distributed sampler) would make the
+    replicas step along different public gradients: refused in one line at the fit's first public batch."""
+    from types import SimpleNamespace
+
+    module = NonPrivatePAZOP(mlp(seed=1), k=3)
+    object.__setattr__(module, "_trainer", SimpleNamespace(world_size=2))
+    other = public_digest_of_another_batch()
+    module.reduce_sum = (lambda d: 2 * d) if agree else (lambda d: d + other)
+    batch = {"private": rows(PRIVATE_SET), "public": rows(PUBLIC_SET)}
+    if agree:
+        assert len(module.public_batches(batch, 3)) == 3
+    else:
+        with pytest.raises(ConfigError, match="the DDP ranks got different public batches"):
+            module.public_batches(batch, 3)
+
+
+def public_digest_of_another_batch():
+    from lit_zodp.algorithms.public import public_digest
+
+    x, y = rows(PUBLIC_SET)
+    return public_digest((x.flip(0), y.flip(0)))
+
+
+@pytest.mark.parametrize("cls", [PAZOM, PAZOP])
+def test_a_public_gradient_that_is_not_finite_is_refused_before_any_release(cls):
+    """A NaN public row makes g_pub NaN: PAZO-M would write it into every weight, PAZO-P would drop the column."""
+    x, y = rows(PUBLIC_SET)
+    x = x.clone()
+    x[0, 0] = float("nan")
+    module = cls(mlp(seed=1), lr=0.1, clip=1.0, noise_multiplier=1.0, delta=1e-5).use_public_data([(x, y)])
+    with pytest.raises(ConfigError, match="public gradient at step 0 is not finite"):
+        quiet_trainer(max_steps=1).fit(module, loaders()["private"])
+    assert module.privacy.ledger.total_count == 0
