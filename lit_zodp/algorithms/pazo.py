@@ -170,6 +170,13 @@ class PAZOP(_PublicAssisted):
         super().__init__(backbone, **kwargs)
         self.k, self.basis = int(k), basis
 
+    @property
+    def coordinate_step(self) -> float:
+        """``lam sqrt(k / d)``: the root mean square of a coordinate of ``lam G u`` (``E ||G u||^2 = k`` for unit
+        columns and ``u ~ N(0, I_k)``), the scale the low-precision note measures rounding at. An estimate: ``G``
+        may concentrate on a few coordinates, which it then moves by more."""
+        return self.lam * math.sqrt(self.k / self.engine.dim)
+
     def make_engine(self, params: list[nn.Parameter], offsets=None, cache=None) -> SubspacePerturbation:
         return SubspacePerturbation(params, self.k)
 

@@ -305,6 +305,9 @@ def test_the_low_precision_note_measures_pazo_ms_quarter_power_step_and_skips_pa
     (note,) = rounding_notes(NonPrivatePAZOM(mlp(seed=1), lr=0.1, lam=6e-3, seed=3))
     assert note.startswith("NonPrivatePAZOM perturbs bfloat16 weights in place at lam=0.006")
     assert not rounding_notes(NonPrivatePAZOS(mlp(seed=1), lr=0.1, k=3, seed=3))
+    # PAZO-P moves a coordinate by lam sqrt(k / d) in root mean square (0.115 lam here): noted too
+    (note,) = rounding_notes(NonPrivatePAZOP(mlp(seed=1), lr=0.1, lam=6e-3, k=3, seed=3))
+    assert note.startswith("NonPrivatePAZOP perturbs bfloat16 weights in place at lam=0.006")
 
 
 # ------------------------------------------------------------------------------------------ the subspace engine
