@@ -97,14 +97,9 @@ def test_every_layer_of_a_zeroth_order_step_is_in_eval_mode_across_epochs_and_va
     assert len(validation) == 3 and len(modes.modes) >= 12 and not any(modes.modes)
 
 
-def test_a_layers_eval_mode_cache_of_its_parameters_is_emptied_before_each_forward():
-    """Review 23: timm's LeViT (also EfficientFormer, TinyViT, EfficientViT-MSRA) keeps its attention biases in an
-    eval-mode cache until its next ``train()``; a zeroth-order step forwards in eval mode, so the ``x - lam u`` forward
-    read the biases of ``x + lam u`` and every later step those of the fit's first forward: their perturbations and
-    updates never reached the loss. The differences now equal those of the same layer without a cache."""
+def tiny_levit():
+    """A model with timm LeViT's attention, whose eval mode caches its attention biases until its next ``train()``."""
     from timm.models.levit import Attention
-
-    from lit_zodp.algorithms import MeZO
 
     class TinyLeViT(nn.Module):
         num_classes = 3
@@ -121,10 +116,19 @@ def test_a_layers_eval_mode_cache_of_its_parameters_is_emptied_before_each_forwa
         def forward(self, x):
             return self.head(self.attn(self.inp(x).view(-1, 16, 8)).mean(1))
 
-    def uncached(layer, device):
-        return layer.attention_biases[:, layer.attention_bias_idxs]
+    return TinyLeViT()
 
-    cached, reference = MeZO(TinyLeViT(), lam=1e-2), MeZO(TinyLeViT(), lam=1e-2)
+
+def uncached(layer, device):
+    return layer.attention_biases[:, layer.attention_bias_idxs]
+
+
+def test_a_layers_eval_mode_cache_of_its_parameters_is_emptied_before_each_forward():
+    """Review 23: timm's LeViT (also EfficientFormer, TinyViT, EfficientViT-MSRA) keeps its attention biases in an
+    eval-mode cache until its next ``train()``; a zeroth-order step forwards in eval mode, so the ``x - lam u`` forward
+    read the biases of ``x + lam u`` and every later step those of the fit's first forward: their perturbations and
+    updates never reached the loss. The differences now equal those of the same layer without a cache."""
+    cached, reference = MeZO(tiny_levit(), lam=1e-2), MeZO(tiny_levit(), lam=1e-2)
     reference.backbone.attn.get_attention_biases = uncached.__get__(reference.backbone.attn)
     x, y = torch.randn(6, 10), torch.randint(0, 3, (6,))
     for module in (cached, reference):
@@ -137,3 +141,27 @@ def test_a_layers_eval_mode_cache_of_its_parameters_is_emptied_before_each_forwa
                 module.restore()
                 for parameter in module.backbone.parameters():
                     parameter.add_(0.25)
+
+
+def test_a_validation_forward_after_a_step_reads_the_updated_attention_biases():
+    """The last private forward of a step (at ``x - lam u``) fills LeViT's cache, and the update then moves the
+    weights. Review 53 asked whether a validation forward reads the cached biases of that perturbed point: it does
+    not, because timm's ``train(mode)`` empties the cache for either mode and Lightning's validation loop calls
+    ``eval()``. Each validation forward equals the uncached layer's at the current weights (a guard against a timm
+    or Lightning change)."""
+    differences = []
+
+    class Checked(MeZO):
+        def validation_step(self, batch, batch_idx):
+            reference = tiny_levit()
+            reference.load_state_dict(self.backbone.state_dict())
+            reference.attn.get_attention_biases = uncached.__get__(reference.attn)
+            reference.eval()
+            differences.append(float((self.backbone(batch[0]) - reference(batch[0])).abs().max()))
+            return super().validation_step(batch, batch_idx)
+
+    module = Checked(tiny_levit(), lr=0.5, lam=1e-2, seed=3)
+    trainer = quiet_trainer(max_steps=4, val_check_interval=2, check_val_every_n_epoch=None)
+    trainer.fit(module, train_dataloaders=poisson_loader(blobs(64), 0.5, steps_per_epoch=8),
+                val_dataloaders=torch.utils.data.DataLoader(blobs(16, seed=5), batch_size=8))
+    assert len(differences) == 4 and max(differences) == 0.0
