@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"command": command_line("compare_public_data.py", sys.argv[1:] if argv is None else argv),
             "machine": machine_info(), "public_fraction": args.public_fraction, "max_steps": args.max_steps,
             "seconds": round(time.time() - started, 1)}
+    steps = f"{args.max_steps} steps each" if args.max_steps else "each config's steps"
     markdown = (f"Digits, epsilon 4 (delta 1e-5), public fraction {args.public_fraction}, "
-                f"{args.max_steps or 'each config'}'s steps; `{meta['command']}`\n\n" + "\n".join(rows) + "\n")
+                f"{steps}; `{meta['command']}`\n\n" + "\n".join(rows) + "\n")
     print(markdown)
     write_results(results_stem(args.out, f"compare_public_data_public{round(100 * args.public_fraction)}pct"), markdown,
                   {"meta": meta, "runs": runs})
