@@ -9,8 +9,8 @@ import yaml
 
 from lit_zodp.cli import build_cli
 from lit_zodp.errors import PrivacyConfigError
-from tests.test_paper_configs import (injected_and_rdp_noise, load_generator, overrides,  # noqa: F401
-                                     tiny_world)  # (tiny_world: a fixture)
+from tests.test_paper_configs import (assert_committed_configs_match_the_generator, injected_and_rdp_noise,  # noqa: F401
+                                     overrides, tiny_world)  # (tiny_world: a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "configs" / "dp_grape"
@@ -53,10 +53,7 @@ def expected_rows() -> dict[str, dict]:
 
 
 def test_committed_configs_match_the_generator():
-    expected = load_generator("dp_grape").all_configs()
-    assert sorted(expected) == GENERATED
-    for path, text in expected.items():
-        assert path.read_text() == text, f"{path.name} is stale: run python configs/dp_grape/generate.py"
+    assert_committed_configs_match_the_generator("dp_grape", GENERATED)
 
 
 def test_every_row_of_tables_3_4_12_has_its_config_with_the_paper_values():
