@@ -990,6 +990,13 @@ def _refuse_unreachable_minimum(trainer: "pl.Trainer", steps_allowed: Optional[i
             f"`{name}` asks for {minimum}: Lightning would not stop at the budget. Lower `{name}` or raise the budget.")
 
 
+def fit_steps(trainer: "pl.Trainer") -> int:
+    """The optimizer steps this fit runs: ``max_steps`` where set, else Lightning's estimate from the epochs."""
+    if trainer.max_steps and trainer.max_steps > 0:
+        return trainer.max_steps
+    return int(trainer.estimated_stepping_batches)
+
+
 def remaining_steps(trainer: "pl.Trainer") -> float:
     """The optimizer steps this fit plans from here (``inf`` where nothing bounds it)."""
     return float(trainer.estimated_stepping_batches) - trainer.global_step

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
+from lit_zodp.algorithms.base import fit_steps
 from lit_zodp.algorithms.dpsgd import DPSGD
 from lit_zodp.algorithms.public import PublicBatches
 from lit_zodp.backbones.base import batch_size_of
@@ -68,7 +69,7 @@ class DOPESGD(PublicBatches, DPSGD):
         inputs, targets = self.private_batch(batch)
         size = batch_size_of(inputs)
         (public,) = self.public_batches(batch)
-        center = [g.detach() for g in self.finite_public_gradient(public, self.engine.params)]  # g_pub
+        center = self.finite_public_gradient(public, self.engine.params)                      # g_pub
         clipped = self.recentred_gradient(center, inputs, targets)                        # sum_i clip_C(g_i - g_pub)
         released = self.release_gradient(clipped)                                          # (. + N) / B
         self.apply_gradient([r + c.to(r.dtype) for r, c in zip(released, center)])        # + g_pub, SGD step
@@ -99,11 +100,8 @@ class DPMD(PublicBatches, DPSGD):
         return math.cos(math.pi * min(step, self.run_steps()) / (2 * self.run_steps()))
 
     def run_steps(self) -> int:
-        if self.total_steps is not None:
-            return self.total_steps
-        if self.trainer.max_steps and self.trainer.max_steps > 0:
-            return self.trainer.max_steps
-        return max(int(self.trainer.estimated_stepping_batches), 1)
+        """``T``: ``total_steps``, else the fit's steps."""
+        return self.total_steps if self.total_steps is not None else max(fit_steps(self.trainer), 1)
 
     def training_step(self, batch, batch_idx: int) -> None:
         inputs, targets = self.private_batch(batch)

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lit_zodp.algorithms.base import fit_steps
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 from lit_zodp.backbones.base import per_example_loss
 from lit_zodp.errors import ConfigError
@@ -199,7 +200,7 @@ def _unsupported(module: Any) -> Optional[str]:
     if getattr(module, "alpha", 0.0):
         return (f"alpha={module.alpha}: PAZO-M's public gradient moves the weights beside the release (audit it at "
                 "alpha 0: the release does not depend on alpha)")
-    if hasattr(module, "private_weight") and module.private_weight(_last_step(module.trainer)) < 1.0:
+    if hasattr(module, "private_weight") and module.private_weight(fit_steps(module.trainer)) < 1.0:
         return ("DPMD's weights show a_t times its release beside (1 - a_t) times the public gradient (audit it with a "
                 "`total_steps` so large that a_t rounds to 1 over the run)")
     if hasattr(module, "exploration"):
@@ -208,10 +209,6 @@ def _unsupported(module: Any) -> Optional[str]:
         return ("naive DP-GaLore's projection is post-processing of its full release, which the weights show only in "
                 "part: audit it with a `rank` at least every layer's smaller side (nothing projected)")
     return None
-
-
-def _last_step(trainer: pl.Trainer) -> int:
-    return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else int(trainer.estimated_stepping_batches)
 
 
 __all__ = ["CanaryAudit"]
