@@ -55,30 +55,42 @@ def normalize_columns_(basis: Sequence[Tensor]) -> list[float]:
 def orthonormalize_(basis: Sequence[Tensor]) -> list[float]:
     """Gram-Schmidt over the columns, in order, each normalised (PAZO-P; the authors' code orthogonalises sequentially,
     then normalises). The modified form: each projection is taken against the column as updated so far (the classical
-    form's result in exact arithmetic, and more stable in floating point). Inner products are accumulated in float64 across the tensors. Returns each
-    column's residual norm; a degenerate residual (a public gradient in the span of the previous ones) becomes a
-    zero column, so ``G^T G`` is the identity on the kept columns and zero elsewhere."""
-    k = basis[0].shape[0]
-    largest = max(math.sqrt(max(v, 0.0)) for v in column_dots(basis).diagonal().tolist()) or 1.0
+    form's result in exact arithmetic, and more stable in floating point). Inner products are accumulated in float64
+    across the tensors, one host read each. Returns each column's residual norm; a degenerate residual (a public
+    gradient in the span of the previous ones) becomes a zero column, so ``G^T G`` is the identity on the kept columns
+    and zero elsewhere."""
+    largest = max(math.sqrt(max(v, 0.0)) for v in column_dots(basis).diagonal().tolist())
     residuals = []
-    for j in range(k):
+    for j in range(basis[0].shape[0]):
         for i in range(j):
-            if residuals[i] == 0.0:
-                continue
-            dot = sum(float((b[i].double() * b[j].double()).sum()) for b in basis)
-            for b in basis:
-                b[j].sub_(b[i], alpha=dot)
-        norm = math.sqrt(sum(float(b[j].double().pow(2).sum()) for b in basis))
-        keep = norm > DEGENERATE_SHARE * largest
+            if residuals[i]:
+                dot = _column_dot(basis, i, j)
+                for b in basis:
+                    b[j].sub_(b[i], alpha=dot)
+        norm = math.sqrt(_column_dot(basis, j, j))
+        kept = _kept(norm, largest)
         for b in basis:
-            b[j].mul_(1.0 / norm) if keep else b[j].zero_()
-        residuals.append(norm if keep else 0.0)
+            if kept:
+                b[j].mul_(1.0 / norm)
+            else:
+                b[j].zero_()
+        residuals.append(norm if kept else 0.0)
     return residuals
+
+
+def _column_dot(basis: Sequence[Tensor], i: int, j: int) -> float:
+    """``<g_i, g_j>`` over every tensor of the basis, summed in float64 on the device and read once."""
+    return float(sum((b[i].double() * b[j].double()).sum() for b in basis))
+
+
+def _kept(norm: float, largest: float) -> bool:
+    """Whether a column of this norm carries a direction: not below :data:`DEGENERATE_SHARE` of the largest column."""
+    return norm > 0 and norm > DEGENERATE_SHARE * largest
 
 
 def _inverse_norms(norms: list[float]) -> list[float]:
     largest = max(norms, default=0.0)
-    return [1.0 / n if n > DEGENERATE_SHARE * largest and n > 0 else 0.0 for n in norms]
+    return [1.0 / n if _kept(n, largest) else 0.0 for n in norms]
 
 
 class SubspacePerturbation:
