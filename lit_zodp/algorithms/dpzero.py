@@ -72,7 +72,7 @@ class DPZero(ZerothOrderModule):
         size = batch_size_of(inputs)
         seeds = self.direction_seeds()                                                  # line 2
         derivatives, differences = self.released_derivatives(seeds, inputs, targets, size)  # line 3: + z_t, / B
-        self.update(dict(zip(seeds, derivatives.unbind())), scale=1.0 / len(seeds))    # x_{t+1}
+        self.update(dict(zip(seeds, derivatives.unbind())), scale=self.update_scale)  # x_{t+1}
         self.log_step(size, lambda: clipped_fraction(torch.cat(differences), self.clip))
 
     def released_derivatives(self, seeds: list, inputs, targets, size: int) -> tuple[torch.Tensor, list]:

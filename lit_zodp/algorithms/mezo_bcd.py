@@ -335,7 +335,7 @@ class DPMeZOBCD(DPZero):
         if self.block_optimizer == "adam":
             self.adam_update(coefficients)                                              # Alg. 5 lines 11-15
         else:
-            self.update(coefficients, scale=1.0 / len(seeds))                           # Alg. 1 lines 9-12
+            self.update(coefficients, scale=self.update_scale)                          # Alg. 1 lines 9-12
         self.log_step(size, lambda: clipped_fraction(torch.cat(differences), self.clip), active_block=float(block))
 
     # ----------------------------------------------------------------------------- verbs

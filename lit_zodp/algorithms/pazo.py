@@ -197,7 +197,7 @@ class PAZOP(_PublicAssisted):
         self.engine.set_basis(self.public_basis(self.public_batches(batch, self.k)))       # lines 2-3
         seeds = self.direction_seeds()                                                       # line 5: u_j
         derivatives, differences = self.released_derivatives(seeds, inputs, targets, size)  # line 6: clip, + z, / b
-        self.update(dict(zip(seeds, derivatives.unbind())), scale=1.0 / len(seeds))         # line 9
+        self.update(dict(zip(seeds, derivatives.unbind())), scale=self.update_scale)        # line 9
         self.log_step(size, lambda: clipped_fraction(torch.cat(differences), self.clip))
 
 
