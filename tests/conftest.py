@@ -49,6 +49,11 @@ def poisson_loader(dataset, sample_rate, *, seed=0, steps_per_epoch=None):
 #: a projection rank below both :func:`mlp` weights' smaller sides (10 and 3), so both are projected (one on each
 #: side) and the biases are not.
 ALGORITHM_KWARGS = {name: dict(rank=2) for name in ("DPGRAPE", "GRAPE", "DPGaLore", "GaLore")}
+#: O2NC on the registry-wide suites' Poisson loaders: Alg. 4 (the tree of Alg. 3 needs a single pass, tested in
+#: tests/algorithms/test_o2nc.py), with add/remove neighbours as the suites' noise checks assume, and a period of 3 so
+#: a fit takes anchor and difference steps.
+ALGORITHM_KWARGS |= {name: dict(oracle="multi_pass", period=3, num_directions=2) for name in ("DPO2NC", "O2NC")}
+ALGORITHM_KWARGS["DPO2NC"] |= dict(neighbours="add_remove")
 
 
 def public_rows_like(backbone):

@@ -187,6 +187,9 @@ def _unsupported(module: Any) -> Optional[str]:
     """What in ``module``'s configuration the weights-to-release reading above does not model, if anything."""
     if not getattr(module, "private", False):
         return "it is not a private module"
+    if not getattr(module, "audit_through_update", True):
+        return (f"{type(module).__name__}'s step moves the weights along a running estimate, not along one release "
+                "(its releases are audited directly)")
     if getattr(module, "weight_decay", 0.0):
         return f"weight_decay={module.weight_decay} (set 0)"
     if getattr(module, "momentum", 0.0):

@@ -29,6 +29,7 @@ from lit_zodp.privacy.sampling import (
     SinglePassSampling,
 )
 from lit_zodp.privacy.spend_log import SPEND_DIR_ENV, SpendLog
+from lit_zodp.privacy.tree import TreeAggregator, dyadic_nodes, releases_per_leaf
 
 __all__ = [
     "AccountingError",
@@ -58,6 +59,7 @@ __all__ = [
     "SpendLog",
     "StepPlan",
     "SubsampledGaussian",
+    "TreeAggregator",
     "bisect_sigma",
     "calibrate_noise_multiplier",
     "clip_factors",
@@ -67,6 +69,8 @@ __all__ = [
     "clipped_fraction",
     "composed_multiplier",
     "dpzero_theory_sigma",
+    "dyadic_nodes",
+    "releases_per_leaf",
     "secret_seed",
     "steps_within_budget",
 ]

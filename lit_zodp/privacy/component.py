@@ -43,6 +43,7 @@ from lit_zodp.privacy.mechanisms import Gaussian, SinglePassGaussian, Subsampled
 from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
 from lit_zodp.privacy.plan import StepPlan, composed_multiplier
 from lit_zodp.privacy.sampling import SamplingDescription, ShuffledSampling, SinglePassSampling
+from lit_zodp.privacy.tree import TreeAggregator
 from lit_zodp.privacy.spend_log import (MARKS, Branch, Counts, SpendLog, decode_counts, encode_counts, new_id,
                                         summed)
 
@@ -563,6 +564,16 @@ class PrivacyComponent:
             return DirectionRelease(coefficient, None, 0.0)
         return DirectionRelease(coefficient, self.noise.vector_key(), std / B)
 
+    def release_prefix(self, increment: Tensor, name: str, tree: TreeAggregator, *,
+                       batch_size: Optional[int] = None) -> Tensor:
+        """The tree mechanism's release (Kornowski et al., Alg. 1): ``(sum over ranks of the increment) / B`` joins
+        the period's running sum in ``tree``, which returns that sum plus ``TREE(p)``, each node's noise of std
+        ``noise sigma C / B``. The plan declares the release with the sensitivity of one leaf's
+        :func:`~lit_zodp.privacy.tree.releases_per_leaf` nodes; float64."""
+        std, divisor = self._declared(name)
+        total = self._reduce_sum(increment)
+        return tree.push(total.to(torch.float64) / divisor, std / divisor, self.noise if std else None)
+
     def _declared(self, name: str) -> tuple[float, float]:
         """The noise std of the plan's release ``name`` and the divisor ``B``; the release is recorded for
         :meth:`commit_step`."""
@@ -886,6 +897,10 @@ class NonPrivate:
 
     def release_along(self, clipped_sum: Tensor, name: str, *, batch_size: int) -> DirectionRelease:
         return DirectionRelease(self.release(clipped_sum, name, batch_size=batch_size), None, 0.0)
+
+    def release_prefix(self, increment: Tensor, name: str, tree: TreeAggregator, *, batch_size: int) -> Tensor:
+        """The period's running sum of the increments' means over the realized batches, with no noise."""
+        return tree.push(self.release(increment.to(torch.float64), name, batch_size=batch_size), 0.0, None)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.register_step_post_hook(lambda *_: self.commit_step())

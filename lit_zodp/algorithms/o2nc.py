@@ -1,0 +1,364 @@
+"""O2NC with private zeroth-order oracles (Kornowski, Liu & Talwar, "Improved Sample Complexity for Private
+Nonsmooth Nonconvex Optimization"): Alg. 2, the online-to-nonconvex conversion of Cutkosky et al., fed by the
+single-pass oracle of Alg. 3 (variance-reduced increments, privatized by the tree mechanism of Alg. 1) or the
+multi-pass oracle of Alg. 4 (a fresh Gaussian per step, added to the last noisy estimate).
+
+Choices where the paper is silent, or where its text is off (reading notes, Sec. 6):
+
+* Sensitivity by clipping, not by a high-probability event. Lemma 3.4 bounds an increment's sensitivity with
+  probability ``1 - delta/2``, once ``m ~ d^2 B1^2`` directions concentrate each example's estimate around its mean:
+  infeasible beyond tiny ``d`` (notes Sec. 5). Here each example's estimate (eq. 4) is clipped to ``C`` (``clip``) in
+  L2 at an anchor step, and each example's difference of estimates to ``C'`` (``difference_clip``) at the others, so
+  one replaced example moves a leaf by at most ``2C`` (``2C'``): a bound for every ``m``, with no event to condition
+  on (the delta of the accountant is the whole delta). For an ``L``-Lipschitz loss ``C ~ L`` and ``C' ~ L sqrt(d) D /
+  alpha`` are the paper's scales (Lemma 3.4), plus the ``L d / sqrt(m)`` spread of ``m`` directions.
+* One batch size for every step (the single-pass sampler's ``n / steps``). Thm. 3.1's ``B1 = Sigma B2`` balances the
+  anchor's sensitivity ``L / B1`` against the differences' ``L sqrt(d) D / (alpha B2)``; the two clips balance it
+  here. The tree's node noise is calibrated to the larger, ``max(C, C')``.
+* The tree's positions run ``1..Sigma`` within a period (Alg. 1's ``TREE(t mod Sigma)`` adds no noise at a period's
+  last step; :mod:`lit_zodp.privacy.tree`), and one leaf lies in ``floor(log2 Sigma) + 1`` released nodes.
+* Directions ``y_j`` uniform on the unit sphere (eq. 4 and Lemma 3.4's norm bound), where Alg. 3 lines 12-13 print
+  the ball. The smoothing radius ``alpha`` (option ``lam``) is the Goldstein radius the guarantee is stated at (Lemma 2.4: ``2 alpha``
+  for ``F``).
+* Output: ``x_out`` uniform over the window averages ``xbar_k`` (Alg. 2 line 4), kept by reservoir sampling (public
+  randomness) and written into the model when the fit ends (``output="window"``); ``output="last"`` keeps ``x_T``.
+  Validation during the fit reads the iterate ``x_t``.
+* Resume: Alg. 3's running sum ``g_t`` (not noisy) and the tree's node keys are secret and never checkpointed, so a
+  resumed single-pass run starts a new period with an anchor step: a fresh tree over fresh data (each example is
+  still in one leaf of one tree). Alg. 4's running estimate is noisy (public) and is checkpointed, so it continues.
+* State: Alg. 2 keeps ``Delta_t``, ``z_{t-1}``, the window's sum and ``x_out`` (public), the oracle ``g_t`` (secret),
+  as flat float64 vectors of the trained parameters' size ``d``; the directions of one step are ``2m x d``. The paper
+  is about small ``d`` (its experiments, notes Sec. 5: phase retrieval, small ReLU networks), where this is cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
+from lit_zodp.backbones.base import batch_size_of
+from lit_zodp.errors import (
+    PrivacyConfigError,
+    check_positive,
+    check_positive_int,
+    raise_if_any,
+)
+from lit_zodp.privacy import GaussianRelease, StepPlan, TreeAggregator, releases_per_leaf
+from lit_zodp.privacy.clipping import check_clip, clip_factors
+from lit_zodp.zo import derive_seed
+
+ESTIMATE = "gradient estimate"
+ORACLES = ("single_pass", "multi_pass")
+OUTPUTS = ("window", "last")
+#: Stream indices of ``derive_seed`` past any direction index: the step's ``s_t`` and the reservoir's draws.
+UNIFORM_STREAM = 1 << 40
+RESERVOIR_STREAM = (1 << 40) + 1
+#: The ZerothOrderModule options O2NC fixes: sphere directions drawn here, no weight decay (a checkpoint's
+#: hyperparameters hold these values).
+FIXED_OPTIONS = {"directions": "sphere", "perturbation": "chunked", "weight_decay": 0.0}
+
+
+# ------------------------------------------------------------------------------ pure pieces
+def sphere_directions(run_seed: int, step: int, indices: range, dim: int, device: torch.device) -> Tensor:
+    """Directions ``y_j ~ Unif(S^{d-1})`` of one step, ``[len(indices), d]`` float64: public, from (run seed, step, j),
+    drawn on the host so every device and DDP rank has the same."""
+    rows = []
+    for j in indices:
+        generator = torch.Generator().manual_seed(derive_seed(run_seed, step, j))
+        u = torch.randn(dim, generator=generator, dtype=torch.float64)
+        rows.append(u / u.norm())
+    return torch.stack(rows).to(device)
+
+
+def clipped_combination(coefficients: Tensor, directions: Tensor, clip: float) -> Tensor:
+    """``sum_i clip_C(v_i)`` for ``v_i = sum_j c_ij y_j`` (``coefficients [B, k]``, ``directions [k, d]``), float64.
+
+    ``||v_i||^2 = c_i^T (Y Y^T) c_i`` from the ``k x k`` Gram matrix, so no ``B x d`` tensor is formed; the clipped
+    sum is ``(sum_i w_i c_i) Y``. A row with a non-finite coefficient (a NaN or infinite loss) contributes zero.
+    """
+    coefficients = coefficients.to(torch.float64)
+    coefficients = coefficients.where(torch.isfinite(coefficients).all(dim=1, keepdim=True), 0.0)
+    gram = directions @ directions.T
+    norms = ((coefficients @ gram) * coefficients).sum(dim=1).clamp_min(0.0).sqrt()
+    return (clip_factors(norms, clip) @ coefficients) @ directions
+
+
+def project_to_ball(vector: Tensor, radius: float) -> Tensor:
+    """``min(1, D / ||v||) v`` (Alg. 2: online projected gradient descent over the ball ``B_D``)."""
+    norm = float(vector.norm())
+    return vector * (radius / norm) if norm > radius else vector
+
+
+def flat_point(params: list[Tensor]) -> Tensor:
+    """The parameters as one float64 vector."""
+    return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in params])
+
+
+@torch.no_grad()
+def write_point(params: list[Tensor], point: Tensor) -> None:
+    """Copy the flat ``point`` into the parameters (rounded once to their dtype)."""
+    offset = 0
+    for p in params:
+        p.copy_(point[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+class StagedStep(torch.optim.Optimizer):
+    """The optimizer Lightning counts: ``step()`` runs the update the module staged, with the group's ``lr`` (so
+    schedulers work), and the privacy component's hook commits the step to the ledger."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+        self._staged: Optional[Callable[[float], None]] = None
+
+    def stage(self, update: Callable[[float], None]) -> None:
+        self._staged = update
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # (Lightning's: its hooks before an optimizer step run in it)
+            with torch.enable_grad():
+                loss = closure()
+        if self._staged is None:
+            raise RuntimeError("StagedStep.step() without a staged update")
+        update, self._staged = self._staged, None
+        update(self.param_groups[0]["lr"])
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to clear: the steps never allocate ``.grad``."""
+
+
+# ---------------------------------------------------------------------------------- modules
+class DPO2NC(ZerothOrderModule):
+    """Alg. 2 (O2NC) with the private zeroth-order oracle of Alg. 3 (``oracle="single_pass"``) or Alg. 4
+    (``"multi_pass"``) of Kornowski, Liu & Talwar.
+
+    Each step t (Alg. 2), with ``Delta_1 = 0``:
+      s_t ~ U[0, 1];  x_t = x_{t-1} + Delta_t;  z_t = x_{t-1} + s_t Delta_t;
+      gt_t = O(z_t)                                                       (the oracle: below)
+      Delta_{t+1} = min(1, D / ||Delta_t - eta gt_t||) (Delta_t - eta gt_t)
+    and ``x_out`` is uniform over the averages of ``z`` over windows of ``M`` steps.
+
+    The oracle on the step's batch ``S_t`` of size ``B``, with eq. 4's per-example estimate
+    ``v(z; xi) = (1/m) sum_j (d / 2 alpha) (f(z + alpha y_j; xi) - f(z - alpha y_j; xi)) y_j``:
+      anchor (first step of a period of Sigma):  leaf_t = sum_i clip_C(v(z_t; xi_i))
+      other steps:  leaf_t = sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))   (independent directions for each)
+      Alg. 3:  gt_t = (sum of the period's leaves + TREE(p)) / B   (tree mechanism, single pass)
+      Alg. 4:  gt_t = [gt_{t-1} if not anchor] + (leaf_t + N(0, (2 sigma C)^2 I)) / B
+
+    Args (besides :class:`~lit_zodp.algorithms.AlgorithmModule`'s; ``lr`` is ``eta``, ``clip`` is ``C``):
+        lam: ``alpha``, the smoothing radius of eq. 4 (``lam`` as in every zeroth-order module here), the radius the
+            guarantee is stated at (Lemma 2.4: ``(2 alpha, beta)``-stationarity of ``F``).
+        radius: ``D``, the bound on each movement ``Delta``.
+        window: ``M``, steps per averaged window.
+        period: ``Sigma``, steps per anchor (and per tree).
+        num_directions: ``m``, directions per estimate.
+        difference_clip: ``C'`` (``None``: ``C``).
+        oracle: ``"single_pass"`` (Alg. 3: needs the DataModule's ``sampling: single_pass``) or ``"multi_pass"``.
+        output: ``"window"`` (Alg. 2's ``x_out``) or ``"last"``.
+        neighbours: ``"replace_one"`` (the paper's; single-pass sampling needs it) or ``"add_remove"``.
+    """
+
+    non_private_twin = "O2NC"
+    #: Alg. 2's step is not ``x - lr a sum_j c_j u_j``: the canary audit cannot read a release from it.
+    audit_through_update = False
+
+    def __init__(self, backbone: nn.Module, *, lam: float = 1e-2, radius: float = 1e-2, window: int = 10,
+                 period: int = 16, num_directions: int = 8, difference_clip: Optional[float] = None,
+                 oracle: str = "single_pass", output: str = "window", neighbours: str = "replace_one",
+                 **kwargs: Any) -> None:
+        other = [name for name, value in FIXED_OPTIONS.items() if kwargs.pop(name, value) != value]
+        raise_if_any([
+            f"{type(self).__name__} has no option `{other[0]}` (Alg. 2-4 use sphere directions and no weight decay)"
+            if other else None,
+            check_positive("lam", lam),
+            check_positive("radius", radius),
+            check_positive_int("window", window),
+            check_positive_int("period", period),
+            _choice("oracle", oracle, ORACLES),
+            _choice("output", output, OUTPUTS),
+        ])
+        if difference_clip is not None:
+            check_clip(difference_clip)
+        if self.private:
+            kwargs["neighbours"] = neighbours
+        super().__init__(backbone, lam=lam, num_directions=num_directions, **FIXED_OPTIONS, **kwargs)
+        self.radius = radius
+        self.window = window
+        self.period = period
+        self.difference_clip = self.clip if difference_clip is None else float(difference_clip)
+        self.oracle = oracle
+        self.output = output
+        self.tree = TreeAggregator(period)
+        self._state: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------- declaration
+    def step_plan(self) -> StepPlan:
+        """One d-dimensional release per step. Its node noise is ``r sigma C`` with ``r = max(1, C'/C)``; Alg. 3's
+        leaf lies in :func:`releases_per_leaf` released tree nodes (sensitivity ``sqrt(count) r C``), Alg. 4's in one."""
+        ratio = 1.0 if math.isinf(self.clip) else max(1.0, self.difference_clip / self.clip)
+        count = releases_per_leaf(self.period) if self.oracle == "single_pass" else 1
+        return (GaussianRelease(ESTIMATE, sensitivity=math.sqrt(count) * ratio, noise=ratio),)
+
+    def configure_optimizers(self):
+        self.o2nc_params = self.trainable_parameters()
+        return self.with_scheduler(self.attach_privacy(StagedStep(self.o2nc_params, lr=self.lr)))
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.private and self.oracle == "single_pass" and self.privacy.sampling.name != "single_pass":
+            raise PrivacyConfigError(
+                f"{type(self).__name__}(oracle='single_pass') is Alg. 3, whose tree mechanism is accounted over one "
+                f"pass (each example in one step), but the private loader samples {self.privacy.sampling.name!r}: set "
+                "the DataModule's `sampling: single_pass`, or oracle='multi_pass' (Alg. 4)")
+        self.tree.reset()  # (a new fit, or a resumed one: a new period, its secrets in memory only)
+        self._start_state()
+        if self._state["holding_output"]:  # the model holds x_out since the last fit ended: continue from x_T
+            write_point(self.o2nc_params, self._state["last"])
+            self._state["holding_output"] = False
+
+    def on_train_end(self) -> None:
+        """Alg. 2 line 4: the model takes ``x_out`` (``output="window"``), ``x_T`` kept to continue from."""
+        if self.output == "window" and self._state.get("windows_done"):
+            self._state["last"] = flat_point(self.o2nc_params)
+            write_point(self.o2nc_params, self._state["output"])
+            self._state["holding_output"] = True
+
+    # ---------------------------------------------------------------------------- the step
+    def training_step(self, batch, batch_idx: int) -> None:
+        (inputs, targets), _ = self.split_batch(batch)
+        size = batch_size_of(inputs)
+        state = self._state
+        x_previous = flat_point(self.o2nc_params)                             # x_{t-1}
+        s = self.uniform_draw()                                               # s_t ~ U[0, 1]
+        z = x_previous + s * state["delta"]                                   # z_t
+        try:
+            estimate = self.oracle_estimate(z, inputs, targets, size)         # gt_t = O(z_t)
+        except BaseException:  # (a refused forward: the model returns to x_{t-1}, exactly, not a probed point)
+            write_point(self.o2nc_params, x_previous)
+            raise
+        self.average_window(z)                                                # xbar_k
+        self.zo_optimizer.stage(lambda eta: self.move(x_previous + state["delta"], estimate, eta))
+        self.step_optimizer()                                                 # x_t, Delta_{t+1}
+        self.log_step(size)
+
+    def move(self, x: Tensor, estimate: Tensor, eta: float) -> None:
+        """``x_t`` into the model; ``Delta_{t+1} = clip_D(Delta_t - eta gt_t)``."""
+        write_point(self.o2nc_params, x)
+        self._state["delta"] = project_to_ball(self._state["delta"] - eta * estimate, self.radius)
+
+    def oracle_estimate(self, z: Tensor, inputs, targets, size: int) -> Tensor:
+        """Alg. 3 (tree) or Alg. 4 (running noisy sum) at ``z_t``."""
+        state = self._state
+        anchor = self.tree.period_done if self.oracle == "single_pass" else state["position"] % self.period == 0
+        leaf = (self.anchor_leaf(z, inputs, targets) if anchor
+                else self.difference_leaf(z, state["z_previous"], inputs, targets))
+        state["z_previous"] = z
+        if self.oracle == "single_pass":
+            return self.privacy.release_prefix(leaf, ESTIMATE, self.tree, batch_size=size)
+        released = self.privacy.release(leaf, ESTIMATE, batch_size=size, dtype=self.loss_dtype).to(torch.float64)
+        state["estimate"] = released if anchor else state["estimate"] + released
+        state["position"] += 1
+        return state["estimate"]
+
+    def anchor_leaf(self, z: Tensor, inputs, targets) -> Tensor:
+        """``sum_i clip_C(v(z_t; xi_i))`` over directions ``y_1..y_m``."""
+        directions = self.directions_of(range(self.num_directions))
+        return clipped_combination(self.estimate_coefficients(z, directions, inputs, targets), directions, self.clip)
+
+    def difference_leaf(self, z: Tensor, z_previous: Tensor, inputs, targets) -> Tensor:
+        """``sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))``, ``y_1..y_m`` at ``z_t`` and ``y_{m+1}..y_{2m}`` at
+        ``z_{t-1}`` (independent, Alg. 3 lines 12-13)."""
+        m = self.num_directions
+        now, before = self.directions_of(range(m)), self.directions_of(range(m, 2 * m))
+        coefficients = torch.cat([self.estimate_coefficients(z, now, inputs, targets),
+                                  -self.estimate_coefficients(z_previous, before, inputs, targets)], dim=1)
+        return clipped_combination(coefficients, torch.cat([now, before]), self.difference_clip)
+
+    def estimate_coefficients(self, point: Tensor, directions: Tensor, inputs, targets) -> Tensor:
+        """``c_ij = (d / (2 alpha m)) (f(p + alpha y_j; xi_i) - f(p - alpha y_j; xi_i))``, ``[B, m]`` float64: eq. 4's
+        ``v(p; xi_i) = sum_j c_ij y_j``. The model ends at ``p + alpha y_m - 2 alpha y_m`` (overwritten by the step)."""
+        columns = []
+        for y in directions:
+            write_point(self.o2nc_params, point + self.lam * y)
+            plus = self.private_losses(inputs, targets).to(torch.float64)
+            write_point(self.o2nc_params, point - self.lam * y)
+            columns.append(plus - self.private_losses(inputs, targets).to(torch.float64))
+        scale = directions.shape[1] / (2 * self.lam * len(directions))
+        return torch.stack(columns, dim=1) * scale
+
+    # ------------------------------------------------------------------------ public state
+    def directions_of(self, indices: range) -> Tensor:
+        return sphere_directions(self.run_seed, self.global_step, indices, self._state["delta"].numel(),
+                                 self._state["delta"].device)
+
+    def uniform_draw(self) -> float:
+        """``s_t ~ U[0, 1]``: public, from (run seed, step)."""
+        return float(np.random.default_rng(derive_seed(self.run_seed, self.global_step, UNIFORM_STREAM)).random())
+
+    def average_window(self, z: Tensor) -> None:
+        """Add ``z_t`` to the window; a full window's average replaces ``x_out`` with probability ``1/k`` (reservoir
+        sampling: ``x_out`` is uniform over the ``k`` windows so far, Alg. 2 line 4)."""
+        state = self._state
+        state["window_sum"] += z
+        state["window_steps"] += 1
+        if state["window_steps"] < self.window:
+            return
+        state["windows_done"] += 1
+        k = state["windows_done"]
+        if np.random.default_rng(derive_seed(self.run_seed, k, RESERVOIR_STREAM)).random() < 1.0 / k:
+            state["output"] = state["window_sum"] / self.window
+        state["window_sum"] = torch.zeros_like(z)
+        state["window_steps"] = 0
+
+    def _start_state(self) -> None:
+        """Alg. 2's public state at a fit start: kept from an earlier fit or a checkpoint, else ``Delta_1 = 0``."""
+        params = self.o2nc_params
+        dim, device = sum(p.numel() for p in params), params[0].device
+        state = self._state
+        if state.get("dim") not in (None, dim):
+            raise PrivacyConfigError(f"{type(self).__name__}'s state is for {state['dim']} trained values, but the "
+                                     f"model trains {dim}: keep the trainable parameters of the run")
+        zeros = torch.zeros(dim, dtype=torch.float64, device=device)
+        defaults = {"dim": dim, "delta": zeros, "z_previous": zeros, "window_sum": zeros, "window_steps": 0,
+                    "windows_done": 0, "output": zeros, "last": zeros, "holding_output": False,
+                    "estimate": zeros, "position": 0}
+        for key, value in defaults.items():
+            state.setdefault(key, value)
+            if isinstance(state[key], Tensor):
+                state[key] = state[key].to(device=device, dtype=torch.float64)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Alg. 2's public state (``Delta``, ``z_{t-1}``, the windows, ``x_out``; Alg. 4's noisy estimate). Alg. 3's
+        running sum and tree keys are secret and stay out."""
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["o2nc"] = {key: value.cpu() if isinstance(value, Tensor) else value
+                              for key, value in self._state.items()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self._state = dict(checkpoint.get("o2nc") or {})
+
+
+class O2NC(DPO2NC):
+    """The non-private Alg. 2 + 3/4: the same oracle with no noise, the mean over the realized batch, and no clipping
+    by default (``clip=inf``)."""
+
+    private = False
+
+    def __init__(self, backbone: nn.Module, *, clip: float = math.inf, **kwargs: Any) -> None:
+        super().__init__(backbone, clip=clip, **kwargs)
+
+
+def _choice(name: str, value: str, choices: tuple) -> Optional[str]:
+    return None if value in choices else f"Expected `{name}` in {list(choices)}, but got {value!r}"
+
+
+__all__ = ["DPO2NC", "O2NC", "clipped_combination", "project_to_ball", "sphere_directions"]
