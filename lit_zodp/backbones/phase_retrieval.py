@@ -90,8 +90,8 @@ class PhaseRetrievalLoss(Backbone):
             metric compares ``x`` with; it must equal the data module's (refused at setup otherwise).
         init: ``"random"`` (default): ``x_0`` uniform on the sphere of radius ``init_norm`` (seed ``init_seed``);
             ``"zeros"``: ``x_0 = 0``, where every per-example subgradient is ``0`` (``sign(<a_i, 0>) = 0``): a
-            stationary point of the sign-symmetric problem that a (sub)gradient method never leaves, and a kink
-            that a zeroth-order method's symmetric differences see as flat on average.
+            stationary point of the sign-symmetric problem that a (sub)gradient method without noise never leaves,
+            and, ``f`` being even in ``x``, every central difference ``f(lam u) - f(-lam u)`` there is exactly 0.
         init_norm: the norm of the random ``x_0`` (``||x*|| = 1``).
         init_seed: the seed of the random ``x_0`` (a stream apart from the signal's: equal seeds are fine).
         dtype: ``"float64"`` (default) or ``"float32"``, as for :class:`~lit_zodp.backbones.QuadraticLoss`.

@@ -89,7 +89,17 @@ def test_the_initial_points():
     assert float(model.x.detach().norm()) == pytest.approx(2.5, rel=1e-12) and model.x.dtype == torch.float64
     assert torch.equal(model.x, PhaseRetrievalLoss(9, init_norm=2.5, init_seed=7).x)
     assert not torch.equal(model.x, PhaseRetrievalLoss(9, init_norm=2.5, init_seed=8).x)
-    assert not PhaseRetrievalLoss(9, init="zeros").x.any()
+    origin = PhaseRetrievalLoss(9, init="zeros")
+    assert not origin.x.any()
+    # f is even in x: at x_0 = 0 every central difference is exactly 0, and so is every subgradient
+    batch, u = rows(20, 9, noise=0.1), torch.randn(9, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with torch.no_grad():
+        origin.x.copy_(1e-3 * u)
+        ahead = origin(batch)
+        origin.x.copy_(-1e-3 * u)
+        assert torch.equal(ahead, origin(batch))
+        origin.x.zero_()
+    assert not origin.gradient(batch).any()
     single = PhaseRetrievalLoss(9, dtype="float32")
     assert single.x.dtype == single.signal.dtype == torch.float32
 
