@@ -5,7 +5,7 @@ from datamodules.collate import EmptySafeCollate, PadToLongest, empty_like_batch
 from datamodules.datasets import ImageTensorDataset, TensorPairDataset, TextDataset
 from datamodules.prompt_text import PromptRecords, PromptTextDataModule
 from datamodules.qa import QA_TASK_NAMES, QADataModule
-from datamodules.synthetic import QuadraticDataModule, SyntheticClassificationDataModule
+from datamodules.synthetic import PhaseRetrievalDataModule, QuadraticDataModule, SyntheticClassificationDataModule
 from datamodules.text import MovieReviewsDataModule
 from datamodules.text_tasks import TASK_NAMES, VARYING_TASK_NAMES, TaskSpec, get_task, load_task, template_table
 from datamodules.vision import CIFAR10DataModule, DigitsDataModule, MLXtendMNISTDataModule, MNISTDataModule
@@ -20,6 +20,7 @@ __all__ = [
     "MNISTDataModule",
     "MovieReviewsDataModule",
     "PadToLongest",
+    "PhaseRetrievalDataModule",
     "PromptRecords",
     "PromptTextDataModule",
     "QuadraticDataModule",

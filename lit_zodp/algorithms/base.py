@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from lit_zodp.backbones.base import (Backbone, are_class_indices, batch_size_of, label_classes, num_classes_of,
-                                     per_example_loss, predict)
+                                     per_example_loss, predict, shared_option_mismatch)
 from lit_zodp.cli_errors import imported
 from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, check_positive, check_positive_int,
                              raise_if_any)
@@ -1022,9 +1022,11 @@ def _refuse_loss_scaling(trainer: "pl.Trainer") -> None:
 
 def _refuse_input_mismatch(backbone: nn.Module, datamodule: Any) -> None:
     """A backbone that cannot read the data module's inputs (a text backbone on images, an image backbone on text,
-    ``in_features`` or ``in_channels`` other than the images'): one line at setup, from the configuration alone
-    (:meth:`~lit_zodp.backbones.base.Backbone.data_mismatch`; review 28). Before, the first forward raised a
-    traceback: in the sanity check, or at the first private step, naming the realized Poisson batch size."""
+    ``in_features`` or ``in_channels`` other than the images', an option both hold with two values: the phase
+    retrieval signal's seed): one line at setup, from the configuration alone (:meth:`~lit_zodp.backbones.base.
+    Backbone.data_mismatch`, :func:`~lit_zodp.backbones.base.shared_option_mismatch`; review 28). Before, the first
+    forward raised a traceback: in the sanity check, or at the first private step, naming the realized Poisson batch
+    size."""
     check = getattr(backbone, "data_mismatch", None)
     if datamodule is None or not callable(check):
         return
@@ -1032,7 +1034,7 @@ def _refuse_input_mismatch(backbone: nn.Module, datamodule: Any) -> None:
     # A declared tensor shape wins over a tokenizer: a data module may hold one for another purpose (the vocabulary of
     # bag-of-words features, an encoder's precomputed embeddings) and give tensors (review 29).
     text = example_shape is None and hasattr(getattr(datamodule, "tokenizer", None), "convert_tokens_to_ids")
-    error = check(text=text, example_shape=example_shape)
+    error = check(text=text, example_shape=example_shape) or shared_option_mismatch(backbone, datamodule)
     if error is not None:
         raise ConfigError(f"Model/data mismatch: {error}")
 

@@ -1,6 +1,6 @@
 """Backbones that map a batch's inputs to logits and per-example losses (see :mod:`.base`).
 
-The timm and Hugging Face adapters, and the synthetic quadratic (torchmetrics), are imported on first use
+The timm and Hugging Face adapters, and the synthetic problems (quadratic, phase retrieval: torchmetrics), are imported on first use
 (``lit_zodp.backbones.TimmClassifier`` works as usual, also as a LightningCLI ``class_path``), so importing
 this package stays fast.
 """
@@ -34,11 +34,13 @@ if TYPE_CHECKING:  # pragma: no cover
         resolve_model_path,
         tiny_bert_config,
     )
+    from lit_zodp.backbones.phase_retrieval import PhaseRetrievalLoss
     from lit_zodp.backbones.quadratic import QuadraticLoss
     from lit_zodp.backbones.timm_models import TimmClassifier
     from lit_zodp.backbones.tiny_hf import save_tiny_pretrained
 
 _LAZY = {
+    "PhaseRetrievalLoss": "lit_zodp.backbones.phase_retrieval",
     "QuadraticLoss": "lit_zodp.backbones.quadratic",
     "TimmClassifier": "lit_zodp.backbones.timm_models",
     "HFAnswerGenerator": "lit_zodp.backbones.generation",
@@ -74,6 +76,7 @@ __all__ = [
     "HFPromptClassifier",
     "HFSequenceClassifier",
     "Inputs",
+    "PhaseRetrievalLoss",
     "QuadraticLoss",
     "SENTIMENT_LABEL_DESCRIPTIONS",
     "SentenceEncoderClassifier",

@@ -42,6 +42,10 @@ class Backbone(nn.Module):
     #: (e.g. a head over the candidate tokens of all rows) runs row by row instead, so each example's
     #: value is computed the same way whatever its batch-mates (:mod:`lit_zodp.privacy.fixed_shape`).
     row_shapes: bool = False
+    #: Options this backbone and its data module both hold under the same name and must agree on (the planted
+    #: signal's seed of :class:`~lit_zodp.backbones.phase_retrieval.PhaseRetrievalLoss`): a differing value is
+    #: refused at setup in one line (:func:`shared_option_mismatch`); a data module without the option is not checked.
+    shared_data_options: tuple[str, ...] = ()
 
     def data_mismatch(self, *, text: bool, example_shape: Optional[tuple[int, ...]]) -> Optional[str]:
         """Why this backbone cannot read the data module's inputs (``text``: tokenized text; ``example_shape``: one
@@ -150,6 +154,18 @@ def tensor_data_mismatch(backbone: nn.Module, text: bool, channels: Optional[tup
             and example_shape[0] != channels[1]:
         return (f"the backbone {name} has `{channels[0]}` {channels[1]}, but the data's images have shape "
                 f"{tuple(example_shape)}: set `{channels[0]}: {example_shape[0]}`")
+    return None
+
+
+def shared_option_mismatch(backbone: nn.Module, datamodule: Any) -> Optional[str]:
+    """The first of the backbone's ``shared_data_options`` that the data module holds with another value, as one
+    line, or ``None``."""
+    _missing = object()
+    for name in getattr(backbone, "shared_data_options", ()):
+        ours, theirs = getattr(backbone, name), getattr(datamodule, name, _missing)
+        if theirs is not _missing and theirs != ours:
+            return (f"the backbone {type(backbone).__name__} has `{name}` {ours!r}, but the data module has "
+                    f"`{name}` {theirs!r}: set the same `{name}` on both")
     return None
 
 
