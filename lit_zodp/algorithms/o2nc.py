@@ -54,6 +54,7 @@ from lit_zodp.zo import derive_seed
 
 ESTIMATE = "gradient estimate"
 ORACLES = ("single_pass", "multi_pass")
+DIFFERENCE_DIRECTIONS = ("independent", "shared")
 OUTPUTS = ("window", "last")
 #: Stream indices of ``derive_seed`` past any direction index: the step's ``s_t`` and the reservoir's draws.
 UNIFORM_STREAM = 1 << 40
@@ -162,6 +163,10 @@ class DPO2NC(ZerothOrderModule):
         num_directions: ``m``, directions per estimate.
         difference_clip: ``C'`` (``None``: ``C``).
         oracle: ``"single_pass"`` (Alg. 3: needs the DataModule's ``sampling: single_pass``) or ``"multi_pass"``.
+        difference_directions: ``"independent"`` (Alg. 3 lines 12-13: ``y_{m+1..2m}`` at ``z_{t-1}``) or ``"shared"``
+            (``y_1..y_m`` at both points, the variant of Zhang et al. the reading notes reconstruct): a difference of two
+            estimates along the same directions is of the order of ``||z_t - z_{t-1}|| <= 2D``, where independent ones
+            differ by the estimates' whole spread unless ``m`` is of the paper's order ``d^2 B^2``.
         output: ``"window"`` (Alg. 2's ``x_out``) or ``"last"``.
         neighbours: ``"replace_one"`` (the paper's; single-pass sampling needs it) or ``"add_remove"``.
     """
@@ -172,7 +177,8 @@ class DPO2NC(ZerothOrderModule):
 
     def __init__(self, backbone: nn.Module, *, lam: float = 1e-2, radius: float = 1e-2, window: int = 10,
                  period: int = 16, num_directions: int = 8, difference_clip: Optional[float] = None,
-                 oracle: str = "single_pass", output: str = "window", neighbours: str = "replace_one",
+                 oracle: str = "single_pass", difference_directions: str = "independent", output: str = "window",
+                 neighbours: str = "replace_one",
                  **kwargs: Any) -> None:
         other = [name for name, value in FIXED_OPTIONS.items() if kwargs.pop(name, value) != value]
         raise_if_any([
@@ -183,6 +189,7 @@ class DPO2NC(ZerothOrderModule):
             check_positive_int("window", window),
             check_positive_int("period", period),
             _choice("oracle", oracle, ORACLES),
+            _choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
             _choice("output", output, OUTPUTS),
         ])
         if difference_clip is not None:
@@ -195,6 +202,7 @@ class DPO2NC(ZerothOrderModule):
         self.period = period
         self.difference_clip = self.clip if difference_clip is None else float(difference_clip)
         self.oracle = oracle
+        self.difference_directions = difference_directions
         self.output = output
         self.tree = TreeAggregator(period)
         self._state: dict[str, Any] = {}
@@ -277,7 +285,8 @@ class DPO2NC(ZerothOrderModule):
         """``sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))``, ``y_1..y_m`` at ``z_t`` and ``y_{m+1}..y_{2m}`` at
         ``z_{t-1}`` (independent, Alg. 3 lines 12-13)."""
         m = self.num_directions
-        now, before = self.directions_of(range(m)), self.directions_of(range(m, 2 * m))
+        now = self.directions_of(range(m))
+        before = now if self.difference_directions == "shared" else self.directions_of(range(m, 2 * m))
         coefficients = torch.cat([self.estimate_coefficients(z, now, inputs, targets),
                                   -self.estimate_coefficients(z_previous, before, inputs, targets)], dim=1)
         return clipped_combination(coefficients, torch.cat([now, before]), self.difference_clip)
@@ -307,7 +316,7 @@ class DPO2NC(ZerothOrderModule):
         """Add ``z_t`` to the window; a full window's average replaces ``x_out`` with probability ``1/k`` (reservoir
         sampling: ``x_out`` is uniform over the ``k`` windows so far, Alg. 2 line 4)."""
         state = self._state
-        state["window_sum"] += z
+        state["window_sum"] = state["window_sum"] + z
         state["window_steps"] += 1
         if state["window_steps"] < self.window:
             return
@@ -326,10 +335,9 @@ class DPO2NC(ZerothOrderModule):
         if state.get("dim") not in (None, dim):
             raise PrivacyConfigError(f"{type(self).__name__}'s state is for {state['dim']} trained values, but the "
                                      f"model trains {dim}: keep the trainable parameters of the run")
-        zeros = torch.zeros(dim, dtype=torch.float64, device=device)
-        defaults = {"dim": dim, "delta": zeros, "z_previous": zeros, "window_sum": zeros, "window_steps": 0,
-                    "windows_done": 0, "output": zeros, "last": zeros, "holding_output": False,
-                    "estimate": zeros, "position": 0}
+        vectors = ("delta", "z_previous", "window_sum", "output", "last", "estimate")
+        defaults = {"dim": dim, "window_steps": 0, "windows_done": 0, "holding_output": False, "position": 0}
+        defaults |= {key: torch.zeros(dim, dtype=torch.float64, device=device) for key in vectors}  # (one each)
         for key, value in defaults.items():
             state.setdefault(key, value)
             if isinstance(state[key], Tensor):

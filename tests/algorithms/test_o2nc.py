@@ -1,0 +1,287 @@
+"""O2NC (paper 001, Kornowski, Liu & Talwar): the steps against a naive Alg. 2 + 3/4 on a quadratic, eq. 4's estimator
+and its clipping, the tree's accounting through the step plan, what a checkpoint holds, and the configuration errors.
+The tree mechanism itself is tested in tests/privacy/test_tree.py."""
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from datamodules import QuadraticDataModule
+from datamodules.collate import EmptySafeCollate
+from lit_zodp.algorithms import DPO2NC, O2NC
+from lit_zodp.algorithms.o2nc import (RESERVOIR_STREAM, UNIFORM_STREAM, clipped_combination, project_to_ball,
+                                      sphere_directions)
+from lit_zodp.backbones.quadratic import QuadraticLoss
+from lit_zodp.errors import PrivacyConfigError
+from lit_zodp.privacy import FullBatchSampler, Gaussian, PrivacyComponent, SinglePassBatchSampler, SinglePassGaussian
+from lit_zodp.privacy.ledger import PrivacyLedger
+from lit_zodp.zo import derive_seed
+from tests.conftest import blobs, collate_tensors, mlp, poisson_loader, quiet_trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:`(noise|sampling)_seed`",
+                                        "ignore:.*val_dataloader.*")
+
+DIM = 6
+ROWS = 1.0 + torch.randn(12, DIM, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def full_batch(rows=ROWS, steps=1):
+    data = TensorDataset(rows, torch.zeros(len(rows), dtype=torch.long))
+    return DataLoader(data, batch_sampler=FullBatchSampler(len(rows), steps_per_epoch=steps), collate_fn=collate_tensors)
+
+
+def single_pass(rows, batch_size):
+    data = TensorDataset(rows, torch.zeros(len(rows), dtype=torch.long))
+    return DataLoader(data, batch_sampler=SinglePassBatchSampler(len(rows), batch_size),
+                      collate_fn=EmptySafeCollate(data, collate_tensors))
+
+
+# ------------------------------------------------------------------------------ eq. 4 and its clipping
+def test_the_clipped_combination_is_the_sum_of_each_examples_clipped_vector():
+    g = torch.Generator().manual_seed(1)
+    coefficients, directions = torch.randn(7, 3, generator=g, dtype=torch.float64) * 3, sphere_directions(5, 2, range(3), 9, "cpu")
+    vectors = coefficients @ directions
+    norms = vectors.norm(dim=1)
+    clip = float(norms.median())
+    margin = clip * (1 - 2 ** -20)  # (clip_factors clips at C (1 - 2^-20): the margin that absorbs rounding)
+    expected = (vectors * (margin / norms).clamp(max=1.0).unsqueeze(1)).sum(0)
+    torch.testing.assert_close(clipped_combination(coefficients, directions, clip), expected, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(clipped_combination(coefficients, directions, math.inf), vectors.sum(0))
+    # one example replaced by any other (here: huge, then NaN) moves the clipped sum by at most 2C
+    for crafted in (torch.full((3,), 1e12, dtype=torch.float64), torch.full((3,), math.nan, dtype=torch.float64)):
+        replaced = coefficients.clone()
+        replaced[0] = crafted
+        moved = clipped_combination(replaced, directions, clip) - clipped_combination(coefficients, directions, clip)
+        assert float(moved.norm()) <= 2 * clip
+
+
+def test_the_sphere_directions_are_unit_public_and_independent_of_the_device_type():
+    a, b = sphere_directions(3, 4, range(5), 50, "cpu"), sphere_directions(3, 4, range(5), 50, "cpu")
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a.norm(dim=1), torch.ones(5, dtype=torch.float64))
+    assert not torch.equal(a, sphere_directions(3, 5, range(5), 50, "cpu"))
+
+
+def test_eq4_is_unbiased_for_the_gradient_of_a_quadratic():
+    """``(d / 2 alpha) (f(x + alpha y) - f(x - alpha y)) y`` with ``y ~ Unif(S^{d-1})``: for ``f = |x - c|^2 / 2`` its
+    mean is ``x - c`` (``E[y y^T] = I / d``)."""
+    d, alpha, x, c = 5, 0.1, torch.arange(5.0, dtype=torch.float64), torch.ones(5, dtype=torch.float64)
+    f = lambda p: 0.5 * ((p - c) ** 2).sum()  # noqa: E731
+    directions = sphere_directions(0, 0, range(20000), d, "cpu")
+    coefficients = torch.tensor([(f(x + alpha * y) - f(x - alpha * y)) * d / (2 * alpha) for y in directions])
+    mean = (coefficients.unsqueeze(1) * directions).mean(0)
+    torch.testing.assert_close(mean, x - c, rtol=0, atol=0.1)
+
+
+def test_the_projection_onto_the_ball():
+    v = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    torch.testing.assert_close(project_to_ball(v, 1.0), v / 5)
+    assert project_to_ball(v, 10.0) is v
+
+
+# --------------------------------------------------------------------------------- Alg. 2 + 3 and 4
+def naive_o2nc(rows, *, steps, lr, lam, radius, window, period, m, run_seed, oracle, shared=False):
+    """Alg. 2 with the oracle of Alg. 3 (sigma = 0: the exact running sum) or Alg. 4 written out on ``f(x; r) =
+    |x - r|^2 / 2``, from ``x_0 = 0`` with the module's public draws; returns ``x_T``, ``Delta_{T+1}`` and ``x_out``."""
+    d = rows.shape[1]
+    losses = lambda p: 0.5 * ((p - rows) ** 2).sum(1)  # noqa: E731
+    x, delta, g, z_previous = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), None, None
+    window_sum, windows, output = torch.zeros(d, dtype=torch.float64), 0, torch.zeros(d, dtype=torch.float64)
+
+    def estimates(point, directions):  # [B, d]: eq. 4 per example
+        c = torch.stack([losses(point + lam * y) - losses(point - lam * y) for y in directions], 1) * d / (2 * lam * m)
+        return c @ directions
+
+    for t in range(steps):
+        s = np.random.default_rng(derive_seed(run_seed, t, UNIFORM_STREAM)).random()
+        x_next, z = x + delta, x + s * delta
+        now = sphere_directions(run_seed, t, range(m), d, "cpu")
+        if t % period == 0:
+            increment = estimates(z, now).mean(0)
+            g = increment
+        else:
+            before = now if shared else sphere_directions(run_seed, t, range(m, 2 * m), d, "cpu")
+            increment = (estimates(z, now) - estimates(z_previous, before)).mean(0)
+            g = g + increment
+        z_previous = z
+        window_sum = window_sum + z
+        if (t + 1) % window == 0:
+            windows += 1
+            if np.random.default_rng(derive_seed(run_seed, windows, RESERVOIR_STREAM)).random() < 1 / windows:
+                output = window_sum / window
+            window_sum = torch.zeros(d, dtype=torch.float64)
+        step = delta - lr * g
+        delta = step * min(1.0, radius / float(step.norm()))
+        x = x_next
+    return x, delta, output
+
+
+@pytest.mark.parametrize("oracle, shared", [("single_pass", False), ("single_pass", True), ("multi_pass", False)])
+def test_the_steps_are_alg2_with_the_oracle_written_out(oracle, shared):
+    """Non-private (sigma = 0, no clipping), full batch: the module's iterate, movement and ``x_out`` after 9 steps
+    equal a naive Alg. 2 + 3 (or 4) with the same public draws: ``s_t``, the directions (independent at ``z_{t-1}``,
+    or shared), the anchors every ``Sigma`` steps, the windows and the reservoir."""
+    options = dict(lr=0.3, lam=0.05, radius=0.2, window=2, period=3, num_directions=2, seed=11, oracle=oracle,
+                   difference_directions="shared" if shared else "independent")
+    module = O2NC(QuadraticLoss(DIM, hessian="identity"), output="window", **options)
+    quiet_trainer(max_steps=9).fit(module, full_batch(steps=9))
+    x, delta, output = naive_o2nc(ROWS, steps=9, lr=0.3, lam=0.05, radius=0.2, window=2, period=3, m=2, run_seed=11,
+                                  oracle=oracle, shared=shared)
+    torch.testing.assert_close(module._state["delta"], delta, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(module._state["last"], x, rtol=1e-9, atol=1e-12)  # x_T, kept beside x_out
+    torch.testing.assert_close(module.backbone.x.detach(), output, rtol=1e-9, atol=1e-12)  # Alg. 2 line 4
+    assert float(module._state["delta"].norm()) <= 0.2 * (1 + 1e-12)
+    assert not torch.equal(output, x)
+
+
+def test_a_second_fit_continues_from_x_T_not_from_x_out():
+    module = O2NC(QuadraticLoss(DIM, hessian="identity"), lr=0.3, lam=0.05, radius=0.2, window=2, period=3,
+                  num_directions=2, seed=11)
+    quiet_trainer(max_steps=4).fit(module, full_batch(steps=4))
+    x_T = module._state["last"].clone()
+    starts = []
+    trainer = quiet_trainer(max_steps=5)
+    module.on_train_batch_start = lambda batch, i: starts.append(module.backbone.x.detach().clone())
+    trainer.fit(module, full_batch(steps=5))
+    torch.testing.assert_close(starts[0], x_T, rtol=0, atol=0)
+
+
+def test_o2nc_descends_a_quadratic():
+    module = O2NC(QuadraticLoss(DIM, hessian="identity"), lr=0.2, lam=0.01, radius=0.1, window=10, period=1,
+                  num_directions=DIM, seed=0, output="last")
+    quiet_trainer(max_steps=200).fit(module, full_batch(steps=200))
+    assert float((module.backbone.x.detach() - ROWS.mean(0)).norm()) < 0.1 * float(ROWS.mean(0).norm())
+
+
+# ------------------------------------------------------------------------------------ privacy
+def private(**options):
+    defaults = dict(lr=0.1, lam=0.05, radius=0.1, window=2, period=8, num_directions=2, seed=3, clip=1.0,
+                    noise_multiplier=1.5, delta=1e-5)
+    return DPO2NC(QuadraticLoss(DIM, hessian="identity"), **(defaults | options))
+
+
+def test_alg3_is_accounted_as_one_gaussian_of_floor_log2_sigma_plus_one_released_nodes_per_example():
+    """Period 8: each leaf lies in 4 released nodes, each noised at sigma (in units of its sensitivity), so the pass
+    is one Gaussian at sigma / 2, counted once (single pass: disjoint leaves compose in parallel)."""
+    module = private(period=8)
+    rows = 1.0 + torch.randn(60, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    quiet_trainer(max_steps=10).fit(module, single_pass(rows, 5))
+    assert dict(module.privacy.ledger.counts) == {SinglePassGaussian(1.5 / 2): 10}
+    one_gaussian = PrivacyLedger()
+    one_gaussian.record(Gaussian(1.5 / 2), 1)
+    assert module.privacy.epsilon() == pytest.approx(one_gaussian.epsilon(1e-5).upper, rel=1e-6)
+
+
+def test_a_difference_clip_above_the_anchor_clip_sets_the_node_noise():
+    """``C' = 3 C``: every node is noised at ``3 sigma C`` (replace-one: ``6 sigma C``), and the accounting is unchanged."""
+    module = private(difference_clip=3.0, period=4)
+    rows = 1.0 + torch.randn(40, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    quiet_trainer(max_steps=2).fit(module, single_pass(rows, 5))
+    constants = module.privacy._constants()
+    assert constants.stds == {"gradient estimate": pytest.approx(3.0 * 2 * 1.5 * 1.0)}
+    assert dict(module.privacy.ledger.counts) == {SinglePassGaussian(1.5 / math.sqrt(3)): 2}
+
+
+def test_alg3_refuses_a_loader_that_is_not_a_single_pass():
+    with pytest.raises(PrivacyConfigError, match="sampling: single_pass") as info:
+        quiet_trainer(max_steps=2).fit(private(), poisson_loader(TensorDataset(ROWS, torch.zeros(12).long()), 0.5))
+    assert "\n" not in str(info.value)
+
+
+class _Leaves:
+    """The leaves each step hands the tree (the clipped sums before the division and the noise)."""
+
+    def __init__(self, monkeypatch):
+        self.leaves = []
+        original = PrivacyComponent.release_prefix
+
+        def record(component, increment, *args, **kwargs):
+            self.leaves.append(increment.detach().clone())
+            return original(component, increment, *args, **kwargs)
+
+        monkeypatch.setattr(PrivacyComponent, "release_prefix", record)
+
+
+def test_one_crafted_example_moves_each_leaf_by_at_most_its_clip(monkeypatch):
+    """Two single passes over the same rows but one (replaced by a record of norm 1e6): every leaf moves by at most
+    ``2C`` at an anchor and ``2C'`` at the other steps, as the tree's calibration assumes."""
+    rows = 1.0 + torch.randn(40, DIM, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    crafted = rows.clone()
+    crafted[:8] = 1e6  # (at least one in a batch of every step, wherever the pass puts them)
+    runs = []
+    for data in (rows, crafted):
+        record = _Leaves(monkeypatch)
+        quiet_trainer(max_steps=6).fit(private(period=3, clip=0.5, difference_clip=0.25, noise_seed=0),
+                                       single_pass(data, 5))
+        runs.append(record.leaves)
+        monkeypatch.undo()
+    moved = [float((a - b).norm()) for a, b in zip(*runs)]
+    anchors = [moved[0], moved[3]]
+    others = [moved[1], moved[2], moved[4], moved[5]]
+    # each batch holds several crafted rows here: k of them move a leaf by at most 2 k C
+    counts = [int((batch[:, 0] > 1e5).sum()) for batch in _batches(crafted, 5, 6)]
+    for j, value in enumerate(moved):
+        clip = 0.5 if j % 3 == 0 else 0.25
+        assert value <= 2 * clip * max(counts[j], 1) * (1 + 1e-9)
+    assert max(anchors) > 0 and max(others) > 0
+
+
+def _batches(rows, batch_size, steps):
+    sampler = SinglePassBatchSampler(len(rows), batch_size)
+    return [rows[indices] for indices, _ in zip(sampler, range(steps))]
+
+
+def test_checkpoints_hold_alg2s_public_state_and_no_running_sum_and_a_resume_starts_a_period(tmp_path):
+    data = lambda: QuadraticDataModule(dim=DIM, n_train=80, n_test=8, sampling="single_pass", batch_size=5)  # noqa: E731
+    module = private(period=4)
+    trainer = quiet_trainer(max_steps=3, limit_val_batches=0)
+    trainer.fit(module, data())
+    assert module.tree.position == 3 and module.tree._total is not None
+    path = tmp_path / "o2nc.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["o2nc"]
+    assert set(saved) == {"dim", "delta", "z_previous", "window_sum", "window_steps", "windows_done", "output", "last",
+                          "holding_output", "estimate", "position"}
+    assert not saved["estimate"].any()  # Alg. 4's noisy estimate: unused by Alg. 3, never its running sum
+    copy = pickle.loads(pickle.dumps(module))
+    assert copy.tree.position == 0 and copy.tree._total is None and not copy.tree._node_noise
+    resumed = private(period=4)
+    positions = []
+    resumed.on_train_batch_end = lambda *args: positions.append(resumed.tree.position)
+    quiet_trainer(max_steps=5, limit_val_batches=0).fit(resumed, data(), ckpt_path=path)
+    assert positions == [1, 2]  # an anchor first: a fresh tree
+    torch.testing.assert_close(resumed._state["delta"].cpu(), saved["delta"], rtol=0, atol=math.inf)  # (restored)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(oracle="tree"), "`oracle`"),
+    (dict(radius=0.0), "radius"),
+    (dict(window=0), "window"),
+    (dict(period=-1), "period"),
+    (dict(difference_directions="same"), "difference_directions"),
+    (dict(output="best"), "`output`"),
+    (dict(directions="gaussian"), "no option `directions`"),
+    (dict(weight_decay=0.1), "no option `weight_decay`"),
+])
+def test_configuration_errors_name_the_option(options, message):
+    with pytest.raises(PrivacyConfigError, match=message) as info:
+        DPO2NC(mlp(), clip=1.0, noise_multiplier=1.0, **options)
+    assert "\n" not in str(info.value)
+
+
+def test_the_checkpointed_fixed_options_reload():
+    """A checkpoint's hyperparameters hold the fixed ``directions`` and ``perturbation``: they load."""
+    module = DPO2NC(mlp(), clip=1.0, noise_multiplier=1.0)
+    assert DPO2NC(mlp(), **module.hparams).hparams["directions"] == "sphere"
+
+
+def test_alg4_runs_on_poisson_batches_and_counts_a_subsampled_gaussian_per_step():
+    module = DPO2NC(mlp(), lr=0.05, clip=1.0, noise_multiplier=1.0, oracle="multi_pass", period=3, num_directions=2,
+                    neighbours="add_remove", seed=0)
+    quiet_trainer(max_steps=4).fit(module, poisson_loader(blobs(), 0.1))
+    ((mechanism, count),) = module.privacy.ledger.counts.items()
+    assert count == 4 and mechanism.noise_multiplier == pytest.approx(1.0) and mechanism.sample_rate == 0.1
