@@ -169,6 +169,8 @@ class DPO2NC(ZerothOrderModule):
             differ by the estimates' whole spread unless ``m`` is of the paper's order ``d^2 B^2``.
         output: ``"window"`` (Alg. 2's ``x_out``) or ``"last"``.
         neighbours: ``"replace_one"`` (the paper's; single-pass sampling needs it) or ``"add_remove"``.
+        directions, perturbation, weight_decay: fixed (``"sphere"``, ``"chunked"``, ``0``: eq. 4's directions are drawn
+            here, Alg. 2 has no decay); another value is refused.
     """
 
     non_private_twin = "O2NC"
@@ -178,9 +180,10 @@ class DPO2NC(ZerothOrderModule):
     def __init__(self, backbone: nn.Module, *, lam: float = 1e-2, radius: float = 1e-2, window: int = 10,
                  period: int = 16, num_directions: int = 8, difference_clip: Optional[float] = None,
                  oracle: str = "single_pass", difference_directions: str = "independent", output: str = "window",
-                 neighbours: str = "replace_one",
-                 **kwargs: Any) -> None:
-        other = [name for name, value in FIXED_OPTIONS.items() if kwargs.pop(name, value) != value]
+                 neighbours: str = "replace_one", directions: str = "sphere", perturbation: str = "chunked",
+                 weight_decay: float = 0.0, **kwargs: Any) -> None:
+        given = {"directions": directions, "perturbation": perturbation, "weight_decay": weight_decay}
+        other = [name for name, value in FIXED_OPTIONS.items() if given[name] != value]
         raise_if_any([
             f"{type(self).__name__} has no option `{other[0]}` (Alg. 2-4 use sphere directions and no weight decay)"
             if other else None,

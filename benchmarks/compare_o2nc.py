@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Robust phase retrieval (the O2NC paper's reading notes, experiment E2): O2NC's private oracles against DPZero and
+DP-SGD over one pass of the same data, at the same budget (CPU, seconds per fit).
+
+Each method is a config in ``configs/o2nc/`` run through the real CLI (``python -m lit_zodp.cli fit --config ...``),
+with the dimension ``d`` and the budget set on the command line; ``--repeats`` runs each, methods interleaved (run 1 of
+every method, then run 2, ...). The metric is the test ``distance`` ``min_s ||x - s x*||`` to the planted unit signal
+(the RESULT line; for O2NC at ``x_out``, a uniformly drawn window average, Alg. 2 line 4). A fit's noise is drawn from
+the OS and the single pass's assignment from ``data_seed``, so repeats differ in their noise only.
+
+Methods: DPO2NC with Alg. 3 at period 1 (every step an anchor: the quickstart), at period 16 with the paper's
+independent directions at ``z_{t-1}``, and at period 4 with shared directions; DPZero; DP-SGD (first order); and the
+non-private O2NC.
+
+Usage::
+
+    python benchmarks/compare_o2nc.py                                  # d = 16, epsilon 4, 3 repeats (~4 min)
+    python benchmarks/compare_o2nc.py --dims 8,32,64 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, command_line, machine_info, results_stem, write_results  # noqa: E402
+
+DPO2NC = "configs/o2nc/quickstart_dpo2nc.yaml"
+METHODS = {
+    "DPO2NC Alg. 3 period 1": (DPO2NC, []),
+    "DPO2NC Alg. 3 period 16 (independent directions)": (DPO2NC, ["--model.init_args.period", "16"]),
+    "DPO2NC Alg. 3 period 4 (shared directions)": (DPO2NC, ["--model.init_args.period", "4",
+                                                               "--model.init_args.difference_directions", "shared"]),
+    "DPZero": ("configs/o2nc/quickstart_dpzero.yaml", []),
+    "DP-SGD (first order)": ("configs/o2nc/quickstart_dpsgd.yaml", []),
+    "O2NC non-private period 1": ("configs/o2nc/quickstart_o2nc.yaml", []),
+}
+RESULT = re.compile(r"RESULT .*distance=([0-9.e+-]+) grad_norm=([0-9.e+-]+) steps=(\d+) wall_s=([0-9.]+)")
+
+
+def fit(config: str, extra: list[str], dim: int, epsilon: float) -> tuple[float, float]:
+    """One CLI fit: (test distance, wall seconds of its training, as its RESULT line reports)."""
+    command = [sys.executable, "-m", "lit_zodp.cli", "fit", "--config", config, *extra,
+               "--model.init_args.backbone.init_args.dim", str(dim), "--data.init_args.dim", str(dim)]
+    if "o2nc.yaml" not in config:  # (the non-private one has no budget)
+        command += ["--model.init_args.target_epsilon", str(epsilon)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    found = RESULT.search(done.stdout + done.stderr)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"{config} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-2000:]}")
+    return float(found.group(1)), float(found.group(4))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", default="16", help="comma-separated dimensions d")
+    parser.add_argument("--epsilon", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of: " + ", ".join(METHODS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    dims = [int(d) for d in args.dims.split(",")]
+    methods = [m.strip() for m in args.methods.split(",")]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown --methods {unknown}: choose from {list(METHODS)}")
+    started, runs = time.time(), {(m, d): [] for m in methods for d in dims}
+    for repeat in range(args.repeats):
+        for dim in dims:
+            for method in methods:
+                config, extra = METHODS[method]
+                distance, seconds = fit(config, extra, dim, args.epsilon)
+                runs[(method, dim)].append({"distance": distance, "wall_s": seconds})
+                print(f"[{repeat + 1}/{args.repeats}] d={dim} {method}: distance {distance:.4f} ({seconds:.1f} s)",
+                      flush=True)
+    rows = ["| method | d | test distance (runs) | mean | wall s (median) |", "|---|---:|---|---:|---:|"]
+    for dim in dims:
+        for method in methods:
+            distances = [r["distance"] for r in runs[(method, dim)]]
+            rows.append(f"| {method} | {dim} | {', '.join(f'{x:.3f}' for x in distances)} | "
+                        f"{statistics.mean(distances):.3f} | "
+                        f"{statistics.median(r['wall_s'] for r in runs[(method, dim)]):.1f} |")
+    meta = {"command": command_line("compare_o2nc.py", sys.argv[1:] if argv is None else argv),
+            "machine": machine_info(), "dims": dims, "epsilon": args.epsilon, "seconds": round(time.time() - started, 1)}
+    markdown = (f"Robust phase retrieval, one pass of 40,000 rows in batches of 20, epsilon {args.epsilon:g} (delta 1e-6); "
+                f"`{meta['command']}`\n\n" + "\n".join(rows) + "\n")
+    print(markdown)
+    stem = f"compare_o2nc_d{'-'.join(map(str, dims))}_eps{args.epsilon:g}"
+    write_results(results_stem(args.out, stem), markdown,
+                  {"meta": meta, "runs": {f"{m} | d={d}": r for (m, d), r in runs.items()}})
+
+
+if __name__ == "__main__":
+    main()
