@@ -4,10 +4,12 @@ The tree mechanism itself is tested in tests/privacy/test_tree.py."""
 
 import math
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
 from datamodules import QuadraticDataModule
@@ -16,6 +18,7 @@ from lit_zodp.algorithms import DPO2NC, O2NC
 from lit_zodp.algorithms.o2nc import (RESERVOIR_STREAM, UNIFORM_STREAM, clipped_combination, project_to_ball,
                                       sphere_directions)
 from lit_zodp.backbones.quadratic import QuadraticLoss
+from lit_zodp.cli import build_cli
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.privacy import FullBatchSampler, Gaussian, PrivacyComponent, SinglePassBatchSampler, SinglePassGaussian
 from lit_zodp.privacy.ledger import PrivacyLedger
@@ -285,3 +288,22 @@ def test_alg4_runs_on_poisson_batches_and_counts_a_subsampled_gaussian_per_step(
     quiet_trainer(max_steps=4).fit(module, poisson_loader(blobs(), 0.1))
     ((mechanism, count),) = module.privacy.ledger.counts.items()
     assert count == 4 and mechanism.noise_multiplier == pytest.approx(1.0) and mechanism.sample_rate == 0.1
+
+
+# ------------------------------------------------------------------------------------ configs
+O2NC_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "o2nc").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", O2NC_CONFIGS, ids=lambda p: p.stem)
+def test_the_o2nc_configs_run_one_pass_through_the_cli(path, tmp_path, monkeypatch):
+    """Each ``configs/o2nc`` file, on 400 rows instead of 44,000: the whole pass (20 steps), its budget kept, and the
+    phase-retrieval metrics logged at ``x_out``."""
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    assert config["data"]["init_args"]["sampling"] == "single_pass" and config["trainer"]["max_epochs"] == 1
+    cli = build_cli(["fit", "--config", str(path), "--data.init_args.n_train", "440", "--data.init_args.n_test", "50",
+                     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"])
+    assert cli.trainer.global_step == 20 and "test_distance" in cli.trainer.callback_metrics
+    if cli.model.private:
+        assert cli.model.privacy.sampling.name == "single_pass"
+        assert 0 < cli.model.privacy.epsilon() <= config["model"]["init_args"]["target_epsilon"]
