@@ -13,7 +13,6 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from scipy.stats import norm
 
 from lit_zodp.errors import AccountingError
 from lit_zodp.privacy import (
@@ -169,29 +168,36 @@ def test_each_release_adds_the_noise_of_exactly_its_nodes_each_node_keyed_once(p
 
 
 def test_releases_share_node_noise_where_they_share_nodes():
-    """By differencing releases (the task's reading of Alg. 1): position 3's noise minus position 2's is node (3,3),
-    positions 4..7 share node (1,4)'s noise, and position = period has noise (8 of 8 and 6 of 6)."""
+    """By differencing releases: position 3's noise minus position 2's is node (3,3)'s, positions 4..7 all hold node
+    (1,4)'s noise, and position = period is noised (8 of 8: node (1,8); 6 of 6: nodes (1,4) and (5,6)). Within a
+    period each position keys exactly one new node, the one ending there, so node ``(first, p)`` is the source's
+    ``p``-th keyed vector: the reference below."""
+    dim, std, seed = 32, 0.5, 3
+    vectors = torch.from_numpy(_node_vectors(seed, 8, dim)) * std
+
+    def node(first, last):
+        return vectors[last - 1]
+
     for period in (6, 8):
-        noise = [None] + tree_noises(period, 1.0, NoiseSource(3), 32)  # noise[p]: position p
-        node_1_4 = noise[4]
-        assert torch.equal(noise[2], noise[2]) and noise[1].abs().min() > 0
-        node_3_3 = noise[3] - noise[2]
-        node_5_5 = noise[5] - node_1_4
-        node_5_6 = noise[6] - node_1_4
-        # node (1,2) is position 2's noise: position 3 = (1,2) + (3,3) with (3,3) independent of (1,2)
-        assert not torch.allclose(node_3_3, noise[2]) and not torch.allclose(node_3_3, noise[1])
-        assert not torch.allclose(node_5_6, node_5_5)  # (5,6) is its own node, not (5,5) again
-        assert noise[period].norm() > 1.0  # the period's last release is noised (32 coordinates of std >= 1)
+        noise = [None] + tree_noises(period, std, NoiseSource(seed), dim)  # noise[p]: position p
+
+        def close(a, b):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+        close(noise[1], node(1, 1))
+        close(noise[2], node(1, 2))
+        close(noise[3] - noise[2], node(3, 3))
+        close(noise[4], node(1, 4))
+        close(noise[5] - node(1, 4), node(5, 5))
+        close(noise[6] - node(1, 4), node(5, 6))
+        for p in range(4, period + 1):
+            if p < 8:  # positions 4..7 share node (1,4)
+                others = [node(*n) for n in reference_nodes(p) if n != (1, 4)]
+                close(noise[p] - node(1, 4), sum(others, torch.zeros(dim, dtype=torch.float64)))
         if period == 8:
-            torch.testing.assert_close(noise[7], node_1_4 + node_5_6 + (noise[7] - noise[6]), rtol=0, atol=1e-12)
-            node_1_8 = noise[8]
-            assert not torch.allclose(node_1_8, node_1_4)  # (1,8) is a new node, not (1,4) reused
-            assert not torch.allclose(node_1_8, noise[7])  # ... nor the sum of position 7's
-        else:  # 6 of 6: nodes (1,4) and (5,6), as at position 6 of a longer period
-            torch.testing.assert_close(noise[6] - noise[4], node_5_6, rtol=0, atol=0)
-        for p in range(5, min(period, 7) + 1):  # positions 5..7 each hold (1,4) plus nodes inside (5, 7)
-            rest = noise[p] - node_1_4
-            assert not torch.allclose(rest, torch.zeros_like(rest))
+            close(noise[7], node(1, 4) + node(5, 6) + node(7, 7))
+            close(noise[8], node(1, 8))  # the period's last release: its own node over the whole period
+        assert noise[period].norm() > 1.0  # noised: (32 coordinates of std >= 0.5)
 
 
 def test_a_new_period_keys_new_nodes():
@@ -325,8 +331,11 @@ def test_the_tree_is_accounted_once_as_one_gaussian_of_mu_sqrt_count_over_sigma(
 
 
 def _gaussian_epsilon(mu: float, delta: float) -> float:
+    def cdf(x):
+        return 0.5 * math.erfc(-x / math.sqrt(2))
+
     def delta_of(eps):
-        return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+        return cdf(-eps / mu + mu / 2) - math.exp(eps) * cdf(-eps / mu - mu / 2)
 
     low, high = 0.0, 100.0
     for _ in range(200):
