@@ -9,8 +9,8 @@ every method, then run 2, ...). The metric is the test ``distance`` ``min_s ||x 
 the OS and the single pass's assignment from ``data_seed``, so repeats differ in their noise only.
 
 Methods: DPO2NC with Alg. 3 at period 1 (every step an anchor: the quickstart), at period 16 with the paper's
-independent directions at ``z_{t-1}``, and at period 4 with shared directions; DPZero; DP-SGD (first order); and the
-non-private O2NC.
+independent directions at ``z_{t-1}``, and at period 4 with shared directions; DPO2NC with Alg. 4 on Poisson batches
+(2,000 steps at ``q = 20 / n``: not one pass); DPZero; DP-SGD (first order); and the non-private O2NC.
 
 Usage::
 
@@ -37,6 +37,7 @@ METHODS = {
     "DPO2NC Alg. 3 period 16 (independent directions)": (DPO2NC, ["--model.init_args.period", "16"]),
     "DPO2NC Alg. 3 period 4 (shared directions)": (DPO2NC, ["--model.init_args.period", "4",
                                                                "--model.init_args.difference_directions", "shared"]),
+    "DPO2NC Alg. 4 (multi-pass Poisson) period 1": ("configs/o2nc/quickstart_dpo2nc_multipass.yaml", []),
     "DPZero": ("configs/o2nc/quickstart_dpzero.yaml", []),
     "DP-SGD (first order)": ("configs/o2nc/quickstart_dpsgd.yaml", []),
     "O2NC non-private period 1": ("configs/o2nc/quickstart_o2nc.yaml", []),

@@ -296,14 +296,16 @@ O2NC_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "o2nc")
 
 @pytest.mark.parametrize("path", O2NC_CONFIGS, ids=lambda p: p.stem)
 def test_the_o2nc_configs_run_one_pass_through_the_cli(path, tmp_path, monkeypatch):
-    """Each ``configs/o2nc`` file, on 400 rows instead of 44,000: the whole pass (20 steps), its budget kept, and the
-    phase-retrieval metrics logged at ``x_out``."""
+    """Each ``configs/o2nc`` file, on 400 rows instead of 44,000: the whole pass (20 steps; the Poisson one 20 steps),
+    its budget kept, and the phase-retrieval metrics logged at ``x_out``."""
     monkeypatch.chdir(tmp_path)
     config = yaml.safe_load(path.read_text())
-    assert config["data"]["init_args"]["sampling"] == "single_pass" and config["trainer"]["max_epochs"] == 1
+    sampling = config["data"]["init_args"]["sampling"]
+    assert sampling == "single_pass" and config["trainer"]["max_epochs"] == 1 or sampling == "poisson"
     cli = build_cli(["fit", "--config", str(path), "--data.init_args.n_train", "440", "--data.init_args.n_test", "50",
-                     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"])
+                     "--trainer.max_steps", "20", "--trainer.enable_progress_bar", "false",
+                     "--trainer.enable_model_summary", "false"])
     assert cli.trainer.global_step == 20 and "test_distance" in cli.trainer.callback_metrics
     if cli.model.private:
-        assert cli.model.privacy.sampling.name == "single_pass"
+        assert cli.model.privacy.sampling.name == sampling
         assert 0 < cli.model.privacy.epsilon() <= config["model"]["init_args"]["target_epsilon"]
