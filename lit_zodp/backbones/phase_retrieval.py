@@ -41,6 +41,8 @@ INITS = ("random", "zeros")
 #: generators (seed ``3 * seed + stream``), so equal seeds (all default to 0) never give ``x_0 = x*`` or a row
 #: ``a_i`` parallel to ``x*``.
 SIGNAL_STREAM, INIT_STREAM, ROWS_STREAM = 0, 1, 2
+#: The stream of the Goldstein certificate's points (seed ``3 * certificate_seed + 3``: apart from the others).
+CERTIFICATE_STREAM = 3
 
 
 def seeded_generator(seed: int, stream: int) -> torch.Generator:
@@ -73,6 +75,61 @@ def subgradient_signs(x: Tensor, rows: Tensor) -> Tensor:
     return inner.sign() * (inner.abs() - rows[:, -1]).sign()
 
 
+def ball_points(count: int, dim: int, seed: int) -> Tensor:
+    """``count`` offsets in the unit ball ``B_1`` of ``R^d``, ``[count, d]`` float64: the first is 0 (the point itself),
+    the others uniform in the ball (a uniform direction times ``U^(1/d)``); public, from ``seed``."""
+    generator = seeded_generator(seed, CERTIFICATE_STREAM)
+    radii = torch.rand(count - 1, 1, generator=generator, dtype=torch.float64) ** (1.0 / dim)
+    return torch.cat([torch.zeros(1, dim, dtype=torch.float64), radii * unit_rows(count - 1, dim, generator)])
+
+
+def min_norm_in_hull(vectors: Tensor, iterations: int = 2000) -> Tensor:
+    """``min ||sum_k lambda_k v_k||`` over the simplex (the norm of the minimum-norm point of ``conv{v_k}``), by
+    Frank-Wolfe with exact line search from the mean: an upper bound that tightens with ``iterations`` (float64)."""
+    gram = vectors.to(torch.float64) @ vectors.to(torch.float64).T
+    weights = torch.full((len(vectors),), 1.0 / len(vectors), dtype=torch.float64)
+    for _ in range(iterations):
+        gradient = gram @ weights  # (half the gradient of ||V^T lambda||^2)
+        vertex = int(gradient.argmin())
+        direction = -weights
+        direction[vertex] += 1.0
+        curvature = float(direction @ gram @ direction)
+        if curvature <= 0.0:
+            break
+        step = min(1.0, max(0.0, -float(gradient @ direction) / curvature))
+        if step == 0.0:
+            break
+        weights = weights + step * direction
+    return (weights @ gram @ weights).clamp_min(0.0).sqrt()
+
+
+class GoldsteinBound(Metric):
+    """An upper bound on ``||dbar_r F(x)||``, the norm of the minimum-norm element of the Goldstein subdifferential
+    at radius ``r`` over every row evaluated (the O2NC paper's Def. 2.1; the reading notes' measure (a)).
+
+    Any convex combination of gradients of ``F`` at points of ``B(x, r)`` where ``F`` is differentiable lies in
+    ``d_r F(x)``, so the norm of the minimum-norm point of the hull of the gradients at ``x + r w_k`` (``w_k``:
+    :func:`ball_points`, ``w_0 = 0``) bounds it from above, for the evaluated rows, with no Monte-Carlo error (the
+    points are random, so ``F`` is differentiable at each of them almost surely). More points tighten it.
+    """
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self, count: int, dim: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", default=torch.zeros(count, dim, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("rows", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, gradient_sums: Tensor, count: int) -> None:
+        """Add the sums over ``count`` rows of the per-example gradients at each point, ``[points, d]``."""
+        self.total += gradient_sums.to(self.total)
+        self.rows += count
+
+    def compute(self) -> Tensor:
+        return min_norm_in_hull(self.total / self.rows.clamp_min(1))
+
+
 def signal_distance(x: Tensor, signal: Tensor) -> Tensor:
     """``min_{s = +-1} ||x - s x*|| / ||x*||`` (the sign of ``x*`` is not identifiable)."""
     return torch.minimum((x - signal).norm(), (x + signal).norm()) / signal.norm()
@@ -95,6 +152,9 @@ class PhaseRetrievalLoss(Backbone):
         init_norm: the norm of the random ``x_0`` (``||x*|| = 1``).
         init_seed: the seed of the random ``x_0`` (a stream apart from the signal's: equal seeds are fine).
         dtype: ``"float64"`` (default) or ``"float32"``, as for :class:`~lit_zodp.backbones.QuadraticLoss`.
+        certificate_radius: ``r`` of the ``goldstein`` metric (:class:`GoldsteinBound`): O2NC at smoothing radius
+            ``alpha`` (its ``lam``) certifies ``(2 alpha, beta)``-stationarity of ``F`` (Lemma 2.4), so ``2 lam``.
+        certificate_points: the points of ``B(x, r)`` whose gradients the ``goldstein`` bound combines (``x`` one of them).
     """
 
     num_classes = 1
@@ -103,9 +163,17 @@ class PhaseRetrievalLoss(Backbone):
     shared_data_options = ("signal_seed",)
 
     def __init__(self, dim: int, signal_seed: int = 0, init: str = "random", init_norm: float = 1.0,
-                 init_seed: int = 0, dtype: str = "float64") -> None:
+                 init_seed: int = 0, dtype: str = "float64", certificate_radius: float = 0.1,
+                 certificate_points: int = 32) -> None:
         super().__init__()
         self.dim = check_positive_int("dim", dim)
+        check_positive_int("certificate_points", certificate_points)
+        if isinstance(certificate_radius, bool) or not isinstance(certificate_radius, (int, float)) \
+                or not 0 <= float(certificate_radius) < float("inf"):
+            raise ConfigError(f"Expected the backbone's `certificate_radius` to be a finite float >= 0, but got "
+                              f"{certificate_radius!r}")
+        self.certificate_radius = float(certificate_radius)
+        self.certificate_points = certificate_points
         for name, value in (("signal_seed", signal_seed), ("init_seed", init_seed)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"Expected the backbone's `{name}` to be an int >= 0, but got {value!r}")
@@ -125,6 +193,8 @@ class PhaseRetrievalLoss(Backbone):
         self.x = nn.Parameter(start.to(DTYPES[dtype]))
         # (derived from the configuration: not saved, rebuilt on load)
         self.register_buffer("signal", planted_signal(dim, signal_seed, DTYPES[dtype]), persistent=False)
+        self.register_buffer("certificate_offsets", self.certificate_radius
+                             * ball_points(certificate_points, dim, signal_seed).to(DTYPES[dtype]), persistent=False)
 
     def data_mismatch(self, *, text: bool, example_shape: Optional[tuple[int, ...]]) -> Optional[str]:
         if text or example_shape is None or tuple(example_shape) == (self.dim + 1,):
@@ -164,8 +234,10 @@ class PhaseRetrievalLoss(Backbone):
 
     def evaluation_metrics(self) -> dict[str, Metric]:
         """``loss`` (``F`` over the evaluated set), ``distance`` (to ``+-x*``, data-free: each batch adds the same
-        value, so the mean is that value) and ``grad_norm`` (the norm of the mean per-example subgradient)."""
-        return {"loss": MeanLoss(), "distance": MeanLoss(), "grad_norm": GradientNorm(self.dim)}
+        value, so the mean is that value), ``grad_norm`` (the norm of the mean per-example subgradient) and
+        ``goldstein`` (:class:`GoldsteinBound` at ``certificate_radius``)."""
+        return {"loss": MeanLoss(), "distance": MeanLoss(), "grad_norm": GradientNorm(self.dim),
+                "goldstein": GoldsteinBound(self.certificate_points, self.dim)}
 
     @torch.no_grad()
     def update_evaluation(self, metrics: Mapping[str, Metric], inputs: Tensor, targets: Tensor) -> None:
@@ -173,6 +245,9 @@ class PhaseRetrievalLoss(Backbone):
         metrics["loss"].update(self(rows))
         metrics["distance"].update(self.distance().reshape(1))
         metrics["grad_norm"].update(subgradient_signs(self.x, rows) @ rows[:, :-1], len(rows))
+        points = self.x + self.certificate_offsets  # [points, d]
+        signs = torch.stack([subgradient_signs(point, rows) for point in points])  # [points, B]
+        metrics["goldstein"].update(signs @ rows[:, :-1], len(rows))
 
 
 def _signs(layer: PhaseRetrievalLoss, inputs: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
@@ -210,5 +285,5 @@ register_sampler(PhaseRetrievalLoss, parameters=("x",), norms=_per_example_norms
                  summed=_summed_grads)(_per_example_grads)
 
 
-__all__ = ["INITS", "PhaseRetrievalLoss", "phase_retrieval_losses", "planted_signal", "seeded_generator",
+__all__ = ["GoldsteinBound", "INITS", "PhaseRetrievalLoss", "ball_points", "min_norm_in_hull", "phase_retrieval_losses", "planted_signal", "seeded_generator",
            "signal_distance", "subgradient_signs", "unit_rows"]

@@ -12,7 +12,7 @@ from torch.func import functional_call, grad, vmap
 from datamodules import PhaseRetrievalDataModule
 from lit_zodp.algorithms import DPSGD, DPZero, MeZO
 from lit_zodp.backbones import PhaseRetrievalLoss
-from lit_zodp.backbones.phase_retrieval import planted_signal, unit_rows
+from lit_zodp.backbones.phase_retrieval import ball_points, min_norm_in_hull, planted_signal, unit_rows
 from lit_zodp.errors import ConfigError
 from lit_zodp.per_example import PerExampleGradientEngine
 from tests.conftest import quiet_trainer
@@ -170,7 +170,7 @@ def test_test_logs_the_loss_the_distance_and_the_subgradient_norm_over_the_whole
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         (metrics,) = quiet_trainer(max_steps=1).test(module, datamodule=data, verbose=False)
-    assert set(metrics) == {"test_loss", "test_distance", "test_grad_norm"}
+    assert set(metrics) == {"test_loss", "test_distance", "test_grad_norm", "test_goldstein"}
     x, signal = model.x.detach(), planted_signal(5, 2)
     assert metrics["test_distance"] == pytest.approx(float(min((x - signal).norm(), (x + signal).norm())), rel=1e-6)
     assert metrics["test_grad_norm"] == pytest.approx(float(model.gradient(test_rows).norm()), rel=1e-6)
@@ -224,3 +224,57 @@ def test_a_signal_other_than_the_datas_is_refused_at_setup():
                                           r"but the data module has `signal_seed` 1: set the same `signal_seed` on "
                                           r"both$"):
         quiet_trainer(max_steps=1).fit(MeZO(PhaseRetrievalLoss(5), lr=1e-3), datamodule=data)
+
+
+# ------------------------------------------------------------------------ the Goldstein certificate
+def test_the_min_norm_point_of_a_hull():
+    e1, e2 = torch.eye(2, dtype=torch.float64)
+    assert float(min_norm_in_hull(torch.stack([e1, -e1]))) == pytest.approx(0.0, abs=1e-12)
+    assert float(min_norm_in_hull(torch.stack([e1, e2]))) == pytest.approx(2 ** -0.5, rel=1e-9)
+    assert float(min_norm_in_hull(torch.stack([3 * e1]))) == pytest.approx(3.0)
+    # against a dense scan of the simplex of three random vectors in R^2 (a segment or the hull's nearest point)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        vectors = torch.randn(3, 2, generator=g, dtype=torch.float64) + 2.0
+        grid = torch.linspace(0, 1, 401, dtype=torch.float64)
+        l1, l2 = torch.meshgrid(grid, grid, indexing="ij")
+        keep = l1 + l2 <= 1
+        weights = torch.stack([l1[keep], l2[keep], 1 - l1[keep] - l2[keep]], 1)
+        scanned = float((weights @ vectors).norm(dim=1).min())
+        assert float(min_norm_in_hull(vectors)) == pytest.approx(scanned, abs=2e-3)
+        assert float(min_norm_in_hull(vectors)) <= scanned + 1e-9
+
+
+def goldstein(model, data):
+    metrics = model.evaluation_metrics()
+    model.update_evaluation(metrics, data, torch.zeros(len(data), dtype=torch.long))
+    return {name: float(metric.compute()) for name, metric in metrics.items()}
+
+
+def test_the_goldstein_bound_is_small_near_the_signal_and_the_gradient_norm_far_from_it():
+    """0.02 from ``x*`` (clean data) the gradient norm is 0.29 (``F`` is nonsmooth at its minimiser: no gradient
+    vanishes near it), but gradients around ``x*`` cancel, so the bound at ``r = 0.1`` is below 0.01: the point is
+    ``(0.1, 0.01)``-stationary. At ``r = 0`` every point is ``x`` and the bound is ``grad_norm``; far from ``x*`` (norm
+    5, where ``F`` grows about linearly) it stays near ``grad_norm``. It never exceeds ``grad_norm`` (``x`` is one
+    of its points)."""
+    data = rows(4000, 8)
+    near_signal = PhaseRetrievalLoss(8, certificate_radius=0.1)
+    with torch.no_grad():
+        near_signal.x.copy_(planted_signal(8, 0) + 0.02 * unit_rows(1, 8, torch.Generator().manual_seed(5))[0])
+    near = goldstein(near_signal, data)
+    assert near["goldstein"] < 0.01 and near["grad_norm"] > 0.2
+    exact = PhaseRetrievalLoss(8, certificate_radius=0.0)
+    far = PhaseRetrievalLoss(8, certificate_radius=0.1, init_norm=5.0)
+    assert goldstein(exact, data)["goldstein"] == pytest.approx(goldstein(exact, data)["grad_norm"], rel=1e-9)
+    values = goldstein(far, data)
+    assert 0.8 * values["grad_norm"] <= values["goldstein"] <= values["grad_norm"] + 1e-12
+
+
+def test_the_certificate_points_are_in_the_ball_public_and_include_x():
+    points = ball_points(64, 5, 0)
+    assert torch.equal(points[0], torch.zeros(5, dtype=torch.float64)) and float(points.norm(dim=1).max()) <= 1.0
+    assert torch.equal(points, ball_points(64, 5, 0)) and not torch.equal(points, ball_points(64, 5, 1))
+    with pytest.raises(ConfigError, match="certificate_radius"):
+        PhaseRetrievalLoss(4, certificate_radius=-1.0)
+    with pytest.raises(ConfigError, match="certificate_points"):
+        PhaseRetrievalLoss(4, certificate_points=0)
