@@ -152,7 +152,7 @@ class DPO2NC(ZerothOrderModule):
       anchor (first step of a period of Sigma):  leaf_t = sum_i clip_C(v(z_t; xi_i))
       other steps:  leaf_t = sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))   (independent directions for each)
       Alg. 3:  gt_t = (sum of the period's leaves + TREE(p)) / B   (tree mechanism, single pass)
-      Alg. 4:  gt_t = [gt_{t-1} if not anchor] + (leaf_t + N(0, (2 sigma C)^2 I)) / B
+      Alg. 4:  gt_t = [gt_{t-1} if not anchor] + (leaf_t + N(0, (2 sigma C)^2 I)) / B   (sigma C: add/remove)
 
     Args (besides :class:`~lit_zodp.algorithms.AlgorithmModule`'s; ``lr`` is ``eta``, ``clip`` is ``C``):
         lam: ``alpha``, the smoothing radius of eq. 4 (``lam`` as in every zeroth-order module here), the radius the
