@@ -79,14 +79,29 @@ def sphere_directions(run_seed: int, step: int, indices: range, dim: int, device
 def clipped_combination(coefficients: Tensor, directions: Tensor, clip: float) -> Tensor:
     """``sum_i clip_C(v_i)`` for ``v_i = sum_j c_ij y_j`` (``coefficients [B, k]``, ``directions [k, d]``), float64.
 
-    ``||v_i||^2 = c_i^T (Y Y^T) c_i`` from the ``k x k`` Gram matrix, so no ``B x d`` tensor is formed; the clipped
-    sum is ``(sum_i w_i c_i) Y``. A row with a non-finite coefficient (a NaN or infinite loss) contributes zero.
+    Each ``v_i`` is formed (in chunks of rows, about ``k x d`` values at a time) and clipped by its own computed norm,
+    so the clipped share that enters the sum is the vector that was measured. The norms once came from the Gram
+    matrix, ``c_i^T (Y Y^T) c_i``: exact in real numbers, but when ``v_i`` is small beside ``|c_i|`` (a difference
+    ``v(z_t) - v(z_{t-1})`` of two huge, nearly equal estimates: shared directions, or ``d = 1``) its rounding error,
+    ``~ eps |c_i|^2``, swamped ``||v_i||^2``, and a crafted record entered the leaf hundreds of times over ``C``
+    (review 58). A row with a non-finite coefficient (a NaN or infinite loss), or whose ``v_i`` overflows,
+    contributes zero.
     """
     coefficients = coefficients.to(torch.float64)
-    coefficients = coefficients.where(torch.isfinite(coefficients).all(dim=1, keepdim=True), 0.0)
-    gram = directions @ directions.T
-    norms = ((coefficients @ gram) * coefficients).sum(dim=1).clamp_min(0.0).sqrt()
-    return (clip_factors(norms, clip) @ coefficients) @ directions
+    directions = directions.to(torch.float64)
+    total = torch.zeros(directions.shape[1], dtype=torch.float64, device=directions.device)
+    chunk = max(1, min(len(coefficients), max(len(directions), (1 << 22) // max(1, directions.shape[1]))))
+    for start in range(0, len(coefficients), chunk):
+        rows = coefficients[start:start + chunk]
+        rows = rows.where(torch.isfinite(rows).all(dim=1, keepdim=True), 0.0)
+        vectors = rows @ directions
+        finite = torch.isfinite(vectors).all(dim=1, keepdim=True)
+        vectors = vectors.where(finite, 0.0)
+        norms = vectors.norm(dim=1)
+        finite = finite.squeeze(1) & torch.isfinite(norms)  # (a row of finite entries whose norm overflows)
+        factors = clip_factors(norms.where(finite, 0.0), clip).where(finite, 0.0)
+        total += factors @ vectors
+    return total
 
 
 def project_to_ball(vector: Tensor, radius: float) -> Tensor:

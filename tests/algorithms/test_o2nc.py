@@ -307,3 +307,39 @@ def test_the_o2nc_configs_run_one_pass_through_the_cli(path, tmp_path, monkeypat
     if cli.model.private:
         assert cli.model.privacy.sampling.name == "single_pass"
         assert 0 < cli.model.privacy.epsilon() <= config["model"]["init_args"]["target_epsilon"]
+
+
+# ------------------------------------------------------------------------------ review 58
+def test_a_difference_of_two_huge_nearly_equal_estimates_is_clipped_to_c():
+    """Review 58: the norms came from the Gram matrix, ``c^T (Y Y^T) c``, which loses all accuracy when the example's
+    difference ``v(z_t) - v(z_{t-1})`` is small beside each estimate (shared directions, or d = 1): a record with a
+    steep loss at two close points (phase retrieval's ``(<a, x>^2 - b)`` with a huge ``a``) had its norm computed as
+    ~0 and entered the leaf unclipped (a share of norm 3e5 at C = 1)."""
+    m, d = 2, 3
+    now = sphere_directions(0, 1, range(m), d, "cpu")
+    a = torch.tensor([3e9, -1e9, 2e9], dtype=torch.float64)
+    f = lambda p: float((a @ p) ** 2)  # noqa: E731
+    z_before = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    worst = 0.0
+    for shift in (1e-6, 1e-7, 1e-8, 1e-9, 3e-9):
+        z_now = z_before + shift * torch.tensor([1.0, -0.3, 0.7], dtype=torch.float64)
+        scale, alpha = d / (2 * 0.01 * m), 0.01
+        c = lambda p, ys: torch.tensor([(f(p + alpha * y) - f(p - alpha * y)) * scale for y in ys])  # noqa: E731
+        coefficients = torch.cat([c(z_now, now), -c(z_before, now)]).unsqueeze(0)
+        for clip in (1.0, 1e3):
+            worst = max(worst, float(clipped_combination(coefficients, torch.cat([now, now]), clip).norm()) / clip)
+    assert worst <= 1.0
+    # and the worst crafted coefficients (found by search), in d = 3 and d = 1 (every direction +-1)
+    for dim in (3, 1):
+        directions = torch.cat([sphere_directions(0, 1, range(2), dim, "cpu")] * 2)
+        big = 1e21 * (1 + 123 / 997)
+        crafted = torch.tensor([[big + 1e5, big - 1e5 / 3, -big, -big]], dtype=torch.float64)
+        assert float(clipped_combination(crafted, directions, 1.0).norm()) <= 1.0
+
+
+def test_a_combination_that_overflows_contributes_zero_not_nan():
+    directions = torch.cat([sphere_directions(0, 1, range(2), 3, "cpu")] * 2)
+    rows = torch.tensor([[1e308, 1e308, 1e308, 1e308], [0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    out = clipped_combination(rows, directions, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, clipped_combination(rows[1:], directions, 1.0))
