@@ -49,7 +49,7 @@ from lit_zodp.errors import (
     raise_if_any,
 )
 from lit_zodp.privacy import GaussianRelease, StepPlan, TreeAggregator, releases_per_leaf
-from lit_zodp.privacy.clipping import check_clip, clip_factors
+from lit_zodp.privacy.clipping import clip_factors
 from lit_zodp.zo import derive_seed
 
 ESTIMATE = "gradient estimate"
@@ -209,9 +209,10 @@ class DPO2NC(ZerothOrderModule):
             _choice("oracle", oracle, ORACLES),
             _choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
             _choice("output", output, OUTPUTS),
+            # (named: check_clip said `clip`; and a private run needs a finite C', its node noise r sigma C grows with it)
+            None if difference_clip is None else check_positive("difference_clip", difference_clip,
+                                                                 allow_inf=not self.private),
         ])
-        if difference_clip is not None:
-            check_clip(difference_clip)
         if self.private:
             kwargs["neighbours"] = neighbours
         super().__init__(backbone, lam=lam, num_directions=num_directions, **FIXED_OPTIONS, **kwargs)

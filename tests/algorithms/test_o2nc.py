@@ -269,6 +269,9 @@ def test_checkpoints_hold_alg2s_public_state_and_no_running_sum_and_a_resume_sta
     (dict(output="best"), "`output`"),
     (dict(directions="gaussian"), "no option `directions`"),
     (dict(weight_decay=0.1), "no option `weight_decay`"),
+    (dict(difference_clip=0.0), "`difference_clip`"),  # (review 58: these named `clip`, or a release's sensitivity)
+    (dict(difference_clip=math.nan), "`difference_clip`"),
+    (dict(difference_clip=math.inf), "`difference_clip` to be finite"),
 ])
 def test_configuration_errors_name_the_option(options, message):
     with pytest.raises(PrivacyConfigError, match=message) as info:
