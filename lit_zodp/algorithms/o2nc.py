@@ -17,6 +17,11 @@ Choices where the paper is silent, or where its text is off (reading notes, Sec.
   here. The tree's node noise is calibrated to the larger, ``max(C, C')``.
 * The tree's positions run ``1..Sigma`` within a period (Alg. 1's ``TREE(t mod Sigma)`` adds no noise at a period's
   last step; :mod:`lit_zodp.privacy.tree`), and one leaf lies in ``floor(log2 Sigma) + 1`` released nodes.
+* One set of directions per step, shared by every example of the batch (public, from the run seed and the step):
+  Alg. 3 lines 4-5 and 11-12 (and Alg. 4's) draw ``y_1..y_m`` inside the loop over the samples, a set per example.
+  Shared, the batch is probed at ``2m`` points (``4m`` at a difference step) instead of ``B`` times as many; the price
+  is variance: the directions' spread, Lemma 3.6's ``L^2 d^2 / (B m)`` and ``L^2 d^2 Sigma / (m B2)`` terms, no
+  longer shrinks with ``B`` (review 58). Privacy is unchanged: each example's estimate is clipped either way.
 * Directions ``y_j`` uniform on the unit sphere (eq. 4 and Lemma 3.4's norm bound), where Alg. 3 lines 12-13 print
   the ball. The smoothing radius ``alpha`` (option ``lam``) is the Goldstein radius the guarantee is stated at (Lemma 2.4: ``2 alpha``
   for ``F``).
@@ -167,7 +172,8 @@ class DPO2NC(ZerothOrderModule):
       anchor (first step of a period of Sigma):  leaf_t = sum_i clip_C(v(z_t; xi_i))
       other steps:  leaf_t = sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))   (independent directions for each)
       Alg. 3:  gt_t = (sum of the period's leaves + TREE(p)) / B   (tree mechanism, single pass)
-      Alg. 4:  gt_t = [gt_{t-1} if not anchor] + (leaf_t + N(0, (2 sigma C)^2 I)) / B
+      Alg. 4:  gt_t = [gt_{t-1} if not anchor] + (leaf_t + N(0, (k r sigma C)^2 I)) / B
+    (``r = max(1, C'/C)``; ``k = 2`` for replace-one neighbours, 1 for add/remove; Alg. 3's node noise is the same)
 
     Args (besides :class:`~lit_zodp.algorithms.AlgorithmModule`'s; ``lr`` is ``eta``, ``clip`` is ``C``):
         lam: ``alpha``, the smoothing radius of eq. 4 (``lam`` as in every zeroth-order module here), the radius the
