@@ -43,11 +43,13 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import (
+    LitZodpWarning,
     PrivacyConfigError,
     check_positive,
     check_positive_int,
@@ -251,11 +253,32 @@ class DPO2NC(ZerothOrderModule):
                 f"{type(self).__name__}(oracle='single_pass') is Alg. 3, whose tree mechanism is accounted over one "
                 f"pass (each example in one step), but the private loader samples {self.privacy.sampling.name!r}: set "
                 "the DataModule's `sampling: single_pass`, or oracle='multi_pass' (Alg. 4)")
+        self._warn_about_oversized_options()
         self.tree.reset()  # (a new fit, or a resumed one: a new period, its secrets in memory only)
         self._start_state()
         if self._state["holding_output"]:  # the model holds x_out since the last fit ended: continue from x_T
             write_point(self.o2nc_params, self._state["last"])
             self._state["holding_output"] = False
+
+    def _warn_about_oversized_options(self) -> None:
+        """A ``period`` beyond the single pass costs noise for nodes no step reaches (each leaf is accounted in
+        ``floor(log2 Sigma) + 1``), and a ``window`` beyond the fit's steps gives no ``x_out`` (the model keeps
+        ``x_T``): both were silent (review 58)."""
+        sampling = self.privacy.sampling if self.private else None
+        steps = getattr(sampling, "steps", None) if getattr(sampling, "name", None) == "single_pass" else None
+        if self.oracle == "single_pass" and steps is not None and self.period > steps:
+            rank_zero_warn(
+                f"{type(self).__name__}: period={self.period} exceeds the single pass ({steps} steps), so each leaf is "
+                f"accounted in {releases_per_leaf(self.period)} tree nodes where {releases_per_leaf(steps)} would do "
+                f"(more noise for the same epsilon): set period <= {steps}", category=LitZodpWarning)
+        planned = self.trainer.estimated_stepping_batches if self._trainer is not None else None
+        done = self._state.get("windows_done", 0) if self._state else 0
+        if (self.output == "window" and not done and isinstance(planned, (int, float)) and math.isfinite(planned)
+                and planned < self.window):
+            rank_zero_warn(
+                f"{type(self).__name__}: window={self.window} exceeds the fit's {int(planned)} steps, so no window "
+                "completes and the model keeps x_T, not Alg. 2's x_out: set window <= the steps, or output='last'",
+                category=LitZodpWarning)
 
     def on_train_end(self) -> None:
         """Alg. 2 line 4: the model takes ``x_out`` (``output="window"``), ``x_T`` kept to continue from."""

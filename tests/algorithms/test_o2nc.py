@@ -393,3 +393,13 @@ def test_a_crafted_steep_record_moves_a_leaf_by_at_most_2c_given_the_past(monkey
     assert len(moves) == 8 and moves[0][0] and not any(anchor for anchor, _ in moves[1:])
     for anchor, moved in moves:
         assert moved <= 2 * (clip if anchor else difference_clip)
+
+
+def test_a_period_beyond_the_pass_and_a_window_beyond_the_fit_warn():
+    """Review 58: period=64 on a pass of 8 steps accounted each leaf in 7 nodes where 4 do; window=20 over 3 steps
+    never set x_out. Both were silent."""
+    rows = 1.0 + torch.randn(40, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with pytest.warns(Warning, match="period=64 exceeds the single pass \\(8 steps\\).*7 tree nodes where 4"):
+        quiet_trainer(max_steps=2).fit(private(period=64, noise_seed=0), single_pass(rows, 5))
+    with pytest.warns(Warning, match="window=20 exceeds the fit's 3 steps"):
+        quiet_trainer(max_steps=3).fit(private(window=20, noise_seed=0), single_pass(rows, 5))
