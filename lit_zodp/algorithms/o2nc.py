@@ -217,7 +217,7 @@ class DPO2NC(ZerothOrderModule):
             _choice("oracle", oracle, ORACLES),
             _choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
             _choice("output", output, OUTPUTS),
-            # (named: check_clip said `clip`; and a private run needs a finite C', its node noise r sigma C grows with it)
+            # (named: check_clip said `clip`; a private run needs a finite C': its node noise r sigma C grows with it)
             None if difference_clip is None else check_positive("difference_clip", difference_clip,
                                                                  allow_inf=not self.private),
         ])
