@@ -30,7 +30,15 @@ PROJECTED = {"DPGRAPE", "DPGaLore"}
 #: PAZO's public batches: one per step from the DataModule, the same on every rank (slow: ~2 min for the three).
 PUBLIC = {name for name in PRIVATE if getattr(ALGORITHMS[name], "needs_public_batches", False)}
 PUBLIC_DATA = {"public_fraction": 0.1, "public_in_step": True, "public_batch_size": 6}
-REGISTRY = [pytest.param(name, marks=pytest.mark.slow) if name in PROJECTED | PUBLIC else name for name in PRIVATE]
+#: Options a module needs on TINY (review 58: DPO2NC's default oracle, Alg. 3, refuses TINY's Poisson loader, so both
+#: DDP checks failed at its fit start): Alg. 3's tree on a single pass of 16 steps (256 rows, 16 a step), and Alg. 4
+#: (``DPO2NC[multi_pass]``) on the Poisson batches.
+VARIANTS = {
+    "DPO2NC": ({"period": 4, "num_directions": 2}, {"sampling": "single_pass", "batch_size": 16}),
+    "DPO2NC[multi_pass]": ({"oracle": "multi_pass", "period": 4, "num_directions": 2}, {}),
+}
+REGISTRY = [pytest.param(name, marks=pytest.mark.slow) if name in PROJECTED | PUBLIC | set(VARIANTS) - set(PRIVATE)
+            else name for name in PRIVATE + sorted(v for v in VARIANTS if v not in PRIVATE)]
 
 
 def importable_from(folder) -> dict:
@@ -47,10 +55,13 @@ def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None, cal
                                         *callbacks])
     if devices > 1:
         config["trainer"]["strategy"] = "ddp"
+    variant_model, variant_data = VARIANTS.get(algorithm, ({}, {}))
+    algorithm = algorithm.split("[")[0]
     config["model"]["class_path"] = f"lit_zodp.algorithms.{algorithm}"
-    config["model"]["init_args"].update({"seed": 7, "noise_seed": 5, **(model_args or {})})
+    config["model"]["init_args"].update({"seed": 7, "noise_seed": 5, **variant_model, **(model_args or {})})
     config["data"]["init_args"].update({"sampling_seed": 123, "n_samples": 256,
-                                        **(PUBLIC_DATA if algorithm in PUBLIC else {}), **(data_args or {})})
+                                        **(PUBLIC_DATA if algorithm in PUBLIC else {}), **variant_data,
+                                        **(data_args or {})})
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     arguments = ["fit", "--config", str(path), "--test_after_fit", "false"]

@@ -17,6 +17,11 @@ Choices where the paper is silent, or where its text is off (reading notes, Sec.
   here. The tree's node noise is calibrated to the larger, ``max(C, C')``.
 * The tree's positions run ``1..Sigma`` within a period (Alg. 1's ``TREE(t mod Sigma)`` adds no noise at a period's
   last step; :mod:`lit_zodp.privacy.tree`), and one leaf lies in ``floor(log2 Sigma) + 1`` released nodes.
+* One set of directions per step, shared by every example of the batch (public, from the run seed and the step):
+  Alg. 3 lines 4-5 and 11-12 (and Alg. 4's) draw ``y_1..y_m`` inside the loop over the samples, a set per example.
+  Shared, the batch is probed at ``2m`` points (``4m`` at a difference step) instead of ``B`` times as many; the price
+  is variance: the directions' spread, Lemma 3.6's ``L^2 d^2 / (B m)`` and ``L^2 d^2 Sigma / (m B2)`` terms, no
+  longer shrinks with ``B`` (review 58). Privacy is unchanged: each example's estimate is clipped either way.
 * Directions ``y_j`` uniform on the unit sphere (eq. 4 and Lemma 3.4's norm bound), where Alg. 3 lines 12-13 print
   the ball. The smoothing radius ``alpha`` (option ``lam``) is the Goldstein radius the guarantee is stated at (Lemma 2.4: ``2 alpha``
   for ``F``).
@@ -38,18 +43,20 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import (
+    LitZodpWarning,
     PrivacyConfigError,
     check_positive,
     check_positive_int,
     raise_if_any,
 )
 from lit_zodp.privacy import GaussianRelease, StepPlan, TreeAggregator, releases_per_leaf
-from lit_zodp.privacy.clipping import check_clip, clip_factors
+from lit_zodp.privacy.clipping import clip_factors
 from lit_zodp.zo import derive_seed
 
 ESTIMATE = "gradient estimate"
@@ -79,14 +86,29 @@ def sphere_directions(run_seed: int, step: int, indices: range, dim: int, device
 def clipped_combination(coefficients: Tensor, directions: Tensor, clip: float) -> Tensor:
     """``sum_i clip_C(v_i)`` for ``v_i = sum_j c_ij y_j`` (``coefficients [B, k]``, ``directions [k, d]``), float64.
 
-    ``||v_i||^2 = c_i^T (Y Y^T) c_i`` from the ``k x k`` Gram matrix, so no ``B x d`` tensor is formed; the clipped
-    sum is ``(sum_i w_i c_i) Y``. A row with a non-finite coefficient (a NaN or infinite loss) contributes zero.
+    Each ``v_i`` is formed (in chunks of rows, about ``k x d`` values at a time) and clipped by its own computed norm,
+    so the clipped share that enters the sum is the vector that was measured. The norms once came from the Gram
+    matrix, ``c_i^T (Y Y^T) c_i``: exact in real numbers, but when ``v_i`` is small beside ``|c_i|`` (a difference
+    ``v(z_t) - v(z_{t-1})`` of two huge, nearly equal estimates: shared directions, or ``d = 1``) its rounding error,
+    ``~ eps |c_i|^2``, swamped ``||v_i||^2``, and a crafted record entered the leaf hundreds of times over ``C``
+    (review 58). A row with a non-finite coefficient (a NaN or infinite loss), or whose ``v_i`` overflows,
+    contributes zero.
     """
     coefficients = coefficients.to(torch.float64)
-    coefficients = coefficients.where(torch.isfinite(coefficients).all(dim=1, keepdim=True), 0.0)
-    gram = directions @ directions.T
-    norms = ((coefficients @ gram) * coefficients).sum(dim=1).clamp_min(0.0).sqrt()
-    return (clip_factors(norms, clip) @ coefficients) @ directions
+    directions = directions.to(torch.float64)
+    total = torch.zeros(directions.shape[1], dtype=torch.float64, device=directions.device)
+    chunk = max(1, min(len(coefficients), max(len(directions), (1 << 22) // max(1, directions.shape[1]))))
+    for start in range(0, len(coefficients), chunk):
+        rows = coefficients[start:start + chunk]
+        rows = rows.where(torch.isfinite(rows).all(dim=1, keepdim=True), 0.0)
+        vectors = rows @ directions
+        finite = torch.isfinite(vectors).all(dim=1, keepdim=True)
+        vectors = vectors.where(finite, 0.0)
+        norms = vectors.norm(dim=1)
+        finite = finite.squeeze(1) & torch.isfinite(norms)  # (a row of finite entries whose norm overflows)
+        factors = clip_factors(norms.where(finite, 0.0), clip).where(finite, 0.0)
+        total += factors @ vectors
+    return total
 
 
 def project_to_ball(vector: Tensor, radius: float) -> Tensor:
@@ -152,7 +174,8 @@ class DPO2NC(ZerothOrderModule):
       anchor (first step of a period of Sigma):  leaf_t = sum_i clip_C(v(z_t; xi_i))
       other steps:  leaf_t = sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))   (independent directions for each)
       Alg. 3:  gt_t = (sum of the period's leaves + TREE(p)) / B   (tree mechanism, single pass)
-      Alg. 4:  gt_t = [gt_{t-1} if not anchor] + (leaf_t + N(0, (2 sigma C)^2 I)) / B   (sigma C: add/remove)
+      Alg. 4:  gt_t = [gt_{t-1} if not anchor] + (leaf_t + N(0, (k r sigma C)^2 I)) / B
+    (``r = max(1, C'/C)``; ``k = 2`` for replace-one neighbours, 1 for add/remove; Alg. 3's node noise is the same)
 
     Args (besides :class:`~lit_zodp.algorithms.AlgorithmModule`'s; ``lr`` is ``eta``, ``clip`` is ``C``):
         lam: ``alpha``, the smoothing radius of eq. 4 (``lam`` as in every zeroth-order module here), the radius the
@@ -194,9 +217,10 @@ class DPO2NC(ZerothOrderModule):
             _choice("oracle", oracle, ORACLES),
             _choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
             _choice("output", output, OUTPUTS),
+            # (named: check_clip said `clip`; a private run needs a finite C': its node noise r sigma C grows with it)
+            None if difference_clip is None else check_positive("difference_clip", difference_clip,
+                                                                 allow_inf=not self.private),
         ])
-        if difference_clip is not None:
-            check_clip(difference_clip)
         if self.private:
             kwargs["neighbours"] = neighbours
         super().__init__(backbone, lam=lam, num_directions=num_directions, **FIXED_OPTIONS, **kwargs)
@@ -229,11 +253,32 @@ class DPO2NC(ZerothOrderModule):
                 f"{type(self).__name__}(oracle='single_pass') is Alg. 3, whose tree mechanism is accounted over one "
                 f"pass (each example in one step), but the private loader samples {self.privacy.sampling.name!r}: set "
                 "the DataModule's `sampling: single_pass`, or oracle='multi_pass' (Alg. 4)")
+        self._warn_about_oversized_options()
         self.tree.reset()  # (a new fit, or a resumed one: a new period, its secrets in memory only)
         self._start_state()
         if self._state["holding_output"]:  # the model holds x_out since the last fit ended: continue from x_T
             write_point(self.o2nc_params, self._state["last"])
             self._state["holding_output"] = False
+
+    def _warn_about_oversized_options(self) -> None:
+        """A ``period`` beyond the single pass costs noise for nodes no step reaches (each leaf is accounted in
+        ``floor(log2 Sigma) + 1``), and a ``window`` beyond the fit's steps gives no ``x_out`` (the model keeps
+        ``x_T``): both were silent (review 58)."""
+        sampling = self.privacy.sampling if self.private else None
+        steps = getattr(sampling, "steps", None) if getattr(sampling, "name", None) == "single_pass" else None
+        if self.oracle == "single_pass" and steps is not None and self.period > steps:
+            rank_zero_warn(
+                f"{type(self).__name__}: period={self.period} exceeds the single pass ({steps} steps), so each leaf is "
+                f"accounted in {releases_per_leaf(self.period)} tree nodes where {releases_per_leaf(steps)} would do "
+                f"(more noise for the same epsilon): set period <= {steps}", category=LitZodpWarning)
+        planned = self.trainer.estimated_stepping_batches if self._trainer is not None else None
+        done = self._state.get("windows_done", 0) if self._state else 0
+        if (self.output == "window" and not done and isinstance(planned, (int, float)) and math.isfinite(planned)
+                and planned < self.window):
+            rank_zero_warn(
+                f"{type(self).__name__}: window={self.window} exceeds the fit's {int(planned)} steps, so no window "
+                "completes and the model keeps x_T, not Alg. 2's x_out: set window <= the steps, or output='last'",
+                category=LitZodpWarning)
 
     def on_train_end(self) -> None:
         """Alg. 2 line 4: the model takes ``x_out`` (``output="window"``), ``x_T`` kept to continue from."""

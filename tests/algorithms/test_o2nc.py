@@ -269,6 +269,9 @@ def test_checkpoints_hold_alg2s_public_state_and_no_running_sum_and_a_resume_sta
     (dict(output="best"), "`output`"),
     (dict(directions="gaussian"), "no option `directions`"),
     (dict(weight_decay=0.1), "no option `weight_decay`"),
+    (dict(difference_clip=0.0), "`difference_clip`"),  # (review 58: these named `clip`, or a release's sensitivity)
+    (dict(difference_clip=math.nan), "`difference_clip`"),
+    (dict(difference_clip=math.inf), "`difference_clip` to be finite"),
 ])
 def test_configuration_errors_name_the_option(options, message):
     with pytest.raises(PrivacyConfigError, match=message) as info:
@@ -309,3 +312,96 @@ def test_the_o2nc_configs_run_one_pass_through_the_cli(path, tmp_path, monkeypat
     if cli.model.private:
         assert cli.model.privacy.sampling.name == sampling
         assert 0 < cli.model.privacy.epsilon() <= config["model"]["init_args"]["target_epsilon"]
+
+
+# ------------------------------------------------------------------------------ review 58
+def test_a_difference_of_two_huge_nearly_equal_estimates_is_clipped_to_c():
+    """Review 58 (unit level: not reproduced end to end on the float64 quadratic or phase retrieval, whose rounded
+    losses hide the cancellation; a loss with a steep linear part and a little curvature is the regime): the norms
+    came from the Gram matrix, ``c^T (Y Y^T) c``, which loses all accuracy when the example's
+    difference ``v(z_t) - v(z_{t-1})`` is small beside each estimate (shared directions, or d = 1): a record with a
+    steep, curved loss at two close points (here ``<a, x>^2`` with a huge ``a``) had its norm computed as
+    ~0 and entered the leaf unclipped (a share of norm 3e5 at C = 1)."""
+    m, d = 2, 3
+    now = sphere_directions(0, 1, range(m), d, "cpu")
+    a = torch.tensor([3e9, -1e9, 2e9], dtype=torch.float64)
+    f = lambda p: float((a @ p) ** 2)  # noqa: E731
+    z_before = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    worst = 0.0
+    for shift in (1e-6, 1e-7, 1e-8, 1e-9, 3e-9):
+        z_now = z_before + shift * torch.tensor([1.0, -0.3, 0.7], dtype=torch.float64)
+        scale, alpha = d / (2 * 0.01 * m), 0.01
+        c = lambda p, ys: torch.tensor([(f(p + alpha * y) - f(p - alpha * y)) * scale for y in ys])  # noqa: E731
+        coefficients = torch.cat([c(z_now, now), -c(z_before, now)]).unsqueeze(0)
+        for clip in (1.0, 1e3):
+            worst = max(worst, float(clipped_combination(coefficients, torch.cat([now, now]), clip).norm()) / clip)
+    assert worst <= 1.0
+    # and the worst crafted coefficients (found by search), in d = 3 and d = 1 (every direction +-1)
+    for dim in (3, 1):
+        directions = torch.cat([sphere_directions(0, 1, range(2), dim, "cpu")] * 2)
+        big = 1e21 * (1 + 123 / 997)
+        crafted = torch.tensor([[big + 1e5, big - 1e5 / 3, -big, -big]], dtype=torch.float64)
+        assert float(clipped_combination(crafted, directions, 1.0).norm()) <= 1.0
+
+
+def test_a_combination_that_overflows_contributes_zero_not_nan():
+    directions = torch.cat([sphere_directions(0, 1, range(2), 3, "cpu")] * 2)
+    rows = torch.tensor([[1e308, 1e308, 1e308, 1e308], [0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    out = clipped_combination(rows, directions, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, clipped_combination(rows[1:], directions, 1.0))
+
+
+def _replaced_leaf_moves(monkeypatch, module, rows, crafted_row, steps):
+    """Fit ``module`` on a single pass of ``rows``; at each step, the leaf also computed at the same points (the same
+    past: adaptive composition conditions on it) with the batch's first row replaced by ``crafted_row``. Returns
+    ``(anchor, norm of the leaf's move)`` per step."""
+    moves = []
+    anchor_leaf, difference_leaf = DPO2NC.anchor_leaf, DPO2NC.difference_leaf
+
+    def replaced(inputs):
+        inputs = inputs.clone()
+        inputs[0] = crafted_row
+        return inputs
+
+    def anchor(self, z, inputs, targets):
+        leaf = anchor_leaf(self, z, inputs, targets)
+        moves.append((True, float((anchor_leaf(self, z, replaced(inputs), targets) - leaf).norm())))
+        return leaf
+
+    def difference(self, z, z_previous, inputs, targets):
+        leaf = difference_leaf(self, z, z_previous, inputs, targets)
+        moves.append((False, float((difference_leaf(self, z, z_previous, replaced(inputs), targets) - leaf).norm())))
+        return leaf
+
+    monkeypatch.setattr(DPO2NC, "anchor_leaf", anchor)
+    monkeypatch.setattr(DPO2NC, "difference_leaf", difference)
+    quiet_trainer(max_steps=steps).fit(module, single_pass(rows, 5))
+    monkeypatch.undo()
+    return moves
+
+
+@pytest.mark.parametrize("scale", [1e6, 1e7])
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_crafted_steep_record_moves_a_leaf_by_at_most_2c_given_the_past(monkeypatch, scale, shared):
+    """Review 58, end to end: one row of a batch replaced by a record far away on the quadratic (each estimate
+    ~``scale``, their difference along shared directions ~``||z_t - z_{t-1}||``), at the same points (the same past).
+    The leaf moves by at most ``2C`` at an anchor and ``2C'`` at the other steps."""
+    rows = 1.0 + torch.randn(40, DIM, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    clip, difference_clip = 0.5, 1e-3
+    module = private(period=8, clip=clip, difference_clip=difference_clip, noise_seed=0, lr=0.01, radius=0.01,
+                     difference_directions="shared" if shared else "independent")
+    moves = _replaced_leaf_moves(monkeypatch, module, rows, torch.full((DIM,), scale, dtype=torch.float64), 8)
+    assert len(moves) == 8 and moves[0][0] and not any(anchor for anchor, _ in moves[1:])
+    for anchor, moved in moves:
+        assert moved <= 2 * (clip if anchor else difference_clip)
+
+
+def test_a_period_beyond_the_pass_and_a_window_beyond_the_fit_warn():
+    """Review 58: period=64 on a pass of 8 steps accounted each leaf in 7 nodes where 4 do; window=20 over 3 steps
+    never set x_out. Both were silent."""
+    rows = 1.0 + torch.randn(40, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with pytest.warns(Warning, match="period=64 exceeds the single pass \\(8 steps\\).*7 tree nodes where 4"):
+        quiet_trainer(max_steps=2).fit(private(period=64, noise_seed=0), single_pass(rows, 5))
+    with pytest.warns(Warning, match="window=20 exceeds the fit's 3 steps"):
+        quiet_trainer(max_steps=3).fit(private(window=20, noise_seed=0), single_pass(rows, 5))
