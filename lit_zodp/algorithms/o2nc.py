@@ -200,7 +200,7 @@ class DPO2NC(ZerothOrderModule):
     #: Alg. 2's step is not ``x - lr a sum_j c_j u_j``: the canary audit cannot read a release from it.
     audit_through_update = False
 
-    def __init__(self, backbone: nn.Module, *, lam: float = 1e-2, radius: float = 1e-2, window: int = 10,
+    def __init__(self, backbone: nn.Module, *, lam: float = 1e-2, radius: float = 1e-3, window: int = 10,
                  period: int = 16, num_directions: int = 8, difference_clip: Optional[float] = None,
                  oracle: str = "single_pass", difference_directions: str = "independent", output: str = "window",
                  neighbours: str = "replace_one", directions: str = "sphere", perturbation: str = "chunked",
@@ -263,7 +263,7 @@ class DPO2NC(ZerothOrderModule):
     def _warn_about_oversized_options(self) -> None:
         """A ``period`` beyond the single pass costs noise for nodes no step reaches (each leaf is accounted in
         ``floor(log2 Sigma) + 1``), and a ``window`` beyond the fit's steps gives no ``x_out`` (the model keeps
-        ``x_T``): both were silent (review 58)."""
+        ``x_T``): both were silent (review 58). ``M D > alpha`` voids Prop. 2.6's condition on ``x_out``."""
         sampling = self.privacy.sampling if self.private else None
         steps = getattr(sampling, "steps", None) if getattr(sampling, "name", None) == "single_pass" else None
         if self.oracle == "single_pass" and steps is not None and self.period > steps:
@@ -271,6 +271,11 @@ class DPO2NC(ZerothOrderModule):
                 f"{type(self).__name__}: period={self.period} exceeds the single pass ({steps} steps), so each leaf is "
                 f"accounted in {releases_per_leaf(self.period)} tree nodes where {releases_per_leaf(steps)} would do "
                 f"(more noise for the same epsilon): set period <= {steps}", category=LitZodpWarning)
+        if self.output == "window" and self.window * self.radius > self.lam:
+            rank_zero_warn(
+                f"{type(self).__name__}: window * radius = {self.window * self.radius:g} exceeds lam = {self.lam:g}: "
+                "Prop. 2.6's guarantee on x_out (a window's average is (alpha, beta)-stationary) needs M D <= alpha; "
+                "shorten the window or the radius", category=LitZodpWarning)
         planned = self.trainer.estimated_stepping_batches if self._trainer is not None else None
         done = self._state.get("windows_done", 0) if self._state else 0
         if (self.output == "window" and not done and isinstance(planned, (int, float)) and math.isfinite(planned)

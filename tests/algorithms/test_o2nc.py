@@ -405,3 +405,10 @@ def test_a_period_beyond_the_pass_and_a_window_beyond_the_fit_warn():
         quiet_trainer(max_steps=2).fit(private(period=64, noise_seed=0), single_pass(rows, 5))
     with pytest.warns(Warning, match="window=20 exceeds the fit's 3 steps"):
         quiet_trainer(max_steps=3).fit(private(window=20, noise_seed=0), single_pass(rows, 5))
+
+
+def test_a_window_times_radius_above_lam_warns_that_prop_2_6_does_not_hold():
+    module = O2NC(QuadraticLoss(DIM, hessian="identity"), lr=0.1, lam=0.05, radius=0.1, window=2, period=1,
+                  num_directions=2, seed=0)
+    with pytest.warns(UserWarning, match=r"M D <= alpha"):
+        quiet_trainer(max_steps=2).fit(module, full_batch(steps=2))
