@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, command_line, machine_info, results_stem, write_results  # noqa: E402
+from _common import cli_fit_result, command_line, machine_info, results_stem, write_results  # noqa: E402
 
 DPO2NC = "configs/o2nc/quickstart_dpo2nc.yaml"
 METHODS = {
@@ -44,21 +42,14 @@ METHODS = {
     "DP-SGD (first order)": ("configs/o2nc/quickstart_dpsgd.yaml", []),
     "O2NC non-private period 1": ("configs/o2nc/quickstart_o2nc.yaml", []),
 }
-RESULT = re.compile(r"^RESULT .*$", re.MULTILINE)
 
 
 def fit(config: str, extra: list[str], dim: int, epsilon: float) -> dict[str, float]:
     """One CLI fit: its RESULT line's test ``distance`` and ``goldstein`` and the wall seconds of its training."""
-    command = [sys.executable, "-m", "lit_zodp.cli", "fit", "--config", config, *extra,
-               "--model.init_args.backbone.init_args.dim", str(dim), "--data.init_args.dim", str(dim)]
+    arguments = [*extra, "--model.init_args.backbone.init_args.dim", str(dim), "--data.init_args.dim", str(dim)]
     if "o2nc.yaml" not in config:  # (the non-private one has no budget)
-        command += ["--model.init_args.target_epsilon", str(epsilon)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    found = RESULT.search(done.stdout + done.stderr)
-    if done.returncode != 0 or found is None:
-        raise RuntimeError(f"{config} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-2000:]}")
-    values = dict(field.split("=", 1) for field in found.group(0).split()[1:])
+        arguments += ["--model.init_args.target_epsilon", str(epsilon)]
+    values = cli_fit_result(config, arguments)
     return {key: float(values[key]) for key in ("distance", "goldstein", "wall_s")}
 
 

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, command_line, machine_info, results_stem, write_results  # noqa: E402
+from _common import cli_fit_result, command_line, machine_info, results_stem, write_results  # noqa: E402
 
 METHODS = {
     "DPZero": "configs/quickstart.yaml",
@@ -42,21 +40,15 @@ METHODS = {
     "DPMD": "configs/pazo/quickstart_dpmd.yaml",
     "public only": "configs/pazo/quickstart_public_only.yaml",
 }
-RESULT = re.compile(r"RESULT .*accuracy=([0-9.]+) steps=(\d+) wall_s=([0-9.]+)")
 
 
 def fit(config: str, public_fraction: float, max_steps: int | None) -> tuple[float, float]:
     """One CLI fit: (test accuracy, wall seconds of its training, as its RESULT line reports)."""
-    command = [sys.executable, "-m", "lit_zodp.cli", "fit", "--config", config,
-               "--data.init_args.public_fraction", str(public_fraction)]
+    arguments = ["--data.init_args.public_fraction", str(public_fraction)]
     if max_steps:
-        command += ["--trainer.max_steps", str(max_steps)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    found = RESULT.search(done.stdout + done.stderr)
-    if done.returncode != 0 or found is None:
-        raise RuntimeError(f"{config} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-2000:]}")
-    return float(found.group(1)), float(found.group(3))
+        arguments += ["--trainer.max_steps", str(max_steps)]
+    values = cli_fit_result(config, arguments)
+    return float(values["accuracy"]), float(values["wall_s"])
 
 
 def main(argv: list[str] | None = None) -> None:
