@@ -229,3 +229,29 @@ def test_the_weights_show_one_row_on_cuda_exactly_as_much_as_accounted(name):
     agrees, numbers = audit_agrees(name, dict(accelerator="gpu", devices=1), **AUDIT_KWARGS.get(name, {}))
     assert agrees, numbers
 
+
+
+def test_o2nc_alg3_steps_on_cuda_and_the_tree_redraws_each_node_on_the_device():
+    """DPO2NC's single-pass oracle (Alg. 3) on CUDA, the tree's node noise drawn there: three steps move the point, and
+    two trees keyed by one secret (DDP ranks) release the same noise with popcount(p) node variances."""
+    import math
+
+    from datamodules import QuadraticDataModule
+    from lit_zodp.algorithms import DPO2NC
+    from lit_zodp.backbones.quadratic import QuadraticLoss
+    from lit_zodp.privacy import TreeAggregator
+
+    module = DPO2NC(QuadraticLoss(6, hessian="identity"), lr=0.1, lam=0.05, radius=0.01, window=2, period=4,
+                    num_directions=2, seed=0, clip=1.0, noise_multiplier=1.0)
+    data = QuadraticDataModule(dim=6, n_train=80, n_test=8, sampling="single_pass", batch_size=5)
+    trainer = quiet_trainer(max_steps=3, accelerator="gpu", devices=1, limit_val_batches=0)
+    trainer.fit(module, data)
+    assert trainer.global_step == module.privacy.steps == 3 and module.tree.position == 3
+    assert torch.isfinite(module._state["delta"]).all() and float(module._state["delta"].norm()) > 0
+    secret, releases = 12345, []
+    for _ in range(2):
+        tree, source = TreeAggregator(8), NoiseSource.from_secret(secret)
+        releases.append([tree.push(torch.zeros(200_000, device="cuda"), 1.0, source) for _ in range(8)])
+    for p, (a, b) in enumerate(zip(*releases), start=1):
+        assert a.is_cuda and torch.equal(a, b)
+        assert float(a.std()) == pytest.approx(math.sqrt(bin(p).count("1")), rel=0.02)
