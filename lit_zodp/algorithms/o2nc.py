@@ -12,9 +12,12 @@ Choices where the paper is silent, or where its text is off (reading notes, Sec.
   one replaced example moves a leaf by at most ``2C`` (``2C'``): a bound for every ``m``, with no event to condition
   on (the delta of the accountant is the whole delta). For an ``L``-Lipschitz loss ``C ~ L`` and ``C' ~ L sqrt(d) D /
   alpha`` are the paper's scales (Lemma 3.4), plus the ``L d / sqrt(m)`` spread of ``m`` directions.
-* One batch size for every step (the single-pass sampler's ``n / steps``). Thm. 3.1's ``B1 = Sigma B2`` balances the
-  anchor's sensitivity ``L / B1`` against the differences' ``L sqrt(d) D / (alpha B2)``; the two clips balance it
-  here. The tree's node noise is calibrated to the larger, ``max(C, C')``.
+* One batch size for every step (the single-pass sampler's ``n / steps``), where Thm. 3.1 takes ``B1 = Sigma B2``
+  to balance the anchor's sensitivity ``L / B1`` against the increments' ``L sqrt(d) D / (alpha B2)``. The tree's
+  node noise is calibrated to the larger of ``C`` and ``C'`` (``difference_clip``), so with ``B1 = B2`` it stays at
+  the anchors' level however small ``C'`` is: a period longer than 1 then adds ``floor(log2 Sigma) + 1`` nodes'
+  noise and gains no smaller sensitivity. ``B1 > B2`` (a single pass whose anchor steps take more examples, and a
+  divisor per step) is not implemented.
 * The tree's positions run ``1..Sigma`` within a period (Alg. 1's ``TREE(t mod Sigma)`` adds no noise at a period's
   last step; :mod:`lit_zodp.privacy.tree`), and one leaf lies in ``floor(log2 Sigma) + 1`` released nodes.
 * One set of directions per step, shared by every example of the batch (public, from the run seed and the step):
@@ -57,11 +60,16 @@ from lit_zodp.errors import (
 )
 from lit_zodp.privacy import GaussianRelease, StepPlan, TreeAggregator, releases_per_leaf
 from lit_zodp.privacy.clipping import clip_factors
+from lit_zodp.privacy.fixed_shape import take_rows
 from lit_zodp.zo import derive_seed
 
 ESTIMATE = "gradient estimate"
 ORACLES = ("single_pass", "multi_pass")
 DIFFERENCE_DIRECTIONS = ("independent", "shared")
+DIRECTION_SETS = ("step", "example")
+#: ``derive_seed``'s direction index of example ``i``'s direction ``j`` (``direction_sets="example"``): past the
+#: step's shared indices and below :data:`UNIFORM_STREAM`; DDP ranks apart by ``rank << 30``.
+EXAMPLE_STREAM = 1 << 39
 OUTPUTS = ("window", "last")
 #: Stream indices of ``derive_seed`` past any direction index: the step's ``s_t`` and the reservoir's draws.
 UNIFORM_STREAM = 1 << 40
@@ -84,7 +92,8 @@ def sphere_directions(run_seed: int, step: int, indices: range, dim: int, device
 
 
 def clipped_combination(coefficients: Tensor, directions: Tensor, clip: float) -> Tensor:
-    """``sum_i clip_C(v_i)`` for ``v_i = sum_j c_ij y_j`` (``coefficients [B, k]``, ``directions [k, d]``), float64.
+    """``sum_i clip_C(v_i)`` for ``v_i = sum_j c_ij y_j`` (``coefficients [B, k]``, ``directions [k, d]``, or
+    ``[B, k, d]``: example ``i``'s own ``y_ij``), float64.
 
     Each ``v_i`` is formed (in chunks of rows, about ``k x d`` values at a time) and clipped by its own computed norm,
     so the clipped share that enters the sum is the vector that was measured. The norms once came from the Gram
@@ -96,12 +105,14 @@ def clipped_combination(coefficients: Tensor, directions: Tensor, clip: float) -
     """
     coefficients = coefficients.to(torch.float64)
     directions = directions.to(torch.float64)
-    total = torch.zeros(directions.shape[1], dtype=torch.float64, device=directions.device)
-    chunk = max(1, min(len(coefficients), max(len(directions), (1 << 22) // max(1, directions.shape[1]))))
+    own = directions.dim() == 3  # ([B, k, d]: a set of directions per example)
+    total = torch.zeros(directions.shape[-1], dtype=torch.float64, device=directions.device)
+    chunk = max(1, min(len(coefficients), max(directions.shape[-2], (1 << 22) // max(1, directions.shape[-1]))))
     for start in range(0, len(coefficients), chunk):
         rows = coefficients[start:start + chunk]
         rows = rows.where(torch.isfinite(rows).all(dim=1, keepdim=True), 0.0)
-        vectors = rows @ directions
+        vectors = (torch.einsum("bk,bkd->bd", rows, directions[start:start + chunk]) if own
+                   else rows @ directions)
         finite = torch.isfinite(vectors).all(dim=1, keepdim=True)
         vectors = vectors.where(finite, 0.0)
         norms = vectors.norm(dim=1)
@@ -190,6 +201,11 @@ class DPO2NC(ZerothOrderModule):
             (``y_1..y_m`` at both points, the variant of Zhang et al. the reading notes reconstruct): a difference of two
             estimates along the same directions is of the order of ``||z_t - z_{t-1}|| <= 2D``, where independent ones
             differ by the estimates' whole spread unless ``m`` is of the paper's order ``d^2 B^2``.
+        direction_sets: ``"step"`` (one set ``y_1..y_2m`` per step, shared by the batch: one batched forward per
+            point) or ``"example"`` (a set per example, as Alg. 3 lines 4-5 and 11-12 and Alg. 4 draw them: the
+            directions' variance then averages over the batch, Lemma 3.6; each example is forwarded alone, ``B``
+            times the forward calls). Under DDP a rank draws its examples' sets by its rank and row, so the update is
+            distributed as one process's, not equal to it.
         output: ``"window"`` (Alg. 2's ``x_out``) or ``"last"``.
         neighbours: ``"replace_one"`` (the paper's; single-pass sampling needs it) or ``"add_remove"``.
         directions, perturbation, weight_decay: fixed (``"sphere"``, ``"chunked"``, ``0``: eq. 4's directions are drawn
@@ -202,7 +218,8 @@ class DPO2NC(ZerothOrderModule):
 
     def __init__(self, backbone: nn.Module, *, lam: float = 1e-2, radius: float = 1e-3, window: int = 10,
                  period: int = 16, num_directions: int = 8, difference_clip: Optional[float] = None,
-                 oracle: str = "single_pass", difference_directions: str = "independent", output: str = "window",
+                 oracle: str = "single_pass", difference_directions: str = "independent",
+                 direction_sets: str = "step", output: str = "window",
                  neighbours: str = "replace_one", directions: str = "sphere", perturbation: str = "chunked",
                  weight_decay: float = 0.0, **kwargs: Any) -> None:
         given = {"directions": directions, "perturbation": perturbation, "weight_decay": weight_decay}
@@ -216,6 +233,7 @@ class DPO2NC(ZerothOrderModule):
             check_positive_int("period", period),
             _choice("oracle", oracle, ORACLES),
             _choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
+            _choice("direction_sets", direction_sets, DIRECTION_SETS),
             _choice("output", output, OUTPUTS),
             # (named: check_clip said `clip`; a private run needs a finite C': its node noise r sigma C grows with it)
             None if difference_clip is None else check_positive("difference_clip", difference_clip,
@@ -230,6 +248,7 @@ class DPO2NC(ZerothOrderModule):
         self.difference_clip = self.clip if difference_clip is None else float(difference_clip)
         self.oracle = oracle
         self.difference_directions = difference_directions
+        self.direction_sets = direction_sets
         self.output = output
         self.tree = TreeAggregator(period)
         self._state: dict[str, Any] = {}
@@ -331,22 +350,27 @@ class DPO2NC(ZerothOrderModule):
 
     def anchor_leaf(self, z: Tensor, inputs, targets) -> Tensor:
         """``sum_i clip_C(v(z_t; xi_i))`` over directions ``y_1..y_m``."""
-        directions = self.directions_of(range(self.num_directions))
+        directions = self.directions_of(range(self.num_directions), inputs)
         return clipped_combination(self.estimate_coefficients(z, directions, inputs, targets), directions, self.clip)
 
     def difference_leaf(self, z: Tensor, z_previous: Tensor, inputs, targets) -> Tensor:
         """``sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))``, ``y_1..y_m`` at ``z_t`` and ``y_{m+1}..y_{2m}`` at
         ``z_{t-1}`` (independent, Alg. 3 lines 12-13)."""
         m = self.num_directions
-        now = self.directions_of(range(m))
-        before = now if self.difference_directions == "shared" else self.directions_of(range(m, 2 * m))
+        now = self.directions_of(range(m), inputs)
+        before = now if self.difference_directions == "shared" else self.directions_of(range(m, 2 * m), inputs)
         coefficients = torch.cat([self.estimate_coefficients(z, now, inputs, targets),
                                   -self.estimate_coefficients(z_previous, before, inputs, targets)], dim=1)
-        return clipped_combination(coefficients, torch.cat([now, before]), self.difference_clip)
+        return clipped_combination(coefficients, torch.cat([now, before], dim=-2), self.difference_clip)
 
     def estimate_coefficients(self, point: Tensor, directions: Tensor, inputs, targets) -> Tensor:
         """``c_ij = (d / (2 alpha m)) (f(p + alpha y_j; xi_i) - f(p - alpha y_j; xi_i))``, ``[B, m]`` float64: eq. 4's
         ``v(p; xi_i) = sum_j c_ij y_j``. The model ends at ``p + alpha y_m - 2 alpha y_m`` (overwritten by the step)."""
+        if directions.dim() == 3:  # a set per example: each example forwarded alone at its own points
+            rows = [self.estimate_coefficients(point, own, take_rows(inputs, slice(i, i + 1)), targets[i:i + 1])
+                    for i, own in enumerate(directions)]
+            return torch.cat(rows) if rows else torch.zeros(0, directions.shape[1], dtype=torch.float64,
+                                                            device=point.device)
         columns = []
         for y in directions:
             write_point(self.o2nc_params, point + self.lam * y)
@@ -357,9 +381,17 @@ class DPO2NC(ZerothOrderModule):
         return torch.stack(columns, dim=1) * scale
 
     # ------------------------------------------------------------------------ public state
-    def directions_of(self, indices: range) -> Tensor:
-        return sphere_directions(self.run_seed, self.global_step, indices, self._state["delta"].numel(),
-                                 self._state["delta"].device)
+    def directions_of(self, indices: range, inputs) -> Tensor:
+        """The step's directions ``y_j``, ``j`` in ``indices``: ``[k, d]``, or ``[B, k, d]`` with a set per example."""
+        dim, device = self._state["delta"].numel(), self._state["delta"].device
+        if self.direction_sets == "step":
+            return sphere_directions(self.run_seed, self.global_step, indices, dim, device)
+        base = EXAMPLE_STREAM + (self.global_rank << 30)
+        width = 2 * self.num_directions
+        sets = [sphere_directions(self.run_seed, self.global_step, range(base + i * width + indices.start,
+                                                                         base + i * width + indices.stop), dim, device)
+                for i in range(batch_size_of(inputs))]
+        return torch.stack(sets) if sets else torch.zeros(0, len(indices), dim, dtype=torch.float64, device=device)
 
     def uniform_draw(self) -> float:
         """``s_t ~ U[0, 1]``: public, from (run seed, step)."""

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from datamodules import QuadraticDataModule
 from datamodules.collate import EmptySafeCollate
 from lit_zodp.algorithms import DPO2NC, O2NC
-from lit_zodp.algorithms.o2nc import (RESERVOIR_STREAM, UNIFORM_STREAM, clipped_combination, project_to_ball,
-                                      sphere_directions)
+from lit_zodp.algorithms.o2nc import (EXAMPLE_STREAM, RESERVOIR_STREAM, UNIFORM_STREAM, clipped_combination,
+                                      project_to_ball, sphere_directions)
 from lit_zodp.backbones.quadratic import QuadraticLoss
 from lit_zodp.cli import build_cli
 from lit_zodp.errors import PrivacyConfigError
@@ -267,6 +267,7 @@ def test_checkpoints_hold_alg2s_public_state_and_no_running_sum_and_a_resume_sta
     (dict(period=-1), "period"),
     (dict(difference_directions="same"), "difference_directions"),
     (dict(output="best"), "`output`"),
+    (dict(direction_sets="batch"), "direction_sets"),
     (dict(directions="gaussian"), "no option `directions`"),
     (dict(weight_decay=0.1), "no option `weight_decay`"),
     (dict(difference_clip=0.0), "`difference_clip`"),  # (review 58: these named `clip`, or a release's sensitivity)
@@ -412,3 +413,46 @@ def test_a_window_times_radius_above_lam_warns_that_prop_2_6_does_not_hold():
                   num_directions=2, seed=0)
     with pytest.warns(UserWarning, match=r"M D <= alpha"):
         quiet_trainer(max_steps=2).fit(module, full_batch(steps=2))
+
+
+def test_a_direction_set_per_example_is_each_examples_eq4_estimate_at_its_own_points():
+    """``direction_sets="example"`` (the paper's per-sample draws): the module's step equals the naive Alg. 2 + 3
+    where example ``i`` uses its own directions (drawn from the module's seeds), and the clipped combination of
+    per-example sets is each example's clipped vector."""
+    g = torch.Generator().manual_seed(3)
+    coefficients = torch.randn(5, 2, generator=g, dtype=torch.float64) * 4
+    own = torch.stack([sphere_directions(1, 0, range(2 * i, 2 * i + 2), 7, "cpu") for i in range(5)])
+    vectors = torch.einsum("bk,bkd->bd", coefficients, own)
+    margin = 1.0 * (1 - 2 ** -20)
+    expected = (vectors * (margin / vectors.norm(dim=1)).clamp(max=1.0).unsqueeze(1)).sum(0)
+    torch.testing.assert_close(clipped_combination(coefficients, own, 1.0), expected, rtol=1e-12, atol=1e-12)
+
+    module = O2NC(QuadraticLoss(DIM, hessian="identity"), lr=0.3, lam=0.05, radius=0.2, window=2, period=2,
+                  num_directions=2, seed=11, direction_sets="example", output="last")
+    quiet_trainer(max_steps=3).fit(module, full_batch(steps=3))
+    # the naive reference: each example's estimate along its own sets, means over the batch
+    d, m, lam = DIM, 2, 0.05
+    base = EXAMPLE_STREAM
+    losses = lambda p, r: 0.5 * ((p - r) ** 2).sum()  # noqa: E731
+
+    def estimate(point, row, directions):
+        c = torch.stack([losses(point + lam * y, row) - losses(point - lam * y, row) for y in directions]) * d / (2 * lam * m)
+        return c @ directions
+
+    x, delta, g_t, z_previous = (torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), None, None)
+    for t in range(3):
+        s = np.random.default_rng(derive_seed(11, t, UNIFORM_STREAM)).random()
+        x_next, z = x + delta, x + s * delta
+        sets = [sphere_directions(11, t, range(base + i * 2 * m, base + i * 2 * m + 2 * m), d, "cpu")
+                for i in range(len(ROWS))]
+        if t % 2 == 0:
+            g_t = torch.stack([estimate(z, row, own[:m]) for row, own in zip(ROWS, sets)]).mean(0)
+        else:
+            g_t = g_t + torch.stack([estimate(z, row, own[:m]) - estimate(z_previous, row, own[m:])
+                                     for row, own in zip(ROWS, sets)]).mean(0)
+        z_previous = z
+        step = delta - 0.3 * g_t
+        delta = step * min(1.0, 0.2 / float(step.norm()))
+        x = x_next
+    torch.testing.assert_close(module._state["delta"], delta, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(module.backbone.x.detach(), x, rtol=1e-9, atol=1e-12)
