@@ -43,9 +43,9 @@ from lit_zodp.privacy.mechanisms import Gaussian, SinglePassGaussian, Subsampled
 from lit_zodp.privacy.noise import NoiseSource, SecretGaussianVector, secret_seed
 from lit_zodp.privacy.plan import StepPlan, composed_multiplier
 from lit_zodp.privacy.sampling import SamplingDescription, ShuffledSampling, SinglePassSampling
-from lit_zodp.privacy.tree import TreeAggregator
 from lit_zodp.privacy.spend_log import (MARKS, Branch, Counts, SpendLog, decode_counts, encode_counts, new_id,
                                         summed)
+from lit_zodp.privacy.tree import TreeAggregator
 
 #: The default delta's ceiling: the papers' 1e-5 (DPZero, DP-GRAPE), below ``1 / (10 n)`` for larger ``n``.
 DEFAULT_DELTA = 1e-5
