@@ -20,14 +20,15 @@ Choices where the paper is silent, or where its text is off (reading notes, Sec.
   divisor per step) is not implemented.
 * The tree's positions run ``1..Sigma`` within a period (Alg. 1's ``TREE(t mod Sigma)`` adds no noise at a period's
   last step; :mod:`lit_zodp.privacy.tree`), and one leaf lies in ``floor(log2 Sigma) + 1`` released nodes.
-* One set of directions per step, shared by every example of the batch (public, from the run seed and the step):
+* By default (``direction_sets="step"``) one set of directions per step, shared by every example of the batch
+  (public, from the run seed and the step); ``direction_sets="example"`` draws the paper's set per example:
   Alg. 3 lines 4-5 and 11-12 (and Alg. 4's) draw ``y_1..y_m`` inside the loop over the samples, a set per example.
   Shared, the batch is probed at ``2m`` points (``4m`` at a difference step) instead of ``B`` times as many; the price
   is variance: the directions' spread, Lemma 3.6's ``L^2 d^2 / (B m)`` and ``L^2 d^2 Sigma / (m B2)`` terms, no
   longer shrinks with ``B`` (review 58). Privacy is unchanged: each example's estimate is clipped either way.
 * Directions ``y_j`` uniform on the unit sphere (eq. 4 and Lemma 3.4's norm bound), where Alg. 3 lines 12-13 print
-  the ball. The smoothing radius ``alpha`` (option ``lam``) is the Goldstein radius the guarantee is stated at (Lemma 2.4: ``2 alpha``
-  for ``F``).
+  the ball. The smoothing radius ``alpha`` (option ``lam``) is the Goldstein radius the guarantee is stated at
+  (Lemma 2.4: ``2 alpha`` for ``F``).
 * Output: ``x_out`` uniform over the window averages ``xbar_k`` (Alg. 2 line 4), kept by reservoir sampling (public
   randomness) and written into the model when the fit ends (``output="window"``); ``output="last"`` keeps ``x_T``.
   Validation during the fit reads the iterate ``x_t``.
@@ -198,9 +199,9 @@ class DPO2NC(ZerothOrderModule):
         difference_clip: ``C'`` (``None``: ``C``).
         oracle: ``"single_pass"`` (Alg. 3: needs the DataModule's ``sampling: single_pass``) or ``"multi_pass"``.
         difference_directions: ``"independent"`` (Alg. 3 lines 12-13: ``y_{m+1..2m}`` at ``z_{t-1}``) or ``"shared"``
-            (``y_1..y_m`` at both points, the variant of Zhang et al. the reading notes reconstruct): a difference of two
-            estimates along the same directions is of the order of ``||z_t - z_{t-1}|| <= 2D``, where independent ones
-            differ by the estimates' whole spread unless ``m`` is of the paper's order ``d^2 B^2``.
+            (``y_1..y_m`` at both points, the variant of Zhang et al. the reading notes reconstruct): a difference of
+            two estimates along the same directions is of the order of ``||z_t - z_{t-1}|| <= 2D``, where
+            independent ones differ by the estimates' whole spread unless ``m`` is of the paper's order ``d^2 B^2``.
         direction_sets: ``"step"`` (one set ``y_1..y_2m`` per step, shared by the batch: one batched forward per
             point) or ``"example"`` (a set per example, as Alg. 3 lines 4-5 and 11-12 and Alg. 4 draw them: the
             directions' variance then averages over the batch, Lemma 3.6; each example is forwarded alone, ``B``
@@ -256,7 +257,8 @@ class DPO2NC(ZerothOrderModule):
     # ------------------------------------------------------------------------- declaration
     def step_plan(self) -> StepPlan:
         """One d-dimensional release per step. Its node noise is ``r sigma C`` with ``r = max(1, C'/C)``; Alg. 3's
-        leaf lies in :func:`releases_per_leaf` released tree nodes (sensitivity ``sqrt(count) r C``), Alg. 4's in one."""
+        leaf lies in :func:`releases_per_leaf` released tree nodes (sensitivity ``sqrt(count) r C``), Alg. 4's in
+        one."""
         ratio = 1.0 if math.isinf(self.clip) else max(1.0, self.difference_clip / self.clip)
         count = releases_per_leaf(self.period) if self.oracle == "single_pass" else 1
         return (GaussianRelease(ESTIMATE, sensitivity=math.sqrt(count) * ratio, noise=ratio),)

@@ -154,7 +154,8 @@ class PhaseRetrievalLoss(Backbone):
         dtype: ``"float64"`` (default) or ``"float32"``, as for :class:`~lit_zodp.backbones.QuadraticLoss`.
         certificate_radius: ``r`` of the ``goldstein`` metric (:class:`GoldsteinBound`): O2NC at smoothing radius
             ``alpha`` (its ``lam``) certifies ``(2 alpha, beta)``-stationarity of ``F`` (Lemma 2.4), so ``2 lam``.
-        certificate_points: the points of ``B(x, r)`` whose gradients the ``goldstein`` bound combines (``x`` one of them).
+        certificate_points: the points of ``B(x, r)`` whose gradients the ``goldstein`` bound combines (``x`` is one
+            of them).
     """
 
     num_classes = 1
@@ -285,5 +286,6 @@ register_sampler(PhaseRetrievalLoss, parameters=("x",), norms=_per_example_norms
                  summed=_summed_grads)(_per_example_grads)
 
 
-__all__ = ["GoldsteinBound", "INITS", "PhaseRetrievalLoss", "ball_points", "min_norm_in_hull", "phase_retrieval_losses", "planted_signal", "seeded_generator",
+__all__ = ["GoldsteinBound", "INITS", "PhaseRetrievalLoss", "ball_points", "min_norm_in_hull", "phase_retrieval_losses",
+           "planted_signal", "seeded_generator",
            "signal_distance", "subgradient_signs", "unit_rows"]

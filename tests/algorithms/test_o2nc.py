@@ -34,7 +34,8 @@ ROWS = 1.0 + torch.randn(12, DIM, generator=torch.Generator().manual_seed(0), dt
 
 def full_batch(rows=ROWS, steps=1):
     data = TensorDataset(rows, torch.zeros(len(rows), dtype=torch.long))
-    return DataLoader(data, batch_sampler=FullBatchSampler(len(rows), steps_per_epoch=steps), collate_fn=collate_tensors)
+    return DataLoader(data, batch_sampler=FullBatchSampler(len(rows), steps_per_epoch=steps),
+                      collate_fn=collate_tensors)
 
 
 def single_pass(rows, batch_size):
@@ -46,7 +47,8 @@ def single_pass(rows, batch_size):
 # ------------------------------------------------------------------------------ eq. 4 and its clipping
 def test_the_clipped_combination_is_the_sum_of_each_examples_clipped_vector():
     g = torch.Generator().manual_seed(1)
-    coefficients, directions = torch.randn(7, 3, generator=g, dtype=torch.float64) * 3, sphere_directions(5, 2, range(3), 9, "cpu")
+    coefficients = torch.randn(7, 3, generator=g, dtype=torch.float64) * 3
+    directions = sphere_directions(5, 2, range(3), 9, "cpu")
     vectors = coefficients @ directions
     norms = vectors.norm(dim=1)
     clip = float(norms.median())
@@ -180,7 +182,8 @@ def test_alg3_is_accounted_as_one_gaussian_of_floor_log2_sigma_plus_one_released
 
 
 def test_a_difference_clip_above_the_anchor_clip_sets_the_node_noise():
-    """``C' = 3 C``: every node is noised at ``3 sigma C`` (replace-one: ``6 sigma C``), and the accounting is unchanged."""
+    """``C' = 3 C``: every node is noised at ``3 sigma C`` (replace-one: ``6 sigma C``), and the accounting is
+    unchanged."""
     module = private(difference_clip=3.0, period=4)
     rows = 1.0 + torch.randn(40, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     quiet_trainer(max_steps=2).fit(module, single_pass(rows, 5))
@@ -239,7 +242,9 @@ def _batches(rows, batch_size, steps):
 
 
 def test_checkpoints_hold_alg2s_public_state_and_no_running_sum_and_a_resume_starts_a_period(tmp_path):
-    data = lambda: QuadraticDataModule(dim=DIM, n_train=80, n_test=8, sampling="single_pass", batch_size=5)  # noqa: E731
+    def data():
+        return QuadraticDataModule(dim=DIM, n_train=80, n_test=8, sampling="single_pass", batch_size=5)
+
     module = private(period=4)
     trainer = quiet_trainer(max_steps=3, limit_val_batches=0)
     trainer.fit(module, data())
@@ -436,7 +441,8 @@ def test_a_direction_set_per_example_is_each_examples_eq4_estimate_at_its_own_po
     losses = lambda p, r: 0.5 * ((p - r) ** 2).sum()  # noqa: E731
 
     def estimate(point, row, directions):
-        c = torch.stack([losses(point + lam * y, row) - losses(point - lam * y, row) for y in directions]) * d / (2 * lam * m)
+        differences = [losses(point + lam * y, row) - losses(point - lam * y, row) for y in directions]
+        c = torch.stack(differences) * d / (2 * lam * m)
         return c @ directions
 
     x, delta, g_t, z_previous = (torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), None, None)
