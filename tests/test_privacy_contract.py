@@ -1834,3 +1834,14 @@ def test_a_parameter_or_layer_registered_in_the_private_forward_is_refused_befor
     quiet = build(name, mlp(seed=1))
     fit(quiet, poisson_loader(blobs(), 0.25), 3)
     assert _registration_hooks() == hooks
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_a_backbone_with_every_parameter_frozen_is_refused_in_one_line(name):
+    """It failed inside the optimizer or the engine ("optimizer got an empty parameter list", an IndexError)."""
+    module = build(name)
+    for p in module.backbone.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ConfigError, match="nothing to train: every parameter of the backbone is frozen") as info:
+        fit(module, poisson_loader(blobs(), 0.25), 2)
+    assert "\n" not in str(info.value)

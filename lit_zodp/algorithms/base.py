@@ -226,6 +226,8 @@ class AlgorithmModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         _refuse_loss_scaling(self.trainer)
+        if stage == "fit":
+            _refuse_a_backbone_without_trainable_parameters(self.backbone, type(self).__name__)
         if self.private:
             _refuse_tuner(self.trainer)
             if stage == "fit":
@@ -1008,6 +1010,14 @@ def _planned_steps(trainer: "pl.Trainer") -> int:
         raise PrivacyConfigError(
             "Planning the privacy needs a finite number of steps: set `max_steps` or `max_epochs`.")
     return int(steps)
+
+
+def _refuse_a_backbone_without_trainable_parameters(backbone: nn.Module, algorithm: str) -> None:
+    """A fit of a backbone whose every parameter is frozen failed inside the optimizer or the engine ("optimizer got
+    an empty parameter list", an IndexError): one line at setup instead."""
+    if not any(p.requires_grad for p in backbone.parameters()):
+        raise ConfigError(f"{algorithm} has nothing to train: every parameter of the backbone is frozen "
+                          "(requires_grad=False); unfreeze the ones to fine-tune (a head, adapters) before `fit`")
 
 
 def _refuse_loss_scaling(trainer: "pl.Trainer") -> None:
