@@ -86,6 +86,11 @@ def check_positive_int(name: str, value) -> Optional[str]:
     return None
 
 
+def check_choice(name: str, value, choices) -> Optional[str]:
+    """``value`` one of ``choices`` (a tuple, or a dict's keys)."""
+    return None if value in choices else f"Expected `{name}` in {list(choices)}, but got {value!r}"
+
+
 def check_probability(name: str, value) -> Optional[str]:
     """A sampling rate: in (0, 1]."""
     if not _is_number(value) or math.isnan(value) or not 0 < value <= 1:

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.algorithms.base import AlgorithmModule
 from lit_zodp.backbones.base import batch_size_of
-from lit_zodp.errors import check_non_negative, check_positive_int, raise_if_any
+from lit_zodp.errors import check_choice, check_non_negative, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedSum, PerExampleGradientEngine
 from lit_zodp.per_example.engine import sum_dtype
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
@@ -67,7 +67,7 @@ class FirstOrderModule(AlgorithmModule):
                  micro_batch_size: Optional[int] = None, **kwargs: Any) -> None:
         raise_if_any([
             check_non_negative("weight_decay", weight_decay),
-            None if grad_mode in GRAD_MODES else f"Expected `grad_mode` in {list(GRAD_MODES)}, but got {grad_mode!r}",
+            check_choice("grad_mode", grad_mode, GRAD_MODES),
             None if micro_batch_size is None else check_positive_int("micro_batch_size", micro_batch_size),
             None if micro_batch_size is None or kwargs.get("fixed_forward_rows") is None else
             "`fixed_forward_rows` already splits the batch into chunks of that many rows: "

@@ -69,7 +69,8 @@ from torch import Tensor, nn
 
 from lit_zodp.algorithms.dpzero import DPZero
 from lit_zodp.backbones.base import batch_size_of
-from lit_zodp.errors import ConfigError, PrivacyConfigError, check_positive, check_positive_int, raise_if_any
+from lit_zodp.errors import (ConfigError, PrivacyConfigError, check_choice, check_positive, check_positive_int,
+                             raise_if_any)
 from lit_zodp.privacy import PrivateBatchSampler, clipped_fraction
 from lit_zodp.zo import derive_seed, second_differences
 from lit_zodp.zo.blocks import (
@@ -140,18 +141,18 @@ class DPMeZOBCD(DPZero):
                  block_lr: Union[str, list[float]] = "uniform", curvature_batches: int = 16,
                  curvature_probes: int = 2, **kwargs: Any) -> None:
         raise_if_any([
-            _one_of("partition", partition, PARTITIONS),
+            check_choice("partition", partition, PARTITIONS),
             check_positive_int("layers_per_block", layers_per_block),
             None if partition != "linear" or layers_per_block == 1 else
             f"`partition='linear'` splits layers; it takes no `layers_per_block` (got {layers_per_block})",
-            _one_of("order", order, ORDERS),
-            _one_of("selection", selection, SELECTIONS),
+            check_choice("order", order, ORDERS),
+            check_choice("selection", selection, SELECTIONS),
             None if warmup_steps is None or warmup_steps == 0 else check_positive_int("warmup_steps", warmup_steps),
-            _one_of("warmup_order", warmup_order, ORDERS),
+            check_choice("warmup_order", warmup_order, ORDERS),
             None if 0 < ema_decay <= 1 else f"Expected `ema_decay` in (0, 1], but got {ema_decay!r}",
             check_positive("temperature", temperature),
-            _one_of("adaptive_score", adaptive_score, ADAPTIVE_SCORES),
-            _one_of("block_optimizer", block_optimizer, BLOCK_OPTIMIZERS),
+            check_choice("adaptive_score", adaptive_score, ADAPTIVE_SCORES),
+            check_choice("block_optimizer", block_optimizer, BLOCK_OPTIMIZERS),
             None if steps_per_block is None else check_positive_int("steps_per_block", steps_per_block),
             None if len(betas) == 2 and all(0 <= b < 1 for b in betas) else
             f"Expected `betas` two floats in [0, 1), but got {betas!r}",
@@ -433,13 +434,9 @@ class MeZOBCD(DPMeZOBCD):
         super().__init__(backbone, clip=clip, **kwargs)
 
 
-def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> Optional[str]:
-    return None if value in allowed else f"Expected `{name}` in {list(allowed)}, but got {value!r}"
-
-
 def _check_block_lr(block_lr: Any) -> Optional[str]:
     if isinstance(block_lr, str):
-        return _one_of("block_lr", block_lr, BLOCK_LRS)
+        return check_choice("block_lr", block_lr, BLOCK_LRS)
     factors = block_lr if isinstance(block_lr, (list, tuple)) else []
     if factors and all(isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0
                        for f in factors):

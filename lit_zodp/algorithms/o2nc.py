@@ -55,6 +55,7 @@ from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import (
     LitZodpWarning,
     PrivacyConfigError,
+    check_choice,
     check_positive,
     check_positive_int,
     raise_if_any,
@@ -232,10 +233,10 @@ class DPO2NC(ZerothOrderModule):
             check_positive("radius", radius),
             check_positive_int("window", window),
             check_positive_int("period", period),
-            _choice("oracle", oracle, ORACLES),
-            _choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
-            _choice("direction_sets", direction_sets, DIRECTION_SETS),
-            _choice("output", output, OUTPUTS),
+            check_choice("oracle", oracle, ORACLES),
+            check_choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
+            check_choice("direction_sets", direction_sets, DIRECTION_SETS),
+            check_choice("output", output, OUTPUTS),
             # (named: check_clip said `clip`; a private run needs a finite C': its node noise r sigma C grows with it)
             None if difference_clip is None else check_positive("difference_clip", difference_clip,
                                                                  allow_inf=not self.private),
@@ -450,10 +451,6 @@ class O2NC(DPO2NC):
 
     def __init__(self, backbone: nn.Module, *, clip: float = math.inf, **kwargs: Any) -> None:
         super().__init__(backbone, clip=clip, **kwargs)
-
-
-def _choice(name: str, value: str, choices: tuple) -> Optional[str]:
-    return None if value in choices else f"Expected `{name}` in {list(choices)}, but got {value!r}"
 
 
 __all__ = ["DPO2NC", "O2NC", "clipped_combination", "project_to_ball", "sphere_directions"]

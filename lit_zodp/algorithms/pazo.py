@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from lit_zodp.algorithms.dpzero import DERIVATIVES, DPZero
 from lit_zodp.algorithms.public import PublicBatches
 from lit_zodp.backbones.base import batch_size_of
-from lit_zodp.errors import check_non_negative, check_positive_int, raise_if_any
+from lit_zodp.errors import check_choice, check_non_negative, check_positive_int, raise_if_any
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction, clipped_sum
 from lit_zodp.zo import central_differences, derive_seed
 from lit_zodp.zo.subspace import SubspacePerturbation, normalize_columns_, orthonormalize_
@@ -163,7 +163,7 @@ class PAZOP(_PublicAssisted):
     def __init__(self, backbone: nn.Module, *, k: int = 3, basis: str = "orthonormal", **kwargs: Any) -> None:
         raise_if_any([
             check_positive_int("k", k),
-            None if basis in BASES else f"Expected `basis` in {list(BASES)}, but got {basis!r}",
+            check_choice("basis", basis, BASES),
             None if kwargs.get("directions", "gaussian") == "gaussian" and kwargs.get("perturbation", "auto") == "auto"
             else "PAZO-P's directions are G u in the public subspace: leave `directions` and `perturbation` unset",
         ])

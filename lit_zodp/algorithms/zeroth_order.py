@@ -20,6 +20,7 @@ from lit_zodp.algorithms.base import AlgorithmModule, remaining_steps
 from lit_zodp.errors import (
     ConfigError,
     LitZodpWarning,
+    check_choice,
     check_non_negative,
     check_positive,
     check_positive_int,
@@ -62,10 +63,8 @@ class ZerothOrderModule(AlgorithmModule):
             check_non_negative("weight_decay", weight_decay),
             check_positive("lam", lam),
             check_positive_int("num_directions", num_directions),
-            None if directions in DIRECTION_LAWS
-            else f"Expected `directions` in {list(DIRECTION_LAWS)}, but got {directions!r}",
-            None if perturbation in PERTURBATION_ENGINES
-            else f"Expected `perturbation` in {list(PERTURBATION_ENGINES)}, but got {perturbation!r}",
+            check_choice("directions", directions, DIRECTION_LAWS),
+            check_choice("perturbation", perturbation, PERTURBATION_ENGINES),
             None if perturbation != "fused" or directions == "gaussian" else
             f"`perturbation='fused'` draws Gaussian directions, but got directions={directions!r}: "
             f"use perturbation='chunked'",

@@ -31,6 +31,7 @@ from lit_zodp.errors import (
     AccountingError,
     LitZodpWarning,
     PrivacyConfigError,
+    check_choice,
     check_delta,
     check_non_negative,
     check_positive,
@@ -162,7 +163,8 @@ class PrivacyComponent:
                  max_epsilon: Optional[float] = None, noise_seed: Optional[int] = None,
                  eps_error: float = 0.05, neighbours: str = "add_remove", accountant: str = "prv") -> None:
         raise_if_any(config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, eps_error)
-                     + [_choice("neighbours", neighbours, NEIGHBOURS), _choice("accountant", accountant, ACCOUNTANTS)])
+                     + [check_choice("neighbours", neighbours, NEIGHBOURS),
+                        check_choice("accountant", accountant, ACCOUNTANTS)])
         self.clip = float(clip)
         self.neighbours = neighbours
         self.sensitivity_factor = NEIGHBOURS[neighbours]
@@ -960,10 +962,6 @@ def budget_order_error(target_epsilon: Optional[float], max_epsilon: Optional[fl
 
 NEIGHBOURS = {"add_remove": 1.0, "replace_one": 2.0}
 ACCOUNTANTS = ("prv", "rdp")
-
-
-def _choice(name: str, value, choices) -> Optional[str]:
-    return None if value in choices else f"Expected `{name}` in {list(choices)}, but got {value!r}"
 
 
 def _accountable_epsilon(name: str, value: float) -> Optional[str]:

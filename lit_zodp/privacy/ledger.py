@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 from prv_accountant import PRVAccountant
 
-from lit_zodp.errors import AccountingError, check_delta, check_positive, raise_if_any
+from lit_zodp.errors import AccountingError, check_choice, check_delta, check_positive, raise_if_any
 from lit_zodp.privacy.mechanisms import Mechanism, accounted_count, mechanism_from_dict, mechanism_to_dict
 
 
@@ -41,8 +41,7 @@ class PrivacyLedger:
     def __init__(self, *, eps_error: float = 0.05, delta_error_ratio: float = 1e-3, accountant: str = "prv") -> None:
         raise_if_any([check_positive("eps_error", eps_error),
                       check_positive("delta_error_ratio", delta_error_ratio),
-                      None if accountant in ACCOUNTANTS
-                      else f"Expected `accountant` in {list(ACCOUNTANTS)}, but got {accountant!r}"])
+                      check_choice("accountant", accountant, ACCOUNTANTS)])
         self.accountant = accountant
         self.eps_error = eps_error
         self.delta_error_ratio = delta_error_ratio
