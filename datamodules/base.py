@@ -222,7 +222,7 @@ def _check_optional_positive_int(name: str, value: Any) -> Optional[str]:
     return None if value is None else check_positive_int(name, value)
 
 
-def _check_int(name: str, value: Any, *, minimum: Optional[int] = None) -> Optional[str]:
+def check_int(name: str, value: Any, *, minimum: Optional[int] = None) -> Optional[str]:
     if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
         bound = "" if minimum is None else f" >= {minimum}"
         return f"Expected `{name}` to be an int{bound}, but got {value!r}"
@@ -403,14 +403,14 @@ class PublicPrivateDataModule(LightningDataModule):
             None
             if self.sampling in SAMPLINGS
             else f"Expected `sampling` in {SAMPLINGS}, but got {self.sampling!r}",
-            None if self.sampling_seed is None else _check_int("sampling_seed", self.sampling_seed, minimum=0),
+            None if self.sampling_seed is None else check_int("sampling_seed", self.sampling_seed, minimum=0),
             _check_fraction("public_fraction", self.public_fraction),
             _check_fraction("val_fraction", self.val_fraction),
             self._fraction_sum_error(),
             _check_optional_positive_int("public_batch_size", self.public_batch_size),
             _check_optional_positive_int("max_public_samples", self.max_public_samples),
-            _check_int("data_seed", self.data_seed),
-            _check_int("num_workers", self.num_workers, minimum=0),
+            check_int("data_seed", self.data_seed),
+            check_int("num_workers", self.num_workers, minimum=0),
             self._single_pass_workers_error(),
             _check_optional_positive_int("max_private_samples", self.max_private_samples),
             _check_optional_positive_int("max_eval_samples", self.max_eval_samples),

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import DataSplits, PublicPrivateDataModule
+from datamodules.base import DataSplits, PublicPrivateDataModule, check_int
 from datamodules.collate import stacked_collate
 from datamodules.datasets import RowsDataset, TensorPairDataset
 from lit_zodp.errors import check_finite, check_positive, check_positive_int
@@ -81,9 +81,13 @@ class SyntheticClassificationDataModule(PublicPrivateDataModule):
 class SyntheticRowsDataModule(PublicPrivateDataModule):
     """The conventions of the synthetic row problems (:class:`QuadraticDataModule`, :class:`PhaseRetrievalDataModule`):
     float64 rows ``[example_shape]`` served a batch at a time (:class:`RowsDataset`), targets zeros (one dummy class:
-    the losses have no labels), an int ``seed`` of the rows, and ``epoch_steps`` full batches per Lightning epoch.
+    the losses have no labels), a dimension ``dim``, ``n_train`` rows in the pool and ``n_test`` in the test set, an
+    int ``seed`` of the rows, and ``epoch_steps`` full batches per Lightning epoch.
 
     Args:
+        dim: the problem's dimension ``d``.
+        n_train: rows in the training pool.
+        n_test: rows in the test set.
         seed: seed of the rows (the split uses ``data_seed``).
         epoch_steps: full batch only: steps per Lightning epoch (each step is the whole set; the epoch is only
             Lightning's loop unit: ``check_val_every_n_epoch``, the per-epoch hooks). One step per epoch spent about
@@ -91,7 +95,11 @@ class SyntheticRowsDataModule(PublicPrivateDataModule):
         **kwargs: :class:`PublicPrivateDataModule` arguments.
     """
 
-    def __init__(self, seed: int = 0, epoch_steps: int = 1, **kwargs: Any) -> None:
+    def __init__(self, *, dim: int, n_train: int, n_test: int, seed: int = 0, epoch_steps: int = 1,
+                 **kwargs: Any) -> None:
+        self.dim = dim
+        self.n_train = n_train
+        self.n_test = n_test
         self.seed = seed
         self.epoch_steps = epoch_steps
         self.known_num_classes = 1
@@ -99,11 +107,13 @@ class SyntheticRowsDataModule(PublicPrivateDataModule):
 
     def config_errors(self) -> list[Optional[str]]:
         return super().config_errors() + [
+            check_positive_int("dim", self.dim),
+            check_positive_int("n_train", self.n_train),
+            check_positive_int("n_test", self.n_test),
             check_positive_int("epoch_steps", self.epoch_steps),
             None if self.epoch_steps == 1 or self.sampling == "full_batch"
             else f"`epoch_steps` sets the epoch length of a full batch, but sampling={self.sampling!r}",
-            None if isinstance(self.seed, int) and not isinstance(self.seed, bool)
-            else f"Expected `seed` to be an int, but got {self.seed!r}",
+            check_int("seed", self.seed),
         ]
 
     @property
@@ -157,12 +167,10 @@ class QuadraticDataModule(SyntheticRowsDataModule):
         epoch_steps: int = 1,
         **kwargs: Any,
     ) -> None:
-        self.dim = dim
-        self.n_train = n_train
-        self.n_test = n_test
         self.mean = mean
         self.std = std
-        super().__init__(seed=seed, epoch_steps=epoch_steps, sampling=sampling, **kwargs)
+        super().__init__(dim=dim, n_train=n_train, n_test=n_test, seed=seed, epoch_steps=epoch_steps,
+                         sampling=sampling, **kwargs)
 
     @property
     def example_shape(self) -> tuple[int]:
@@ -171,9 +179,6 @@ class QuadraticDataModule(SyntheticRowsDataModule):
 
     def config_errors(self) -> list[Optional[str]]:
         return super().config_errors() + [
-            check_positive_int("dim", self.dim),
-            check_positive_int("n_train", self.n_train),
-            check_positive_int("n_test", self.n_test),
             check_finite("mean", self.mean),
             check_positive("std", self.std),
         ]
@@ -231,12 +236,10 @@ class PhaseRetrievalDataModule(SyntheticRowsDataModule):
         epoch_steps: int = 1,
         **kwargs: Any,
     ) -> None:
-        self.dim = dim
-        self.n_train = n_train
-        self.n_test = n_test
         self.signal_seed = signal_seed
         self.outlier_fraction = outlier_fraction
-        super().__init__(seed=seed, epoch_steps=epoch_steps, sampling=sampling, **kwargs)
+        super().__init__(dim=dim, n_train=n_train, n_test=n_test, seed=seed, epoch_steps=epoch_steps,
+                         sampling=sampling, **kwargs)
 
     @property
     def example_shape(self) -> tuple[int]:
@@ -246,11 +249,7 @@ class PhaseRetrievalDataModule(SyntheticRowsDataModule):
     def config_errors(self) -> list[Optional[str]]:
         fraction = self.outlier_fraction
         return super().config_errors() + [
-            check_positive_int("dim", self.dim),
-            check_positive_int("n_train", self.n_train),
-            check_positive_int("n_test", self.n_test),
-            None if isinstance(self.signal_seed, int) and not isinstance(self.signal_seed, bool)
-            and self.signal_seed >= 0 else f"Expected `signal_seed` to be an int >= 0, but got {self.signal_seed!r}",
+            check_int("signal_seed", self.signal_seed, minimum=0),
             None if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 <= fraction < 1
             else f"Expected `outlier_fraction` in [0, 1), but got {fraction!r}",
         ]
