@@ -848,6 +848,7 @@ __all__ = [
     "PublicPrivateDataModule",
     "SHUFFLE_WARNING",
     "check_disjoint",
+    "check_int",
     "check_test_fraction",
     "fixed_test_split",
     "split_id",
