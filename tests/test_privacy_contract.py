@@ -1068,11 +1068,16 @@ def test_checkpoints_hold_no_secret_and_two_continuations_draw_fresh_noise(name,
     assert _secrets_in(saved) == []
     assert set(saved["privacy"]) == {"ledger", "plan"}
     released, original = [], PrivacyComponent.release
-    monkeypatch.setattr(PrivacyComponent, "release", lambda self, *args, **kwargs: released[-1].append(
-        original(self, *args, **kwargs)) or released[-1][-1])
+
+    def recorded(self, *args, **kwargs):
+        released[-1].append(original(self, *args, **kwargs))
+        return released[-1][-1]
+
+    monkeypatch.setattr(PrivacyComponent, "release", recorded)
     continuations = []
     for _ in range(2):
-        module, _ = build(name), released.append([])
+        module = build(name)
+        released.append([])
         quiet_trainer(max_steps=5).fit(module, poisson_loader(blobs(), 0.25, seed=9), ckpt_path=tmp_path / "last.ckpt")
         continuations.append(flat(module) if name not in AUDITED_ELSEWHERE else torch.cat(
             [value.detach().double().reshape(-1) for value in released[-1]]))

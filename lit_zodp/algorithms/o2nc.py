@@ -124,6 +124,11 @@ def clipped_combination(coefficients: Tensor, directions: Tensor, clip: float) -
     return total
 
 
+def public_uniform(run_seed: int, index: int, stream: int) -> float:
+    """A public ``U[0, 1)`` draw from (run seed, index, stream): ``s_t`` and the reservoir's coin flips."""
+    return float(np.random.default_rng(derive_seed(run_seed, index, stream)).random())
+
+
 def project_to_ball(vector: Tensor, radius: float) -> Tensor:
     """``min(1, D / ||v||) v`` (Alg. 2: online projected gradient descent over the ball ``B_D``)."""
     norm = float(vector.norm())
@@ -299,8 +304,7 @@ class DPO2NC(ZerothOrderModule):
                 "Prop. 2.6's guarantee on x_out (a window's average is (alpha, beta)-stationary) needs M D <= alpha; "
                 "shorten the window or the radius", category=LitZodpWarning)
         planned = self.trainer.estimated_stepping_batches if self._trainer is not None else None
-        done = self._state.get("windows_done", 0) if self._state else 0
-        if (self.output == "window" and not done and isinstance(planned, (int, float)) and math.isfinite(planned)
+        if (self.output == "window" and not self._state.get("windows_done") and isinstance(planned, (int, float)) and math.isfinite(planned)
                 and planned < self.window):
             rank_zero_warn(
                 f"{type(self).__name__}: window={self.window} exceeds the fit's {int(planned)} steps, so no window "
@@ -398,7 +402,7 @@ class DPO2NC(ZerothOrderModule):
 
     def uniform_draw(self) -> float:
         """``s_t ~ U[0, 1]``: public, from (run seed, step)."""
-        return float(np.random.default_rng(derive_seed(self.run_seed, self.global_step, UNIFORM_STREAM)).random())
+        return public_uniform(self.run_seed, self.global_step, UNIFORM_STREAM)
 
     def average_window(self, z: Tensor) -> None:
         """Add ``z_t`` to the window; a full window's average replaces ``x_out`` with probability ``1/k`` (reservoir
@@ -410,7 +414,7 @@ class DPO2NC(ZerothOrderModule):
             return
         state["windows_done"] += 1
         k = state["windows_done"]
-        if np.random.default_rng(derive_seed(self.run_seed, k, RESERVOIR_STREAM)).random() < 1.0 / k:
+        if public_uniform(self.run_seed, k, RESERVOIR_STREAM) < 1.0 / k:
             state["output"] = state["window_sum"] / self.window
         state["window_sum"] = torch.zeros_like(z)
         state["window_steps"] = 0
