@@ -48,9 +48,11 @@ class DetachedCenter(_TwoLayers):
 
 class CapacityMoE(nn.Module):
     """Switch-style experts with a capacity over the whole batch: whether a token is kept depends on
-    the other examples' router scores."""
+    the other examples' router scores. (At capacity 6 of these 18 tokens some random halvings kept the same tokens as
+    the whole batch, so the halves check, drawn from OS randomness, passed it in about 3% of calls per mode, and the
+    suite failed about once in ten runs; at 4 none of 300 per mode did.)"""
 
-    def __init__(self, capacity=6):
+    def __init__(self, capacity=4):
         super().__init__()
         torch.manual_seed(1)
         self.inp, self.router, self.head = nn.Linear(2, 8), nn.Linear(8, 2), nn.Linear(8, 3)
