@@ -56,7 +56,9 @@ from lit_zodp.privacy.sampling import (
     PrivateBatchSampler,
     ShuffleBatchSampler,
     SinglePassBatchSampler,
+    anchor_errors,
     mark_private_data,
+    single_pass_steps,
 )
 
 SAMPLINGS = ("poisson", "full_batch", "single_pass", "shuffle")
@@ -315,6 +317,10 @@ class PublicPrivateDataModule(LightningDataModule):
             (fixed-size shuffled batches; warns, since the reported epsilon does not hold for it).
         sampling_seed: TEST ONLY (warns): a known seed of the Poisson/shuffle stream voids
             amplification by subsampling. ``None`` draws a fresh OS secret at every fit start.
+        anchor_batch_size, anchor_period: an anchored single pass (``sampling: single_pass`` only; both or neither):
+            ``anchor_batch_size`` expected examples at the first step of every ``anchor_period`` steps, ``batch_size``
+            at the others (Kornowski et al.'s Alg. 3: ``B1`` and ``B2``, the module's ``period``; Thm. 3.1 takes
+            ``B1 = period * B2``). Only DPO2NC and O2NC with ``oracle: single_pass`` train on it.
         public_fraction: fraction of the pool held out as in-distribution public data, in [0, 1).
         public_batch_size: batch size of the public loader; ``None`` uses ``batch_size``.
         public_in_step: hand every training step a public batch with its private one
@@ -340,6 +346,8 @@ class PublicPrivateDataModule(LightningDataModule):
         eval_batch_size: int = 256,
         sampling: Literal["poisson", "full_batch", "single_pass", "shuffle"] = "poisson",
         sampling_seed: Optional[int] = None,
+        anchor_batch_size: Optional[int] = None,
+        anchor_period: int = 1,
         public_fraction: float = 0.0,
         public_batch_size: Optional[int] = None,
         public_in_step: bool = False,
@@ -356,6 +364,8 @@ class PublicPrivateDataModule(LightningDataModule):
         self.eval_batch_size = eval_batch_size
         self.sampling = sampling
         self.sampling_seed = sampling_seed
+        self.anchor_batch_size = anchor_batch_size
+        self.anchor_period = anchor_period
         self.public_fraction = public_fraction
         self.public_batch_size = public_batch_size
         self.public_in_step = public_in_step
@@ -404,6 +414,10 @@ class PublicPrivateDataModule(LightningDataModule):
             if self.sampling in SAMPLINGS
             else f"Expected `sampling` in {SAMPLINGS}, but got {self.sampling!r}",
             None if self.sampling_seed is None else check_int("sampling_seed", self.sampling_seed, minimum=0),
+            *anchor_errors(self.anchor_batch_size, self.anchor_period),
+            None if self.anchor_batch_size is None or self.sampling == "single_pass" else
+            f"`anchor_batch_size` is for sampling='single_pass' (an anchored single pass), but got "
+            f"sampling={self.sampling!r}",
             _check_fraction("public_fraction", self.public_fraction),
             _check_fraction("val_fraction", self.val_fraction),
             self._fraction_sum_error(),
@@ -593,6 +607,9 @@ class PublicPrivateDataModule(LightningDataModule):
                 f"private examples n_private={n_private}: the sample rate q = B / n_private = "
                 f"{self.batch_size / n_private:.4g} > 1. Lower batch_size or use more private data."
             )
+        if self.anchor_batch_size is not None and self.anchor_batch_size > n_private > 0:
+            errors.append(f"`anchor_batch_size`={self.anchor_batch_size} exceeds the number of private examples "
+                          f"n_private={n_private}")
         if self.public_fraction > 0 and not self.public_indices:
             errors.append(f"`public_fraction`={self.public_fraction} of a pool of {pool_size} holds no example")
         if self.val_fraction > 0 and not self.val_indices:
@@ -668,6 +685,8 @@ class PublicPrivateDataModule(LightningDataModule):
             return self.n_private // self.batch_size
         if self.sampling == "full_batch":
             return 1
+        if self.sampling == "single_pass":
+            return single_pass_steps(self.n_private, self.batch_size, self.anchor_batch_size, self.anchor_period)
         return max(1, round(1.0 / self.sample_rate))
 
     # ---------------------------------------------------------------------------- dataloaders
@@ -712,7 +731,8 @@ class PublicPrivateDataModule(LightningDataModule):
         place = dict(rank=rank, world_size=world_size)
         if self.sampling == "single_pass":
             previous = getattr(self, "_batch_sampler", None)
-            sampler = SinglePassBatchSampler(self.n_private, self.batch_size, seed=self.data_seed, **place)
+            sampler = SinglePassBatchSampler(self.n_private, self.batch_size, seed=self.data_seed, **place,
+                                             anchor_batch_size=self.anchor_batch_size, anchor_period=self.anchor_period)
             if self._pending_pass_state is not None:
                 sampler.load_state_dict(self._pending_pass_state)
                 self._pending_pass_state = None

@@ -102,6 +102,8 @@ class AlgorithmModule(pl.LightningModule):
     non_private_twin: ClassVar[Optional[str]] = None
     #: Registered for the contract suite unless abstract.
     abstract: ClassVar[bool] = True
+    #: Whether the module trains on an anchored single pass (``anchor_batch_size``: Kornowski et al.'s Alg. 3 sizes).
+    takes_anchored_pass: bool = False
     #: A private step's losses check every class target on the device (review 21); otherwise only where a bad one
     #: cannot raise (an accelerator) and the host has not vetted the batch (:meth:`example_losses`).
     labels_checked_in_every_forward: ClassVar[bool] = False
@@ -269,6 +271,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.trainer.world_size > 1:
             _require_no_distributed_sampler(self.trainer)
         sampling = read_sampling(self.trainer) if self.private else None
+        _refuse_anchored_pass(self, sampling if self.private else loader_sampling(self.trainer))
         change = self.privacy.sampling_change(sampling) if self.private else None
         if change:
             rank_zero_warn(change, category=LitZodpWarning)
@@ -326,6 +329,7 @@ class AlgorithmModule(pl.LightningModule):
         """A private loader rebuilt for this epoch (``reload_dataloaders_every_n_epochs``) must sample as planned:
         the ledger accounts every step at the fit's rate, and releases divide by the fit's expected batch size."""
         sampling = read_sampling(self.trainer) if self.private else None
+        _refuse_anchored_pass(self, sampling if self.private else loader_sampling(self.trainer))
         if sampling != self.privacy.sampling:
             raise PrivacyConfigError(
                 f"The private loader was rebuilt with sampling {sampling} but this fit is accounted "
@@ -862,6 +866,25 @@ def read_sampling(trainer: "pl.Trainer") -> SamplingDescription:
             "shuffled loader gives no guarantee the accountant can state.")
     private[0].check_placement(int(trainer.global_rank), int(trainer.world_size))
     return private[0].description
+
+
+def loader_sampling(trainer: "pl.Trainer") -> Optional[SamplingDescription]:
+    """The description of the training loader's private batch sampler, if it has exactly one (a non-private module's
+    loader may have none)."""
+    samplers = [getattr(loader, "batch_sampler", None) for loader in _train_loaders(trainer)]
+    private = [s for s in samplers if isinstance(s, PrivateBatchSampler)]
+    return private[0].description if len(private) == 1 else None
+
+
+def _refuse_anchored_pass(module: "AlgorithmModule", sampling: Optional[SamplingDescription]) -> None:
+    """An anchored single pass (``anchor_batch_size``) gives its anchor steps more examples: only a module that
+    divides each step by its own expected size (DPO2NC's Alg. 3) reads it right; any other would divide an anchor's
+    sum by a regular step's size."""
+    if getattr(sampling, "anchored", False) and not module.takes_anchored_pass:
+        raise PrivacyConfigError(
+            f"{type(module).__name__} does not train on an anchored single pass (the data's `anchor_batch_size` and "
+            "`anchor_period`: Alg. 3's batch sizes B1 and B2 for DPO2NC and O2NC with oracle='single_pass'): drop "
+            "them")
 
 
 def _refuse_private_evaluation(module: AlgorithmModule, stage: str, loaders_attribute: str) -> None:

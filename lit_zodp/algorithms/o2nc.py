@@ -12,12 +12,17 @@ Choices where the paper is silent, or where its text is off (reading notes, Sec.
   one replaced example moves a leaf by at most ``2C`` (``2C'``): a bound for every ``m``, with no event to condition
   on (the delta of the accountant is the whole delta). For an ``L``-Lipschitz loss ``C ~ L`` and ``C' ~ L sqrt(d) D /
   alpha`` are the paper's scales (Lemma 3.4), plus the ``L d / sqrt(m)`` spread of ``m`` directions.
-* One batch size for every step (the single-pass sampler's ``n / steps``), where Thm. 3.1 takes ``B1 = Sigma B2``
-  to balance the anchor's sensitivity ``L / B1`` against the increments' ``L sqrt(d) D / (alpha B2)``. The tree's
-  node noise is calibrated to the larger of ``C`` and ``C'`` (``difference_clip``), so with ``B1 = B2`` it stays at
-  the anchors' level however small ``C'`` is: a period longer than 1 then adds ``floor(log2 Sigma) + 1`` nodes'
-  noise and gains no smaller sensitivity. ``B1 > B2`` (a single pass whose anchor steps take more examples, and a
-  divisor per step) is not implemented.
+* Batch sizes ``B1`` and ``B2`` from an *anchored* single pass (the DataModule's ``anchor_batch_size`` = ``B1`` and
+  ``anchor_period`` = ``Sigma``, ``batch_size`` = ``B2``; Thm. 3.1 takes ``B1 = Sigma B2`` to balance the anchor's
+  sensitivity ``L / B1`` against the increments' ``L sqrt(d) D / (alpha B2)``). Each example goes to one step with
+  probability proportional to the step's size (i.i.d. by position, where the paper takes fixed sizes "from unused
+  samples": replace-one neighbours still change one leaf), and each step divides by its own expected size (lines 8
+  and 16). The node noise covers the larger leaf sensitivity, ``2 sigma max(C / B1, C' / B2)``
+  (:meth:`DPO2NC.noise_ratio`), so a small ``C'`` pays off only with ``B1 > B2``: on a plain single pass (``B1 =
+  B2``) the noise stays at the anchors' level, and a period longer than 1 adds ``floor(log2 Sigma) + 1`` nodes'
+  noise for no smaller sensitivity. A resumed run's first tree starts on whatever step the pass is at (its running
+  sum is secret, never checkpointed): an anchor there, on a regular step, is clipped at ``max(C B2 / B1, C')``
+  (:meth:`DPO2NC.leaf_clip`) so the node noise covers it, and the pass's next large step starts the next tree.
 * The tree's positions run ``1..Sigma`` within a period (Alg. 1's ``TREE(t mod Sigma)`` adds no noise at a period's
   last step; :mod:`lit_zodp.privacy.tree`), and one leaf lies in ``floor(log2 Sigma) + 1`` released nodes.
 * By default (``direction_sets="step"``) one set of directions per step, shared by every example of the batch
@@ -34,7 +39,7 @@ Choices where the paper is silent, or where its text is off (reading notes, Sec.
   Validation during the fit reads the iterate ``x_t``.
 * Resume: Alg. 3's running sum ``g_t`` (not noisy) and the tree's node keys are secret and never checkpointed, so a
   resumed single-pass run starts a new period with an anchor step: a fresh tree over fresh data (each example is
-  still in one leaf of one tree). Alg. 4's running estimate is noisy (public) and is checkpointed, so it continues.
+  still in one leaf of one tree; on an anchored pass the tree is cut short at the next large step, above). Alg. 4's running estimate is noisy (public) and is checkpointed, so it continues.
 * State: Alg. 2 keeps ``Delta_t``, ``z_{t-1}``, the window's sum and ``x_out`` (public), the oracle ``g_t`` (secret),
   as flat float64 vectors of the trained parameters' size ``d``; the directions of one step are ``2m x d``. The paper
   is about small ``d`` (its experiments, notes Sec. 5: phase retrieval, small ReLU networks), where this is cheap.
@@ -50,6 +55,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from lit_zodp.algorithms.base import loader_sampling
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import (
@@ -63,6 +69,7 @@ from lit_zodp.errors import (
 from lit_zodp.privacy import GaussianRelease, StepPlan, TreeAggregator, releases_per_leaf
 from lit_zodp.privacy.clipping import clip_factors
 from lit_zodp.privacy.fixed_shape import take_rows
+from lit_zodp.privacy.sampling import SinglePassSampling
 from lit_zodp.zo import derive_seed
 
 ESTIMATE = "gradient estimate"
@@ -191,16 +198,18 @@ class DPO2NC(ZerothOrderModule):
     ``v(z; xi) = (1/m) sum_j (d / 2 alpha) (f(z + alpha y_j; xi) - f(z - alpha y_j; xi)) y_j``:
       anchor (first step of a period of Sigma):  leaf_t = sum_i clip_C(v(z_t; xi_i))
       other steps:  leaf_t = sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))   (independent directions for each)
-      Alg. 3:  gt_t = (sum of the period's leaves + TREE(p)) / B   (tree mechanism, single pass)
+      Alg. 3:  gt_t = sum of the period's leaf_j / B_j + TREE(p) / B2   (tree mechanism, single pass; B_j the
+               step's expected size: B1 at an anchored pass's anchors, else B2 = B)
       Alg. 4:  gt_t = [gt_{t-1} if not anchor] + (leaf_t + N(0, (k r sigma C)^2 I)) / B
-    (``r = max(1, C'/C)``; ``k = 2`` for replace-one neighbours, 1 for add/remove; Alg. 3's node noise is the same)
+    (``r = max(B2/B1, C'/C)``; ``k = 2`` for replace-one neighbours, 1 for add/remove; Alg. 3's node noise is the
+    same, ``k r sigma C``)
 
     Args (besides :class:`~lit_zodp.algorithms.AlgorithmModule`'s; ``lr`` is ``eta``, ``clip`` is ``C``):
         lam: ``alpha``, the smoothing radius of eq. 4 (``lam`` as in every zeroth-order module here), the radius the
             guarantee is stated at (Lemma 2.4: ``(2 alpha, beta)``-stationarity of ``F``).
         radius: ``D``, the bound on each movement ``Delta``.
         window: ``M``, steps per averaged window.
-        period: ``Sigma``, steps per anchor (and per tree).
+        period: ``Sigma``, steps per anchor (and per tree); on an anchored single pass, the data's ``anchor_period``.
         num_directions: ``m``, directions per estimate.
         difference_clip: ``C'`` (``None``: ``C``).
         oracle: ``"single_pass"`` (Alg. 3: needs the DataModule's ``sampling: single_pass``) or ``"multi_pass"``.
@@ -259,21 +268,46 @@ class DPO2NC(ZerothOrderModule):
         self.output = output
         self.tree = TreeAggregator(period)
         self._state: dict[str, Any] = {}
+        self._pass: Optional[SinglePassSampling] = None
+        self._fit_start_step = 0
 
     # ------------------------------------------------------------------------- declaration
+    @property
+    def takes_anchored_pass(self) -> bool:
+        """Alg. 3 reads an anchored single pass (``B1`` examples at each anchor, ``B2`` at the other steps)."""
+        return self.oracle == "single_pass"
+
     def step_plan(self) -> StepPlan:
-        """One d-dimensional release per step. Its node noise is ``r sigma C`` with ``r = max(1, C'/C)``; Alg. 3's
-        leaf lies in :func:`releases_per_leaf` released tree nodes (sensitivity ``sqrt(count) r C``), Alg. 4's in
-        one."""
-        ratio = 1.0 if math.isinf(self.clip) else max(1.0, self.difference_clip / self.clip)
+        """One d-dimensional release per step. Its node noise is ``r sigma C`` with :meth:`noise_ratio` ``r``;
+        Alg. 3's leaf lies in :func:`releases_per_leaf` released tree nodes (sensitivity ``sqrt(count) r C``),
+        Alg. 4's in one."""
+        ratio = self.noise_ratio()
         count = releases_per_leaf(self.period) if self.oracle == "single_pass" else 1
         return (GaussianRelease(ESTIMATE, sensitivity=math.sqrt(count) * ratio, noise=ratio),)
+
+    def noise_ratio(self) -> float:
+        """``r = max(B2 / B1, C' / C)``: the largest leaf sensitivity (an anchor's ``2C / B1``, an increment's
+        ``2C' / B2``; Lemma 3.4) in units of ``2C / B2``, ``B2`` a regular step's expected size (``B1 = B2`` unless
+        the single pass is anchored)."""
+        if math.isinf(self.clip):
+            return 1.0
+        return max(1.0 / self._pass_weight(0), self.difference_clip / self.clip)
+
+    def leaf_clip(self, nominal: float, position: int) -> float:
+        """The clip of a leaf at pass ``position``: ``nominal`` (``C`` or ``C'``) capped at ``w r C``, ``w`` the step's
+        weight, so the leaf's sensitivity ``2 clip / (w B2)`` stays within the node noise's ``2 r C / B2``. Only a
+        resumed period's first anchor, on a regular step, is capped (at ``max(C B2 / B1, C')``); private runs only."""
+        if not self.private:
+            return nominal
+        return min(nominal, self._pass_weight(position) * self.noise_ratio() * self.clip)
 
     def configure_optimizers(self):
         self.o2nc_params = self.trainable_parameters()
         return self.with_scheduler(self.attach_privacy(StagedStep(self.o2nc_params, lr=self.lr)))
 
     def on_train_start(self) -> None:
+        self._pass = self._read_pass()  # (before the base plans the privacy: the step plan reads its weights)
+        self._fit_start_step = self.global_step
         super().on_train_start()
         if self.private and self.oracle == "single_pass" and self.privacy.sampling.name != "single_pass":
             raise PrivacyConfigError(
@@ -286,6 +320,31 @@ class DPO2NC(ZerothOrderModule):
         if self._state["holding_output"]:  # the model holds x_out since the last fit ended: continue from x_T
             write_point(self.o2nc_params, self._state["last"])
             self._state["holding_output"] = False
+
+    def _read_pass(self) -> Optional[SinglePassSampling]:
+        """The training loader's single pass (``None``: another sampling); an anchored one must anchor every
+        ``period`` steps, where the tree starts."""
+        sampling = loader_sampling(self.trainer)
+        if not isinstance(sampling, SinglePassSampling):
+            return None
+        if sampling.anchored and self.oracle == "single_pass" and sampling.anchor_period != self.period:
+            raise PrivacyConfigError(
+                f"{type(self).__name__}: the data's `anchor_period`={sampling.anchor_period} must equal the module's "
+                f"`period`={self.period} (Alg. 3 takes its B1 examples at the first step of every period)")
+        return sampling
+
+    def _anchor_step(self, position: int) -> bool:
+        """Whether an anchored pass gives step ``position`` its ``B1`` examples."""
+        return self._pass is not None and self._pass.anchored and position % self._pass.anchor_period == 0
+
+    def _pass_weight(self, position: int) -> float:
+        """Step ``position``'s expected size over a regular step's in an anchored pass, else 1."""
+        return self._pass.weight(position) if getattr(self, "_pass", None) is not None else 1.0
+
+    def _pass_position(self) -> int:
+        """This step's position in the single pass (the steps of earlier fits included)."""
+        start = self._pass.start if self._pass is not None else 0
+        return start + self.global_step - self._fit_start_step
 
     def _warn_about_oversized_options(self) -> None:
         """A ``period`` beyond the single pass costs noise for nodes no step reaches (each leaf is accounted in
@@ -344,9 +403,13 @@ class DPO2NC(ZerothOrderModule):
     def oracle_estimate(self, z: Tensor, inputs, targets, size: int) -> Tensor:
         """Alg. 3 (tree) or Alg. 4 (running noisy sum) at ``z_t``."""
         state = self._state
+        position = self._pass_position()
+        if self.oracle == "single_pass" and self._anchor_step(position) and not self.tree.period_done:
+            self.tree.reset()  # an anchored pass's anchor step starts a tree (after a resumed, shorter period)
         anchor = self.tree.period_done if self.oracle == "single_pass" else state["position"] % self.period == 0
-        leaf = (self.anchor_leaf(z, inputs, targets) if anchor
-                else self.difference_leaf(z, state["z_previous"], inputs, targets))
+        leaf = (self.anchor_leaf(z, inputs, targets, self.leaf_clip(self.clip, position)) if anchor
+                else self.difference_leaf(z, state["z_previous"], inputs, targets,
+                                          self.leaf_clip(self.difference_clip, position)))
         state["z_previous"] = z
         if self.oracle == "single_pass":
             return self.privacy.release_prefix(leaf, ESTIMATE, self.tree, batch_size=size)
@@ -355,12 +418,12 @@ class DPO2NC(ZerothOrderModule):
         state["position"] += 1
         return state["estimate"]
 
-    def anchor_leaf(self, z: Tensor, inputs, targets) -> Tensor:
+    def anchor_leaf(self, z: Tensor, inputs, targets, clip: float) -> Tensor:
         """``sum_i clip_C(v(z_t; xi_i))`` over directions ``y_1..y_m``."""
         directions = self.directions_of(range(self.num_directions), inputs)
-        return clipped_combination(self.estimate_coefficients(z, directions, inputs, targets), directions, self.clip)
+        return clipped_combination(self.estimate_coefficients(z, directions, inputs, targets), directions, clip)
 
-    def difference_leaf(self, z: Tensor, z_previous: Tensor, inputs, targets) -> Tensor:
+    def difference_leaf(self, z: Tensor, z_previous: Tensor, inputs, targets, clip: float) -> Tensor:
         """``sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))``, ``y_1..y_m`` at ``z_t`` and ``y_{m+1}..y_{2m}`` at
         ``z_{t-1}`` (independent, Alg. 3 lines 12-13)."""
         m = self.num_directions
@@ -368,7 +431,7 @@ class DPO2NC(ZerothOrderModule):
         before = now if self.difference_directions == "shared" else self.directions_of(range(m, 2 * m), inputs)
         coefficients = torch.cat([self.estimate_coefficients(z, now, inputs, targets),
                                   -self.estimate_coefficients(z_previous, before, inputs, targets)], dim=1)
-        return clipped_combination(coefficients, torch.cat([now, before], dim=-2), self.difference_clip)
+        return clipped_combination(coefficients, torch.cat([now, before], dim=-2), clip)
 
     def estimate_coefficients(self, point: Tensor, directions: Tensor, inputs, targets) -> Tensor:
         """``c_ij = (d / (2 alpha m)) (f(p + alpha y_j; xi_i) - f(p - alpha y_j; xi_i))``, ``[B, m]`` float64: eq. 4's

@@ -486,13 +486,13 @@ class PrivacyComponent:
                 f"The ledger holds {recorded} single-pass steps but the sampler starts its pass at step "
                 f"{self.sampling.start}: a restarted pass would reuse examples accounted as used once. Resume "
                 "the run from its checkpoint (ckpt_path), which continues the pass.")
-        now, passed = self.sampling.assignment, self.single_pass
+        now, passed = self.sampling.assignment, _padded_pass(self.single_pass)
         if recorded and passed is not None and any(a is not None and a != b for a, b in zip(passed, now)):
             raise PrivacyConfigError(
-                f"This run's single pass assigned n = {passed[0]} examples to {passed[1]} steps; this fit assigns "
-                f"n = {now[0]} to {now[1]} steps (another `batch_size`, data or `data_seed`), so examples its first "
-                f"{recorded} steps used would be used again, accounted once: resume with the run's batch size and "
-                "data settings")
+                f"This run's single pass assigned n = {passed[0]} examples to {passed[1]} steps{_anchors(passed)}; "
+                f"this fit assigns n = {now[0]} to {now[1]} steps{_anchors(now)} (another `batch_size`, "
+                f"`anchor_batch_size`, `anchor_period`, data or `data_seed`), so examples its first {recorded} steps "
+                "used would be used again, accounted once: resume with the run's batch sizes and data settings")
         self.single_pass = now
 
     def _check_accountable(self) -> None:
@@ -568,13 +568,22 @@ class PrivacyComponent:
 
     def release_prefix(self, increment: Tensor, name: str, tree: TreeAggregator, *,
                        batch_size: Optional[int] = None) -> Tensor:
-        """The tree mechanism's release (Kornowski et al., Alg. 1): ``(sum over ranks of the increment) / B`` joins
+        """The tree mechanism's release (Kornowski et al., Alg. 1): ``(sum over ranks of the increment) / B_t`` joins
         the period's running sum in ``tree``, which returns that sum plus ``TREE(p)``, each node's noise of std
-        ``noise sigma C / B``. The plan declares the release with the sensitivity of one leaf's
+        ``noise sigma C / B``. ``B`` is a regular step's expected size and ``B_t`` this step's (an anchored single
+        pass's anchor: ``anchor_weight B``, read from the sampling description at the pass position, never from the
+        caller). The plan declares the release with the sensitivity of one leaf's
         :func:`~lit_zodp.privacy.tree.releases_per_leaf` nodes; float64."""
         std, divisor = self._declared(name)
         total = self._reduce_sum(increment)
-        return tree.push(total.to(torch.float64) / divisor, std / divisor, self.noise if std else None)
+        weight = self.step_weight()
+        return tree.push(total.to(torch.float64) / (divisor * weight), std / divisor, self.noise if std else None)
+
+    def step_weight(self) -> float:
+        """This step's expected size over a regular step's: an anchored single pass's
+        :meth:`~lit_zodp.privacy.sampling.SinglePassSampling.weight` at its position, else 1."""
+        weight = getattr(self.sampling, "weight", None)
+        return weight(self.sampling.start + self.fit_steps) if weight is not None else 1.0
 
     def _declared(self, name: str) -> tuple[float, float]:
         """The noise std of the plan's release ``name`` and the divisor ``B``; the release is recorded for
@@ -815,6 +824,17 @@ def _restored_pass(plan: dict) -> Optional[list]:
     if plan.get("sampling") == SinglePassSampling.name and plan.get("sample_rate"):
         return [plan.get("n"), round(1 / plan["sample_rate"]), None]
     return None
+
+
+def _padded_pass(assignment: Optional[list]) -> Optional[list]:
+    """A recorded assignment with the anchor fields (``anchor_period``, ``anchor_weight``) that one from before
+    anchored passes lacks: an unanchored pass's."""
+    return None if assignment is None else list(assignment) + [1, 1.0][max(0, len(assignment) - 3):]
+
+
+def _anchors(assignment: list) -> str:
+    period, weight = assignment[3:5]
+    return "" if period == 1 else f" (an anchor of {weight:g}x the examples every {period})"
 
 
 def _mechanism_text(mechanism) -> str:

@@ -85,18 +85,32 @@ class FullBatchSampling:
 class SinglePassSampling:
     """Each of the ``n`` examples used in exactly one of ``steps`` steps (one pass); ``start``: the
     sampler's position in the pass when the fit starts (a resumed pass continues where it stopped); ``seed``: the
-    public seed of the pass's assignment of examples to steps."""
+    public seed of the pass's assignment of examples to steps.
+
+    An *anchored* pass (``anchor_period`` > 1; Kornowski et al., Alg. 3's batch sizes ``B1`` and ``B2``) gives every
+    ``anchor_period``-th step, from the pass's first, ``anchor_weight`` times the expected examples of the others:
+    step ``t``'s expected size is ``weight(t) * expected_batch_size``."""
 
     n: int
     steps: int
     start: int = field(default=0, compare=False)
     seed: Optional[int] = field(default=None, compare=False)
+    anchor_period: int = 1
+    anchor_weight: float = 1.0
     name: ClassVar[str] = "single_pass"
 
     @property
     def assignment(self) -> list:
         """What fixes which step uses which example: a continued pass must have the same."""
-        return [self.n, self.steps, self.seed]
+        return [self.n, self.steps, self.seed, self.anchor_period, self.anchor_weight]
+
+    @property
+    def anchored(self) -> bool:
+        return self.anchor_period > 1
+
+    def weight(self, position: int) -> float:
+        """Step ``position``'s expected size over a regular step's: ``anchor_weight`` at an anchor, else 1."""
+        return self.anchor_weight if self.anchored and position % self.anchor_period == 0 else 1.0
 
     @property
     def sample_rate(self) -> float:
@@ -104,7 +118,8 @@ class SinglePassSampling:
 
     @property
     def expected_batch_size(self) -> float:
-        return self.n / self.steps
+        """A regular step's expected size, ``n`` over the pass's total weight (every step's, unanchored)."""
+        return self.n / pass_weight(self.steps, self.anchor_period, self.anchor_weight)
 
     def mechanism(self, noise_multiplier: float) -> Mechanism:
         return SinglePassGaussian(noise_multiplier)
@@ -248,28 +263,43 @@ class FullBatchSampler(PrivateBatchSampler):
 class SinglePassBatchSampler(PrivateBatchSampler):
     """One pass: each example is assigned to one of ``steps = round(n / batch_size)`` steps, once.
 
-    The assignment is i.i.d. uniform per POSITION, so replacing one example changes one step's batch
+    The assignment is i.i.d. per POSITION, so replacing one example changes one step's batch
     only (parallel composition needs this; a permutation cut into fixed-size batches would shift
     every later batch). Removing one shifts the later positions to other steps, so the privacy
     component accepts single-pass sampling with replace-one neighbours only. It is public randomness
     (the replace-one argument does not rely on its secrecy): ``seed`` is the public assignment seed
     and the position in the pass is checkpointed, so a resumed run continues the pass. A second
     pass raises.
+
+    ``anchor_batch_size`` and ``anchor_period`` (given together): an anchored pass, the sizes of Kornowski et al.'s
+    Alg. 3 (``B1`` at the first step of every period of ``Sigma``, ``B2 = batch_size`` at the others, Thm. 3.1:
+    ``B1 = Sigma B2``). Each example goes to step ``t`` with probability proportional to its nominal size (i.i.d.
+    per position, as above, where the paper draws fixed sizes "from unused samples"), and the pass has as many steps
+    as bring its nominal sizes closest to ``n``; the last period may be cut short.
     """
 
     secret_stream = False
 
     def __init__(self, num_samples: int, batch_size: int, *, seed: int = 0, rank: int = 0,
-                 world_size: int = 1) -> None:
-        raise_if_any([check_positive_int("batch_size", batch_size)])
+                 world_size: int = 1, anchor_batch_size: Optional[int] = None, anchor_period: int = 1) -> None:
+        raise_if_any([check_positive_int("batch_size", batch_size)] + anchor_errors(anchor_batch_size, anchor_period))
         super().__init__(num_samples, rank=rank, world_size=world_size, seed=seed)
-        self.steps = max(1, round(num_samples / batch_size))
-        self.assignment = self.generator.integers(0, self.steps, size=num_samples)
+        anchored = anchor_batch_size is not None
+        self.anchor_period = anchor_period if anchored else 1
+        self.anchor_weight = anchor_batch_size / batch_size if anchored else 1.0
+        self.steps = single_pass_steps(num_samples, batch_size, anchor_batch_size, anchor_period)
+        if anchored:
+            weights = np.ones(self.steps)
+            weights[::anchor_period] = self.anchor_weight
+            self.assignment = self.generator.choice(self.steps, size=num_samples, p=weights / weights.sum())
+        else:  # (the draw of every unanchored pass before anchors existed: a resumed run's assignment is unchanged)
+            self.assignment = self.generator.integers(0, self.steps, size=num_samples)
         self.next_step = 0
 
     @property
     def description(self) -> SinglePassSampling:
-        return SinglePassSampling(self.num_samples, self.steps, start=self.next_step, seed=self.seed)
+        return SinglePassSampling(self.num_samples, self.steps, start=self.next_step, seed=self.seed,
+                                  anchor_period=self.anchor_period, anchor_weight=self.anchor_weight)
 
     def __len__(self) -> int:
         return self.steps - self.next_step
@@ -289,6 +319,42 @@ class SinglePassBatchSampler(PrivateBatchSampler):
 
     def load_state_dict(self, state: dict) -> None:
         self.next_step = int(state["next_step"])
+
+
+def pass_weight(steps: int, anchor_period: int = 1, anchor_weight: float = 1.0) -> float:
+    """The total weight of a pass of ``steps`` steps: 1 per step, ``anchor_weight`` per anchor (steps
+    ``0, anchor_period, ...``)."""
+    anchors = -(-steps // anchor_period) if anchor_period > 1 else 0
+    return steps + (anchor_weight - 1.0) * anchors
+
+
+def single_pass_steps(n: int, batch_size: int, anchor_batch_size: Optional[int] = None, anchor_period: int = 1) -> int:
+    """The steps of a single pass over ``n`` examples: ``round(n / batch_size)``, at least 1; anchored, each step
+    whose nominal size's midpoint fits in ``n`` (the same count, unanchored, but for ``round``'s halves to even)."""
+    if anchor_batch_size is None:
+        return max(1, round(n / batch_size))
+    per_period = anchor_batch_size + (anchor_period - 1) * batch_size
+    periods, left = divmod(n, per_period)
+    steps = periods * anchor_period
+    for size in [anchor_batch_size] + [batch_size] * (anchor_period - 1):
+        if left < size / 2:
+            break
+        steps, left = steps + 1, left - size
+    return max(1, steps)
+
+
+def anchor_errors(anchor_batch_size: Optional[int], anchor_period: int) -> list[Optional[str]]:
+    """An anchored pass's options: ``anchor_batch_size`` (a positive int, or ``None``) and ``anchor_period`` (> 1
+    with one, 1 without)."""
+    if anchor_batch_size is None:
+        return [None if anchor_period == 1 else
+                f"`anchor_period`={anchor_period} needs an `anchor_batch_size` (an anchored single pass takes both)"]
+    errors = [check_positive_int("anchor_batch_size", anchor_batch_size), check_positive_int("anchor_period",
+                                                                                            anchor_period)]
+    if not errors[1] and anchor_period < 2:
+        errors.append(f"Expected `anchor_period` >= 2 with an `anchor_batch_size` (one anchor every `anchor_period` "
+                      f"steps), but got {anchor_period}")
+    return errors
 
 
 class ShuffleBatchSampler(PrivateBatchSampler):
@@ -354,6 +420,9 @@ __all__ = [
     "ShuffledSampling",
     "SinglePassBatchSampler",
     "SinglePassSampling",
+    "anchor_errors",
     "is_private_data",
     "mark_private_data",
+    "pass_weight",
+    "single_pass_steps",
 ]

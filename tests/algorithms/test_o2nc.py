@@ -4,6 +4,7 @@ The tree mechanism itself is tested in tests/privacy/test_tree.py."""
 
 import math
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from datamodules import QuadraticDataModule
 from datamodules.collate import EmptySafeCollate
-from lit_zodp.algorithms import DPO2NC, O2NC
+from lit_zodp.algorithms import DPO2NC, O2NC, DPZero, MeZO
 from lit_zodp.algorithms.o2nc import (EXAMPLE_STREAM, RESERVOIR_STREAM, UNIFORM_STREAM, clipped_combination,
                                       project_to_ball, sphere_directions)
 from lit_zodp.backbones.quadratic import QuadraticLoss
@@ -89,28 +90,33 @@ def test_the_projection_onto_the_ball():
 
 
 # --------------------------------------------------------------------------------- Alg. 2 + 3 and 4
-def naive_o2nc(rows, *, steps, lr, lam, radius, window, period, m, run_seed, oracle, shared=False):
+def naive_o2nc(rows, *, steps, lr, lam, radius, window, period, m, run_seed, oracle, shared=False, batches=None,
+               divisors=None):
     """Alg. 2 with the oracle of Alg. 3 (sigma = 0: the exact running sum) or Alg. 4 written out on ``f(x; r) =
-    |x - r|^2 / 2``, from ``x_0 = 0`` with the module's public draws; returns ``x_T``, ``Delta_{T+1}`` and ``x_out``."""
+    |x - r|^2 / 2``, from ``x_0 = 0`` with the module's public draws; returns ``x_T``, ``Delta_{T+1}`` and ``x_out``.
+    Each step's batch is ``rows`` (its mean), or ``batches[t]`` (its sum over ``divisors[t]``: Alg. 3's ``1/B1`` at
+    an anchor, ``1/B2`` between)."""
     d = rows.shape[1]
-    losses = lambda p: 0.5 * ((p - rows) ** 2).sum(1)  # noqa: E731
     x, delta, g, z_previous = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), None, None
     window_sum, windows, output = torch.zeros(d, dtype=torch.float64), 0, torch.zeros(d, dtype=torch.float64)
 
-    def estimates(point, directions):  # [B, d]: eq. 4 per example
+    def estimates(point, directions, batch):  # [B, d]: eq. 4 per example
+        losses = lambda p: 0.5 * ((p - batch) ** 2).sum(1)  # noqa: E731
         c = torch.stack([losses(point + lam * y) - losses(point - lam * y) for y in directions], 1) * d / (2 * lam * m)
         return c @ directions
 
     for t in range(steps):
+        batch = rows if batches is None else batches[t]
+        mean = (lambda v: v.mean(0)) if batches is None else (lambda v: v.sum(0) / divisors[t])  # noqa: E731
         s = np.random.default_rng(derive_seed(run_seed, t, UNIFORM_STREAM)).random()
         x_next, z = x + delta, x + s * delta
         now = sphere_directions(run_seed, t, range(m), d, "cpu")
         if t % period == 0:
-            increment = estimates(z, now).mean(0)
+            increment = mean(estimates(z, now, batch))
             g = increment
         else:
             before = now if shared else sphere_directions(run_seed, t, range(m, 2 * m), d, "cpu")
-            increment = (estimates(z, now) - estimates(z_previous, before)).mean(0)
+            increment = mean(estimates(z, now, batch) - estimates(z_previous, before, batch))
             g = g + increment
         z_previous = z
         window_sum = window_sum + z
@@ -141,6 +147,30 @@ def test_the_steps_are_alg2_with_the_oracle_written_out(oracle, shared):
     torch.testing.assert_close(module.backbone.x.detach(), output, rtol=1e-9, atol=1e-12)  # Alg. 2 line 4
     assert float(module._state["delta"].norm()) <= 0.2 * (1 + 1e-12)
     assert not torch.equal(output, x)
+
+
+def test_an_anchored_pass_is_alg3_with_b1_examples_at_each_anchor_and_b2_between():
+    """Alg. 3 with ``B1 = 4 B2`` (Thm. 3.1's ``B1 = Sigma B2``): the anchors fall on the pass's large steps, and each
+    step's sum is divided by its own expected size (lines 8 and 16: ``1/B1``, ``1/B2``). The module at sigma = 0 and
+    no clipping equals the naive Alg. 2 + 3 on the same batches, to 1e-9."""
+    rows = 1.0 + torch.randn(120, DIM, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    data = TensorDataset(rows, torch.zeros(len(rows), dtype=torch.long))
+
+    def sampler():
+        return SinglePassBatchSampler(len(rows), 3, seed=2, anchor_batch_size=12, anchor_period=4)
+
+    module = DPO2NC(QuadraticLoss(DIM, hessian="identity"), lr=0.3, lam=0.05, radius=0.2, window=2, period=4,
+                    num_directions=2, seed=11, clip=math.inf, noise_multiplier=0.0, delta=1e-5, output="last")
+    loader = DataLoader(data, batch_sampler=sampler(), collate_fn=EmptySafeCollate(data, collate_tensors))
+    quiet_trainer(max_steps=10).fit(module, loader)
+    description = sampler().description
+    batches = [rows[indices] for indices, _ in zip(sampler(), range(10))]
+    divisors = [description.expected_batch_size * description.weight(t) for t in range(10)]
+    assert divisors[0] == divisors[4] == 4 * divisors[1] and len(batches[0]) > 3 * len(batches[1])
+    x, delta, _ = naive_o2nc(rows, steps=10, lr=0.3, lam=0.05, radius=0.2, window=2, period=4, m=2, run_seed=11,
+                             oracle="single_pass", batches=batches, divisors=divisors)
+    torch.testing.assert_close(module._state["delta"], delta, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(module.backbone.x.detach(), x, rtol=1e-9, atol=1e-12)
 
 
 def test_a_second_fit_continues_from_x_T_not_from_x_out():
@@ -358,31 +388,34 @@ def test_a_combination_that_overflows_contributes_zero_not_nan():
     torch.testing.assert_close(out, clipped_combination(rows[1:], directions, 1.0))
 
 
-def _replaced_leaf_moves(monkeypatch, module, rows, crafted_row, steps):
+def _replaced_leaf_moves(monkeypatch, module, rows, crafted_row, steps, loader=None, trainer=None, **fit):
     """Fit ``module`` on a single pass of ``rows``; at each step, the leaf also computed at the same points (the same
     past: adaptive composition conditions on it) with the batch's first row replaced by ``crafted_row``. Returns
-    ``(anchor, norm of the leaf's move)`` per step."""
+    ``(anchor, norm of the leaf's move, the step's weight in its divisor, the leaf's clip)`` per step."""
     moves = []
     anchor_leaf, difference_leaf = DPO2NC.anchor_leaf, DPO2NC.difference_leaf
 
     def replaced(inputs):
         inputs = inputs.clone()
-        inputs[0] = crafted_row
+        if len(inputs):
+            inputs[0] = crafted_row
         return inputs
 
-    def anchor(self, z, inputs, targets):
-        leaf = anchor_leaf(self, z, inputs, targets)
-        moves.append((True, float((anchor_leaf(self, z, replaced(inputs), targets) - leaf).norm())))
+    def anchor(self, z, inputs, targets, clip):
+        leaf = anchor_leaf(self, z, inputs, targets, clip)
+        moved = float((anchor_leaf(self, z, replaced(inputs), targets, clip) - leaf).norm())
+        moves.append((True, moved, self.privacy.step_weight(), clip))
         return leaf
 
-    def difference(self, z, z_previous, inputs, targets):
-        leaf = difference_leaf(self, z, z_previous, inputs, targets)
-        moves.append((False, float((difference_leaf(self, z, z_previous, replaced(inputs), targets) - leaf).norm())))
+    def difference(self, z, z_previous, inputs, targets, clip):
+        leaf = difference_leaf(self, z, z_previous, inputs, targets, clip)
+        moved = float((difference_leaf(self, z, z_previous, replaced(inputs), targets, clip) - leaf).norm())
+        moves.append((False, moved, self.privacy.step_weight(), clip))
         return leaf
 
     monkeypatch.setattr(DPO2NC, "anchor_leaf", anchor)
     monkeypatch.setattr(DPO2NC, "difference_leaf", difference)
-    quiet_trainer(max_steps=steps).fit(module, single_pass(rows, 5))
+    (trainer or quiet_trainer(max_steps=steps)).fit(module, loader or single_pass(rows, 5), **fit)
     monkeypatch.undo()
     return moves
 
@@ -398,9 +431,55 @@ def test_a_crafted_steep_record_moves_a_leaf_by_at_most_2c_given_the_past(monkey
     module = private(period=8, clip=clip, difference_clip=difference_clip, noise_seed=0, lr=0.01, radius=0.01,
                      difference_directions="shared" if shared else "independent")
     moves = _replaced_leaf_moves(monkeypatch, module, rows, torch.full((DIM,), scale, dtype=torch.float64), 8)
-    assert len(moves) == 8 and moves[0][0] and not any(anchor for anchor, _ in moves[1:])
-    for anchor, moved in moves:
+    assert len(moves) == 8 and moves[0][0] and not any(anchor for anchor, *_ in moves[1:])
+    for anchor, moved, *_ in moves:
         assert moved <= 2 * (clip if anchor else difference_clip)
+
+
+def anchored_data(**options):
+    return QuadraticDataModule(**(dict(dim=DIM, n_train=84, n_test=8, sampling="single_pass", batch_size=3,
+                                       anchor_batch_size=12, anchor_period=4) | options))
+
+
+def test_an_anchored_pass_keeps_every_leaf_within_the_node_noise_across_a_resume(monkeypatch, tmp_path):
+    """``B1 = 4 B2``, ``C = 1``, ``C' = 0.1``: the nodes are noised at ``r = max(B2/B1, C'/C) = 0.25`` of ``2 sigma C /
+    B2``, and a crafted record moves each leaf by at most ``2 w r C`` (``w``: the step's weight in its divisor ``w
+    B2``): ``2C`` at an anchor (``w = 4``), ``2C'`` between. A resume in mid-period starts a tree on a regular step:
+    its anchor is clipped at ``r C``, not ``C`` (whose move, about ``C``, the noise would not cover), and the next
+    large step starts the next tree. The ledger counts the pass once, at ``sigma / sqrt(3)`` (period 4)."""
+    crafted = torch.full((DIM,), -1e6, dtype=torch.float64)  # (its estimate opposes the rows': the move is largest)
+    options = dict(period=4, clip=1.0, difference_clip=0.1, noise_seed=0, lr=0.01, radius=0.01)
+    first, trainer = private(**options), quiet_trainer(max_steps=6, limit_val_batches=0)
+    moves = _replaced_leaf_moves(monkeypatch, first, None, crafted, 6, loader=anchored_data(), trainer=trainer)
+    path = tmp_path / "anchored.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = private(**options)
+    moves += _replaced_leaf_moves(monkeypatch, resumed, None, crafted, 10, loader=anchored_data(),
+                                  trainer=quiet_trainer(max_steps=10, limit_val_batches=0), ckpt_path=path)
+    assert [(anchor, weight) for anchor, _, weight, _ in moves] == [
+        (True, 4), (False, 1), (False, 1), (False, 1), (True, 4), (False, 1),  # first fit
+        (True, 1), (False, 1), (True, 4), (False, 1)]  # resumed at position 6: a short tree, then the anchor at 8
+    assert [clip for *_, clip in moves] == [1.0, 0.1, 0.1, 0.1, 1.0, 0.1, 0.25, 0.1, 1.0, 0.1]
+    for anchor, moved, weight, _ in moves:
+        assert moved <= 2 * weight * 0.25 * 1.0 * (1 + 1e-9)
+    assert moves[6][1] > 0.25  # (the crafted record reaches the capped clip: uncapped, the move would be above 1)
+    assert resumed.privacy._constants().stds == {"gradient estimate": pytest.approx(0.25 * 2 * 1.5 * 1.0)}
+    assert dict(resumed.privacy.ledger.counts) == {SinglePassGaussian(1.5 / math.sqrt(3)): 10}
+
+
+@pytest.mark.parametrize("module, message", [
+    (lambda: private(period=8), "the data's `anchor_period`=4 must equal the module's `period`=8"),
+    (lambda: private(period=4, oracle="multi_pass"), "DPO2NC does not train on an anchored single pass"),
+    (lambda: DPZero(QuadraticLoss(DIM), clip=1.0, noise_multiplier=1.0, neighbours="replace_one"),
+     "DPZero does not train on an anchored single pass"),
+    (lambda: MeZO(QuadraticLoss(DIM)), "MeZO does not train on an anchored single pass"),
+])
+def test_an_anchored_pass_is_refused_where_alg3_does_not_read_it(module, message):
+    """Another module would divide an anchor's sum by a regular step's size; Alg. 3 anchors on the period's first
+    step, so the periods must agree."""
+    with pytest.raises(PrivacyConfigError, match=re.escape(message)) as info:
+        quiet_trainer(max_steps=2, limit_val_batches=0).fit(module(), anchored_data())
+    assert "\n" not in str(info.value)
 
 
 def test_a_period_beyond_the_pass_and_a_window_beyond_the_fit_warn():

@@ -91,6 +91,8 @@ def test_max_private_samples_below_batch_size_raises():
         ({"num_workers": -1}, "num_workers"),
         ({"sampling_seed": -1}, "sampling_seed"),
         ({"sampling": "single_pass", "num_workers": 2}, "`num_workers`=0 with sampling='single_pass'"),
+        ({"anchor_batch_size": 8, "anchor_period": 2}, "`anchor_batch_size` is for sampling='single_pass'"),
+        ({"sampling": "single_pass", "anchor_period": 3}, "`anchor_period`=3 needs an `anchor_batch_size`"),
     ],
 )
 def test_invalid_arguments_raise_privacy_config_error(kwargs, fragment):

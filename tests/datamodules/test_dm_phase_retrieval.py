@@ -7,7 +7,7 @@ import torch
 
 from datamodules import PhaseRetrievalDataModule
 from lit_zodp.backbones.phase_retrieval import planted_signal
-from lit_zodp.errors import ConfigError
+from lit_zodp.errors import ConfigError, PrivacyConfigError
 from lit_zodp.privacy import FullBatchSampler, PoissonBatchSampler
 
 
@@ -66,6 +66,11 @@ def test_poisson_by_default_and_the_other_samplings():
     assert all(x.shape == (300, 9) and y.shape == (300,) for x, y in loader)
     single = built(sampling="single_pass", batch_size=30)
     assert single.steps_per_epoch == 10
+    anchored = built(sampling="single_pass", batch_size=10, anchor_batch_size=40, anchor_period=4)
+    sampler = anchored.train_dataloader().batch_sampler
+    assert anchored.steps_per_epoch == len(sampler) == 17 and sampler.description.anchor_weight == 4.0
+    with pytest.raises(PrivacyConfigError, match="`anchor_batch_size`=400 exceeds the number of private examples"):
+        built(sampling="single_pass", batch_size=10, anchor_batch_size=400, anchor_period=4)
     held_out = built(val_fraction=0.1, public_fraction=0.1)
     assert held_out.n_private == 240 and len(held_out.val_dataset) == 30 and len(held_out.public_dataset) == 30
 

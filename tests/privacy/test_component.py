@@ -290,25 +290,29 @@ def test_a_single_pass_must_continue_the_ledgers_pass():
             resumed.plan(**plan)
 
 
-@pytest.mark.parametrize("old_checkpoint", [False, True])
+@pytest.mark.parametrize("old_checkpoint", [False, "before review 17", "before anchors"])
 def test_a_single_pass_continues_only_with_its_own_assignment(old_checkpoint):
     """Red-team review 17: resumed with another batch size (other steps), data (other n) or seed, the pass was drawn
     anew and continued from the old position, reusing examples the ledger counts once. A checkpoint from before it
-    keeps n and the rate (steps), not the seed."""
+    keeps n and the rate (steps), not the seed; one from before anchored passes keeps (n, steps, seed), and its pass
+    was unanchored: an anchored continuation (another assignment, with the same steps) is refused too."""
     first = planned(steps=50, noise_multiplier=1.0, sampling=SinglePassSampling(n=1000, steps=50, seed=7),
                     neighbours="replace_one")
     for _ in range(20):
         first.release(torch.zeros(()), "g")
         first.commit_step()
     state = first.state_dict()
-    assert state["plan"]["single_pass"] == [1000, 50, 7]
-    if old_checkpoint:
+    assert state["plan"]["single_pass"] == [1000, 50, 7, 1, 1.0]
+    if old_checkpoint == "before review 17":
         del state["plan"]["single_pass"]
-    for n, steps, seed, refused in [(1000, 100, 7, True), (990, 50, 7, True), (1000, 50, 8, not old_checkpoint),
-                                    (1000, 50, 7, False)]:
+    elif old_checkpoint == "before anchors":
+        state["plan"]["single_pass"] = [1000, 50, 7]
+    for n, steps, seed, anchors, refused in [
+            (1000, 100, 7, {}, True), (990, 50, 7, {}, True), (1000, 50, 8, {}, old_checkpoint != "before review 17"),
+            (1000, 50, 7, dict(anchor_period=5, anchor_weight=5.0), True), (1000, 50, 7, {}, False)]:
         resumed = PrivacyComponent(clip=1.0, noise_multiplier=1.0, delta=1e-5, neighbours="replace_one")
         resumed.load_state_dict(state)
-        plan = dict(step_plan=PLAN, sampling=SinglePassSampling(n=n, steps=steps, start=20, seed=seed),
+        plan = dict(step_plan=PLAN, sampling=SinglePassSampling(n=n, steps=steps, start=20, seed=seed, **anchors),
                     planned_steps=30)
         if refused:
             with pytest.raises(PrivacyConfigError, match="would be used again, accounted once") as info:

@@ -14,8 +14,11 @@ from lit_zodp.privacy import (
     ShuffleBatchSampler,
     SinglePassBatchSampler,
     SinglePassGaussian,
+    SinglePassSampling,
     SubsampledGaussian,
 )
+from lit_zodp.privacy.noise import secret_generator
+from lit_zodp.privacy.sampling import single_pass_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore:`sampling_seed` is set", "ignore:sampling='shuffle'")
 
@@ -83,6 +86,65 @@ def test_single_pass_uses_each_example_exactly_once_and_refuses_a_second_pass():
     assert sorted(i for b in batches for i in b) == list(range(1000))
     with pytest.raises(PrivacyConfigError, match="each private example once"):
         list(sampler)
+
+
+def test_an_anchored_pass_uses_each_example_once_and_gives_each_anchor_b1_over_b2_times_the_examples():
+    """Alg. 3's sizes (Kornowski et al.): ``B1 = 20`` at steps 0, 4, 8, ... and ``B2 = 5`` at the others. Each example
+    is in one step; an anchor's expected size is ``anchor_weight`` times a regular step's, and the expected sizes
+    add up to ``n``; the realized mean sizes over the pass match them (i.i.d. assignment by position)."""
+    sampler = SinglePassBatchSampler(35_000, 5, seed=3, anchor_batch_size=20, anchor_period=4)
+    description = sampler.description
+    assert (description.anchor_period, description.anchor_weight, sampler.steps) == (4, 4.0, 4000)
+    batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(35_000))
+    weights = np.array([description.weight(t) for t in range(sampler.steps)])
+    assert weights[::4].tolist() == [4.0] * 1000 and set(weights[1::4]) == set(weights[3::4]) == {1.0}
+    assert description.expected_batch_size * weights.sum() == pytest.approx(35_000)
+    assert description.expected_batch_size == pytest.approx(5.0)
+    sizes = np.array([len(b) for b in batches])
+    assert sizes[weights == 4].mean() == pytest.approx(20.0, rel=0.03)
+    assert sizes[weights == 1].mean() == pytest.approx(5.0, rel=0.03)
+    assert description.mechanism(2.0) == SinglePassGaussian(2.0)
+
+
+@pytest.mark.parametrize("n", [1, 7, 34, 35, 36, 47, 48, 61, 999])
+def test_the_steps_of_an_anchored_pass_bring_its_nominal_sizes_closest_to_n(n):
+    """Each step whose nominal size's midpoint fits in ``n``: brute force over the steps (20 at anchors, 5 between,
+    period 4: 35 examples a period). Unanchored, ``round(n / B)`` as before anchors existed."""
+    nominal = lambda t: 20 if t % 4 == 0 else 5  # noqa: E731
+    steps, used = 0, 0
+    while used + nominal(steps) / 2 <= n:
+        used += nominal(steps)
+        steps += 1
+    assert single_pass_steps(n, 5, 20, 4) == max(1, steps)
+    assert single_pass_steps(n, 5) == max(1, round(n / 5))
+
+
+def test_an_unanchored_pass_draws_the_assignment_of_every_pass_before_anchors():
+    """A run resumed across the change keeps its pass: the same uniform draw from the public seed."""
+    sampler = SinglePassBatchSampler(500, 7, seed=11)
+    expected = secret_generator(11).integers(0, round(500 / 7), size=500)
+    assert np.array_equal(sampler.assignment, expected)
+    assert sampler.description == SinglePassSampling(500, round(500 / 7)) and not sampler.description.anchored
+
+
+def test_anchored_pass_shards_partition_the_single_process_batches():
+    one = list(SinglePassBatchSampler(200, 4, seed=1, anchor_batch_size=12, anchor_period=3))
+    shards = [list(SinglePassBatchSampler(200, 4, seed=1, anchor_batch_size=12, anchor_period=3, rank=r,
+                                          world_size=2)) for r in (0, 1)]
+    assert [sorted(a + b) for a, b in zip(*shards)] == [sorted(batch) for batch in one]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(anchor_period=4), "`anchor_period`=4 needs an `anchor_batch_size`"),
+    (dict(anchor_batch_size=20), "Expected `anchor_period` >= 2 with an `anchor_batch_size`"),
+    (dict(anchor_batch_size=0, anchor_period=4), "`anchor_batch_size` to be a positive int"),
+    (dict(anchor_batch_size=20, anchor_period=0), "`anchor_period` to be a positive int"),
+])
+def test_bad_anchor_options_are_named_in_one_line(kwargs, match):
+    with pytest.raises(PrivacyConfigError, match=match) as info:
+        SinglePassBatchSampler(100, 5, **kwargs)
+    assert "\n" not in str(info.value)
 
 
 def test_single_pass_resumes_where_it_stopped():
