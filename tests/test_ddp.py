@@ -32,10 +32,13 @@ PUBLIC = {name for name in PRIVATE if getattr(ALGORITHMS[name], "needs_public_ba
 PUBLIC_DATA = {"public_fraction": 0.1, "public_in_step": True, "public_batch_size": 6}
 #: Options a module needs on TINY (review 58: DPO2NC's default oracle, Alg. 3, refuses TINY's Poisson loader, so both
 #: DDP checks failed at its fit start): Alg. 3's tree on a single pass of 16 steps (256 rows, 16 a step), and Alg. 4
-#: (``DPO2NC[multi_pass]``) on the Poisson batches.
+#: (``DPO2NC[multi_pass]``) on the Poisson batches; ``DPO2NC[anchored]``: Alg. 3 on an anchored pass.
 VARIANTS = {
     "DPO2NC": ({"period": 4, "num_directions": 2}, {"sampling": "single_pass", "batch_size": 16}),
     "DPO2NC[multi_pass]": ({"oracle": "multi_pass", "period": 4, "num_directions": 2}, {}),
+    # Alg. 3 with B1 = 4 B2: each step divided by its own expected size, the same on every rank (17 steps)
+    "DPO2NC[anchored]": ({"period": 4, "num_directions": 2, "difference_clip": 0.25},
+                         {"sampling": "single_pass", "batch_size": 8, "anchor_batch_size": 32, "anchor_period": 4}),
 }
 REGISTRY = [pytest.param(name, marks=pytest.mark.slow) if name in PROJECTED | PUBLIC | set(VARIANTS) - set(PRIVATE)
             else name for name in PRIVATE + sorted(v for v in VARIANTS if v not in PRIVATE)]
