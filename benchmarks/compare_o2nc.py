@@ -11,7 +11,8 @@ line; for O2NC at ``x_out``, a uniformly drawn window average (Alg. 2 line 4). A
 the OS and the single pass's assignment from ``data_seed``, so repeats differ in their noise only.
 
 Methods: DPO2NC with Alg. 3 at period 1 (every step an anchor: the quickstart), at period 16 with the paper's
-independent directions at ``z_{t-1}``, and at period 4 with shared directions; DPO2NC with Alg. 4 on Poisson batches
+independent directions at ``z_{t-1}``, at period 4 with shared directions, and at period 4 on an anchored pass (``B1 =
+40`` rows at each anchor, ``B2 = 10`` between: Thm. 3.1's ``B1 = Sigma B2``); DPO2NC with Alg. 4 on Poisson batches
 (2,000 steps at ``q = 20 / n``: not one pass); DPZero; DP-SGD (first order); and the non-private O2NC.
 
 Usage::
@@ -37,6 +38,8 @@ METHODS = {
     "DPO2NC Alg. 3 period 16 (independent directions)": (DPO2NC, ["--model.init_args.period", "16"]),
     "DPO2NC Alg. 3 period 4 (shared directions)": (DPO2NC, ["--model.init_args.period", "4",
                                                                "--model.init_args.difference_directions", "shared"]),
+    "DPO2NC Alg. 3 period 4, B1 = 40, B2 = 10 (anchored pass, shared directions)": (
+        "configs/o2nc/quickstart_dpo2nc_anchored.yaml", []),
     "DPO2NC Alg. 4 (multi-pass Poisson) period 1": ("configs/o2nc/quickstart_dpo2nc_multipass.yaml", []),
     "DPZero": ("configs/o2nc/quickstart_dpzero.yaml", []),
     "DP-SGD (first order)": ("configs/o2nc/quickstart_dpsgd.yaml", []),
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"{statistics.median(r['wall_s'] for r in done):.1f} |")
     meta = {"command": command_line("compare_o2nc.py", sys.argv[1:] if argv is None else argv),
             "machine": machine_info(), "dims": dims, "epsilon": args.epsilon, "seconds": round(time.time() - started, 1)}
-    markdown = (f"Robust phase retrieval, one pass of 40,000 rows in batches of 20, epsilon {args.epsilon:g} (delta 1e-6); "
+    markdown = (f"Robust phase retrieval, one pass of 40,000 rows in batches of 20 (the anchored pass: 40 and 10), epsilon {args.epsilon:g} (delta 1e-6); "
                 f"`{meta['command']}`\n\n" + "\n".join(rows) + "\n")
     print(markdown)
     stem = f"compare_o2nc_d{'-'.join(map(str, dims))}_eps{args.epsilon:g}"
