@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"{statistics.median(r['wall_s'] for r in done):.1f} |")
     meta = {"command": command_line("compare_o2nc.py", sys.argv[1:] if argv is None else argv),
             "machine": machine_info(), "dims": dims, "epsilon": args.epsilon, "seconds": round(time.time() - started, 1)}
-    markdown = (f"Robust phase retrieval, one pass of 40,000 rows in batches of 20 (the anchored pass: 40 and 10), epsilon {args.epsilon:g} (delta 1e-6); "
-                f"`{meta['command']}`\n\n" + "\n".join(rows) + "\n")
+    markdown = (f"Robust phase retrieval, one pass of 40,000 rows in batches of 20 (the anchored pass: 40 and 10), "
+                f"epsilon {args.epsilon:g} (delta 1e-6); `{meta['command']}`\n\n" + "\n".join(rows) + "\n")
     print(markdown)
     stem = f"compare_o2nc_d{'-'.join(map(str, dims))}_eps{args.epsilon:g}"
     write_results(results_stem(args.out, stem), markdown,
