@@ -38,7 +38,7 @@ METHODS = {
     "DPO2NC Alg. 3 period 16 (independent directions)": (DPO2NC, ["--model.init_args.period", "16"]),
     "DPO2NC Alg. 3 period 4 (shared directions)": (DPO2NC, ["--model.init_args.period", "4",
                                                                "--model.init_args.difference_directions", "shared"]),
-    "DPO2NC Alg. 3 period 4, B1 = 40, B2 = 10 (anchored pass, shared directions)": (
+    "DPO2NC Alg. 3 period 4 anchored (B1 = 40; B2 = 10; shared directions)": (
         "configs/o2nc/quickstart_dpo2nc_anchored.yaml", []),
     "DPO2NC Alg. 4 (multi-pass Poisson) period 1": ("configs/o2nc/quickstart_dpo2nc_multipass.yaml", []),
     "DPZero": ("configs/o2nc/quickstart_dpzero.yaml", []),
