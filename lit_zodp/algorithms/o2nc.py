@@ -1,7 +1,9 @@
 """O2NC with private zeroth-order oracles (Kornowski, Liu & Talwar, "Improved Sample Complexity for Private
 Nonsmooth Nonconvex Optimization"): Alg. 2, the online-to-nonconvex conversion of Cutkosky et al., fed by the
 single-pass oracle of Alg. 3 (variance-reduced increments, privatized by the tree mechanism of Alg. 1) or the
-multi-pass oracle of Alg. 4 (a fresh Gaussian per step, added to the last noisy estimate).
+multi-pass oracle of Alg. 4 (a fresh Gaussian per step, added to the last noisy estimate). ``estimator="first_order"``
+replaces eq. 4's estimate by eq. 10's gradients at random points of the ball (Alg. 5 in the single pass, Thm. 6.1;
+Sec. 6 notes that the multi-pass oracle takes it the same way).
 
 Choices where the paper is silent, or where its text is off (reading notes, Sec. 6):
 
@@ -32,7 +34,12 @@ Choices where the paper is silent, or where its text is off (reading notes, Sec.
   is variance: the directions' spread, Lemma 3.6's ``L^2 d^2 / (B m)`` and ``L^2 d^2 Sigma / (m B2)`` terms, no
   longer shrinks with ``B`` (review 58). Privacy is unchanged: each example's estimate is clipped either way.
 * Directions ``y_j`` uniform on the unit sphere (eq. 4 and Lemma 3.4's norm bound), where Alg. 3 lines 12-13 print
-  the ball. The smoothing radius ``alpha`` (option ``lam``) is the Goldstein radius the guarantee is stated at
+  the ball. The first-order points are ``z + alpha y`` with ``y`` uniform in the unit ball (Alg. 5 lines 4 and 9, the
+  smoothing of Lemma 2.4; eq. 10 prints the sphere, the reading notes' flag): one point per example at an anchor
+  (line 4), ``m`` at each end of a difference (line 9), shared by the batch or a set per example as
+  ``direction_sets`` says. Each example's gradient is taken alone (``torch.func``: a batch of one per example,
+  vmapped, with the example's own parameters when its points are its own), so nothing couples the examples; the
+  base's independence checks (padding read, rows mixed) run on a forward of the batch when they are due. The smoothing radius ``alpha`` (option ``lam``) is the Goldstein radius the guarantee is stated at
   (Lemma 2.4: ``2 alpha`` for ``F``).
 * Output: ``x_out`` uniform over the window averages ``xbar_k`` (Alg. 2 line 4), kept by reservoir sampling (public
   randomness) and written into the model when the fit ends (``output="window"``); ``output="last"`` keeps ``x_T``.
@@ -54,6 +61,8 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_map
 
 from lit_zodp.algorithms.base import loader_sampling
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
@@ -68,12 +77,14 @@ from lit_zodp.errors import (
 )
 from lit_zodp.privacy import GaussianRelease, StepPlan, TreeAggregator, releases_per_leaf
 from lit_zodp.privacy.clipping import clip_factors
+from lit_zodp.per_example.reference import LossOfOne
 from lit_zodp.privacy.fixed_shape import take_rows
 from lit_zodp.privacy.sampling import SinglePassSampling
 from lit_zodp.zo import derive_seed
 
 ESTIMATE = "gradient estimate"
 ORACLES = ("single_pass", "multi_pass")
+ESTIMATORS = ("zeroth_order", "first_order")
 DIFFERENCE_DIRECTIONS = ("independent", "shared")
 DIRECTION_SETS = ("step", "example")
 #: ``derive_seed``'s direction index of example ``i``'s direction ``j`` (``direction_sets="example"``): past the
@@ -89,14 +100,19 @@ FIXED_OPTIONS = {"directions": "sphere", "perturbation": "chunked", "weight_deca
 
 
 # ------------------------------------------------------------------------------ pure pieces
-def sphere_directions(run_seed: int, step: int, indices: range, dim: int, device: torch.device) -> Tensor:
+def sphere_directions(run_seed: int, step: int, indices: range, dim: int, device: torch.device,
+                      ball: bool = False) -> Tensor:
     """Directions ``y_j ~ Unif(S^{d-1})`` of one step, ``[len(indices), d]`` float64: public, from (run seed, step, j),
-    drawn on the host so every device and DDP rank has the same."""
+    drawn on the host so every device and DDP rank has the same. ``ball``: ``y_j ~ Unif(B_1)`` instead (the direction
+    times ``U^{1/d}``, ``U ~ U[0, 1]`` from the same stream: Alg. 5's points)."""
     rows = []
     for j in indices:
         generator = torch.Generator().manual_seed(derive_seed(run_seed, step, j))
         u = torch.randn(dim, generator=generator, dtype=torch.float64)
-        rows.append(u / u.norm())
+        u = u / u.norm()
+        if ball:
+            u = u * float(torch.rand((), generator=generator, dtype=torch.float64)) ** (1.0 / dim)
+        rows.append(u)
     return torch.stack(rows).to(device)
 
 
@@ -122,13 +138,20 @@ def clipped_combination(coefficients: Tensor, directions: Tensor, clip: float) -
         rows = rows.where(torch.isfinite(rows).all(dim=1, keepdim=True), 0.0)
         vectors = (torch.einsum("bk,bkd->bd", rows, directions[start:start + chunk]) if own
                    else rows @ directions)
-        finite = torch.isfinite(vectors).all(dim=1, keepdim=True)
-        vectors = vectors.where(finite, 0.0)
-        norms = vectors.norm(dim=1)
-        finite = finite.squeeze(1) & torch.isfinite(norms)  # (a row of finite entries whose norm overflows)
-        factors = clip_factors(norms.where(finite, 0.0), clip).where(finite, 0.0)
-        total += factors @ vectors
+        total += clipped_sum(vectors, clip)
     return total
+
+
+def clipped_sum(vectors: Tensor, clip: float) -> Tensor:
+    """``sum_i clip_C(v_i)`` over the rows ``v_i`` of ``vectors`` ``[B, d]`` (float64), each clipped by its own
+    computed norm; a row with a non-finite entry, or whose norm overflows, contributes zero."""
+    vectors = vectors.to(torch.float64)
+    finite = torch.isfinite(vectors).all(dim=1, keepdim=True)
+    vectors = vectors.where(finite, 0.0)
+    norms = vectors.norm(dim=1)
+    finite = finite.squeeze(1) & torch.isfinite(norms)  # (a row of finite entries whose norm overflows)
+    factors = clip_factors(norms.where(finite, 0.0), clip).where(finite, 0.0)
+    return factors @ vectors
 
 
 def public_uniform(run_seed: int, index: int, stream: int) -> float:
@@ -195,7 +218,9 @@ class DPO2NC(ZerothOrderModule):
     and ``x_out`` is uniform over the averages of ``z`` over windows of ``M`` steps.
 
     The oracle on the step's batch ``S_t`` of size ``B``, with eq. 4's per-example estimate
-    ``v(z; xi) = (1/m) sum_j (d / 2 alpha) (f(z + alpha y_j; xi) - f(z - alpha y_j; xi)) y_j``:
+    ``v(z; xi) = (1/m) sum_j (d / 2 alpha) (f(z + alpha y_j; xi) - f(z - alpha y_j; xi)) y_j``
+    (first order, eq. 10: ``v(z; xi) = (1/m) sum_j grad f(z + alpha y_j; xi)``, ``y_j`` in the ball, and one point
+    per example at an anchor):
       anchor (first step of a period of Sigma):  leaf_t = sum_i clip_C(v(z_t; xi_i))
       other steps:  leaf_t = sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))   (independent directions for each)
       Alg. 3:  gt_t = sum of the period's leaf_j / B_j + TREE(p) / B2   (tree mechanism, single pass; B_j the
@@ -222,6 +247,11 @@ class DPO2NC(ZerothOrderModule):
             directions' variance then averages over the batch, Lemma 3.6; each example is forwarded alone, ``B``
             times the forward calls). Under DDP a rank draws its examples' sets by its rank and row, so the update is
             distributed as one process's, not equal to it.
+        estimator: ``"zeroth_order"`` (eq. 4: Alg. 3 and 4) or ``"first_order"`` (eq. 10: Alg. 5; per-example
+            gradients through ``torch.func``, ``B`` copies of the parameters when the points are per example: the
+            paper's small models). ``clip`` then bounds each example's gradient (``C ~ L``) and ``difference_clip`` each
+            example's difference of eq. 10 means (Lemma 6.3: ``L sqrt(d) D / alpha``, plus their ``L / sqrt(m)``
+            spread).
         output: ``"window"`` (Alg. 2's ``x_out``) or ``"last"``.
         neighbours: ``"replace_one"`` (the paper's; single-pass sampling needs it) or ``"add_remove"``.
         directions, perturbation, weight_decay: fixed (``"sphere"``, ``"chunked"``, ``0``: eq. 4's directions are drawn
@@ -235,7 +265,7 @@ class DPO2NC(ZerothOrderModule):
     def __init__(self, backbone: nn.Module, *, lam: float = 1e-2, radius: float = 1e-3, window: int = 10,
                  period: int = 16, num_directions: int = 8, difference_clip: Optional[float] = None,
                  oracle: str = "single_pass", difference_directions: str = "independent",
-                 direction_sets: str = "step", output: str = "window",
+                 direction_sets: str = "step", estimator: str = "zeroth_order", output: str = "window",
                  neighbours: str = "replace_one", directions: str = "sphere", perturbation: str = "chunked",
                  weight_decay: float = 0.0, **kwargs: Any) -> None:
         given = {"directions": directions, "perturbation": perturbation, "weight_decay": weight_decay}
@@ -250,6 +280,7 @@ class DPO2NC(ZerothOrderModule):
             check_choice("oracle", oracle, ORACLES),
             check_choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
             check_choice("direction_sets", direction_sets, DIRECTION_SETS),
+            check_choice("estimator", estimator, ESTIMATORS),
             check_choice("output", output, OUTPUTS),
             # (named: check_clip said `clip`; a private run needs a finite C': its node noise r sigma C grows with it)
             None if difference_clip is None else check_positive("difference_clip", difference_clip,
@@ -265,6 +296,7 @@ class DPO2NC(ZerothOrderModule):
         self.oracle = oracle
         self.difference_directions = difference_directions
         self.direction_sets = direction_sets
+        self.estimator = estimator
         self.output = output
         self.tree = TreeAggregator(period)
         self._state: dict[str, Any] = {}
@@ -311,7 +343,8 @@ class DPO2NC(ZerothOrderModule):
         super().on_train_start()
         if self.private and self.oracle == "single_pass" and self.privacy.sampling.name != "single_pass":
             raise PrivacyConfigError(
-                f"{type(self).__name__}(oracle='single_pass') is Alg. 3, whose tree mechanism is accounted over one "
+                f"{type(self).__name__}(oracle='single_pass') is Alg. {5 if self.estimator == 'first_order' else 3}, "
+                "whose tree mechanism is accounted over one "
                 f"pass (each example in one step), but the private loader samples {self.privacy.sampling.name!r}: set "
                 "the DataModule's `sampling: single_pass`, or oracle='multi_pass' (Alg. 4)")
         self._warn_about_oversized_options()
@@ -403,6 +436,8 @@ class DPO2NC(ZerothOrderModule):
     def oracle_estimate(self, z: Tensor, inputs, targets, size: int) -> Tensor:
         """Alg. 3 (tree) or Alg. 4 (running noisy sum) at ``z_t``."""
         state = self._state
+        if self.estimator == "first_order":
+            self._run_due_independence_checks(inputs, targets)
         position = self._pass_position()
         if self.oracle == "single_pass" and self._anchor_step(position) and not self.tree.period_done:
             self.tree.reset()  # an anchored pass's anchor step starts a tree (after a resumed, shorter period)
@@ -419,16 +454,25 @@ class DPO2NC(ZerothOrderModule):
         return state["estimate"]
 
     def anchor_leaf(self, z: Tensor, inputs, targets, clip: float) -> Tensor:
-        """``sum_i clip_C(v(z_t; xi_i))`` over directions ``y_1..y_m``."""
+        """``sum_i clip_C(v(z_t; xi_i))`` over directions ``y_1..y_m``; first order (Alg. 5 lines 4-5):
+        ``sum_i clip_C(grad f(z_t + alpha y_i; xi_i))``, one ``y_i ~ Unif(B_1)`` per example."""
+        if self.estimator == "first_order":
+            offsets = self.directions_of(range(1), inputs, ball=True)
+            return clipped_sum(self.example_gradients(z + self.lam * offsets[..., 0, :], inputs, targets), clip)
         directions = self.directions_of(range(self.num_directions), inputs)
         return clipped_combination(self.estimate_coefficients(z, directions, inputs, targets), directions, clip)
 
     def difference_leaf(self, z: Tensor, z_previous: Tensor, inputs, targets, clip: float) -> Tensor:
         """``sum_i clip_C'(v(z_t; xi_i) - v(z_{t-1}; xi_i))``, ``y_1..y_m`` at ``z_t`` and ``y_{m+1}..y_{2m}`` at
-        ``z_{t-1}`` (independent, Alg. 3 lines 12-13)."""
+        ``z_{t-1}`` (independent, Alg. 3 lines 12-13); first order, ``v`` is eq. 10's (Alg. 5 lines 9-11)."""
         m = self.num_directions
-        now = self.directions_of(range(m), inputs)
-        before = now if self.difference_directions == "shared" else self.directions_of(range(m, 2 * m), inputs)
+        ball = self.estimator == "first_order"
+        now = self.directions_of(range(m), inputs, ball=ball)
+        before = (now if self.difference_directions == "shared"
+                  else self.directions_of(range(m, 2 * m), inputs, ball=ball))
+        if ball:
+            return clipped_sum(self.mean_gradient(z, now, inputs, targets)
+                               - self.mean_gradient(z_previous, before, inputs, targets), clip)
         coefficients = torch.cat([self.estimate_coefficients(z, now, inputs, targets),
                                   -self.estimate_coefficients(z_previous, before, inputs, targets)], dim=1)
         return clipped_combination(coefficients, torch.cat([now, before], dim=-2), clip)
@@ -450,16 +494,66 @@ class DPO2NC(ZerothOrderModule):
         scale = directions.shape[1] / (2 * self.lam * len(directions))
         return torch.stack(columns, dim=1) * scale
 
+    def _run_due_independence_checks(self, inputs, targets) -> None:
+        """Alg. 5 sends no batch through ``private_losses``: the base's per-example independence checks (audit 5:
+        rows mixed by the forward, padding read) run on one forward of the batch at ``x_{t-1}`` when one is due (the
+        first batches, then the re-checks the OS draws)."""
+        if self.private and (self._pending_checks or self._recheck_pending):
+            self.private_losses(inputs, targets)
+
+    def mean_gradient(self, point: Tensor, offsets: Tensor, inputs, targets) -> Tensor:
+        """Eq. 10 per example: ``(1/m) sum_j grad f(p + alpha y_j; xi_i)``, ``[B, d]`` float64 (``offsets``: ``[m, d]``
+        shared, or ``[B, m, d]`` a set per example)."""
+        count = offsets.shape[-2]
+        total = self.example_gradients(point + self.lam * offsets[..., 0, :], inputs, targets)
+        for j in range(1, count):
+            total = total + self.example_gradients(point + self.lam * offsets[..., j, :], inputs, targets)
+        return total / count
+
+    def example_gradients(self, points: Tensor, inputs, targets) -> Tensor:
+        """``grad f(p_i; xi_i)`` per example, ``[B, d]`` float64, at ``points`` ``[d]`` (one for the batch) or ``[B,
+        d]`` (each example's own): each example differentiated alone (``torch.func``: a batch of one per example,
+        vmapped, the per-example engine's reference recipe), the backbone in eval mode. The parameters take the
+        point rounded to their dtype; the gradient is widened to float64."""
+        size = batch_size_of(inputs)
+        dim = self._state["delta"].numel()
+        if size == 0:
+            return torch.zeros(0, dim, dtype=torch.float64, device=points.device)
+        if self.backbone.training:
+            self.backbone.eval()
+        layout = self._parameter_layout()
+        wrapper = LossOfOne(self.backbone, self.example_losses)
+
+        def loss(point: Tensor, example_inputs, example_targets) -> Tensor:
+            params, offset = {}, 0
+            for name, shape, dtype, numel in layout:
+                params[f"module.{name}"] = point[offset:offset + numel].view(shape).to(dtype)
+                offset += numel
+            one = tree_map(lambda t: t.unsqueeze(0), (example_inputs, example_targets))
+            return functional_call(wrapper, params, one).reshape(()).to(torch.float64)
+
+        in_dims = (0 if points.dim() == 2 else None, 0, 0)
+        with torch.enable_grad():
+            gradients = vmap(grad(loss), in_dims=in_dims)(points.to(torch.float64), inputs, targets)
+        return gradients.reshape(size, dim)
+
+    def _parameter_layout(self) -> list:
+        """``(name, shape, dtype, numel)`` of the trained parameters, in ``o2nc_params``' order (the flat point's)."""
+        names = {id(p): name for name, p in self.backbone.named_parameters()}
+        return [(names[id(p)], p.shape, p.dtype, p.numel()) for p in self.o2nc_params]
+
     # ------------------------------------------------------------------------ public state
-    def directions_of(self, indices: range, inputs) -> Tensor:
-        """The step's directions ``y_j``, ``j`` in ``indices``: ``[k, d]``, or ``[B, k, d]`` with a set per example."""
+    def directions_of(self, indices: range, inputs, ball: bool = False) -> Tensor:
+        """The step's directions ``y_j``, ``j`` in ``indices``: ``[k, d]``, or ``[B, k, d]`` with a set per example;
+        ``ball``: uniform in the unit ball (Alg. 5), else on the sphere."""
         dim, device = self._state["delta"].numel(), self._state["delta"].device
         if self.direction_sets == "step":
-            return sphere_directions(self.run_seed, self.global_step, indices, dim, device)
+            return sphere_directions(self.run_seed, self.global_step, indices, dim, device, ball)
         base = EXAMPLE_STREAM + (self.global_rank << 30)
         width = 2 * self.num_directions
         sets = [sphere_directions(self.run_seed, self.global_step, range(base + i * width + indices.start,
-                                                                         base + i * width + indices.stop), dim, device)
+                                                                         base + i * width + indices.stop), dim, device,
+                                  ball)
                 for i in range(batch_size_of(inputs))]
         return torch.stack(sets) if sets else torch.zeros(0, len(indices), dim, dtype=torch.float64, device=device)
 
@@ -520,4 +614,4 @@ class O2NC(DPO2NC):
         super().__init__(backbone, clip=clip, **kwargs)
 
 
-__all__ = ["DPO2NC", "O2NC", "clipped_combination", "project_to_ball", "sphere_directions"]
+__all__ = ["DPO2NC", "O2NC", "clipped_combination", "clipped_sum", "project_to_ball", "sphere_directions"]

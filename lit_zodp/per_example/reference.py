@@ -22,7 +22,7 @@ from torch.func import functional_call, grad, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 
-class _LossOfOne(nn.Module):
+class LossOfOne(nn.Module):
     """Holds ``module`` so ``functional_call`` swaps its parameters while ``fn`` runs."""
 
     def __init__(self, module: nn.Module, fn: Callable[..., Tensor]):
@@ -52,7 +52,7 @@ def per_example_gradients_vmap(module: nn.Module, loss_of_one_example: Callable[
         batch: Tensors (or pytrees of tensors) with the examples along dim 0.
         names: Parameters to differentiate; default every parameter with ``requires_grad``.
     """
-    wrapper = _LossOfOne(module, loss_of_one_example)
+    wrapper = LossOfOne(module, loss_of_one_example)
 
     def loss(params: Dict[str, Tensor], example: tuple) -> Tensor:
         example = tree_map(lambda t: t.unsqueeze(0), example)

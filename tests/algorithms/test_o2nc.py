@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from datamodules import QuadraticDataModule
 from datamodules.collate import EmptySafeCollate
 from lit_zodp.algorithms import DPO2NC, O2NC, DPZero, MeZO
-from lit_zodp.algorithms.o2nc import (EXAMPLE_STREAM, RESERVOIR_STREAM, UNIFORM_STREAM, clipped_combination,
-                                      project_to_ball, sphere_directions)
+from lit_zodp.algorithms.o2nc import (ESTIMATORS, EXAMPLE_STREAM, RESERVOIR_STREAM, UNIFORM_STREAM,
+                                      clipped_combination, project_to_ball, sphere_directions, write_point)
 from lit_zodp.backbones.quadratic import QuadraticLoss
 from lit_zodp.cli import build_cli
 from lit_zodp.errors import PrivacyConfigError
@@ -173,6 +173,90 @@ def test_an_anchored_pass_is_alg3_with_b1_examples_at_each_anchor_and_b2_between
     torch.testing.assert_close(module.backbone.x.detach(), x, rtol=1e-9, atol=1e-12)
 
 
+def naive_o2nc_first_order(rows, *, steps, lr, lam, radius, period, m, run_seed, sets, shared):
+    """Alg. 2 with Alg. 5's oracle written out (sigma = 0) on ``f(x; r) = |x - r|^2 / 2``, ``grad f(p; r) = p - r``:
+    anchors at ``z + alpha y_i`` (one point per example), differences of eq. 10's means over ``m`` points at each end,
+    the points uniform in the ball (shared by the batch, or a set per example). Returns ``x_T`` and
+    ``Delta_{T+1}``."""
+    d, size = rows.shape[1], len(rows)
+
+    def offsets(t, indices):  # [B, k, d]
+        if sets == "step":
+            return sphere_directions(run_seed, t, indices, d, "cpu", ball=True).expand(size, -1, -1)
+        return torch.stack([sphere_directions(run_seed, t, range(EXAMPLE_STREAM + i * 2 * m + indices.start,
+                                                                 EXAMPLE_STREAM + i * 2 * m + indices.stop),
+                                              d, "cpu", ball=True) for i in range(size)])
+
+    def gradients(point, points):  # [B, k, d]: each example's gradient at each of its points
+        return point + lam * points - rows.unsqueeze(1)
+
+    x, delta = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+    g = z_previous = None
+    for t in range(steps):
+        s = np.random.default_rng(derive_seed(run_seed, t, UNIFORM_STREAM)).random()
+        x_next, z = x + delta, x + s * delta
+        if t % period == 0:
+            g = gradients(z, offsets(t, range(1)))[:, 0].mean(0)
+        else:
+            now = offsets(t, range(m))
+            before = now if shared else offsets(t, range(m, 2 * m))
+            g = g + (gradients(z, now).mean(1) - gradients(z_previous, before).mean(1)).mean(0)
+        z_previous = z
+        step = delta - lr * g
+        delta = step * min(1.0, radius / float(step.norm()))
+        x = x_next
+    return x, delta
+
+
+@pytest.mark.parametrize("sets, shared", [("step", False), ("example", False), ("example", True)])
+def test_the_first_order_steps_are_alg2_with_alg5_written_out(sets, shared):
+    """Alg. 5 (eq. 10): the module's iterate and movement after 9 steps (period 3) equal the naive Alg. 2 + 5 with the
+    same public draws, the points in the ball (one per example at an anchor, ``m`` per end of a difference)."""
+    module = O2NC(QuadraticLoss(DIM, hessian="identity"), estimator="first_order", lr=0.3, lam=0.05, radius=0.2,
+                  window=2, period=3, num_directions=2, seed=11, direction_sets=sets, output="last",
+                  difference_directions="shared" if shared else "independent")
+    quiet_trainer(max_steps=9).fit(module, full_batch(steps=9))
+    x, delta = naive_o2nc_first_order(ROWS, steps=9, lr=0.3, lam=0.05, radius=0.2, period=3, m=2, run_seed=11,
+                                      sets=sets, shared=shared)
+    torch.testing.assert_close(module._state["delta"], delta, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(module.backbone.x.detach(), x, rtol=1e-9, atol=1e-12)
+
+
+def test_the_ball_points_are_uniform_in_the_unit_ball():
+    """``|y| = U^{1/d}``: ``P(|y| <= r) = r^d``; the directions are the sphere draws of the same streams."""
+    points = sphere_directions(0, 0, range(4000), 3, "cpu", ball=True)
+    radii = points.norm(dim=1)
+    assert float(radii.max()) <= 1.0
+    for r in (0.5, 0.8):
+        assert float((radii <= r).double().mean()) == pytest.approx(r ** 3, abs=0.03)
+    torch.testing.assert_close(points / radii.unsqueeze(1), sphere_directions(0, 0, range(4000), 3, "cpu"))
+
+
+def test_the_per_example_gradients_at_per_example_points_equal_a_loop_of_autograd():
+    """Phase retrieval (nonsmooth, ``f = ||<a, x>| - b|``): each example's gradient at its own point, and at one point
+    for the batch, equal ``torch.autograd.grad`` of that example's loss alone with the model at the point."""
+    from datamodules import PhaseRetrievalDataModule
+    from lit_zodp.backbones import PhaseRetrievalLoss
+
+    data = PhaseRetrievalDataModule(dim=5, n_train=40, n_test=8, sampling="full_batch")
+    module = DPO2NC(PhaseRetrievalLoss(dim=5), estimator="first_order", clip=1.0, noise_multiplier=1.0,
+                    neighbours="add_remove", oracle="multi_pass", period=1, num_directions=2, seed=0)
+    quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, data)
+    inputs, targets = next(iter(data.train_dataloader()))
+    g = torch.Generator().manual_seed(3)
+    points = torch.randn(len(inputs), 5, generator=g, dtype=torch.float64)
+    params = module.o2nc_params
+    for at in (points, points[0]):
+        expected = []
+        for i in range(len(inputs)):
+            write_point(params, at[i] if at.dim() == 2 else at)
+            loss = module.example_losses(inputs[i:i + 1], targets[i:i + 1]).sum()
+            expected.append(torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)]).double())
+        torch.testing.assert_close(module.example_gradients(at, inputs, targets), torch.stack(expected),
+                                   rtol=1e-12, atol=1e-12)
+    assert float(torch.stack(expected).norm(dim=1).max()) == pytest.approx(1.0)  # (|grad f| = |a| = 1: L = 1)
+
+
 def test_a_second_fit_continues_from_x_T_not_from_x_out():
     module = O2NC(QuadraticLoss(DIM, hessian="identity"), lr=0.3, lam=0.05, radius=0.2, window=2, period=3,
                   num_directions=2, seed=11)
@@ -303,6 +387,7 @@ def test_checkpoints_hold_alg2s_public_state_and_no_running_sum_and_a_resume_sta
     (dict(difference_directions="same"), "difference_directions"),
     (dict(output="best"), "`output`"),
     (dict(direction_sets="batch"), "direction_sets"),
+    (dict(estimator="second_order"), "`estimator`"),
     (dict(directions="gaussian"), "no option `directions`"),
     (dict(weight_decay=0.1), "no option `weight_decay`"),
     (dict(difference_clip=0.0), "`difference_clip`"),  # (review 58: these named `clip`, or a release's sensitivity)
@@ -441,14 +526,15 @@ def anchored_data(**options):
                                        anchor_batch_size=12, anchor_period=4) | options))
 
 
-def test_an_anchored_pass_keeps_every_leaf_within_the_node_noise_across_a_resume(monkeypatch, tmp_path):
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_an_anchored_pass_keeps_every_leaf_within_the_node_noise_across_a_resume(monkeypatch, tmp_path, estimator):
     """``B1 = 4 B2``, ``C = 1``, ``C' = 0.1``: the nodes are noised at ``r = max(B2/B1, C'/C) = 0.25`` of ``2 sigma C /
     B2``, and a crafted record moves each leaf by at most ``2 w r C`` (``w``: the step's weight in its divisor ``w
     B2``): ``2C`` at an anchor (``w = 4``), ``2C'`` between. A resume in mid-period starts a tree on a regular step:
     its anchor is clipped at ``r C``, not ``C`` (whose move, about ``C``, the noise would not cover), and the next
     large step starts the next tree. The ledger counts the pass once, at ``sigma / sqrt(3)`` (period 4)."""
     crafted = torch.full((DIM,), -1e6, dtype=torch.float64)  # (its estimate opposes the rows': the move is largest)
-    options = dict(period=4, clip=1.0, difference_clip=0.1, noise_seed=0, lr=0.01, radius=0.01)
+    options = dict(period=4, clip=1.0, difference_clip=0.1, noise_seed=0, lr=0.01, radius=0.01, estimator=estimator)
     first, trainer = private(**options), quiet_trainer(max_steps=6, limit_val_batches=0)
     moves = _replaced_leaf_moves(monkeypatch, first, None, crafted, 6, loader=anchored_data(), trainer=trainer)
     path = tmp_path / "anchored.ckpt"
