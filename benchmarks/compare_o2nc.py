@@ -12,13 +12,16 @@ the OS and the single pass's assignment from ``data_seed``, so repeats differ in
 
 Methods: DPO2NC with Alg. 3 at period 1 (every step an anchor: the quickstart), at period 16 with the paper's
 independent directions at ``z_{t-1}``, at period 4 with shared directions, and at period 4 on an anchored pass (``B1 =
-40`` rows at each anchor, ``B2 = 10`` between: Thm. 3.1's ``B1 = Sigma B2``); DPO2NC with Alg. 4 on Poisson batches
+40`` rows at each anchor, ``B2 = 10`` between: Thm. 3.1's ``B1 = Sigma B2``); the first-order oracle (Alg. 5) at period
+1 and on the anchored pass (``C = 1 = L``, ``C' = 0.25``); DPO2NC with Alg. 4 on Poisson batches
 (2,000 steps at ``q = 20 / n``: not one pass); DPZero; DP-SGD (first order); and the non-private O2NC.
 
 Usage::
 
     python benchmarks/compare_o2nc.py                                  # d = 16, epsilon 4, 3 repeats (~4 min)
     python benchmarks/compare_o2nc.py --dims 8,32,64 --repeats 2
+    python benchmarks/compare_o2nc.py --methods "DPO2NC Alg. 5 (first order) period 1,DP-SGD (first order)" \
+        --out benchmarks/results/compare_o2nc_first_order_d16_eps4                  # some rows, another file
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ METHODS = {
                                                                "--model.init_args.difference_directions", "shared"]),
     "DPO2NC Alg. 3 period 4 anchored (B1 = 40; B2 = 10; shared directions)": (
         "configs/o2nc/quickstart_dpo2nc_anchored.yaml", []),
+    "DPO2NC Alg. 5 (first order) period 1": ("configs/o2nc/quickstart_dpo2nc_first_order.yaml", []),
+    "DPO2NC Alg. 5 (first order) period 4 anchored (B1 = 40; B2 = 10; shared points)": (
+        "configs/o2nc/quickstart_dpo2nc_anchored.yaml", ["--model.init_args.estimator", "first_order",
+                                                          "--model.init_args.clip", "1.0",
+                                                          "--model.init_args.difference_clip", "0.25"]),
     "DPO2NC Alg. 4 (multi-pass Poisson) period 1": ("configs/o2nc/quickstart_dpo2nc_multipass.yaml", []),
     "DPZero": ("configs/o2nc/quickstart_dpzero.yaml", []),
     "DP-SGD (first order)": ("configs/o2nc/quickstart_dpsgd.yaml", []),

@@ -39,6 +39,9 @@ VARIANTS = {
     # Alg. 3 with B1 = 4 B2: each step divided by its own expected size, the same on every rank (17 steps)
     "DPO2NC[anchored]": ({"period": 4, "num_directions": 2, "difference_clip": 0.25},
                          {"sampling": "single_pass", "batch_size": 8, "anchor_batch_size": 32, "anchor_period": 4}),
+    # Alg. 5: each rank's per-example gradients (torch.func), its examples' points by rank and row
+    "DPO2NC[first_order]": ({"estimator": "first_order", "period": 4, "num_directions": 2},
+                            {"sampling": "single_pass", "batch_size": 16}),
 }
 REGISTRY = [pytest.param(name, marks=pytest.mark.slow) if name in PROJECTED | PUBLIC | set(VARIANTS) - set(PRIVATE)
             else name for name in PRIVATE + sorted(v for v in VARIANTS if v not in PRIVATE)]
