@@ -81,6 +81,7 @@ from lit_zodp.per_example.reference import LossOfOne
 from lit_zodp.privacy.fixed_shape import take_rows
 from lit_zodp.privacy.sampling import SinglePassSampling
 from lit_zodp.zo import derive_seed
+from lit_zodp.zo.eval_mode import clear_eval_mode_caches
 
 ESTIMATE = "gradient estimate"
 ORACLES = ("single_pass", "multi_pass")
@@ -521,6 +522,8 @@ class DPO2NC(ZerothOrderModule):
             return torch.zeros(0, dim, dtype=torch.float64, device=points.device)
         if self.backbone.training:
             self.backbone.eval()
+        if self._eval_mode_caches:  # (eval-mode values cached from other parameters: never read at a new point)
+            clear_eval_mode_caches(self._eval_mode_caches)
         layout = self._parameter_layout()
         wrapper = LossOfOne(self.backbone, self.example_losses)
 
