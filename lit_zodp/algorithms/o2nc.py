@@ -282,6 +282,9 @@ class DPO2NC(ZerothOrderModule):
             check_choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
             check_choice("direction_sets", direction_sets, DIRECTION_SETS),
             check_choice("estimator", estimator, ESTIMATORS),
+            "`fixed_forward_rows` is for forwards of the batch: estimator='first_order' takes each example's gradient "
+            "under torch.func.vmap, whose kernels it does not fix; leave it unset" if (
+                estimator == "first_order" and kwargs.get("fixed_forward_rows") is not None) else None,
             check_choice("output", output, OUTPUTS),
             # (named: check_clip said `clip`; a private run needs a finite C': its node noise r sigma C grows with it)
             None if difference_clip is None else check_positive("difference_clip", difference_clip,
