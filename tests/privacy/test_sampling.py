@@ -121,7 +121,7 @@ def test_an_anchored_pass_cut_short_in_its_last_period_still_spreads_n_over_its_
     assert description.expected_batch_size * weights == pytest.approx(n * probabilities)
 
 
-@pytest.mark.parametrize("n", [1, 7, 34, 35, 36, 47, 48, 61, 999])
+@pytest.mark.parametrize("n", [1, 7, 10, 34, 35, 36, 45, 47, 48, 61, 999])
 def test_the_steps_of_an_anchored_pass_bring_its_nominal_sizes_closest_to_n(n):
     """Each step whose nominal size's midpoint fits in ``n``: brute force over the steps (20 at anchors, 5 between,
     period 4: 35 examples a period). Unanchored, ``round(n / B)`` as before anchors existed."""
