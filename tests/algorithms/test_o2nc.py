@@ -21,7 +21,8 @@ from lit_zodp.algorithms.o2nc import (ESTIMATORS, EXAMPLE_STREAM, RESERVOIR_STRE
 from lit_zodp.backbones.quadratic import QuadraticLoss
 from lit_zodp.cli import build_cli
 from lit_zodp.errors import PrivacyConfigError
-from lit_zodp.privacy import FullBatchSampler, Gaussian, PrivacyComponent, SinglePassBatchSampler, SinglePassGaussian
+from lit_zodp.privacy import (FullBatchSampler, Gaussian, PrivacyComponent, SinglePassBatchSampler, SinglePassGaussian,
+                              TreeAggregator)
 from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.zo import derive_seed
 from tests.conftest import blobs, collate_tensors, mlp, poisson_loader, quiet_trainer
@@ -552,6 +553,25 @@ def test_an_anchored_pass_keeps_every_leaf_within_the_node_noise_across_a_resume
     assert moves[6][1] > 0.25  # (the crafted record reaches the capped clip: uncapped, the move would be above 1)
     assert resumed.privacy._constants().stds == {"gradient estimate": pytest.approx(0.25 * 2 * 1.5 * 1.0)}
     assert dict(resumed.privacy.ledger.counts) == {SinglePassGaussian(1.5 / math.sqrt(3)): 10}
+
+
+def test_an_anchored_pass_noises_every_node_at_2_sigma_r_c_over_b2_even_at_its_anchors(monkeypatch):
+    """Red-team review of the anchored pass: an anchor's leaf is divided by its own expected size ``w B2``, but its
+    nodes' noise must stay ``2 sigma r C / B2`` (the std the accountant's sensitivity ``2 r C / B2`` is measured
+    against): scaled by ``1 / w`` like the leaf, the anchors' nodes got 4x less noise and no test failed. ``B2 = 84 /
+    28 = 3`` (16 steps, 4 anchors of weight 4), ``r = 0.25``, ``sigma = 1.5``, ``C = 1``."""
+    pushed = []
+    push = TreeAggregator.push
+
+    def recorded(self, increment, std, noise):
+        pushed.append(std)
+        return push(self, increment, std, noise)
+
+    monkeypatch.setattr(TreeAggregator, "push", recorded)
+    module = private(period=4, clip=1.0, difference_clip=0.1, noise_seed=0, lr=0.01, radius=0.01)
+    quiet_trainer(max_steps=6, limit_val_batches=0).fit(module, anchored_data())
+    assert module.privacy.sampling.expected_batch_size == pytest.approx(3.0)
+    assert pushed == [pytest.approx(2 * 1.5 * 0.25 * 1.0 / 3.0)] * 6
 
 
 @pytest.mark.parametrize("module, message", [

@@ -107,7 +107,21 @@ def test_an_anchored_pass_uses_each_example_once_and_gives_each_anchor_b1_over_b
     assert description.mechanism(2.0) == SinglePassGaussian(2.0)
 
 
-@pytest.mark.parametrize("n", [1, 7, 34, 35, 36, 47, 48, 61, 999])
+@pytest.mark.parametrize("n, period", [(999, 4), (61, 4), (200, 3), (7, 4)])
+def test_an_anchored_pass_cut_short_in_its_last_period_still_spreads_n_over_its_expected_sizes(n, period):
+    """Red-team review of the anchored pass: a pass whose last period is cut short (steps not a multiple of the
+    period) still counts that period's anchor, so the expected sizes (each step's divisor) add up to ``n`` and each
+    step's expected size matches the assignment's probabilities (the earlier tests had whole periods only)."""
+    sampler = SinglePassBatchSampler(n, 5, seed=3, anchor_batch_size=20, anchor_period=period)
+    description = sampler.description
+    weights = np.array([description.weight(t) for t in range(sampler.steps)])
+    assert sampler.steps % period or n < 20  # (the case under test: a partial last period)
+    assert description.expected_batch_size * weights.sum() == pytest.approx(n)
+    probabilities = weights / weights.sum()
+    assert description.expected_batch_size * weights == pytest.approx(n * probabilities)
+
+
+@pytest.mark.parametrize("n", [1, 7, 10, 34, 35, 36, 45, 47, 48, 61, 999])
 def test_the_steps_of_an_anchored_pass_bring_its_nominal_sizes_closest_to_n(n):
     """Each step whose nominal size's midpoint fits in ``n``: brute force over the steps (20 at anchors, 5 between,
     period 4: 35 examples a period). Unanchored, ``round(n / B)`` as before anchors existed."""
