@@ -306,6 +306,7 @@ class DPO2NC(ZerothOrderModule):
         self._state: dict[str, Any] = {}
         self._pass: Optional[SinglePassSampling] = None
         self._fit_start_step = 0
+        self._planned_ratio = 1.0  # (the fit's noise_ratio, fixed at its plan)
 
     # ------------------------------------------------------------------------- declaration
     @property
@@ -317,7 +318,7 @@ class DPO2NC(ZerothOrderModule):
         """One d-dimensional release per step. Its node noise is ``r sigma C`` with :meth:`noise_ratio` ``r``;
         Alg. 3's leaf lies in :func:`releases_per_leaf` released tree nodes (sensitivity ``sqrt(count) r C``),
         Alg. 4's in one."""
-        ratio = self.noise_ratio()
+        ratio = self._planned_ratio = self.noise_ratio()
         count = releases_per_leaf(self.period) if self.oracle == "single_pass" else 1
         return (GaussianRelease(ESTIMATE, sensitivity=math.sqrt(count) * ratio, noise=ratio),)
 
@@ -331,11 +332,13 @@ class DPO2NC(ZerothOrderModule):
 
     def leaf_clip(self, nominal: float, position: int) -> float:
         """The clip of a leaf at pass ``position``: ``nominal`` (``C`` or ``C'``) capped at ``w r C``, ``w`` the step's
-        weight, so the leaf's sensitivity ``2 clip / (w B2)`` stays within the node noise's ``2 r C / B2``. Only a
-        resumed period's first anchor, on a regular step, is capped (at ``max(C B2 / B1, C')``); private runs only."""
+        weight and ``r`` the fit's planned :meth:`noise_ratio`, so the leaf's sensitivity ``2 clip / (w B2)`` stays
+        within the node noise's ``2 r C / B2``. Only a resumed period's first anchor, on a regular step, is capped (at
+        ``max(C B2 / B1, C')``), or a ``difference_clip`` raised within the fit (the noise is the plan's: red-team
+        review 59); private runs only."""
         if not self.private:
             return nominal
-        return min(nominal, self._pass_weight(position) * self.noise_ratio() * self.clip)
+        return min(nominal, self._pass_weight(position) * self._planned_ratio * self.clip)
 
     def configure_optimizers(self):
         self.o2nc_params = self.trainable_parameters()

@@ -574,6 +574,24 @@ def test_an_anchored_pass_noises_every_node_at_2_sigma_r_c_over_b2_even_at_its_a
     assert pushed == [pytest.approx(2 * 1.5 * 0.25 * 1.0 / 3.0)] * 6
 
 
+def test_a_difference_clip_raised_within_a_fit_is_capped_at_the_planned_noise(monkeypatch):
+    """Red-team review 59: the leaves' clips were read from the module at each step, the node noise from the plan; a
+    callback raising ``difference_clip`` from 0.1 to 5 mid-fit gave leaves of sensitivity ``2 * 5 / B2`` under noise
+    planned for ``2 * 0.25 C / B2``. Each leaf is now capped at the plan's ``w r C``."""
+    module = private(period=4, clip=1.0, difference_clip=0.1, noise_seed=0)
+    clips = []
+    original = DPO2NC.difference_leaf
+
+    def difference(self, z, z_previous, inputs, targets, clip):
+        clips.append(clip)
+        return original(self, z, z_previous, inputs, targets, clip)
+
+    monkeypatch.setattr(DPO2NC, "difference_leaf", difference)
+    module.on_train_batch_end = lambda outputs, batch, i: i >= 1 and setattr(module, "difference_clip", 5.0)
+    quiet_trainer(max_steps=6, limit_val_batches=0).fit(module, anchored_data())
+    assert clips == [0.1, 0.25, 0.25, 0.25]  # (steps 1-3 and 5: raised after step 1)
+
+
 @pytest.mark.parametrize("module, message", [
     (lambda: private(period=8), "the data's `anchor_period`=4 must equal the module's `period`=8"),
     (lambda: private(period=4, oracle="multi_pass"), "DPO2NC does not train on an anchored single pass"),
