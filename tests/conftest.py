@@ -54,6 +54,11 @@ ALGORITHM_KWARGS = {name: dict(rank=2) for name in ("DPGRAPE", "GRAPE", "DPGaLor
 #: a fit takes anchor and difference steps.
 ALGORITHM_KWARGS |= {name: dict(oracle="multi_pass", period=3, num_directions=2) for name in ("DPO2NC", "O2NC")}
 ALGORITHM_KWARGS["DPO2NC"] |= dict(neighbours="add_remove")
+#: Variants ``"Class[variant]"`` (tests/test_privacy_contract.py's ``VARIANTS``) take their own options here. O2NC's
+#: first-order oracle (Alg. 5: eq. 10's per-example gradients at points in the ball) on the same loaders and options;
+#: ``O2NC[first_order]`` is its non-private twin.
+ALGORITHM_KWARGS |= {f"{name}[first_order]": ALGORITHM_KWARGS[name] | dict(estimator="first_order")
+                     for name in ("DPO2NC", "O2NC")}
 
 
 def public_rows_like(backbone):

@@ -65,6 +65,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
 from lit_zodp.algorithms.base import loader_sampling
+from lit_zodp.algorithms.first_order import anomaly_mode_error
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import (
@@ -286,6 +287,10 @@ class DPO2NC(ZerothOrderModule):
             "under torch.func.vmap, whose kernels it does not fix; leave it unset" if (
                 estimator == "first_order" and kwargs.get("fixed_forward_rows") is not None) else None,
             check_choice("output", output, OUTPUTS),
+            # (each example's gradient is vmapped as a batch of one: the kernels run on the realized batch's B rows)
+            "`fixed_forward_rows` does not reach estimator='first_order', whose per-example gradients run vmapped over "
+            "the batch's realized rows: leave it unset, or use estimator='zeroth_order'"
+            if estimator == "first_order" and kwargs.get("fixed_forward_rows") is not None else None,
             # (named: check_clip said `clip`; a private run needs a finite C': its node noise r sigma C grows with it)
             None if difference_clip is None else check_positive("difference_clip", difference_clip,
                                                                  allow_inf=not self.private),
@@ -444,6 +449,8 @@ class DPO2NC(ZerothOrderModule):
         """Alg. 3 (tree) or Alg. 4 (running noisy sum) at ``z_t``."""
         state = self._state
         if self.estimator == "first_order":
+            if self.private and torch.is_anomaly_enabled():  # (before any gradient, whatever the batch)
+                raise_if_any([anomaly_mode_error()])
             self._run_due_independence_checks(inputs, targets)
         position = self._pass_position()
         if self.oracle == "single_pass" and self._anchor_step(position) and not self.tree.period_done:
@@ -504,8 +511,9 @@ class DPO2NC(ZerothOrderModule):
     def _run_due_independence_checks(self, inputs, targets) -> None:
         """Alg. 5 sends no batch through ``private_losses``: the base's per-example independence checks (audit 5:
         rows mixed by the forward, padding read) run on one forward of the batch at ``x_{t-1}`` when one is due (the
-        first batches, then the re-checks the OS draws)."""
-        if self.private and (self._pending_checks or self._recheck_pending):
+        first batches, then the re-checks the OS draws); a padding check alone waits, at no forward, for a batch with a
+        row shorter than its longest, as in :meth:`private_losses`."""
+        if self.private and (self._pending_checks or self._recheck_pending) and self._checks_can_compare(inputs):
             self.private_losses(inputs, targets)
 
     def mean_gradient(self, point: Tensor, offsets: Tensor, inputs, targets) -> Tensor:
@@ -542,8 +550,13 @@ class DPO2NC(ZerothOrderModule):
             return functional_call(wrapper, params, one).reshape(()).to(torch.float64)
 
         in_dims = (0 if points.dim() == 2 else None, 0, 0)
+        registrations = self._registrations
+        if registrations is not None and registrations.registered:  # (made outside a private forward)
+            registrations.forget()
         with torch.enable_grad():
             gradients = vmap(grad(loss), in_dims=in_dims)(points.to(torch.float64), inputs, targets)
+        if registrations is not None and registrations.registered:  # (a slot reassigned in the vmapped forward)
+            registrations.refuse()
         return gradients.reshape(size, dim)
 
     def _parameter_layout(self) -> list:
