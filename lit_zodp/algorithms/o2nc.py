@@ -283,9 +283,6 @@ class DPO2NC(ZerothOrderModule):
             check_choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
             check_choice("direction_sets", direction_sets, DIRECTION_SETS),
             check_choice("estimator", estimator, ESTIMATORS),
-            "`fixed_forward_rows` is for forwards of the batch: estimator='first_order' takes each example's gradient "
-            "under torch.func.vmap, whose kernels it does not fix; leave it unset" if (
-                estimator == "first_order" and kwargs.get("fixed_forward_rows") is not None) else None,
             check_choice("output", output, OUTPUTS),
             # (each example's gradient is vmapped as a batch of one: the kernels run on the realized batch's B rows)
             "`fixed_forward_rows` does not reach estimator='first_order', whose per-example gradients run vmapped over "
@@ -556,8 +553,21 @@ class DPO2NC(ZerothOrderModule):
         with torch.enable_grad():
             gradients = vmap(grad(loss), in_dims=in_dims)(points.to(torch.float64), inputs, targets)
         if registrations is not None and registrations.registered:  # (a slot reassigned in the vmapped forward)
+            self._drop_vmapped_registrations(registrations.registered)
             registrations.refuse()
         return gradients.reshape(size, dim)
+
+    def _drop_vmapped_registrations(self, names: list) -> None:
+        """Remove from the model what a vmapped forward registered (``path.name``): a tensor made under ``vmap`` is
+        unusable outside it, and left on the model it failed Lightning's teardown (``module.cpu()``), hiding the
+        refusal that follows (review of the contract suite's first-order variant)."""
+        for path in set(names):
+            owner_path, _, name = path.rpartition(".")
+            owner = self.backbone.get_submodule(owner_path)
+            for slots in (owner._parameters, owner._buffers):
+                value = slots.get(name)
+                if isinstance(value, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(value):
+                    del slots[name]
 
     def _parameter_layout(self) -> list:
         """``(name, shape, dtype, numel)`` of the trained parameters, in ``o2nc_params``' order (the flat point's)."""
