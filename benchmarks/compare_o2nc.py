@@ -13,7 +13,8 @@ the OS and the single pass's assignment from ``data_seed``, so repeats differ in
 Methods: DPO2NC with Alg. 3 at period 1 (every step an anchor: the quickstart), at period 16 with the paper's
 independent directions at ``z_{t-1}``, at period 4 with shared directions, and at period 4 on an anchored pass (``B1 =
 40`` rows at each anchor, ``B2 = 10`` between: Thm. 3.1's ``B1 = Sigma B2``); the first-order oracle (Alg. 5) at period
-1 and on the anchored pass (``C = 1 = L``, ``C' = 0.25``); DPO2NC with Alg. 4 on Poisson batches
+1 and on the anchored pass (``C = 1 = L``, ``C' = 0.25``); Zhang et al.'s baseline as the reading notes reconstruct it
+(``m = d``, noise for the worst-case sensitivity, the anchored pass); DPO2NC with Alg. 4 on Poisson batches
 (2,000 steps at ``q = 20 / n``: not one pass); DPZero; DP-SGD (first order); and the non-private O2NC.
 
 Usage::
@@ -43,6 +44,8 @@ METHODS = {
                                                                "--model.init_args.difference_directions", "shared"]),
     "DPO2NC Alg. 3 period 4 anchored (B1 = 40; B2 = 10; shared directions)": (
         "configs/o2nc/quickstart_dpo2nc_anchored.yaml", []),
+    "Zhang et al. (reconstruction: m = d; worst-case sensitivity; anchored)": (
+        "configs/o2nc/quickstart_zhang_baseline.yaml", []),
     "DPO2NC Alg. 5 (first order) period 1": ("configs/o2nc/quickstart_dpo2nc_first_order.yaml", []),
     "DPO2NC Alg. 5 (first order) period 4 anchored (B1 = 40; B2 = 10; shared points)": (
         "configs/o2nc/quickstart_dpo2nc_anchored.yaml", ["--model.init_args.estimator", "first_order",

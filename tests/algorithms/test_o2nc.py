@@ -258,6 +258,37 @@ def test_the_per_example_gradients_at_per_example_points_equal_a_loop_of_autogra
     assert float(torch.stack(expected).norm(dim=1).max()) == pytest.approx(1.0)  # (|grad f| = |a| = 1: L = 1)
 
 
+def test_the_worst_case_bounds_of_the_zhang_baseline_config_hold_on_phase_retrieval():
+    """``configs/o2nc/quickstart_zhang_baseline.yaml`` claims its clips never bind: on a 1-Lipschitz loss each eq. 4
+    estimate has norm at most ``L d`` and a difference along shared directions, between points at most ``2D`` apart,
+    at most ``2 L d D / alpha``. Checked on its rows at random points, with the module's own estimator."""
+    from datamodules import PhaseRetrievalDataModule
+    from lit_zodp.backbones import PhaseRetrievalLoss
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs/o2nc/quickstart_zhang_baseline.yaml").read_text())
+    options = config["model"]["init_args"]
+    d, lam, radius = 16, options["lam"], options["radius"]
+    data = PhaseRetrievalDataModule(dim=d, n_train=200, n_test=8, sampling="full_batch")
+    module = DPO2NC(PhaseRetrievalLoss(dim=d), oracle="multi_pass", period=1, num_directions=d, lam=lam,
+                    radius=radius, clip=1.0, noise_multiplier=1.0, neighbours="add_remove", seed=0)
+    quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, data)
+    inputs, targets = next(iter(data.train_dataloader()))
+    g = torch.Generator().manual_seed(0)
+    largest = [0.0, 0.0]
+    for trial in range(5):
+        z = torch.randn(d, generator=g, dtype=torch.float64)
+        step = torch.randn(d, generator=g, dtype=torch.float64)
+        z_previous = z - 2 * radius * step / step.norm()
+        y = sphere_directions(trial, 0, range(d), d, "cpu")
+        now = module.estimate_coefficients(z, y, inputs, targets) @ y
+        before = module.estimate_coefficients(z_previous, y, inputs, targets) @ y
+        largest = [max(largest[0], float(now.norm(dim=1).max())),
+                   max(largest[1], float((now - before).norm(dim=1).max()))]
+    assert largest[0] <= options["clip"] == d * 1.0
+    assert largest[1] <= options["difference_clip"] == pytest.approx(2 * d * radius / lam)
+    assert largest[1] > 0.1 * options["difference_clip"]  # (not vacuous: within 10x of the bound)
+
+
 def test_a_second_fit_continues_from_x_T_not_from_x_out():
     module = O2NC(QuadraticLoss(DIM, hessian="identity"), lr=0.3, lam=0.05, radius=0.2, window=2, period=3,
                   num_directions=2, seed=11)
