@@ -56,6 +56,8 @@ def twin_of(name):
 
 #: The private algorithms and the private variants: the cases of every check a private module must pass.
 PRIVATE_CASES = PRIVATE + [name for name in VARIANTS if algorithm_class(name).private]
+#: Every algorithm, the variants and their non-private twins: the cases of the checks every module must pass.
+EVERY_CASES = EVERY + list(VARIANTS) + [twin_of(name) for name in VARIANTS if twin_of(name)]
 
 
 def backprops_private_rows(name):
@@ -63,6 +65,7 @@ def backprops_private_rows(name):
     class's first-order estimator (DPO2NC's Alg. 5)."""
     return (not issubclass(algorithm_class(name), ZerothOrderModule)
             or ALGORITHM_KWARGS.get(name, {}).get("estimator") == "first_order")
+
 
 pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set", "ignore:.*ckpt_path.*",
                                         "ignore:.*dataloader is not resumable.*", "ignore:.*pre-optimization.*")
@@ -108,10 +111,11 @@ def full_batch_loader(dataset, steps):
 
 
 # --------------------------------------------------------------------------------- graph
-@pytest.mark.parametrize("name", EVERY)
+@pytest.mark.parametrize("name", EVERY_CASES)
 def test_a_private_batch_never_enters_an_autograd_graph(name):
-    if not issubclass(algorithm_class(name), ZerothOrderModule):
-        pytest.skip("first-order algorithms backprop through clipped per-example gradients")
+    if backprops_private_rows(name):
+        pytest.skip("first-order algorithms (and O2NC's first-order oracle) backprop through clipped per-example "
+                    "gradients")
     seen = []
     backbone = mlp(seed=1)
     module = build(name, backbone)
@@ -541,14 +545,14 @@ def test_a_fit_inside_inference_mode_fails_or_trains_whatever_batches_are_empty(
 
 
 # ---------------------------------------------------------------------------- accounting
-@pytest.mark.parametrize("name", EVERY)
+@pytest.mark.parametrize("name", EVERY_CASES)
 def test_ledger_steps_equal_optimizer_steps(name):
     module = build(name)
     trainer = fit(module, poisson_loader(blobs(), 0.1), 7)
     assert trainer.global_step == module.privacy.steps == 7
 
 
-@pytest.mark.parametrize("name", EVERY)
+@pytest.mark.parametrize("name", EVERY_CASES)
 def test_bf16_mixed_precision_steps_and_counts_and_loss_scaling_is_refused_in_one_line(name):
     """``bf16-mixed`` (autocast; the engine's sums stay float32: tests/per_example/test_pe_rounding.py)
     takes its steps. ``16-mixed`` on CUDA steps through a GradScaler, which failed every module with
@@ -1149,7 +1153,7 @@ def test_a_module_pickled_after_its_fit_holds_no_noise_key(name):
     assert module.privacy.noise is None and b"NoiseSource" not in pickle.dumps(module)
 
 
-@pytest.mark.parametrize("name", EVERY)
+@pytest.mark.parametrize("name", EVERY_CASES)
 def test_a_module_copied_or_pickled_during_its_fit_holds_no_secret_and_the_copy_trains(name):
     """Review 24: an EMA or teacher callback's ``deepcopy(pl_module)`` raised in every zeroth-order module (the
     engine's chunk views of a written split), ``torch.save(pl_module)`` during a fit raised in every private module
@@ -1763,7 +1767,7 @@ def test_a_non_private_module_refuses_privacy_settings_it_would_ignore(name):
         build(name, target_epsilon=2.0)
 
 
-@pytest.mark.parametrize("name", EVERY)
+@pytest.mark.parametrize("name", EVERY_CASES)
 def test_the_public_gradient_backprops_through_the_public_batch_only(name):
     module = build(name)
     public_x, public_y = blobs(n=16, seed=1).tensors
@@ -1887,7 +1891,7 @@ def test_a_parameter_or_layer_registered_in_the_private_forward_is_refused_befor
     assert _registration_hooks() == hooks
 
 
-@pytest.mark.parametrize("name", EVERY)
+@pytest.mark.parametrize("name", EVERY_CASES)
 def test_a_backbone_with_every_parameter_frozen_is_refused_in_one_line(name):
     """It failed inside the optimizer or the engine ("optimizer got an empty parameter list", an IndexError)."""
     module = build(name)

@@ -39,14 +39,16 @@ Choices where the paper is silent, or where its text is off (reading notes, Sec.
   (line 4), ``m`` at each end of a difference (line 9), shared by the batch or a set per example as
   ``direction_sets`` says. Each example's gradient is taken alone (``torch.func``: a batch of one per example,
   vmapped, with the example's own parameters when its points are its own), so nothing couples the examples; the
-  base's independence checks (padding read, rows mixed) run on a forward of the batch when they are due. The smoothing radius ``alpha`` (option ``lam``) is the Goldstein radius the guarantee is stated at
-  (Lemma 2.4: ``2 alpha`` for ``F``).
+  base's independence checks (padding read, rows mixed) run on a forward of the batch when they are due. The
+  smoothing radius ``alpha`` (option ``lam``) is the Goldstein radius the guarantee is stated at (Lemma 2.4:
+  ``2 alpha`` for ``F``).
 * Output: ``x_out`` uniform over the window averages ``xbar_k`` (Alg. 2 line 4), kept by reservoir sampling (public
   randomness) and written into the model when the fit ends (``output="window"``); ``output="last"`` keeps ``x_T``.
   Validation during the fit reads the iterate ``x_t``.
 * Resume: Alg. 3's running sum ``g_t`` (not noisy) and the tree's node keys are secret and never checkpointed, so a
   resumed single-pass run starts a new period with an anchor step: a fresh tree over fresh data (each example is
-  still in one leaf of one tree; on an anchored pass the tree is cut short at the next large step, above). Alg. 4's running estimate is noisy (public) and is checkpointed, so it continues.
+  still in one leaf of one tree; on an anchored pass the tree is cut short at the next large step, above). Alg. 4's
+  running estimate is noisy (public) and is checkpointed, so it continues.
 * State: Alg. 2 keeps ``Delta_t``, ``z_{t-1}``, the window's sum and ``x_out`` (public), the oracle ``g_t`` (secret),
   as flat float64 vectors of the trained parameters' size ``d``; the directions of one step are ``2m x d``. The paper
   is about small ``d`` (its experiments, notes Sec. 5: phase retrieval, small ReLU networks), where this is cheap.
@@ -405,8 +407,8 @@ class DPO2NC(ZerothOrderModule):
                 "Prop. 2.6's guarantee on x_out (a window's average is (alpha, beta)-stationary) needs M D <= alpha; "
                 "shorten the window or the radius", category=LitZodpWarning)
         planned = self.trainer.estimated_stepping_batches if self._trainer is not None else None
-        if (self.output == "window" and not self._state.get("windows_done") and isinstance(planned, (int, float)) and math.isfinite(planned)
-                and planned < self.window):
+        if (self.output == "window" and not self._state.get("windows_done") and isinstance(planned, (int, float))
+                and math.isfinite(planned) and planned < self.window):
             rank_zero_warn(
                 f"{type(self).__name__}: window={self.window} exceeds the fit's {int(planned)} steps, so no window "
                 "completes and the model keeps x_T, not Alg. 2's x_out: set window <= the steps, or output='last'",
