@@ -71,6 +71,7 @@ from lit_zodp.algorithms.first_order import anomaly_mode_error
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 from lit_zodp.backbones.base import batch_size_of
 from lit_zodp.errors import (
+    ConfigError,
     LitZodpWarning,
     PrivacyConfigError,
     check_choice,
@@ -528,11 +529,11 @@ class DPO2NC(ZerothOrderModule):
         """``grad f(p_i; xi_i)`` per example, ``[B, d]`` float64, at ``points`` ``[d]`` (one for the batch) or ``[B,
         d]`` (each example's own): each example differentiated alone (``torch.func``: a batch of one per example,
         vmapped, the per-example engine's reference recipe), the backbone in eval mode. The parameters take the
-        point rounded to their dtype; the gradient is widened to float64."""
+        point rounded to their dtype; the gradient is widened to float64. An empty batch is vmapped too (over zero
+        rows, which still runs the forward): a backbone ``vmap`` cannot run (``.item()``, data-dependent branches)
+        is refused at the fit's first step, whether or not it sampled an example."""
         size = batch_size_of(inputs)
         dim = self._state["delta"].numel()
-        if size == 0:
-            return torch.zeros(0, dim, dtype=torch.float64, device=points.device)
         if self.backbone.training:
             self.backbone.eval()
         if self._eval_mode_caches:  # (eval-mode values cached from other parameters: never read at a new point)
@@ -552,8 +553,16 @@ class DPO2NC(ZerothOrderModule):
         registrations = self._registrations
         if registrations is not None and registrations.registered:  # (made outside a private forward)
             registrations.forget()
-        with torch.enable_grad():
-            gradients = vmap(grad(loss), in_dims=in_dims)(points.to(torch.float64), inputs, targets)
+        try:
+            with torch.enable_grad():
+                gradients = vmap(grad(loss), in_dims=in_dims)(points.to(torch.float64), inputs, targets)
+        except RuntimeError as error:
+            if not str(error).startswith("vmap"):
+                raise
+            raise ConfigError(
+                f"estimator='first_order' takes each example's gradient under torch.func.vmap, which "
+                f"{type(self.backbone).__name__}'s forward or loss does not support ({str(error).split('. ')[0]}): "
+                "use estimator='zeroth_order'") from None
         if registrations is not None and registrations.registered:  # (a slot reassigned in the vmapped forward)
             self._drop_vmapped_registrations(registrations.registered)
             registrations.refuse()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from datamodules import QuadraticDataModule
@@ -20,9 +21,9 @@ from lit_zodp.algorithms.o2nc import (ESTIMATORS, EXAMPLE_STREAM, RESERVOIR_STRE
                                       clipped_combination, project_to_ball, sphere_directions, write_point)
 from lit_zodp.backbones.quadratic import QuadraticLoss
 from lit_zodp.cli import build_cli
-from lit_zodp.errors import PrivacyConfigError
-from lit_zodp.privacy import (FullBatchSampler, Gaussian, PrivacyComponent, SinglePassBatchSampler, SinglePassGaussian,
-                              TreeAggregator)
+from lit_zodp.errors import ConfigError, PrivacyConfigError
+from lit_zodp.privacy import (FullBatchSampler, Gaussian, PoissonBatchSampler, PrivacyComponent, SinglePassBatchSampler,
+                              SinglePassGaussian, TreeAggregator)
 from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.zo import derive_seed
 from tests.conftest import blobs, collate_tensors, mlp, poisson_loader, quiet_trainer
@@ -287,6 +288,46 @@ def test_the_worst_case_bounds_of_the_zhang_baseline_config_hold_on_phase_retrie
     assert largest[0] <= options["clip"] == d * 1.0
     assert largest[1] <= options["difference_clip"] == pytest.approx(2 * d * radius / lam)
     assert largest[1] > 0.1 * options["difference_clip"]  # (not vacuous: within 10x of the bound)
+
+
+class _Branchy(nn.Module):
+    """An MLP whose forward branches on its input's values: torch.func.vmap cannot run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp(seed=1)
+
+    def forward(self, x):
+        return self.net(x) if bool((x > 0).any()) else self.net(-x)
+
+
+def test_a_backbone_vmap_cannot_run_is_refused_at_the_first_step_whatever_it_sampled():
+    """Alg. 5's gradients run under ``torch.func.vmap``; a forward with a data-dependent branch fails there. An empty
+    batch is vmapped too (over zero rows), so the refusal comes at the first step whether or not the batch held the
+    target (review 24's leak: a fit failing at the first batch holding an example tells how many were empty), in one
+    line that names the way out."""
+    dataset = blobs(n=64)
+    empty = dataset.tensors[0][:0], dataset.tensors[1][:0]
+
+    class Fixed(PoissonBatchSampler):
+        def __init__(self, batches):
+            super().__init__(64, 0.25, seed=0, steps_per_epoch=len(batches))
+            self.batches = batches
+
+        def __iter__(self):
+            return iter([list(b) for b in self.batches])
+
+    for second in ([0], []):
+        loader = DataLoader(dataset, batch_sampler=Fixed([[], second, [5, 6]]),
+                            collate_fn=lambda items: collate_tensors(items) if items else empty)
+        module = DPO2NC(_Branchy(), estimator="first_order", oracle="multi_pass", period=2, num_directions=2,
+                        clip=1.0, noise_multiplier=1.0, neighbours="add_remove", seed=0)
+        trainer = quiet_trainer(max_steps=3)
+        with pytest.raises(ConfigError, match="torch.func.vmap, which _Branchy's forward or loss does not support"
+                                              ".*use estimator='zeroth_order'") as info:
+            trainer.fit(module, loader)
+        assert "\n" not in str(info.value)
+        assert trainer.global_step == 0 and module.privacy.ledger.total_count == 0
 
 
 def test_a_second_fit_continues_from_x_T_not_from_x_out():
