@@ -166,7 +166,7 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
             torch.testing.assert_close(given, clipped_sum, rtol=0, atol=0)  # the all-reduced sum is noised
             assert divisor == B and out is noised_out  # ... and divided by B (in float64, before the rounding)
             assert (out.double() * B - given.double()).abs().sum() > 0  # a real draw was added
-            if issubclass(algorithm_class(name), ZerothOrderModule):  # scalars: summed in float64, rounded after the noise
+            if issubclass(algorithm_class(name), ZerothOrderModule):  # scalars: summed in float64, rounded after noise
                 assert given.dtype == torch.float64 and out.dtype == torch.float32
         else:
             torch.testing.assert_close(out.coefficient * B, clipped_sum, rtol=1e-6, atol=1e-6)
@@ -536,7 +536,8 @@ def test_a_fit_inside_inference_mode_fails_or_trains_whatever_batches_are_empty(
                             collate_fn=lambda items: collate_tensors(items) if items else empty)
         module = build(name)
         with torch.inference_mode():
-            if issubclass(algorithm_class(name), ZerothOrderModule) and not getattr(module, "needs_public_batches", False):
+            zeroth_order = issubclass(algorithm_class(name), ZerothOrderModule)
+            if zeroth_order and not getattr(module, "needs_public_batches", False):
                 assert fit(module, loader, 4).global_step == 4
                 continue
             with pytest.raises(PrivacyConfigError, match=r"inside `torch.inference_mode\(\)`") as info:
@@ -738,7 +739,8 @@ def test_a_noiseless_runs_checkpoint_cannot_resume_with_noise_or_show_a_finite_e
     within a `max_epsilon` of 3, although its first 50 steps released the clipped sums themselves."""
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     fit(build(name, noise_multiplier=0.0), poisson_loader(blobs(), 0.25), 3, [checkpoint], enable_checkpointing=True)
-    loaded = algorithm_class(name).load_from_checkpoint(tmp_path / "last.ckpt", backbone=mlp(seed=1), noise_multiplier=1.0)
+    loaded = algorithm_class(name).load_from_checkpoint(tmp_path / "last.ckpt", backbone=mlp(seed=1),
+                                                        noise_multiplier=1.0)
     assert loaded.privacy.epsilon() == math.inf
     resumed = build(name)
     with pytest.raises(PrivacyConfigError, match="already took 3 steps with `noise_multiplier`=0") as info:
@@ -1458,7 +1460,8 @@ def test_the_padding_check_waits_for_a_padded_batch_and_costs_no_forward_before_
     first-order steps recomputed the losses on every such step: two forwards, 1.0 s of MiniLM's 3.7 s)."""
     full = 4
     trace = _ForwardsPerStep()
-    module = build(name, TokenBag(masked=True), num_classes=2, recheck_probability=0.0, **STEADY.get(class_name(name), {}))
+    module = build(name, TokenBag(masked=True), num_classes=2, recheck_probability=0.0,
+                   **STEADY.get(class_name(name), {}))
     fit(module, token_loader(full_length_batches=full), full + 3, callbacks=[trace])
     assert trace.padded[:full + 1] == [False] * full + [True]
     steady = trace.calls[-1]  # the padding check passed at step `full`: nothing is pending after it
@@ -1758,7 +1761,7 @@ def test_a_private_step_draws_nothing_from_the_seeded_streams_and_its_dropout_ma
     again, _ = run()
     assert unchanged == [True] * 3
     assert len(masks) == len(again) and not any(torch.equal(a, b) for a, b in zip(masks, again))
-    assert bool(masks) == (not issubclass(algorithm_class(name), ZerothOrderModule))  # zeroth order: eval mode, no masks
+    assert bool(masks) == (not issubclass(algorithm_class(name), ZerothOrderModule))  # zeroth order: eval, no masks
 
 
 @pytest.mark.parametrize("name", sorted(set(EVERY) - set(PRIVATE)))
@@ -1870,7 +1873,7 @@ def _registration_hooks() -> int:
 @pytest.mark.parametrize("name", PRIVATE_CASES)
 @pytest.mark.parametrize("how,at", [("new", 3), ("replaced", 3), ("layer", 3), ("buffer", 9), ("new", 9),
                                     ("replaced", 9)])
-def test_a_parameter_or_layer_registered_in_the_private_forward_is_refused_before_its_release(name, how, at, request):
+def test_a_parameter_or_layer_registered_in_the_private_forward_is_refused_before_its_release(name, how, at):
     """Red-team review, 2026-11-28: a parameter registered in the forward (an un-noised batch mean kept in the model
     and every checkpoint) passed every check, a replaced one passed the forwards that run no independence check
     (all of a fit's steps, at recheck_probability 0), and a zeroth-order forward's new buffer was not looked for.

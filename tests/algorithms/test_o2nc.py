@@ -461,7 +461,8 @@ def test_checkpoints_hold_alg2s_public_state_and_no_running_sum_and_a_resume_sta
     (dict(output="best"), "`output`"),
     (dict(direction_sets="batch"), "direction_sets"),
     (dict(estimator="second_order"), "`estimator`"),
-    (dict(estimator="first_order", fixed_forward_rows=8), "`fixed_forward_rows` does not reach estimator='first_order'"),
+    (dict(estimator="first_order", fixed_forward_rows=8),
+     "`fixed_forward_rows` does not reach estimator='first_order'"),
     (dict(directions="gaussian"), "no option `directions`"),
     (dict(weight_decay=0.1), "no option `weight_decay`"),
     (dict(difference_clip=0.0), "`difference_clip`"),  # (review 58: these named `clip`, or a release's sensitivity)
