@@ -19,7 +19,7 @@ independent directions at ``z_{t-1}``, at period 4 with shared directions, and a
 
 Usage::
 
-    python benchmarks/compare_o2nc.py                                  # d = 16, epsilon 4, 3 repeats (~4 min)
+    python benchmarks/compare_o2nc.py                                  # d = 16, epsilon 4, 3 repeats (~8 min)
     python benchmarks/compare_o2nc.py --dims 8,32,64 --repeats 2
     python benchmarks/compare_o2nc.py --methods "DPO2NC Alg. 5 (first order) period 1,DP-SGD (first order)" \
         --out benchmarks/results/compare_o2nc_first_order_d16_eps4                  # some rows, another file
