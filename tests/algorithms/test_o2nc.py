@@ -697,6 +697,36 @@ def test_a_window_times_radius_above_lam_warns_that_prop_2_6_does_not_hold():
         quiet_trainer(max_steps=2).fit(module, full_batch(steps=2))
 
 
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_a_direction_set_per_example_keeps_a_replaced_examples_leaf_within_2c_and_refuses_add_remove(
+        monkeypatch, estimator):
+    """``direction_sets="example"`` draws example ``i``'s set by its row ``i``: a replaced example keeps its row, and the
+    leaf moves by at most ``2C``; a removed one shifted every later row to another set, and the leaf moved by 8 C
+    (phase retrieval, B = 64, red-team review 3): add/remove neighbours are refused."""
+    from lit_zodp.backbones import PhaseRetrievalLoss
+
+    d = 5
+    a = torch.randn(64, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rows = torch.cat([a / a.norm(dim=1, keepdim=True), torch.zeros(64, 1, dtype=torch.float64)], 1)
+    replaced = rows.clone()
+    replaced[0, :d] = -rows[1, :d]
+    options = dict(estimator=estimator, oracle="multi_pass", period=1, num_directions=1, lam=1.0, clip=0.1,
+                   noise_multiplier=1.0, seed=0, noise_seed=0, direction_sets="example", output="last")
+    with pytest.raises(PrivacyConfigError, match="direction_sets='example' draws each example's directions by its row"):
+        DPO2NC(PhaseRetrievalLoss(dim=d), neighbours="add_remove", **options)
+    leaves = []
+    for data in (rows, replaced):
+        recorded = []
+        original = PrivacyComponent.release
+        monkeypatch.setattr(PrivacyComponent, "release", lambda component, leaf, *args, **kwargs: (
+            recorded.append(leaf.detach().clone()), original(component, leaf, *args, **kwargs))[1])
+        module = DPO2NC(PhaseRetrievalLoss(dim=d, init_norm=0.3), neighbours="replace_one", **options)
+        quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, full_batch(data))
+        monkeypatch.undo()
+        leaves.append(recorded[0])
+    assert 0 < float((leaves[0] - leaves[1]).norm()) <= 2 * 0.1
+
+
 def test_a_direction_set_per_example_is_each_examples_eq4_estimate_at_its_own_points():
     """``direction_sets="example"`` (the paper's per-sample draws): the module's step equals the naive Alg. 2 + 3
     where example ``i`` uses its own directions (drawn from the module's seeds), and the clipped combination of
