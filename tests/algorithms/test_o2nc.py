@@ -700,8 +700,8 @@ def test_a_window_times_radius_above_lam_warns_that_prop_2_6_does_not_hold():
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_a_direction_set_per_example_keeps_a_replaced_examples_leaf_within_2c_and_refuses_add_remove(
         monkeypatch, estimator):
-    """``direction_sets="example"`` draws example ``i``'s set by its row ``i``: a replaced example keeps its row, and the
-    leaf moves by at most ``2C``; a removed one shifted every later row to another set, and the leaf moved by 8 C
+    """``direction_sets="example"`` draws example ``i``'s set by its row ``i``: a replaced example keeps its row, and
+    the leaf moves by at most ``2C``; a removed one shifted every later row to another set, and the leaf moved by 8 C
     (phase retrieval, B = 64, red-team review 3): add/remove neighbours are refused."""
     from lit_zodp.backbones import PhaseRetrievalLoss
 
