@@ -556,6 +556,8 @@ class DPO2NC(ZerothOrderModule):
             one = tree_map(lambda t: t.unsqueeze(0), (example_inputs, example_targets))
             return functional_call(wrapper, params, one).reshape(()).to(torch.float64)
 
+        if self._labels_on_device:  # (as each private forward: targets the host did not vet are checked on the device)
+            self._start_private_losses(targets)
         in_dims = (0 if points.dim() == 2 else None, 0, 0)
         registrations = self._registrations
         if registrations is not None and registrations.registered:  # (made outside a private forward)

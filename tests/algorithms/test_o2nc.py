@@ -769,3 +769,42 @@ def test_a_direction_set_per_example_is_each_examples_eq4_estimate_at_its_own_po
         x = x_next
     torch.testing.assert_close(module._state["delta"], delta, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(module.backbone.x.detach(), x, rtol=1e-9, atol=1e-12)
+
+
+def test_first_order_steps_on_an_accelerator_check_the_class_targets_the_host_did_not_vet(monkeypatch):
+    """On an accelerator a class target out of range is a device-side assert, which kills the fit at the step that
+    samples its row (review 21); a private forward's losses therefore check the targets on the device unless the host
+    vetted these very targets (:meth:`_start_private_losses`). Alg. 5's vmapped gradients never asked: the first
+    step's independence check, on a vetted batch, left the device check off for the fit, and a later batch holding
+    the crafted row ran the plain cross-entropy (red-team review 3). Simulated on the CPU: the device claims to check
+    labels, and each gradient call records whether it checks a batch holding a target out of range."""
+    from lit_zodp.algorithms.base import AlgorithmModule
+
+    monkeypatch.setattr(AlgorithmModule, "_device_checks_labels", lambda self: True)
+    dataset = blobs(n=16)
+    dataset.tensors[1][0] = 7  # (3 classes)
+
+    class Fixed(PoissonBatchSampler):
+        def __iter__(self):
+            return iter([[1, 2, 3], [0, 4, 5], [6, 7]])
+
+    loader = DataLoader(dataset, batch_sampler=Fixed(16, 0.25, seed=0, steps_per_epoch=3),
+                        collate_fn=EmptySafeCollate(dataset, collate_tensors))
+    calls, crafted = [], [False]
+    gradients, losses = DPO2NC.example_gradients, DPO2NC.example_losses
+
+    def example_gradients(module, points, inputs, targets):
+        crafted[0] = bool((targets >= 3).any())
+        return gradients(module, points, inputs, targets)
+
+    def example_losses(module, inputs, targets):  # (vmapped: the targets' values are not readable here)
+        calls.append((crafted[0], module._check_labels))
+        return losses(module, inputs, targets)
+
+    monkeypatch.setattr(DPO2NC, "example_gradients", example_gradients)
+    monkeypatch.setattr(DPO2NC, "example_losses", example_losses)
+    module = DPO2NC(mlp(), estimator="first_order", oracle="multi_pass", period=2, num_directions=1, clip=1.0,
+                    noise_multiplier=1.0, neighbours="add_remove", seed=0, output="last", num_classes=3)
+    quiet_trainer(max_steps=3, limit_val_batches=0).fit(module, loader)
+    assert any(crafted for crafted, _ in calls)
+    assert all(checked for crafted, checked in calls if crafted)
