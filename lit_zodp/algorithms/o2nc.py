@@ -251,7 +251,8 @@ class DPO2NC(ZerothOrderModule):
             point) or ``"example"`` (a set per example, as Alg. 3 lines 4-5 and 11-12 and Alg. 4 draw them: the
             directions' variance then averages over the batch, Lemma 3.6; each example is forwarded alone, ``B``
             times the forward calls). Under DDP a rank draws its examples' sets by its rank and row, so the update is
-            distributed as one process's, not equal to it.
+            distributed as one process's, not equal to it. Private, it needs replace-one neighbours (a replaced example
+            keeps its row; an added or removed one shifts the rows after it to other sets).
         estimator: ``"zeroth_order"`` (eq. 4: Alg. 3 and 4) or ``"first_order"`` (eq. 10: Alg. 5; per-example
             gradients through ``torch.func``, ``B`` copies of the parameters when the points are per example: the
             paper's small models). ``clip`` then bounds each example's gradient (``C ~ L``) and ``difference_clip`` each
@@ -285,6 +286,12 @@ class DPO2NC(ZerothOrderModule):
             check_choice("oracle", oracle, ORACLES),
             check_choice("difference_directions", difference_directions, DIFFERENCE_DIRECTIONS),
             check_choice("direction_sets", direction_sets, DIRECTION_SETS),
+            # (example i's set is drawn by its row i: one example added or removed shifts the rows after it, each to
+            # another set, and their clipped vectors move too, a leaf by several C: 8 C on phase retrieval, B = 64)
+            "direction_sets='example' draws each example's directions by its row in the batch, so adding or removing "
+            "one example moves every later row to other directions (a leaf by up to 2C per row, not C): use "
+            "neighbours='replace_one' or direction_sets='step'"
+            if self.private and direction_sets == "example" and neighbours == "add_remove" else None,
             check_choice("estimator", estimator, ESTIMATORS),
             check_choice("output", output, OUTPUTS),
             # (each example's gradient is vmapped as a batch of one: the kernels run on the realized batch's B rows)
@@ -549,6 +556,8 @@ class DPO2NC(ZerothOrderModule):
             one = tree_map(lambda t: t.unsqueeze(0), (example_inputs, example_targets))
             return functional_call(wrapper, params, one).reshape(()).to(torch.float64)
 
+        if self._labels_on_device:  # (as each private forward: targets the host did not vet are checked on the device)
+            self._start_private_losses(targets)
         in_dims = (0 if points.dim() == 2 else None, 0, 0)
         registrations = self._registrations
         if registrations is not None and registrations.registered:  # (made outside a private forward)

@@ -697,6 +697,36 @@ def test_a_window_times_radius_above_lam_warns_that_prop_2_6_does_not_hold():
         quiet_trainer(max_steps=2).fit(module, full_batch(steps=2))
 
 
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_a_direction_set_per_example_keeps_a_replaced_examples_leaf_within_2c_and_refuses_add_remove(
+        monkeypatch, estimator):
+    """``direction_sets="example"`` draws example ``i``'s set by its row ``i``: a replaced example keeps its row, and
+    the leaf moves by at most ``2C``; a removed one shifted every later row to another set, and the leaf moved by 8 C
+    (phase retrieval, B = 64, red-team review 3): add/remove neighbours are refused."""
+    from lit_zodp.backbones import PhaseRetrievalLoss
+
+    d = 5
+    a = torch.randn(64, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rows = torch.cat([a / a.norm(dim=1, keepdim=True), torch.zeros(64, 1, dtype=torch.float64)], 1)
+    replaced = rows.clone()
+    replaced[0, :d] = -rows[1, :d]
+    options = dict(estimator=estimator, oracle="multi_pass", period=1, num_directions=1, lam=1.0, clip=0.1,
+                   noise_multiplier=1.0, seed=0, noise_seed=0, direction_sets="example", output="last")
+    with pytest.raises(PrivacyConfigError, match="direction_sets='example' draws each example's directions by its row"):
+        DPO2NC(PhaseRetrievalLoss(dim=d), neighbours="add_remove", **options)
+    leaves = []
+    for data in (rows, replaced):
+        recorded = []
+        original = PrivacyComponent.release
+        monkeypatch.setattr(PrivacyComponent, "release", lambda component, leaf, *args, **kwargs: (
+            recorded.append(leaf.detach().clone()), original(component, leaf, *args, **kwargs))[1])
+        module = DPO2NC(PhaseRetrievalLoss(dim=d, init_norm=0.3), neighbours="replace_one", **options)
+        quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, full_batch(data))
+        monkeypatch.undo()
+        leaves.append(recorded[0])
+    assert 0 < float((leaves[0] - leaves[1]).norm()) <= 2 * 0.1
+
+
 def test_a_direction_set_per_example_is_each_examples_eq4_estimate_at_its_own_points():
     """``direction_sets="example"`` (the paper's per-sample draws): the module's step equals the naive Alg. 2 + 3
     where example ``i`` uses its own directions (drawn from the module's seeds), and the clipped combination of
@@ -739,3 +769,42 @@ def test_a_direction_set_per_example_is_each_examples_eq4_estimate_at_its_own_po
         x = x_next
     torch.testing.assert_close(module._state["delta"], delta, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(module.backbone.x.detach(), x, rtol=1e-9, atol=1e-12)
+
+
+def test_first_order_steps_on_an_accelerator_check_the_class_targets_the_host_did_not_vet(monkeypatch):
+    """On an accelerator a class target out of range is a device-side assert, which kills the fit at the step that
+    samples its row (review 21); a private forward's losses therefore check the targets on the device unless the host
+    vetted these very targets (:meth:`_start_private_losses`). Alg. 5's vmapped gradients never asked: the first
+    step's independence check, on a vetted batch, left the device check off for the fit, and a later batch holding
+    the crafted row ran the plain cross-entropy (red-team review 3). Simulated on the CPU: the device claims to check
+    labels, and each gradient call records whether it checks a batch holding a target out of range."""
+    from lit_zodp.algorithms.base import AlgorithmModule
+
+    monkeypatch.setattr(AlgorithmModule, "_device_checks_labels", lambda self: True)
+    dataset = blobs(n=16)
+    dataset.tensors[1][0] = 7  # (3 classes)
+
+    class Fixed(PoissonBatchSampler):
+        def __iter__(self):
+            return iter([[1, 2, 3], [0, 4, 5], [6, 7]])
+
+    loader = DataLoader(dataset, batch_sampler=Fixed(16, 0.25, seed=0, steps_per_epoch=3),
+                        collate_fn=EmptySafeCollate(dataset, collate_tensors))
+    calls, crafted = [], [False]
+    gradients, losses = DPO2NC.example_gradients, DPO2NC.example_losses
+
+    def example_gradients(module, points, inputs, targets):
+        crafted[0] = bool((targets >= 3).any())
+        return gradients(module, points, inputs, targets)
+
+    def example_losses(module, inputs, targets):  # (vmapped: the targets' values are not readable here)
+        calls.append((crafted[0], module._check_labels))
+        return losses(module, inputs, targets)
+
+    monkeypatch.setattr(DPO2NC, "example_gradients", example_gradients)
+    monkeypatch.setattr(DPO2NC, "example_losses", example_losses)
+    module = DPO2NC(mlp(), estimator="first_order", oracle="multi_pass", period=2, num_directions=1, clip=1.0,
+                    noise_multiplier=1.0, neighbours="add_remove", seed=0, output="last", num_classes=3)
+    quiet_trainer(max_steps=3, limit_val_batches=0).fit(module, loader)
+    assert any(crafted for crafted, _ in calls)
+    assert all(checked for crafted, checked in calls if crafted)
