@@ -45,6 +45,24 @@ def poisson_loader(dataset, sample_rate, *, seed=0, steps_per_epoch=None):
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
 
 
+class FixedBatches(PoissonBatchSampler):
+    """A Poisson sampler's type and description with fixed index lists: a test chooses which batches are empty."""
+
+    def __init__(self, num_samples, batches):
+        super().__init__(num_samples, 0.25, seed=0, steps_per_epoch=len(batches))
+        self.batches = batches
+
+    def __iter__(self):
+        return iter([list(b) for b in self.batches])
+
+
+def fixed_batches_loader(dataset, batches):
+    """A private loader of ``batches`` (index lists, empty ones collated as zero-row tensors)."""
+    empty = dataset.tensors[0][:0], dataset.tensors[1][:0]
+    return DataLoader(dataset, batch_sampler=FixedBatches(len(dataset), batches),
+                      collate_fn=lambda items: collate_tensors(items) if items else empty)
+
+
 #: Per-algorithm settings under which the registry-wide tests (privacy contract, GPU) exercise what an algorithm adds:
 #: a projection rank below both :func:`mlp` weights' smaller sides (10 and 3), so both are projected (one on each
 #: side) and the biases are not.

@@ -27,8 +27,8 @@ from lit_zodp.errors import AccountingError, ConfigError, PrivacyConfigError
 from lit_zodp.privacy import (FullBatchSampler, GaussianRelease, NoiseSource, PoissonBatchSampler, PrivacyComponent,
                               PrivacyLedger)
 from lit_zodp.privacy.audit import accounted_mu, epsilon_lower_bound, gaussian_epsilon, gaussian_mu, gaussian_spread
-from tests.conftest import (ALGORITHM_KWARGS, TokenBag, blobs, collate_tensors, mlp, poisson_loader, quiet_trainer,
-                            token_loader, with_public_data)
+from tests.conftest import (ALGORITHM_KWARGS, TokenBag, blobs, collate_tensors, fixed_batches_loader, mlp,
+                            poisson_loader, quiet_trainer, token_loader, with_public_data)
 
 PRIVATE = sorted(name for name, cls in ALGORITHMS.items() if cls.private)
 EVERY = sorted(ALGORITHMS)
@@ -520,20 +520,8 @@ def test_a_fit_inside_inference_mode_fails_or_trains_whatever_batches_are_empty(
     """Review 24: ``with torch.inference_mode(): trainer.fit(...)`` failed a first-order fit at the first batch holding an
     example, after the empty batches' steps: 1 step with the target in the second batch, 2 without, so when it failed
     told of the target. First-order modules refuse it at their first step; zeroth-order ones train (no graph)."""
-    dataset = blobs(n=64)
-    empty = dataset.tensors[0][:0], dataset.tensors[1][:0]
-
-    class Fixed(PoissonBatchSampler):
-        def __init__(self, batches):
-            super().__init__(64, 0.25, seed=0, steps_per_epoch=len(batches))
-            self.batches = batches
-
-        def __iter__(self):
-            return iter([list(b) for b in self.batches])
-
     for second in ([0], []):  # row 0 is the target
-        loader = DataLoader(dataset, batch_sampler=Fixed([[], second, [5, 6], [7, 8]]),
-                            collate_fn=lambda items: collate_tensors(items) if items else empty)
+        loader = fixed_batches_loader(blobs(n=64), [[], second, [5, 6], [7, 8]])
         module = build(name)
         with torch.inference_mode():
             zeroth_order = issubclass(algorithm_class(name), ZerothOrderModule)

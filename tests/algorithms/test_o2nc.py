@@ -22,11 +22,11 @@ from lit_zodp.algorithms.o2nc import (ESTIMATORS, EXAMPLE_STREAM, RESERVOIR_STRE
 from lit_zodp.backbones.quadratic import QuadraticLoss
 from lit_zodp.cli import build_cli
 from lit_zodp.errors import ConfigError, PrivacyConfigError
-from lit_zodp.privacy import (FullBatchSampler, Gaussian, PoissonBatchSampler, PrivacyComponent, SinglePassBatchSampler,
-                              SinglePassGaussian, TreeAggregator)
+from lit_zodp.privacy import (FullBatchSampler, Gaussian, PrivacyComponent, SinglePassBatchSampler, SinglePassGaussian,
+                              TreeAggregator)
 from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.zo import derive_seed
-from tests.conftest import blobs, collate_tensors, mlp, poisson_loader, quiet_trainer
+from tests.conftest import blobs, collate_tensors, fixed_batches_loader, mlp, poisson_loader, quiet_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:`(noise|sampling)_seed`",
                                         "ignore:.*val_dataloader.*")
@@ -306,20 +306,8 @@ def test_a_backbone_vmap_cannot_run_is_refused_at_the_first_step_whatever_it_sam
     batch is vmapped too (over zero rows), so the refusal comes at the first step whether or not the batch held the
     target (review 24's leak: a fit failing at the first batch holding an example tells how many were empty), in one
     line that names the way out."""
-    dataset = blobs(n=64)
-    empty = dataset.tensors[0][:0], dataset.tensors[1][:0]
-
-    class Fixed(PoissonBatchSampler):
-        def __init__(self, batches):
-            super().__init__(64, 0.25, seed=0, steps_per_epoch=len(batches))
-            self.batches = batches
-
-        def __iter__(self):
-            return iter([list(b) for b in self.batches])
-
     for second in ([0], []):
-        loader = DataLoader(dataset, batch_sampler=Fixed([[], second, [5, 6]]),
-                            collate_fn=lambda items: collate_tensors(items) if items else empty)
+        loader = fixed_batches_loader(blobs(n=64), [[], second, [5, 6]])
         module = DPO2NC(_Branchy(), estimator="first_order", oracle="multi_pass", period=2, num_directions=2,
                         clip=1.0, noise_multiplier=1.0, neighbours="add_remove", seed=0)
         trainer = quiet_trainer(max_steps=3)
@@ -702,7 +690,7 @@ def test_a_direction_set_per_example_keeps_a_replaced_examples_leaf_within_2c_an
         monkeypatch, estimator):
     """``direction_sets="example"`` draws example ``i``'s set by its row ``i``: a replaced example keeps its row, and
     the leaf moves by at most ``2C``; a removed one shifted every later row to another set, and the leaf moved by 8 C
-    (phase retrieval, B = 64, red-team review 3): add/remove neighbours are refused."""
+    (phase retrieval, B = 64, red-team review 60): add/remove neighbours are refused."""
     from lit_zodp.backbones import PhaseRetrievalLoss
 
     d = 5
@@ -776,7 +764,7 @@ def test_first_order_steps_on_an_accelerator_check_the_class_targets_the_host_di
     samples its row (review 21); a private forward's losses therefore check the targets on the device unless the host
     vetted these very targets (:meth:`_start_private_losses`). Alg. 5's vmapped gradients never asked: the first
     step's independence check, on a vetted batch, left the device check off for the fit, and a later batch holding
-    the crafted row ran the plain cross-entropy (red-team review 3). Simulated on the CPU: the device claims to check
+    the crafted row ran the plain cross-entropy (red-team review 60). Simulated on the CPU: the device claims to check
     labels, and each gradient call records whether it checks a batch holding a target out of range."""
     from lit_zodp.algorithms.base import AlgorithmModule
 
@@ -784,12 +772,7 @@ def test_first_order_steps_on_an_accelerator_check_the_class_targets_the_host_di
     dataset = blobs(n=16)
     dataset.tensors[1][0] = 7  # (3 classes)
 
-    class Fixed(PoissonBatchSampler):
-        def __iter__(self):
-            return iter([[1, 2, 3], [0, 4, 5], [6, 7]])
-
-    loader = DataLoader(dataset, batch_sampler=Fixed(16, 0.25, seed=0, steps_per_epoch=3),
-                        collate_fn=EmptySafeCollate(dataset, collate_tensors))
+    loader = fixed_batches_loader(dataset, [[1, 2, 3], [0, 4, 5], [6, 7]])
     calls, crafted = [], [False]
     gradients, losses = DPO2NC.example_gradients, DPO2NC.example_losses
 
