@@ -271,7 +271,7 @@ class AlgorithmModule(pl.LightningModule):
         if self.trainer.world_size > 1:
             _require_no_distributed_sampler(self.trainer)
         sampling = read_sampling(self.trainer) if self.private else None
-        _refuse_anchored_pass(self, sampling if self.private else loader_sampling(self.trainer))
+        _refuse_anchored_pass(self)
         change = self.privacy.sampling_change(sampling) if self.private else None
         if change:
             rank_zero_warn(change, category=LitZodpWarning)
@@ -329,7 +329,7 @@ class AlgorithmModule(pl.LightningModule):
         """A private loader rebuilt for this epoch (``reload_dataloaders_every_n_epochs``) must sample as planned:
         the ledger accounts every step at the fit's rate, and releases divide by the fit's expected batch size."""
         sampling = read_sampling(self.trainer) if self.private else None
-        _refuse_anchored_pass(self, sampling if self.private else loader_sampling(self.trainer))
+        _refuse_anchored_pass(self)
         if sampling != self.privacy.sampling:
             raise PrivacyConfigError(
                 f"The private loader was rebuilt with sampling {sampling} but this fit is accounted "
@@ -366,18 +366,12 @@ class AlgorithmModule(pl.LightningModule):
         """``f(x; xi_i)`` per private example: no autograd, eval mode (set here too, whatever a subclass's
         hooks did: dropout or batch statistics would couple the examples); the only way a ZO step sees
         the batch."""
-        if self.backbone.training:
-            self.backbone.eval()
-        if self._eval_mode_caches:  # (a forward at a new point: nothing may read the last point's biases)
-            clear_eval_mode_caches(self._eval_mode_caches)
         if batch_size_of(inputs) == 0:
+            self._enter_eval_forward()
             return torch.zeros(0, dtype=self.loss_dtype, device=targets.device)
-        if self._labels_on_device:
-            self._start_private_losses(targets)
+        self._enter_private_forward(targets)
         versions = self._parameter_writes.versions() if self._parameter_writes is not None else None
         registrations = self._registrations
-        if registrations is not None and registrations.registered:  # (made outside a private forward)
-            registrations.forget()
         losses = self._losses(inputs, targets)
         if self._buffers_before:  # a layer that writes a buffer even in eval mode (microseconds; none: nothing)
             refuse_buffer_writes(self.backbone, self._buffers_before, added=False)
@@ -390,6 +384,26 @@ class AlgorithmModule(pl.LightningModule):
         if registrations is not None and registrations.registered:  # (the checks' forwards included)
             registrations.refuse()
         return losses
+
+    def _enter_eval_forward(self) -> None:
+        """Eval mode, and no eval-mode value cached at another point (a forward at a new point may not read the last
+        point's biases)."""
+        if self.backbone.training:
+            self.backbone.eval()
+        if self._eval_mode_caches:
+            clear_eval_mode_caches(self._eval_mode_caches)
+
+    def _enter_private_forward(self, targets) -> None:
+        """What every eval-mode forward of a private batch needs first, whatever runs it (:meth:`private_losses`,
+        O2NC's vmapped per-example gradients): :meth:`_enter_eval_forward`, the device-side check of class targets
+        the host did not vet (review 21), and a registration watch emptied of what was made outside a private forward
+        (the caller refuses what its forward registers)."""
+        self._enter_eval_forward()
+        if self._labels_on_device:
+            self._start_private_losses(targets)
+        registrations = self._registrations
+        if registrations is not None and registrations.registered:
+            registrations.forget()
 
     def _losses(self, inputs, targets) -> Tensor:
         if self.fixed_shape is None:
@@ -853,10 +867,15 @@ def _check_lengths(lengths: Optional[list[int]], rows: Optional[int]) -> Optiona
     return None
 
 
+def _private_samplers(trainer: "pl.Trainer") -> list[PrivateBatchSampler]:
+    """The training loaders' REAL private batch samplers (never a duck-typed attribute)."""
+    samplers = [getattr(loader, "batch_sampler", None) for loader in _train_loaders(trainer)]
+    return [s for s in samplers if isinstance(s, PrivateBatchSampler)]
+
+
 def read_sampling(trainer: "pl.Trainer") -> SamplingDescription:
     """The sampling description of the private loader's REAL batch sampler (never a duck-typed attribute)."""
-    samplers = [getattr(loader, "batch_sampler", None) for loader in _train_loaders(trainer)]
-    private = [s for s in samplers if isinstance(s, PrivateBatchSampler)]
+    private = _private_samplers(trainer)
     if len(private) != 1:
         raise PrivacyConfigError(
             "A private module needs one private loader whose batch_sampler is a lit_zodp.privacy "
@@ -871,16 +890,15 @@ def read_sampling(trainer: "pl.Trainer") -> SamplingDescription:
 def loader_sampling(trainer: "pl.Trainer") -> Optional[SamplingDescription]:
     """The description of the training loader's private batch sampler, if it has exactly one (a non-private module's
     loader may have none)."""
-    samplers = [getattr(loader, "batch_sampler", None) for loader in _train_loaders(trainer)]
-    private = [s for s in samplers if isinstance(s, PrivateBatchSampler)]
+    private = _private_samplers(trainer)
     return private[0].description if len(private) == 1 else None
 
 
-def _refuse_anchored_pass(module: "AlgorithmModule", sampling: Optional[SamplingDescription]) -> None:
+def _refuse_anchored_pass(module: "AlgorithmModule") -> None:
     """An anchored single pass (``anchor_batch_size``) gives its anchor steps more examples: only a module that
     divides each step by its own expected size (DPO2NC's Alg. 3) reads it right; any other would divide an anchor's
-    sum by a regular step's size."""
-    if getattr(sampling, "anchored", False) and not module.takes_anchored_pass:
+    sum by a regular step's size. (A private module's loader holds exactly one private sampler: ``read_sampling``.)"""
+    if getattr(loader_sampling(module.trainer), "anchored", False) and not module.takes_anchored_pass:
         raise PrivacyConfigError(
             f"{type(module).__name__} does not train on an anchored single pass (the data's `anchor_batch_size` and "
             "`anchor_period`: Alg. 3's batch sizes B1 and B2 for DPO2NC and O2NC with oracle='single_pass'): drop "

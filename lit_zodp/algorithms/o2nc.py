@@ -85,7 +85,6 @@ from lit_zodp.per_example.reference import LossOfOne
 from lit_zodp.privacy.fixed_shape import take_rows
 from lit_zodp.privacy.sampling import SinglePassSampling
 from lit_zodp.zo import derive_seed
-from lit_zodp.zo.eval_mode import clear_eval_mode_caches
 
 ESTIMATE = "gradient estimate"
 ORACLES = ("single_pass", "multi_pass")
@@ -387,11 +386,11 @@ class DPO2NC(ZerothOrderModule):
 
     def _anchor_step(self, position: int) -> bool:
         """Whether an anchored pass gives step ``position`` its ``B1`` examples."""
-        return self._pass is not None and self._pass.anchored and position % self._pass.anchor_period == 0
+        return self._pass is not None and self._pass.is_anchor(position)
 
     def _pass_weight(self, position: int) -> float:
         """Step ``position``'s expected size over a regular step's in an anchored pass, else 1."""
-        return self._pass.weight(position) if getattr(self, "_pass", None) is not None else 1.0
+        return self._pass.weight(position) if self._pass is not None else 1.0
 
     def _pass_position(self) -> int:
         """This step's position in the single pass (the steps of earlier fits included)."""
@@ -541,10 +540,7 @@ class DPO2NC(ZerothOrderModule):
         is refused at the fit's first step, whether or not it sampled an example."""
         size = batch_size_of(inputs)
         dim = self._state["delta"].numel()
-        if self.backbone.training:
-            self.backbone.eval()
-        if self._eval_mode_caches:  # (eval-mode values cached from other parameters: never read at a new point)
-            clear_eval_mode_caches(self._eval_mode_caches)
+        self._enter_private_forward(targets)  # (eval mode, no cached value, the device target check, the watch)
         layout = self._parameter_layout()
         wrapper = LossOfOne(self.backbone, self.example_losses)
 
@@ -556,12 +552,8 @@ class DPO2NC(ZerothOrderModule):
             one = tree_map(lambda t: t.unsqueeze(0), (example_inputs, example_targets))
             return functional_call(wrapper, params, one).reshape(()).to(torch.float64)
 
-        if self._labels_on_device:  # (as each private forward: targets the host did not vet are checked on the device)
-            self._start_private_losses(targets)
         in_dims = (0 if points.dim() == 2 else None, 0, 0)
         registrations = self._registrations
-        if registrations is not None and registrations.registered:  # (made outside a private forward)
-            registrations.forget()
         try:
             with torch.enable_grad():
                 gradients = vmap(grad(loss), in_dims=in_dims)(points.to(torch.float64), inputs, targets)

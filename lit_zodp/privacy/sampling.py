@@ -108,9 +108,13 @@ class SinglePassSampling:
     def anchored(self) -> bool:
         return self.anchor_period > 1
 
+    def is_anchor(self, position: int) -> bool:
+        """Whether step ``position`` is an anchor (``0, anchor_period, ...`` of an anchored pass)."""
+        return self.anchored and position % self.anchor_period == 0
+
     def weight(self, position: int) -> float:
         """Step ``position``'s expected size over a regular step's: ``anchor_weight`` at an anchor, else 1."""
-        return self.anchor_weight if self.anchored and position % self.anchor_period == 0 else 1.0
+        return self.anchor_weight if self.is_anchor(position) else 1.0
 
     @property
     def sample_rate(self) -> float:
