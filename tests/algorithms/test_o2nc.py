@@ -234,17 +234,22 @@ def test_the_ball_points_are_uniform_in_the_unit_ball():
     torch.testing.assert_close(points / radii.unsqueeze(1), sphere_directions(0, 0, range(4000), 3, "cpu"))
 
 
-def test_the_per_example_gradients_at_per_example_points_equal_a_loop_of_autograd():
-    """Phase retrieval (nonsmooth, ``f = ||<a, x>| - b|``): each example's gradient at its own point, and at one point
-    for the batch, equal ``torch.autograd.grad`` of that example's loss alone with the model at the point."""
+def fitted_on_phase_retrieval(dim, n_train, **options):
+    """A private Alg. 4 module fitted one step on a full batch of robust phase retrieval rows, and that batch."""
     from datamodules import PhaseRetrievalDataModule
     from lit_zodp.backbones import PhaseRetrievalLoss
 
-    data = PhaseRetrievalDataModule(dim=5, n_train=40, n_test=8, sampling="full_batch")
-    module = DPO2NC(PhaseRetrievalLoss(dim=5), estimator="first_order", clip=1.0, noise_multiplier=1.0,
-                    neighbours="add_remove", oracle="multi_pass", period=1, num_directions=2, seed=0)
+    data = PhaseRetrievalDataModule(dim=dim, n_train=n_train, n_test=8, sampling="full_batch")
+    module = DPO2NC(PhaseRetrievalLoss(dim=dim), **(dict(clip=1.0, noise_multiplier=1.0, neighbours="add_remove",
+                                                        oracle="multi_pass", period=1, seed=0) | options))
     quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, data)
-    inputs, targets = next(iter(data.train_dataloader()))
+    return module, next(iter(data.train_dataloader()))
+
+
+def test_the_per_example_gradients_at_per_example_points_equal_a_loop_of_autograd():
+    """Phase retrieval (nonsmooth, ``f = ||<a, x>| - b|``): each example's gradient at its own point, and at one point
+    for the batch, equal ``torch.autograd.grad`` of that example's loss alone with the model at the point."""
+    module, (inputs, targets) = fitted_on_phase_retrieval(5, 40, estimator="first_order", num_directions=2)
     g = torch.Generator().manual_seed(3)
     points = torch.randn(len(inputs), 5, generator=g, dtype=torch.float64)
     params = module.o2nc_params
@@ -263,17 +268,10 @@ def test_the_worst_case_bounds_of_the_zhang_baseline_config_hold_on_phase_retrie
     """``configs/o2nc/quickstart_zhang_baseline.yaml`` claims its clips never bind: on a 1-Lipschitz loss each eq. 4
     estimate has norm at most ``L d`` and a difference along shared directions, between points at most ``2D`` apart,
     at most ``2 L d D / alpha``. Checked on its rows at random points, with the module's own estimator."""
-    from datamodules import PhaseRetrievalDataModule
-    from lit_zodp.backbones import PhaseRetrievalLoss
-
     config = yaml.safe_load((Path(__file__).parents[2] / "configs/o2nc/quickstart_zhang_baseline.yaml").read_text())
     options = config["model"]["init_args"]
     d, lam, radius = 16, options["lam"], options["radius"]
-    data = PhaseRetrievalDataModule(dim=d, n_train=200, n_test=8, sampling="full_batch")
-    module = DPO2NC(PhaseRetrievalLoss(dim=d), oracle="multi_pass", period=1, num_directions=d, lam=lam,
-                    radius=radius, clip=1.0, noise_multiplier=1.0, neighbours="add_remove", seed=0)
-    quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, data)
-    inputs, targets = next(iter(data.train_dataloader()))
+    module, (inputs, targets) = fitted_on_phase_retrieval(d, 200, num_directions=d, lam=lam, radius=radius)
     g = torch.Generator().manual_seed(0)
     largest = [0.0, 0.0]
     for trial in range(5):
