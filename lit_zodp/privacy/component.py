@@ -430,9 +430,15 @@ class PrivacyComponent:
 
             # one pass composes in parallel: the ledger counts one unsubsampled Gaussian (audit 3 F3)
             parallel = getattr(self.sampling.mechanism(1.0), "composes_in_parallel", False)
-            multiplier = get_noise_multiplier(target_epsilon=self.target_epsilon, target_delta=self.delta,
-                                              sample_rate=1.0 if parallel else self.sampling.sample_rate,
-                                              steps=1 if parallel else self.planned_steps, accountant="rdp")
+            try:
+                multiplier = get_noise_multiplier(target_epsilon=self.target_epsilon, target_delta=self.delta,
+                                                  sample_rate=1.0 if parallel else self.sampling.sample_rate,
+                                                  steps=1 if parallel else self.planned_steps, accountant="rdp")
+            except ValueError as err:  # Opacus: "The privacy budget is too low." (its orders stop at 63)
+                raise PrivacyConfigError(
+                    f"`target_epsilon`={self.target_epsilon:g} at delta={self.delta:g} over {self.planned_steps} steps "
+                    f"cannot be certified by accountant='rdp' (Opacus's RDP orders) whatever the noise ({err}): use "
+                    "accountant='prv' (the default, tighter), or a larger target_epsilon or delta") from None
             return multiplier / composed_multiplier(self.step_plan, 1.0)
         return bisect_sigma(lambda sigma: self._steps_cost(self.planned_steps, sigma),
                             target_epsilon=self.target_epsilon, delta=self.delta,

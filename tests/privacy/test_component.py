@@ -259,6 +259,16 @@ def test_the_rdp_accountant_reproduces_opacus_calibration_and_epsilon():
     assert component.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
 
 
+def test_a_budget_rdp_cannot_certify_is_refused_in_one_line_naming_the_accountant():
+    """Opacus's RDP orders stop at 63, so below about log(1/delta)/62 no noise certifies the budget: one line saying
+    which accountant can (before, Opacus's bare ValueError "The privacy budget is too low.")."""
+    pytest.importorskip("opacus")
+    with pytest.raises(PrivacyConfigError, match="accountant='prv'") as caught:
+        planned(steps=1000, target_epsilon=0.1, delta=4e-7, accountant="rdp")
+    assert "\n" not in str(caught.value)
+    assert planned(steps=1000, target_epsilon=0.1, delta=4e-7).noise_multiplier > 0  # PRV accounts it
+
+
 def test_a_checkpoint_resumes_only_under_its_own_accounting_convention():
     state = planned(noise_multiplier=1.0, accountant="rdp").state_dict()
     with pytest.raises(PrivacyConfigError, match="accountant='rdp'"):
