@@ -107,6 +107,23 @@ def test_two_ranks_equal_one_process(tmp_path, algorithm, spend_log_per_test):
     assert sum(SpendLog(spend_log_per_test).released(lineage).values()) == 16
 
 
+WARM_START = {"class_path": "lit_zodp.callbacks.PublicWarmStart", "init_args": {"epochs": 3, "lr": 0.1}}
+
+
+@pytest.mark.slow  # three CLI fits, one of them DDP (~1 min on 2 cores); run with -m slow
+def test_two_ranks_warm_start_on_the_public_split_as_one_process(tmp_path, spend_log_per_test):
+    """PublicWarmStart (PAZO App. C.1): every rank trains on the same public batches, then rank 0's weights are
+    broadcast; the private fit that follows equals one process's, and differs from a fit without the warm start."""
+    public = {"public_fraction": 0.1}
+    single = run(tmp_path, "single", "DPZero", devices=1, data_args=public, callbacks=[WARM_START])
+    ddp = run(tmp_path, "ddp", "DPZero", devices=2, data_args=public, callbacks=[WARM_START])
+    cold = run(tmp_path, "cold", "DPZero", devices=1, data_args=public)
+    assert single["callbacks"]["PublicWarmStart"] == ddp["callbacks"]["PublicWarmStart"] == {"done": True}
+    for key, value in single["state_dict"].items():
+        torch.testing.assert_close(ddp["state_dict"][key], value, rtol=0, atol=2e-5)
+    assert any((cold["state_dict"][k] - v).abs().max() > 1e-3 for k, v in single["state_dict"].items())
+
+
 RANK_STATE_MODULE = '''
 import torch
 from lightning.pytorch.callbacks import Callback
