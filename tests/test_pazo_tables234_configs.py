@@ -106,6 +106,8 @@ def test_config_has_the_papers_values(path):
     # the public warm start (App. C.1) for the two image tasks; no validation, the last iterate is tested
     warm = [c for c in trainer.get("callbacks", []) if c["class_path"] == "lit_zodp.callbacks.PublicWarmStart"]
     assert len(warm) == (task != "imdb")
+    if warm:  # the same warm start for every method: batches of b, not the method's public batch size
+        assert warm[0]["init_args"] == {"epochs": 10, "lr": 0.05, "momentum": 0.9, "batch_size": B}
     assert trainer["limit_val_batches"] == 0
 
 

@@ -291,9 +291,10 @@ for _grids in TASK_GRIDS.values():
     _grids["pazop-prime"] = _grids["pazop"]
 
 #: the public warm start (App. C.1, CIFAR-10; the authors' code starts CIFAR-10's and Tiny-ImageNet's methods from one
-#: public-warm-started model): where the paper is silent, PublicWarmStart's defaults
+#: public-warm-started model): where the paper is silent, PublicWarmStart's defaults, and batches of b = 64 whatever
+#: the method's public batch size, so every method starts from the same weights
 WARM_START = {"class_path": "lit_zodp.callbacks.PublicWarmStart",
-              "init_args": {"epochs": 10, "lr": 0.05, "momentum": 0.9}}
+              "init_args": {"epochs": 10, "lr": 0.05, "momentum": 0.9, "batch_size": BATCH_SIZE}}
 WARM_STARTED = ("cifar10", "tiny-imagenet")
 
 
@@ -448,8 +449,8 @@ def task_config(task: str, method: str, level: str) -> tuple[str, dict]:
     body = {"seed_everything": SEED, "trainer": task_trainer(task, method), "model": task_model(task, method, epsilon),
             "data": task_data(task, method)}
     warm = ("Every method starts from a public warm start (App. C.1; the authors' code shares one warm-started model "
-            "between methods): PublicWarmStart, 10 epochs of SGD (lr 0.05, momentum 0.9) on the public split, the "
-            "paper silent on these values." if task in WARM_STARTED else "")
+            "between methods): PublicWarmStart, 10 epochs of SGD (lr 0.05, momentum 0.9, batches of 64) on the public "
+            "split, the paper silent on these values." if task in WARM_STARTED else "")
     header = "\n".join(textwrap.fill(part, width=110, break_on_hyphens=False) for part in [
         f"PAZO paper, Table {TABLE_OF[task]}, row '{TASK_ROWS[method]}', column epsilon = {epsilon:g}: "
         + TASK_HEADERS[task],
