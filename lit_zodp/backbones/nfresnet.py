@@ -5,21 +5,24 @@ PAZO (Gong & Li, App. C.1) trains "a randomly initialized NFResNet18" on CIFAR-1
 the batchnorm layer"; its authors' code ("a custom NFResNet18") is not public, so this module follows Brock et al.'s
 recipe on ResNet-18's layout and writes each choice where the paper or PAZO is silent:
 
-* residual blocks ``h_{l+1} = h_l + alpha f_l(h_l / beta_l)`` (Brock et al. Sec. 4, eq. 2), ``beta_l = sqrt(Var(h_l))``
-  predicted analytically: ``Var(h_{l+1}) = Var(h_l) + alpha^2``, reset to ``1 + alpha^2`` after each transition block,
-  whose shortcut reads the downscaled ``relu(h / beta)`` (Sec. 4, "Our recipe"); ``alpha = 0.2`` (Sec. 4);
-* Scaled Weight Standardization (Sec. 5, eq. 3) on every convolution, ``W_hat = g gamma (W - mu) / (sigma sqrt(N))``,
-  ``gamma = sqrt(2 / (1 - 1/pi))`` for convolutions reading a ReLU (Sec. 5 and App. D), a learnable per-channel gain
-  ``g`` (Brock et al. Sec. 5: "we also introduce a learnable affine gain"); conv biases are kept (no BatchNorm
-  shift replaces them);
+* residual blocks ``h_{l+1} = h_l + alpha f_l(h_l / beta_l)`` (Brock et al., Sec. "Normalizer-free ResNets"),
+  ``beta_l = sqrt(Var(h_l))`` predicted analytically: ``Var(h_{l+1}) = Var(h_l) + alpha^2``, reset to
+  ``1 + alpha^2`` after each transition block, whose shortcut reads the downscaled ``relu(h / beta)`` (same
+  section); ``alpha = 0.2`` (their choice);
+* Scaled Weight Standardization (Sec. "Scaled Weight Standardization") on every convolution,
+  ``W_hat = g gamma (W - mu) / (sigma sqrt(N))``, ``gamma = sqrt(2 / (1 - 1/pi))`` for convolutions reading a ReLU
+  (the nonlinearity-specific gain that keeps ``Var(W_hat relu(z)) = 1``), a learnable per-channel gain ``g`` (as
+  timm's ``ScaledStdConv2d``); conv biases are kept (no BatchNorm shift replaces them);
 * pre-activation basic blocks (ResNet-18: two 3x3 convolutions, stages ``(2, 2, 2, 2)``, widths 64-128-256-512):
   branch ``relu(h / beta) -> conv3x3(stride) -> relu -> conv3x3``; the transition shortcut is ResNet-18's strided
   1x1 convolution (choice: timm's NF-ResNets average-pool first, ResNet-18 does not);
 * the stem (choice): ``"imagenet"``, ResNet-18's 7x7/2 convolution and 3x3/2 max-pool (the default: PAZO's code
-  resizes CIFAR to 224x224, App. C.1), or ``"cifar"``, a 3x3/1 convolution without pool for 32x32 inputs. The stem
-  reads pixels, not a ReLU, so its gain ``gamma`` is 1 (choice; timm puts the ReLU gain on the stem too);
+  resizes CIFAR to 224x224; the paper's App. C.1 does not say), or ``"cifar"``, a 3x3/1 convolution without pool
+  for 32x32 inputs. The stem reads pixels, not a ReLU, so its gain ``gamma`` is 1 (choice; timm puts the ReLU gain
+  on the stem too);
 * the last convolution of each branch starts with gain 0 (``zero_init_last``, default True: SkipInit, De & Smith
-  2020, as timm's NF-ResNets do with ``gain_init=0`` on the last conv), so each block starts as the identity;
+  2020, as timm's NF-ResNets do with ``gain_init=0`` on the last conv), so each block starts as the identity (the
+  variance prediction above then describes the net once the gains have grown, or with ``zero_init_last: false``);
 * head: ReLU, global average pool, a Linear layer (weights ``N(0, 0.01^2)``, bias 0, as timm).
 
 The standardised convolution :class:`ScaledStdConv2d` has an exact per-example gradient rule for the per-example
@@ -41,7 +44,7 @@ from lit_zodp.backbones.base import Backbone, tensor_data_mismatch
 from lit_zodp.errors import check_choice, check_positive, check_positive_int, raise_if_any
 from lit_zodp.per_example.std_conv import register_standardized_conv
 
-#: ``gamma`` of a ReLU (Brock et al. App. D): ``Var(relu(z)) = (1 - 1/pi) / 2`` for ``z ~ N(0, 1)``.
+#: ``gamma`` of a ReLU (Brock et al.'s nonlinearity-specific gain): ``Var(relu(z)) = (1 - 1/pi) / 2``, ``z ~ N(0, 1)``.
 RELU_GAIN = math.sqrt(2.0 / (1.0 - 1.0 / math.pi))
 #: Added to each output channel's variance before the square root (timm's ``ScaledStdConv2d`` default).
 WS_EPS = 1e-6
@@ -51,7 +54,7 @@ STAGE_DEPTHS = (2, 2, 2, 2)
 
 
 class ScaledStdConv2d(nn.Conv2d):
-    """``nn.Conv2d`` with Scaled Weight Standardization (Brock et al. Sec. 5, eq. 3) and a per-channel gain:
+    """``nn.Conv2d`` with Scaled Weight Standardization (Brock et al.) and a per-channel gain:
 
         ``W_hat_o = gain_o * gamma / sqrt(N) * (W_o - mean(W_o)) / sqrt(var(W_o) + eps)``
 
@@ -102,8 +105,8 @@ register_standardized_conv(ScaledStdConv2d)
 
 
 class NFBasicBlock(nn.Module):
-    """``h + alpha * f(h / beta)`` with ``f = conv3x3 o relu o conv3x3 o relu`` (pre-activation; Brock et al.
-    Sec. 4, eq. 2, Fig. 4); a transition block's shortcut is a strided 1x1 convolution of ``relu(h / beta)``."""
+    """``h + alpha * f(h / beta)`` with ``f = conv3x3 o relu o conv3x3 o relu`` (pre-activation; Brock et al.'s
+    NF-ResNet block); a transition block's shortcut is a strided 1x1 convolution of ``relu(h / beta)``."""
 
     def __init__(self, in_channels: int, out_channels: int, stride: int, *, alpha: float, beta: float,
                  zero_init_last: bool) -> None:
@@ -121,8 +124,9 @@ class NFBasicBlock(nn.Module):
 
 
 def expected_variances(depths: tuple[int, ...], alpha: float) -> list[float]:
-    """``beta_l^2`` of every block's input, in order (Brock et al. Sec. 4): 1 after the stem, ``+ alpha^2`` per
-    block, reset to ``1 + alpha^2`` after each stage's first (transition) block; also the last block's output."""
+    """``beta_l^2`` of every block's input, in order (Brock et al.'s analytic prediction): 1 after the stem,
+    ``+ alpha^2`` per block, reset to ``1 + alpha^2`` after each stage's first (transition) block; then the variance
+    of the last block's output."""
     variances, variance = [], 1.0
     for depth in depths:
         for index in range(depth):

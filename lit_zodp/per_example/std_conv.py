@@ -1,4 +1,4 @@
-"""Per-example gradients of a convolution with Scaled Weight Standardization (Brock et al. 2021, Sec. 5, eq. 3).
+"""Per-example gradients of a convolution with Scaled Weight Standardization (Brock et al. 2021, NF-ResNets).
 
 The layer convolves with ``W_hat_o = c_o x_hat_o``, ``x_hat_o = (W_o - mean(W_o)) / s_o``, ``s_o = sqrt(var(W_o) +
 eps)``, ``c_o = gain_o gamma / sqrt(N)`` (row ``o`` of the weight flattened to ``[out, N]``). The conv rule
@@ -13,7 +13,8 @@ linear in ``H_i``, so the sum over examples is the pull-back of the conv rule's 
 weight alone would be wrong here (the weight the conv reads is ``W_hat``, not ``W``); this one is exact, costs the
 conv rule plus ``O(B out N)``, and never vmaps.
 
-Norms ("ghost"/"bookkeeping"): each chunk of examples' ``H_i`` is formed in float64 and pulled back, then guarded as
+Norms ("ghost"/"bookkeeping"): each chunk of examples' ``H_i`` is formed in float64, its pulled-back norms taken in
+closed form (:func:`_pulled_back_norms_sq`), then guarded as
 :func:`~.ghost.outer_norm_sq` against the rounding of the float32 sum the book-keeping path forms: the pull-back of
 channel ``o`` has operator norm at most ``c_o / s_o`` (the map ``I - 11^T/N - x_hat x_hat^T/N`` has eigenvalues in
 ``[0, 1]``) and the gain's at most ``gamma`` (``||x_hat_o|| <= sqrt(N)``), so the rows ``g_{i,l}`` are scaled by
@@ -50,14 +51,20 @@ def _standardization(layer: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tens
     return x_hat, layer.channel_scale(gain) / std, layer.gamma / layer.fan_in ** 0.5
 
 
-def pull_back(layer: nn.Module, hat: Tensor, x_hat: Tensor, ratio: Tensor, gain_scale: float) -> Dict[str, Tensor]:
-    """The raw parameters' gradients from gradients ``hat [..., out, N]`` of ``W_hat`` (module doc)."""
+def pull_back(layer: nn.Module, hat: Tensor, x_hat: Tensor, ratio: Tensor, gain_scale: float, *,
+              in_place: bool = False) -> Dict[str, Tensor]:
+    """The raw parameters' gradients from gradients ``hat [..., out, N]`` of ``W_hat`` (module doc). ``in_place``:
+    the weight's is formed in ``hat``'s memory (three passes over ``B x`` the weight instead of seven: the
+    per-example rows are memory-bound on CPU)."""
     out = {}
-    if _trainable(layer, "weight"):
-        centred = hat - hat.mean(-1, keepdim=True) - x_hat * (hat * x_hat).mean(-1, keepdim=True)
-        out["weight"] = (ratio * centred).reshape(*hat.shape[:-2], *layer.weight.shape)
+    projected = torch.einsum("...on,on->...o", hat, x_hat)  # <H_o, x_hat_o>
     if _trainable(layer, "gain"):
-        out["gain"] = (hat * x_hat).sum(-1) * gain_scale
+        out["gain"] = projected * gain_scale
+    if _trainable(layer, "weight"):
+        mean = hat.mean(-1, keepdim=True)
+        weight = hat.mul_(ratio) if in_place else hat * ratio
+        weight.sub_(mean * ratio).addcmul_(x_hat, projected.unsqueeze(-1) * ratio, value=-1.0 / x_hat.shape[-1])
+        out["weight"] = weight.reshape(*hat.shape[:-2], *layer.weight.shape)
     return out
 
 
@@ -70,8 +77,9 @@ def standardized_conv_grads(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str,
     out = {}
     if _needs_weight_gradient(layer):
         patches, grads = _rows(layer, a, g)
-        hat = torch.bmm(grads, patches.transpose(1, 2))
-        out.update(pull_back(layer, hat, *_standardization(layer, hat.dtype)))
+        # (under autocast the rows are in half precision; the forward standardises in the weight's dtype)
+        hat = torch.bmm(grads, patches.transpose(1, 2)).to(torch.promote_types(grads.dtype, layer.weight.dtype))
+        out.update(pull_back(layer, hat, *_standardization(layer, hat.dtype), in_place=True))
     if _trainable(layer, "bias"):
         out["bias"] = g.flatten(2).sum(2)
     return out
@@ -84,7 +92,7 @@ def standardized_conv_summed(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str
     if _needs_weight_gradient(layer):
         patches, grads = _rows(layer, a, g)
         hat = torch.einsum("bol,bkl->ok", grads, patches)
-        pulled = pull_back(layer, hat.double(), *_standardization(layer, torch.float64))
+        pulled = pull_back(layer, hat.double(), *_standardization(layer, torch.float64), in_place=True)
         out.update({name: value.to(hat.dtype) for name, value in pulled.items()})
     if _trainable(layer, "bias"):
         out["bias"] = g.flatten(2).sum((0, 2))
@@ -98,21 +106,42 @@ def standardized_conv_norms(layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str,
         patches, grads = _rows(layer, a, g)
         rounding = sum_rounding(grads.dtype, grads.device.type)
         x_hat, ratio, gain_scale = _standardization(layer, torch.float64)
-        positions, length = patches.shape[-1], patches.shape[1] + patches.shape[-1]
+        # float64 terms: the L products of each H entry, then sums of N (squares, sums, projections) and the difference
+        positions, length = patches.shape[-1], 3 * patches.shape[1] + patches.shape[-1]
+        factors = {"weight": ratio, "gain": torch.full_like(ratio, layer.gamma)}
         parts: Dict[str, list] = {}
         per_example = grads.shape[1] * (patches.shape[1] + positions) + patches.shape[1] * positions
         for rows in _example_chunks(grads.shape[0], per_example):
             u64, g64 = patches[rows].double(), grads[rows].double()
-            pulled = pull_back(layer, torch.bmm(g64, u64.transpose(1, 2)), x_hat, ratio, gain_scale)
             patch_norms = u64.norm(dim=1)
-            factors = {"weight": ratio, "gain": torch.full_like(ratio, gain_scale * layer.fan_in ** 0.5)}
-            for name, value in pulled.items():
+            for name, norm_sq in _pulled_back_norms_sq(layer, torch.bmm(g64, u64.transpose(1, 2)), x_hat, ratio,
+                                                       gain_scale).items():
                 scale = ((g64 * factors[name].unsqueeze(0)).norm(dim=1) * patch_norms).sum(1)
-                norm_sq = value.flatten(1).pow(2).sum(1)
                 parts.setdefault(name, []).append(guarded_norm_sq(norm_sq, scale, length, positions, rounding))
         out.update({name: torch.cat(chunks) for name, chunks in parts.items()})
     if _trainable(layer, "bias"):
         out["bias"] = summed_norm_sq(g.flatten(2).transpose(1, 2))
+    return out
+
+
+def _pulled_back_norms_sq(layer: nn.Module, hat: Tensor, x_hat: Tensor, ratio: Tensor,
+                          gain_scale: float) -> Dict[str, Tensor]:
+    """``||dW_i||^2`` and ``||dgain_i||^2`` from float64 ``hat [c, out, N]`` (overwritten) without forming ``dW``:
+    ``sum_o (c_o / s_o)^2 (||H_o||^2 - (1^T H_o)^2 / N - <H_o, x_hat_o>^2 (2 - rho_o) / N)``, ``rho_o =
+    mean(x_hat_o^2)`` (``x_hat_o`` is orthogonal to 1 and ``||x_hat_o||^2 = N rho_o``). Its float64 rounding, at most
+    about ``3 N 2^-53 sum_o (c_o / s_o)^2 ||H_o||^2 <= 3 N 2^-53 S^2``, is within the guard's ``gamma S^2`` term
+    (``length = 3 N + L``)."""
+    count = x_hat.shape[-1]
+    squares = torch.linalg.vector_norm(hat, dim=-1).pow(2)
+    sums = hat.sum(-1)
+    projected = hat.mul_(x_hat).sum(-1)
+    out = {}
+    if _trainable(layer, "weight"):
+        rho = x_hat.pow(2).mean(-1)
+        per_channel = squares - sums.pow(2) / count - projected.pow(2) * (2 - rho) / count
+        out["weight"] = (per_channel.clamp_min(0) * ratio.squeeze(-1).pow(2)).sum(-1)
+    if _trainable(layer, "gain"):
+        out["gain"] = (projected * gain_scale).pow(2).sum(-1)
     return out
 
 

@@ -17,7 +17,7 @@ from lit_zodp.errors import ConfigError
 from lit_zodp.per_example import PerExampleGradientEngine, samplers
 from lit_zodp.per_example.checks import batchnorm_layers, refuse_batchnorm
 from lit_zodp.per_example.conv import _conv_grads
-from lit_zodp.per_example.std_conv import standardized_conv_grads
+from lit_zodp.per_example.std_conv import standardized_conv_grads, standardized_conv_norms, standardized_conv_summed
 from lit_zodp.privacy.clipping import SHARE_MARGIN
 
 NORMALISATION = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm,
@@ -59,10 +59,11 @@ def test_expected_variances_follow_the_recipe():
 
 
 def test_signal_propagation_matches_the_analytic_variance():
-    """Brock et al.'s SPP (Sec. 3-4): the average channel variance of the residual stream at each block's input (and
-    after the last) is ``beta^2``; the branches' variance-preserving SWS convolutions make it so at init. Tolerance
-    15%: a width-1/2 net on 32 random 32x32 inputs is within 5% in the first three stages and 11% in the last, whose
-    4x4 maps make the 3x3 convolutions read zero padding at 30% of their taps (16x16 inputs: 31%)."""
+    """Brock et al.'s signal propagation plots: the average channel variance of the residual stream at each block's
+    input (and after the last) is ``beta^2``; the branches' variance-preserving SWS convolutions make it so at init.
+    Tolerance 15%: a width-1/2 net on 32 random 32x32 inputs is within 5% in the first three stages and 11% in the
+    last, whose 4x4 maps make the 3x3 convolutions read zero padding at 31% of their taps (on 16x16 inputs, 2x2 maps:
+    31% below the prediction)."""
     torch.manual_seed(0)
     model = NFResNet18(width=0.5, stem="cifar", zero_init_last=False).eval()
     stream = []
@@ -75,7 +76,7 @@ def test_signal_propagation_matches_the_analytic_variance():
     predicted = torch.tensor(expected_variances((2, 2, 2, 2), 0.2))
     assert ((measured / predicted - 1).abs() < 0.15).all(), (measured, predicted)
     squared_means = torch.tensor([h.mean(dim=(0, 2, 3)).pow(2).mean().item() for h in stream])
-    assert (squared_means < 0.2 * predicted).all()  # SWS keeps the channel means from growing (Sec. 5)
+    assert (squared_means < 0.2 * predicted).all()  # SWS keeps the channel means from growing
 
 
 def test_zero_init_last_starts_every_block_as_the_identity():
@@ -151,6 +152,26 @@ def test_clipped_sums_and_norms_equal_the_loop_in_every_mode(mode):
     for name, got in zip(engine.names, clipped.grads):
         _assert_close(got, torch.einsum("b,b...->...", factors, expected[name]), rtol=1e-6)
     assert (engine.last_recomputed == {}) == (mode != "vmap")
+
+
+def test_the_norm_rule_bounds_the_float64_norms_and_the_sum_rule_sums_the_rows():
+    """On float32 rows of one layer: the guarded norms (closed form, module doc of ``std_conv``) lie at or above the
+    exact norms of the float64 pulled-back gradients, within the guards' margins (1e-3
+    here); the sum rule equals the rows' float64 sum."""
+    torch.manual_seed(0)
+    conv = ScaledStdConv2d(3, 5, 3, 2, 1)
+    with torch.no_grad():
+        conv.gain.uniform_(0.5, 2.0)
+    a, g = torch.randn(6, 3, 9, 9), torch.randn(6, 5, 5, 5)
+    exact = {name: rows.double()
+             for name, rows in standardized_conv_grads(conv.double(), a.double(), g.double()).items()}
+    conv.float()
+    bounds = standardized_conv_norms(conv, a, g)
+    for name in ("weight", "gain", "bias"):
+        norm_sq = exact[name].flatten(1).pow(2).sum(1)
+        assert (bounds[name] >= norm_sq).all() and (bounds[name] <= norm_sq * (1 + 1e-3)).all(), name
+    for name, total in standardized_conv_summed(conv, a, g).items():
+        _assert_close(total.double(), exact[name].sum(0), rtol=1e-6)
 
 
 def test_a_naive_conv_rule_is_caught_by_the_coverage_check(monkeypatch):
