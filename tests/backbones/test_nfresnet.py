@@ -102,15 +102,15 @@ def test_standardized_weights_have_zero_mean_and_the_scaled_variance():
     torch.testing.assert_close(conv(x), F.conv2d(x, w_hat.float().view_as(conv.weight), conv.bias))
 
 
-def _problem(batch=5):
-    """A float64 small net with non-zero gains and biases (so every parameter gets a gradient) and its loss."""
+def _problem(batch=5, stem="cifar", side=8):
+    """A float64 small net with non-zero gains and biases (so every parameter gets a gradient) and its batch."""
     torch.manual_seed(0)
-    model = small(zero_init_last=False).double()
+    model = small(zero_init_last=False, stem=stem).double()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("gain", "bias")):
                 param.add_(0.1 * torch.randn_like(param))
-    x, y = torch.randn(batch, 2, 8, 8, dtype=torch.float64), torch.randint(0, 3, (batch,))
+    x, y = torch.randn(batch, 2, side, side, dtype=torch.float64), torch.randint(0, 3, (batch,))
     return model, x, y
 
 
@@ -126,9 +126,9 @@ def _assert_close(got, want, rtol=1e-9):
     assert (got - want).norm() <= rtol * want.norm() + 1e-15, ((got - want).norm(), want.norm())
 
 
-@pytest.mark.parametrize("mode", ["hooks", "vmap"])
-def test_per_example_gradients_equal_a_loop_of_autograd(mode):
-    model, x, y = _problem()
+@pytest.mark.parametrize("mode, stem, side", [("hooks", "cifar", 8), ("vmap", "cifar", 8), ("hooks", "imagenet", 16)])
+def test_per_example_gradients_equal_a_loop_of_autograd(mode, stem, side):
+    model, x, y = _problem(stem=stem, side=side)
     expected = _loop(model, x, y)
     engine = PerExampleGradientEngine(model, mode=mode)
     got = dict(zip(engine.names, engine.per_example_gradients(lambda: F.cross_entropy(model(x), y, reduction="none"))))
@@ -228,3 +228,22 @@ def test_data_mismatch_names_the_option():
     assert model.data_mismatch(text=False, example_shape=(3, 32, 32)) is None
     assert "set `in_chans: 1`" in model.data_mismatch(text=False, example_shape=(1, 32, 32))
     assert "tokenized text" in model.data_mismatch(text=True, example_shape=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
+def test_clipped_sums_on_cuda_equal_the_cpu_loop(mode):
+    """The layer rule on CUDA (float32; cuDNN may run the model's convolutions in TF32, hence 1e-2) against the CPU
+    float64 loop, with no parameter recomputed by vmap."""
+    model, x, y = _problem()
+    expected = _loop(model, x, y)
+    norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    clip = float(norms.median())
+    factors = (clip * (1 - SHARE_MARGIN) / norms).clamp(max=1)
+    model, x, y = model.float().cuda(), x.float().cuda(), y.cuda()
+    engine = PerExampleGradientEngine(model, mode=mode)
+    clipped = engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), clip)
+    assert engine.last_recomputed == {}
+    torch.testing.assert_close(clipped.norms.double().cpu(), norms, rtol=1e-2, atol=0)
+    for name, got in zip(engine.names, clipped.grads):
+        _assert_close(got.double().cpu(), torch.einsum("b,b...->...", factors, expected[name]), rtol=1e-2)
