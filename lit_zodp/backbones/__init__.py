@@ -1,8 +1,8 @@
 """Backbones that map a batch's inputs to logits and per-example losses (see :mod:`.base`).
 
-The timm and Hugging Face adapters, and the synthetic problems (quadratic, phase retrieval: torchmetrics), are imported on first use
-(``lit_zodp.backbones.TimmClassifier`` works as usual, also as a LightningCLI ``class_path``), so importing
-this package stays fast.
+The timm and Hugging Face adapters, NFResNet18, and the synthetic problems (quadratic, phase retrieval:
+torchmetrics), are imported on first use (``lit_zodp.backbones.TimmClassifier`` works as usual, also as a
+LightningCLI ``class_path``), so importing this package stays fast.
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ if TYPE_CHECKING:  # pragma: no cover
         resolve_model_path,
         tiny_bert_config,
     )
+    from lit_zodp.backbones.nfresnet import NFResNet18
     from lit_zodp.backbones.phase_retrieval import PhaseRetrievalLoss
     from lit_zodp.backbones.quadratic import QuadraticLoss
     from lit_zodp.backbones.timm_models import TimmClassifier
     from lit_zodp.backbones.tiny_hf import save_tiny_pretrained
 
 _LAZY = {
+    "NFResNet18": "lit_zodp.backbones.nfresnet",
     "PhaseRetrievalLoss": "lit_zodp.backbones.phase_retrieval",
     "QuadraticLoss": "lit_zodp.backbones.quadratic",
     "TimmClassifier": "lit_zodp.backbones.timm_models",
@@ -76,6 +78,7 @@ __all__ = [
     "HFPromptClassifier",
     "HFSequenceClassifier",
     "Inputs",
+    "NFResNet18",
     "PhaseRetrievalLoss",
     "QuadraticLoss",
     "SENTIMENT_LABEL_DESCRIPTIONS",
