@@ -29,6 +29,7 @@ class _VisionDataModule(PublicPrivateDataModule):
     """Shared ``image_size`` handling and validation of the image data modules."""
 
     known_num_classes = 10
+    image_inputs = True
     #: One image's channels and side before ``image_size`` resizes it.
     channels, side = 1, 28
 
@@ -192,7 +193,8 @@ class CIFAR10DataModule(_VisionDataModule):
             targets = torch.as_tensor(source.targets)
             return ImageTensorDataset(images, targets, CIFAR10_MEAN, CIFAR10_STD, self.image_size)
 
-        return DataSplits(train=split(True), test=split(False), num_classes=10)
+        train = split(True)  # (its labels, for public_selection: per_class)
+        return DataSplits(train=train, test=split(False), num_classes=10, train_labels=train.targets)
 
 
 def _cifar10_class(verify_checksums: bool) -> type:
