@@ -115,7 +115,10 @@ def apply_augmentation(image: Tensor, draw: AugmentDraw) -> Tensor:
     """Flip, shift, then cut out a ``[C, H, W]`` image as ``draw`` says."""
     if draw.flip:
         image = image.flip(-1)
-    return cut_out(shift_image(image, *draw.shift), draw.box)
+    out = shift_image(image, *draw.shift)  # a new tensor: the box is zeroed in place (cut_out without its copy)
+    top, bottom, left, right = draw.box
+    out[..., top:bottom, left:right] = 0
+    return out
 
 
 class AugmentedDataset(Dataset):
