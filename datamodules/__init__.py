@@ -8,7 +8,13 @@ from datamodules.qa import QA_TASK_NAMES, QADataModule
 from datamodules.synthetic import PhaseRetrievalDataModule, QuadraticDataModule, SyntheticClassificationDataModule
 from datamodules.text import MovieReviewsDataModule
 from datamodules.text_tasks import TASK_NAMES, VARYING_TASK_NAMES, TaskSpec, get_task, load_task, template_table
-from datamodules.vision import CIFAR10DataModule, DigitsDataModule, MLXtendMNISTDataModule, MNISTDataModule
+from datamodules.vision import (
+    CIFAR10DataModule,
+    DigitsDataModule,
+    MLXtendMNISTDataModule,
+    MNISTDataModule,
+    TinyImageNetDataModule,
+)
 
 __all__ = [
     "CIFAR10DataModule",
@@ -33,6 +39,7 @@ __all__ = [
     "TaskSpec",
     "TensorPairDataset",
     "TextDataset",
+    "TinyImageNetDataModule",
     "check_disjoint",
     "empty_like_batch",
     "fixed_test_split",

@@ -15,7 +15,9 @@ checks the parts are disjoint, and serves:
   every rank draws the same global batch (rank 0's secret, broadcast) and keeps its shard, so the
   union over ranks is exactly the single-process batch.
 * ``public_dataloader()`` / ``public_batches()``: the public split (no privacy cost), the same stream
-  on every rank.
+  on every rank. Which pool rows are public is ``public_selection`` (random, the first ones, or a count per class:
+  :mod:`datamodules.selection`); ``public_augment`` flips, shifts and cuts out the public training images
+  (:mod:`datamodules.augment`).
 * ``val_dataloader()`` / ``test_dataloader()``: plain sequential loaders. Under DDP every rank
   evaluates the FULL set by default (identical metrics on each rank, no synchronization needed);
   ``shard_eval=True`` shards with ``DistributedSampler(shuffle=False)`` instead (a few examples are
@@ -44,9 +46,25 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import (
+    BatchSampler,
+    ConcatDataset,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    Subset,
+)
 
+from datamodules.augment import AUGMENT_RECIPES, AugmentedDataset, KeyedBatches
 from datamodules.collate import EmptySafeCollate
+from datamodules.selection import (
+    class_weight_errors,
+    label_list,
+    largest_remainder_counts,
+    per_class_public,
+)
 from lit_zodp.errors import ConfigError, LitZodpWarning, PrivacyConfigError, check_positive_int, raise_if_any
 from lit_zodp.privacy.noise import secret_seed, warn_test_seed
 from lit_zodp.privacy.sampling import (
@@ -97,6 +115,8 @@ class DataSplits:
         deduplicated: no id repeats in the pool and a ``val`` drawn from its file (repeats dropped before drawing).
             Without it, validation rows carved from the pool or drawn from its file may repeat a private row's id,
             which warns.
+        train_labels: one class index per pool example, read only by ``public_selection: per_class``; ``None``
+            reads the pool's ``.targets`` (image and tensor sets) or ``.labels`` (text sets).
 
     What the splits say is decided from these declarations, never from the private rows' ids or groups: a warning
     printed only when a private text repeated a validation text was an un-noised bit about the private rows
@@ -115,6 +135,7 @@ class DataSplits:
     val_groups: Optional[Sequence[Hashable]] = None
     val_from_train_file: bool = False
     deduplicated: bool = False
+    train_labels: Optional[Sequence[int]] = None
 
 
 def check_disjoint(private: Iterable[Hashable], public: Iterable[Hashable], *, what: str = "indices",
@@ -328,6 +349,24 @@ class PublicPrivateDataModule(LightningDataModule):
             ``data_seed``, identical on every DDP rank, position saved in checkpoints.
         max_public_samples: cap on the number of public examples (pool hold-out first, then the
             separate public source).
+        public_selection: which pool examples are public (:mod:`datamodules.selection`): ``"random"`` (default:
+            the first of the ``data_seed`` permutation), ``"first"`` (the pool's first ones in file order, whatever
+            their labels: the PAZO authors' CIFAR-10 code), ``"per_class"`` (a count per class from
+            ``public_class_weights``, each class's examples in ``data_seed`` permutation order). The count is
+            ``round(public_fraction * pool size)``, capped by ``max_public_samples``; ``val_fraction`` is then carved at
+            random from the rest. ``"per_class"`` reads the pool's labels (:attr:`DataSplits.train_labels`): the
+            split is a curation by label, as in the paper (App. C.1), and the privacy guarantee is for the private
+            set given that split.
+        public_class_weights: ``"per_class"`` only: relative public class sizes, one per class (default equal),
+            turned into counts by the largest-remainder method
+            (:func:`~datamodules.selection.largest_remainder_counts`).
+            PAZO Table 7's big imbalance is ``[1.0, 0.9, ..., 0.1]``.
+        public_augment: flip, shift and cut out the PUBLIC training batches (``public_in_step``,
+            :meth:`public_dataloader`, :meth:`public_batches`), never the private, validation or test ones; image
+            data modules only. Keyed by ``data_seed`` and the batch's position in the public stream
+            (:mod:`datamodules.augment`).
+        public_augment_recipe: ``"standard"`` (flip 1/2, shift up to 1/8 of the side, cutout of half the side
+            centred anywhere) or ``"pazo_code"`` (the authors' code: shift up to 0.1, an 8/224-side square inside).
         val_fraction: fraction of the pool held out for validation, in [0, 1); ``0`` uses the given
             validation set, else the test set.
         data_seed: seed of the public / validation / private split of the pool.
@@ -339,6 +378,8 @@ class PublicPrivateDataModule(LightningDataModule):
 
     #: number of classes when known without loading the data (e.g. for LightningCLI argument links)
     known_num_classes: Optional[int] = None
+    #: whether the inputs are ``[C, H, W]`` images (``public_augment`` is refused otherwise)
+    image_inputs: bool = False
 
     def __init__(
         self,
@@ -352,6 +393,10 @@ class PublicPrivateDataModule(LightningDataModule):
         public_batch_size: Optional[int] = None,
         public_in_step: bool = False,
         max_public_samples: Optional[int] = None,
+        public_selection: Literal["random", "first", "per_class"] = "random",
+        public_class_weights: Optional[list[float]] = None,
+        public_augment: bool = False,
+        public_augment_recipe: Literal["standard", "pazo_code"] = "standard",
         val_fraction: float = 0.0,
         data_seed: int = 0,
         num_workers: int = 0,
@@ -370,6 +415,10 @@ class PublicPrivateDataModule(LightningDataModule):
         self.public_batch_size = public_batch_size
         self.public_in_step = public_in_step
         self.max_public_samples = max_public_samples
+        self.public_selection = public_selection
+        self.public_class_weights = public_class_weights
+        self.public_augment = public_augment
+        self.public_augment_recipe = public_augment_recipe
         self.val_fraction = val_fraction
         self.data_seed = data_seed
         self.num_workers = num_workers
@@ -423,12 +472,25 @@ class PublicPrivateDataModule(LightningDataModule):
             self._fraction_sum_error(),
             _check_optional_positive_int("public_batch_size", self.public_batch_size),
             _check_optional_positive_int("max_public_samples", self.max_public_samples),
+            *class_weight_errors(self.public_selection, self.public_class_weights, self.known_num_classes),
+            *self._augment_errors(),
             check_int("data_seed", self.data_seed),
             check_int("num_workers", self.num_workers, minimum=0),
             self._single_pass_workers_error(),
             _check_optional_positive_int("max_private_samples", self.max_private_samples),
             _check_optional_positive_int("max_eval_samples", self.max_eval_samples),
         ]
+
+    def _augment_errors(self) -> list[Optional[str]]:
+        if not isinstance(self.public_augment, bool):
+            return [f"Expected `public_augment` to be a bool, but got {self.public_augment!r}"]
+        if self.public_augment_recipe not in AUGMENT_RECIPES:
+            return [f"Expected `public_augment_recipe` in {tuple(AUGMENT_RECIPES)}, but got "
+                    f"{self.public_augment_recipe!r}"]
+        if self.public_augment and not self.image_inputs:
+            return [f"`public_augment` flips, shifts and cuts out images, but {type(self).__name__}'s inputs are "
+                    "not images: set public_augment: false"]
+        return []
 
     def _single_pass_workers_error(self) -> Optional[str]:
         """Workers prefetch batches, which moves a single pass's position (checked against the ledger, and
@@ -510,7 +572,7 @@ class PublicPrivateDataModule(LightningDataModule):
         raise_if_any([check_positive_int("num_classes", splits.num_classes)])
         pool_size = len(splits.train)
         _check_id_lengths(splits)
-        self._carve(pool_size, splits.train_groups)
+        self._carve(pool_size, splits.train_groups, self._pool_labels(splits), splits.num_classes)
         self._drop_public_ids(splits)
         self._check_separation(splits)
         raise_if_any(self._size_errors(pool_size))
@@ -528,26 +590,57 @@ class PublicPrivateDataModule(LightningDataModule):
                                  splits.train_ids, splits.public_ids if splits.public is not None else None,
                                  seed=self.data_seed, given_val_ids=splits.val_ids)
 
-    def _carve(self, pool_size: int, groups: Optional[Sequence[Hashable]] = None) -> None:
-        """Split pool indices into public / validation / private parts with ``data_seed``; with
-        ``groups``, each cut falls at the group boundary at or below it (whole groups on each side)."""
+    def _carve(self, pool_size: int, groups: Optional[Sequence[Hashable]] = None,
+               labels: Optional[list[int]] = None, num_classes: Optional[int] = None) -> None:
+        """Split pool indices into public / validation / private parts: the public ones as ``public_selection``
+        says (``labels`` for ``"per_class"``), then validation and private from the rest in ``data_seed`` permutation
+        order; with ``groups``, each cut falls at the group boundary at or below it (whole groups on each side)."""
         order = torch.randperm(pool_size, generator=torch.Generator().manual_seed(self.data_seed)).tolist()
         if groups is not None:
             if len(groups) != pool_size:
                 raise ValueError(f"{len(groups)} train_groups for a pool of {pool_size} examples")
+            if self.public_selection != "random":
+                raise ConfigError(f"`public_selection`={self.public_selection!r} does not carve whole groups, and "
+                                  f"{type(self).__name__} groups its rows (e.g. passages): use 'random'")
             order = _groups_together(order, groups)
         n_public = round(self.public_fraction * pool_size)
         if self.max_public_samples is not None:
             n_public = min(n_public, self.max_public_samples)
-        n_val = round(self.val_fraction * pool_size)
-        public_end = _boundary_at_or_below(order, groups, n_public, 0)
-        val_end = _boundary_at_or_below(order, groups, public_end + n_val, public_end)
-        private = order[val_end:]
+        if self.public_selection == "random":
+            public_end = _boundary_at_or_below(order, groups, n_public, 0)
+            public, rest = order[:public_end], order[public_end:]
+        else:
+            public = self._selected_public(order, n_public, labels, num_classes)
+            chosen = set(public)
+            rest = [i for i in order if i not in chosen]
+        val_end = _boundary_at_or_below(rest, groups, round(self.val_fraction * pool_size), 0)
+        private = rest[val_end:]
         if self.max_private_samples is not None:
             private = private[: self.max_private_samples]
-        self.public_indices = sorted(order[:public_end])
-        self.val_indices = sorted(order[public_end:val_end])
+        self.public_indices = sorted(public)
+        self.val_indices = sorted(rest[:val_end])
         self.private_indices = sorted(private)
+
+    def _selected_public(self, order: list[int], n_public: int, labels: Optional[list[int]],
+                         num_classes: Optional[int]) -> list[int]:
+        """The public indices of ``"first"`` (``0 .. n_public - 1``) or ``"per_class"`` (the weights' counts)."""
+        if self.public_selection == "first":
+            return list(range(min(n_public, len(order))))
+        if labels is None or num_classes is None:
+            raise ConfigError("`public_selection`='per_class' needs the pool's labels and number of classes")
+        weights = self.public_class_weights or [1.0] * num_classes
+        return per_class_public(order, labels, largest_remainder_counts(n_public, weights))
+
+    def _pool_labels(self, splits: DataSplits) -> Optional[list[int]]:
+        """The pool's labels for ``public_selection: per_class`` (``None`` otherwise): :attr:`DataSplits.train_labels`,
+        else the pool's ``.targets`` or ``.labels``; one line where none can be read or the weights do not fit."""
+        if self.public_selection != "per_class":
+            return None
+        raise_if_any(class_weight_errors(self.public_selection, self.public_class_weights, splits.num_classes))
+        labels = splits.train_labels
+        for attribute in ("targets", "labels"):
+            labels = labels if labels is not None else getattr(splits.train, attribute, None)
+        return label_list(labels, len(splits.train), splits.num_classes, type(self).__name__)
 
     def _drop_public_ids(self, splits: DataSplits) -> None:
         """Drop the private rows whose id is a public example's, of a separate public source or of the public split
@@ -717,8 +810,18 @@ class PublicPrivateDataModule(LightningDataModule):
                                                   seed=self.data_seed + PUBLIC_SEED_OFFSET)
         if self._pending_public_position is not None:
             self._public_sampler.position, self._pending_public_position = self._pending_public_position, None
-        return DataLoader(self.public_dataset, batch_sampler=self._public_sampler,
-                          collate_fn=self._collate(self.public_dataset), num_workers=self.num_workers)
+        dataset, batches = self._public_source(self._public_sampler, self.public_augment, positioned=True)
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=self._collate(self.public_dataset),
+                          num_workers=self.num_workers)
+
+    def _public_source(self, batches: Any, augment: bool, positioned: bool = False) -> tuple[Dataset, Any]:
+        """The public dataset and batch sampler a public loader reads: as they are, or, with ``augment``, the
+        augmenting dataset and the batches as ``(position, slot, index)`` keys (:class:`~datamodules.augment.
+        KeyedBatches`: ``positioned`` reads the position from the sampler, else counts the loader's batches from 0)."""
+        if not augment:
+            return self.public_dataset, batches
+        recipe = AUGMENT_RECIPES[self.public_augment_recipe]
+        return AugmentedDataset(self.public_dataset, recipe, self.data_seed), KeyedBatches(batches, positioned)
 
     def private_batch_sampler(self, rank: int = 0, world_size: int = 1) -> PrivateBatchSampler:
         """A new private batch sampler for ``rank`` of ``world_size``, as ``sampling`` describes.
@@ -753,29 +856,33 @@ class PublicPrivateDataModule(LightningDataModule):
         self._batch_sampler = sampler
         return sampler
 
-    def public_dataloader(self, batch_size: Optional[int] = None, shuffle: bool = True) -> Optional[DataLoader]:
+    def public_dataloader(self, batch_size: Optional[int] = None, shuffle: bool = True,
+                          augment: Optional[bool] = None) -> Optional[DataLoader]:
         """Loader over the public split (``None`` if there is none); the same order on every rank.
 
         Args:
             batch_size: defaults to ``public_batch_size``, else ``batch_size``.
             shuffle: reshuffle each pass with a generator seeded from ``data_seed`` (public, not secret).
+            augment: augment the batches (``None``: ``public_augment``); batch ``k`` of this loader (counted across
+                passes) is augmented with the draws of position ``k``, so a new loader replays the same stream.
         """
         self._require_setup()
         if self.public_dataset is None:
             return None
         generator = torch.Generator().manual_seed(self.data_seed + PUBLIC_SEED_OFFSET) if shuffle else None
-        return DataLoader(
-            self.public_dataset,
-            batch_size=batch_size or self.public_batch_size or self.batch_size,
-            shuffle=shuffle,
-            generator=generator,
-            collate_fn=self._collate(self.public_dataset),
-            num_workers=self.num_workers,
-        )
+        size = batch_size or self.public_batch_size or self.batch_size
+        if not (self.public_augment if augment is None else augment):
+            return DataLoader(self.public_dataset, batch_size=size, shuffle=shuffle, generator=generator,
+                              collate_fn=self._collate(self.public_dataset), num_workers=self.num_workers)
+        order = RandomSampler(self.public_dataset, generator=generator) if shuffle else range(len(self.public_dataset))
+        dataset, batches = self._public_source(BatchSampler(order, size, drop_last=False), True)
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=self._collate(self.public_dataset),
+                          num_workers=self.num_workers, generator=generator)  # (the loader draws from it too)
 
-    def public_batches(self, batch_size: Optional[int] = None) -> Iterator[Any]:
-        """Endless iterator over shuffled public batches (reshuffled each pass)."""
-        loader = self.public_dataloader(batch_size, shuffle=True)
+    def public_batches(self, batch_size: Optional[int] = None, augment: Optional[bool] = None) -> Iterator[Any]:
+        """Endless iterator over shuffled public batches (reshuffled each pass; ``augment`` as in
+        :meth:`public_dataloader`)."""
+        loader = self.public_dataloader(batch_size, shuffle=True, augment=augment)
         if loader is None:
             raise RuntimeError(f"{type(self).__name__} has no public split (set public_fraction > 0)")
         while True:
@@ -845,7 +952,8 @@ class PublicPrivateDataModule(LightningDataModule):
 
     # ---------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Public sampling state only: the kind of sampling, a single pass's and the public stream's position.
+        """Public sampling state only: the kind of sampling, a single pass's and the public stream's position (which
+        also keys the public augmentation).
 
         The Poisson or shuffle stream is secret and never saved; a resumed run draws a fresh one.
         """
