@@ -376,10 +376,16 @@ class IMDBDataModule(PublicPrivateDataModule):
         return text_collate(self.pad_to_max_length)
 
     def model_mismatch(self, model: Any) -> Optional[str]:
-        """A backbone that declares which token ids it embeds (``token_ids_mismatch``: the
+        """A pretrained transformer backbone (its embedding table is another vocabulary's: these word ids would index
+        it as nonsense), or a backbone that declares which token ids it embeds (``token_ids_mismatch``: the
         :class:`~lit_zodp.backbones.lstm.LSTMClassifier`) and cannot embed this vocabulary's (``<pad>``, ``<unk>``
         and the words): one line at setup, before a forward indexes past its table."""
-        check = getattr(getattr(model, "backbone", None), "token_ids_mismatch", None)
+        backbone = getattr(model, "backbone", None)
+        if any(hasattr(getattr(backbone, name, None), "get_input_embeddings") for name in ("model", "encoder")):
+            return (f"Model/data mismatch: IMDBDataModule gives word ids of its own vocabulary, which the pretrained "
+                    f"{type(backbone).__name__} does not read: use LSTMClassifier, or MovieReviewsDataModule (IMDB "
+                    "with the model's tokenizer)")
+        check = getattr(backbone, "token_ids_mismatch", None)
         if not callable(check):
             return None
         error = check(len(self.tokenizer))

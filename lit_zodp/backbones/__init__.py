@@ -34,12 +34,14 @@ if TYPE_CHECKING:  # pragma: no cover
         resolve_model_path,
         tiny_bert_config,
     )
+    from lit_zodp.backbones.lstm import LSTMClassifier
     from lit_zodp.backbones.phase_retrieval import PhaseRetrievalLoss
     from lit_zodp.backbones.quadratic import QuadraticLoss
     from lit_zodp.backbones.timm_models import TimmClassifier
     from lit_zodp.backbones.tiny_hf import save_tiny_pretrained
 
 _LAZY = {
+    "LSTMClassifier": "lit_zodp.backbones.lstm",
     "PhaseRetrievalLoss": "lit_zodp.backbones.phase_retrieval",
     "QuadraticLoss": "lit_zodp.backbones.quadratic",
     "TimmClassifier": "lit_zodp.backbones.timm_models",
@@ -76,6 +78,7 @@ __all__ = [
     "HFPromptClassifier",
     "HFSequenceClassifier",
     "Inputs",
+    "LSTMClassifier",
     "PhaseRetrievalLoss",
     "QuadraticLoss",
     "SENTIMENT_LABEL_DESCRIPTIONS",
