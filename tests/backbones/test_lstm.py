@@ -185,3 +185,32 @@ def test_a_pretrained_transformer_backbone_is_refused_at_setup(imdb):
     with pytest.raises(ConfigError, match=r"IMDBDataModule gives word ids of its own vocabulary, which the pretrained "
                                           r"HFSequenceClassifier does not read: use LSTMClassifier"):
         quiet_trainer(max_steps=1).fit(module, datamodule=imdb())
+
+
+def test_a_table_4_shaped_config_runs_through_the_cli(tmp_path, monkeypatch):
+    """PAZO-M on IMDB with the Amazon public sample and the LSTM, as a LightningCLI config (shrunk to 2 steps)."""
+    import yaml
+
+    from lit_zodp.cli import build_cli
+
+    write_imdb(tmp_path)
+    write_amazon(tmp_path, rows=40)
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "logger": False, "enable_checkpointing": False,
+                    "enable_progress_bar": False, "enable_model_summary": False},
+        "model": {"class_path": "lit_zodp.algorithms.PAZOM", "init_args": {
+            "backbone": {"class_path": "lit_zodp.backbones.LSTMClassifier",
+                         "init_args": {"vocab_size": 10_002, "embedding_dim": 8, "hidden_size": 4}},
+            "lr": 0.01, "clip": 1.0, "alpha": 0.5, "noise_multiplier": 1.0}},
+        "data": {"class_path": "datamodules.IMDBDataModule", "init_args": {
+            "data_dir": str(tmp_path), "public_source": "amazon_polarity", "public_samples": 16,
+            "vocab_source": "public", "max_length": 290, "batch_size": 3, "public_in_step": True,
+            "public_batch_size": 4, "max_eval_samples": 2000}},
+    }
+    path = tmp_path / "imdb.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["fit", "--config", str(path), "--test_after_fit", "false"])
+    assert cli.trainer.global_step == 2 and cli.model.privacy.ledger.total_count == 2
+    assert cli.datamodule.n_private == 6 and len(cli.datamodule.public_dataset) == 16
