@@ -3,6 +3,7 @@
 from datamodules.base import DataSplits, PublicPrivateDataModule, check_disjoint, fixed_test_split
 from datamodules.collate import EmptySafeCollate, PadToLongest, empty_like_batch
 from datamodules.datasets import ImageTensorDataset, TensorPairDataset, TextDataset
+from datamodules.imdb import IMDBDataModule, WordVocabulary
 from datamodules.prompt_text import PromptRecords, PromptTextDataModule
 from datamodules.qa import QA_TASK_NAMES, QADataModule
 from datamodules.synthetic import PhaseRetrievalDataModule, QuadraticDataModule, SyntheticClassificationDataModule
@@ -21,6 +22,7 @@ __all__ = [
     "DataSplits",
     "DigitsDataModule",
     "EmptySafeCollate",
+    "IMDBDataModule",
     "ImageTensorDataset",
     "MLXtendMNISTDataModule",
     "MNISTDataModule",
@@ -36,6 +38,7 @@ __all__ = [
     "SyntheticClassificationDataModule",
     "TASK_NAMES",
     "VARYING_TASK_NAMES",
+    "WordVocabulary",
     "TaskSpec",
     "TensorPairDataset",
     "TextDataset",

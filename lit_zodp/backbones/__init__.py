@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
         resolve_model_path,
         tiny_bert_config,
     )
+    from lit_zodp.backbones.lstm import LSTMClassifier
     from lit_zodp.backbones.nfresnet import NFResNet18
     from lit_zodp.backbones.phase_retrieval import PhaseRetrievalLoss
     from lit_zodp.backbones.quadratic import QuadraticLoss
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from lit_zodp.backbones.tiny_hf import save_tiny_pretrained
 
 _LAZY = {
+    "LSTMClassifier": "lit_zodp.backbones.lstm",
     "NFResNet18": "lit_zodp.backbones.nfresnet",
     "PhaseRetrievalLoss": "lit_zodp.backbones.phase_retrieval",
     "QuadraticLoss": "lit_zodp.backbones.quadratic",
@@ -78,6 +80,7 @@ __all__ = [
     "HFPromptClassifier",
     "HFSequenceClassifier",
     "Inputs",
+    "LSTMClassifier",
     "NFResNet18",
     "PhaseRetrievalLoss",
     "QuadraticLoss",
