@@ -91,8 +91,8 @@ def test_config_has_the_papers_values(path):
     backbone = model["backbone"]
     if task == "cifar10":
         assert backbone == {"class_path": "lit_zodp.backbones.NFResNet18", "init_args": {"num_classes": 10}}
-        assert (data["public_fraction"], data["public_selection"], data["public_augment"], data["image_size"]) == (
-            0.04, "first", True, 224)
+        assert (data["public_fraction"], data["public_selection"], data["public_augment"],
+                data["public_augment_recipe"], data["image_size"]) == (0.04, "first", True, "pazo_code", 224)
     elif task == "tinyimagenet":
         assert backbone["init_args"]["model_name"] == "vit_tiny_patch16_224"
         assert backbone["init_args"]["num_classes"] == 200

@@ -67,7 +67,8 @@ methods DP-SGD, DPMD, DOPE-SGD, DPZero, PAZO-M, PAZO-P, PAZO-P', PAZO-S. Stated 
 public; Tiny-ImageNet 20 public images per class; IMDB 2,000 public Amazon Polarity reviews), models and the CIFAR-10
 public warm start; App. C.3's b = 64 and epochs; Table 10's lambda; Tables 12-13's grids (CIFAR-10, Tiny-ImageNet,
 IMDB columns). Taken from the authors' code as the reading notes report it: CIFAR-10's public images are training
-indices 0-1999, augmented, and every image is resized to 224; Tiny-ImageNet's model is timm's vit_tiny_patch16_224;
+indices 0-1999, augmented as its ``trainers/model_base.py`` does (``public_augment_recipe: pazo_code``), and every
+image is resized to 224; Tiny-ImageNet's model is timm's vit_tiny_patch16_224;
 the LSTM's sizes (embedding 128, 2 x 64, 10k words, 290 tokens); 2,000 IMDB test reviews. Chosen here: as Table 5's
 (grid middles, delta, RDP, add/remove, Poisson, plain SGD, seed 0); the first-order methods' per-example gradients
 ``grad_mode: hooks``; no validation split (none is held out in the paper; the last iterate is tested once); the warm
@@ -332,7 +333,7 @@ def task_data(task: str, method: str) -> dict:
     common = {"batch_size": BATCH_SIZE, "data_seed": SEED}
     if task == "cifar10":
         init = {"data_dir": "data", "image_size": 224, "public_fraction": 0.04, "public_selection": "first",
-                "public_augment": True}
+                "public_augment": True, "public_augment_recipe": "pazo_code"}
         class_path = "datamodules.CIFAR10DataModule"
     elif task == "tiny-imagenet":
         init = {"data_dir": "data", "image_size": 224, "public_fraction": 0.04, "public_selection": "per_class"}
@@ -408,7 +409,8 @@ TASK_HEADERS = {
     "cifar10": ("NFResNet18 (Brock et al. 2021's normaliser-free ResNet-18, no BatchNorm) from random init on CIFAR-10 "
                 "images resized to 224 (the authors' code). Private: 48,000 training images; public: the first 2,000 "
                 "training images (4%, the authors' code: indices 0-1999; App. C.1's 'slight class imbalance' is that "
-                "draw's class profile), augmented (flip, translation, cutout); test: the 10,000 test images."),
+                "draw's class profile), augmented as the authors' code does (flip, translation up to 0.1 of the side, "
+                "an 8-pixel cutout at 224; public_augment_recipe: pazo_code); test: the 10,000 test images."),
     "tiny-imagenet": ("ViT-tiny (timm vit_tiny_patch16_224, the authors' code; App. C.1: 'a small ViT (10M) with "
                       "random initialization'; Sec. 5 says Places365-pretrained ViT-S: set the backbone's "
                       "checkpoint_path to "
