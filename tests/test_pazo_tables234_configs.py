@@ -170,3 +170,80 @@ def test_config_injects_the_noise_of_its_budget(path):
         assert prv_epsilon(sigma, q, steps, model["delta"]) <= model["target_epsilon"]
         assert prv_epsilon(0.97 * sigma, q, steps, model["delta"]) > model["target_epsilon"]
     assert stds and all(std == pytest.approx(math.sqrt(m) * sigma * clip_over_b, rel=1e-9) for std in stds)
+
+
+# ---------------------------------------------------------------------------------------------- tiny CLI runs
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    """CIFAR-10, Tiny-ImageNet (3 classes), aclImdb and Amazon Polarity files in the real layouts, a few rows each."""
+    from tests.datamodules.imdb_files import write_amazon, write_imdb
+    from tests.datamodules.test_dm_tiny_imagenet import fake_tiny_imagenet
+    from tests.datamodules.test_dm_vision import fake_cifar10
+
+    root = tmp_path_factory.mktemp("pazo234")
+    fake_cifar10(root, n_per_batch=8, n_test=6)
+    fake_tiny_imagenet(root, per_class=8)
+    write_imdb(root)
+    write_amazon(root, rows=40)
+    return root
+
+
+def tiny_overrides(path: Path, config: dict, root: Path) -> list[str]:
+    """The config pointed at the fabricated files with a small model of the same class; two steps; a public share
+    of the tiny pools that holds k rows (PAZO-P/S cut a public batch into k parts)."""
+    task, _, _ = parse(path)
+    backbone, data = "--model.init_args.backbone.init_args", "--data.init_args"
+    args = [f"{data}.data_dir", str(root), f"{data}.batch_size", "2", "--trainer.accelerator", "cpu",
+            "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false"]
+    if task == "cifar10":
+        args += [f"{backbone}.width", "0.125", f"{backbone}.stem", "cifar", f"{data}.image_size", "32",
+                 f"{data}.verify_checksums", "false", f"{data}.public_fraction", "0.2"]
+    elif task == "tinyimagenet":
+        args += [f"{backbone}.num_classes", "3", f"{backbone}.img_size", "32", f"{backbone}.patch_size", "16",
+                 f"{data}.image_size", "32", f"{data}.public_fraction", "0.25", f"{data}.cache", "false"]
+    else:
+        args += [f"{data}.public_data_dir", str(root), f"{data}.public_samples", "20",
+                 f"{backbone}.embedding_dim", "8", f"{backbone}.hidden_size", "4"]
+    if config["data"]["init_args"].get("public_in_step"):
+        args += [f"{data}.public_batch_size", str(config["model"]["init_args"].get("k", 1))]
+    return args
+
+
+#: by default one config of each task and each family (PAZO-P's k parts, PAZO-S, the first-order methods with public
+#: data, DPZero), the others slow: they differ in target_epsilon and values only
+RUN_DEFAULT = {"table2_nfresnet18_cifar10_pazop_eps1", "table2_nfresnet18_cifar10_dpsgd_eps2",
+               "table3_vit-tiny_tinyimagenet_pazos_eps0.5", "table4_lstm_imdb_dope-sgd_eps1",
+               "table4_lstm_imdb_pazom_eps0.1", "table4_lstm_imdb_dpzero_eps3"}
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("path", [p if p.stem in RUN_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
+                                  for p in GENERATED], ids=lambda p: p.stem)
+def test_config_runs_on_fabricated_files(path, data_root, tmp_path, monkeypatch):
+    from lit_zodp.callbacks import PublicWarmStart
+    from lit_zodp.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    task, method, _ = parse(path)
+    config = yaml.safe_load(path.read_text())
+    cli = build_cli(["fit", "--config", str(path), *tiny_overrides(path, config, data_root)])
+    model, dm, trainer = cli.model, cli.datamodule, cli.trainer
+    assert trainer.global_step == model.privacy.steps == 2
+    assert model.privacy.target_epsilon == config["model"]["init_args"]["target_epsilon"]
+    assert model.privacy.ledger.accountant == config["model"]["init_args"]["accountant"]
+    assert 0 < model.privacy.ledger.epsilon(model.privacy.delta).upper <= model.privacy.target_epsilon
+    assert model.privacy.sampling.n == len(dm.private_indices)  # accounted on the private rows alone
+    assert "test_acc" in trainer.callback_metrics  # the last iterate tested once
+    warm = [c for c in trainer.callbacks if isinstance(c, PublicWarmStart)]
+    assert len(warm) == (task != "imdb") and all(c.done and len(c.epoch_losses) == 10 for c in warm)
+    if task == "cifar10":  # the pool's first images are public (the authors' indices 0-1999)
+        assert dm.public_indices == list(range(len(dm.public_indices))) and len(dm.public_indices) == 8
+        assert not set(dm.public_indices) & set(dm.private_indices)
+    elif task == "tinyimagenet":  # the same count of every class (App. C.1: 20 per class)
+        labels = [int(dm.pool_dataset[i][1]) for i in dm.public_indices]
+        assert sorted(labels) == [0, 0, 1, 1, 2, 2]
+    else:  # Amazon Polarity's sample is the public split; no IMDB review is public
+        assert dm.public_indices == [] and len(dm.public_dataset) > 0
+    assert getattr(model, "needs_public_batches", False) == bool(config["data"]["init_args"].get("public_in_step", False))
