@@ -5,7 +5,8 @@ the engine's vmap recomputation (mode "vmap"), and the forward alone.
 Timed: ``DPSGD.private_gradient(x, y)`` (forward, backward, per-example gradients or norms, flat clip, sum: the
 engine's share of a step; the noise and the SGD update add a few parameter-sized passes), after one untimed call
 (the engine's checks of a structure it has not seen run once per fit); median of ``--repeats``. Forward: eval mode,
-no grad; non-private: forward and backward of the mean loss (the floor). Defaults: batch 16, 32x32 RGB, the cifar stem, width 1, one torch thread.
+no grad; non-private: forward and backward of the mean loss (the floor). Defaults: batch 16, 32x32 RGB, the cifar
+stem, width 1, one torch thread.
 
 Usage::
 

@@ -105,8 +105,8 @@ class PublicWarmStart(Callback):
                               f"{type(pl_module).__name__}")
         loader = datamodule.public_dataloader(self.batch_size, shuffle=True)
         if loader is None:
-            raise ConfigError("PublicWarmStart: the data module has no public split: set `public_fraction` > 0 (or give "
-                              "it a public source)")
+            raise ConfigError("PublicWarmStart: the data module has no public split: set `public_fraction` > 0 (or "
+                              "give it a public source)")
         return loader
 
 
