@@ -14,7 +14,7 @@ whichever is cheaper, which is :func:`prefer_ghost`.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -38,7 +38,21 @@ def at_least_float32(x: Tensor) -> Tensor:
 CANCELLATION_LIMIT = 256.0
 
 
-def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, rounding: MatmulRounding) -> Tensor:
+def active_positions(a: Optional[Tensor], g: Tensor) -> Tensor:
+    """Per example, the positions whose term ``g_t a_t^T`` is not identically zero (``a = None``: ``a_t = 1``), as
+    float64 ``[B]``: the count of additions that can round in the sums the guards bound. An exact zero adds exactly,
+    so padding (zero output gradients at masked positions) adds nothing to an example's rounding. The guards take
+    this count, never the batch's padded length ``T``: with ``T``, a batch-mate's length moved every other example's
+    bound by ``(T + 2) u S_i`` and its clipped share with it; 256 identical IMDB rows padded to 400 instead of 20
+    moved the others' clipped sum by 2.4e-3 C in "ghost" and "bookkeeping" (review 61)."""
+    rows = (g != 0).any(-1)
+    if a is not None:
+        rows = rows & (a != 0).any(-1)
+    return rows.sum(1).to(torch.float64)
+
+
+def guarded_norm_sq(gram: Tensor, scale: Tensor, length: Union[int, Tensor], positions: Union[int, Tensor],
+                    rounding: MatmulRounding) -> Tensor:
     """An upper bound of ``||G_i||^2`` from its float64 ghost value, safe against cancellation.
 
     ``sum_{s,t} (a_s . a_t)(g_s . g_t)`` has terms up to ``S_i^2``, ``S_i = sum_t ||a_t|| ||g_t||``
@@ -61,7 +75,8 @@ def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, ro
     ``S_i / R`` (:data:`CANCELLATION_LIMIT`): ``f_i S_i <= R C``, and the same record moves the sum by 2.6e-4 C.
     It changes no ordinary example: ``S_i / ||G_i||`` is at most 14 on ViT-tiny (``T = 197``); a BERT
     attention's key bias, whose gradient is 0 by the softmax's shift invariance, reaches 1e8, but its
-    ``S_i / R`` is below float32's resolution of the example's total norm."""
+    ``S_i / R`` is below float32's resolution of the example's total norm. ``T`` (``positions``) is each example's
+    count of :func:`active_positions` (a tensor ``[B]``), not the batch's padded length (review 61)."""
     gamma = 2.0 * (length + positions * positions) * 2.0 ** -53
     rounded = rounding.product + (positions + 2) * rounding.accumulation
     bound = (gram.clamp_min(0) + gamma * scale.pow(2)).sqrt() + rounded * scale
@@ -84,9 +99,7 @@ def gram_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     of examples at a time (:data:`GHOST_CHUNK`)."""
     dtype = torch.promote_types(a.dtype, g.dtype)
     rounding = sum_rounding(dtype, a.device.type)
-    if a.shape[1] == 1:  # one position: ||g a^T||^2 = ||a||^2 ||g||^2 (Goodfellow 2015), no cancellation;
-        # (converted operands grow the share by 1 + product)
-        return row_norm_sq(a.squeeze(1)) * row_norm_sq(g.squeeze(1)) * (1 + rounding.product) ** 2
+    # (one formula whatever T: a shortcut for T = 1 gave a text batch padded to one position other bounds)
     return torch.cat([_guarded_gram(a[rows].double(), g[rows].double(), rounding)
                       for rows in _example_chunks(a.shape[0], a.shape[1] * (a.shape[2] + g.shape[2]))])
 
@@ -94,7 +107,7 @@ def gram_norm_sq(a: Tensor, g: Tensor) -> Tensor:
 def _guarded_gram(a: Tensor, g: Tensor, rounding: MatmulRounding) -> Tensor:
     gram = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
     scale = (a.norm(dim=-1) * g.norm(dim=-1)).sum(1)
-    return guarded_norm_sq(gram, scale, a.shape[-1] + g.shape[-1], a.shape[1], rounding)
+    return guarded_norm_sq(gram, scale, a.shape[-1] + g.shape[-1], active_positions(a, g), rounding)
 
 
 def outer_norm_sq(a: Tensor, g: Tensor) -> Tensor:
@@ -112,7 +125,8 @@ def outer_norm_sq(a: Tensor, g: Tensor) -> Tensor:
         a64, g64 = a[rows].double(), g[rows].double()
         norm_sq = torch.bmm(g64.transpose(1, 2), a64).pow(2).sum((1, 2))
         scale = (a64.norm(dim=-1) * g64.norm(dim=-1)).sum(1)
-        out.append(guarded_norm_sq(norm_sq, scale, positions, positions, rounding))
+        active = active_positions(a64, g64)
+        out.append(guarded_norm_sq(norm_sq, scale, active, active, rounding))
     return torch.cat(out) if out else a.new_zeros(0, dtype=torch.float64)
 
 
@@ -123,7 +137,7 @@ FLOAT64_UNIT = 2.0 ** -53
 SMALLEST_SQUARED = 2.0 ** -63
 
 
-def _gamma(n: int, unit: float = FLOAT32_UNIT) -> float:
+def _gamma(n, unit: float = FLOAT32_UNIT):
     """``gamma_n = n u / (1 - n u)``: the relative error bound of ``n`` roundings (Higham, Accuracy and Stability of
     Numerical Algorithms, Lemma 3.1), one more rounding for the float64 arithmetic of the bound itself."""
     return (n + 1) * unit / (1 - (n + 1) * unit)
@@ -167,9 +181,12 @@ def summed_norm_sq(g: Tensor) -> Tensor:
     rounding = sum_rounding(g.dtype, g.device.type)
     count, positions, width = g.shape
     norm = row_norm_sq(g.sum(1)).sqrt()
-    scale = row_norm_sq(g.reshape(count * positions, width)).sqrt().view(count, positions).sum(1)
-    scale = scale * (1 + _gamma(positions, FLOAT64_UNIT))  # (the float64 square roots and their sum)
-    rounded = _gamma(max(positions - 1, 0)) + rounding.product + (positions + 2) * rounding.accumulation
+    nonzero = (g != 0).any(-1)
+    row_bounds = row_norm_sq(g.reshape(count * positions, width)).view(count, positions)
+    scale = torch.where(nonzero, row_bounds, 0.0).sqrt().sum(1)  # (zero rows: no underflow term, review 61)
+    active = active_positions(None, g)  # (not the padded length T: :func:`active_positions`)
+    scale = scale * (1 + _gamma(active, FLOAT64_UNIT))  # (the float64 square roots and their sum)
+    rounded = _gamma((active - 1).clamp_min(0)) + rounding.product + (active + 2) * rounding.accumulation
     return torch.maximum(norm * (1 + _gamma(1, FLOAT64_UNIT)) + rounded * scale, scale / CANCELLATION_LIMIT).pow(2)
 
 
@@ -191,4 +208,4 @@ def _guarded_embedding(idx: Tensor, g: Tensor, padding_idx: Optional[int], round
         g = g * (idx != padding_idx).unsqueeze(-1).to(g.dtype)
     same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype)
     gram = (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-    return guarded_norm_sq(gram, g.norm(dim=-1).sum(1), g.shape[-1], g.shape[1], rounding)
+    return guarded_norm_sq(gram, g.norm(dim=-1).sum(1), g.shape[-1], active_positions(None, g), rounding)
