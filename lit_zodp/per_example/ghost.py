@@ -45,10 +45,23 @@ def active_positions(a: Optional[Tensor], g: Tensor) -> Tensor:
     this count, never the batch's padded length ``T``: with ``T``, a batch-mate's length moved every other example's
     bound by ``(T + 2) u S_i`` and its clipped share with it; 256 identical IMDB rows padded to 400 instead of 20
     moved the others' clipped sum by 2.4e-3 C in "ghost" and "bookkeeping" (review 61)."""
-    rows = (g != 0).any(-1)
+    rows = _nonzero_rows(g)
     if a is not None:
-        rows = rows & (a != 0).any(-1)
+        rows = rows & _nonzero_rows(a)
     return rows.sum(1).to(torch.float64)
+
+
+def _nonzero_rows(x: Tensor) -> Tensor:
+    """Whether each row (last dimension) has a non-zero (or NaN) entry: its sum of magnitudes, which cannot underflow
+    to 0 (no squares) and costs a tenth of ``(x != 0).any(-1)`` on CPU."""
+    return torch.linalg.vector_norm(x, ord=1, dim=-1) != 0
+
+
+def _nonzero_terms(a: Tensor, g: Tensor) -> Tensor:
+    """``[B, T]``: whether ``g_t a_t^T`` may be non-zero: both rows non-zero, or either not finite (``0 * inf`` is
+    NaN, which the example's norm must show so that its factor is 0)."""
+    size_a, size_g = (torch.linalg.vector_norm(x, ord=1, dim=-1) for x in (a, g))
+    return (size_a != 0) & (size_g != 0) | ~torch.isfinite(size_a) | ~torch.isfinite(size_g)
 
 
 def guarded_norm_sq(gram: Tensor, scale: Tensor, length: Union[int, Tensor], positions: Union[int, Tensor],
@@ -95,24 +108,49 @@ def _example_chunks(batch: int, per_example: int) -> list:
 
 def gram_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     """``||sum_t g_t a_t^T||_F^2`` per example from ``a [B, T, d_in]`` and ``g [B, T, d_out]``: an
-    upper bound exact to float64 rounding (:func:`guarded_norm_sq`) when ``T > 1``, formed a chunk
-    of examples at a time (:data:`GHOST_CHUNK`)."""
+    upper bound exact to float64 rounding (:func:`guarded_norm_sq`), formed a chunk of examples at a time
+    (:data:`GHOST_CHUNK`); an example with one non-zero term takes :func:`_one_term_norm_sq` whatever ``T``."""
     dtype = torch.promote_types(a.dtype, g.dtype)
     rounding = sum_rounding(dtype, a.device.type)
-    # (one formula whatever T: a shortcut for T = 1 gave a text batch padded to one position other bounds)
-    return torch.cat([_guarded_gram(a[rows].double(), g[rows].double(), rounding)
-                      for rows in _example_chunks(a.shape[0], a.shape[1] * (a.shape[2] + g.shape[2]))])
+    active = _nonzero_terms(a, g)
+    if a.shape[1] == 1:
+        return _one_term_norm_sq(a.squeeze(1), g.squeeze(1), active.squeeze(1), rounding)
+    counts = active.sum(1).to(torch.float64)
+    norms = torch.cat([_guarded_gram(a[rows].double(), g[rows].double(), counts[rows], rounding)
+                       for rows in _example_chunks(a.shape[0], a.shape[1] * (a.shape[2] + g.shape[2]))])
+    return _with_one_term_examples(norms, a, g, active, rounding)
 
 
-def _guarded_gram(a: Tensor, g: Tensor, rounding: MatmulRounding) -> Tensor:
+def _one_term_norm_sq(a: Tensor, g: Tensor, active: Tensor, rounding: MatmulRounding) -> Tensor:
+    """``||g a^T||^2 = ||a||^2 ||g||^2`` of rows ``[B, d]`` (Goodfellow 2015): no cancellation, and converted operands
+    grow the share by ``1 + product``; exactly 0 where ``active`` is false (a zero row)."""
+    value = row_norm_sq(a) * row_norm_sq(g) * (1 + rounding.product) ** 2
+    return torch.where(active, value, 0.0)
+
+
+def _with_one_term_examples(norms: Tensor, a: Tensor, g: Tensor, active: Tensor, rounding: MatmulRounding) -> Tensor:
+    """``norms`` with the examples whose only non-zero term is one position's replaced by :func:`_one_term_norm_sq`
+    of that position: a one-token row padded to ``T`` gets the bound it gets at ``T = 1`` (review 61)."""
+    single = active.sum(1) == 1
+    if not bool(single.any()):
+        return norms
+    index = single.nonzero().squeeze(1)
+    position = active[index].to(torch.uint8).argmax(1)
+    rows = _one_term_norm_sq(a[index, position], g[index, position], torch.ones_like(index, dtype=torch.bool),
+                             rounding)
+    return norms.index_put((index,), rows.to(norms.dtype))
+
+
+def _guarded_gram(a: Tensor, g: Tensor, active: Tensor, rounding: MatmulRounding) -> Tensor:
     gram = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
     scale = (a.norm(dim=-1) * g.norm(dim=-1)).sum(1)
-    return guarded_norm_sq(gram, scale, a.shape[-1] + g.shape[-1], active_positions(a, g), rounding)
+    return guarded_norm_sq(gram, scale, a.shape[-1] + g.shape[-1], active, rounding)
 
 
 def outer_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     """``||sum_t g_t a_t^T||_F^2`` per example from the materialised ``[B, d_out, d_in]`` in float64 (where cheaper
-    than the Gram matrices; ``a = 1`` gives a bias's ``||sum_t g_t||^2``), guarded as :func:`guarded_norm_sq`.
+    than the Gram matrices; ``a = 1`` gives a bias's ``||sum_t g_t||^2``), guarded as :func:`guarded_norm_sq`; an
+    example with one non-zero term takes :func:`_one_term_norm_sq`, as in :func:`gram_norm_sq`.
 
     The clipped sum is one reduction over every example's rows, so an example whose positions cancel (``x_1 = M u``,
     ``x_2 = -M u``) measures about 0 alone yet moves the others' partial sums by about ``u S_i``: unguarded, 3.1 C
@@ -120,14 +158,17 @@ def outer_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     dtype = torch.promote_types(a.dtype, g.dtype)
     rounding = sum_rounding(dtype, a.device.type)
     positions = a.shape[1]
+    active = _nonzero_terms(a, g)
+    counts = active.sum(1).to(torch.float64)
     out = []
     for rows in _example_chunks(a.shape[0], a.shape[2] * g.shape[2] + positions * (a.shape[2] + g.shape[2])):
         a64, g64 = a[rows].double(), g[rows].double()
         norm_sq = torch.bmm(g64.transpose(1, 2), a64).pow(2).sum((1, 2))
         scale = (a64.norm(dim=-1) * g64.norm(dim=-1)).sum(1)
-        active = active_positions(a64, g64)
-        out.append(guarded_norm_sq(norm_sq, scale, active, active, rounding))
-    return torch.cat(out) if out else a.new_zeros(0, dtype=torch.float64)
+        out.append(guarded_norm_sq(norm_sq, scale, counts[rows], counts[rows], rounding))
+    if not out:
+        return a.new_zeros(0, dtype=torch.float64)
+    return _with_one_term_examples(torch.cat(out), a, g, active, rounding)
 
 
 #: float32's and float64's unit roundoffs, for the error bounds of :func:`row_norm_sq` and :func:`summed_norm_sq`.
@@ -181,10 +222,10 @@ def summed_norm_sq(g: Tensor) -> Tensor:
     rounding = sum_rounding(g.dtype, g.device.type)
     count, positions, width = g.shape
     norm = row_norm_sq(g.sum(1)).sqrt()
-    nonzero = (g != 0).any(-1)
+    nonzero = _nonzero_rows(g)
     row_bounds = row_norm_sq(g.reshape(count * positions, width)).view(count, positions)
     scale = torch.where(nonzero, row_bounds, 0.0).sqrt().sum(1)  # (zero rows: no underflow term, review 61)
-    active = active_positions(None, g)  # (not the padded length T: :func:`active_positions`)
+    active = nonzero.sum(1).to(torch.float64)  # (not the padded length T: :func:`active_positions`)
     scale = scale * (1 + _gamma(active, FLOAT64_UNIT))  # (the float64 square roots and their sum)
     rounded = _gamma((active - 1).clamp_min(0)) + rounding.product + (active + 2) * rounding.accumulation
     return torch.maximum(norm * (1 + _gamma(1, FLOAT64_UNIT)) + rounded * scale, scale / CANCELLATION_LIMIT).pow(2)
