@@ -57,13 +57,13 @@ def bounds_at_widths(model, ids, labels, mode, widths):
 @pytest.mark.parametrize("mode", ["ghost", "bookkeeping", "hooks"])
 @pytest.mark.parametrize("model_of", [lambda: LSTMClassifier(30, 2, embedding_dim=8, hidden_size=4, num_layers=1),
                                       MaskedBag], ids=["lstm", "bag"])
-@pytest.mark.parametrize("length, widths", [(LENGTH, (LENGTH, LENGTH + 1, 64)), (1, (1, 2, 8))],
-                         ids=["rows", "one-token"])
+@pytest.mark.parametrize("length, widths", [(LENGTH, (LENGTH, LENGTH + 1, 64)), (2, (2, 3, 64)), (1, (1, 2, 8))],
+                         ids=["rows", "two-token", "one-token"])
 def test_an_examples_norm_bound_is_the_same_whatever_its_batch_is_padded_to(mode, model_of, length, widths):
-    """The bounds of the same rows padded to their own length, one more, and 64 (the bag's layer switches from the
-    Gram matrices to the materialised gradient at ``T = 3``), and one-token rows padded to 1, 2 and 8 (``T = 1`` has
-    its own formula, which an example with one non-zero term now takes at every ``T``): bit for bit. Before review
-    61: 1e-5 relative at 64 (6e-8 at one more)."""
+    """The bounds of the same rows padded to their own length, one more, and 64 (two-token rows: the bag's layer
+    switches from the Gram matrices to the materialised gradient at ``T = 3``), and one-token rows padded to 1, 2 and
+    8 (``T = 1`` has its own formula, which an example with one non-zero term now takes at every ``T``): bit for
+    bit. Before review 61: 1e-5 relative at 64 (6e-8 at one more)."""
     g = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(2, 30, (ROWS, length), generator=g), torch.randint(0, 2, (ROWS,), generator=g)
     first, *others = bounds_at_widths(model_of().float(), ids, labels, mode, widths)  # (float32: the default here
