@@ -14,7 +14,7 @@ whichever is cheaper, which is :func:`prefer_ghost`.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -38,7 +38,34 @@ def at_least_float32(x: Tensor) -> Tensor:
 CANCELLATION_LIMIT = 256.0
 
 
-def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, rounding: MatmulRounding) -> Tensor:
+def active_positions(a: Optional[Tensor], g: Tensor) -> Tensor:
+    """Per example, the positions whose term ``g_t a_t^T`` is not identically zero (``a = None``: ``a_t = 1``), as
+    float64 ``[B]``: the count of additions that can round in the sums the guards bound. An exact zero adds exactly,
+    so padding (zero output gradients at masked positions) adds nothing to an example's rounding. The guards take
+    this count, never the batch's padded length ``T``: with ``T``, a batch-mate's length moved every other example's
+    bound by ``(T + 2) u S_i`` and its clipped share with it; 256 identical IMDB rows padded to 400 instead of 20
+    moved the others' clipped sum by 2.4e-3 C in "ghost" and "bookkeeping" (review 61)."""
+    rows = _nonzero_rows(g)
+    if a is not None:
+        rows = rows & _nonzero_rows(a)
+    return rows.sum(1).to(torch.float64)
+
+
+def _nonzero_rows(x: Tensor) -> Tensor:
+    """Whether each row (last dimension) has a non-zero (or NaN) entry: its sum of magnitudes, which cannot underflow
+    to 0 (no squares) and costs a tenth of ``(x != 0).any(-1)`` on CPU."""
+    return torch.linalg.vector_norm(x, ord=1, dim=-1) != 0
+
+
+def _nonzero_terms(a: Tensor, g: Tensor) -> Tensor:
+    """``[B, T]``: whether ``g_t a_t^T`` may be non-zero: both rows non-zero, or either not finite (``0 * inf`` is
+    NaN, which the example's norm must show so that its factor is 0)."""
+    size_a, size_g = (torch.linalg.vector_norm(x, ord=1, dim=-1) for x in (a, g))
+    return (size_a != 0) & (size_g != 0) | ~torch.isfinite(size_a) | ~torch.isfinite(size_g)
+
+
+def guarded_norm_sq(gram: Tensor, scale: Tensor, length: Union[int, Tensor], positions: Union[int, Tensor],
+                    rounding: MatmulRounding) -> Tensor:
     """An upper bound of ``||G_i||^2`` from its float64 ghost value, safe against cancellation.
 
     ``sum_{s,t} (a_s . a_t)(g_s . g_t)`` has terms up to ``S_i^2``, ``S_i = sum_t ||a_t|| ||g_t||``
@@ -61,7 +88,8 @@ def guarded_norm_sq(gram: Tensor, scale: Tensor, length: int, positions: int, ro
     ``S_i / R`` (:data:`CANCELLATION_LIMIT`): ``f_i S_i <= R C``, and the same record moves the sum by 2.6e-4 C.
     It changes no ordinary example: ``S_i / ||G_i||`` is at most 14 on ViT-tiny (``T = 197``); a BERT
     attention's key bias, whose gradient is 0 by the softmax's shift invariance, reaches 1e8, but its
-    ``S_i / R`` is below float32's resolution of the example's total norm."""
+    ``S_i / R`` is below float32's resolution of the example's total norm. ``T`` (``positions``) is each example's
+    count of :func:`active_positions` (a tensor ``[B]``), not the batch's padded length (review 61)."""
     gamma = 2.0 * (length + positions * positions) * 2.0 ** -53
     rounded = rounding.product + (positions + 2) * rounding.accumulation
     bound = (gram.clamp_min(0) + gamma * scale.pow(2)).sqrt() + rounded * scale
@@ -80,26 +108,49 @@ def _example_chunks(batch: int, per_example: int) -> list:
 
 def gram_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     """``||sum_t g_t a_t^T||_F^2`` per example from ``a [B, T, d_in]`` and ``g [B, T, d_out]``: an
-    upper bound exact to float64 rounding (:func:`guarded_norm_sq`) when ``T > 1``, formed a chunk
-    of examples at a time (:data:`GHOST_CHUNK`)."""
+    upper bound exact to float64 rounding (:func:`guarded_norm_sq`), formed a chunk of examples at a time
+    (:data:`GHOST_CHUNK`); an example with one non-zero term takes :func:`_one_term_norm_sq` whatever ``T``."""
     dtype = torch.promote_types(a.dtype, g.dtype)
     rounding = sum_rounding(dtype, a.device.type)
-    if a.shape[1] == 1:  # one position: ||g a^T||^2 = ||a||^2 ||g||^2 (Goodfellow 2015), no cancellation;
-        # (converted operands grow the share by 1 + product)
-        return row_norm_sq(a.squeeze(1)) * row_norm_sq(g.squeeze(1)) * (1 + rounding.product) ** 2
-    return torch.cat([_guarded_gram(a[rows].double(), g[rows].double(), rounding)
-                      for rows in _example_chunks(a.shape[0], a.shape[1] * (a.shape[2] + g.shape[2]))])
+    active = _nonzero_terms(a, g)
+    if a.shape[1] == 1:
+        return _one_term_norm_sq(a.squeeze(1), g.squeeze(1), active.squeeze(1), rounding)
+    counts = active.sum(1).to(torch.float64)
+    norms = torch.cat([_guarded_gram(a[rows].double(), g[rows].double(), counts[rows], rounding)
+                       for rows in _example_chunks(a.shape[0], a.shape[1] * (a.shape[2] + g.shape[2]))])
+    return _with_one_term_examples(norms, a, g, active, rounding)
 
 
-def _guarded_gram(a: Tensor, g: Tensor, rounding: MatmulRounding) -> Tensor:
+def _one_term_norm_sq(a: Tensor, g: Tensor, active: Tensor, rounding: MatmulRounding) -> Tensor:
+    """``||g a^T||^2 = ||a||^2 ||g||^2`` of rows ``[B, d]`` (Goodfellow 2015): no cancellation, and converted operands
+    grow the share by ``1 + product``; exactly 0 where ``active`` is false (a zero row)."""
+    value = row_norm_sq(a) * row_norm_sq(g) * (1 + rounding.product) ** 2
+    return torch.where(active, value, 0.0)
+
+
+def _with_one_term_examples(norms: Tensor, a: Tensor, g: Tensor, active: Tensor, rounding: MatmulRounding) -> Tensor:
+    """``norms`` with the examples whose only non-zero term is one position's replaced by :func:`_one_term_norm_sq`
+    of that position: a one-token row padded to ``T`` gets the bound it gets at ``T = 1`` (review 61)."""
+    single = active.sum(1) == 1
+    if not bool(single.any()):
+        return norms
+    index = single.nonzero().squeeze(1)
+    position = active[index].to(torch.uint8).argmax(1)
+    rows = _one_term_norm_sq(a[index, position], g[index, position], torch.ones_like(index, dtype=torch.bool),
+                             rounding)
+    return norms.index_put((index,), rows.to(norms.dtype))
+
+
+def _guarded_gram(a: Tensor, g: Tensor, active: Tensor, rounding: MatmulRounding) -> Tensor:
     gram = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
     scale = (a.norm(dim=-1) * g.norm(dim=-1)).sum(1)
-    return guarded_norm_sq(gram, scale, a.shape[-1] + g.shape[-1], a.shape[1], rounding)
+    return guarded_norm_sq(gram, scale, a.shape[-1] + g.shape[-1], active, rounding)
 
 
 def outer_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     """``||sum_t g_t a_t^T||_F^2`` per example from the materialised ``[B, d_out, d_in]`` in float64 (where cheaper
-    than the Gram matrices; ``a = 1`` gives a bias's ``||sum_t g_t||^2``), guarded as :func:`guarded_norm_sq`.
+    than the Gram matrices; ``a = 1`` gives a bias's ``||sum_t g_t||^2``), guarded as :func:`guarded_norm_sq`; an
+    example with one non-zero term takes :func:`_one_term_norm_sq`, as in :func:`gram_norm_sq`.
 
     The clipped sum is one reduction over every example's rows, so an example whose positions cancel (``x_1 = M u``,
     ``x_2 = -M u``) measures about 0 alone yet moves the others' partial sums by about ``u S_i``: unguarded, 3.1 C
@@ -107,13 +158,17 @@ def outer_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     dtype = torch.promote_types(a.dtype, g.dtype)
     rounding = sum_rounding(dtype, a.device.type)
     positions = a.shape[1]
+    active = _nonzero_terms(a, g)
+    counts = active.sum(1).to(torch.float64)
     out = []
     for rows in _example_chunks(a.shape[0], a.shape[2] * g.shape[2] + positions * (a.shape[2] + g.shape[2])):
         a64, g64 = a[rows].double(), g[rows].double()
         norm_sq = torch.bmm(g64.transpose(1, 2), a64).pow(2).sum((1, 2))
         scale = (a64.norm(dim=-1) * g64.norm(dim=-1)).sum(1)
-        out.append(guarded_norm_sq(norm_sq, scale, positions, positions, rounding))
-    return torch.cat(out) if out else a.new_zeros(0, dtype=torch.float64)
+        out.append(guarded_norm_sq(norm_sq, scale, counts[rows], counts[rows], rounding))
+    if not out:
+        return a.new_zeros(0, dtype=torch.float64)
+    return _with_one_term_examples(torch.cat(out), a, g, active, rounding)
 
 
 #: float32's and float64's unit roundoffs, for the error bounds of :func:`row_norm_sq` and :func:`summed_norm_sq`.
@@ -123,7 +178,7 @@ FLOAT64_UNIT = 2.0 ** -53
 SMALLEST_SQUARED = 2.0 ** -63
 
 
-def _gamma(n: int, unit: float = FLOAT32_UNIT) -> float:
+def _gamma(n, unit: float = FLOAT32_UNIT):
     """``gamma_n = n u / (1 - n u)``: the relative error bound of ``n`` roundings (Higham, Accuracy and Stability of
     Numerical Algorithms, Lemma 3.1), one more rounding for the float64 arithmetic of the bound itself."""
     return (n + 1) * unit / (1 - (n + 1) * unit)
@@ -167,9 +222,12 @@ def summed_norm_sq(g: Tensor) -> Tensor:
     rounding = sum_rounding(g.dtype, g.device.type)
     count, positions, width = g.shape
     norm = row_norm_sq(g.sum(1)).sqrt()
-    scale = row_norm_sq(g.reshape(count * positions, width)).sqrt().view(count, positions).sum(1)
-    scale = scale * (1 + _gamma(positions, FLOAT64_UNIT))  # (the float64 square roots and their sum)
-    rounded = _gamma(max(positions - 1, 0)) + rounding.product + (positions + 2) * rounding.accumulation
+    nonzero = _nonzero_rows(g)
+    row_bounds = row_norm_sq(g.reshape(count * positions, width)).view(count, positions)
+    scale = torch.where(nonzero, row_bounds, 0.0).sqrt().sum(1)  # (zero rows: no underflow term, review 61)
+    active = nonzero.sum(1).to(torch.float64)  # (not the padded length T: :func:`active_positions`)
+    scale = scale * (1 + _gamma(active, FLOAT64_UNIT))  # (the float64 square roots and their sum)
+    rounded = _gamma((active - 1).clamp_min(0)) + rounding.product + (active + 2) * rounding.accumulation
     return torch.maximum(norm * (1 + _gamma(1, FLOAT64_UNIT)) + rounded * scale, scale / CANCELLATION_LIMIT).pow(2)
 
 
@@ -191,4 +249,4 @@ def _guarded_embedding(idx: Tensor, g: Tensor, padding_idx: Optional[int], round
         g = g * (idx != padding_idx).unsqueeze(-1).to(g.dtype)
     same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype)
     gram = (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-    return guarded_norm_sq(gram, g.norm(dim=-1).sum(1), g.shape[-1], g.shape[1], rounding)
+    return guarded_norm_sq(gram, g.norm(dim=-1).sum(1), g.shape[-1], active_positions(None, g), rounding)

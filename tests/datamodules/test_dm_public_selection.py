@@ -141,3 +141,34 @@ def test_refusals_that_need_the_data():
     with pytest.raises(ConfigError, match="does not carve whole groups"):
         built(IndexedDataModule, n=30, train_groups=[i // 3 for i in range(30)], public_selection="first",
               public_fraction=0.1)
+
+
+def old_grouped_carve(pool_size, seed, public_fraction, val_fraction, groups, max_public=None, max_private=None):
+    """The carve of grouped pools before ``public_selection`` existed (review 61: copied from 5be0074's ``_carve``)."""
+    from datamodules.base import _boundary_at_or_below, _groups_together
+    order = _groups_together(torch.randperm(pool_size, generator=torch.Generator().manual_seed(seed)).tolist(), groups)
+    n_public = round(public_fraction * pool_size)
+    if max_public is not None:
+        n_public = min(n_public, max_public)
+    n_val = round(val_fraction * pool_size)
+    public_end = _boundary_at_or_below(order, groups, n_public, 0)
+    val_end = _boundary_at_or_below(order, groups, public_end + n_val, public_end)
+    private = order[val_end:]
+    if max_private is not None:
+        private = private[:max_private]
+    return sorted(order[:public_end]), sorted(order[public_end:val_end]), sorted(private)
+
+
+@pytest.mark.parametrize("seed, public_fraction, val_fraction, max_public, max_private",
+                         [(0, 0.2, 0.1, None, None), (5, 0.13, 0.27, 30, 90), (9, 0.0, 0.3, None, None)])
+def test_random_selection_of_a_grouped_pool_is_the_carve_it_always_was(seed, public_fraction, val_fraction,
+                                                                      max_public, max_private):
+    """Groups of 1-7 rows (passages): each cut at the group boundary at or below it, as before (review 61)."""
+    sizes = torch.randint(1, 8, (200,), generator=torch.Generator().manual_seed(seed)).tolist()
+    groups = [g for g, size in enumerate(sizes) for _ in range(size)][:500]
+    dm = built(IndexedDataModule, n=500, train_groups=groups, data_seed=seed, public_fraction=public_fraction,
+               val_fraction=val_fraction, max_public_samples=max_public, max_private_samples=max_private)
+    expected = old_grouped_carve(500, seed, public_fraction, val_fraction, groups, max_public, max_private)
+    assert (dm.public_indices, dm.val_indices, dm.private_indices) == expected
+    assert all(len({groups[i] for i in part} & {groups[i] for i in other}) == 0
+               for part, other in [(dm.public_indices, dm.val_indices), (dm.public_indices, dm.private_indices)])
