@@ -168,17 +168,23 @@ def data(method: str) -> dict:
 
 def model(method: str, epsilon: float) -> dict:
     values = chosen(method)
-    init = {"backbone": backbone(), "lr": values["lr"]}
-    if method != "pazos":
-        init |= {"lam": LAMBDA[method], "num_directions": QUERIES[method], "directions": "gaussian"}
+    init = {"backbone": backbone(), "lr": values["lr"],
+            **zeroth_order_options(method, values, LAMBDA.get(method), QUERIES.get(method))}
+    init |= {"clip": float(values["clip"]), "target_epsilon": epsilon, **PRIVACY, "seed": SEED}
+    return {"class_path": f"lit_zodp.algorithms.{CLASSES[method]}", "init_args": init}
+
+
+def zeroth_order_options(method: str, values: dict, lam, queries) -> dict:
+    """A zeroth-order method's own options: lambda, q and Gaussian directions (where it has them: ``queries`` is not
+    ``None``), PAZO-M's alpha, PAZO-P's k and basis (P' the normalised one), PAZO-S's k and exploration."""
+    init = {} if queries is None else {"lam": lam, "num_directions": queries, "directions": "gaussian"}
     if method == "pazom":
         init["alpha"] = values["alpha"]
     if method in ("pazop", "pazop-prime"):
         init |= {"k": values["k"], "basis": "normalized" if method == "pazop-prime" else "orthonormal"}
     if method == "pazos":
         init |= {"k": values["k"], "exploration": values["exploration"]}
-    init |= {"clip": float(values["clip"]), "target_epsilon": epsilon, **PRIVACY, "seed": SEED}
-    return {"class_path": f"lit_zodp.algorithms.{CLASSES[method]}", "init_args": init}
+    return init
 
 
 #: the paper's names of the options
@@ -350,17 +356,10 @@ def task_data(task: str, method: str) -> dict:
 
 def task_model(task: str, method: str, epsilon: float) -> dict:
     values = task_chosen(task, method)
-    init = {"backbone": task_backbone(task), "lr": values["lr"]}
     lam_m, lam_p = TASK_LAMBDA[task]
-    if method in TASK_QUERIES:
-        lam = lam_p if method in ("pazop", "pazop-prime") else lam_m
-        init |= {"lam": lam, "num_directions": TASK_QUERIES[method], "directions": "gaussian"}
-    if method == "pazom":
-        init["alpha"] = values["alpha"]
-    if method in ("pazop", "pazop-prime"):
-        init |= {"k": values["k"], "basis": "normalized" if method == "pazop-prime" else "orthonormal"}
-    if method == "pazos":
-        init |= {"k": values["k"], "exploration": values["exploration"]}
+    lam = lam_p if method in ("pazop", "pazop-prime") else lam_m
+    init = {"backbone": task_backbone(task), "lr": values["lr"],
+            **zeroth_order_options(method, values, lam, TASK_QUERIES.get(method))}
     if method in ("dpsgd", "dope-sgd", "dpmd"):
         init["grad_mode"] = "hooks"
     n_private = TASK_N_PRIVATE[task]

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from lit_zodp.backbones.nfresnet import ScaledStdConv2d
 from lit_zodp.per_example import PerExampleGradientEngine
 from lit_zodp.per_example.std_conv import standardized_conv_grads, standardized_conv_norms
+from tests.algorithms.test_dp_grape_crafted import worst_share as record_share
 
 pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set")
 
@@ -57,19 +58,7 @@ def null_space_record(magnitude, size, dtype=torch.float32, seed=0):
 def worst_share(model, mode, x, y, records, positions):
     """``max ||S(x with a record at i) - S(x)|| / C`` over the records and positions (after a checked batch)."""
     engine = PerExampleGradientEngine(model, mode=mode)
-
-    def released(inputs, targets):
-        return engine.clipped_sum(lambda: F.cross_entropy(model(inputs), targets, reduction="none"), CLIP).grads
-
-    released(torch.cat([x, x[:1]]), torch.cat([y, y[:1]]))
-    without = released(x, y)
-    worst = 0.0
-    for record in records:
-        for i in positions:
-            with_it = released(torch.cat([x[:i], record, x[i:]]), torch.cat([y[:i], y[:1], y[i:]]))
-            moved = torch.cat([(a.double() - b.double()).reshape(-1) for a, b in zip(with_it, without)]).norm()
-            worst = max(worst, moved.item() / CLIP)
-    return worst
+    return max(record_share(model, engine, x, y, record, positions, CLIP) for record in records)
 
 
 def honest(batch, dtype=torch.float32):
