@@ -284,6 +284,22 @@ def _within_first_pass_norms(part: _Part, factors: Tensor, batch: _Batch) -> Ten
     return torch.where(second > allowed, allowed / second, torch.ones_like(allowed)).sqrt()
 
 
+def second_pass_scales(factors: Tensor, ok: Optional[Tensor]) -> Tensor:
+    """Per example, the power of two ``s_i >= 1`` by which "ghost" mode's second backward scales its seed: ``f_i s_i``
+    in ``(1/2, 1]``, ``s_i = 1`` where ``f_i`` is already there, 0, or not finite (or the example is not). Clip
+    factors of 1e-4 and below (a gradient 1e4 times C) sent float16 layers' gradients into subnormals, whose rounding
+    failed the row check: the step was refused (review 55; float16 weights, C = 1e-3). Example ``i``'s rows are then
+    ``f_i s_i`` times its first pass's, checked and bounded as such, and its share divided by ``s_i`` (exactly, a
+    power of two). Per example, never from the batch: one record's factor changes no other example's seed, so none
+    of their roundings. On the device: no host synchronisation."""
+    sizes = factors.detach().abs().to(torch.float64)
+    usable = (sizes > 0) & (sizes < 0.5) & torch.isfinite(sizes)
+    if ok is not None:
+        usable = usable & ok
+    exponent = torch.where(usable, torch.floor(-torch.log2(torch.where(usable, sizes, 1.0))), 0.0)
+    return torch.exp2(exponent.clamp(max=100.0))
+
+
 def _add_dense(batch: _Batch, grads: Dict[int, Tensor]) -> None:
     """Add per-example gradients ``[B, ...]`` by parameter index (a tied parameter's calls add up)."""
     for i, rows in grads.items():
@@ -1031,10 +1047,12 @@ class PerExampleGradientEngine:
         second, sums = batch.second_pass, {}
         calls = [(call, {k: i for k, i in mine.items() if i in batch.ghost_norm_sq}) for call, mine in second.calls]
         calls = [(call, mine) for call, mine in calls if mine and call.edge is not None]
+        scales = second_pass_scales(factors, ok)
+        seeds = factors * scales  # (example i's rows arrive s_i times larger; its share is divided by s_i)
         for call, mine in calls:
-            call.consume = self._second_pass_consumer(call, mine, batch, factors, ok, sums, second)
+            call.consume = self._second_pass_consumer(call, mine, batch, seeds, scales, ok, sums, second)
         losses = second.losses
-        weighted = factors.to(losses.dtype) * losses
+        weighted = seeds.to(losses.dtype) * losses
         if ok is not None:
             weighted = torch.where(ok, weighted, torch.zeros((), dtype=losses.dtype, device=losses.device))
         tape.recording = True
@@ -1044,21 +1062,21 @@ class PerExampleGradientEngine:
         finally:
             tape.recording = False
             batch.second_pass = None
-        # the backward's seeds are the factors rounded to the losses' dtype (a float64 model's float32 losses)
-        self._verify_second_pass(second, [call for call, _ in calls], factors.to(losses.dtype), ok)
+        # the backward's seeds rounded to the losses' dtype (a float64 model's float32 losses)
+        self._verify_second_pass(second, [call for call, _ in calls], seeds.to(losses.dtype), ok)
         for i in batch.ghost_norm_sq:  # a call whose output got no gradient in the second pass
             if i not in sums:
                 sums[i] = torch.zeros(self._summed_shape(i), dtype=sum_dtype(self.params[i].dtype),
                                       device=self.params[i].device)
         return sums
 
-    def _second_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, factors: Tensor,
-                              ok: Optional[Tensor], sums: Dict[int, Tensor], second: _SecondPass):
+    def _second_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, seeds: Tensor,
+                              scales: Tensor, ok: Optional[Tensor], sums: Dict[int, Tensor], second: _SecondPass):
         def consume(grad: Tensor) -> None:
             second.again(call, 0, grad)
             for part in self._parts(call, mine, batch, grad):
-                within = _within_first_pass_norms(part, factors, batch)
-                for i, total in part.summed(within, ok).items():
+                within = _within_first_pass_norms(part, seeds, batch)
+                for i, total in part.summed(within / scales.to(within.dtype), ok).items():
                     sums[i] = total if i not in sums else sums[i] + total
         return consume
 

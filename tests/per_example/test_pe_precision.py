@@ -124,3 +124,39 @@ def test_sums_keep_float64_and_an_empty_batch_has_the_sum_dtype():
     half = PerExampleGradientEngine(_bf16_mlp())
     empty = half.clipped_sum(lambda: torch.zeros(0, requires_grad=True), 1.0)
     assert all(g.dtype == torch.float32 for g in empty.grads)
+
+
+def test_second_pass_scales_are_per_example_powers_of_two_bringing_each_seed_into_half_one():
+    from lit_zodp.per_example.engine import second_pass_scales
+
+    factors = torch.tensor([0.3, 0.25, 0.5, 1.0, 1e-5, 2.0 ** -20, 0.0, float("nan"), 1e-3])
+    ok = torch.tensor([True] * 7 + [False, False])
+    scales = second_pass_scales(factors, ok)
+    assert scales.tolist() == [2.0, 4.0, 1.0, 1.0, 65536.0, 2.0 ** 20, 1.0, 1.0, 1.0]
+    assert torch.equal(torch.log2(scales), torch.log2(scales).round())  # exact powers of two
+    seeds = (factors * scales)[:6]
+    assert ((seeds > 0.5) | (factors[:6] == 0.5)).all() and (seeds <= 1).all()
+    # per example: another example's factor changes no scale
+    assert torch.equal(second_pass_scales(factors[:4], None), scales[:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_ghost_mode_at_tiny_clip_factors_sums_as_materialised_gradients_do(dtype):
+    """Clip factors of 1e-6 (C = 1e-6 against gradients of order 1): "ghost" mode's second backward, seeded ``f_i s_i``
+    (:func:`~lit_zodp.per_example.engine.second_pass_scales`), gives the clipped sum "hooks" mode gives. In float16
+    the seeds ``f_i`` underflowed to subnormals and the row check refused the step (review 55)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 16, generator=g).to(dtype), torch.randint(0, 4, (24,), generator=g)
+    clip = 1e-6
+
+    def clipped(mode):
+        engine = PerExampleGradientEngine(model, mode=mode)
+        return engine.clipped_sum(lambda: F.cross_entropy(model(x).float(), y, reduction="none"), clip)
+
+    ghost, hooks = clipped("ghost"), clipped("hooks")
+    assert (hooks.norms > 1e3 * clip).all()  # every factor below 1e-3
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    for a, b in zip(ghost.grads, hooks.grads):
+        torch.testing.assert_close(a.double(), b.double(), rtol=tolerance, atol=tolerance * clip)
