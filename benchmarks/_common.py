@@ -266,13 +266,19 @@ def cli_fit_result(config: str, arguments: list[str]) -> dict[str, str]:
     """One fit through the real CLI (``python -m lit_zodp.cli fit --config config *arguments``, one thread, offline):
     the fields of its RESULT line (``accuracy``, ``distance``, ``wall_s``, ...) as strings; a failed fit raises
     with its output's tail."""
+    return cli_fit_output(config, arguments)[0]
+
+
+def cli_fit_output(config: str, arguments: list[str], timeout: float = 1800) -> tuple[dict[str, str], str]:
+    """:func:`cli_fit_result`'s fields and the fit's whole output (stdout, then stderr)."""
     command = [sys.executable, "-m", "lit_zodp.cli", "fit", "--config", config, *arguments]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("RESULT ")]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{config} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-2000:]}")
-    return dict(field.split("=", 1) for field in lines[-1].split()[1:])
+        raise RuntimeError(f"{config} failed ({done.returncode}):\n{output[-2000:]}")
+    return dict(field.split("=", 1) for field in lines[-1].split()[1:]), output
 
 
 def machine_info() -> dict:
