@@ -377,6 +377,15 @@ def apply_quick_defaults(args, argv: list[str], **values) -> None:
             setattr(args, dest, value)
 
 
+def chosen_methods(parser, text: str, known) -> list[str]:
+    """The comma-separated ``--methods`` of ``text``; an unknown name ends the script with the parser's error."""
+    methods = [m.strip() for m in text.split(",")]
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        parser.error(f"unknown --methods {unknown}: choose from {list(known)}")
+    return methods
+
+
 def command_line(script: str, argv: list[str], python: str = "python") -> str:
     """The command as the results header shows it: ``python benchmarks/<script> <argv>``."""
     return " ".join([python, f"benchmarks/{script}"] + [shlex.quote(a) for a in argv])

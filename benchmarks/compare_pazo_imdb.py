@@ -57,8 +57,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (cli_fit_output, command_line, fmt, machine_info, median_of, results_stem,  # noqa: E402
-                     write_results)
+from _common import (chosen_methods, cli_fit_output, command_line, fmt, machine_info, median_of,  # noqa: E402
+                     results_stem, write_results)
 
 #: Seed of the fixed public permutation that splits the 25,000 packaged IMDB reviews into train and test.
 SPLIT_SEED = 0
@@ -192,10 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                         "includes the setup)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",")]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        parser.error(f"unknown --methods {unknown}: choose from {list(METHODS)}")
+    methods = chosen_methods(parser, args.methods, METHODS)
     if args.max_steps < 1 or args.repeats < 1:
         parser.error("--max-steps and --repeats must be positive")
     work = Path(tempfile.mkdtemp(prefix="compare_pazo_imdb_"))

@@ -28,7 +28,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cli_fit_result, command_line, machine_info, results_stem, write_results  # noqa: E402
+from _common import (chosen_methods, cli_fit_result, command_line, machine_info, results_stem,  # noqa: E402
+                     write_results)
 
 METHODS = {
     "DPZero": "configs/quickstart.yaml",
@@ -59,10 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",")]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        parser.error(f"unknown --methods {unknown}: choose from {list(METHODS)}")
+    methods = chosen_methods(parser, args.methods, METHODS)
     started, runs = time.time(), {m: [] for m in methods}
     for repeat in range(args.repeats):
         for method in methods:
