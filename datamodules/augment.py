@@ -105,20 +105,21 @@ def shift_image(image: Tensor, dy: int, dx: int) -> Tensor:
 
 def cut_out(image: Tensor, box: tuple[int, int, int, int]) -> Tensor:
     """A copy of ``image`` with the pixels of ``box = (top, bottom, left, right)`` set to zero."""
+    return _zero_box(image.clone(), box)
+
+
+def _zero_box(image: Tensor, box: tuple[int, int, int, int]) -> Tensor:
+    """``image`` with the pixels of ``box`` set to zero, in place."""
     top, bottom, left, right = box
-    out = image.clone()
-    out[..., top:bottom, left:right] = 0
-    return out
+    image[..., top:bottom, left:right] = 0
+    return image
 
 
 def apply_augmentation(image: Tensor, draw: AugmentDraw) -> Tensor:
     """Flip, shift, then cut out a ``[C, H, W]`` image as ``draw`` says."""
     if draw.flip:
         image = image.flip(-1)
-    out = shift_image(image, *draw.shift)  # a new tensor: the box is zeroed in place (cut_out without its copy)
-    top, bottom, left, right = draw.box
-    out[..., top:bottom, left:right] = 0
-    return out
+    return _zero_box(shift_image(image, *draw.shift), draw.box)  # (a new tensor: cut out in place, no copy)
 
 
 class AugmentedDataset(Dataset):

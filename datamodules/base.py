@@ -65,7 +65,8 @@ from datamodules.selection import (
     largest_remainder_counts,
     per_class_public,
 )
-from lit_zodp.errors import ConfigError, LitZodpWarning, PrivacyConfigError, check_positive_int, raise_if_any
+from lit_zodp.errors import (ConfigError, LitZodpWarning, PrivacyConfigError, check_bool, check_choice,
+                             check_positive_int, raise_if_any)
 from lit_zodp.privacy.noise import secret_seed, warn_test_seed
 from lit_zodp.privacy.sampling import (
     SHUFFLE_WARNING,
@@ -482,11 +483,10 @@ class PublicPrivateDataModule(LightningDataModule):
         ]
 
     def _augment_errors(self) -> list[Optional[str]]:
-        if not isinstance(self.public_augment, bool):
-            return [f"Expected `public_augment` to be a bool, but got {self.public_augment!r}"]
-        if self.public_augment_recipe not in AUGMENT_RECIPES:
-            return [f"Expected `public_augment_recipe` in {tuple(AUGMENT_RECIPES)}, but got "
-                    f"{self.public_augment_recipe!r}"]
+        errors = [check_bool("public_augment", self.public_augment),
+                  check_choice("public_augment_recipe", self.public_augment_recipe, AUGMENT_RECIPES)]
+        if any(errors):
+            return errors
         if self.public_augment and not self.image_inputs:
             return [f"`public_augment` flips, shifts and cuts out images, but {type(self).__name__}'s inputs are "
                     "not images: set public_augment: false"]

@@ -48,7 +48,7 @@ from torch.utils.data import Dataset
 from datamodules.base import DataSplits, PublicPrivateDataModule
 from datamodules.collate import text_collate
 from datamodules.datasets import TensorPairDataset, TextDataset, texts_and_labels
-from lit_zodp.errors import ConfigError, check_choice, check_positive_int
+from lit_zodp.errors import ConfigError, check_bool, check_choice, check_positive_int
 
 PUBLIC_SOURCES = ("amazon_polarity",)
 VOCAB_SOURCES = ("public", "unlabelled", "file")
@@ -279,8 +279,7 @@ class IMDBDataModule(PublicPrivateDataModule):
             check_positive_int("max_length", self.max_length),
             check_positive_int("public_samples", self.public_samples),
             None if self.public_source is None else check_choice("public_source", self.public_source, PUBLIC_SOURCES),
-            None if isinstance(self.pad_to_max_length, bool) else
-            f"Expected `pad_to_max_length` to be a bool, but got {self.pad_to_max_length!r}",
+            check_bool("pad_to_max_length", self.pad_to_max_length),
             *self._vocabulary_errors(),
         ]
 
@@ -323,9 +322,7 @@ class IMDBDataModule(PublicPrivateDataModule):
             if len(sample) < self.public_samples:
                 raise ConfigError(f"`public_samples`={self.public_samples} exceeds the {len(sample)} rows of "
                                   f"{str(path)!r}")
-            texts = [text for _, text in sample]
-            kept = first_occurrences(texts)
-            self._public_texts = [texts[i] for i in kept], [sample[i][0] for i in kept]
+            self._public_texts = _deduplicated([text for _, text in sample], [label for label, _ in sample])
         return self._public_texts
 
     @property

@@ -102,7 +102,7 @@ from datamodules.text_tasks import (
     render_text,
     source_warning,
 )
-from lit_zodp.errors import ConfigError, LitZodpWarning, check_positive_int
+from lit_zodp.errors import ConfigError, LitZodpWarning, check_bool, check_positive_int
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -736,9 +736,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
                 for name in ("k_shot", "num_train", "k_dev", "num_dev", "num_test", "public_k_shot", "first_sent_limit")
             ),
         ]
-        for name in ("dedupe", "faithful", "pad_to_max_length"):
-            if not isinstance(getattr(self, name), bool):
-                errors.append(f"Expected `{name}` to be a bool, but got {getattr(self, name)!r}")
+        errors += [check_bool(name, getattr(self, name)) for name in ("dedupe", "faithful", "pad_to_max_length")]
         if self.truncation is not None and self.truncation not in TRUNCATIONS:
             errors.append(f"Expected `truncation` in {TRUNCATIONS} or None, but got {self.truncation!r}")
         if self.prompt != "mlm" and (self.first_sent_limit is not None or self.truncation is not None):

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from lit_zodp.errors import ConfigError
+from lit_zodp.errors import ConfigError, check_choice
 
 PUBLIC_SELECTIONS = ("random", "first", "per_class")
 
@@ -71,7 +71,7 @@ def per_class_public(order: Sequence[int], labels: Sequence[int], counts: Sequen
 def class_weight_errors(selection: Any, weights: Optional[Sequence[Any]], num_classes: Optional[int]) -> list[str]:
     """Messages for a bad ``public_selection`` / ``public_class_weights`` pair (``num_classes`` when known)."""
     if selection not in PUBLIC_SELECTIONS:
-        return [f"Expected `public_selection` in {PUBLIC_SELECTIONS}, but got {selection!r}"]
+        return [check_choice("public_selection", selection, PUBLIC_SELECTIONS)]
     if weights is None:
         return []
     if selection != "per_class":

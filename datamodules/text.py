@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from datamodules.base import DataSplits, PublicPrivateDataModule, check_test_fraction, fixed_test_split
 from datamodules.collate import text_collate
 from datamodules.datasets import TensorPairDataset, TextDataset, texts_and_labels
-from lit_zodp.errors import check_positive_int
+from lit_zodp.errors import check_bool, check_positive_int
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -169,8 +169,7 @@ class MovieReviewsDataModule(PublicPrivateDataModule):
             check_positive_int("max_length", self.max_length),
             check_test_fraction(self.test_fraction),
         ]
-        if not isinstance(self.pad_to_max_length, bool):
-            errors.append(f"Expected `pad_to_max_length` to be a bool, but got {self.pad_to_max_length!r}")
+        errors.append(check_bool("pad_to_max_length", self.pad_to_max_length))
         if self.source not in (*SOURCES, "both"):
             errors.append(f"Expected `source` in {(*SOURCES, 'both')}, but got {self.source!r}")
         if self.public_source is not None:

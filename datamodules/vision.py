@@ -201,8 +201,7 @@ class CIFAR10DataModule(_VisionDataModule):
             targets = torch.as_tensor(source.targets)
             return ImageTensorDataset(images, targets, CIFAR10_MEAN, CIFAR10_STD, self.image_size)
 
-        train = split(True)  # (its labels, for public_selection: per_class)
-        return DataSplits(train=train, test=split(False), num_classes=10, train_labels=train.targets)
+        return DataSplits(train=split(True), test=split(False), num_classes=10)
 
 
 def _cifar10_class(verify_checksums: bool) -> type:
@@ -273,9 +272,7 @@ class TinyImageNetDataModule(_VisionDataModule):
                                       torch.from_numpy(arrays[f"{name}_labels"]), IMAGENET_MEAN, IMAGENET_STD,
                                       self.image_size, channels_last=False)  # (stored [N, 3, H, W]: no copy)
 
-        train = split("train")
-        return DataSplits(train=train, test=split("test"), num_classes=int(arrays["num_classes"]),
-                          train_labels=train.targets)
+        return DataSplits(train=split("train"), test=split("test"), num_classes=int(arrays["num_classes"]))
 
     def decoded_arrays(self) -> dict[str, np.ndarray]:
         """``train_images`` ``[N, 3, H, W]`` uint8, ``train_labels``, ``test_images``, ``test_labels`` and

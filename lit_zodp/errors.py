@@ -86,6 +86,11 @@ def check_positive_int(name: str, value) -> Optional[str]:
     return None
 
 
+def check_bool(name: str, value) -> Optional[str]:
+    """``value`` a bool (``True``/``False``, not 0/1 or a string)."""
+    return None if isinstance(value, bool) else f"Expected `{name}` to be a bool, but got {value!r}"
+
+
 def check_choice(name: str, value, choices) -> Optional[str]:
     """``value`` one of ``choices`` (a tuple, or a dict's keys)."""
     return None if value in choices else f"Expected `{name}` in {list(choices)}, but got {value!r}"
