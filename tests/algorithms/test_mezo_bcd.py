@@ -72,7 +72,8 @@ class BlockTrace(Callback):
         self.after.append(params_of(module))
         self.blocks.append(module.active_block)
         state = module.adam_state
-        self.adam.append(None if state is None else (id(state["m"][0]), sum(m.numel() for m in state["m"])))
+        # the tensor itself, not its id(): a freed state's id can be reused by the next one
+        self.adam.append(None if state is None else (state["m"][0], sum(m.numel() for m in state["m"])))
 
 
 def fit(module, steps, callbacks=(), loader=None):
@@ -374,12 +375,12 @@ def test_adam_state_has_the_active_blocks_size_and_resets_at_each_interval():
     fit(module, 12, [trace])
     sizes = [b.numel for b in module.blocks()]
     assert trace.blocks == [update_block_idx("ascending", (t - 1) // nu + 1, len(sizes)) for t in range(1, 13)]
-    for t, (block, (state_id, numel)) in enumerate(zip(trace.blocks, trace.adam)):
+    for t, (block, (state, numel)) in enumerate(zip(trace.blocks, trace.adam)):
         assert numel == sizes[block - 1]
         if t % nu:
-            assert state_id == trace.adam[t - 1][0]  # the same state within an interval
+            assert state is trace.adam[t - 1][0]  # the same state within an interval
         else:
-            assert t == 0 or state_id != trace.adam[t - 1][0]
+            assert t == 0 or state is not trace.adam[t - 1][0]
             # a fresh state: m_hat = g, v_hat = g^2, so every element moves by lr * |g| / (|g| + eps) ~ lr
             moves = torch.cat([(a - b).abs().flatten() for a, b in zip(trace.after[t], trace.before[t])])
             moved = moves[moves > 0]
