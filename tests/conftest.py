@@ -67,6 +67,8 @@ def fixed_batches_loader(dataset, batches):
 #: a projection rank below both :func:`mlp` weights' smaller sides (10 and 3), so both are projected (one on each
 #: side) and the biases are not.
 ALGORITHM_KWARGS = {name: dict(rank=2) for name in ("DPGRAPE", "GRAPE", "DPGaLore", "GaLore")}
+#: GEP on the suites' MLPs (227 parameters): 5 bases in 2 groups, so the embedding and the residual are both non-zero
+ALGORITHM_KWARGS |= {name: dict(num_bases=6, num_groups=2) for name in ("GEP", "NonPrivateGEP")}
 #: O2NC on the registry-wide suites' Poisson loaders: Alg. 4 (the tree of Alg. 3 needs a single pass, tested in
 #: tests/algorithms/test_o2nc.py), with add/remove neighbours as the suites' noise checks assume, and a period of 3 so
 #: a fit takes anchor and difference steps.

@@ -26,6 +26,7 @@ from lit_zodp.callbacks.audit import CanaryAudit
 from lit_zodp.errors import AccountingError, ConfigError, PrivacyConfigError
 from lit_zodp.privacy import (FullBatchSampler, GaussianRelease, NoiseSource, PoissonBatchSampler, PrivacyComponent,
                               PrivacyLedger)
+from lit_zodp.privacy.plan import composed_multiplier
 from lit_zodp.privacy.audit import accounted_mu, epsilon_lower_bound, gaussian_epsilon, gaussian_mu, gaussian_spread
 from tests.conftest import (ALGORITHM_KWARGS, TokenBag, blobs, collate_tensors, fixed_batches_loader, mlp,
                             poisson_loader, quiet_trainer, token_loader, with_public_data)
@@ -158,8 +159,9 @@ def test_the_released_sum_is_divided_by_the_expected_batch_size(name, monkeypatc
     dataset, q = blobs(n=256), 0.25
     sigma, clip, B = 1.3, 0.7, 0.25 * 256
     trace = Trace()
-    fit(build(name, noise_multiplier=sigma, clip=clip), poisson_loader(dataset, q, seed=2), 6, [trace])
-    assert len(calls) == 6 and any(size != B for size in trace.sizes)
+    module = build(name, noise_multiplier=sigma, clip=clip)
+    fit(module, poisson_loader(dataset, q, seed=2), 6, [trace])
+    assert len(calls) == 6 * len(module.privacy.step_plan) and any(size != B for size in trace.sizes)
     for kind, clipped_sum, out, noise in calls:
         if kind == "scalar":
             given, divisor, noised_out = noise
@@ -393,12 +395,16 @@ def test_the_noise_cannot_be_reproduced_from_the_run_seed(name):
     assert torch.equal(run(noise_multiplier=0.0), run(noise_multiplier=0.0))  # control: no noise, no difference
 
 
+#: A module's clips besides ``clip``, unbounded too in the noiseless ablation that equals the non-private twin.
+OTHER_CLIPS_UNBOUNDED = {"GEP": dict(embedding_clip=math.inf)}
+
+
 @pytest.mark.parametrize("name", PRIVATE_CASES)
 def test_sigma_zero_and_infinite_clip_equal_the_non_private_method(name):
     """Full batch: the realized batch is the expected one, so dividing by either gives the same update."""
     twin_name = twin_of(name)
     assert twin_name is not None, f"{name} must name its non-private twin"
-    private = build(name, noise_multiplier=0.0, clip=math.inf)
+    private = build(name, noise_multiplier=0.0, clip=math.inf, **OTHER_CLIPS_UNBOUNDED.get(class_name(name), {}))
     twin = build(twin_name)
     fit(private, full_batch_loader(blobs(), 5), 5)
     fit(twin, full_batch_loader(blobs(), 5), 5)
@@ -847,8 +853,9 @@ def audit_scores(name, with_canary, steps, trainer_kwargs=None, **overrides):
 AUDIT_KWARGS = {"DPZero": dict(num_directions=2), "DPGaLore": dict(rank=16), "PAZOM": dict(alpha=0.0, num_directions=2),
                 "PAZOP": dict(num_directions=2), "DPMD": dict(total_steps=10**12)}
 #: Whose weights show less than the release, by class (its variants too): PAZO-S's show which candidate won (its
-#: release is audited in test_pazo); O2NC's move along a running estimate (its releases are audited in test_o2nc).
-AUDITED_ELSEWHERE = {"PAZOS", "DPO2NC"}
+#: release is audited in test_pazo); O2NC's move along a running estimate (its releases are audited in test_o2nc);
+#: GEP's show the sum of its two releases (they are audited in test_gep).
+AUDITED_ELSEWHERE = {"PAZOS", "DPO2NC", "GEP"}
 
 
 def audit_agrees(name, trainer_kwargs=None, **overrides):
@@ -965,7 +972,8 @@ def test_a_second_fit_of_one_module_keeps_the_runs_calibrated_sigma(name):
     sigma = module.privacy.noise_multiplier
     fit(module, poisson_loader(blobs(), 0.05), 40)
     assert module.privacy.noise_multiplier == sigma and f"30 at {sigma:.4g} (q = 0.1))" in module.privacy.summary()
-    assert all(m.noise_multiplier == sigma for m in module.privacy.ledger.counts) and module.privacy.epsilon() <= 2.0
+    per_step = composed_multiplier(module.privacy.step_plan, sigma)  # (sigma but for rounding: GEP's two releases)
+    assert all(m.noise_multiplier == per_step for m in module.privacy.ledger.counts) and module.privacy.epsilon() <= 2.0
 
 
 @pytest.mark.parametrize("name", PRIVATE_CASES)
@@ -1386,8 +1394,15 @@ class _LateCentring(nn.Module):
         self.after, self.calls = after, 0
 
     def forward(self, x):
+        if _in_public_forward(self):  # (a public batch may mix as it likes: GEP's anchor gradients)
+            return x
         self.calls += 1
         return x - x.detach().mean(0) if self.calls > self.after else x
+
+
+def _in_public_forward(layer):
+    """Whether the module that ``layer.owner`` names (set after it is built) runs a public forward."""
+    return bool(getattr(getattr(layer, "owner", None), "public_forward", False))
 
 
 @pytest.mark.parametrize("name", PRIVATE_CASES)
@@ -1401,6 +1416,7 @@ def test_mixing_that_starts_after_the_first_batch_is_refused_at_a_rechecked_step
     centring = _LateCentring(after=8)
     module = build(name, nn.Sequential(centring, nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3)),
                    recheck_probability=recheck_probability)
+    centring.__dict__["owner"] = module  # (not a submodule)
     steps = 8
     if recheck_probability == 0.0:
         fit(module, poisson_loader(blobs(), 0.25), steps)
@@ -1831,6 +1847,8 @@ class _RegistersInItsForward(nn.Module):
         self.net, self.how, self.at, self.calls = mlp(seed=1), how, at, 0
 
     def forward(self, x):
+        if _in_public_forward(self):
+            return self.net(x)
         self.calls += 1
         if self.calls >= self.at:
             batch_mean = x.detach().mean(0)
@@ -1869,6 +1887,7 @@ def test_a_parameter_or_layer_registered_in_the_private_forward_is_refused_befor
     its next forward too); the fit leaves no registration hook behind, refused or not."""
     hooks = _registration_hooks()
     module = build(name, _RegistersInItsForward(how, at), recheck_probability=0.0)  # (3: in the first checks)
+    module.backbone.__dict__["owner"] = module  # (its public forwards, GEP's anchor gradients, neither count nor register)
     # (DOPE-SGD, DPMD: the public gradient's forward may be the one that registers it, refused at the private step's)
     refused = ("registered .* on the model|unfrozen after the per-example engine|wrote its parameter|wrote `kept_mean`"
                "|changed between private steps")

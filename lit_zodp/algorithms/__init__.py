@@ -11,6 +11,7 @@ from lit_zodp.algorithms.dp_grape import DPGRAPE, GRAPE, DPGaLore, GaLore
 from lit_zodp.algorithms.dpsgd import SGD, Adam, DPAdam, DPSGD
 from lit_zodp.algorithms.dpzero import DPGD0th, DPZero, MeZO
 from lit_zodp.algorithms.first_order import FirstOrderModule
+from lit_zodp.algorithms.gep import GEP, NonPrivateGEP
 from lit_zodp.algorithms.mezo_bcd import DPMeZOBCD, MeZOBCD
 from lit_zodp.algorithms.o2nc import DPO2NC, O2NC
 from lit_zodp.algorithms.pazo import PAZOM, PAZOP, PAZOS, NonPrivatePAZOM, NonPrivatePAZOP, NonPrivatePAZOS
@@ -18,5 +19,5 @@ from lit_zodp.algorithms.public_first_order import DOPESGD, DPMD, NonPrivateDOPE
 from lit_zodp.algorithms.zeroth_order import ZerothOrderModule
 
 __all__ = ["ALGORITHMS", "Adam", "AlgorithmModule", "DOPESGD", "DPAdam", "DPMD", "DPGD0th", "DPGRAPE", "DPGaLore", "DPMeZOBCD", "DPO2NC", "DPSGD",
-           "DPZero", "FirstOrderModule", "GRAPE", "GaLore", "MeZO", "MeZOBCD", "NonPrivateDOPESGD", "NonPrivateDPMD", "NonPrivatePAZOM",
+           "DPZero", "FirstOrderModule", "GEP", "GRAPE", "GaLore", "MeZO", "MeZOBCD", "NonPrivateDOPESGD", "NonPrivateDPMD", "NonPrivateGEP", "NonPrivatePAZOM",
            "NonPrivatePAZOP", "NonPrivatePAZOS", "O2NC", "PAZOM", "PAZOP", "PAZOS", "SGD", "ZerothOrderModule"]

@@ -12,6 +12,7 @@ runs over every registered private module.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -675,21 +676,28 @@ class AlgorithmModule(pl.LightningModule):
         are emptied before and after: filled by the last private forward, without a graph and at another point, they
         gave the cached parameters a zero public gradient (review 53).
         """
+        inputs, targets = public_batch
+        params = params if params is not None else [p for p in self.backbone.parameters() if p.requires_grad]
+        with self.public_backprop():
+            loss = at_least_float32(per_example_loss(self.backbone, inputs, targets)).mean()
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+
+    @contextlib.contextmanager
+    def public_backprop(self):
+        """A forward and backward on a PUBLIC batch (:meth:`public_gradient`, GEP's anchor gradients): grad on,
+        ``public_forward`` True, the eval-mode caches emptied before and after."""
         if torch.is_inference_mode_enabled():
             raise_if_any(["A public gradient (backprop on a public batch) runs inside `torch.inference_mode()`, where "
                           "no backward can run: call trainer.fit outside inference_mode"])
-        inputs, targets = public_batch
-        params = params if params is not None else [p for p in self.backbone.parameters() if p.requires_grad]
         self.public_forward = True  # (forward hooks tell this forward from a private one)
         clear_eval_mode_caches(self._eval_mode_caches)  # (at x_t: not the last forward's point, nor its no-grad tensor)
         try:
             with torch.enable_grad():
-                loss = at_least_float32(per_example_loss(self.backbone, inputs, targets)).mean()
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                yield
         finally:
             self.public_forward = False
             clear_eval_mode_caches(self._eval_mode_caches)  # (holds no graph into the next forward)
-        return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
 
     def reduce_sum(self, tensor: Tensor) -> Tensor:
         """All-reduce SUM across DDP ranks (identity on one process)."""

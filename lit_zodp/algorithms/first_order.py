@@ -128,13 +128,25 @@ class FirstOrderModule(AlgorithmModule):
             loss_fns = [lambda x=x, y=y: self.example_losses(x, y)
                         for x, y in split_rows(inputs, targets, self.micro_batch_size)]
         with self._no_ddp_grad_sync(), torch.enable_grad():
-            if math.isinf(self.clip) and not self.privacy.is_private:
+            if self.takes_batch_gradient():
                 return self._batch_gradient(loss_fns)
             with self._training_randomness():
-                clipped = self.engine.clipped_sum_microbatched(loss_fns, self.clip)
+                clipped = self.clipped_sums(loss_fns)
         if self._registrations is not None:
             self._registrations.refuse()
         return clipped
+
+    def takes_batch_gradient(self) -> bool:
+        """Whether a step is the plain batch gradient: no noise and no clip that binds (:meth:`_batch_gradient`)."""
+        return self.clips_unbounded() and not self.privacy.is_private
+
+    def clips_unbounded(self) -> bool:
+        """Whether no clip binds (then a noiseless step is the plain batch gradient, :meth:`_batch_gradient`)."""
+        return math.isinf(self.clip)
+
+    def clipped_sums(self, loss_fns: list) -> ClippedSum:
+        """The engine's flat clipped sum over the micro-batches (GEP clips two parts instead)."""
+        return self.engine.clipped_sum_microbatched(loss_fns, self.clip)
 
     def _training_randomness(self):
         """A private module's forward and backward draw dropout (any training-mode randomness) from secret states,

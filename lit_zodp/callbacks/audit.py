@@ -206,6 +206,9 @@ def _unsupported(module: Any) -> Optional[str]:
     if hasattr(module, "private_weight") and module.private_weight(fit_steps(module.trainer)) < 1.0:
         return ("DPMD's weights show a_t times its release beside (1 - a_t) times the public gradient (audit it with a "
                 "`total_steps` so large that a_t rounds to 1 over the run)")
+    if hasattr(module, "find_subspace"):
+        return ("GEP's weights show the sum of its embedding and residual releases, less than the two (post-processing): "
+                "its releases are audited directly (tests/algorithms/test_gep.py)")
     if hasattr(module, "exploration"):
         return "PAZO-S's weights show only which public candidate its released losses chose (post-processing)"
     if getattr(module, "projected", None) and not hasattr(module, "projections_at"):

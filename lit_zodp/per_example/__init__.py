@@ -11,12 +11,13 @@
 * the torch.func reference :func:`per_example_gradients_vmap` and the fallback (:mod:`.reference`).
 """
 
-from lit_zodp.per_example.engine import ClippedSum, PerExampleGradientEngine
+from lit_zodp.per_example.engine import ClippedParts, ClippedSum, PerExampleGradientEngine
 from lit_zodp.per_example.reference import per_example_gradients_vmap
 from lit_zodp.per_example.samplers import register_sampler, sampler_for
 from lit_zodp.per_example.transforms import GradientTransform, Projection, Projections
 
 __all__ = [
+    "ClippedParts",
     "ClippedSum",
     "GradientTransform",
     "PerExampleGradientEngine",

@@ -75,7 +75,7 @@ import math
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -133,6 +133,35 @@ class ClippedSum:
         self.norms = torch.cat([self.norms, other.norms.to(self.norms.device)])
         self.batch_size += other.batch_size
         return self
+
+
+@dataclass
+class ClippedParts:
+    """Sums over examples of per-example vectors cut into parts, each part clipped to its own norm
+    (:meth:`PerExampleGradientEngine.clipped_parts`: GEP's embedding and residual).
+
+    Attributes:
+        sums: One flat sum per part, in at least float32.
+        norms: Unclipped per-example norms ``[B, parts]`` (float32; nan/inf for non-finite examples).
+        batch_size: Number of examples summed.
+    """
+
+    sums: List[Tensor]
+    norms: Tensor
+    batch_size: int
+
+    def add_(self, other: "ClippedParts") -> "ClippedParts":
+        """Accumulate a micro-batch: sums add, norms concatenate, batch sizes add."""
+        for mine, theirs in zip(self.sums, other.sums):
+            mine.add_(theirs)
+        self.norms = torch.cat([self.norms, other.norms.to(self.norms.device)])
+        self.batch_size += other.batch_size
+        return self
+
+
+#: ``split(grads) -> parts``: materialised per-example gradients ``[B, ...]`` (one per parameter; the list is the
+#: split's to empty, so their memory can go as the parts are formed) to per-example parts ``[B, d_j]``.
+PartSplit = Callable[[List[Tensor]], List[Tensor]]
 
 
 class _ExpansionFailed(Exception):
@@ -474,6 +503,63 @@ class PerExampleGradientEngine:
             part = self.clipped_sum(loss_fn, clip, examples)
             total = part if total is None else total.add_(part)
         return total if total is not None else self._empty()
+
+    def clipped_parts(self, loss_fn: Callable[[], Tensor], split: PartSplit, clips: Sequence[float],
+                      examples: Optional[int] = None) -> ClippedParts:
+        """Per-example gradients (materialised: mode "hooks" or "vmap"; after the transform) cut by ``split`` into
+        parts ``[B, d_j]``, part ``j`` of each example clipped to ``clips[j]``, each part summed over the batch: GEP's
+        separately clipped embedding and residual (Yu et al. 2021, Alg. 1). As :meth:`clipped_sum`: an example whose
+        loss or any part's norm is not finite, and a padding row (index ``>= examples``), count with factor 0 in every
+        part; the norms are float64 upper bounds, the factors keep the clip margin and the sums accumulate in float64.
+        ``split`` must treat each example's row alone (the sensitivity of part ``j`` is then ``clips[j]``)."""
+        raise_if_any([None if self.mode in ("hooks", "vmap") else
+                      f"Separately clipped parts need materialised per-example gradients: expected the engine's mode "
+                      f"'hooks' or 'vmap', but got {self.mode!r}"])
+        for clip in clips:
+            check_clip(clip)
+        return self._unexpanded_on_failure(lambda: self._clipped_parts(loss_fn, split, list(clips), examples))
+
+    def clipped_parts_microbatched(self, loss_fns: Iterable[Callable[[], Tensor] | Tuple[Callable[[], Tensor], int]],
+                                   split: PartSplit, clips: Sequence[float]) -> ClippedParts:
+        """:meth:`clipped_parts` of one logical batch given as micro-batches (equal to one call on all)."""
+        total = None
+        for item in loss_fns:
+            loss_fn, examples = item if isinstance(item, tuple) else (item, None)
+            part = self.clipped_parts(loss_fn, split, clips, examples)
+            total = part if total is None else total.add_(part)
+        return total if total is not None else self._empty_parts(split, clips)
+
+    def _clipped_parts(self, loss_fn: Callable[[], Tensor], split: PartSplit, clips: List[float],
+                       examples: Optional[int]) -> ClippedParts:
+        tape = self._tape()
+        try:
+            with tape, outside_autocast(self._device_type):
+                losses, batch = self._per_example(loss_fn, tape, mode=self.mode)
+                if losses.numel() == 0:
+                    return self._empty_parts(split, clips)
+                grads = [self._transformed(i, batch.dense.pop(i), batch) for i in range(len(self.params))]
+                parts = split(grads)
+                norms = torch.stack([_row_norm_sq(part).sqrt() for part in parts], 1)
+                ok = torch.isfinite(losses) & torch.isfinite(norms).all(1)
+                if examples is not None:
+                    ok &= torch.arange(len(losses), device=ok.device) < examples
+                keep = None if bool(ok.all()) else ok
+                sums = [_dense_sum(torch.where(ok, clip_factors(norms[:, j], clip), torch.zeros_like(norms[:, j])),
+                                   part, keep).reshape(-1) for j, (part, clip) in enumerate(zip(parts, clips))]
+                examples = len(losses) if examples is None else examples
+                return ClippedParts(sums, norms[:examples].float(), examples)
+        finally:
+            tape.clear()
+            for param in self.params:
+                param.grad = None
+
+    def _empty_parts(self, split: PartSplit, clips: Sequence[float]) -> ClippedParts:
+        """Zero sums of an empty batch, in the parts' sizes."""
+        self._projections = self._projections_now()
+        parts = split([self._transformed(i, p.new_zeros(0, *p.shape)) for i, p in enumerate(self.params)])
+        device = self.params[0].device if self.params else None
+        return ClippedParts([part.new_zeros(part.shape[1:], dtype=sum_dtype(part.dtype)).reshape(-1) for part in parts],
+                            torch.zeros(0, len(clips), dtype=torch.float32, device=device), 0)
 
     def per_example_gradients(self, loss_fn: Callable[[], Tensor]) -> List[Tensor]:
         """Unclipped per-example gradients ``[B, ...]`` (after the transform), aligned with ``params``."""
