@@ -15,7 +15,7 @@ EPSILONS = {"eps0.1": 0.1, "eps0.5": 0.5, "eps1": 1.0, "eps2": 2.0, "eps3": 3.0}
 #: Table 3 has no epsilon = 3 column
 TASK_EPSILONS = {"cifar10": EPSILONS, "tinyimagenet": {k: v for k, v in EPSILONS.items() if k != "eps3"},
                  "imdb": EPSILONS}
-METHODS = {"dpsgd": "DPSGD", "dpmd": "DPMD", "dope-sgd": "DOPESGD", "dpzero": "DPZero", "pazom": "PAZOM",
+METHODS = {"dpsgd": "DPSGD", "dpmd": "DPMD", "dope-sgd": "DOPESGD", "gep": "GEP", "dpzero": "DPZero", "pazom": "PAZOM",
            "pazop": "PAZOP", "pazop-prime": "PAZOP", "pazos": "PAZOS"}
 #: App. C.1: private examples; App. C.3: b = 64, 100 epochs (DPZero 200)
 N_PRIVATE = {"cifar10": 48_000, "tinyimagenet": 96_000, "imdb": 25_000}
@@ -26,16 +26,19 @@ LAMBDA = {"cifar10": (1e-2, 1e-2), "tinyimagenet": (1e-2, 1e-2), "imdb": (1e-2, 
 CHOSEN = {
     "cifar10": {"dpsgd": {"lr": 0.05, "clip": 0.5}, "dope-sgd": {"lr": 0.05, "b'": 32, "clip": 0.5},
                 "dpmd": {"lr": 0.1, "b'": 32, "clip": 0.5}, "dpzero": {"lr": 0.1, "clip": 1.0},
+                "gep": {"lr": 0.05, "b'": 32, "clip": 0.5},
                 "pazom": {"lr": 0.2, "b'": 8, "alpha": 0.5, "clip": 1.0},
                 "pazop": {"lr": 1.0, "b'": 16, "k": 6, "clip": 1.0},
                 "pazos": {"lr": 0.05, "b'": 16, "k": 3, "exploration": 0.001, "clip": 1.0}},
     "tinyimagenet": {"dpsgd": {"lr": 0.1, "clip": 0.5}, "dope-sgd": {"lr": 0.02, "b'": 32, "clip": 1.0},
                      "dpmd": {"lr": 0.02, "b'": 32, "clip": 0.5}, "dpzero": {"lr": 5e-4, "clip": 1.0},
+                     "gep": {"lr": 0.05, "b'": 32, "clip": 1.0},
                      "pazom": {"lr": 5e-5, "b'": 8, "alpha": 0.5, "clip": 1.0},
                      "pazop": {"lr": 1.0, "b'": 16, "k": 6, "clip": 1.0},
                      "pazos": {"lr": 0.02, "b'": 32, "k": 3, "exploration": 1e-4, "clip": 1.0}},
     "imdb": {"dpsgd": {"lr": 0.05, "clip": 1.0}, "dope-sgd": {"lr": 0.02, "b'": 32, "clip": 1.0},
              "dpmd": {"lr": 0.02, "b'": 32, "clip": 1.0}, "dpzero": {"lr": 0.01, "clip": 0.5},
+             "gep": {"lr": 0.02, "b'": 8, "clip": 0.5},
              "pazom": {"lr": 2.5, "b'": 8, "alpha": 0.5, "clip": 1.0},
              "pazop": {"lr": 0.5, "b'": 64, "k": 6, "clip": 1.0},
              "pazos": {"lr": 1.5, "b'": 32, "k": 3, "exploration": 0.001, "clip": 0.5}},
@@ -55,7 +58,7 @@ def parse(path: Path) -> tuple[str, str, str]:
 def test_every_cell_of_tables_2_to_4_has_its_config():
     expected = {f"table{TABLES[t][0]}_{TABLES[t][1]}_{t}_{m}_{level}" for t in TABLES for m in METHODS
                 for level in TASK_EPSILONS[t]}
-    assert sorted(expected) == [p.stem for p in GENERATED] and len(expected) == 8 * (5 + 4 + 5)
+    assert sorted(expected) == [p.stem for p in GENERATED] and len(expected) == 9 * (5 + 4 + 5)
 
 
 @pytest.mark.parametrize("path", GENERATED, ids=lambda p: p.stem)
@@ -80,7 +83,10 @@ def test_config_has_the_papers_values(path):
         assert (model["lam"], model["directions"], model["num_directions"]) == (
             lam, "gaussian", 5 if method == "dpzero" else 1)
     assert model.get("basis") == {"pazop": "orthonormal", "pazop-prime": "normalized"}.get(method)
-    assert model.get("grad_mode") == ("hooks" if method in ("dpsgd", "dope-sgd", "dpmd") else None)
+    assert model.get("grad_mode") == ("hooks" if method in ("dpsgd", "dope-sgd", "dpmd", "gep") else None)
+    # GEP's values where PAZO is silent: the notes' 1000 bases in 3 groups, the authors' code's C0 = 5, one iteration
+    assert [model.get(name) for name in ("embedding_clip", "num_bases", "num_groups", "power_iterations")] == (
+        [5.0, 1000, 3, 1] if method == "gep" else [None] * 4)
     # public batches: b' (or k b') rows with each private batch, for the methods that read them
     if "b'" in chosen:
         assert (data["public_in_step"], data["public_batch_size"]) == (True, chosen.get("k", 1) * chosen["b'"])
@@ -154,22 +160,23 @@ NOISE_DEFAULT = {f"table2_nfresnet18_cifar10_{m}_eps1" for m in METHODS} | {
 @pytest.mark.parametrize("path", [p if p.stem in NOISE_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
                                   for p in GENERATED], ids=lambda p: p.stem)
 def test_config_injects_the_noise_of_its_budget(path):
-    """Sec. 3: each of the m queries (q directions, PAZO-S's k + 1 losses, a first-order method's one gradient) gets
-    ``N(0, m C^2 sigma^2)`` on its clipped sum, over b. Under RDP, sigma = Opacus' RDP noise of (epsilon, delta, b / n,
+    """Sec. 3: each of the m queries (q directions, PAZO-S's k + 1 losses, a first-order method's one gradient, GEP's
+    embedding and residual) gets ``N(0, m C^2 sigma^2)`` on its clipped sum, over b (GEP's embedding: C0 for C). Under RDP, sigma = Opacus' RDP noise of (epsilon, delta, b / n,
     T); where Opacus cannot certify the budget (epsilon = 0.1), the PRV upper bound at sigma meets epsilon, tightly."""
     task, method, _ = parse(path)
     config = yaml.safe_load(path.read_text())
     model, steps = config["model"]["init_args"], config["trainer"]["max_steps"]
     stds, clip_over_b = planned_stds(path)
-    m = {"dpzero": 5, "pazos": 4}.get(method, 1)
+    m = {"dpzero": 5, "pazos": 4, "gep": 2}.get(method, 1)
     q = B / N_PRIVATE[task]
     sigma = opacus_rdp_sigma(model["target_epsilon"], model["delta"], q, steps)
     assert (sigma is None) == (model["accountant"] == "prv")
     if sigma is None:
-        sigma = stds[0] / (math.sqrt(m) * clip_over_b)
+        sigma = stds[-1] / (math.sqrt(m) * clip_over_b)
         assert prv_epsilon(sigma, q, steps, model["delta"]) <= model["target_epsilon"]
         assert prv_epsilon(0.97 * sigma, q, steps, model["delta"]) > model["target_epsilon"]
-    assert stds and all(std == pytest.approx(math.sqrt(m) * sigma * clip_over_b, rel=1e-9) for std in stds)
+    clips = [model["embedding_clip"] / B, clip_over_b] if method == "gep" else [clip_over_b] * len(stds)
+    assert stds and all(std == pytest.approx(math.sqrt(m) * sigma * c, rel=1e-9) for std, c in zip(stds, clips))
 
 
 # ---------------------------------------------------------------------------------------------- tiny CLI runs
@@ -214,7 +221,7 @@ def tiny_overrides(path: Path, config: dict, root: Path) -> list[str]:
 #: data, DPZero), the others slow: they differ in target_epsilon and values only
 RUN_DEFAULT = {"table2_nfresnet18_cifar10_pazop_eps1", "table2_nfresnet18_cifar10_dpsgd_eps2",
                "table3_vit-tiny_tinyimagenet_pazos_eps0.5", "table4_lstm_imdb_dope-sgd_eps1",
-               "table4_lstm_imdb_pazom_eps0.1", "table4_lstm_imdb_dpzero_eps3"}
+               "table4_lstm_imdb_pazom_eps0.1", "table4_lstm_imdb_dpzero_eps3", "table4_lstm_imdb_gep_eps2"}
 
 
 @pytest.mark.filterwarnings("ignore:Optimal order")
