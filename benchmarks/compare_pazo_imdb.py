@@ -63,7 +63,7 @@ from _common import (chosen_methods, cli_fit_output, command_line, fmt, machine_
 #: Seed of the fixed public permutation that splits the 25,000 packaged IMDB reviews into train and test.
 SPLIT_SEED = 0
 TRAIN_SIZE = 20_000
-METHODS = {"dpzero": "DPZero", "pazom": "PAZO-M", "pazos": "PAZO-S", "public": "public only"}
+METHODS = {"dpzero": "DPZero", "pazom": "PAZO-M", "pazos": "PAZO-S", "gep": "GEP", "public": "public only"}
 #: What the public-only reference replaces in the PAZO-S config (configs/pazo/quickstart_public_only.yaml's pattern).
 PUBLIC_ONLY = ["--model.class_path", "lit_zodp.algorithms.NonPrivatePAZOS",
                "--model.init_args.k", "1", "--model.init_args.exploration", "0",

@@ -10,7 +10,7 @@ every method alike. A private fit's noise and Poisson batches are drawn from the
 batches and the initialisation follow ``seed_everything`` and ``data_seed`` (the same in every run).
 
 Methods (``configs/pazo/quickstart_*.yaml``, ``configs/quickstart.yaml``, ``configs/first_order/quickstart_dpsgd.yaml``):
-DPZero and DP-SGD (private data only), PAZO-M, PAZO-P, PAZO-S (ZO with public data), DOPE-SGD and DPMD (first order
+DPZero and DP-SGD (private data only), PAZO-M, PAZO-P, PAZO-S (ZO with public data), DOPE-SGD, DPMD and GEP (first order
 with public data), and public-only SGD (``quickstart_public_only.yaml``: no privacy spent).
 
 Usage::
@@ -39,6 +39,7 @@ METHODS = {
     "PAZO-S": "configs/pazo/quickstart_pazos.yaml",
     "DOPE-SGD": "configs/pazo/quickstart_dopesgd.yaml",
     "DPMD": "configs/pazo/quickstart_dpmd.yaml",
+    "GEP": "configs/pazo/quickstart_gep.yaml",
     "public only": "configs/pazo/quickstart_public_only.yaml",
 }
 

@@ -491,7 +491,7 @@ def test_pazo_s_releases_show_one_row_exactly_as_much_as_accounted():
 
 
 # ------------------------------------------------------------------------------------------ the configs, as users run them
-@pytest.mark.parametrize("name", ["quickstart_pazom", "quickstart_pazop", "quickstart_pazos"])
+@pytest.mark.parametrize("name", ["quickstart_pazom", "quickstart_pazop", "quickstart_pazos", "quickstart_gep"])
 def test_the_quickstart_configs_train_on_the_datamodules_public_batches(tmp_path, monkeypatch, name):
     """`lightning fit --config configs/pazo/<name>.yaml`: the DataModule's public split feeds every step (public_in_step),
     disjoint from the private split, and the ledger counts each step once at the calibrated sigma."""
