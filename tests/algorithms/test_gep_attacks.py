@@ -50,6 +50,30 @@ def full_batches(x, y, steps):
 
 
 # ------------------------------------------------------------------------------------------ the clips and the plan
+def test_an_embedding_clip_raised_within_a_fit_is_capped_at_the_planned_noise():
+    """The noise is the plan's, fixed at the fit's start (sqrt(2) sigma C0); a callback (a scheduler, a tuner) raising
+    ``embedding_clip`` after it must not let an example's embedding past the planned C0 (review 59's hole in O2NC's
+    ``difference_clip``, here for GEP's second clip)."""
+    c0, c1 = 0.02, 0.01
+    torch.manual_seed(0)
+    x, y = torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)
+    x[0] = torch.linspace(-1, 1, 10) * 3  # the only example with a gradient: far past both clips
+    module = GEP(nn.Linear(10, 3, bias=False), lr=0.1, seed=3, clip=c1, embedding_clip=c0, noise_multiplier=1.0,
+                 delta=1e-5, num_bases=4, num_groups=2)
+    module.use_public_data([blobs(n=12, features=10, classes=3, seed=7).tensors])
+
+    class Raise(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            pl_module.embedding_clip = 100 * c0
+
+    released = recorded_fit(module, full_batches(x, y, 3), 3, [Raise()])
+    embeddings = [float(s.norm()) for name, s, _ in released if name == EMBEDDING]
+    assert len(embeddings) == 3
+    assert all(norm <= c0 * (1 + 1e-6) for norm in embeddings), embeddings  # (100 C0 clipped it at |w| > C0)
+    residuals = [float(s.norm()) for name, s, _ in released if name == RESIDUAL]
+    assert all(norm <= c1 * (1 + 1e-6) for norm in residuals), residuals
+
+
 @pytest.mark.parametrize("neighbours", ["add_remove", "replace_one"])
 def test_both_releases_get_their_noise_doubled_for_replace_one(neighbours):
     """Replace-one neighbours move each clipped sum by 2 C0 and 2 C1: both releases' std doubles, not one."""
