@@ -166,11 +166,13 @@ class GEP(PublicBatches, DPSGD):
         self.groups = parameter_groups(sum(sizes), num_groups)
         self.bases_counts = bases_per_group(num_bases, [b - a for a, b in self.groups])
         self.subspace: AnchorSubspace | None = None
+        self._planned_embedding_clip = math.inf  # (the fit's C0, fixed at its plan: the embedding's noise is its)
 
     def step_plan(self) -> StepPlan:
         """Two releases on the batch, in units of ``clip = C1``: the embedding sum (sensitivity ``C0``, noise
         ``sqrt(2) sigma C0``) and the residual sum (``C1``, ``sqrt(2) sigma C1``): one Gaussian of multiplier
         ``sigma``. (An infinite clip is the noiseless ablation's: its units do not matter.)"""
+        self._planned_embedding_clip = self.embedding_clip
         finite = not (math.isinf(self.embedding_clip) or math.isinf(self.clip))
         ratio = self.embedding_clip / self.clip if finite else 1.0
         return (GaussianRelease(EMBEDDING, sensitivity=ratio, noise=math.sqrt(2) * ratio),
@@ -219,9 +221,15 @@ class GEP(PublicBatches, DPSGD):
         return False
 
     def clipped_sums(self, loss_fns: list) -> ClippedParts:
-        """``sum_i clip_C0(w_i)`` and ``sum_i clip_C1(r_i)``, micro-batch by micro-batch."""
+        """``sum_i clip_C0(w_i)`` and ``sum_i clip_C1(r_i)``, micro-batch by micro-batch. ``C0`` is at most the fit's
+        planned one: the embedding's noise is the plan's, so an ``embedding_clip`` raised within the fit (a callback,
+        a scheduler) clipped embeddings above it (red-team review 62; O2NC's ``difference_clip``, review 59)."""
         return self.engine.clipped_parts_microbatched(loss_fns, self.embedding_and_residual,
-                                                      (self.embedding_clip, self.clip))
+                                                      (self.embedding_clip_now(), self.clip))
+
+    def embedding_clip_now(self) -> float:
+        """This step's ``C0``: ``embedding_clip``, capped at the value the fit's plan noised for."""
+        return min(self.embedding_clip, self._planned_embedding_clip)
 
     def release_gradient(self, clipped: ClippedParts) -> list[Tensor]:
         """``V w~ + r~``, the two releases' sum, split back per parameter."""
