@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_zodp.algorithms import GEP
+from lit_zodp.algorithms import GEP, NonPrivateGEP
 from lit_zodp.algorithms.gep import EMBEDDING, RESIDUAL, anchor_subspace, bases_per_group, flatten_rows, \
     parameter_groups
 from lit_zodp.per_example import PerExampleGradientEngine
@@ -252,3 +252,30 @@ def test_the_kept_subspace_is_not_in_a_checkpoint():
     for t in tensors:
         for s in secret:
             assert not (t.shape == s.shape and torch.allclose(t.double(), s.double())), t.shape
+
+
+def dropout_mlp(seed=1):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("cls", [GEP, NonPrivateGEP])
+def test_every_rank_finds_the_same_subspace_with_dropout(cls):
+    """Under DDP each rank runs the anchor pass itself on the same public batch (checked) at the same weights: with a
+    dropout backbone the masks must be the same on every rank too, or each rank embeds in its own V_r, the all-reduced
+    embedding adds coordinates of different bases, and the ranks' weights part. Two runs of the pass at one point
+    stand for two ranks; torch's seeded streams stay where they were (the pass draws nothing from them)."""
+    module = cls(dropout_mlp(), lr=0.1, seed=3, clip=0.5, embedding_clip=1.0, **OPTIONS,
+                 **(dict(noise_multiplier=1.0, delta=1e-5) if cls is GEP else {}))
+    module.use_public_data([rows(PUBLIC_SET)])
+    x, y = rows(PRIVATE_SET)
+    quiet_trainer(max_steps=1).fit(module, full_batches(x, y, 1))
+    module.train()
+    before = torch.random.get_rng_state()
+    first = module.find_subspace(rows(PUBLIC_SET)).bases
+    second = module.find_subspace(rows(PUBLIC_SET)).bases
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert all(torch.equal(u, v) for u, v in zip(first, second))
+    with torch.no_grad():
+        module.backbone[2].p = 0.0  # (the masks matter: without dropout the subspace is another)
+    assert not all(torch.equal(u, v) for u, v in zip(first, module.find_subspace(rows(PUBLIC_SET)).bases))
