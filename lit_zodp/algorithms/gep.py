@@ -20,9 +20,9 @@ Choices, with where they come from:
   times ``L <- orth(G_g^T G_g L)``; ``orth`` is a Householder QR here (the code's Gram-Schmidt, up to the signs of
   columns). With fewer anchor gradients than bases the columns past their rank are an arbitrary orthonormal
   completion (the code normalises round-off there): they only add noise dimensions, so keep ``num_bases`` at most
-  ``num_groups * b'`` to avoid them (warned at the fit's first step). ``L``'s draw is public randomness from the run seed
-  and the step (every DDP rank the same subspace without communication); the subspace is a function of public data
-  and the released weights, so it costs no privacy.
+  ``num_groups * b'`` to avoid them (warned at the fit's first step). ``L``'s draw and the anchor pass's dropout are
+  public randomness from the run seed and the step (every DDP rank the same subspace without communication); the
+  subspace is a function of public data and the released weights, so it costs no privacy.
 * Clipping: the embedding is clipped as ONE vector over all groups (``C0``), the residual as one vector over all
   parameters (``C1``); the residual is taken against the UNCLIPPED embedding (the code's ``no_reduction_approx``).
 * Accounting (GEP Thm. 3.1; the code's ``get_sigma`` doubles the RDP): two Gaussian releases on the same batch, each
@@ -52,6 +52,7 @@ from lit_zodp.errors import LitZodpWarning, check_positive, check_positive_int, 
 from lit_zodp.per_example import ClippedParts
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
+from lit_zodp.privacy.training_randomness import keyed_training_randomness
 from lit_zodp.zo.philox import normal_range
 from lit_zodp.zo.seeds import derive_seed
 
@@ -192,11 +193,15 @@ class GEP(PublicBatches, DPSGD):
                           LitZodpWarning, stacklevel=2)
 
     # ------------------------------------------------------------------------------ verbs
-    def anchor_gradients(self, public_batch) -> Tensor:
-        """Per-example gradients ``[b', d]`` of the PUBLIC batch at the current weights (backprop on public data only;
-        its dropout drawn as a private forward's, so torch's seeded streams stay where they were)."""
+    def anchor_gradients(self, public_batch, seed: int) -> Tensor:
+        """Per-example gradients ``[b', d]`` of the PUBLIC batch at the current weights (backprop on public data only).
+        Its dropout is drawn from streams keyed by the step's public ``seed``, so every DDP rank draws the same masks
+        and finds the same subspace (secret states, as a private forward's, gave each rank its own ``V_r``: the
+        all-reduced embedding then added coordinates of different bases and the ranks' weights parted, review 62);
+        torch's seeded streams stay where they were."""
         inputs, targets = public_batch
-        with self.public_backprop(), self._no_ddp_grad_sync(), self._training_randomness():
+        with (self.public_backprop(), self._no_ddp_grad_sync(),
+              keyed_training_randomness(self.device, derive_seed(seed, 0, 1))):  # (the groups' starts: (seed, g, 0))
             grads = self.engine.per_example_gradients(
                 lambda: at_least_float32(per_example_loss(self.backbone, inputs, targets)))
         return flatten_rows(grads)
@@ -204,7 +209,7 @@ class GEP(PublicBatches, DPSGD):
     def find_subspace(self, public_batch) -> AnchorSubspace:
         """``V``: the power method on the anchor gradients, from this step's public draw (Alg. 1, lines 3-4)."""
         seed = derive_seed(self.run_seed, ANCHOR_STREAM, self.global_step)
-        anchors = self.anchor_gradients(public_batch)
+        anchors = self.anchor_gradients(public_batch, seed)
         if not getattr(self, "_bases_checked", False):
             self._warn_of_bases_past_the_anchors(len(anchors))
         return anchor_subspace(anchors, self.groups, self.bases_counts, self.power_iterations, seed)
