@@ -1724,12 +1724,13 @@ class _RecordedDropout(nn.Module):
     def __init__(self):
         super().__init__()
         self.masks = []
+        self.public = lambda: False  # (whether the forward is a public one: its masks are not kept)
 
     def forward(self, x):
         if not self.training:
             return x
         keep = torch.bernoulli(torch.full_like(x, 0.5))
-        if not bool((keep == 0.5).all()):
+        if not bool((keep == 0.5).all()) and not self.public():
             self.masks.append(keep.detach().clone())
         return x * keep * 2
 
@@ -1752,13 +1753,16 @@ def test_a_private_step_draws_nothing_from_the_seeded_streams_and_its_dropout_ma
     """The attacker knows the run seed, so torch's default streams are public: dropout drawn from them in a private
     forward gives row ``p`` the ``p``-th mask whoever sits there, and one added example moves every later row's term
     (audit, 2026-11-28: 31 C with full-batch sampling). Each private step leaves the streams where they were, and two
-    fits from one seed on the same batches draw different masks."""
+    fits from one seed on the same batches draw different masks in their private forwards (a public forward's may be
+    public: GEP's anchor pass keys them by the run seed and the step, so every DDP rank finds the same subspace)."""
     def run():
         pl.seed_everything(0)
         dropout = _RecordedDropout()
         backbone = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), dropout, nn.Linear(16, 3))
         streams = _SeededStreams()
-        fit(build(name, backbone), full_batch_loader(blobs(n=32), 3), 3, [streams])
+        module = build(name, backbone)
+        dropout.public = lambda: module.public_forward
+        fit(module, full_batch_loader(blobs(n=32), 3), 3, [streams])
         return dropout.masks, streams.unchanged
 
     masks, unchanged = run()

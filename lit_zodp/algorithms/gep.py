@@ -20,9 +20,9 @@ Choices, with where they come from:
   times ``L <- orth(G_g^T G_g L)``; ``orth`` is a Householder QR here (the code's Gram-Schmidt, up to the signs of
   columns). With fewer anchor gradients than bases the columns past their rank are an arbitrary orthonormal
   completion (the code normalises round-off there): they only add noise dimensions, so keep ``num_bases`` at most
-  ``num_groups * b'`` to avoid them (warned at the fit's first step). ``L``'s draw is public randomness from the run seed
-  and the step (every DDP rank the same subspace without communication); the subspace is a function of public data
-  and the released weights, so it costs no privacy.
+  ``num_groups * b'`` to avoid them (warned at the fit's first step). ``L``'s draw and the anchor pass's dropout are
+  public randomness from the run seed and the step (every DDP rank the same subspace without communication); the
+  subspace is a function of public data and the released weights, so it costs no privacy.
 * Clipping: the embedding is clipped as ONE vector over all groups (``C0``), the residual as one vector over all
   parameters (``C1``); the residual is taken against the UNCLIPPED embedding (the code's ``no_reduction_approx``).
 * Accounting (GEP Thm. 3.1; the code's ``get_sigma`` doubles the RDP): two Gaussian releases on the same batch, each
@@ -52,6 +52,7 @@ from lit_zodp.errors import LitZodpWarning, check_positive, check_positive_int, 
 from lit_zodp.per_example import ClippedParts
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
+from lit_zodp.privacy.training_randomness import keyed_training_randomness
 from lit_zodp.zo.philox import normal_range
 from lit_zodp.zo.seeds import derive_seed
 
@@ -166,11 +167,13 @@ class GEP(PublicBatches, DPSGD):
         self.groups = parameter_groups(sum(sizes), num_groups)
         self.bases_counts = bases_per_group(num_bases, [b - a for a, b in self.groups])
         self.subspace: AnchorSubspace | None = None
+        self._planned_embedding_clip = math.inf  # (the fit's C0, fixed at its plan: the embedding's noise is its)
 
     def step_plan(self) -> StepPlan:
         """Two releases on the batch, in units of ``clip = C1``: the embedding sum (sensitivity ``C0``, noise
         ``sqrt(2) sigma C0``) and the residual sum (``C1``, ``sqrt(2) sigma C1``): one Gaussian of multiplier
         ``sigma``. (An infinite clip is the noiseless ablation's: its units do not matter.)"""
+        self._planned_embedding_clip = self.embedding_clip
         finite = not (math.isinf(self.embedding_clip) or math.isinf(self.clip))
         ratio = self.embedding_clip / self.clip if finite else 1.0
         return (GaussianRelease(EMBEDDING, sensitivity=ratio, noise=math.sqrt(2) * ratio),
@@ -190,11 +193,15 @@ class GEP(PublicBatches, DPSGD):
                           LitZodpWarning, stacklevel=2)
 
     # ------------------------------------------------------------------------------ verbs
-    def anchor_gradients(self, public_batch) -> Tensor:
-        """Per-example gradients ``[b', d]`` of the PUBLIC batch at the current weights (backprop on public data only;
-        its dropout drawn as a private forward's, so torch's seeded streams stay where they were)."""
+    def anchor_gradients(self, public_batch, seed: int) -> Tensor:
+        """Per-example gradients ``[b', d]`` of the PUBLIC batch at the current weights (backprop on public data only).
+        Its dropout is drawn from streams keyed by the step's public ``seed``, so every DDP rank draws the same masks
+        and finds the same subspace (secret states, as a private forward's, gave each rank its own ``V_r``: the
+        all-reduced embedding then added coordinates of different bases and the ranks' weights parted, review 62);
+        torch's seeded streams stay where they were."""
         inputs, targets = public_batch
-        with self.public_backprop(), self._no_ddp_grad_sync(), self._training_randomness():
+        with (self.public_backprop(), self._no_ddp_grad_sync(),
+              keyed_training_randomness(self.device, derive_seed(seed, 0, 1))):  # (the groups' starts: (seed, g, 0))
             grads = self.engine.per_example_gradients(
                 lambda: at_least_float32(per_example_loss(self.backbone, inputs, targets)))
         return flatten_rows(grads)
@@ -202,7 +209,7 @@ class GEP(PublicBatches, DPSGD):
     def find_subspace(self, public_batch) -> AnchorSubspace:
         """``V``: the power method on the anchor gradients, from this step's public draw (Alg. 1, lines 3-4)."""
         seed = derive_seed(self.run_seed, ANCHOR_STREAM, self.global_step)
-        anchors = self.anchor_gradients(public_batch)
+        anchors = self.anchor_gradients(public_batch, seed)
         if not getattr(self, "_bases_checked", False):
             self._warn_of_bases_past_the_anchors(len(anchors))
         return anchor_subspace(anchors, self.groups, self.bases_counts, self.power_iterations, seed)
@@ -219,9 +226,15 @@ class GEP(PublicBatches, DPSGD):
         return False
 
     def clipped_sums(self, loss_fns: list) -> ClippedParts:
-        """``sum_i clip_C0(w_i)`` and ``sum_i clip_C1(r_i)``, micro-batch by micro-batch."""
+        """``sum_i clip_C0(w_i)`` and ``sum_i clip_C1(r_i)``, micro-batch by micro-batch. ``C0`` is at most the fit's
+        planned one: the embedding's noise is the plan's, so an ``embedding_clip`` raised within the fit (a callback,
+        a scheduler) clipped embeddings above it (red-team review 62; O2NC's ``difference_clip``, review 59)."""
         return self.engine.clipped_parts_microbatched(loss_fns, self.embedding_and_residual,
-                                                      (self.embedding_clip, self.clip))
+                                                      (self.embedding_clip_now(), self.clip))
+
+    def embedding_clip_now(self) -> float:
+        """This step's ``C0``: ``embedding_clip``, capped at the value the fit's plan noised for."""
+        return min(self.embedding_clip, self._planned_embedding_clip)
 
     def release_gradient(self, clipped: ClippedParts) -> list[Tensor]:
         """``V w~ + r~``, the two releases' sum, split back per parameter."""

@@ -130,5 +130,25 @@ def secret_streams(cuda_devices: Iterable[Union[int, torch.device]] = ()) -> Ite
             generator.set_state(state)
 
 
-__all__ = ["CUDA_SECRET_BITS", "GeneratorLayoutError", "MT_WORDS", "secret_cpu_generator", "secret_cpu_state",
-           "secret_cuda_state", "secret_streams", "secret_training_randomness"]
+@contextlib.contextmanager
+def keyed_training_randomness(device: torch.device, seed: int) -> Iterator[None]:
+    """Run the enclosed forward and backward of a PUBLIC computation that every DDP rank must repeat alike (GEP's
+    anchor gradients) with training-mode randomness keyed by the public ``seed``: torch's CPU generator and every
+    visible CUDA device's (each rank's model sits on its own device) seeded with it inside, their streams restored
+    after, on error too. Secret states (:func:`secret_training_randomness`) gave each rank its own dropout masks."""
+    cuda = list(torch.cuda.default_generators) if torch.device(device).type == "cuda" else []
+    cpu_before = torch.random.default_generator.get_state()
+    cuda_before = [generator.get_state() for generator in cuda]
+    try:
+        torch.random.default_generator.manual_seed(seed)
+        for generator in cuda:
+            generator.manual_seed(seed)
+        yield
+    finally:
+        torch.random.default_generator.set_state(cpu_before)
+        for generator, state in zip(cuda, cuda_before):
+            generator.set_state(state)
+
+
+__all__ = ["CUDA_SECRET_BITS", "GeneratorLayoutError", "MT_WORDS", "keyed_training_randomness", "secret_cpu_generator",
+           "secret_cpu_state", "secret_cuda_state", "secret_streams", "secret_training_randomness"]
