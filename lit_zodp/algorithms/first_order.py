@@ -29,9 +29,12 @@ from lit_zodp.per_example import ClippedSum, PerExampleGradientEngine
 from lit_zodp.per_example.engine import sum_dtype
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
 from lit_zodp.privacy.fixed_shape import split_rows
-from lit_zodp.privacy.training_randomness import secret_training_randomness
+from lit_zodp.privacy.training_randomness import keyed_training_randomness, secret_training_randomness
+from lit_zodp.zo.seeds import derive_seed
 
 GRADIENT = "gradient"
+#: Key of the public gradients' dropout draws (public randomness; never shared with other streams of the run seed).
+PUBLIC_GRADIENT_STREAM = 0x9B1C
 GRAD_MODES = ("hooks", "ghost", "bookkeeping", "vmap")
 
 
@@ -155,9 +158,19 @@ class FirstOrderModule(AlgorithmModule):
         return secret_training_randomness(self.device) if self.private else contextlib.nullcontext()
 
     def public_gradient(self, public_batch, params: Optional[list[Tensor]] = None) -> list[Tensor]:
-        """:meth:`AlgorithmModule.public_gradient` with its dropout drawn as a private forward's (secret states), so a
-        private step leaves torch's seeded streams where they were, public batch or not (DOPE-SGD, DPMD)."""
-        with self._training_randomness():
+        """:meth:`AlgorithmModule.public_gradient` (DOPE-SGD, DPMD, the public warm start) with its dropout drawn from
+        torch's streams keyed by the run seed, the step and the call's index in it, the streams restored after: public
+        randomness on public data, so every DDP rank draws the same masks and steps along the same public gradient
+        (secret states, as a private forward's, gave each rank its own: review 62), and a private step leaves torch's
+        seeded streams where they were."""
+        if self.run_seed is None:  # (outside a fit)
+            return super().public_gradient(public_batch, params)
+        step = self.global_step
+        last_step, calls = getattr(self, "_public_calls", (None, 0))
+        calls = calls + 1 if last_step == step else 0
+        self._public_calls = (step, calls)
+        seed = derive_seed(derive_seed(self.run_seed, PUBLIC_GRADIENT_STREAM, step), calls)
+        with keyed_training_randomness(self.device, seed):
             return super().public_gradient(public_batch, params)
 
     def _batch_gradient(self, loss_fns: list) -> ClippedSum:

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from lit_zodp.algorithms.dpsgd import DPSGD
 from lit_zodp.algorithms.public import PublicBatches
 from lit_zodp.backbones.base import batch_size_of, per_example_loss
-from lit_zodp.errors import LitZodpWarning, check_positive, check_positive_int, raise_if_any
+from lit_zodp.errors import ConfigError, LitZodpWarning, check_positive, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedParts
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
@@ -210,6 +210,9 @@ class GEP(PublicBatches, DPSGD):
         """``V``: the power method on the anchor gradients, from this step's public draw (Alg. 1, lines 3-4)."""
         seed = derive_seed(self.run_seed, ANCHOR_STREAM, self.global_step)
         anchors = self.anchor_gradients(public_batch, seed)
+        if not bool(anchors.isfinite().all()):  # (a NaN basis would zero every private row and NaN the weights)
+            raise ConfigError(f"GEP: the anchor gradients at step {self.global_step} are not finite (the public "
+                              "batch's loss is inf or NaN at these weights): lower `lr`, or check the public data")
         if not getattr(self, "_bases_checked", False):
             self._warn_of_bases_past_the_anchors(len(anchors))
         return anchor_subspace(anchors, self.groups, self.bases_counts, self.power_iterations, seed)

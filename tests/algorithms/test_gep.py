@@ -252,3 +252,16 @@ def test_more_bases_than_the_anchor_gradients_span_are_warned_of_once():
     with pytest.warns(LitZodpWarning, match=r"more bases than the 12 anchor gradients .* set num_bases <= 24") as seen:
         quiet_trainer(max_steps=2).fit(module, loaders())
     assert sum("anchor gradients" in str(w.message) for w in seen) == 1
+
+
+def test_a_non_finite_public_batch_is_refused_before_the_release():
+    """A NaN anchor gradient made the basis NaN, zeroed every private row and wrote NaN into every weight, silently."""
+    from lit_zodp.errors import ConfigError
+
+    x, y = rows(PUBLIC_SET)
+    x = x.clone()
+    x[2, 0] = float("nan")
+    module = GEP(mlp(seed=1), lr=0.1, clip=0.5, noise_multiplier=1.0, seed=3, **OPTIONS).use_public_data([(x, y)])
+    with pytest.raises(ConfigError, match="anchor gradients at step 0 are not finite"):
+        quiet_trainer(max_steps=2).fit(module, poisson_loader(blobs(), 0.25, seed=1))
+    assert module.privacy.ledger.total_count == 0

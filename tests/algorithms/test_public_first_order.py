@@ -87,3 +87,22 @@ def test_the_canary_audit_refuses_dpmd_while_its_weights_mix_in_the_public_gradi
     audit = CanaryAudit(*[t[:1] for t in rows(PRIVATE_SET)])
     with pytest.raises(ConfigError, match="DPMD's weights show a_t times its release"):
         quiet_trainer(max_steps=2, callbacks=[audit]).fit(module, loaders())
+
+
+def test_the_public_gradient_draws_one_dropout_on_every_rank_and_leaves_the_seeded_streams():
+    """Review 62: the public gradient's dropout came from secret states, so under DDP each rank stepped along its own
+    public gradient and the replicas parted. It is keyed by the run seed, the step and the call (public randomness
+    on public data): two ranks agree, the next call in a step (the warm start's batches) draws other masks, and
+    torch's seeded streams are where they were."""
+    def rank():
+        torch.manual_seed(0)
+        backbone = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Dropout(0.5), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 3))
+        return DOPESGD(backbone, lr=0.1, clip=1.0, noise_multiplier=1.0, seed=3)
+
+    first, second = rank(), rank()
+    state = torch.random.get_rng_state()
+    mine, theirs = first.public_gradient(rows(PUBLIC_SET)), second.public_gradient(rows(PUBLIC_SET))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    assert not all(torch.equal(a, b) for a, b in zip(mine, first.public_gradient(rows(PUBLIC_SET))))
