@@ -147,7 +147,7 @@ def test_the_step_is_one_gaussian_of_multiplier_sigma():
     """The two releases (noise sqrt(2) sigma C0 and sqrt(2) sigma C1) compose into multiplier sigma: GEP spends what
     DP-SGD spends at the same sigma and sampling, and calibrates the same sigma for a target epsilon."""
     def spent(cls, **extra):
-        module = cls(mlp(seed=1), lr=0.05, seed=3, clip=0.5, delta=1e-5, **extra)
+        module = cls(mlp(seed=1), lr=0.05, seed=3, clip=0.5, delta=1e-5, accountant="rdp", **extra)
         if cls is GEP:
             module.use_public_data([rows(PUBLIC_SET)])
         quiet_trainer(max_steps=5).fit(module, poisson_loader(blobs(), 0.25, seed=1))
