@@ -75,7 +75,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Collection, Hashable, Mapping, Sequence
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import numpy as np
 import torch
@@ -655,11 +655,13 @@ class PromptTextDataModule(PublicPrivateDataModule):
         public_task: a task whose training file is a separate public source (PAZO: SNLI for MNLI); it
             must have the same classes and fields. Its own repeats are dropped; private rows equal to one
             of its examples leave the private set (never the reverse: the public split depends on its
-            file alone).
-        public_data_dir: folder of ``public_task`` (``data_dir`` when ``None``).
+            file alone). A list of tasks mixes their draws (PAZO Table 7's half-half: ``[MNLI, SNLI]`` with
+            ``public_k_shot: [50, 50]``); the same task as ``task`` draws from its training file apart from the
+            private draw (Table 7's in-distribution public data). An example a later source repeats is kept once.
+        public_data_dir: folder of ``public_task`` (``data_dir`` when ``None``); every source's when a list.
         public_data_format: layout of ``public_task``'s folder.
-        public_k_shot: public examples per class (PAZO: 100); ``None`` keeps all (``max_public_samples``
-            caps them).
+        public_k_shot: public examples per class (PAZO: 100), or one count per source of a ``public_task`` list;
+            ``None`` keeps all (``max_public_samples`` caps them).
         **kwargs: :class:`PublicPrivateDataModule` arguments (batch_size, data_seed, sampling, ...).
 
     Attributes:
@@ -685,10 +687,10 @@ class PromptTextDataModule(PublicPrivateDataModule):
         num_dev: Optional[int] = None,
         num_test: Optional[int] = None,
         test_seed: Optional[int] = None,
-        public_task: Optional[str] = None,
+        public_task: Optional[Union[str, list[str]]] = None,
         public_data_dir: Optional[str] = None,
         public_data_format: Literal["auto", "glue", "lm-bff", "superglue", "hf"] = "auto",
-        public_k_shot: Optional[int] = None,
+        public_k_shot: Optional[Union[int, list[int]]] = None,
         dedupe: bool = False,
         first_sent_limit: Optional[int] = None,
         truncation: Optional[Literal["fields", "tail"]] = None,
@@ -720,7 +722,9 @@ class PromptTextDataModule(PublicPrivateDataModule):
         self.pad_to_max_length = pad_to_max_length
         self.bos_token_id = bos_token_id
         self.spec: Optional[TaskSpec] = _try_task(task)
-        self.public_spec: Optional[TaskSpec] = _try_task(public_task) if public_task is not None else None
+        self.public_tasks: list = list(public_task) if isinstance(public_task, (list, tuple)) else (
+            [] if public_task is None else [public_task])
+        self.public_specs: list[Optional[TaskSpec]] = [_try_task(t) for t in self.public_tasks]
         # (a task whose candidates vary per example knows its K after reading the data: see load_splits)
         self.known_num_classes = self.spec.num_classes or None if self.spec is not None else None
         self._tokenizer = None
@@ -733,7 +737,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
             check_positive_int("max_length", self.max_length),
             *(
                 _check_optional_positive(name, getattr(self, name))
-                for name in ("k_shot", "num_train", "k_dev", "num_dev", "num_test", "public_k_shot", "first_sent_limit")
+                for name in ("k_shot", "num_train", "k_dev", "num_dev", "num_test", "first_sent_limit")
             ),
         ]
         errors += [check_bool(name, getattr(self, name)) for name in ("dedupe", "faithful", "pad_to_max_length")]
@@ -766,20 +770,28 @@ class PromptTextDataModule(PublicPrivateDataModule):
             errors.append(f"Expected `test_seed` to be an int or None, but got {self.test_seed!r}")
         if not isinstance(self.tokenizer_name, str) or not self.tokenizer_name.strip():
             errors.append(f"Expected `tokenizer` to be a model id or path, but got {self.tokenizer_name!r}")
-        if self.public_task is not None:
-            if self.public_spec is None:
-                errors.append(f"Unknown public_task {self.public_task!r}; expected one of "
-                              f"{[*TASK_NAMES, *VARYING_TASK_NAMES]}")
-            elif self.spec is not None and (
-                self.public_spec.labels != self.spec.labels or self.public_spec.fields != self.spec.fields
-            ):
+        errors += self._public_task_errors()
+        return errors
+
+    def _public_task_errors(self) -> list[Optional[str]]:
+        """``public_task`` (one task or a list) and ``public_k_shot`` (a count, or one per listed task)."""
+        counts = self.public_k_shot if isinstance(self.public_k_shot, (list, tuple)) else [self.public_k_shot]
+        errors = [_check_optional_positive("public_k_shot", k) for k in counts]
+        if not self.public_tasks:
+            return errors + [None if self.public_k_shot is None else "`public_k_shot` needs `public_task`"]
+        if isinstance(self.public_k_shot, (list, tuple)) and len(self.public_k_shot) != len(self.public_tasks):
+            errors.append(f"`public_k_shot` gives {len(self.public_k_shot)} counts for {len(self.public_tasks)} "
+                          f"public tasks {self.public_tasks}: one per task, or one count for all")
+        if len(set(map(str, self.public_tasks))) != len(self.public_tasks):
+            errors.append(f"`public_task` lists a task twice: {self.public_tasks}")
+        for task, spec in zip(self.public_tasks, self.public_specs):
+            if spec is None:
+                errors.append(f"Unknown public_task {task!r}; expected one of {[*TASK_NAMES, *VARYING_TASK_NAMES]}")
+            elif self.spec is not None and (spec.labels != self.spec.labels or spec.fields != self.spec.fields):
                 errors.append(
-                    f"public_task {self.public_spec.name} must share the classes and fields of {self.spec.name}: "
-                    f"{list(self.public_spec.labels)} / {list(self.public_spec.fields)} vs "
-                    f"{list(self.spec.labels)} / {list(self.spec.fields)}"
+                    f"public_task {spec.name} must share the classes and fields of {self.spec.name}: "
+                    f"{list(spec.labels)} / {list(spec.fields)} vs {list(self.spec.labels)} / {list(self.spec.fields)}"
                 )
-        elif self.public_k_shot is not None:
-            errors.append("`public_k_shot` needs `public_task`")
         return errors
 
     # ------------------------------------------------------------------------- attributes
@@ -875,7 +887,7 @@ class PromptTextDataModule(PublicPrivateDataModule):
         pool = PromptRecords.from_split(train, pool_idx)
         test = PromptRecords.from_split(data.test, row_subset(data.test, self.num_test, self.resolved_test_seed))
         pool_ids = [record_key(spec, r) for r in pool.records]
-        public = self._load_public() if self.public_task is not None else None
+        public = self._load_public() if self.public_tasks else None
         num_classes = spec.num_classes
         if spec.varying_candidates is not None:  # every split padded to one K: the most candidates of any example
             every = [*pool.records, *(dev.records if dev is not None else ()), *test.records,
@@ -908,19 +920,33 @@ class PromptTextDataModule(PublicPrivateDataModule):
         return LMBFF_TEST_SEED if self.k_shot is not None else self.data_seed
 
     def _load_public(self) -> tuple[PromptRecords, list[Hashable]]:
-        """The separate public source (PAZO), a function of its file alone (its own repeats dropped)."""
-        spec = self.public_spec
+        """The separate public sources (PAZO), a function of their files alone (each one's repeats dropped; an
+        example a later source repeats kept once). Source ``j`` draws with ``data_seed + PUBLIC_SEED_OFFSET + j``."""
+        counts = (self.public_k_shot if isinstance(self.public_k_shot, (list, tuple))
+                  else [self.public_k_shot] * len(self.public_specs))
+        records, labels, keys = [], [], set()
+        for offset, (spec, k) in enumerate(zip(self.public_specs, counts)):
+            public = self._draw_public(spec, k, self.data_seed + PUBLIC_SEED_OFFSET + offset)
+            for record, label in zip(public.records, public.labels.tolist()):
+                key = record_key(self.spec, record)
+                if key not in keys:
+                    keys.add(key)
+                    records.append(record)
+                    labels.append(label)
+        return PromptRecords(records, labels), [record_key(self.spec, r) for r in records]
+
+    def _draw_public(self, spec: TaskSpec, k_shot: Optional[int], seed: int) -> PromptRecords:
+        """``k_shot`` examples per class of ``spec``'s training file (all of them: ``None``), its repeats dropped."""
         option = "public_data_dir" if self.public_data_dir else "data_dir"
-        data = self._read(spec, option, getattr(self, option), self.public_data_format, self.public_k_shot)
+        data = self._read(spec, option, getattr(self, option), self.public_data_format, k_shot)
         train = data.train
         drop = repeated_examples(self.spec, train)
-        if self.public_k_shot is not None and data.data_format != "lm-bff":
-            order = shuffled_examples(train, self.data_seed + PUBLIC_SEED_OFFSET, exclude=drop)
-            index, _ = k_shot_draw(train.labels, order, self.public_k_shot, what=f"public {spec.name}")
+        if k_shot is not None and data.data_format != "lm-bff":
+            order = shuffled_examples(train, seed, exclude=drop)
+            index, _ = k_shot_draw(train.labels, order, k_shot, what=f"public {spec.name}")
         else:
             index = [i for i in range(len(train)) if i not in drop]
-        public = PromptRecords.from_split(train, index)
-        return public, [record_key(self.spec, r) for r in public.records]
+        return PromptRecords.from_split(train, index)
 
     def materialize(self, dataset: Dataset) -> TensorPairDataset:
         """Render and tokenize a kept split in the chosen prompt mode."""

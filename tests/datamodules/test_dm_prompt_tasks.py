@@ -347,6 +347,40 @@ def test_duplicates_dropped_and_public_task_disjoint(tmp_path, tokenizers):
         make_dm(tmp_path, "RTE", public_task="SNLI")
 
 
+def test_public_tasks_mix_their_draws_and_the_private_task_can_be_one(tmp_path, tokenizers):
+    """PAZO Table 7: public MNLI (in distribution, drawn from the private task's own file apart from its private draw),
+    SNLI, and half of each. Each source draws its own k per class; private rows equal to any public example leave."""
+    write_task_files(tmp_path, "MNLI", "glue", per_class=20)
+    snli = write_task_files(tmp_path, "SNLI", "glue", per_class=20) / "train.tsv"
+    snli.write_text(snli.read_text().replace("\tA ", "\tPublic: A "))  # the two files share no pair
+
+    def public_keys(**options):
+        dm = make_dm(tmp_path, "MNLI", k_shot=6, tokenizer=tokenizers["roberta"], **options)
+        dm.setup()
+        pool = [record_key(dm.spec, r) for r in dm.pool_dataset.records]
+        public = dm._load_public()[0]
+        keys = [record_key(dm.spec, r) for r in public.records]
+        assert not {pool[i] for i in dm.private_indices} & set(keys)  # no public example is private
+        return keys, Counter(public.labels.tolist())
+
+    snli_only, counts = public_keys(public_task="SNLI", public_k_shot=2)
+    assert counts == {0: 2, 1: 2, 2: 2} and all(key[0].startswith("Public:") for key in snli_only)
+    mnli_only, counts = public_keys(public_task="MNLI", public_k_shot=2)
+    assert counts == {0: 2, 1: 2, 2: 2} and not any(key[0].startswith("Public:") for key in mnli_only)
+    mixed, counts = public_keys(public_task=["MNLI", "SNLI"], public_k_shot=[1, 1])
+    assert counts == {0: 2, 1: 2, 2: 2} and sum(key[0].startswith("Public:") for key in mixed) == 3
+    assert public_keys(public_task="SNLI", public_k_shot=2)[0] == snli_only  # a function of the files alone
+    # the first source draws as a single public task does (Table 5's configs unchanged); the second with its own seed
+    one, _ = public_keys(public_task="MNLI", public_k_shot=1)
+    assert mixed[:3] == one
+    for bad, message in ((dict(public_task=["MNLI", "SNLI"], public_k_shot=[1]), "2 public tasks"),
+                         (dict(public_task=["SNLI", "SNLI"]), "lists a task twice"),
+                         (dict(public_task=["SNLI", "RTE"]), "share the classes"),
+                         (dict(public_task=["SNLI"], public_k_shot=[0]), "public_k_shot")):
+        with pytest.raises(PrivacyConfigError, match=message):
+            make_dm(tmp_path, "MNLI", **bad)
+
+
 def _swap_pair(path, old, new):
     """Rewrite the (M/S)NLI file ``path`` with ``new`` in the text fields of the row holding ``old``."""
     rows = [line.split("\t") for line in path.read_text().splitlines()]
