@@ -78,8 +78,15 @@ code's shared warm-started model), not IMDB (the paper names none); Tiny-ImageNe
 (the notes report augmentation for CIFAR-10 only); the IMDB vocabulary is built from the public reviews (App. C.1
 builds it on IMDB's training set, the private set here, whose frequent words would be released unaccounted).
 
-Not written: Table 7's public-data shifts (the DataModules' ``public_class_weights`` and the
-MNLI public sets can express them), and the non-private rows (SGD, MeZO).
+Table 7 (``table7_<model>_<task>_<method>_public-<setting>_eps1.yaml``, 18 files): PAZO-M, PAZO-P and PAZO-S at
+epsilon = 1 with the public data shifted, each the method's Table 2 (CIFAR-10) or Table 5 (MNLI) epsilon = 1 config
+with other public data: CIFAR-10's 2,000 public images drawn per class with App. C.1's slight imbalance [1 : ... :
+0.85], the big one [1.0 : 0.9 : ... : 0.1], or half of each (``public_selection: per_class``,
+``public_class_weights``); MNLI's 100 public examples per class from MNLI's training file (apart from the private
+draw), from SNLI, or 50 of each (``public_task`` a list). The paper's gamma is not computed (it reads private
+gradients).
+
+Not written: the non-private rows (SGD, MeZO).
 """
 
 from __future__ import annotations
@@ -449,9 +456,9 @@ def task_describe(task: str, method: str) -> str:
     if method == "pazos":
         text += "; the k losses and the explored one clipped to [-C, C]: k + 1 private loss queries per step."
     if method == "gep":
-        text += ("; C (the residual's C1) as tuned; the embedding's C0 = 5, 1000 bases in 3 parameter groups, one power "
-                 "iteration (the authors' code; PAZO tunes C1 only). The b' anchor gradients span at most 3 b' of the "
-                 "bases, the rest only add noise dimensions (the library warns)")
+        text += ("; C (the residual's C1) as tuned; the embedding's C0 = 5, 1000 bases in 3 parameter groups, one "
+                 "power iteration (the authors' code; PAZO tunes C1 only). The b' anchor gradients span at most 3 b' of "
+                 "the bases, the rest only add noise dimensions (the library warns)")
     if method in FIRST_ORDER:
         text += "; per-example gradients materialised (grad_mode: hooks), plain SGD."
     if method == "dpzero":
@@ -483,6 +490,54 @@ def task_config_name(task: str, method: str, level: str) -> str:
     return f"table{TABLE_OF[task]}_{MODEL_NAME[task]}_{task.replace('-', '')}_{method}_{level}.yaml"
 
 
+# ------------------------------------------------------------------------------------------- Table 7
+#: Table 7 (App. C.1, "public data of different extents of distribution shifts", epsilon = 1, PAZO-M / P / S):
+#: CIFAR-10's public images with a slight class imbalance (class-size ratios [1 : ... : 0.85]), a big one
+#: ([1.0 : 0.9 : ... : 0.1]) or half of each; MNLI's public examples from MNLI's training file (in distribution), SNLI's, or half of each
+TABLE7_METHODS = ("pazom", "pazop", "pazos")
+SLIGHT = [round(1.0 - 0.15 * c / 9, 6) for c in range(10)]
+BIG = [round(1.0 - 0.1 * c, 6) for c in range(10)]
+#: half of the public images drawn with each profile: the class shares of the two halves added
+HALF_HALF = [round(a / sum(SLIGHT) + b / sum(BIG), 6) for a, b in zip(SLIGHT, BIG)]
+TABLE7_CIFAR = {"slight": SLIGHT, "half-half": HALF_HALF, "big": BIG}
+TABLE7_MNLI = {"mnli": ("MNLI", PUBLIC_K_SHOT), "half-half": (["MNLI", "SNLI"], [PUBLIC_K_SHOT // 2] * 2),
+               "snli": ("SNLI", PUBLIC_K_SHOT)}
+TABLE7_SETTING_TEXT = {
+    ("cifar10", "slight"): "the slight class imbalance [1 : ... : 0.85] (linear; the paper's reference row, Table 2's "
+                           "epsilon = 1 cell, which the Table 2 configs draw as the authors' code does: the pool's "
+                           "first 2,000 images)",
+    ("cifar10", "half-half"): "half of the 2,000 with the slight imbalance, half with the big one (the class shares of "
+                              "the two profiles added)",
+    ("cifar10", "big"): "the big class imbalance [1.0 : 0.9 : ... : 0.1] (out of distribution)",
+    ("mnli", "mnli"): "100 MNLI training examples per class drawn apart from the private ones (in distribution; "
+                      "private rows equal to one leave the private set)",
+    ("mnli", "half-half"): "50 MNLI and 50 SNLI training examples per class",
+    ("mnli", "snli"): "100 SNLI training examples per class (Table 5's public data, the paper's reference row)",
+}
+
+
+def table7_config(task: str, setting: str, method: str) -> tuple[str, dict]:
+    """Table 7's cell: the method's epsilon = 1 config of Table 2 (CIFAR-10) or Table 5 (MNLI), its public data
+    replaced by the setting's."""
+    if task == "cifar10":
+        header, body = task_config("cifar10", method, "eps1")
+        body["data"]["init_args"] |= {"public_selection": "per_class", "public_class_weights": TABLE7_CIFAR[setting]}
+    else:
+        header, body = config(method, "eps1")
+        tasks, k_shot = TABLE7_MNLI[setting]
+        body["data"]["init_args"] |= {"public_task": tasks, "public_k_shot": k_shot}
+    text = (f"PAZO paper, Table 7, {'CIFAR-10' if task == 'cifar10' else 'MNLI'}, public data: "
+            f"{TABLE7_SETTING_TEXT[task, setting]}; row '{ROWS[method]}', epsilon = 1. Everything but the public "
+            f"draw is the Table {2 if task == 'cifar10' else 5} config's below (its header); the paper's gamma (the "
+            "public and private gradients' distance) is a non-private diagnostic, not computed here.")
+    return textwrap.fill(text, width=110, break_on_hyphens=False) + "\n" + header, body
+
+
+def table7_config_name(task: str, setting: str, method: str) -> str:
+    model = "nfresnet18" if task == "cifar10" else "roberta-base"
+    return f"table7_{model}_{task}_{method}_public-{setting}_eps1.yaml"
+
+
 def all_configs() -> dict[Path, str]:
     files = {}
     for method in EPOCHS:
@@ -494,6 +549,11 @@ def all_configs() -> dict[Path, str]:
             for level in TASK_EPSILONS[task]:
                 files[ROOT / task_config_name(task, method, level)] = dpzero.render(
                     *task_config(task, method, level), usage=USAGE)
+    for task, settings in (("cifar10", TABLE7_CIFAR), ("mnli", TABLE7_MNLI)):
+        for setting in settings:
+            for method in TABLE7_METHODS:
+                files[ROOT / table7_config_name(task, setting, method)] = dpzero.render(
+                    *table7_config(task, setting, method), usage=USAGE)
     return dict(sorted(files.items()))
 
 
