@@ -52,6 +52,19 @@ def importable_from(folder) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
 
 
+def run_ddp(command, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True, **kwargs)`` of a DDP fit, run again (up to twice more)
+    where rank 0's store could not listen on its port (EADDRINUSE). Lightning picks ``MASTER_PORT`` by binding port 0
+    and closing the socket; until the store binds it, any socket of another process (the other pytest-xdist worker's
+    DDP fit: its store, gloo's pairs, its connections) may take the same ephemeral port, ~1 in 14-28 thousand per
+    socket made in that window. A retry draws another port; a failure of anything else is returned as it is."""
+    for _ in range(3):
+        result = subprocess.run(command, capture_output=True, text=True, **kwargs)
+        if not any(mark in result.stderr.lower() for mark in ("eaddrinuse", "address already in use")):
+            break
+    return result
+
+
 def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None, callbacks=()):
     config = yaml.safe_load(yaml.safe_dump(TINY))
     config["trainer"].update(max_steps=16, devices=devices, default_root_dir=str(tmp_path / name),
@@ -78,8 +91,7 @@ def run(tmp_path, name, algorithm, devices, model_args=None, data_args=None, cal
         if not Path(executable).exists():
             pytest.skip("lit-zodp console script not installed (pip install -e .)")
         env = importable_from(tmp_path)
-        result = subprocess.run([executable, *arguments], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=600)
+        result = run_ddp([executable, *arguments], cwd=tmp_path, env=env, timeout=600)
         assert result.returncode == 0, result.stderr[-4000:]
     checkpoint = torch.load(tmp_path / name / "last.ckpt", weights_only=False, map_location="cpu")
     return checkpoint
@@ -264,8 +276,7 @@ def test_a_refusal_on_one_rank_stops_every_rank_in_one_line_each(tmp_path, rank)
     path = tmp_path / f"refusal-on-rank-{rank}.yaml"
     path.write_text(yaml.safe_dump(config))
     env = importable_from(tmp_path)
-    result = subprocess.run([executable, "fit", "--config", str(path)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = run_ddp([executable, "fit", "--config", str(path)], cwd=tmp_path, env=env, timeout=300)
     errors = [line for line in result.stderr.splitlines() if line.startswith("lit-zodp: error:")]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert errors[0] == f"lit-zodp: error: rank {rank}: refused on this rank's batch"
@@ -353,8 +364,8 @@ def run_qa(tmp_path, name, devices) -> list[list[dict]]:
     executable = shutil.which("lit-zodp") or str(Path(sys.executable).parent / "lit-zodp")
     if not Path(executable).exists():
         pytest.skip("lit-zodp console script not installed (pip install -e .)")
-    result = subprocess.run([executable, "fit", "--config", str(path)], cwd=tmp_path, env=importable_from(tmp_path),
-                            capture_output=True, text=True, timeout=600)
+    result = run_ddp([executable, "fit", "--config", str(path)], cwd=tmp_path, env=importable_from(tmp_path),
+                     timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return [[json.loads(line) for line in (tmp_path / name / f"metrics.rank{r}.jsonl").read_text().splitlines()]
             for r in range(devices)]

@@ -209,7 +209,9 @@ def test_the_noise_of_a_dpgrape_step_lives_in_the_projected_coordinates_with_std
             return torch.zeros(x.shape[0], 3) + 0.0 * self.w(torch.zeros(x.shape[0], 400)).sum()
 
     sigma, clip, n = 2.0, 0.5, 80
-    module = DPGRAPE(Flat(), lr=0.1, clip=clip, noise_multiplier=sigma, seed=0, rank=8)
+    # a test noise seed: deterministic. From the OS, the three 5-standard-error checks below failed about 1.2e-6 of
+    # runs (two-sided 5 sigma on the mean, and the chi-square tails of the std's over 3200 values: 5.8e-7 each)
+    module = DPGRAPE(Flat(), lr=0.1, clip=clip, noise_multiplier=sigma, seed=0, rank=8, noise_seed=4)
     trainer = quiet_trainer(max_steps=1)
     trainer.fit(module, full_batch(blobs(n=n), 1))
     state = trainer.optimizers[0].state[module.backbone.w.weight]

@@ -108,7 +108,9 @@ class Flat(nn.Module):
 def test_the_noise_of_a_dpsgd_step_has_std_lr_sigma_clip_over_b():
     sigma, clip, lr, q = 2.0, 0.5, 0.1, 0.1
     dataset = blobs(n=80)
-    module = DPSGD(Flat(), lr=lr, clip=clip, noise_multiplier=sigma, seed=0)
+    # a test noise seed: deterministic. From the OS, the two 5-standard-error checks below failed about 1.2e-6 of runs
+    # (the chi-square tails of the std of 1001 values, 6.1e-7, and two-sided 5 sigma on their mean, 5.7e-7)
+    module = DPSGD(Flat(), lr=lr, clip=clip, noise_multiplier=sigma, seed=0, noise_seed=4)
     before = flat(module.backbone)
     quiet_trainer(max_steps=1).fit(module, poisson_loader(dataset, q))
     step = (flat(module.backbone) - before).numpy()

@@ -1,7 +1,6 @@
 """The CPU thread loops of the engine and the host noise (``lit_zodp.zo.parallel``)."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -10,20 +9,24 @@ from lit_zodp.zo.parallel import map_on_threads
 
 
 def test_map_on_threads_shares_the_work_between_the_calling_thread_and_the_pool():
-    """Every thread takes the next index when free: with work that releases the GIL (a sleep, as NumPy's random
-    fills do) both threads take about half of the indices. Before, the calling thread took index 0 only and one
-    pool thread all the others, so a release's noise parts were drawn on one core."""
+    """Every thread takes the next index when free: with work that releases the GIL (a wait, as NumPy's random
+    fills do) both threads take half of the indices. Before, the calling thread took index 0 only and one pool
+    thread all the others, so a release's noise parts were drawn on one core (here: the barrier never fills).
+
+    Each item waits at a two-thread barrier, so the threads take one index each per round: exactly 6 each, whatever
+    the scheduler does. (A 10 ms sleep per item and a 3..9 bound for the caller failed when one thread was held
+    back ~40 ms longer than the other on a loaded machine.)"""
     caller = threading.get_ident()
     taken = []
+    both = threading.Barrier(2, timeout=60)  # (broken only where one thread takes every index: the old bug)
 
     def work(i: int) -> int:
         taken.append(threading.get_ident())
-        time.sleep(0.01)
+        both.wait()
         return i * i
 
     assert map_on_threads(work, 12, workers=2) == [i * i for i in range(12)]
-    by_caller = taken.count(caller)
-    assert len(set(taken)) == 2 and 3 <= by_caller <= 9
+    assert len(set(taken)) == 2 and taken.count(caller) == 6
 
 
 def test_map_on_threads_raises_the_first_error_and_runs_serially_when_nested():
