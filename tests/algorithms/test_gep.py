@@ -180,7 +180,6 @@ def release_scores(canary, steps=150, sigma=1.0, c0=0.02, c1=0.01):
                  noise_seed=0, num_bases=4, num_groups=2)
     module.use_public_data([blobs(n=12, features=10, classes=3, seed=7).tensors])
     start = {n: p.detach().clone() for n, p in backbone.named_parameters()}
-    released = []
 
     class Restart(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -188,6 +187,14 @@ def release_scores(canary, steps=150, sigma=1.0, c0=0.02, c1=0.01):
                 for n, p in backbone.named_parameters():
                     p.copy_(start[n])
 
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=FullBatchSampler(8, steps_per_epoch=steps),
+                        collate_fn=collate_tensors)
+    return recorded_fit(module, loader, steps, [Restart()]), module
+
+
+def recorded_fit(module, loader, steps, callbacks=()):
+    """Fit ``module`` and return every ``(name, clipped sum, released)`` of its releases, in order."""
+    released = []
     original = PrivacyComponent.release
 
     def recording(self, clipped_sum, name, **kwargs):
@@ -197,12 +204,10 @@ def release_scores(canary, steps=150, sigma=1.0, c0=0.02, c1=0.01):
 
     PrivacyComponent.release = recording
     try:
-        loader = DataLoader(TensorDataset(x, y), batch_sampler=FullBatchSampler(8, steps_per_epoch=steps),
-                            collate_fn=collate_tensors)
-        quiet_trainer(max_steps=steps, callbacks=[Restart()]).fit(module, loader)
+        quiet_trainer(max_steps=steps, callbacks=list(callbacks)).fit(module, loader)
     finally:
         PrivacyComponent.release = original
-    return released, module
+    return released
 
 
 def scores_of(released, directions, size=8.0, c0=0.02, c1=0.01):

@@ -17,31 +17,13 @@ from lit_zodp.algorithms.gep import EMBEDDING, RESIDUAL, anchor_subspace, bases_
     parameter_groups
 from lit_zodp.per_example import PerExampleGradientEngine
 from lit_zodp.privacy import FullBatchSampler, PrivacyComponent
+from tests.algorithms.test_gep import OPTIONS, recorded_fit
 from tests.algorithms.test_pazo import PRIVATE_SET, PUBLIC_SET, rows
 from tests.conftest import blobs, collate_tensors, mlp, poisson_loader, quiet_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:`noise_seed` is set",
                                         "ignore:GEP.*more bases")
 
-OPTIONS = dict(num_bases=6, num_groups=2)
-
-
-def recorded_fit(module, loader, steps, callbacks=()):
-    """Fit ``module`` and return every ``(name, clipped sum, released)`` of its releases, in order."""
-    released = []
-    original = PrivacyComponent.release
-
-    def recording(self, clipped_sum, name, **kwargs):
-        out = original(self, clipped_sum, name, **kwargs)
-        released.append((name, clipped_sum.detach().clone(), out.detach().clone()))
-        return out
-
-    PrivacyComponent.release = recording
-    try:
-        quiet_trainer(max_steps=steps, callbacks=list(callbacks)).fit(module, loader)
-    finally:
-        PrivacyComponent.release = original
-    return released
 
 
 def full_batches(x, y, steps):
