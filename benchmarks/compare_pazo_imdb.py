@@ -18,8 +18,8 @@ Data. This machine has neither ``aclImdb/`` nor Amazon Polarity, so both are bui
   the configs' 10,000 (the LSTM's 10,002-row embedding keeps its unused rows), and 10.4% of the tokens of the 2,000
   evaluated test reviews (first 290 of each) are ``<unk>``.
 
-Methods (``--methods``; GEP only when asked: about 2 minutes per step here, most of it the QR of its three
-[466k, 333] bases): the committed configs ``configs/pazo/table4_lstm_imdb_<method>_eps<epsilon>.yaml`` run through
+Methods (``--methods``; GEP only when asked: 73 s per step here, most of it the QR of its three [466k, 333]
+bases, ``benchmarks/profile_gep_lstm.py``): the committed configs ``configs/pazo/table4_lstm_imdb_<method>_eps<epsilon>.yaml`` run through
 the real CLI
 (``python -m lit_zodp.cli fit``) with only these overrides: the data folders, ``--trainer.max_steps``, the CPU, no
 logger, checkpoint or progress bar (and ``--data.init_args.max_length`` if given). ``public only`` is the PAZO-S
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the configs' epsilon column")
     parser.add_argument("--methods", default=",".join(m for m in METHODS if m != "gep"),
                         help="comma-separated subset of " + ", ".join(METHODS) + " (default: all but GEP, whose step "
-                        "takes about 2 minutes on this CPU at the config's 1000 bases)")
+                        "takes about a minute on this CPU at the config's 1000 bases)")
     parser.add_argument("--max-length", type=int, default=None, help="tokens per review (default: the configs' 290)")
     parser.add_argument("--data-dir", default=None, help="where to build (or find) aclImdb/ and "
                         "amazon_review_polarity_csv/ (default: a temp dir, removed at the end)")

@@ -76,7 +76,8 @@ def bases_per_group(num_bases: int, sizes: list[int]) -> list[int]:
 
 @dataclass
 class AnchorSubspace:
-    """The anchor subspace: per group ``[start, end)`` an orthonormal basis ``V_g [n_g, k_g]`` (float32)."""
+    """The anchor subspace: per group ``[start, end)`` an orthonormal basis ``V_g [n_g, k_g]`` (float32, or float64
+    for float64 weights)."""
 
     groups: list[tuple[int, int]]
     bases: list[Tensor]
@@ -117,9 +118,10 @@ def anchor_subspace(anchors: Tensor, groups: list[tuple[int, int]], counts: list
     the 155M starting values of a 1.4M-parameter LSTM's group in minutes on a CPU.)"""
     bases = []
     for index, ((a, b), k) in enumerate(zip(groups, counts)):
-        block = anchors[:, a:b].float()
+        block = at_least_float32(anchors[:, a:b])  # (float64 weights: float64 bases, as their rows)
         generator = torch.Generator(device=anchors.device).manual_seed(derive_seed(seed, index))
-        start = torch.randn(b - a, k, generator=generator, device=anchors.device)
+        start = torch.randn(b - a, k, generator=generator, device=anchors.device,
+                            dtype=torch.float32).to(block.dtype)  # (float32 draws whatever the default dtype)
         for _ in range(power_iterations):
             start = torch.linalg.qr(block.T @ (block @ start)).Q
         bases.append(start)

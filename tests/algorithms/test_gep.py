@@ -57,17 +57,18 @@ def test_the_power_method_spans_the_anchor_gradients_top_subspace():
 
 
 # ------------------------------------------------------------------------------------------ the step, naively
-def naive_gep_step(module, before, c0, c1, public_rows=12):
+def naive_gep_step(module, before, c0, c1, public_rows=12, dtype=torch.float32):
     """Alg. 1 at sigma = 0 from autograd: per-example gradients of the private set, anchor gradients of the public
     batch, the power method from the module's seed, embedding and residual clipped apart, divided by B."""
     backbone = module.backbone
     x, y = rows(PRIVATE_SET)
     px, py = rows(PUBLIC_SET, public_rows)
+    x, px = x.to(dtype), px.to(dtype)
     anchors = torch.stack([flat(gradient_at(backbone, before, px[i:i + 1], py[i:i + 1])) for i in range(len(py))])
     seed = derive_seed(module.run_seed, ANCHOR_STREAM, 0)
     subspace = anchor_subspace(anchors, module.groups, module.bases_counts, module.power_iterations, seed)
-    embedding_sum = torch.zeros(subspace.dimension)
-    residual_sum = torch.zeros(len(anchors[0]))
+    embedding_sum = torch.zeros(subspace.dimension, dtype=dtype)
+    residual_sum = torch.zeros(len(anchors[0]), dtype=dtype)
     clipped = [0, 0]
     for i in range(len(y)):
         g = flat(gradient_at(backbone, before, x[i:i + 1], y[i:i + 1]))[None]
@@ -270,3 +271,16 @@ def test_a_non_finite_public_batch_is_refused_before_the_release():
     with pytest.raises(ConfigError, match="anchor gradients at step 0 are not finite"):
         quiet_trainer(max_steps=2).fit(module, poisson_loader(blobs(), 0.25, seed=1))
     assert module.privacy.ledger.total_count == 0
+
+
+def test_a_float64_model_steps_in_float64():
+    """Float64 weights give float64 anchor gradients, bases and parts (float32 bases failed the embedding's matmul)."""
+    lr, c0, c1 = 0.3, 0.9, 2.0
+    module = GEP(mlp(seed=1), lr=lr, clip=c1, embedding_clip=c0, noise_multiplier=0.0, seed=3, **OPTIONS)
+    quiet_trainer(max_steps=1, precision="64-true").fit(module, loaders())  # (the module and batches in float64)
+    after = [p.detach().clone() for p in module.backbone.parameters()]
+    assert after[0].dtype == torch.float64
+    before = [p.detach().double() for p in mlp(seed=1).parameters()]
+    step, _ = naive_gep_step(module, before, c0, c1, dtype=torch.float64)
+    # (the engine's clip keeps a 2^-20 margin, the naive one none: clipped rows differ by ~1e-6 of their share)
+    torch.testing.assert_close(flat(after), flat(before) - lr * step, rtol=1e-5, atol=1e-7)
