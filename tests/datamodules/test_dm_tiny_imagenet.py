@@ -129,3 +129,24 @@ def test_images_of_another_size_are_refused(tmp_path):
     Image.new("RGB", (SIDE + 4, SIDE)).save(root / "train" / WNIDS[1] / "images" / f"{WNIDS[1]}_2.JPEG")
     with pytest.raises(ConfigError, match=f"{WNIDS[1]}_2.JPEG is 20x16, but the first image is 16x16"):
         make(tmp_path)
+
+
+def test_setup_after_prepare_data_reuses_the_arrays_it_decoded(tmp_path, monkeypatch):
+    """One process's prepare_data decodes (and caches); its setup takes those arrays, neither decoding nor reading the
+    cache back (about 6 s for the full set). Another file list is decoded again."""
+    root = fake_tiny_imagenet(tmp_path)
+    dm = TinyImageNetDataModule(data_dir=str(tmp_path), cache=True, batch_size=4, public_fraction=0.0)
+    dm.prepare_data()
+
+    def refused(what):
+        def call(*args, **kwargs):
+            raise AssertionError(what)
+        return call
+
+    monkeypatch.setattr(vision.np, "load", refused("read back"))
+    monkeypatch.setattr(vision, "decode_images", refused("decoded again"))
+    dm.setup("fit")
+    assert len(dm.pool_dataset) == 15
+    (root / "train" / WNIDS[0] / "images" / f"{WNIDS[0]}_0.JPEG").unlink()  # another file list: another key
+    with pytest.raises(AssertionError, match="decoded again"):
+        dm.decoded_arrays()
