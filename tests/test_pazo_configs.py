@@ -184,11 +184,16 @@ def test_config_injects_the_rdp_noise_of_its_budget(path):
 def tiny_nli(tmp_path_factory):
     """A tiny RoBERTa (the real from_pretrained path) and LM-BFF-layout MNLI and SNLI folders; SNLI's pairs differ from
     MNLI's (the synthetic writer gives both tasks the same texts), so no private row gives way to a public one."""
-    root = tmp_path_factory.mktemp("pazo")
+    return tiny_nli_files(tmp_path_factory.mktemp("pazo"), per_class=4)
+
+
+def tiny_nli_files(root: Path, per_class: int) -> tuple[str, Path]:
+    """A tiny RoBERTa under ``root`` and MNLI / SNLI files of ``per_class`` examples per class (SNLI's pairs start with
+    "Public:"): the model's path and the data folder."""
     words = list(get_task("MNLI").label_words)
     roberta = save_tiny_pretrained(root / "roberta", "roberta", vocab_texts=[" ".join(words * 20), "Public:"])
-    write_task_files(root / "original", "MNLI", "glue", per_class=4)
-    snli = write_task_files(root / "original", "SNLI", "glue", per_class=4) / "train.tsv"
+    write_task_files(root / "original", "MNLI", "glue", per_class=per_class)
+    snli = write_task_files(root / "original", "SNLI", "glue", per_class=per_class) / "train.tsv"
     snli.write_text(snli.read_text().replace("\tA ", "\tPublic: A "))
     return roberta, root / "original"
 

@@ -3,7 +3,6 @@ is its method's Table 2 (CIFAR-10) or Table 5 (MNLI) epsilon = 1 config with onl
 profiles are App. C.1's (written out here), and one config of each task runs through the CLI on fabricated files."""
 
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import yaml
@@ -89,9 +88,9 @@ def test_config_runs_on_fabricated_files(path, cifar_root, tmp_path, monkeypatch
 
         overrides = tiny_overrides(base_config(task, method), config, cifar_root)
     else:
-        from tests.test_pazo_configs import tiny_overrides
+        from tests.test_pazo_configs import tiny_nli_files, tiny_overrides
 
-        roberta, data_dir = _tiny_nli(tmp_path)
+        roberta, data_dir = tiny_nli_files(tmp_path, per_class=6)  # (6: public MNLI rows beside the private ones)
         overrides = tiny_overrides(config, roberta, data_dir)
     cli = build_cli(["fit", "--config", str(path), *overrides])
     model, dm = cli.model, cli.datamodule
@@ -109,16 +108,3 @@ def test_config_runs_on_fabricated_files(path, cifar_root, tmp_path, monkeypatch
         pool = [record_key(dm.spec, r) for r in dm.pool_dataset.records]
         assert not {pool[i] for i in dm.private_indices} & set(keys)
 
-
-def _tiny_nli(root: Path):
-    """A tiny RoBERTa and MNLI / SNLI files (test_pazo_configs's fixture, built here for one test)."""
-    from datamodules.testing import write_task_files
-    from datamodules.text_tasks import get_task
-    from lit_zodp.backbones import save_tiny_pretrained
-
-    words = list(get_task("MNLI").label_words)
-    roberta = save_tiny_pretrained(root / "roberta", "roberta", vocab_texts=[" ".join(words * 20), "Public:"])
-    write_task_files(root / "original", "MNLI", "glue", per_class=6)
-    snli = write_task_files(root / "original", "SNLI", "glue", per_class=6) / "train.tsv"
-    snli.write_text(snli.read_text().replace("\tA ", "\tPublic: A "))
-    return roberta, root / "original"

@@ -48,10 +48,11 @@ from torch import Tensor, nn
 from lit_zodp.algorithms.dpsgd import DPSGD
 from lit_zodp.algorithms.public import PublicBatches
 from lit_zodp.backbones.base import batch_size_of, per_example_loss
-from lit_zodp.errors import ConfigError, LitZodpWarning, check_positive, check_positive_int, raise_if_any
+from lit_zodp.errors import ConfigError, LitZodpWarning, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedParts
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
+from lit_zodp.privacy.component import clip_errors
 from lit_zodp.privacy.training_randomness import keyed_training_randomness
 from lit_zodp.zo.seeds import derive_seed
 
@@ -154,14 +155,11 @@ class GEP(PublicBatches, DPSGD):
     def __init__(self, backbone: nn.Module, *, embedding_clip: float = 5.0, num_bases: int = 1000,
                  num_groups: int = 3, power_iterations: int = 1, **kwargs: Any) -> None:
         mode = kwargs.get("grad_mode", "hooks")
-        noised = kwargs.get("target_epsilon") is not None or kwargs.get("noise_multiplier", None)
+        budget = (kwargs.get("target_epsilon"), kwargs.get("noise_multiplier")) if self.private else (None, None)
         raise_if_any([
             None if mode in ("hooks", "vmap") else
             f"GEP embeds materialised per-example gradients: expected `grad_mode` 'hooks' or 'vmap', but got {mode!r}",
-            check_positive("embedding_clip", embedding_clip, allow_inf=True),
-            None if not (self.private and noised and math.isinf(embedding_clip)) else
-            "Expected a finite `embedding_clip` for a private run (the embedding's noise std is sqrt(2) sigma "
-            "embedding_clip), but got inf",
+            *clip_errors("embedding_clip", embedding_clip, *budget, noise_std="sqrt(2) sigma * embedding_clip"),
             check_positive_int("num_bases", num_bases), check_positive_int("num_groups", num_groups),
             check_positive_int("power_iterations", power_iterations)])
         super().__init__(backbone, **kwargs)

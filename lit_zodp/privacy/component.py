@@ -951,9 +951,7 @@ class NonPrivate:
 
 def config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, eps_error) -> list:
     """Every problem of a privacy configuration, as messages naming the option."""
-    errors = [check_positive("clip", clip, allow_inf=True), check_positive("eps_error", eps_error)]
-    if isinstance(clip, (int, float)) and math.isinf(clip) and (target_epsilon is not None or noise_multiplier):
-        errors.append("Expected a finite `clip` for a private run (noise std is sigma * clip), but got inf")
+    errors = [*clip_errors("clip", clip, target_epsilon, noise_multiplier), check_positive("eps_error", eps_error)]
     if (target_epsilon is None) == (noise_multiplier is None):
         errors.append("Give exactly one of `target_epsilon` and `noise_multiplier` "
                       f"(got target_epsilon={target_epsilon}, noise_multiplier={noise_multiplier})")
@@ -968,6 +966,14 @@ def config_errors(clip, target_epsilon, noise_multiplier, delta, max_epsilon, ep
                       "infinite): drop max_epsilon for an ablation, or give a noise_multiplier > 0")
     if delta is not None:
         errors.append(check_delta(delta))
+    return errors
+
+
+def clip_errors(name: str, clip, target_epsilon, noise_multiplier, noise_std: str = "sigma * clip") -> list:
+    """A clip ``name``: positive, and finite where the run adds noise (its noise std, ``noise_std``, is a multiple)."""
+    errors = [check_positive(name, clip, allow_inf=True)]
+    if isinstance(clip, (int, float)) and math.isinf(clip) and (target_epsilon is not None or noise_multiplier):
+        errors.append(f"Expected a finite `{name}` for a private run (noise std is {noise_std}), but got inf")
     return errors
 
 
@@ -1028,4 +1034,4 @@ def _smallest(*values: Optional[float]) -> Optional[float]:
 
 
 __all__ = ["DirectionRelease", "MAX_EPSILON", "NonPrivate", "PrivacyComponent", "budget_order_error",
-           "config_errors"]
+           "clip_errors", "config_errors"]
