@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 try:
     import triton
@@ -24,13 +25,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_interpreted(script: str, tmp_path_factory, name: str = "interpreted"):
-    """Run ``python script OUT`` under ``TRITON_INTERPRET=1`` and load what it saved to ``OUT``."""
+    """Run ``python script OUT`` under ``TRITON_INTERPRET=1`` and load what it saved to ``OUT``.
+
+    Once per test run: under pytest-xdist the first worker to need it runs it (20-30 s of interpreted kernels on
+    two cores) in the workers' shared temporary folder, and the others wait for that file and read it."""
     if triton is None:
         pytest.skip("needs the `triton` package")
-    path = tmp_path_factory.mktemp(name) / "runs.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, script, str(path)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = shared / f"{name}-{Path(script).stem}.pt"
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+            partial = path.with_suffix(".partial")
+            done = subprocess.run([sys.executable, script, str(partial)], env=env, capture_output=True, text=True,
+                                  timeout=600)
+            assert done.returncode == 0, done.stderr[-4000:]
+            partial.replace(path)
     return torch.load(path, weights_only=False)
 
 
