@@ -45,6 +45,9 @@ class Sampler:
     supports: Optional[Callable[[nn.Module], bool]] = None
     weight_rows: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None
     parameters: Optional[FrozenSet[str]] = None
+    #: A call's rows as positions ``[B, T, ...]`` (``a``) and ``[B, T, out]`` (``g``), in the form ``norms`` takes:
+    #: the rows of several calls concatenated along ``T`` are one call's, whose gradient is the calls' sum.
+    positions: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None
 
     def sum_over_examples(self, layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
         """``sum_i G_i``; without a ``summed`` rule, materialise and reduce."""
@@ -69,12 +72,14 @@ def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
                      summed: Optional[LayerRule] = None,
                      supports: Optional[Callable[[nn.Module], bool]] = None,
                      weight_rows: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None,
-                     parameters: Optional[Iterable[str]] = None):
+                     parameters: Optional[Iterable[str]] = None,
+                     positions: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None):
     """Decorator registering ``fn(layer, a, g) -> {name: [B, *shape]}`` for ``layer_types``.
 
     ``register_sampler(nn.Linear)(fn)`` replaces any earlier rule for ``nn.Linear``. ``parameters``:
     the direct parameter names the rule forms; a layer holding others (the old-style
     ``torch.nn.utils.weight_norm``'s ``weight_g``/``weight_v`` on a Linear) gets no rule (``None``: any).
+    ``positions``: see :attr:`Sampler.positions`.
     """
     raise_if_any([None if layer_types else "Expected at least one layer type in `register_sampler`"]
                  + [None if isinstance(t, type) and issubclass(t, nn.Module)
@@ -84,7 +89,7 @@ def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
     def decorator(fn: LayerRule) -> LayerRule:
         for layer_type in layer_types:
             _SAMPLERS[layer_type] = Sampler(fn, norms, summed, supports, weight_rows,
-                                            None if parameters is None else frozenset(parameters))
+                                            None if parameters is None else frozenset(parameters), positions)
         return fn
 
     return decorator
@@ -142,10 +147,43 @@ def _as_sequences(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
 # ------------------------------------------------------------------------------------------ Linear
 
 
+#: Positions per block of :func:`outer_grads`: every product it forms contracts exactly this many.
+OUTER_BLOCK = 32
+
+
 def outer_grads(a: Tensor, g: Tensor) -> Tensor:
     """``G_i = sum_t g_{i,t} a_{i,t}^T`` ``[B, out, in]`` from ``a [B, T, in]``, ``g [B, T, out]``
-    (Goodfellow 2015)."""
-    return torch.bmm(g.transpose(1, 2), a)
+    (Goodfellow 2015), rounded the same whatever zero positions pad the rows at their end.
+
+    One ``bmm`` over ``T`` rounds each example's terms in an order set by ``T``, the batch's padded width: CPU
+    ``bmm`` takes a naive loop (FMAs in order) below 400 multiply-adds per matrix and MKL above, so an example's
+    ``G_i``, and the ``hooks`` norm bound measured from it, moved by an ulp with its batch-mates' lengths (an
+    ``LSTMClassifier``'s input layer, ``Linear(8, 16)``: two tokens padded to 2 and to 64). Here every product is
+    one ``[B, out, OUTER_BLOCK] x [B, OUTER_BLOCK, in]`` ``bmm`` (the last block zero-padded), and the ``k`` blocks'
+    products are added as a complete binary tree over ``2^m >= k`` leaves, the missing ones zero (a binary counter,
+    then its partial sums from the smallest up: what the zero leaves would give). Zero positions at the end of the
+    rows add exact zeros, inside a block or as whole blocks at the top of the tree, so ``G_i`` is bit for bit that of
+    the example's own rows at any padded width; it is still a sum of its ``n`` non-zero products, within
+    ``gamma_n sum_t |g_t| |a_t|`` of the exact one. One position needs no sum: ``fl(g a^T)`` from any kernel.
+    Cost (B = 64, ``Linear(128, 256)``, 1 thread): 4.7 ms for 2.9 ms of one ``bmm`` at T = 64, 25 ms for 10 ms at
+    T = 256; ``log2 k`` partial sums held, and the last block padded (``[B, OUTER_BLOCK, in + out]``)."""
+    positions = a.shape[1]
+    if positions <= 1:
+        return torch.bmm(g.transpose(1, 2), a)
+    partials: list = []  # (leaves, sum): the binary counter, the largest subtree first
+    for start in range(0, positions, OUTER_BLOCK):
+        block_a, block_g = a[:, start:start + OUTER_BLOCK], g[:, start:start + OUTER_BLOCK]
+        pad = OUTER_BLOCK - block_a.shape[1]
+        if pad:
+            block_a, block_g = F.pad(block_a, (0, 0, 0, pad)), F.pad(block_g, (0, 0, 0, pad))
+        leaves, total = 1, torch.bmm(block_g.transpose(1, 2), block_a)
+        while partials and partials[-1][0] == leaves:
+            leaves, total = 2 * leaves, partials.pop()[1] + total
+        partials.append((leaves, total))
+    total = partials.pop()[1]
+    while partials:
+        total = partials.pop()[1] + total
+    return total
 
 
 def outer_norms_sq(a: Tensor, g: Tensor) -> Tensor:
@@ -197,7 +235,7 @@ def _linear_rows(layer: nn.Linear, a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor
 
 
 register_sampler(nn.Linear, parameters=WEIGHT_AND_BIAS, norms=_linear_norms, summed=_linear_summed,
-                 weight_rows=_linear_rows)(_linear_grads)
+                 weight_rows=_linear_rows, positions=_linear_rows)(_linear_grads)
 
 
 # --------------------------------------------------------------------------------------- Embedding
@@ -247,7 +285,7 @@ def _embedding_summed(layer: nn.Embedding, idx: Tensor, g: Tensor) -> Dict[str, 
 
 
 register_sampler(nn.Embedding, parameters=WEIGHT_AND_BIAS, norms=_embedding_norms, summed=_embedding_summed,
-                 supports=_embedding_supported)(_embedding_grads)
+                 supports=_embedding_supported, positions=_embedding_rows)(_embedding_grads)
 
 
 # ----------------------------------------------------------------------------------- Normalisation
