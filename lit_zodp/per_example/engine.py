@@ -1025,8 +1025,11 @@ class PerExampleGradientEngine:
         norms = sampler.norms_sq(first.layer, torch.cat([a for a, _ in rows], 1), g)
         within = (torch.linalg.vector_norm(g, ord=1, dim=-1) != 0).sum(1) <= ROWS_BOUND_POSITIONS  # (NaN rows count)
         for local, i in first.mine.items():
+            use = within & torch.isfinite(batch.dense[i]).flatten(1).all(1)
+            if bool(use.all()):  # (the common case: no second norm of the materialised rows)
+                batch.dense_norm_sq[i] = norms[local]
+                continue
             materialised = _row_norm_sq(batch.dense[i])  # (not finite where the float32 rows overflowed: factor 0)
-            use = within & torch.isfinite(materialised)
             batch.dense_norm_sq[i] = torch.where(use, norms[local], materialised.to(norms[local].dtype))
 
     def _mine(self, call: LayerCall, plan: Dict[int, object]) -> Dict[str, int]:

@@ -147,43 +147,10 @@ def _as_sequences(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
 # ------------------------------------------------------------------------------------------ Linear
 
 
-#: Positions per block of :func:`outer_grads`: every product it forms contracts exactly this many.
-OUTER_BLOCK = 32
-
-
 def outer_grads(a: Tensor, g: Tensor) -> Tensor:
     """``G_i = sum_t g_{i,t} a_{i,t}^T`` ``[B, out, in]`` from ``a [B, T, in]``, ``g [B, T, out]``
-    (Goodfellow 2015), rounded the same whatever zero positions pad the rows at their end.
-
-    One ``bmm`` over ``T`` rounds each example's terms in an order set by ``T``, the batch's padded width: CPU
-    ``bmm`` takes a naive loop (FMAs in order) below 400 multiply-adds per matrix and MKL above, so an example's
-    ``G_i``, and the ``hooks`` norm bound measured from it, moved by an ulp with its batch-mates' lengths (an
-    ``LSTMClassifier``'s input layer, ``Linear(8, 16)``: two tokens padded to 2 and to 64). Here every product is
-    one ``[B, out, OUTER_BLOCK] x [B, OUTER_BLOCK, in]`` ``bmm`` (the last block zero-padded), and the ``k`` blocks'
-    products are added as a complete binary tree over ``2^m >= k`` leaves, the missing ones zero (a binary counter,
-    then its partial sums from the smallest up: what the zero leaves would give). Zero positions at the end of the
-    rows add exact zeros, inside a block or as whole blocks at the top of the tree, so ``G_i`` is bit for bit that of
-    the example's own rows at any padded width; it is still a sum of its ``n`` non-zero products, within
-    ``gamma_n sum_t |g_t| |a_t|`` of the exact one. One position needs no sum: ``fl(g a^T)`` from any kernel.
-    Cost (B = 64, ``Linear(128, 256)``, 1 thread): 4.7 ms for 2.9 ms of one ``bmm`` at T = 64, 25 ms for 10 ms at
-    T = 256; ``log2 k`` partial sums held, and the last block padded (``[B, OUTER_BLOCK, in + out]``)."""
-    positions = a.shape[1]
-    if positions <= 1:
-        return torch.bmm(g.transpose(1, 2), a)
-    partials: list = []  # (leaves, sum): the binary counter, the largest subtree first
-    for start in range(0, positions, OUTER_BLOCK):
-        block_a, block_g = a[:, start:start + OUTER_BLOCK], g[:, start:start + OUTER_BLOCK]
-        pad = OUTER_BLOCK - block_a.shape[1]
-        if pad:
-            block_a, block_g = F.pad(block_a, (0, 0, 0, pad)), F.pad(block_g, (0, 0, 0, pad))
-        leaves, total = 1, torch.bmm(block_g.transpose(1, 2), block_a)
-        while partials and partials[-1][0] == leaves:
-            leaves, total = 2 * leaves, partials.pop()[1] + total
-        partials.append((leaves, total))
-    total = partials.pop()[1]
-    while partials:
-        total = partials.pop()[1] + total
-    return total
+    (Goodfellow 2015)."""
+    return torch.bmm(g.transpose(1, 2), a)
 
 
 def outer_norms_sq(a: Tensor, g: Tensor) -> Tensor:

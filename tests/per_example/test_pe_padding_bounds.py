@@ -39,10 +39,16 @@ class MaskedBag(nn.Module):
         return self.head((hidden * mask).sum(1) / mask.sum(1).clamp_min(1))
 
 
-#: LSTM initialisations (seeds 4 and of 1000-1039) whose bounds differed between widths before the engine
-#: formed a padded ``Linear``'s per-example gradient in blocks (1010: "hooks", two tokens) and bounded a layer called
-#: once per step from its calls' rows (1006: "ghost" and "bookkeeping", two tokens; 1024: every mode).
+#: LSTM initialisations (seeds 4 and of 1000-1039) whose bounds differed between widths before a layer called once
+#: per step was bounded from its calls' rows (1006: "ghost" and "bookkeeping", two tokens; 1024: every mode), or that
+#: still differ by an ulp in "hooks" (1010, 1024: :data:`HOOKS_ULP`).
 LSTM_SEEDS = (4, 1006, 1010, 1024)
+#: "hooks" forms a ``Linear``'s per-example gradient with one ``bmm`` over the padded width, whose CPU kernel (a naive
+#: FMA loop below 400 multiply-adds per matrix, MKL above) adds an example's terms in another order at another width:
+#: its bound may move by a float32 ulp (seeds 1010 and 1024, two tokens, padded to 2 and 64). Left as the sum's own
+#: rounding is (docs/privacy.md, "The per-example gradient engine", review 61 follow-up): a fixed-order blocked
+#: ``bmm`` removed it at 1.6x (T = 64) to 2.5x (T = 256) the cost of the product.
+HOOKS_ULP = 2.0 ** -23
 
 
 def layout_exact_cell(gates, c):
@@ -94,12 +100,15 @@ def test_an_examples_norm_bound_is_the_same_whatever_its_batch_is_padded_to(mode
     """The bounds of the same rows padded to their own length, one more, and 64 (two-token rows: the bag's layer
     switches from the Gram matrices to the materialised gradient at ``T = 3``), and one-token rows padded to 1, 2 and
     8 (``T = 1`` has its own formula, which an example with one non-zero term now takes at every ``T``): bit for
-    bit. Before review 61: 1e-5 relative at 64 (6e-8 at one more); before the blocked ``Linear`` gradients and the
-    bounds from a multi-call layer's rows, one float32 ulp for 1 LSTM init in 7 (:data:`LSTM_SEEDS`)."""
+    bit, but for the LSTM in "hooks" (within :data:`HOOKS_ULP` relative). Before review 61: 1e-5 relative at 64
+    (6e-8 at one more); before a multi-call layer was bounded from its calls' rows, 9e-8 relative in the LSTM's
+    bound (4e-6 in its hidden layer's, called once per step: :data:`LSTM_SEEDS`)."""
     monkeypatch.setattr(lstm_module, "lstm_cell", layout_exact_cell)
     g = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(2, 30, (ROWS, length), generator=g), torch.randint(0, 2, (ROWS,), generator=g)
     first, *others = bounds_at_widths(model_of().float(), ids, labels, mode, widths)  # (float32: the default here
     # is float64, whose rounding the bounds' float32 results would not show)
+    ulp_allowed = mode == "hooks" and model_of is not MaskedBag
     for width, bounds in zip(widths[1:], others):
-        assert torch.equal(bounds, first), (width, ((bounds.double() - first.double()) / first.double()).abs().max())
+        relative = ((bounds.double() - first.double()) / first.double()).abs().max()
+        assert relative <= HOOKS_ULP if ulp_allowed else torch.equal(bounds, first), (width, relative)
