@@ -93,7 +93,7 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, ParameterWrites, R
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import at_least_float32
 from lit_zodp.per_example.reference import call_gradients, is_batched
-from lit_zodp.per_example.rounding import forward_autocast, outside_autocast, working_eps
+from lit_zodp.per_example.rounding import HALF_DTYPES, forward_autocast, outside_autocast, working_eps
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
 from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape
@@ -242,6 +242,9 @@ class _Batch:
     dense: Dict[int, Tensor] = field(default_factory=dict)
     ghost: List[_Part] = field(default_factory=list)
     ghost_norm_sq: Dict[int, Tensor] = field(default_factory=dict)
+    #: Squared norm bounds of ``dense`` parameters taken from their calls' rows (:meth:`PerExampleGradientEngine.
+    #: _bound_from_rows`), in place of the bound of the materialised rows.
+    dense_norm_sq: Dict[int, Tensor] = field(default_factory=dict)
     projected: Set[int] = field(default_factory=set)
     unit_sums: Dict[int, Tensor] = field(default_factory=dict)
     unit_diffs: Dict[int, Tensor] = field(default_factory=dict)
@@ -349,6 +352,10 @@ def _by_module(calls: list) -> Dict[int, list]:
         grouped.setdefault(id(call.module), []).append(call)
     return grouped
 
+
+#: Non-zero positions up to which :meth:`PerExampleGradientEngine._bound_from_rows` bounds an example from its rows:
+#: ``gamma_n <= (n + 2) u`` needs ``n (n + 2) u <= 2`` (``u = 2^-23``, a TF32 matmul's accumulation: ``n <= 4094``).
+ROWS_BOUND_POSITIONS = 2048
 
 #: Elements of the float64 copy of one slice of materialised rows in :func:`_dense_sum` (32 MiB).
 DENSE_CHUNK = 1 << 22
@@ -970,6 +977,7 @@ class PerExampleGradientEngine:
         keeps its gradients implicit (norms now, sums after clipping). Calls whose gradient was
         consumed in the backward ("ghost" mode) have no ``grad`` and are skipped."""
         single = {id(call) for call, _ in self._single_use_calls(plan, tape)} if ghost else set()
+        dense: Dict[int, List[_Part]] = {}
         for call in tape.layer_calls:
             mine = self._mine(call, plan)
             if call.grad is None or not mine:
@@ -980,6 +988,49 @@ class PerExampleGradientEngine:
                     batch.ghost_norm_sq.update(part.norms_sq())
                     continue
                 _add_dense(batch, part.grads())
+                dense.setdefault(id(call.module), []).append(part)
+        for parts in dense.values():
+            self._bound_from_rows(plan, parts, batch)
+
+    def _bound_from_rows(self, plan: Dict[int, object], parts: List[_Part], batch: _Batch) -> None:
+        """"ghost" and "bookkeeping": the norm bounds of a layer called several times (an RNN's hidden-to-hidden
+        ``Linear``, once per step) from its calls' rows concatenated along the positions, by the rule that bounds a
+        single call's, not from the materialised sum of the calls.
+
+        The number of calls is the batch's padded length: a one-token row padded to 2 gave the layer one call
+        (implicit, its norm by the ghost rule) and padded to 3 two (materialised, the bound of the rows): an
+        example's bound moved by 4e-6 relative with its batch-mates' lengths. A padding call's rows are zero, and
+        the rule counts only non-zero positions (:func:`~.ghost.active_positions`), so the example's bound is the
+        same at every width. It bounds the materialised rows' norm: they are ``sum_c fl(G_{i,c})``, each element
+        ``n`` non-zero products added in some order, within ``gamma_n sum_t |g_t| |a_t|`` of ``G_i`` (Higham, Lemma
+        3.1 and Sec. 3.1), so of norm at most ``||G_i|| + gamma_n S_i``, which the rule's ``(n + 2) u S_i`` (with the
+        operands' conversion) covers while ``n (n + 2) u <= 2`` (:func:`~.ghost.guarded_norm_sq`; one term:
+        ``fl(g a^T)``, within ``u`` relative, as the rule's own sums). An example with more than
+        :data:`ROWS_BOUND_POSITIONS` non-zero output-gradient rows (counted on its own rows), or whose materialised
+        rows are not finite (an overflow the rows' float64 bound would not show), keeps the bound of its materialised
+        rows. Only for a rule whose rows are positions (``Linear``, ``Embedding``), all the parameters'
+        calls this layer's, untransformed, and rows of at least float32 (half-precision rows are materialised in
+        their dtype, which the rule's float32 rounding does not cover); others keep the bound of the materialised
+        rows."""
+        first = parts[0]
+        sampler = first.sampler
+        if (self.transform is not None or sampler.positions is None
+                or any(part.layer is not first.layer or part.mine != first.mine for part in parts)
+                or any(c.module is not first.layer for i in first.mine.values() for c in plan[i].calls)
+                or any(x.dtype in HALF_DTYPES for part in parts for x in (part.a, part.g))):
+            return
+        rows = [sampler.positions(first.layer, at_least_float32(part.a), at_least_float32(part.g))
+                for part in parts]
+        g = torch.cat([g for _, g in rows], 1)
+        norms = sampler.norms_sq(first.layer, torch.cat([a for a, _ in rows], 1), g)
+        within = (torch.linalg.vector_norm(g, ord=1, dim=-1) != 0).sum(1) <= ROWS_BOUND_POSITIONS  # (NaN rows count)
+        for local, i in first.mine.items():
+            use = within & torch.isfinite(batch.dense[i]).flatten(1).all(1)
+            if bool(use.all()):  # (the common case: no second norm of the materialised rows)
+                batch.dense_norm_sq[i] = norms[local]
+                continue
+            materialised = _row_norm_sq(batch.dense[i])  # (not finite where the float32 rows overflowed: factor 0)
+            batch.dense_norm_sq[i] = torch.where(use, norms[local], materialised.to(norms[local].dtype))
 
     def _mine(self, call: LayerCall, plan: Dict[int, object]) -> Dict[str, int]:
         """The call's direct parameters whose per-example gradients come from the layer rules."""
@@ -1074,6 +1125,7 @@ class PerExampleGradientEngine:
         for i in indices:
             batch.dense.pop(i, None)
             batch.ghost_norm_sq.pop(i, None)
+            batch.dense_norm_sq.pop(i, None)
         for part in batch.ghost:
             part.mine = {local: i for local, i in part.mine.items() if i not in indices}
         batch.ghost = [part for part in batch.ghost if part.mine]
@@ -1102,7 +1154,8 @@ class PerExampleGradientEngine:
         (index ``>= examples``) at factor 0."""
         count = len(self.params)
         dense = {i: self._transformed(i, batch.dense[i], batch) for i in range(count) if i in batch.dense}
-        norm_sq = [_row_norm_sq(dense[i]) if i in dense else batch.ghost_norm_sq[i] for i in range(count)]
+        norm_sq = [batch.dense_norm_sq[i] if i in batch.dense_norm_sq else _row_norm_sq(dense[i]) if i in dense
+                   else batch.ghost_norm_sq[i] for i in range(count)]
         dtype = torch.float64 if any(n.dtype == torch.float64 for n in norm_sq) else torch.float32
         norms = torch.stack([n.to(dtype) for n in norm_sq]).sum(0).sqrt()
         ok = torch.isfinite(losses) & torch.isfinite(norms)

@@ -45,6 +45,9 @@ class Sampler:
     supports: Optional[Callable[[nn.Module], bool]] = None
     weight_rows: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None
     parameters: Optional[FrozenSet[str]] = None
+    #: A call's rows as positions ``[B, T, ...]`` (``a``) and ``[B, T, out]`` (``g``), in the form ``norms`` takes:
+    #: the rows of several calls concatenated along ``T`` are one call's, whose gradient is the calls' sum.
+    positions: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None
 
     def sum_over_examples(self, layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
         """``sum_i G_i``; without a ``summed`` rule, materialise and reduce."""
@@ -69,12 +72,14 @@ def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
                      summed: Optional[LayerRule] = None,
                      supports: Optional[Callable[[nn.Module], bool]] = None,
                      weight_rows: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None,
-                     parameters: Optional[Iterable[str]] = None):
+                     parameters: Optional[Iterable[str]] = None,
+                     positions: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None):
     """Decorator registering ``fn(layer, a, g) -> {name: [B, *shape]}`` for ``layer_types``.
 
     ``register_sampler(nn.Linear)(fn)`` replaces any earlier rule for ``nn.Linear``. ``parameters``:
     the direct parameter names the rule forms; a layer holding others (the old-style
     ``torch.nn.utils.weight_norm``'s ``weight_g``/``weight_v`` on a Linear) gets no rule (``None``: any).
+    ``positions``: see :attr:`Sampler.positions`.
     """
     raise_if_any([None if layer_types else "Expected at least one layer type in `register_sampler`"]
                  + [None if isinstance(t, type) and issubclass(t, nn.Module)
@@ -84,7 +89,7 @@ def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
     def decorator(fn: LayerRule) -> LayerRule:
         for layer_type in layer_types:
             _SAMPLERS[layer_type] = Sampler(fn, norms, summed, supports, weight_rows,
-                                            None if parameters is None else frozenset(parameters))
+                                            None if parameters is None else frozenset(parameters), positions)
         return fn
 
     return decorator
@@ -197,7 +202,7 @@ def _linear_rows(layer: nn.Linear, a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor
 
 
 register_sampler(nn.Linear, parameters=WEIGHT_AND_BIAS, norms=_linear_norms, summed=_linear_summed,
-                 weight_rows=_linear_rows)(_linear_grads)
+                 weight_rows=_linear_rows, positions=_linear_rows)(_linear_grads)
 
 
 # --------------------------------------------------------------------------------------- Embedding
@@ -247,7 +252,7 @@ def _embedding_summed(layer: nn.Embedding, idx: Tensor, g: Tensor) -> Dict[str, 
 
 
 register_sampler(nn.Embedding, parameters=WEIGHT_AND_BIAS, norms=_embedding_norms, summed=_embedding_summed,
-                 supports=_embedding_supported)(_embedding_grads)
+                 supports=_embedding_supported, positions=_embedding_rows)(_embedding_grads)
 
 
 # ----------------------------------------------------------------------------------- Normalisation
