@@ -44,9 +44,14 @@ class LSTMLayer(nn.Module):
             nn.init.uniform_(parameter, -bound, bound)
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """Hidden states ``[B, L, H]`` of ``x`` ``[B, L, in]``; where ``mask`` ``[B, L]`` is 0 the state is carried."""
+        """Hidden states ``[B, L, H]`` of ``x`` ``[B, L, in]``; where ``mask`` ``[B, L]`` is 0 the state is carried.
+
+        Each step's input gates are a contiguous ``[B, 4H]``, whatever ``L``: CPU ``torch.sigmoid`` rounds by one
+        formula in its vectorised loop and another in its scalar one, which took the strided step of a batch two or
+        more tokens wide where ``4 H`` is under two vectors, so a row's logits moved by an ulp with its batch's padded
+        width (the per-example bounds with them; docs/privacy.md, stop 53)."""
         batch, length, _ = x.shape
-        gates_of_inputs = self.input(x).unbind(1)
+        gates_of_inputs = self.input(x).transpose(0, 1).contiguous().unbind(0)  # (contiguous: see below)
         keeps = mask.to(torch.bool).unsqueeze(-1).unbind(1)
         h = x.new_zeros(batch, self.hidden_size, dtype=gates_of_inputs[0].dtype if length else x.dtype)
         c = torch.zeros_like(h)

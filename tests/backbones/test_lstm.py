@@ -71,6 +71,24 @@ def test_a_rows_logits_do_not_depend_on_the_padding_of_its_batch(contract):
     contract(model, inputs, torch.tensor([0, 1, 1, 0, 1]))
 
 
+@pytest.mark.parametrize("seed", [1000, 1001, 1003, 1024])
+@pytest.mark.parametrize("length", [1, 2])
+def test_a_rows_logits_are_bitwise_the_same_at_every_padding_width(seed, length):
+    """Bit for bit, the engine's premise for width-independent norm bounds (tests/per_example/test_pe_padding_bounds.py).
+    Each step's gates are contiguous: CPU ``torch.sigmoid`` rounds by one formula in its vectorised loop and by another
+    in its scalar one, which took the strided ``[B, 4H]`` view of a batch two or more tokens wide when ``4 H`` is under
+    two vectors; about 1 init in 7 (4 hidden units) moved a row's logits by an ulp between widths 1, 2 and 8."""
+    torch.manual_seed(seed)
+    model = LSTMClassifier(30, 2, embedding_dim=8, hidden_size=4, num_layers=1).float().eval()
+    ids = torch.randint(2, 30, (6, length), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for width in (length, length + 1, 8):
+        batch = torch.zeros(6, width, dtype=torch.long)
+        batch[:, :length] = ids
+        logits.append(model({"input_ids": batch, "attention_mask": (batch != 0).long()}))
+    assert all(torch.equal(other, logits[0]) for other in logits[1:])
+
+
 def test_a_padded_step_inside_a_row_carries_the_state():
     model = tiny().eval()
     ids = torch.tensor([[5, 7, 9]])

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lit_zodp.backbones import lstm as lstm_module
 from lit_zodp.backbones.lstm import LSTMClassifier
 from lit_zodp.per_example.engine import PerExampleGradientEngine
 
@@ -39,35 +38,23 @@ class MaskedBag(nn.Module):
         return self.head((hidden * mask).sum(1) / mask.sum(1).clamp_min(1))
 
 
-#: LSTM initialisations (seeds 4 and of 1000-1039) whose bounds differed between widths before a layer called once
-#: per step was bounded from its calls' rows (1006: "ghost" and "bookkeeping", two tokens; 1024: every mode), or that
-#: still differ by an ulp in "hooks" (1010, 1024: :data:`HOOKS_ULP`).
+#: LSTM initialisations (4 hidden units; seeds 4 and of 1000-1039) whose bounds differed between widths: through the
+#: forward (4, 1024, one token: the LSTM's strided gates, fixed in the model), through the formula of the layer called
+#: once per step (1006, 1024: "ghost" and "bookkeeping", two tokens), and still through "hooks"' product (1006, two
+#: tokens: :data:`HOOKS_ULP`).
 LSTM_SEEDS = (4, 1006, 1010, 1024)
 #: "hooks" forms a ``Linear``'s per-example gradient with one ``bmm`` over the padded width, whose CPU kernel (a naive
 #: FMA loop below 400 multiply-adds per matrix, MKL above) adds an example's terms in another order at another width:
-#: its bound may move by a float32 ulp (seeds 1010 and 1024, two tokens, padded to 2 and 64). Left as the sum's own
+#: its bound may move by a float32 ulp (4 inits of 41, two tokens, padded to 2 and 64). Left as the sum's own
 #: rounding is (docs/privacy.md, "The per-example gradient engine", review 61 follow-up): a fixed-order blocked
 #: ``bmm`` removed it at 1.6x (T = 64) to 2.5x (T = 256) the cost of the product.
 HOOKS_ULP = 2.0 ** -23
 
 
-def layout_exact_cell(gates, c):
-    """:func:`~lit_zodp.backbones.lstm.lstm_cell` with its sigmoid taken in float64 and rounded back. On CPU
-    ``torch.sigmoid`` rounds an element by one formula in its vectorised loop and by another in its scalar one, which
-    takes rows of fewer than two vectors (16 gates, strided once the batch is two or more tokens wide) and a
-    tensor's tail: an LSTM with 4 hidden units gave a one-token row other gates at width 1 than at 2, about 1 init in
-    7 other logits and so other bounds (seed 4: 0.72255898 and 0.72255903). That is the forward's rounding, not the
-    engine's; in float64 the two loops round to the same float32 but within a few float64 ulps of a tie."""
-    size = gates.shape[-1] // 4
-    i, f, _, o = torch.sigmoid(gates.double()).to(gates.dtype).chunk(4, dim=-1)
-    c_next = f * c + i * torch.tanh(gates[..., 2 * size:3 * size])
-    return o * torch.tanh(c_next), c_next
-
-
 def lstm(seed=0):
     """The LSTM of the tests, seeded (unseeded, its weights came from torch's global stream as earlier tests left it).
-    Its cell is :func:`layout_exact_cell` (the tests' ``monkeypatch``), so that the rows the engine is given are the
-    same at every width."""
+    Its logits are bitwise the same at every padding width (``tests/backbones/test_lstm.py``), so the rows the engine
+    is given are too."""
     torch.manual_seed(seed)
     return LSTMClassifier(30, 2, embedding_dim=8, hidden_size=4, num_layers=1)
 
@@ -95,15 +82,13 @@ def bounds_at_widths(model, ids, labels, mode, widths):
                          ids=[*(f"lstm{seed}" for seed in LSTM_SEEDS), "bag"])
 @pytest.mark.parametrize("length, widths", [(LENGTH, (LENGTH, LENGTH + 1, 64)), (2, (2, 3, 64)), (1, (1, 2, 8))],
                          ids=["rows", "two-token", "one-token"])
-def test_an_examples_norm_bound_is_the_same_whatever_its_batch_is_padded_to(mode, model_of, length, widths,
-                                                                            monkeypatch):
+def test_an_examples_norm_bound_is_the_same_whatever_its_batch_is_padded_to(mode, model_of, length, widths):
     """The bounds of the same rows padded to their own length, one more, and 64 (two-token rows: the bag's layer
     switches from the Gram matrices to the materialised gradient at ``T = 3``), and one-token rows padded to 1, 2 and
     8 (``T = 1`` has its own formula, which an example with one non-zero term now takes at every ``T``): bit for
     bit, but for the LSTM in "hooks" (within :data:`HOOKS_ULP` relative). Before review 61: 1e-5 relative at 64
     (6e-8 at one more); before a multi-call layer was bounded from its calls' rows, 9e-8 relative in the LSTM's
     bound (4e-6 in its hidden layer's, called once per step: :data:`LSTM_SEEDS`)."""
-    monkeypatch.setattr(lstm_module, "lstm_cell", layout_exact_cell)
     g = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(2, 30, (ROWS, length), generator=g), torch.randint(0, 2, (ROWS,), generator=g)
     first, *others = bounds_at_widths(model_of().float(), ids, labels, mode, widths)  # (float32: the default here
