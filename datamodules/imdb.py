@@ -18,8 +18,11 @@ Choices where the paper is silent (App. C.1; the notes' sections 3 and 5):
 
 * Tokenization (:func:`word_tokens`): lower-case, HTML line breaks (``<br />``) to spaces, then words (runs of
   letters/digits with inner apostrophes: ``don't``) and single punctuation marks as tokens.
-* Truncation keeps the FIRST ``max_length`` tokens (the end of a long review is dropped); no padding is stored beyond
-  each batch's longest row (:class:`~datamodules.collate.PadToLongest`) unless ``pad_to_max_length``.
+* Truncation keeps the FIRST ``max_length`` tokens (the end of a long review is dropped), as the loader of AdaDPS
+  (Li et al. 2022), which the paper's IMDB setup follows, does (``imdb/data/load_imdb.py``:
+  ``pad_sequences(..., maxlen=290, padding="post", truncating="post")``; its Keras ids also hold a start token, not
+  kept here); no padding is stored beyond each batch's longest row (:class:`~datamodules.collate.PadToLongest`)
+  unless ``pad_to_max_length``.
 * Duplicate texts are dropped within the train reviews, within the test reviews and within the public sample (first
   occurrence kept, files in id order); a private review equal to a public text leaves the private set (the base
   class, through ids), so the public sample never depends on the private reviews.
