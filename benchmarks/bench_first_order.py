@@ -18,6 +18,19 @@ For each model and batch size, in ONE run, with the same model, batch, clip (1.0
   hooks mode or ghost clipping (``grad_sample_mode="ghost"``, with the criterion it returns): forward,
   backward, clip, noise, SGD step, ``zero_grad``.
 * ``nonprivate``: forward, backward of the mean loss and an SGD step: the floor.
+* ``opacus_dplstm`` (``lstm`` only, in its default methods): the same LSTM as an Opacus user writes it, embedding
+  -> ``opacus.layers.DPLSTM(128, 64, num_layers=2, batch_first=True)`` on a ``PackedSequence`` of the rows' real
+  lengths -> the last layer's final hidden state -> ``Linear(64, 2)`` (the LSTMClassifier's weights copied: the same
+  logits; DPLSTM's extra hidden-to-gates bias, 512 parameters, starts at 0), made private like ``opacus_hooks``.
+
+Models: ``vit_tiny`` and ``minilm`` (by default; ``roberta_large`` too on CUDA), and ``lstm`` when asked for
+(``--models lstm``): PAZO Table 4's IMDB model, ``LSTMClassifier()`` (vocabulary 10,002, embedding 128, 2 layers of
+64; 1.36M parameters), batch 64, on random reviews of ``--seq-len`` tokens (default 290 for this model, the paper's
+maximum length): ids >= 2, each row of a random length between half the width and the width, right-padded with 0
+under an ``attention_mask``, rows sorted longest first (Opacus' DPLSTM needs that for correct per-example gradients:
+see ``dplstm_class``); every method gets the same rows. Opacus' ghost clipping refuses the model (a layer called
+more than once per forward: the hidden-to-gates layer runs once per token); a one-forward probe finds that and
+``opacus_ghost`` is reported skipped with Opacus' error.
 
 Time: all methods in one worker process, interleaved, their order rotating each repetition; the
 median over repetitions is reported, and ratios are medians of per-repetition (paired) ratios.
@@ -33,6 +46,7 @@ Usage::
     python benchmarks/bench_first_order.py                 # ViT-tiny b64, b256 and MiniLM b32 (+ RoBERTa-large b16 on GPU)
     python benchmarks/bench_first_order.py --quick         # smoke run: batch 16, 32 tokens, 2 repeats
     python benchmarks/bench_first_order.py --device cuda --models roberta_large
+    python benchmarks/bench_first_order.py --models lstm      # PAZO's IMDB LSTM, batch 64, 290 tokens
     python benchmarks/bench_first_order.py --models roberta_large --roberta-layers 1 --batches 2 --seq-len 16 \\
         --repeats 1 --out /tmp/roberta_smoke                # CPU smoke test of the RoBERTa builder
 """
@@ -42,6 +56,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import copy
+import functools
 import json
 import sys
 import time
@@ -58,18 +73,24 @@ from _common import (add_worker_options, apply_quick_defaults, command_line, cud
                      reset_peak_rss, resolve_device, results_stem, rss_result, run_worker_process,
                      setup_worker, sync, worker_env, write_results)
 
-MODELS = ("vit_tiny", "minilm", "roberta_large")
-DEFAULT_BATCHES = {"vit_tiny": [64, 256], "minilm": [32], "roberta_large": [16]}
+MODELS = ("vit_tiny", "minilm", "roberta_large", "lstm")
+DEFAULT_MODELS = ("vit_tiny", "minilm")  # + roberta_large on CUDA; lstm only when asked for
+DEFAULT_BATCHES = {"vit_tiny": [64, 256], "minilm": [32], "roberta_large": [16], "lstm": [64]}
+#: Tokens per example when ``--seq-len`` is not given: the LSTM's is the PAZO paper's IMDB maximum length.
+DEFAULT_SEQ_LEN = {"lstm": 290}
+SEQ_LEN = 128
 METHODS = ("nonprivate", "dpsgd_hooks", "dpsgd_ghost", "dpsgd_bookkeeping", "dpadam_hooks", "opacus_hooks",
            "opacus_ghost")
+#: Methods of one model only (in that model's default method list, refused on the others).
+MODEL_METHODS = {"opacus_dplstm": "lstm"}
 #: Optional: ViT with cls_token/pos_embed trainable for OUR engine only (Opacus has no rule for them and
 #: freezes them in every default method): the engine's torch.func fallback over the whole VisionTransformer.
 EXTRA_METHODS = ("dpsgd_hooks_allparams", "dpsgd_ghost_allparams")
 OURS = {"dpsgd_hooks": ("dpsgd", "hooks"), "dpsgd_ghost": ("dpsgd", "ghost"),
         "dpsgd_bookkeeping": ("dpsgd", "bookkeeping"), "dpadam_hooks": ("dpadam", "hooks"),
         "dpsgd_hooks_allparams": ("dpsgd", "hooks"), "dpsgd_ghost_allparams": ("dpsgd", "ghost")}
-OPACUS = {"opacus_hooks": "hooks", "opacus_ghost": "ghost"}
-MATERIALISING = {"dpsgd_hooks", "dpadam_hooks", "opacus_hooks", "dpsgd_hooks_allparams"}
+OPACUS = {"opacus_hooks": "hooks", "opacus_ghost": "ghost", "opacus_dplstm": "hooks"}
+MATERIALISING = {"dpsgd_hooks", "dpadam_hooks", "opacus_hooks", "opacus_dplstm", "dpsgd_hooks_allparams"}
 
 CLIP = bd.CLIP      # 1.0
 SIGMA = bd.SIGMA    # 1.0
@@ -87,7 +108,10 @@ ROBERTA_LARGE = dict(vocab_size=50265, hidden_size=1024, num_hidden_layers=24, n
 # =====================================================================================
 
 def build(args, model: str, batch: int, device):
-    """``bd.build_model`` plus RoBERTa-large from its configuration: ``(backbone, inputs, targets, dataset)``."""
+    """``bd.build_model`` plus RoBERTa-large from its configuration and the LSTM: ``(backbone, inputs, targets,
+    dataset)``."""
+    if model == "lstm":
+        return build_lstm(batch, args.seq_len, device)
     if model != "roberta_large":
         return bd.build_model(model, batch, args.seq_len, device)
     import torch
@@ -111,6 +135,110 @@ def build(args, model: str, batch: int, device):
     inputs = {k: v.to(device) for k, v in inputs.items()}
     targets = targets.to(device)
     return backbone, inputs, targets, bd.FixedBatch(inputs, targets)
+
+
+#: PAZO Table 4's IMDB model (App. C.1): :class:`~lit_zodp.backbones.LSTMClassifier`'s defaults.
+LSTM = dict(vocab_size=10_002, embedding_dim=128, hidden_size=64, num_layers=2, num_classes=2)
+
+
+def build_lstm(batch: int, seq_len: int, device, seed: int = 0):
+    """The LSTM on random reviews: ids in ``[2, vocab)`` (0 is padding, 1 unknown), each row of a random length
+    between half the width and the width, right-padded with 0 and an ``attention_mask``. Rows are sorted by length,
+    longest first (see :class:`DPLSTMClassifier`); every method gets the same rows."""
+    import torch
+
+    from lit_zodp.backbones import LSTMClassifier
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    backbone = LSTMClassifier(**LSTM)
+    ids = torch.randint(2, LSTM["vocab_size"], (batch, seq_len), generator=g)
+    lengths = torch.randint((seq_len + 1) // 2, seq_len + 1, (batch,), generator=g)
+    lengths = lengths.sort(descending=True, stable=True).values
+    mask = (torch.arange(seq_len) < lengths[:, None]).long()
+    inputs = {"input_ids": (ids * mask).to(device), "attention_mask": mask.to(device)}
+    targets = torch.randint(0, LSTM["num_classes"], (batch,), generator=g).to(device)
+    backbone = backbone.to(device)
+    return backbone, inputs, targets, bd.FixedBatch(inputs, targets)
+
+
+def dplstm_classifier(backbone):
+    """:class:`DPLSTMClassifier` computing the same function as the ``LSTMClassifier`` ``backbone`` (its weights
+    copied; DPLSTM's extra hidden-to-gates bias set to 0)."""
+    import torch
+
+    model = dplstm_class()(backbone.vocab_size, backbone.embedding.embedding_dim, backbone.layers[0].hidden_size,
+                             len(backbone.layers), backbone.num_classes)
+    params = dict(model.lstm.named_parameters())
+    with torch.no_grad():
+        model.embedding.weight.copy_(backbone.embedding.weight)
+        for k, layer in enumerate(backbone.layers):  # both in nn.LSTM's gate order (i, f, g, o)
+            params[f"weight_ih_l{k}"].copy_(layer.input.weight)
+            params[f"bias_ih_l{k}"].copy_(layer.input.bias)
+            params[f"weight_hh_l{k}"].copy_(layer.hidden.weight)
+            params[f"bias_hh_l{k}"].zero_()
+        model.head.weight.copy_(backbone.head.weight)
+        model.head.bias.copy_(backbone.head.bias)
+    return model.to(backbone.head.weight.device)
+
+
+@functools.lru_cache(maxsize=None)
+def dplstm_class():
+    """The ``DPLSTMClassifier`` class (built on first use: Opacus and torch are imported in the workers only)."""
+    from opacus.layers import DPLSTM
+    from torch import nn
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class DPLSTMClassifier(nn.Module):
+        """The LSTM as an Opacus user writes it: embedding -> ``opacus.layers.DPLSTM`` (``batch_first``) on a
+        ``PackedSequence`` of the rows' real lengths -> the last layer's final hidden state -> linear head.
+
+        Packed with ``enforce_sorted=True`` on rows already sorted longest first (:func:`build_lstm`): Opacus 1.6's
+        DPLSTM leaves a packed batch in its length-sorted order inside, so with ``enforce_sorted=False`` on unsorted
+        rows its per-example gradients of the LSTM weights belong to the sorted rows while the embedding's and the
+        head's belong to the batch's rows: each row's clipped gradient mixes two examples' (checked on Opacus 1.6.0:
+        exact after the sort, off by up to 0.3 without it)."""
+
+        def __init__(self, vocab_size, embedding_dim, hidden_size, num_layers, num_classes) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(vocab_size, embedding_dim)
+            self.lstm = DPLSTM(embedding_dim, hidden_size, num_layers=num_layers, batch_first=True)
+            self.head = nn.Linear(hidden_size, num_classes)
+
+        def forward(self, inputs):
+            lengths = inputs["attention_mask"].sum(1).cpu()
+            packed = pack_padded_sequence(self.embedding(inputs["input_ids"]), lengths, batch_first=True,
+                                          enforce_sorted=True)
+            _, (h, _) = self.lstm(packed)
+            return self.head(h[-1])
+
+        def per_example_loss(self, inputs, targets):  # the memory worker's warm-up (it would pass ``**inputs``)
+            return nn.functional.cross_entropy(self(inputs), targets, reduction="none")
+
+    return DPLSTMClassifier
+
+
+def method_backbone(backbone, method: str):
+    """The model ``method`` trains: ``opacus_dplstm`` its DPLSTM twin of the LSTM, any other ``backbone`` itself."""
+    return dplstm_classifier(backbone) if method == "opacus_dplstm" else backbone
+
+
+def opacus_ghost_refusal(backbone, inputs) -> str | None:
+    """Why Opacus' ghost clipping cannot run ``backbone`` (one forward on 2 rows, 4 tokens), or ``None``. Opacus
+    1.6 refuses a layer called more than once per forward (the LSTM's hidden-to-gates layer, once per token)."""
+    import copy
+
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+    probe = GradSampleModuleFastGradientClipping(copy.deepcopy(backbone).train(), max_grad_norm=CLIP,
+                                                 use_ghost_clipping=True)
+    try:
+        probe({k: v[:2, :4] for k, v in inputs.items()})
+    except NotImplementedError as err:
+        return (f"opacus_ghost skipped: Opacus ghost clipping refuses this model (NotImplementedError: {err}): "
+                "it does not take a layer called more than once per forward, as the LSTM's hidden-to-gates "
+                "nn.Linear is, once per token")
+    return None
 
 
 def prepare(backbone, model: str, method: str):
@@ -201,7 +329,12 @@ def memory_budget(args, device) -> float:
     return 0.6 * mem_available()
 
 
-def skip_reason(args, method: str, backbone, batch: int, device) -> str | None:
+def skip_reason(args, method: str, backbone, batch: int, device, inputs=None) -> str | None:
+    only = MODEL_METHODS.get(method)
+    if only and only != args.model:
+        return f"{method} skipped: a method of the {only} model only"
+    if method == "opacus_ghost" and args.model == "lstm" and inputs is not None:
+        return opacus_ghost_refusal(backbone, inputs)
     if method not in MATERIALISING:
         return None
     need = per_sample_bytes(backbone) * batch
@@ -260,16 +393,22 @@ def worker_time(args) -> dict:
     result = {"notes": [], "skipped": {}, "errors": {}, "times": {}, "phases": {}, "loads": {}, "rep_of": {}}
     runners = {}
     for method in methods:
-        why = skip_reason(args, method, base, args.batch, device)
+        why = skip_reason(args, method, base, args.batch, device, inputs)
         if why:
             result["skipped"][method] = why
             continue
         try:
-            runners[method] = Runner(method, copy.deepcopy(base), inputs, targets, dataset, args.model,
-                                     args.batch, device)
+            runners[method] = Runner(method, method_backbone(copy.deepcopy(base), method), inputs, targets,
+                                     dataset, args.model, args.batch, device)
             result["notes"] += [f"{method}: {n}" for n in runners[method].notes]
         except Exception as err:  # record why this method cannot run this configuration
             result["errors"][method] = f"{type(err).__name__}: {err}"[:600]
+    if "opacus_dplstm" in runners:
+        n_ours, n_dplstm = (sum(p.numel() for p in b.parameters())
+                            for b in (base, runners["opacus_dplstm"].backbone))
+        result["notes"].append(f"opacus_dplstm: Opacus' DPLSTM on a PackedSequence of the rows' lengths, the "
+                               f"same weights ({n_dplstm:,} params: DPLSTM's hidden-to-gates bias, 0 at the start, "
+                               f"adds {n_dplstm - n_ours:,} to LSTMClassifier's {n_ours:,})")
     if args.model == "vit_tiny" and any(not m.endswith("_allparams") for m in runners):
         result["notes"].append("cls_token+pos_embed (12,672 params) frozen for every method except *_allparams "
                                "(no Opacus grad sampler covers them)")
@@ -346,12 +485,14 @@ def worker_memory(args) -> dict:
     device = resolve_device(args.device)
     method = args.method
     backbone, inputs, targets, dataset = build(args, args.model, args.batch, device)
+    if MODEL_METHODS.get(method, args.model) == args.model:
+        backbone = method_backbone(backbone, method)
     backbone = prepare(backbone, args.model, method)
     cuda = device.type == "cuda"
     tensors = list(backbone.parameters()) + (list(inputs.values()) if isinstance(inputs, dict) else [inputs])
     model_bytes = sum(t.numel() * t.element_size() for t in tensors + [targets])
     result = {"method": method, "model_bytes": model_bytes}
-    why = skip_reason(args, method, backbone, args.batch, device)
+    why = skip_reason(args, method, backbone, args.batch, device, inputs)
     if why:
         result["skipped"] = why
         return result
@@ -417,12 +558,26 @@ def run_worker(args) -> None:
 # Orchestrator side (light imports only)
 # =====================================================================================
 
+def seq_len_of(args, model: str) -> int:
+    """``--seq-len``, else the model's default (:data:`DEFAULT_SEQ_LEN`, else :data:`SEQ_LEN`)."""
+    return args.seq_len if args.seq_len is not None else DEFAULT_SEQ_LEN.get(model, SEQ_LEN)
+
+
+def methods_of(args, model: str) -> list[str]:
+    """The methods run on ``model``: ``--methods``, else :data:`METHODS` plus the model's own
+    (:data:`MODEL_METHODS`); another model's own method is left out (a note says so)."""
+    chosen = args.methods.split(",") if args.methods else list(METHODS) + [
+        m for m, only in MODEL_METHODS.items() if only == model]
+    return [m for m in chosen if MODEL_METHODS.get(m, model) == model]
+
+
 def spawn(args, worker: str, model: str, batch: int, method: str | None = None) -> dict:
     """One worker process (``time`` or ``memory``) for ``model`` at ``batch``; its result."""
     options = ["--worker", worker, "--model", model, "--batch", str(batch), "--threads", str(args.threads),
-               "--seq-len", str(args.seq_len), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-               "--steps-per-repeat", str(args.steps_per_repeat), "--memory-steps", str(args.memory_steps),
-               "--device", args.device, "--methods", args.methods, "--profile-rows", str(args.profile_rows)]
+               "--seq-len", str(seq_len_of(args, model)), "--repeats", str(args.repeats),
+               "--warmup", str(args.warmup), "--steps-per-repeat", str(args.steps_per_repeat),
+               "--memory-steps", str(args.memory_steps), "--device", args.device,
+               "--methods", ",".join(methods_of(args, model)), "--profile-rows", str(args.profile_rows)]
     if args.mem_budget_gb:
         options += ["--mem-budget-gb", str(args.mem_budget_gb)]
     if args.roberta_layers:
@@ -484,6 +639,9 @@ def _paired(timing: dict, num: list[str], den: list[str]):
     return median_of(ratios)
 
 
+OPACUS_REFS = ("opacus_hooks", "opacus_ghost", "opacus_dplstm")
+
+
 def summarize(model: str, batch: int, methods: list[str], timing: dict, memory: dict) -> dict:
     row = {"model": model, "batch": batch, "methods": {}}
     cuda = any("cuda_peak" in m for m in memory.values())
@@ -515,19 +673,19 @@ def summarize(model: str, batch: int, methods: list[str], timing: dict, memory: 
         r["extra_mb"] = (peak - base) / 2**20 if peak and base else None
         if mem.get("error") or mem.get("skipped"):
             r["peak_mb"] = r["model_extra_mb"] = r["extra_mb"] = None
-        for ref in ("nonprivate", "opacus_hooks", "opacus_ghost"):
+        for ref in ("nonprivate",) + OPACUS_REFS:
             if ref != method:
                 r[f"time_vs_{ref}"] = _paired(timing, [method], [ref])
         row["methods"][method] = r
     for method, r in row["methods"].items():  # memory ratios once every method's numbers are known
-        for ref in ("opacus_hooks", "opacus_ghost"):
+        for ref in OPACUS_REFS:
             o = row["methods"].get(ref)
             if ref == method or o is None:
                 continue
             for k in ("peak_mb", "model_extra_mb", "extra_mb"):
                 r[f"{k}_vs_{ref}"] = ratio_of(r.get(k), o.get(k))
     ours = [m for m in ("dpsgd_hooks", "dpsgd_ghost", "dpsgd_bookkeeping") if m in methods and timing.get("times", {}).get(m)]
-    theirs = [m for m in ("opacus_hooks", "opacus_ghost") if m in methods and timing.get("times", {}).get(m)]
+    theirs = [m for m in OPACUS_REFS if m in methods and timing.get("times", {}).get(m)]
     row["best_ours_vs_best_opacus"] = _paired(timing, ours, theirs) if ours and theirs else None
     row["other_load"] = median_of([x for xs in timing.get("loads", {}).values() for x in xs])
     row["other_load_used"] = median_of([x for m in timing.get("loads", {}) for x in _samples(timing, m, "loads")])
@@ -537,6 +695,7 @@ def summarize(model: str, batch: int, methods: list[str], timing: dict, memory: 
 LABELS = {"nonprivate": "non-private SGD", "dpsgd_hooks": "DPSGD hooks", "dpsgd_ghost": "DPSGD ghost",
           "dpsgd_bookkeeping": "DPSGD bookkeeping",
           "dpadam_hooks": "DPAdam hooks", "opacus_hooks": "Opacus hooks", "opacus_ghost": "Opacus ghost",
+          "opacus_dplstm": "Opacus DPLSTM (hooks)",
           "dpsgd_hooks_allparams": "DPSGD hooks (ViT all params)",
           "dpsgd_ghost_allparams": "DPSGD ghost (ViT all params)"}
 
@@ -548,6 +707,8 @@ def render(rows: list[dict], cuda: bool) -> str:
         keys = ("peak_mb", "extra_mb") if cuda else ("peak_mb", "model_extra_mb", "extra_mb")
         return " / ".join(fmt(r.get(f"{k}_vs_{ref}")) for k in keys)
 
+    # Opacus' DPLSTM (the LSTM's Opacus-native peer) gets its own columns when a row ran it
+    dplstm = any("opacus_dplstm" in row["methods"] for row in rows)
     lines = ["**Targets** (time ratios: median over repetitions of the paired per-repetition ratio, over the "
              f"quiet repetitions (other processes' load < {QUIET_LOAD} cores in every sample) when there are any; "
              "memory ratios from separate processes)", "",
@@ -555,8 +716,9 @@ def render(rows: list[dict], cuda: bool) -> str:
              f"DPSGD ghost / Opacus ghost time | DPSGD bookkeeping / Opacus ghost time | "
              f"DPAdam hooks / Opacus hooks time | "
              f"DPSGD ghost / Opacus ghost mem: {mem3} (<=1) | DPSGD hooks / Opacus hooks mem: {mem3} | "
-             f"quiet reps used / all | other load (cores): used / all |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             + (f"DPSGD hooks / Opacus DPLSTM time | DPSGD hooks / Opacus DPLSTM mem: {mem3} | " if dplstm else "")
+             + "quiet reps used / all | other load (cores): used / all |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if dplstm else "") + "---:|---:|"]
     for row in rows:
         m = row["methods"]
         g = lambda meth, key: (m.get(meth) or {}).get(key)  # noqa: E731
@@ -565,7 +727,10 @@ def render(rows: list[dict], cuda: bool) -> str:
             f"{fmt(g('dpsgd_hooks', 'time_vs_opacus_hooks'))} | {fmt(g('dpsgd_ghost', 'time_vs_opacus_ghost'))} | "
             f"{fmt(g('dpsgd_bookkeeping', 'time_vs_opacus_ghost'))} | {fmt(g('dpadam_hooks', 'time_vs_opacus_hooks'))} | "
             f"{mem_ratio(m.get('dpsgd_ghost') or {}, 'opacus_ghost')} | "
-            f"{mem_ratio(m.get('dpsgd_hooks') or {}, 'opacus_hooks')} | {row['quiet_reps']} / {row['reps']} | "
+            f"{mem_ratio(m.get('dpsgd_hooks') or {}, 'opacus_hooks')} | "
+            + (f"{fmt(g('dpsgd_hooks', 'time_vs_opacus_dplstm'))} | "
+               f"{mem_ratio(m.get('dpsgd_hooks') or {}, 'opacus_dplstm')} | " if dplstm else "")
+            + f"{row['quiet_reps']} / {row['reps']} | "
             f"{fmt(row['other_load_used'], '.2f')} / {fmt(row['other_load'], '.2f')} |")
     mem_cols = "peak MiB | extra MiB" if cuda else "peak RSS MiB | model+extra MiB | extra MiB"
     lines += ["", "**Per method** (s/step: median over the repetitions used above, min over all in brackets. Ours, inside the step: engine = "
@@ -574,11 +739,13 @@ def render(rows: list[dict], cuda: bool) -> str:
               "ledger); the steps timed are each fit's steady steps: its first step, which also runs the fit-start "
               "privacy checks (independence checks; the engine's checks of a new structure), has its own column; "
               "extra MiB by verb = each verb's peak above the baseline)", "",
-              f"| model | batch | method | s/step | engine / release / apply s | first step of a fit s | "
-              f"/ non-private | / Opacus hooks | "
-              f"/ Opacus ghost | {mem_cols} | extra MiB by verb: engine / release / apply | peak / Opacus hooks | "
-              f"peak / Opacus ghost | extra / Opacus ghost |",
-              "|---|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 if cuda else 3) + "---:|---:|---:|---:|"]
+              "| model | batch | method | s/step | engine / release / apply s | first step of a fit s | "
+              "/ non-private | / Opacus hooks | "
+              "/ Opacus ghost | " + ("/ Opacus DPLSTM | " if dplstm else "")
+              + f"{mem_cols} | extra MiB by verb: engine / release / apply | peak / Opacus hooks | "
+              f"peak / Opacus ghost | " + ("peak / Opacus DPLSTM | " if dplstm else "") + "extra / Opacus ghost |",
+              "|---|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 if cuda else 3) + "---:|---:|---:|---:|"
+              + ("---:|---:|" if dplstm else "")]
     for row in rows:
         for method, r in row["methods"].items():
             mems = [fmt(r.get("peak_mb"), ".0f")] + ([] if cuda else [fmt(r.get("model_extra_mb"), ".0f")]) \
@@ -591,8 +758,11 @@ def render(rows: list[dict], cuda: bool) -> str:
                 f"({fmt(r['s_min'])}) | {verbs} | {fmt(r.get('first_s'))} | "
                 f"{fmt(r.get('time_vs_nonprivate'), '.2f')} | "
                 f"{fmt(r.get('time_vs_opacus_hooks'))} | {fmt(r.get('time_vs_opacus_ghost'))} | "
+                + (f"{fmt(r.get('time_vs_opacus_dplstm'))} | " if dplstm else "")
                 + " | ".join(mems) + f" | {verb_mem} | {fmt(r.get('peak_mb_vs_opacus_hooks'))} | "
-                f"{fmt(r.get('peak_mb_vs_opacus_ghost'))} | {fmt(r.get('extra_mb_vs_opacus_ghost'))} |")
+                f"{fmt(r.get('peak_mb_vs_opacus_ghost'))} | "
+                + (f"{fmt(r.get('peak_mb_vs_opacus_dplstm'))} | " if dplstm else "")
+                + f"{fmt(r.get('extra_mb_vs_opacus_ghost'))} |")
     notes = [f"- {r['model']} b{r['batch']}: {n}" for r in rows for n in r.get("notes", [])]
     if notes:
         lines += ["", "Notes:"] + notes
@@ -615,14 +785,18 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", default=None,
                         help="comma list of batch sizes for every model (default: vit_tiny 64,256; minilm 32; "
                              "roberta_large 16)")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma list from {METHODS + EXTRA_METHODS}")
+    parser.add_argument("--methods", default=None,
+                        help=f"comma list from {METHODS + EXTRA_METHODS + tuple(MODEL_METHODS)} (default: "
+                             f"{','.join(METHODS)}, plus opacus_dplstm on lstm; a model's own method runs on "
+                             "that model only)")
     parser.add_argument("--repeats", type=int, default=3, help="measured repetitions (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first (one step each)")
     parser.add_argument("--steps-per-repeat", type=int, default=1, help="steps of each method per repetition")
     parser.add_argument("--memory-steps", type=int, default=1, help="steps in each memory worker")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per example (MiniLM, RoBERTa)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"tokens per example (MiniLM, RoBERTa, LSTM; default {SEQ_LEN}, LSTM "
+                             f"{DEFAULT_SEQ_LEN['lstm']}: the PAZO paper's IMDB maximum length)")
     parser.add_argument("--omp-wait-policy", default="default", choices=["default", "passive", "active"],
                         help="OMP_WAIT_POLICY of the workers (default: unset). When another process holds a "
                              "core, 2 spinning intra-op threads can slow small ops down 10x or more; "
@@ -650,14 +824,16 @@ def main(argv=None) -> None:
     raw_argv = argv if argv is not None else sys.argv[1:]
     if args.quick:
         apply_quick_defaults(args, raw_argv, batches="16", seq_len=32, repeats=2)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        if m not in METHODS + EXTRA_METHODS:
-            parser.error(f"unknown method {m!r}; choose from {METHODS + EXTRA_METHODS}")
-    args.methods = ",".join(methods)
+    known = METHODS + EXTRA_METHODS + tuple(MODEL_METHODS)
+    if args.methods is not None:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        for m in methods:
+            if m not in known:
+                parser.error(f"unknown method {m!r}; choose from {known}")
+        args.methods = ",".join(methods)
     on_cuda = args.device == "cuda" or (args.device == "auto" and cuda_available())
     models = ([m.strip() for m in args.models.split(",") if m.strip()] if args.models
-              else ["vit_tiny", "minilm"] + (["roberta_large"] if on_cuda else []))
+              else list(DEFAULT_MODELS) + (["roberta_large"] if on_cuda else []))
     for m in models:
         if m not in MODELS:
             parser.error(f"unknown model {m!r}; choose from {MODELS}")
@@ -672,11 +848,14 @@ def main(argv=None) -> None:
     stamp = lambda: f"[{time.perf_counter() - started:6.0f}s]"  # noqa: E731
     rows, raw = [], []
     for model, batch in plan:
-        print(f"{stamp()} {model} batch {batch}: timing {args.methods} ...", flush=True)
+        methods = methods_of(args, model)
+        print(f"{stamp()} {model} batch {batch}, {seq_len_of(args, model)} tokens: timing {','.join(methods)} ...",
+              flush=True)
         timing = spawn(args, "time", model, batch)
         memory = {}
         if not args.no_memory:
-            jobs = args.memory_jobs or (1 if on_cuda or batch * {"vit_tiny": 5.4e6, "minilm": 22.7e6}.get(
+            jobs = args.memory_jobs or (1 if on_cuda or batch * {"vit_tiny": 5.4e6, "minilm": 22.7e6,
+                                                                  "lstm": 1.4e6}.get(
                 model, 3.6e8) * 4 > 1.5 * 2**30 else 2)
             print(f"{stamp()} {model} batch {batch}: memory, one process per method ({jobs} at a time) ...",
                   flush=True)
@@ -685,6 +864,8 @@ def main(argv=None) -> None:
                 memory = {m: f.result() for m, f in futures.items()}
         row = summarize(model, batch, methods, timing, memory)
         notes = list(timing.get("notes", []))
+        notes += [f"{m}: not run on {model} (a method of the {MODEL_METHODS[m]} model only)"
+                  for m in (args.methods or "").split(",") if MODEL_METHODS.get(m, model) != model]
         for m in methods:
             mem = memory.get(m, {})
             notes += [f"{m}: {n}" for n in mem.get("notes", []) if f"{m}: {n}" not in notes]
@@ -705,10 +886,11 @@ def main(argv=None) -> None:
         print(render([row], on_cuda).split("\n\n")[1], flush=True)
     finish_meta(meta, started)
     table = render(rows, on_cuda)
+    seq_lens = ", ".join(f"{m} {seq_len_of(args, m)}" for m in models if m != "vit_tiny") or "-"
     header = (f"# First-order benchmark: DPSGD / DPAdam vs Opacus\n\n`{command}`  \n"
               f"{meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']}, opacus {meta['opacus']}, "
               f"threads {args.threads}, OMP_WAIT_POLICY {args.omp_wait_policy}, device {args.device}{' (' + meta['cuda'] + ')' if meta.get('cuda') else ''}; "
-              f"clip {CLIP}, sigma {SIGMA}; sequence length {args.seq_len}; repeats {args.repeats} "
+              f"clip {CLIP}, sigma {SIGMA}; sequence length {seq_lens}; repeats {args.repeats} "
               f"(+{args.warmup} warm-up), {args.steps_per_repeat} step(s) per repeat; "
               f"{load_and_total(meta)}\n\n")
     print("\n" + table)
