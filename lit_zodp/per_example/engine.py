@@ -93,6 +93,7 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, ParameterWrites, R
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import FLOAT64_UNIT, _gamma, at_least_float32, row_norm_sq
 from lit_zodp.per_example.reference import call_gradients, is_batched
+from lit_zodp.per_example import rounding
 from lit_zodp.per_example.rounding import HALF_DTYPES, forward_autocast, outside_autocast, working_eps
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
@@ -216,8 +217,31 @@ class _Part:
         a, g = _zero_rows(at_least_float32(self.a), ok), _zero_rows(at_least_float32(self.g), ok)
         if factors is not None:
             g = g * _rows_view(factors, g).to(g.dtype)
+        dtype = g.dtype
+        a, g = _unflushable(a, g)
         out = self.sampler.sum_over_examples(self.layer, a, g)
-        return {i: out[local] for local, i in self.mine.items()}
+        return {i: out[local].to(dtype) for local, i in self.mine.items()}
+
+
+def _unflushable(a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(a, g)``, in float64 where a float32 matmul could drop a term the norms counted (red-team review 63).
+
+    Under a float32 matmul setting other than ``"ieee"`` (``fp32_precision`` ``"bf16"``/``"tf32"``,
+    ``set_float32_matmul_precision("medium" | "high")``) the operands may be converted with denormals flushed to zero
+    (oneDNN on AMX does, from 64 rows and 64 features): a subnormal ``x = 2^-127`` meeting an output gradient of
+    ``2^127`` loses a term of size 1, an absolute error no relative rounding bound covers, and a crafted record
+    cancelling it released 30.9 C from one ``bookkeeping`` sum. Where a row (already scaled by its clip factor) holds
+    a subnormal, the sum is formed in float64, which no such setting touches; elsewhere, as it was. A host
+    synchronisation per layer, under those settings only. (Products that underflow lose less than ``2^-126`` each:
+    left, as the sum's own rounding.)"""
+    if a.dtype != torch.float32 or g.dtype != torch.float32:
+        return a, g
+    if rounding.float32_matmul_setting(a.device.type) == "ieee":
+        return a, g
+    tiny = torch.finfo(torch.float32).tiny
+    if bool(((a != 0) & (a.abs() < tiny)).any()) or bool(((g != 0) & (g.abs() < tiny)).any()):
+        return a.double(), g.double()
+    return a, g
 
 
 @dataclass(eq=False)
