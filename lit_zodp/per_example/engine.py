@@ -210,38 +210,58 @@ class _Part:
         out = self.sampler.norms_sq(self.layer, at_least_float32(self.a), at_least_float32(self.g))
         return {i: out[local] for local, i in self.mine.items()}
 
-    def summed(self, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:
+    def summed(self, factors: Optional[Tensor], ok: Optional[Tensor],
+               wide: Optional[bool] = None) -> Dict[int, Tensor]:
         """``sum_i f_i G_i`` with the output-gradient rows scaled by ``f_i`` (Bu et al. 2023
         book-keeping), in at least float32 (:func:`sum_dtype`); ``factors=None`` means ``f_i = 1``;
-        rows of non-finite examples are zeroed."""
+        rows of non-finite examples are zeroed. ``wide``: form it in float64 (:func:`_flush_flags`; ``None``: decide
+        here, a host synchronisation under a float32 matmul setting other than ``"ieee"``)."""
         a, g = _zero_rows(at_least_float32(self.a), ok), _zero_rows(at_least_float32(self.g), ok)
         if factors is not None:
             g = g * _rows_view(factors, g).to(g.dtype)
         dtype = g.dtype
-        a, g = _unflushable(a, g)
+        if wide is None:
+            wide = _flush_flags([self], factors)[0]
+        if wide:
+            a, g = a.double(), g.double()
         out = self.sampler.sum_over_examples(self.layer, a, g)
         return {i: out[local].to(dtype) for local, i in self.mine.items()}
 
+    def may_flush(self, factors: Optional[Tensor]) -> Tensor:
+        """Whether :meth:`summed`'s float32 operands (``g`` scaled by ``f_i``) may hold a subnormal: a 0-dim bool on
+        the device (:func:`_flush_flags`). ``f_i |g|`` is subnormal only where ``f_i`` times the example's smallest
+        non-zero ``|g|`` is under the smallest normal; twice that covers ``f_i``'s and the product's rounding."""
+        a, g = at_least_float32(self.a), at_least_float32(self.g)
+        tiny = torch.finfo(torch.float32).tiny
+        flag = ((a != 0) & (a.abs() < tiny)).any() if a.is_floating_point() else torch.zeros((), dtype=torch.bool,
+                                                                                               device=g.device)
+        smallest = torch.where(g != 0, g.abs(), torch.full((), math.inf, dtype=g.dtype, device=g.device))
+        smallest = smallest.reshape(g.shape[0], -1).amin(1) if g.numel() else g.new_full((g.shape[0],), math.inf)
+        scaled = smallest.double() * (1.0 if factors is None else factors.double().abs())
+        return flag | (scaled < 2 * tiny).any()
 
-def _unflushable(a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(a, g)``, in float64 where a float32 matmul could drop a term the norms counted (red-team review 63).
 
-    Under a float32 matmul setting other than ``"ieee"`` (``fp32_precision`` ``"bf16"``/``"tf32"``,
-    ``set_float32_matmul_precision("medium" | "high")``) the operands may be converted with denormals flushed to zero
-    (oneDNN on AMX does, from 64 rows and 64 features): a subnormal ``x = 2^-127`` meeting an output gradient of
-    ``2^127`` loses a term of size 1, an absolute error no relative rounding bound covers, and a crafted record
-    cancelling it released 30.9 C from one ``bookkeeping`` sum. Where a row (already scaled by its clip factor) holds
-    a subnormal, the sum is formed in float64, which no such setting touches; elsewhere, as it was. A host
-    synchronisation per layer, under those settings only. (Products that underflow lose less than ``2^-126`` each:
-    left, as the sum's own rounding.)"""
-    if a.dtype != torch.float32 or g.dtype != torch.float32:
-        return a, g
-    if rounding.float32_matmul_setting(a.device.type) == "ieee":
-        return a, g
-    tiny = torch.finfo(torch.float32).tiny
-    if bool(((a != 0) & (a.abs() < tiny)).any()) or bool(((g != 0) & (g.abs() < tiny)).any()):
-        return a.double(), g.double()
-    return a, g
+def _flush_flags(parts: Sequence[_Part], factors: Optional[Tensor]) -> List[bool]:
+    """Per part, whether its clipped sum is formed in float64 (red-team review 63): one host synchronisation for all
+    of them, and none under the float32 matmul setting ``"ieee"`` or for rows that are not float32.
+
+    Under another setting (``fp32_precision`` ``"bf16"``/``"tf32"``, ``set_float32_matmul_precision("medium" |
+    "high")``) a float32 matmul may convert its operands with denormals flushed to zero (oneDNN on AMX does, from 64
+    rows and 64 features): a subnormal ``x = 2^-127`` meeting an output gradient of ``2^127`` loses a term of size 1,
+    an absolute error no relative rounding bound covers, and a crafted record cancelling it released 30.9 C from one
+    ``bookkeeping`` sum. Where a part's rows (``g`` scaled by its clip factor) may hold a subnormal
+    (:meth:`_Part.may_flush`), its sum is formed in float64, which no such setting touches; elsewhere, as it was.
+    (Products that underflow lose less than ``2^-126`` each: left, as the sum's own rounding.)"""
+    flags = [False] * len(parts)
+    candidates = [k for k, part in enumerate(parts)
+                  if at_least_float32(part.g).dtype == torch.float32
+                  and rounding.float32_matmul_setting(part.g.device.type) != "ieee"]
+    if candidates:
+        found = torch.stack([parts[k].may_flush(factors).to(parts[candidates[0]].g.device)
+                             for k in candidates]).tolist()
+        for k, flag in zip(candidates, found):
+            flags[k] = bool(flag)
+    return flags
 
 
 @dataclass(eq=False)
@@ -1218,8 +1238,8 @@ class PerExampleGradientEngine:
     def _ghost_sums(self, batch: _Batch, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:
         """``sum_i f_i G_i`` of the ghost parts from their recorded rows (``factors=None``: ``f_i = 1``)."""
         sums: Dict[int, Tensor] = {}
-        for part in batch.ghost:
-            sums.update(part.summed(factors, ok))
+        for part, wide in zip(batch.ghost, _flush_flags(batch.ghost, factors)):
+            sums.update(part.summed(factors, ok, wide))
         return sums
 
     def _second_backward(self, batch: _Batch, factors: Tensor, ok: Optional[Tensor], tape: Tape) -> Dict[int, Tensor]:

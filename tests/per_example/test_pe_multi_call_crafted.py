@@ -132,7 +132,7 @@ def test_a_flushed_subnormal_operand_in_a_single_call_bookkeeping_sum_keeps_the_
     float32 matmul over every example's rows (:func:`~.samplers.outer_summed`), whose bfloat16 operands (oneDNN,
     emulated here; on this machine's AMX from 64 rows and 64 features) dropped the subnormal operand's term: 30.9 C
     released (one call of 32 positions; "ghost" refuses the step: its second pass's row check). The sum is now formed
-    in float64 where a row holds a subnormal (``engine._unflushable``)."""
+    in float64 where a row holds a subnormal (``engine._flush_flags``)."""
     matmul = torch.Tensor.__matmul__
     monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: matmul(_bf16_operands(a), _bf16_operands(b)))
     monkeypatch.setattr(rounding, "float32_matmul_setting", lambda device_type: "bf16")
@@ -157,3 +157,25 @@ def test_a_single_call_bookkeeping_sum_on_this_cpus_bf16_matmuls_keeps_the_share
         assert released_over_clip(model, lambda: model(bx, bv), lambda: model(cx, cv), "bookkeeping") <= 1.0
     finally:
         torch.backends.mkldnn.matmul.fp32_precision = previous
+
+
+def test_the_float64_sums_are_taken_only_where_a_scaled_operand_may_be_subnormal(monkeypatch):
+    """``_flush_flags``: nothing under "ieee"; under "bf16", a part whose input holds a subnormal, or whose output
+    gradient the clip factor scales below the smallest normal (``1e-30 x 1e-10``), and no other."""
+    from lit_zodp.per_example import engine as engine_module
+    from lit_zodp.per_example.samplers import sampler_for
+
+    layer = nn.Linear(3, 2, dtype=torch.float32)
+
+    def part(a, g):
+        return engine_module._Part(layer, sampler_for(layer), a, g, {"weight": 0})
+
+    normal = part(torch.ones(2, 4, 3, **F32), torch.full((2, 4, 2), 1e-30, **F32))
+    subnormal_input = part(torch.full((2, 4, 3), 2.0 ** -127, **F32), torch.ones(2, 4, 2, **F32))
+    factors = torch.tensor([1.0, 1e-10], dtype=torch.float64)
+    parts = [normal, subnormal_input]
+    assert engine_module._flush_flags(parts, factors) == [False, False]  # the default setting here: "ieee"
+    monkeypatch.setattr(rounding, "float32_matmul_setting", lambda device_type: "bf16")
+    assert engine_module._flush_flags(parts, None) == [False, True]
+    assert engine_module._flush_flags(parts, factors) == [True, True]
+    assert engine_module._flush_flags(parts, torch.tensor([1.0, 1e-3], dtype=torch.float64)) == [False, True]
