@@ -237,8 +237,10 @@ class _Part:
                                                                                                device=g.device)
         smallest = torch.where(g != 0, g.abs(), torch.full((), math.inf, dtype=g.dtype, device=g.device))
         smallest = smallest.reshape(g.shape[0], -1).amin(1) if g.numel() else g.new_full((g.shape[0],), math.inf)
-        scaled = smallest.double() * (1.0 if factors is None else factors.double().abs())
-        return flag | (scaled < 2 * tiny).any()
+        if factors is None:
+            return flag | (smallest < 2 * tiny).any()
+        scaled = smallest.double() * factors.double().abs()
+        return flag | ((scaled < 2 * tiny) & (factors != 0)).any()  # (factor 0: exact zeros, as a non-finite row's)
 
 
 def _flush_flags(parts: Sequence[_Part], factors: Optional[Tensor]) -> List[bool]:
@@ -1057,9 +1059,9 @@ class PerExampleGradientEngine:
         single call's, not from the materialised sum of the calls.
 
         The number of calls is the batch's padded length: a one-token row padded to 2 gave the layer one call
-        (implicit, its norm by the ghost rule) and padded to 3 two (materialised, the bound of the rows): an
-        example's bound moved by 4e-6 relative with its batch-mates' lengths. A padding call's rows are zero, and
-        the rule counts only non-zero positions (:func:`~.ghost.active_positions`), so the example's bound is the
+        (implicit, its norm by the ghost rule) and padded to 3 two (materialised, the bound of the rows): the
+        layer's bound moved by 4e-6 relative (the example's by 9e-8) with its batch-mates' lengths. A padding call's
+        rows are zero, and the rule counts only non-zero positions (:func:`~.ghost.active_positions`), so the example's bound is the
         same at every width. It bounds the materialised rows' norm: they are ``sum_c fl(G_{i,c})``, each element
         ``n`` non-zero products added in some order, within ``gamma_n sum_t |g_t| |a_t|`` of ``G_i`` (Higham, Lemma
         3.1 and Sec. 3.1), so of norm at most ``||G_i|| + gamma_n S_i``, which the rule's ``(n + 2) u S_i`` (with the

@@ -179,3 +179,5 @@ def test_the_float64_sums_are_taken_only_where_a_scaled_operand_may_be_subnormal
     assert engine_module._flush_flags(parts, None) == [False, True]
     assert engine_module._flush_flags(parts, factors) == [True, True]
     assert engine_module._flush_flags(parts, torch.tensor([1.0, 1e-3], dtype=torch.float64)) == [False, True]
+    no_factor = torch.tensor([0.0, 1e-3], dtype=torch.float64)  # (factor 0: exact zeros, a non-finite example's)
+    assert engine_module._flush_flags(parts, no_factor) == [False, True]
