@@ -226,8 +226,6 @@ def method_backbone(backbone, method: str):
 def opacus_ghost_refusal(backbone, inputs) -> str | None:
     """Why Opacus' ghost clipping cannot run ``backbone`` (one forward on 2 rows, 4 tokens), or ``None``. Opacus
     1.6 refuses a layer called more than once per forward (the LSTM's hidden-to-gates layer, once per token)."""
-    import copy
-
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
     probe = GradSampleModuleFastGradientClipping(copy.deepcopy(backbone).train(), max_grad_norm=CLIP,

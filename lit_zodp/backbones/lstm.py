@@ -51,7 +51,7 @@ class LSTMLayer(nn.Module):
         more tokens wide where ``4 H`` is under two vectors, so a row's logits moved by an ulp with its batch's padded
         width (the per-example bounds with them; docs/privacy.md, stop 53)."""
         batch, length, _ = x.shape
-        gates_of_inputs = self.input(x).transpose(0, 1).contiguous().unbind(0)  # (contiguous: see below)
+        gates_of_inputs = self.input(x).transpose(0, 1).contiguous().unbind(0)  # (contiguous: see above)
         keeps = mask.to(torch.bool).unsqueeze(-1).unbind(1)
         h = x.new_zeros(batch, self.hidden_size, dtype=gates_of_inputs[0].dtype if length else x.dtype)
         c = torch.zeros_like(h)
