@@ -179,3 +179,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def parametrize_configs(paths, default):
+    """``parametrize`` over config ``paths`` (ids their stems), each marked ``slow`` unless its stem is in
+    ``default``: the config tests' one run of each family by default, the rest with ``-m slow``."""
+    return pytest.mark.parametrize("path", [p if p.stem in default else pytest.param(p, marks=pytest.mark.slow)
+                                            for p in paths], ids=lambda p: p.stem)

@@ -9,6 +9,7 @@ import yaml
 
 from lit_zodp.cli import build_cli
 from lit_zodp.errors import PrivacyConfigError
+from tests.conftest import parametrize_configs
 from tests.test_paper_configs import (assert_committed_configs_match_the_generator, injected_and_rdp_noise,  # noqa: F401
                                      overrides, tiny_world)  # (tiny_world: a fixture)
 
@@ -113,8 +114,7 @@ def tiny_fit(path, tiny_world):  # noqa: F811
     return cli
 
 
-@pytest.mark.parametrize("path", [p if p.stem in DEFAULT else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in ROBERTA], ids=lambda p: p.stem)
+@parametrize_configs(ROBERTA, DEFAULT)
 def test_table3_config_runs_with_a_tiny_roberta(path, tiny_world, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.chdir(tmp_path)
     cli = tiny_fit(path, tiny_world)
@@ -133,8 +133,7 @@ QA = [p for p in OPT if p.stem.startswith("table12_")]
 CLASSIFICATION = [p for p in OPT if p.stem.startswith("table4_")]
 
 
-@pytest.mark.parametrize("path", [p if p.stem in DEFAULT else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in QA], ids=lambda p: p.stem)
+@parametrize_configs(QA, DEFAULT)
 def test_table12_config_runs_with_a_tiny_opt(path, tiny_world, tmp_path, monkeypatch):  # noqa: F811
     """SQuAD and DROP train on each example's answer row alone (the LM loss: one row per example), which the
     per-example engine attributes; two steps and a test with greedy answers on a tiny OPT."""
@@ -146,8 +145,7 @@ def test_table12_config_runs_with_a_tiny_opt(path, tiny_world, tmp_path, monkeyp
     assert "test_f1" in cli.trainer.callback_metrics
 
 
-@pytest.mark.parametrize("path", [p if p.stem in DEFAULT else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in CLASSIFICATION], ids=lambda p: p.stem)
+@parametrize_configs(CLASSIFICATION, DEFAULT)
 def test_table4_config_loads_and_is_refused_by_the_candidate_classifier(path, tiny_world, tmp_path,  # noqa: F811
                                                                         monkeypatch):
     """Table 4 as the paper states it, on DPZero's OPT candidate classifier: the CLI parses every value, then the

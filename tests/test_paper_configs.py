@@ -17,6 +17,7 @@ from datamodules.testing import QA_WORDS, write_qa_files, write_task_files
 from datamodules.text_tasks import get_task
 from lit_zodp.backbones import save_tiny_pretrained
 from lit_zodp.cli import build_cli
+from tests.conftest import parametrize_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_CONFIGS = sorted((ROOT / "configs" / "dpzero").glob("*.yaml"))
@@ -119,8 +120,7 @@ def overrides(config: dict, models: dict, data: dict) -> list[str]:
     return args
 
 
-@pytest.mark.parametrize("path", [p if p.stem in DEFAULT else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in CONFIGS + BCD_CONFIGS], ids=lambda p: p.stem)
+@parametrize_configs(CONFIGS + BCD_CONFIGS, DEFAULT)
 def test_paper_config_runs_with_a_tiny_model_of_the_same_family(path, tiny_world, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     models, data = tiny_world

@@ -14,6 +14,7 @@ from datamodules.text_tasks import get_task
 from lit_zodp.backbones import save_tiny_pretrained
 from lit_zodp.cli import build_cli
 from lit_zodp.errors import PrivacyConfigError
+from tests.conftest import parametrize_configs
 from tests.test_paper_configs import assert_committed_configs_match_the_generator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,8 +168,7 @@ NOISE_DEFAULT = {f"table5_roberta-base_mnli_{m}_eps1" for m in CLASSES} | {"tabl
 
 
 @pytest.mark.filterwarnings("ignore:Optimal order")
-@pytest.mark.parametrize("path", [p if p.stem in NOISE_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in TABLE5], ids=lambda p: p.stem)
+@parametrize_configs(TABLE5, NOISE_DEFAULT)
 def test_config_injects_the_rdp_noise_of_its_budget(path):
     """Sec. 3: each of the m queries (q directions; PAZO-S's k + 1 losses) gets ``N(0, m C^2 sigma^2)`` on its
     clipped sum, divided by b, sigma = Opacus get_noise_multiplier(epsilon, delta, q = b / n, T): add/remove-one
@@ -223,8 +223,7 @@ RUN_DEFAULT = {"table5_roberta-base_mnli_pazom_eps0.1", "table5_roberta-base_mnl
 
 
 @pytest.mark.filterwarnings("ignore:Optimal order")
-@pytest.mark.parametrize("path", [p if p.stem in RUN_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in TABLE5], ids=lambda p: p.stem)
+@parametrize_configs(TABLE5, RUN_DEFAULT)
 def test_table5_config_runs_with_a_tiny_roberta(path, tiny_nli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     roberta, data_dir = tiny_nli

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import yaml
 
+from tests.conftest import parametrize_configs
 from tests.test_pazo_configs import FOLDER
 
 METHODS = ("pazom", "pazop", "pazos")
@@ -75,8 +76,7 @@ RUN_DEFAULT = {name("cifar10", "pazom", "big"), name("mnli", "pazos", "half-half
 
 @pytest.mark.filterwarnings("ignore:Optimal order")
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("path", [p if p.stem in RUN_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in GENERATED], ids=lambda p: p.stem)
+@parametrize_configs(GENERATED, RUN_DEFAULT)
 def test_config_runs_on_fabricated_files(path, cifar_root, tmp_path, monkeypatch):
     from lit_zodp.cli import build_cli
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import parametrize_configs
 from tests.test_pazo_configs import FOLDER
 
 TABLES = {"cifar10": (2, "nfresnet18"), "tinyimagenet": (3, "vit-tiny"), "imdb": (4, "lstm")}
@@ -157,8 +158,7 @@ NOISE_DEFAULT = {f"table2_nfresnet18_cifar10_{m}_eps1" for m in METHODS} | {
 
 
 @pytest.mark.filterwarnings("ignore:Optimal order")
-@pytest.mark.parametrize("path", [p if p.stem in NOISE_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in GENERATED], ids=lambda p: p.stem)
+@parametrize_configs(GENERATED, NOISE_DEFAULT)
 def test_config_injects_the_noise_of_its_budget(path):
     """Sec. 3: each of the m queries (q directions, PAZO-S's k + 1 losses, a first-order method's one gradient, GEP's
     embedding and residual) gets ``N(0, m C^2 sigma^2)`` on its clipped sum, over b (GEP's embedding: C0 for C). Under RDP, sigma = Opacus' RDP noise of (epsilon, delta, b / n,
@@ -226,8 +226,7 @@ RUN_DEFAULT = {"table2_nfresnet18_cifar10_pazop_eps1", "table2_nfresnet18_cifar1
 
 @pytest.mark.filterwarnings("ignore:Optimal order")
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("path", [p if p.stem in RUN_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in GENERATED], ids=lambda p: p.stem)
+@parametrize_configs(GENERATED, RUN_DEFAULT)
 def test_config_runs_on_fabricated_files(path, data_root, tmp_path, monkeypatch):
     from lit_zodp.callbacks import PublicWarmStart
     from lit_zodp.cli import build_cli
