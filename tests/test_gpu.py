@@ -182,6 +182,18 @@ def test_with_tf32_matmuls_a_share_stays_within_the_clip_on_cuda(tf32_matmuls, m
     assert float(released) / clip <= 1 + 1e-6
 
 
+@pytest.mark.parametrize("mode,calls,positions", [("ghost", 2, 2), ("bookkeeping", 2, 2), ("ghost", 8, 2),
+                                                  ("bookkeeping", 8, 2), ("bookkeeping", 1, 32)])
+def test_with_tf32_matmuls_a_subnormal_operand_record_stays_within_the_clip_on_cuda(tf32_matmuls, mode, calls,
+                                                                                     positions):
+    """Red-team review 63's record (``v = -2^127`` on ``x = 2^-127``, cancelling another position) on the
+    card's TF32 matmuls: within C whether or not the tensor cores flush the subnormal operand (on the CPU's
+    bf16 AMX path it released 30.9 C before the float64 fallback)."""
+    from tests.per_example.test_pe_multi_call_crafted import _share
+
+    assert _share(mode, calls, positions=positions, device="cuda") <= 1.0
+
+
 @pytest.mark.parametrize("mode", ["hooks", "bookkeeping", "ghost"])
 def test_with_tf32_matmuls_the_engine_keeps_its_fast_path_and_its_sums_on_cuda(tf32_matmuls, mode):
     """The coverage and alignment checks' tolerances include TF32's product error (2^-9): a

@@ -61,13 +61,14 @@ def _bf16_operands(x):
     return torch.where(x.abs() < 2.0 ** -126, torch.zeros((), dtype=x.dtype), x).to(torch.bfloat16).float()
 
 
-def _share(mode, calls, positions=2):
+def _share(mode, calls, positions=2, device="cpu"):
     torch.manual_seed(0)
     xs, vs = flushing_record(calls, positions=positions)
-    model = Repeated(xs.shape[-1])
+    model = Repeated(xs.shape[-1]).to(device)
     g = torch.Generator().manual_seed(0)
     bx, bv = torch.randn(2, *xs.shape[1:], generator=g, **F32), torch.randn(2, *vs.shape[1:], generator=g, **F32)
     cx, cv = torch.cat([xs, torch.zeros_like(xs)]), torch.cat([vs, torch.zeros_like(vs)])
+    bx, bv, cx, cv = (t.to(device) for t in (bx, bv, cx, cv))
     return released_over_clip(model, lambda: model(bx, bv), lambda: model(cx, cv), mode)
 
 
