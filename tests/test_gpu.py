@@ -112,9 +112,11 @@ def test_a_zeroth_order_step_on_cuda_never_waits_for_the_device(name):
     """Issue 8: no host synchronisation inside a step (coefficients stay on the device, the engine's
     tables are copied from pinned memory, the scalar noise is a kernel argument): CUDA's sync debug mode
     raises on any synchronising call. The first step compiles the kernels and is not checked; no
-    step writes logs (log_every_n_steps 1000)."""
+    step writes logs (log_every_n_steps 1000). The independence re-checks are off: a step the OS draws for one
+    (probability 1%) compares losses on the host by design (an H200 run drew one for DPMeZOBCD)."""
     base = ALGORITHMS[name]
-    kwargs = dict(lr=0.05, seed=3) | (dict(clip=1.0, noise_multiplier=1.0, delta=1e-5) if base.private else {})
+    private = dict(clip=1.0, noise_multiplier=1.0, delta=1e-5, recheck_probability=0.0)
+    kwargs = dict(lr=0.05, seed=3) | (private if base.private else {})
     module = never_waiting(base, steps=range(1, 4))(mlp(seed=1), **kwargs)
     trainer = quiet_trainer(max_steps=4, accelerator="gpu", devices=1, log_every_n_steps=1000)
     trainer.fit(module, poisson_loader(blobs(), 0.25))

@@ -51,6 +51,7 @@ from lit_zodp.backbones.base import batch_size_of, per_example_loss
 from lit_zodp.errors import ConfigError, LitZodpWarning, check_positive_int, raise_if_any
 from lit_zodp.per_example import ClippedParts
 from lit_zodp.per_example.ghost import at_least_float32
+from lit_zodp.per_example.rounding import outside_autocast
 from lit_zodp.privacy import GaussianRelease, StepPlan, clipped_fraction
 from lit_zodp.privacy.component import clip_errors
 from lit_zodp.privacy.training_randomness import keyed_training_randomness
@@ -116,7 +117,14 @@ def anchor_subspace(anchors: Tensor, groups: list[tuple[int, int]], counts: list
     """The power method on each group's anchor gradients ``anchors [m, d]`` (GEP Sec. 3.1; the authors' ``get_bases``):
     ``L ~ N(0, 1)`` (torch's generator of the anchors' device, keyed by ``seed`` and the group: the same on every rank
     of one device type), ``power_iterations`` times ``L <- orth(G^T G L)``. (The package's counter-based Philox drew
-    the 155M starting values of a 1.4M-parameter LSTM's group in minutes on a CPU.)"""
+    the 155M starting values of a 1.4M-parameter LSTM's group in minutes on a CPU.) Autocast is off: under
+    ``bf16-mixed`` the products came out in bfloat16, which QR refuses on CUDA and CPU (found on an H200)."""
+    with outside_autocast(anchors.device.type):
+        return _power_method(anchors, groups, counts, power_iterations, seed)
+
+
+def _power_method(anchors: Tensor, groups: list[tuple[int, int]], counts: list[int], power_iterations: int,
+                  seed: int) -> AnchorSubspace:
     bases = []
     for index, ((a, b), k) in enumerate(zip(groups, counts)):
         block = at_least_float32(anchors[:, a:b])  # (float64 weights: float64 bases, as their rows)
@@ -244,8 +252,10 @@ class GEP(PublicBatches, DPSGD):
     def release_gradient(self, clipped: ClippedParts) -> list[Tensor]:
         """``V w~ + r~``, the two releases' sum, split back per parameter."""
         embedding, residual = clipped.sums
-        released = (self.subspace.reconstruct(self.privacy.release(embedding, EMBEDDING, batch_size=clipped.batch_size))
-                    + self.privacy.release(residual, RESIDUAL, batch_size=clipped.batch_size))
+        with outside_autocast(embedding.device.type):  # (V w~ in the sums' precision, not autocast's bfloat16)
+            released = (self.subspace.reconstruct(self.privacy.release(embedding, EMBEDDING,
+                                                                       batch_size=clipped.batch_size))
+                        + self.privacy.release(residual, RESIDUAL, batch_size=clipped.batch_size))
         shapes = [p.shape for p in self.engine.params]
         return [part.view(shape) for part, shape in zip(released.split([math.prod(s) for s in shapes]), shapes)]
 

@@ -284,3 +284,26 @@ def test_a_float64_model_steps_in_float64():
     step, _ = naive_gep_step(module, before, c0, c1, dtype=torch.float64)
     # (the engine's clip keeps a 2^-20 margin, the naive one none: clipped rows differ by ~1e-6 of their share)
     torch.testing.assert_close(flat(after), flat(before) - lr * step, rtol=1e-5, atol=1e-7)
+
+
+def test_under_bf16_autocast_the_bases_and_the_step_stay_float32(monkeypatch):
+    """bf16-mixed (found on an H200): the power method's products came out in bfloat16, which CUDA's QR refuses
+    (CPU autocast casts QR's input to float32, so the refusal is emulated here). The bases and the step are float32
+    again: the step is the naive one's."""
+    qr = torch.linalg.qr
+
+    def cuda_qr(matrix, *args, **kwargs):
+        if matrix.dtype == torch.bfloat16:
+            raise NotImplementedError("\"geqrf_cuda\" not implemented for 'BFloat16'")
+        return qr(matrix, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "qr", cuda_qr)
+    lr, c0, c1 = 0.3, 0.9, 2.0
+    module = GEP(mlp(seed=1), lr=lr, clip=c1, embedding_clip=c0, noise_multiplier=0.0, seed=3, **OPTIONS)
+    before = [p.detach().clone() for p in module.backbone.parameters()]
+    quiet_trainer(max_steps=1, precision="bf16-mixed").fit(module, loaders())
+    assert all(basis.dtype == torch.float32 for basis in module.subspace.bases)
+    after = [p.detach().clone() for p in module.backbone.parameters()]
+    step, _ = naive_gep_step(module, before, c0, c1)
+    # (the forwards ran in bfloat16 autocast, the naive step's in float32: relative differences of bfloat16's 2^-8)
+    torch.testing.assert_close(flat(after), flat(before) - lr * step, rtol=3e-2, atol=3e-3)
