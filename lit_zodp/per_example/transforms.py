@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 from torch import Tensor
 
 from lit_zodp.errors import raise_if_any
+from lit_zodp.per_example.rounding import outside_autocast
 
 SIDES = ("left", "right")
 
@@ -62,14 +63,18 @@ class Projection:
         ])
 
     def of_gradients(self, grads: Tensor) -> Tensor:
-        """Project materialised gradients ``[..., out, in]``."""
+        """Project materialised gradients ``[..., out, in]`` (in their dtype: autocast off, which made a released
+        float32 gradient's projection bfloat16 in DP-GaLore's and the twins' steps under ``bf16-mixed``)."""
         p = self.matrix.to(grads.dtype)
-        return p.T @ grads if self.side == "left" else grads @ p
+        with outside_autocast(grads.device.type):
+            return p.T @ grads if self.side == "left" else grads @ p
 
     def back(self, update: Tensor) -> Tensor:
-        """``P U`` (left: ``U [r, in]``) or ``U P^T`` (right: ``U [out, r]``): a projected step in the weight's shape."""
+        """``P U`` (left: ``U [r, in]``) or ``U P^T`` (right: ``U [out, r]``): a projected step in the weight's shape
+        (in the update's dtype, autocast off)."""
         p = self.matrix.to(update.dtype)
-        return p @ update if self.side == "left" else update @ p.T
+        with outside_autocast(update.device.type):
+            return p @ update if self.side == "left" else update @ p.T
 
     def of_rows(self, a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
         """Project the rows ``a [B, T, in]``, ``g [B, T, out]`` of ``G_i = sum_t g_t a_t^T``."""

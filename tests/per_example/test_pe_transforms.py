@@ -160,3 +160,17 @@ def test_generic_rewrite_in_hooks_and_vmap_and_refused_in_ghost():
             assert_rel_close(got, sums[name], name=f"{mode}:{name}")
     with pytest.raises(PrivacyConfigError, match="mode='hooks' or 'vmap'"):
         PerExampleGradientEngine(model, mode="ghost", transform=_Recentre(centres))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_projection_of_float32_gradients_stays_float32_under_bf16_autocast(side):
+    """DP-GaLore projects its released gradient, and projected Adam lifts its step, inside the training step, where
+    ``bf16-mixed`` autocast made both products bfloat16 (the autocast audit of 2026-11-30)."""
+    g = torch.Generator().manual_seed(0)
+    matrix = torch.linalg.qr(torch.randn(8 if side == "left" else 6, 3, generator=g, dtype=torch.float32)).Q
+    projection, gradient = Projection(matrix, side), torch.randn(8, 6, generator=g, dtype=torch.float32)
+    expected = projection.of_gradients(gradient)
+    lifted = projection.back(expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(projection.of_gradients(gradient), expected)
+        assert torch.equal(projection.back(expected), lifted)
