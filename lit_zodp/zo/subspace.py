@@ -16,6 +16,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lit_zodp.per_example.rounding import outside_autocast
 from lit_zodp.zo.perturbation import _per_param
 
 #: Columns of ``G`` whose norm (after Gram-Schmidt: whose residual) is below this share of the largest
@@ -176,8 +177,11 @@ class SubspacePerturbation:
 
 
 def _combine(basis: Tensor, weights: Tensor) -> Tensor:
-    """``sum_j weights_j basis[j]`` (one ``tensordot``; the weights cast to the basis' dtype and device)."""
-    return torch.tensordot(weights.to(dtype=basis.dtype, device=basis.device), basis, dims=1)
+    """``sum_j weights_j basis[j]`` (one ``tensordot``; the weights cast to the basis' dtype and device; autocast off:
+    under ``bf16-mixed`` the perturbation and its restore were combined in bfloat16, each rounded its own way, so
+    ``-lam G u`` left ``2^-8``-relative residues of the perturbation in the weights)."""
+    with outside_autocast(basis.device.type):
+        return torch.tensordot(weights.to(dtype=basis.dtype, device=basis.device), basis, dims=1)
 
 
 __all__ = ["SubspacePerturbation", "normalize_columns_", "orthonormalize_", "subspace_coefficients"]

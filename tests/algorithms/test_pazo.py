@@ -564,3 +564,24 @@ def test_a_public_gradient_that_is_not_finite_is_refused_before_any_release(cls)
     with pytest.raises(ConfigError, match="public gradient at step 0 is not finite"):
         quiet_trainer(max_steps=1).fit(module, loaders()["private"])
     assert module.privacy.ledger.total_count == 0
+
+
+def test_a_subspace_perturbation_under_bf16_autocast_moves_the_weights_as_without_it():
+    """PAZO-P's engine under ``bf16-mixed``: its ``G u`` products were bfloat16, the perturbation and the restore each
+    rounded its own way (the autocast audit of 2026-11-30). They are float32 again: the same bits as without autocast."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(5, 4, generator=g, dtype=torch.float32), torch.randn(4, generator=g, dtype=torch.float32)]
+    basis = [torch.randn(3, 5, 4, generator=g, dtype=torch.float32), torch.randn(3, 4, generator=g, dtype=torch.float32)]
+
+    def steps(autocast):
+        weights = [p.clone() for p in params]
+        engine = SubspacePerturbation(weights, 3)
+        engine.set_basis(basis)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            engine.perturb_(7, 1e-2)
+            engine.perturb_(7, -2e-2)
+            engine.restore_and_update_({7: 0.5}, lr=0.1)
+        return weights
+
+    for with_autocast, without in zip(steps(True), steps(False)):
+        assert torch.equal(with_autocast, without)
