@@ -94,7 +94,8 @@ from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.ghost import FLOAT64_UNIT, _gamma, at_least_float32, row_norm_sq
 from lit_zodp.per_example.reference import call_gradients, is_batched
 from lit_zodp.per_example import rounding
-from lit_zodp.per_example.rounding import HALF_DTYPES, forward_autocast, outside_autocast, working_eps
+from lit_zodp.per_example.rounding import (HALF_DTYPES, forward_autocast, has_convolutions, model_convolutions,
+                                            outside_autocast, working_eps)
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
 from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape
@@ -490,6 +491,7 @@ class PerExampleGradientEngine:
         #: running ``fixed_forward_rows``, whose private forwards must all have one shape).
         self.keep_call_shape = False
         self.names, self.params = _trainable_parameters(module)
+        self._convolutions = has_convolutions(module)  # (its checks then allow cuDNN's TF32: rounding.working_eps)
         raise_if_any([None if self.params else "Expected `module` to have trainable parameters, but it has none"])
         self._owners = self._find_owners()
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -550,7 +552,7 @@ class PerExampleGradientEngine:
     def _clipped_sum(self, loss_fn: Callable[[], Tensor], clip: float, examples: Optional[int]) -> ClippedSum:
         tape = self._tape()
         try:
-            with tape, outside_autocast(self._device_type):
+            with tape, outside_autocast(self._device_type), model_convolutions(self._convolutions):
                 losses, batch = self._per_example(loss_fn, tape, mode=self.mode)
                 if losses.numel() == 0:
                     return self._empty()
@@ -601,7 +603,7 @@ class PerExampleGradientEngine:
                        examples: Optional[int]) -> ClippedParts:
         tape = self._tape()
         try:
-            with tape, outside_autocast(self._device_type):
+            with tape, outside_autocast(self._device_type), model_convolutions(self._convolutions):
                 losses, batch = self._per_example(loss_fn, tape, mode=self.mode)
                 if losses.numel() == 0:
                     return self._empty_parts(split, clips)
@@ -636,7 +638,7 @@ class PerExampleGradientEngine:
     def _per_example_gradients(self, loss_fn: Callable[[], Tensor]) -> List[Tensor]:
         tape = self._tape()
         try:
-            with tape, outside_autocast(self._device_type):
+            with tape, outside_autocast(self._device_type), model_convolutions(self._convolutions):
                 losses, batch = self._per_example(loss_fn, tape, mode="hooks")
             return [self._transformed(i, batch.dense[i], batch) for i in range(len(self.params))]
         finally:

@@ -75,6 +75,41 @@ def float32_matmul_setting(device_type: str) -> str:
     return _legacy_setting(device_type)
 
 
+def float32_conv_setting(device_type: str) -> str:
+    """``"ieee"`` or ``"tf32"``: how cuDNN's float32 convolutions on ``device_type`` may compute (TF32 by default in
+    torch: ``torch.backends.cudnn.allow_tf32``, or ``torch.backends.cudnn.conv.fp32_precision``). Only CUDA has
+    them; the engine's own convolution arithmetic is an unfold and a matmul (:func:`sum_rounding`)."""
+    if device_type != "cuda":
+        return "ieee"
+    cudnn = torch.backends.cudnn
+    if hasattr(cudnn, "fp32_precision"):
+        for node in (getattr(cudnn, "conv", None), cudnn, torch.backends):
+            setting = _setting(node)
+            if setting is not None:
+                return setting
+        return "ieee"
+    return "tf32" if cudnn.allow_tf32 else "ieee"
+
+
+#: Whether the model whose rows or losses are being compared has convolutions (:func:`model_convolutions`).
+_CONVOLUTIONS: contextvars.ContextVar[bool] = contextvars.ContextVar("convolutions", default=False)
+
+
+def has_convolutions(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds a convolution layer (``nn.Conv1d/2d/3d`` and their transposes, subclasses too)."""
+    return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in module.modules())
+
+
+@contextlib.contextmanager
+def model_convolutions(present: bool) -> Iterator[None]:
+    """Inside: :func:`working_eps` knows whether the compared results went through the model's convolutions."""
+    token = _CONVOLUTIONS.set(present)
+    try:
+        yield
+    finally:
+        _CONVOLUTIONS.reset(token)
+
+
 def sum_rounding(dtype: torch.dtype, device_type: str) -> MatmulRounding:
     """Of the sums the engine forms from rows of ``dtype`` (widened to at least float32)."""
     if torch.promote_types(dtype, torch.float32) == torch.float64:
@@ -124,13 +159,19 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 def working_eps(device_type: str, *dtypes: torch.dtype) -> float:
     """Relative precision of results formed from ``dtypes`` on ``device_type``: the machine epsilon
     of the least precise dtype, the forward's autocast dtype included, and no finer than a float32
-    matmul's product when a dtype is float32 (TF32 operands: ``2^-9``)."""
+    matmul's product when a dtype is float32 (TF32 operands: ``2^-9``), nor than a cuDNN convolution's
+    product in a model with convolutions (:func:`model_convolutions`; torch's default on CUDA is TF32:
+    an H200 run sent an NF-ResNet layer to the exact fallback, and emulated TF32 convolutions sent 27-36
+    of its 62 parameters there, every mode)."""
     forward = autocast_dtype(device_type) or _FORWARD_AUTOCAST.get()
     eps = max(torch.finfo(d).eps for d in (*dtypes, *([forward] if forward is not None else [])))
     if any(torch.promote_types(d, torch.float32) == torch.float32 for d in dtypes):
         eps = max(eps, sum_rounding(torch.float32, device_type).product)
+        if _CONVOLUTIONS.get():
+            eps = max(eps, _BY_SETTING[float32_conv_setting(device_type)].product)
     return eps
 
 
-__all__ = ["HALF_DTYPES", "MatmulRounding", "autocast_dtype", "float32_matmul_setting", "forward_autocast",
-           "outside_autocast", "sum_rounding", "working_eps"]
+__all__ = ["HALF_DTYPES", "MatmulRounding", "autocast_dtype", "float32_conv_setting", "float32_matmul_setting",
+           "forward_autocast", "has_convolutions", "model_convolutions", "outside_autocast", "sum_rounding",
+           "working_eps"]

@@ -56,6 +56,51 @@ def test_the_float32_matmul_setting_is_read_from_either_api():
         assert out.split() == SETTINGS[setting].split(), setting
 
 
+_READ_CONV_SETTINGS = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("rounding", sys.argv[1])
+rounding = importlib.util.module_from_spec(spec); spec.loader.exec_module(rounding)
+b = torch.backends
+exec(sys.argv[2])
+print(rounding.float32_conv_setting("cuda"), rounding.float32_conv_setting("cpu"))
+"""
+
+CONV_SETTINGS = {
+    "pass": "tf32 ieee",                                                       # torch's default: cuDNN TF32
+    "b.cudnn.allow_tf32 = False": "ieee ieee",                                 # the legacy flag
+    "b.cudnn.conv.fp32_precision = 'ieee'": "ieee ieee",
+    "b.cudnn.allow_tf32 = False; b.cudnn.conv.fp32_precision = 'tf32'": "tf32 ieee",  # mixed APIs
+    "b.cudnn.fp32_precision = 'ieee'": "ieee ieee",                            # inherited by conv
+}
+
+
+def test_the_cudnn_convolution_setting_is_read_from_either_api():
+    """cuDNN's float32 convolutions (TF32 by default): the CPU has none, so its setting is always "ieee"."""
+    runs = {setting: subprocess.Popen([sys.executable, "-c", _READ_CONV_SETTINGS, str(ROUNDING_PY), setting],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for setting in CONV_SETTINGS}
+    for setting, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err[-2000:]
+        assert out.split() == CONV_SETTINGS[setting].split(), setting
+
+
+def test_checks_allow_tf32_convolutions_only_in_a_model_with_convolutions(monkeypatch):
+    """``working_eps`` (the checks' tolerances, not the bounds): TF32's product error where cuDNN convolutions run in
+    TF32 and the compared results went through a model with convolutions; float32's elsewhere; float64 untouched."""
+    monkeypatch.setattr(rounding, "float32_conv_setting", lambda device_type: "tf32")
+    ieee = torch.finfo(torch.float32).eps
+    assert rounding.working_eps("cuda", torch.float32) == ieee
+    with rounding.model_convolutions(True):
+        assert rounding.working_eps("cuda", torch.float32) == TF32.product
+        assert rounding.working_eps("cuda", torch.float64) == torch.finfo(torch.float64).eps
+        assert rounding.sum_rounding(torch.float32, "cuda") == rounding.IEEE_FLOAT32  # (the engine's own sums)
+        with rounding.model_convolutions(False):
+            assert rounding.working_eps("cuda", torch.float32) == ieee
+    assert rounding.has_convolutions(nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Conv1d(1, 1, 1))))
+    assert not rounding.has_convolutions(nn.Sequential(nn.Linear(2, 2)))
+
+
 def test_sum_rounding_of_float64_rows_ignores_the_float32_setting(monkeypatch):
     monkeypatch.setattr(rounding, "float32_matmul_setting", lambda device_type: "tf32")
     assert rounding.sum_rounding(torch.float64, "cpu") == rounding.FLOAT64
