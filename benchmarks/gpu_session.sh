@@ -59,36 +59,30 @@
 #   all          tests zo_roberta zo_opt zo_minilm merge first_order bcd bcd_accuracy, in that order
 #                (~30-40 min: more than one session's device time; see the call plan)
 #
-# Readings (H100, 2026-11-27, --repeats 3, a warm disk cache for Triton after the first piece): zo_minilm
-# 74 s, zo_roberta 90 s, zo_opt 126 s, tests 96 s (42 passed), profile ~150 s; a fresh machine took about
-# 30 s to start. The other pieces' estimates are still arithmetic (fp32 matmuls at ~50 TFLOP/s, ~1-2 s
-# per Lightning fit, 5 repeats + 1 warm-up). If a piece is cut by its timeout, run it again with fewer
-# repeats, e.g. EXTRA_ARGS="--repeats 3".
+# Readings (H200, 2026-11-30, --repeats 3): tests 181 s (117 passed, 5 failed, 3 skipped; fixed since),
+# zo_minilm 59 s, zo_opt 145 s, zo_roberta 54 s for fp32 and about 60 s for bf16 (cut at the deadline; run
+# apart), a fresh machine about 30 s to start; the first call's four pieces took 496 s of a 540 s limit.
+# (H100, 2026-11-27: zo_minilm 74 s, zo_roberta 90 s, zo_opt 126 s, tests 96 s, profile ~150 s.) The other
+# pieces' estimates are still arithmetic (fp32 matmuls at ~50 TFLOP/s, ~1-2 s per Lightning fit, 5 repeats +
+# 1 warm-up). If a piece is cut by its timeout, run it again with fewer repeats, e.g. EXTRA_ARGS="--repeats 3".
 #
-# Before the call plan, HERE: `benchmarks/gpu_session.sh triton` after any change to a kernel.
+# Before the call plan, HERE: `benchmarks/gpu_session.sh triton` after any change to a kernel (with this
+# checkout's Python: PY=.venv/bin/python benchmarks/gpu_session.sh triton).
 # Call plan. A session lent a GPU has 15 min of device time in all (start, idle and give-back count;
 # a fresh machine takes 0.5-2 min to start and goes back 30 s after a call, so have the next call ready;
 # every call brings its results back through $OUT). HERE first: `wheels` (and `carry` for the pieces
-# that read .gpu_carry).
-# Speed (issue 8), re-measuring after the noise kernel's fix and the fused kernel's hardware functions
-# (2026-11-27: lg2/cos/sin.approx, bf16 cvt.rn, Philox with widening multiplies, rows of one 128-bit
-# vector, no shared memory; 31-46 instructions per element, from 67-91: benchmarks/kernel_instructions.py),
-# with the tiles and the software-math kernel (fast_math=False) timed beside the default:
-#   1. run(command="DEADLINE=480 EXTRA_ARGS='--repeats 3' benchmarks/gpu_session.sh tests zo_minilm
-#          zo_roberta zo_opt", carry=[".whl"], timeout_s=510)
-#      `tests` first: the kernel changed (test_cuda_box_muller_within_its_documented_bound checks the
-#      hardware log/cos/sin against exact functions, test_cuda_hardware_bf16_rounding_equals_integer_rounding
-#      the bf16 cvt.rn, test_cuda_fused_philox_is_tritons_bitwise the Philox, test_cuda_kernel_matches_reference
-#      the whole passes). If a tile of the "Fused kernel
-#      tiles" table beats the default (lit_zodp/zo/fused.py DEFAULT_BLOCK, DEFAULT_WARPS) by more than 5% in
-#      both dtypes, switch the default HERE.
-#   2. what is left (T = status's budget_left_s - 45, skip under 150): MeZO-BCD (issue 9):
-#      run(command="DEADLINE=<T-20> CAPS='bcd=240' benchmarks/gpu_session.sh bcd", carry=[".whl"],
-#          timeout_s=T)
-#   then give_back, and HERE: unpack the tarballs (Results) and `benchmarks/gpu_session.sh merge`.
-# Later sessions: bcd_accuracy at full length (BCD_ACC_SECONDS=150), fixed_shape, first_order
-# (EXTRA_ARGS="--repeats 2"), tests again after kernel changes; `profile` where a step is slower than
-# its parts.
+# that read .gpu_carry). The H200 run of 2026-11-30 measured issue 8's float32 targets met on RoBERTa-large
+# and OPT-1.3B (README, "Re-measured on one H200 (2026-11-30"); what is left:
+#   1. run(command="DEADLINE=480 benchmarks/gpu_session.sh tests first_order", carry=[".whl"], timeout_s=510)
+#      `tests`: the NF-ResNet check now expects no fallback under cuDNN's TF32 convolutions
+#      (tests/backbones/test_nfresnet.py, emulated on the CPU only), and every fix of 2026-11-30.
+#      `first_order` (EXTRA_ARGS="--repeats 2"): DP-SGD against Opacus on the card, never measured.
+#   2. what is left (T = status's budget_left_s - 45, skip under 150): MiniLM's DPZero / MeZO, unresolved at 3
+#      repeats on a noisy card: run(command="DEADLINE=<T-20> EXTRA_ARGS='--repeats 9 --tiles= --no-opacus
+#      --no-adamw --no-memory' benchmarks/gpu_session.sh zo_minilm", carry=[".whl"], timeout_s=T), or `profile`.
+#   then give_back, and HERE: unpack the tarballs (Results) and record them with the device's name.
+# Later sessions: dp_grape, bcd, bcd_accuracy at full length (BCD_ACC_SECONDS=150), fixed_shape, audit; tests
+# again after kernel changes; `profile` where a step is slower than its parts.
 # Pieces of one call share its deadline (DEADLINE, default 570 s when $OUT is set): a piece that would
 # start with less than 60 s left is skipped (it says so) and can go into the next call. CAPS="piece=s ..."
 # lowers a piece's own cap (below) so that the pieces after it keep their time.
