@@ -118,7 +118,7 @@ def anchor_subspace(anchors: Tensor, groups: list[tuple[int, int]], counts: list
     ``L ~ N(0, 1)`` (torch's generator of the anchors' device, keyed by ``seed`` and the group: the same on every rank
     of one device type), ``power_iterations`` times ``L <- orth(G^T G L)``. (The package's counter-based Philox drew
     the 155M starting values of a 1.4M-parameter LSTM's group in minutes on a CPU.) Autocast is off: under
-    ``bf16-mixed`` the products came out in bfloat16, which QR refuses on CUDA and CPU (found on an H200)."""
+    ``bf16-mixed`` the products came out in bfloat16, which CUDA's QR refuses (found on an H200)."""
     with outside_autocast(anchors.device.type):
         return _power_method(anchors, groups, counts, power_iterations, seed)
 

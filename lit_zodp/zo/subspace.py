@@ -128,14 +128,16 @@ class SubspacePerturbation:
     def direction(self, seed: int) -> list[Tensor]:
         """``G u(seed)`` as tensors shaped like the parameters (in the basis' dtype)."""
         u = subspace_coefficients(seed, self.k)
-        return [_combine(b, u) for b in self._basis()]
+        with outside_autocast(self.params[0].device.type):
+            return [_combine(b, u) for b in self._basis()]
 
     @torch.no_grad()
     def perturb_(self, seed: int, scale: float) -> None:
         """``theta += scale * G u(seed)`` in place."""
         u = subspace_coefficients(seed, self.k)
-        for p, b in zip(self.params, self._basis()):
-            p.add_(_combine(b, u).to(p.dtype), alpha=scale)
+        with outside_autocast(self.params[0].device.type):
+            for p, b in zip(self.params, self._basis()):
+                p.add_(_combine(b, u).to(p.dtype), alpha=scale)
         total = self.pending.get(seed, 0.0) + scale
         if abs(total) <= 1e-12 * max(1.0, abs(scale)):
             self.pending.pop(seed, None)
@@ -154,15 +156,16 @@ class SubspacePerturbation:
         seeds = sorted(set(self.pending) | set(coefficients))
         lrs, decays = _per_param(lr, len(self.params)), _per_param(weight_decay, len(self.params))
         us = {seed: subspace_coefficients(seed, self.k) for seed in seeds}
-        for index, (p, b) in enumerate(zip(self.params, self._basis() if seeds else [None] * len(self.params))):
-            shrink = 1.0 - lrs[index] * decays[index]
-            if shrink != 1.0:
-                p.mul_(shrink)
-            if not seeds:
-                continue
-            weights = sum((-shrink * self.pending.get(s, 0.0) - lrs[index] * coefficients.get(s, 0.0)) * us[s]
-                          for s in seeds)
-            p.add_(_combine(b, weights).to(p.dtype))
+        with outside_autocast(self.params[0].device.type):
+            for index, (p, b) in enumerate(zip(self.params, self._basis() if seeds else [None] * len(self.params))):
+                shrink = 1.0 - lrs[index] * decays[index]
+                if shrink != 1.0:
+                    p.mul_(shrink)
+                if not seeds:
+                    continue
+                weights = sum((-shrink * self.pending.get(s, 0.0) - lrs[index] * coefficients.get(s, 0.0)) * us[s]
+                              for s in seeds)
+                p.add_(_combine(b, weights).to(p.dtype))
         self.pending.clear()
 
     def restore_(self) -> None:
@@ -177,11 +180,11 @@ class SubspacePerturbation:
 
 
 def _combine(basis: Tensor, weights: Tensor) -> Tensor:
-    """``sum_j weights_j basis[j]`` (one ``tensordot``; the weights cast to the basis' dtype and device; autocast off:
-    under ``bf16-mixed`` the perturbation and its restore were combined in bfloat16, each rounded its own way, so
-    ``-lam G u`` left ``2^-8``-relative residues of the perturbation in the weights)."""
-    with outside_autocast(basis.device.type):
-        return torch.tensordot(weights.to(dtype=basis.dtype, device=basis.device), basis, dims=1)
+    """``sum_j weights_j basis[j]`` (one ``tensordot``; the weights cast to the basis' dtype and device). Callers turn
+    autocast off (:func:`~lit_zodp.per_example.rounding.outside_autocast`, once per pass): under ``bf16-mixed`` the
+    perturbation and its restore were combined in bfloat16, each rounded its own way, so ``-lam G u`` left
+    ``2^-8``-relative residues of the perturbation in the weights."""
+    return torch.tensordot(weights.to(dtype=basis.dtype, device=basis.device), basis, dims=1)
 
 
 __all__ = ["SubspacePerturbation", "normalize_columns_", "orthonormalize_", "subspace_coefficients"]
