@@ -29,8 +29,20 @@ spec = importlib.util.spec_from_file_location("rounding", sys.argv[1])
 rounding = importlib.util.module_from_spec(spec); spec.loader.exec_module(rounding)
 b = torch.backends
 exec(sys.argv[2])
-print(rounding.float32_matmul_setting("cuda"), rounding.float32_matmul_setting("cpu"))
+read = getattr(rounding, sys.argv[3])
+print(read("cuda"), read("cpu"))
 """
+
+
+def assert_read_in_fresh_interpreters(reader: str, settings: dict) -> None:
+    """Each setting in a fresh interpreter (run side by side): mixing the legacy and new APIs is sticky."""
+    runs = {setting: subprocess.Popen([sys.executable, "-c", _READ_SETTINGS, str(ROUNDING_PY), setting, reader],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for setting in settings}
+    for setting, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err[-2000:]
+        assert out.split() == settings[setting].split(), setting
 
 
 SETTINGS = {
@@ -45,25 +57,10 @@ SETTINGS = {
 
 
 def test_the_float32_matmul_setting_is_read_from_either_api():
-    """Each in a fresh interpreter (run side by side): mixing the legacy and new APIs is sticky, and
-    makes ``torch.get_float32_matmul_precision()`` raise (the engine read it before, and would have raised)."""
-    runs = {setting: subprocess.Popen([sys.executable, "-c", _READ_SETTINGS, str(ROUNDING_PY), setting],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for setting in SETTINGS}
-    for setting, run in runs.items():
-        out, err = run.communicate(timeout=120)
-        assert run.returncode == 0, err[-2000:]
-        assert out.split() == SETTINGS[setting].split(), setting
+    """Mixing the legacy and new APIs makes ``torch.get_float32_matmul_precision()`` raise (the engine read it
+    before, and would have raised)."""
+    assert_read_in_fresh_interpreters("float32_matmul_setting", SETTINGS)
 
-
-_READ_CONV_SETTINGS = """
-import importlib.util, sys, torch
-spec = importlib.util.spec_from_file_location("rounding", sys.argv[1])
-rounding = importlib.util.module_from_spec(spec); spec.loader.exec_module(rounding)
-b = torch.backends
-exec(sys.argv[2])
-print(rounding.float32_conv_setting("cuda"), rounding.float32_conv_setting("cpu"))
-"""
 
 CONV_SETTINGS = {
     "pass": "tf32 ieee",                                                       # torch's default: cuDNN TF32
@@ -76,13 +73,7 @@ CONV_SETTINGS = {
 
 def test_the_cudnn_convolution_setting_is_read_from_either_api():
     """cuDNN's float32 convolutions (TF32 by default): the CPU has none, so its setting is always "ieee"."""
-    runs = {setting: subprocess.Popen([sys.executable, "-c", _READ_CONV_SETTINGS, str(ROUNDING_PY), setting],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for setting in CONV_SETTINGS}
-    for setting, run in runs.items():
-        out, err = run.communicate(timeout=120)
-        assert run.returncode == 0, err[-2000:]
-        assert out.split() == CONV_SETTINGS[setting].split(), setting
+    assert_read_in_fresh_interpreters("float32_conv_setting", CONV_SETTINGS)
 
 
 def test_checks_allow_tf32_convolutions_only_in_a_model_with_convolutions(monkeypatch):
