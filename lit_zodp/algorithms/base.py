@@ -39,7 +39,6 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, BufferState, Param
                                          refuse_batch_mixing, refuse_buffer_writes, renormalising_embeddings,
                                          rows_agree, rows_differ, step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.per_example.ghost import at_least_float32
-from lit_zodp.per_example.rounding import has_convolutions, model_convolutions
 from lit_zodp.privacy import (NonPrivate, PoissonBatchSampler, PrivacyComponent, PrivateBatchSampler,
                               SinglePassBatchSampler, SpendLog, StepPlan)
 from lit_zodp.privacy.fixed_shape import (FixedShapeForwards, any_row_ends_early, cut_columns, rows_ending_early,
@@ -488,13 +487,12 @@ class AlgorithmModule(pl.LightningModule):
         if not (self._pending_checks or self._recheck_pending):
             return
         dtype = self._parameter_dtype()
-        with model_convolutions(has_convolutions(self.backbone)):
-            if "padding" in self._pending_checks and self._refuse_padding_dependence(inputs, targets, losses, dtype):
-                self._pending_checks.discard("padding")
-            if "halves" in self._pending_checks or self._recheck_pending:
-                if self._refuse_batch_mixing(inputs, targets, losses, dtype):
-                    self._pending_checks.discard("halves")
-                    self._recheck_pending = False
+        if "padding" in self._pending_checks and self._refuse_padding_dependence(inputs, targets, losses, dtype):
+            self._pending_checks.discard("padding")
+        if "halves" in self._pending_checks or self._recheck_pending:
+            if self._refuse_batch_mixing(inputs, targets, losses, dtype):
+                self._pending_checks.discard("halves")
+                self._recheck_pending = False
 
     def _parameter_dtype(self) -> torch.dtype:
         """The backbone's (first) parameter dtype: the rounding the independence checks tolerate."""
@@ -514,7 +512,7 @@ class AlgorithmModule(pl.LightningModule):
         rows never resolves it; MiniLM, batch 32: 1.0 s of a 3.7 s step); :meth:`_checks_can_compare`."""
         if batch_size_of(inputs) == 0 or not self._checks_can_compare(inputs):
             return
-        with step_mode_recompute(), model_convolutions(has_convolutions(self.backbone)):
+        with step_mode_recompute():
             losses = self._losses(inputs, targets).detach()
             if not rows_agree(losses, self._losses(inputs, targets).detach(), dtype=self._parameter_dtype()):
                 warn_unchecked_training_mode("the backbone and its per_example_loss")

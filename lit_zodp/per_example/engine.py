@@ -71,11 +71,12 @@ expanded to ``[B, T]`` while recording.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -84,7 +85,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
-from lit_zodp.per_example.alignment import CallKey, _disagreeing, _RowSummaries, misaligned_calls
+from lit_zodp.per_example.alignment import PROJECTIONS, CallKey, _disagreeing, _RowSummaries, misaligned_calls
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, ParameterWrites, RecheckProbability, buffer_state,
                                          check_losses, check_mode, check_recheck_probability, check_transform, eval_mode,
                                          flat_rows, refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes,
@@ -98,10 +99,11 @@ from lit_zodp.per_example.rounding import (HALF_DTYPES, forward_autocast, has_co
                                             outside_autocast, working_eps)
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
-from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape
+from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape, _first_input
 from lit_zodp.per_example.transforms import GradientTransform, Projection, as_transform
 from lit_zodp.per_example.uses import ParameterUses
 from lit_zodp.privacy.clipping import check_clip, clip_factors
+from lit_zodp.privacy.training_randomness import secret_cpu_generator
 
 Transform = Union[GradientTransform, Callable[[str, Tensor, Tensor], Tensor]]
 
@@ -319,6 +321,58 @@ class _Recompute:
 def _comparable(losses: Tensor) -> bool:
     """At least 2 finite examples: only then can a check see one example reach another."""
     return int(torch.isfinite(losses.detach()).sum()) >= 2
+
+
+class _SecretProjections:
+    """Rows ``[n, ...]`` through secret Gaussian projections ``[width, K]`` (``K =``
+    :data:`~.alignment.PROJECTIONS`; drawn from the OS per check and width, in float64): the batch-independence
+    check compares each rule layer's inputs as ``[B, K]`` rows, not as the activations (gigabytes at a ViT-base's
+    ``B = 32``). A difference ``e`` of a row projects to ``||e||`` times a ``chi_K`` in expectation, as the row
+    itself, and no model or record can aim at the projections' null space (they are drawn after the forward)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.generator, self.device, self.drawn = secret_cpu_generator(), device, {}
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        flat = flat_rows(rows).to(self.device, torch.float64)
+        width = flat.shape[1]
+        if width not in self.drawn:
+            draw = torch.randn(width, PROJECTIONS, generator=self.generator, dtype=torch.float64)
+            self.drawn[width] = draw.to(self.device)
+        return flat @ self.drawn[width]
+
+
+@contextlib.contextmanager
+def _layer_inputs(layers: Set[nn.Module]) -> Iterator[Dict[int, List[Optional[Tensor]]]]:
+    """Inside: each of ``layers``' calls appends its first input to ``seen[id(layer)]`` (detached), where the tape
+    would record the call (an output that requires grad), ``None`` where it would not."""
+    seen: Dict[int, List[Optional[Tensor]]] = {}
+
+    def hook(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        x = _first_input(args, kwargs)
+        recorded = isinstance(output, Tensor) and output.requires_grad and isinstance(x, Tensor)
+        seen.setdefault(id(layer), []).append(x.detach() if recorded else None)
+
+    handles = [layer.register_forward_hook(hook, with_kwargs=True) for layer in layers]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _rows_seen(seen: List[Optional[Tensor]], rank: int, index: Tensor, batch: int, full: Tensor,
+               device: torch.device) -> Tensor:
+    """A layer's ``rank``-th recomputed input on the rows ``index`` (the recomputation's first ``len(index)``), flat.
+    Where the recomputation's call is not batch-first (a shared ``[Q, D]`` table whose ``Q`` equalled the step's
+    ``B``: no example's input) or has another row shape, the step's own rows: nothing to compare (the alignment
+    check sees such calls); NaN (a mismatch) where the call is missing."""
+    x = seen[rank] if rank < len(seen) else None
+    if x is None:
+        return torch.full((len(index), full[0].numel()), math.nan, device=device)
+    if not is_batched(x, batch) or x[0].numel() != full[0].numel():
+        return flat_rows(full[index.to(full.device)]).to(device)
+    return flat_rows(x[:len(index)]).to(device)
 
 
 def _coarsest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
@@ -781,53 +835,77 @@ class PerExampleGradientEngine:
         """Each call of the engine's module, recomputed (no grad) on two random halves of the batch,
         must give the rows it gave on the whole batch (:func:`.checks.refuse_batch_mixing`): per-row
         values that depend on batch-mates send no gradient across rows, so alignment and coverage miss
-        them (audit 5 F1). ``loss_fn``'s own arithmetic after the module is not recomputed."""
+        them (audit 5 F1). ``loss_fn``'s own arithmetic after the module is not recomputed. The rule layers'
+        batch-first inputs are compared too (:meth:`_rule_inputs`)."""
         recording, tape.recording = tape.recording, False  # the recomputations are not the batch's calls
         try:
             for call in list(tape.module_calls):
                 outputs = {j: v for j, v in call.outputs.items() if is_batched(v, size)}
                 call.outputs = {}
                 if call.module is self.module and outputs and size >= 2:
-                    self._refuse_call_mixing(call, outputs, size)
+                    self._refuse_call_mixing(call, outputs, size, self._rule_inputs(tape, size))
         finally:
             tape.recording = recording
 
-    def _refuse_call_mixing(self, call: ModuleCall, outputs: Dict[int, Tensor], size: int) -> None:
+    @staticmethod
+    def _rule_inputs(tape: Tape, size: int) -> List[Tuple[nn.Module, int, Tensor]]:
+        """``(layer, its call's rank among the layer's calls, input [B, ...])`` of the step's batch-first rule-layer
+        calls: the per-example gradients are formed from these inputs, and a forward can mix them while its outputs
+        barely move (red-team review 64: a record whose features lie near the null space of the last ``Linear``,
+        ``||W h|| / ||h|| = 7e-5``, shifted every batch-mate's features through a detached batch mean of 3e-5 and
+        released 1.05 C on one removal, the module's outputs within rounding)."""
+        ranks: Dict[int, int] = {}
+        found = []
+        for c in tape.layer_calls:
+            rank = ranks[id(c.module)] = ranks.get(id(c.module), -1) + 1
+            if not c.folded and is_batched(c.activation, size):
+                found.append((c.module, rank, c.activation))
+        return found
+
+    def _refuse_call_mixing(self, call: ModuleCall, outputs: Dict[int, Tensor], size: int,
+                            rule_inputs: List[Tuple[nn.Module, int, Tensor]]) -> None:
         """The recomputations run in the step's mode with every Bernoulli draw at its mean
         (:class:`.checks.MeanOfRandomDraws`). A step whose forward drew dropout masks does not reproduce:
         the halves are then compared with the whole batch recomputed the same way. Only a forward random
         in other ways (``rand``: RReLU, noise layers) is checked in eval mode, with a warning that its
         training-mode behaviour went unchecked (before audit 8 every model with dropout was, and mixing
         only in training passed: 4.33 C released on one removal)."""
-        full = torch.cat([flat_rows(outputs[j]) for j in sorted(outputs)], 1)
-        values_of = self._rows_of(call, sorted(outputs), size, full.device)
+        parts = [flat_rows(outputs[j]) for j in sorted(outputs)]
+        project = _SecretProjections(parts[0].device)
+        blocks = [sum(part.shape[1] for part in parts)] + [PROJECTIONS] * len(rule_inputs)
+        full = torch.cat([p.double() for p in parts] + [project(a) for _, _, a in rule_inputs], 1)
+        values_of = self._rows_of(call, sorted(outputs), size, full.device, rule_inputs, project)
         dtype = _coarsest([*(v.dtype for v in outputs.values()), *(p.dtype for p in self.params)])
-        what = "outputs of the engine's module"
+        what = "outputs of the engine's module (or its layers' inputs)"
+        checked = dict(dtype=dtype, device=full.device, what=what, blocks=blocks)
         try:
-            refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what, full=full)
+            refuse_batch_mixing(values_of, size, full=full, **checked)
             return
         except PrivacyConfigError:
             again = values_of(torch.arange(size))
-            if not self.module.training or rows_agree(full, again, dtype=dtype):
+            if not self.module.training or rows_agree(full, again, dtype=dtype, blocks=blocks):
                 raise  # the step's own rows reproduce: the halves' difference is mixing
         try:  # the step drew dropout masks: compare with the whole batch recomputed the same way
-            refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what, full=again)
+            refuse_batch_mixing(values_of, size, full=again, **checked)
             return
         except PrivacyConfigError:
-            if rows_agree(again, values_of(torch.arange(size)), dtype=dtype):
+            if rows_agree(again, values_of(torch.arange(size)), dtype=dtype, blocks=blocks):
                 raise  # the recomputation reproduces: mixing
         warn_unchecked_training_mode("the engine's module")
         with eval_mode(self.module):
-            refuse_batch_mixing(values_of, size, dtype=dtype, device=full.device, what=what)
+            refuse_batch_mixing(values_of, size, **checked)
 
-    def _rows_of(self, call: ModuleCall, leaves: List[int], size: int,
-                 device: torch.device) -> Callable[[Tensor], Tensor]:
+    def _rows_of(self, call: ModuleCall, leaves: List[int], size: int, device: torch.device,
+                 rule_inputs: Sequence[Tuple[nn.Module, int, Tensor]] = (),
+                 project: Optional[_SecretProjections] = None) -> Callable[[Tensor], Tensor]:
         """``index -> [n, ...]``: the call's batch-first outputs on those rows of its batched inputs
         alone, in the step's mode (:func:`.checks.step_mode_recompute`: grad on, Bernoulli draws at their mean,
         the user's random streams restored), in the forward's autocast, detached. With
         :attr:`keep_call_shape` the rows are filled up to the call's ``B`` with copies of the first one
         (dropped), so every forward has the call's shape, as ``fixed_forward_rows`` promises; without it
-        a half runs alone, which shows capacity-type mixing more surely (fewer rows, less overflow)."""
+        a half runs alone, which shows capacity-type mixing more surely (fewer rows, less overflow). Then the
+        ``rule_inputs``' layers' inputs on those rows through ``project``, each call matched by its rank (NaN where
+        the recomputation has no such call: a verdict of "finite in one only")."""
         devices = sorted({x.device for x in call.inputs if isinstance(x, Tensor) and x.device.type == "cuda"},
                          key=str)
 
@@ -836,11 +914,17 @@ class PerExampleGradientEngine:
             padded = torch.cat([index, index[:1].expand(size - rows)]) if self.keep_call_shape else index
             inputs = [x[padded.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
             args, kwargs = tree_unflatten(inputs, call.spec)
-            with step_mode_recompute(devices), forward_autocast(self._device_type):
+            with step_mode_recompute(devices), forward_autocast(self._device_type), \
+                    _layer_inputs({m for m, _, _ in rule_inputs}) as seen:
                 flat = tree_flatten(call.module(*args, **kwargs))[0]
             flat = [v.detach() if isinstance(v, Tensor) else v for v in flat]
-            return torch.cat([flat_rows(flat[j][:rows]) if j < len(flat) and is_batched(flat[j], len(padded))
-                              else torch.full((rows, 1), math.nan, device=device) for j in leaves], 1)
+            outputs = [flat_rows(flat[j][:rows]) if j < len(flat) and is_batched(flat[j], len(padded))
+                       else torch.full((rows, 1), math.nan, device=device) for j in leaves]
+            if not rule_inputs:
+                return torch.cat(outputs, 1)
+            return torch.cat([o.to(device, torch.float64) for o in outputs]
+                             + [project(_rows_seen(seen.get(id(m), []), rank, index, len(padded), a, device))
+                                for m, rank, a in rule_inputs], 1)
         return values_of
 
     def _structure(self, tape: Tape, uses: ParameterUses, size: int) -> int:

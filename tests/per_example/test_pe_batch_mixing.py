@@ -304,8 +304,8 @@ def _rows_differ_reference(full, again, dtype):
     finite = lambda row: all(math.isfinite(v) for v in row)  # noqa: E731
     norm = lambda row: math.sqrt(math.fsum(v * v for v in row))  # noqa: E731
     both = [finite(f) and finite(a) for f, a in zip(full, again)]
-    typical = [norm(f) for f, b in zip(full, both) if b]
-    typical = math.fsum(typical) / len(typical) if typical else 0.0
+    typical = sorted(norm(f) for f, b in zip(full, both) if b)
+    typical = typical[(len(typical) - 1) // 2] if typical else 0.0  # (the lower median)
     ratios = []
     for f, a, b in zip(full, again, both):
         if not b:
@@ -323,11 +323,12 @@ def test_rows_differ_is_the_gap_over_the_rounding_tolerance_row_by_row(dtype, sh
     within, at and far beyond the tolerance, a zero row, rows non-finite in one or both inputs."""
     torch.manual_seed(3)
     rows = torch.randn(shape[0], math.prod(shape[1:]), dtype=torch.float64) * torch.linspace(0.5, 2, shape[0])[:, None]
-    rows[6:] *= 1e3  # (rows 6-8 end up zero or non-finite: they must not enter the mean norm)
+    rows[6:] *= 1e3  # (rows 6-8 end up zero or non-finite: only the zero row enters the median norm)
     norms = rows.norm(dim=1)
     unit = torch.nn.functional.normalize(torch.randn_like(rows), dim=1)
     times_tolerance = torch.tensor([0.0, 0.5, 0.8, 1.25, 2.0, 1e3, 0.0, 0.0, 0.0], dtype=torch.float64)
-    tolerance = working_eps("cpu", dtype) ** 0.5 * (2 * norms + norms[:6].mean())  # (||again|| ~ ||full||)
+    typical = torch.cat([norms[:6], norms.new_zeros(1)]).median()  # (rows 0-5 and the zero row 6)
+    tolerance = working_eps("cpu", dtype) ** 0.5 * (2 * norms + typical)  # (||again|| ~ ||full||)
     full = rows.to(dtype).reshape(shape)
     again = (rows + (times_tolerance * tolerance)[:, None] * unit).to(dtype).reshape(shape)
     full[6], again[6] = 0.0, 0.0  # both zero: 0
@@ -342,7 +343,7 @@ def test_rows_differ_is_the_gap_over_the_rounding_tolerance_row_by_row(dtype, sh
 
 
 def test_rows_differ_of_no_comparable_row_is_zero_or_inf_without_nan():
-    """No row finite in both: the mean norm is over no row (0, not NaN), and every ratio is 0 or inf."""
+    """No row finite in both: the median norm is over no row (0, not NaN), and every ratio is 0 or inf."""
     full = torch.tensor([[math.nan], [1.0], [math.inf]])
     again = torch.tensor([[math.nan], [math.nan], [2.0]])
     assert rows_differ(full, again, dtype=torch.float32, device=full.device).tolist() == [0.0, math.inf, math.inf]
