@@ -343,15 +343,15 @@ class _SecretProjections:
 
 
 @contextlib.contextmanager
-def _layer_inputs(layers: Set[nn.Module]) -> Iterator[Dict[int, List[Optional[Tensor]]]]:
-    """Inside: each of ``layers``' calls appends its first input to ``seen[id(layer)]`` (detached), where the tape
-    would record the call (an output that requires grad), ``None`` where it would not."""
-    seen: Dict[int, List[Optional[Tensor]]] = {}
+def _layer_inputs(layers: Set[nn.Module]) -> Iterator[Dict[int, List[Tensor]]]:
+    """Inside: each of ``layers``' calls that the tape would record (an output that requires grad, a tensor input)
+    appends its first input to ``seen[id(layer)]`` (detached), so ranks count the calls as the tape does."""
+    seen: Dict[int, List[Tensor]] = {}
 
     def hook(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         x = _first_input(args, kwargs)
-        recorded = isinstance(output, Tensor) and output.requires_grad and isinstance(x, Tensor)
-        seen.setdefault(id(layer), []).append(x.detach() if recorded else None)
+        if isinstance(output, Tensor) and output.requires_grad and isinstance(x, Tensor):
+            seen.setdefault(id(layer), []).append(x.detach())
 
     handles = [layer.register_forward_hook(hook, with_kwargs=True) for layer in layers]
     try:
@@ -361,16 +361,17 @@ def _layer_inputs(layers: Set[nn.Module]) -> Iterator[Dict[int, List[Optional[Te
             handle.remove()
 
 
-def _rows_seen(seen: List[Optional[Tensor]], rank: int, index: Tensor, batch: int, full: Tensor,
+def _rows_seen(seen: List[Tensor], rank: int, index: Tensor, batch: int, full: Tensor,
                device: torch.device) -> Tensor:
     """A layer's ``rank``-th recomputed input on the rows ``index`` (the recomputation's first ``len(index)``), flat.
-    Where the recomputation's call is not batch-first (a shared ``[Q, D]`` table whose ``Q`` equalled the step's
-    ``B``: no example's input) or has another row shape, the step's own rows: nothing to compare (the alignment
-    check sees such calls); NaN (a mismatch) where the call is missing."""
+    Where the recomputation's call is not batch-first or is the step's input itself whatever the rows (a shared
+    ``[Q, D]`` table whose ``Q`` equalled the step's ``B``: no example's input), or has another row shape, the step's
+    own rows: nothing to compare (the alignment check sees such calls); NaN (a mismatch) where the call is missing."""
     x = seen[rank] if rank < len(seen) else None
     if x is None:
         return torch.full((len(index), full[0].numel()), math.nan, device=device)
-    if not is_batched(x, batch) or x[0].numel() != full[0].numel():
+    if (not is_batched(x, batch) or x[0].numel() != full[0].numel()
+            or (x.shape == full.shape and torch.equal(x, full.to(x.device)))):
         return flat_rows(full[index.to(full.device)]).to(device)
     return flat_rows(x[:len(index)]).to(device)
 

@@ -111,6 +111,37 @@ def test_a_mismatch_is_shown_as_its_order_of_magnitude_only():
     assert beyond_tolerance(1000.5) == beyond_tolerance(math.inf) == "over 1000 times the rounding tolerance"
 
 
+class CalledWithoutGradFirst(nn.Module):
+    """Per-example: its first layer called once under ``no_grad`` (a call the tape does not record), then as usual;
+    a table of 8 rows (as many as the batch) goes through the second layer, no example's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 8), nn.Linear(8, 8)
+        self.table = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.first(x).abs().mean(1, keepdim=True)  # (per example)
+        h = torch.tanh(self.first(x)) / (1 + scale)
+        return self.second(h)[:, :3] + self.second(self.table).sum()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_layers_inputs_are_compared_call_by_call_as_the_tape_recorded_them(mode):
+    """Red-team review 64's comparison of the rule layers' inputs on the halves matches the recomputed calls to the
+    step's by their rank among the recorded calls (an unrecorded call first shifted them), and leaves a call that is
+    not batch-first in the recomputation (the table) to the alignment check."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    model = CalledWithoutGradFirst().eval()  # (in training mode a mismatch is first retried as a dropout's)
+    for keep_call_shape in (False, True):  # (fixed-shape forwards: the halves padded to the table's 8 rows)
+        engine = PerExampleGradientEngine(model, mode=mode)
+        engine.keep_call_shape = keep_call_shape
+        engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 0.1)
+        assert {n for n in engine.last_recomputed} <= {"second.weight", "second.bias", "table"}
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_per_example_forward_passes_with_and_without_dropout(mode):
     x, y = _batch()
