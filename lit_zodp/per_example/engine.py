@@ -76,7 +76,8 @@ import math
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import (Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set,
+                    Tuple, Union)
 
 import torch
 from torch import Tensor, nn
@@ -342,18 +343,34 @@ class _SecretProjections:
         return flat @ self.drawn[width]
 
 
-@contextlib.contextmanager
-def _layer_inputs(layers: Set[nn.Module]) -> Iterator[Dict[int, List[Tensor]]]:
-    """Inside: each of ``layers``' calls that the tape would record (an output that requires grad, a tensor input)
-    appends its first input to ``seen[id(layer)]`` (detached), so ranks count the calls as the tape does."""
-    seen: Dict[int, List[Tensor]] = {}
+class _Input(NamedTuple):
+    """An input of a recorded call that the halves compare: ``module``'s ``rank``-th call in the root's call, its
+    first input (a rule layer: ``leaf`` None) or flat input ``leaf`` (a module without a rule); ``step``, the step's."""
 
-    def hook(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    module: nn.Module
+    rank: int
+    leaf: Optional[int]
+    step: Tensor
+
+
+@contextlib.contextmanager
+def _inputs_seen(entries: Sequence[_Input]) -> Iterator[Dict[int, List[List[Any]]]]:
+    """Inside: each call of the ``entries``' modules that the tape would record appends its inputs to
+    ``seen[id(module)]`` (a rule layer: ``[first input]`` where its output requires grad; another module: its flat
+    inputs), so ranks count the calls as the tape does."""
+    seen: Dict[int, List[List[Any]]] = {}
+    layers = {id(e.module) for e in entries if e.leaf is None}
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if id(module) not in layers:
+            seen.setdefault(id(module), []).append(tree_flatten((args, kwargs))[0])
+            return
         x = _first_input(args, kwargs)
         if isinstance(output, Tensor) and output.requires_grad and isinstance(x, Tensor):
-            seen.setdefault(id(layer), []).append(x.detach())
+            seen.setdefault(id(module), []).append([x])
 
-    handles = [layer.register_forward_hook(hook, with_kwargs=True) for layer in layers]
+    modules = {id(e.module): e.module for e in entries}.values()
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
         yield seen
     finally:
@@ -361,13 +378,20 @@ def _layer_inputs(layers: Set[nn.Module]) -> Iterator[Dict[int, List[Tensor]]]:
             handle.remove()
 
 
-def _rows_seen(seen: List[Tensor], rank: int, index: Tensor, batch: int, full: Tensor,
-               device: torch.device) -> Tensor:
-    """A layer's ``rank``-th recomputed input on the rows ``index`` (the recomputation's first ``len(index)``), flat.
+def _seen_input(seen: Dict[int, List[List[Any]]], entry: _Input) -> Optional[Tensor]:
+    """The recomputation's input matching ``entry`` (``None``: no such call or input)."""
+    calls = seen.get(id(entry.module), [])
+    leaves = calls[entry.rank] if entry.rank < len(calls) else []
+    leaf = entry.leaf or 0
+    x = leaves[leaf] if leaf < len(leaves) else None
+    return x.detach() if isinstance(x, Tensor) else None
+
+
+def _rows_seen(x: Optional[Tensor], index: Tensor, batch: int, full: Tensor, device: torch.device) -> Tensor:
+    """A recomputed input ``x`` on the rows ``index`` (the recomputation's first ``len(index)``), flat.
     Where the recomputation's call is not batch-first or is the step's input itself whatever the rows (a shared
     ``[Q, D]`` table whose ``Q`` equalled the step's ``B``: no example's input), or has another row shape, the step's
     own rows: nothing to compare (the alignment check sees such calls); NaN (a mismatch) where the call is missing."""
-    x = seen[rank] if rank < len(seen) else None
     if x is None:
         return torch.full((len(index), full[0].numel()), math.nan, device=device)
     if (not is_batched(x, batch) or x[0].numel() != full[0].numel()
@@ -844,27 +868,38 @@ class PerExampleGradientEngine:
                 outputs = {j: v for j, v in call.outputs.items() if is_batched(v, size)}
                 call.outputs = {}
                 if call.module is self.module and outputs and size >= 2:
-                    self._refuse_call_mixing(call, outputs, size, self._rule_inputs(tape, size))
+                    self._refuse_call_mixing(call, outputs, size, self._rule_inputs(tape, size, call))
         finally:
             tape.recording = recording
 
     @staticmethod
-    def _rule_inputs(tape: Tape, size: int) -> List[Tuple[nn.Module, int, Tensor]]:
-        """``(layer, its call's rank among the layer's calls, input [B, ...])`` of the step's batch-first rule-layer
-        calls: the per-example gradients are formed from these inputs, and a forward can mix them while its outputs
-        barely move (red-team review 64: a record whose features lie near the null space of the last ``Linear``,
-        ``||W h|| / ||h|| = 7e-5``, shifted every batch-mate's features through a detached batch mean of 3e-5 and
-        released 1.05 C on one removal, the module's outputs within rounding)."""
+    def _rule_inputs(tape: Tape, size: int, call: ModuleCall) -> List[_Input]:
+        """The batch-first inputs of the step's rule-layer calls and of its other recorded module calls (the
+        ``torch.func`` fallback's: a module without a rule), made inside ``call`` and ranked among them as its
+        recomputation makes them: the per-example gradients are formed from these inputs, and a forward can mix
+        them while its outputs barely move (red-team review 64: a record whose features lie near the null space of
+        the last ``Linear``, ``||W h|| / ||h|| = 7e-5``, shifted every batch-mate's features through a detached
+        batch mean of 3e-5 and released 1.05 C on one removal, the module's outputs within rounding; review 65: the
+        same through a module without a rule, 1.24 C). Ranks within ``call`` (review 65: ranked over the whole
+        tape, a module called twice by ``loss_fn`` missed its second call's in the first's recomputation, a false
+        refusal). Folded calls (``[B*k, ...]`` rows) are not compared (open: review 65 released 1.42 C)."""
+        layer_start, layer_end = call.layer_span or (0, len(tape.layer_calls))
+        module_start, module_end = call.module_span or (0, len(tape.module_calls))
         ranks: Dict[int, int] = {}
         found = []
-        for c in tape.layer_calls:
+        for c in tape.layer_calls[layer_start:layer_end]:
             rank = ranks[id(c.module)] = ranks.get(id(c.module), -1) + 1
             if not c.folded and is_batched(c.activation, size):
-                found.append((c.module, rank, c.activation))
+                found.append(_Input(c.module, rank, None, c.activation))
+        for c in tape.module_calls[module_start:module_end]:
+            if c.module is call.module:
+                continue
+            rank = ranks[id(c.module)] = ranks.get(id(c.module), -1) + 1
+            found += [_Input(c.module, rank, j, x) for j, x in enumerate(c.inputs) if is_batched(x, size)]
         return found
 
     def _refuse_call_mixing(self, call: ModuleCall, outputs: Dict[int, Tensor], size: int,
-                            rule_inputs: List[Tuple[nn.Module, int, Tensor]]) -> None:
+                            rule_inputs: List[_Input]) -> None:
         """The recomputations run in the step's mode with every Bernoulli draw at its mean
         (:class:`.checks.MeanOfRandomDraws`). A step whose forward drew dropout masks does not reproduce:
         the halves are then compared with the whole batch recomputed the same way. Only a forward random
@@ -874,7 +909,7 @@ class PerExampleGradientEngine:
         parts = [flat_rows(outputs[j]) for j in sorted(outputs)]
         project = _SecretProjections(parts[0].device)
         blocks = [sum(part.shape[1] for part in parts)] + [PROJECTIONS] * len(rule_inputs)
-        full = torch.cat([p.double() for p in parts] + [project(a) for _, _, a in rule_inputs], 1)
+        full = torch.cat([p.double() for p in parts] + [project(entry.step) for entry in rule_inputs], 1)
         values_of = self._rows_of(call, sorted(outputs), size, full.device, rule_inputs, project)
         dtype = _coarsest([*(v.dtype for v in outputs.values()), *(p.dtype for p in self.params)])
         what = "outputs of the engine's module (or its layers' inputs)"
@@ -897,7 +932,7 @@ class PerExampleGradientEngine:
             refuse_batch_mixing(values_of, size, **checked)
 
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int, device: torch.device,
-                 rule_inputs: Sequence[Tuple[nn.Module, int, Tensor]] = (),
+                 rule_inputs: Sequence[_Input] = (),
                  project: Optional[_SecretProjections] = None) -> Callable[[Tensor], Tensor]:
         """``index -> [n, ...]``: the call's batch-first outputs on those rows of its batched inputs
         alone, in the step's mode (:func:`.checks.step_mode_recompute`: grad on, Bernoulli draws at their mean,
@@ -916,7 +951,7 @@ class PerExampleGradientEngine:
             inputs = [x[padded.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
             args, kwargs = tree_unflatten(inputs, call.spec)
             with step_mode_recompute(devices), forward_autocast(self._device_type), \
-                    _layer_inputs({m for m, _, _ in rule_inputs}) as seen:
+                    _inputs_seen(rule_inputs) as seen:
                 flat = tree_flatten(call.module(*args, **kwargs))[0]
             flat = [v.detach() if isinstance(v, Tensor) else v for v in flat]
             outputs = [flat_rows(flat[j][:rows]) if j < len(flat) and is_batched(flat[j], len(padded))
@@ -924,8 +959,8 @@ class PerExampleGradientEngine:
             if not rule_inputs:
                 return torch.cat(outputs, 1)
             return torch.cat([o.to(device, torch.float64) for o in outputs]
-                             + [project(_rows_seen(seen.get(id(m), []), rank, index, len(padded), a, device))
-                                for m, rank, a in rule_inputs], 1)
+                             + [project(_rows_seen(_seen_input(seen, entry), index, len(padded), entry.step, device))
+                                for entry in rule_inputs], 1)
         return values_of
 
     def _structure(self, tape: Tape, uses: ParameterUses, size: int) -> int:

@@ -77,6 +77,10 @@ class ModuleCall:
     #: The root's calls only, until the batch-independence check: ``{flat output index: value}``
     #: (detached, no copy) of the floating outputs.
     outputs: Dict[int, Tensor] = field(default_factory=dict)
+    #: The root's calls: ``(start, end)``, the layer calls recorded inside this call (``tape.layer_calls[start:end]``).
+    layer_span: Optional[Tuple[int, int]] = None
+    #: The root's calls: ``(start, end)``, the other module calls recorded inside it (``tape.module_calls[start:end]``).
+    module_span: Optional[Tuple[int, int]] = None
 
     def output_edges(self) -> List[GradientEdge]:
         """The autograd edges of the tensor outputs (none once the graph is released)."""
@@ -127,6 +131,7 @@ class Tape:
         self.layer_calls: List[LayerCall] = []
         self.module_calls: List[ModuleCall] = []
         self.stack: List[nn.Module] = []
+        self._root_starts: List[Tuple[int, int]] = []  # the layer and module calls before each open root call
         self._handles: list = []
 
     def __enter__(self) -> "Tape":
@@ -158,6 +163,7 @@ class Tape:
         a consumer may hold the graph's losses), a cycle through C++ objects the garbage collector
         cannot free."""
         self.stack.clear()
+        self._root_starts.clear()
         for call in self.layer_calls:
             call.edge, call.consume = None, None
         for call in self.module_calls:
@@ -190,6 +196,7 @@ class Tape:
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._recording_forward:
             self.batch_hint = _leading_dim(args, kwargs)
+            self._root_starts.append((len(self.layer_calls), len(self.module_calls)))
 
     def _broadcast_embedding_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         """Shared index rows ``[1, T]`` (e.g. BERT's and GPT-2's position ids) are expanded to the
@@ -224,6 +231,10 @@ class Tape:
         versions = [leaf._version if isinstance(leaf, Tensor) and not leaf.is_inference() else None
                     for leaf in inputs]
         call = ModuleCall(module, inputs, spec, versions)
+        if module is self.root and self._root_starts:
+            layer_start, module_start = self._root_starts.pop()
+            call.layer_span = (layer_start, len(self.layer_calls))
+            call.module_span = (module_start, len(self.module_calls))
         self.module_calls.append(call)
         seen = set()
         for j, leaf in enumerate(tree_flatten(output)[0]):
