@@ -351,6 +351,7 @@ class _Input(NamedTuple):
     rank: int
     leaf: Optional[int]
     step: Tensor
+    fold: int = 0  # a folded call's rows per example (its recomputed input is ``[n*fold, ...]``)
 
 
 @contextlib.contextmanager
@@ -387,13 +388,16 @@ def _seen_input(seen: Dict[int, List[List[Any]]], entry: _Input) -> Optional[Ten
     return x.detach() if isinstance(x, Tensor) else None
 
 
-def _rows_seen(x: Optional[Tensor], index: Tensor, batch: int, full: Tensor, device: torch.device) -> Tensor:
+def _rows_seen(x: Optional[Tensor], index: Tensor, batch: int, full: Tensor, device: torch.device,
+               fold: int = 0) -> Tensor:
     """A recomputed input ``x`` on the rows ``index`` (the recomputation's first ``len(index)``), flat.
     Where the recomputation's call is not batch-first or is the step's input itself whatever the rows (a shared
     ``[Q, D]`` table whose ``Q`` equalled the step's ``B``: no example's input), or has another row shape, the step's
     own rows: nothing to compare (the alignment check sees such calls); NaN (a mismatch) where the call is missing."""
     if x is None:
         return torch.full((len(index), full[0].numel()), math.nan, device=device)
+    if fold and x.dim() >= 1 and x.shape[0] == batch * fold:  # (batch-major, as the alignment check found it)
+        x = x.reshape(batch, fold, *x.shape[1:])
     if (not is_batched(x, batch) or x[0].numel() != full[0].numel()
             or (x.shape == full.shape and torch.equal(x, full.to(x.device)))):
         return flat_rows(full[index.to(full.device)]).to(device)
@@ -835,13 +839,39 @@ class PerExampleGradientEngine:
         if known is not None and not self._recheck_drawn():
             self._drop_outputs(tape)
             return known
+        roots = [c for c in tape.module_calls if c.module is self.module]  # (before the outputs are dropped)
         self._refuse_forward_mixing(tape, len(losses))
-        if known is not None:
-            return known
-        misaligned = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, len(losses))))
-        if _comparable(losses):
+        misaligned = known
+        if misaligned is None:
+            misaligned = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, len(losses))))
+        self._refuse_folded_mixing(tape, roots, len(losses), misaligned)
+        if known is None and _comparable(losses):
             self._misaligned[structure] = misaligned
         return misaligned
+
+    def _refuse_folded_mixing(self, tape: Tape, roots: List[ModuleCall], size: int,
+                              misaligned: FrozenSet[CallKey]) -> None:
+        """The halves for the inputs of folded calls (``[B*k, ...]`` rows viewed as ``[B, k, ...]``: OPT's MLP),
+        once the alignment check has found their rows batch-major (red-team review 65: left out, a null-space record
+        behind such a call released 1.42 C; compared batch-major before that check, a sequence-major model was
+        refused). A misaligned folded call's parameters are recomputed on the whole module."""
+        if size < 2:
+            return
+        recording, tape.recording = tape.recording, False
+        try:
+            for call in roots:
+                start, end = call.layer_span or (0, len(tape.layer_calls))
+                ranks: Dict[int, int] = {}
+                folded = []
+                for k in range(start, end):
+                    c = tape.layer_calls[k]
+                    rank = ranks[id(c.module)] = ranks.get(id(c.module), -1) + 1
+                    if c.folded and ("layer", k) not in misaligned and c.activation.shape[0] == size:
+                        folded.append(_Input(c.module, rank, None, c.activation, fold=c.activation.shape[1]))
+                if folded:
+                    self._refuse_call_mixing(call, {}, size, folded)
+        finally:
+            tape.recording = recording
 
     def _recheck_drawn(self) -> bool:
         """OS randomness: a model cannot predict which steps are re-checked. ``recheck_next``: a caller's own
@@ -882,7 +912,8 @@ class PerExampleGradientEngine:
         batch mean of 3e-5 and released 1.05 C on one removal, the module's outputs within rounding; review 65: the
         same through a module without a rule, 1.24 C). Ranks within ``call`` (review 65: ranked over the whole
         tape, a module called twice by ``loss_fn`` missed its second call's in the first's recomputation, a false
-        refusal). Folded calls (``[B*k, ...]`` rows) are not compared (open: review 65 released 1.42 C)."""
+        refusal). Folded calls (``[B*k, ...]`` rows) are compared once the alignment check has passed them
+        (:meth:`_refuse_folded_mixing`)."""
         layer_start, layer_end = call.layer_span or (0, len(tape.layer_calls))
         module_start, module_end = call.module_span or (0, len(tape.module_calls))
         ranks: Dict[int, int] = {}
@@ -907,11 +938,12 @@ class PerExampleGradientEngine:
         training-mode behaviour went unchecked (before audit 8 every model with dropout was, and mixing
         only in training passed: 4.33 C released on one removal)."""
         parts = [flat_rows(outputs[j]) for j in sorted(outputs)]
-        project = _SecretProjections(parts[0].device)
-        blocks = [sum(part.shape[1] for part in parts)] + [PROJECTIONS] * len(rule_inputs)
+        project = _SecretProjections(parts[0].device if parts else rule_inputs[0].step.device)
+        blocks = [sum(part.shape[1] for part in parts)] * bool(parts) + [PROJECTIONS] * len(rule_inputs)
         full = torch.cat([p.double() for p in parts] + [project(entry.step) for entry in rule_inputs], 1)
         values_of = self._rows_of(call, sorted(outputs), size, full.device, rule_inputs, project)
-        dtype = _coarsest([*(v.dtype for v in outputs.values()), *(p.dtype for p in self.params)])
+        dtype = _coarsest([*(v.dtype for v in outputs.values()), *(e.step.dtype for e in rule_inputs),
+                           *(p.dtype for p in self.params)])
         what = "outputs of the engine's module (or its layers' inputs)"
         checked = dict(dtype=dtype, device=full.device, what=what, blocks=blocks)
         try:
@@ -959,8 +991,8 @@ class PerExampleGradientEngine:
             if not rule_inputs:
                 return torch.cat(outputs, 1)
             return torch.cat([o.to(device, torch.float64) for o in outputs]
-                             + [project(_rows_seen(_seen_input(seen, entry), index, len(padded), entry.step, device))
-                                for entry in rule_inputs], 1)
+                             + [project(_rows_seen(_seen_input(seen, entry), index, len(padded), entry.step, device,
+                                                   entry.fold)) for entry in rule_inputs], 1)
         return values_of
 
     def _structure(self, tape: Tape, uses: ParameterUses, size: int) -> int:

@@ -1,7 +1,8 @@
 """Red-team review 65 (2026-11-30): attacks on the halves' layer-input comparison of 61056bb/a8eeb7e. Fixed: the
-module without a rule (its recorded inputs are compared too) and a false refusal (each call of the engine's module
-compares the calls made inside it). Open, marked ``xfail(strict=True)``: the folded call, the records that are most
-of a small batch, and the backward-only scale
+folded call (compared once the alignment check has found its rows batch-major), the module without a rule (its
+recorded inputs are compared too) and a false refusal (each call of the engine's module compares the calls made
+inside it). Open, marked ``xfail(strict=True)``: the records that are most of a small batch, and the backward-only
+scale
 (``engine._rule_inputs``), by crafted records against a model with a small detached batch statistic (the harness of
 ``test_pe_conv_tf32_attacks.py``: ``||S(D) - S(D')|| / C`` for one removal, every check running on both batches).
 
@@ -105,11 +106,9 @@ def _released_or_refused(model, x, y, record, mode) -> float:
     return float((with_record - without).norm()) / CLIP
 
 
-@pytest.mark.xfail(strict=True, reason="open (review 65): folded calls' inputs are not compared (their rows' order "
-                                        "is verified only by the later alignment check)")
 @pytest.mark.parametrize("mode", MODES)
 def test_a_null_space_record_behind_a_folded_call_is_refused(mode):
-    """Folded calls' inputs are not compared on the halves: 1.42 C released at 61056bb/a8eeb7e."""
+    """Folded calls' inputs were not compared on the halves: 1.42 C released at 61056bb/a8eeb7e."""
     model, x, y = _problem(alpha=1e-4)
     honest = torch.zeros(1, 1, 8, 8, dtype=torch.float32)
     assert _released_or_refused(model, x, y, honest, mode) == pytest.approx(1.0, abs=1e-3)  # honest: passes
