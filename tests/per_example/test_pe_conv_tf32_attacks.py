@@ -75,17 +75,21 @@ def _null_space_record(model: BatchShiftedConvNet, target: float = 0.0) -> torch
     return d.detach()
 
 
-def _release(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -> torch.Tensor:
+def _release(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, keep: bool = False) -> torch.Tensor:
+    """The clipped sum of a fresh engine (``keep``: fixed-shape forwards, ``keep_call_shape``), flat. (The harness
+    of reviews 64-66.)"""
     engine = PerExampleGradientEngine(model, mode=mode)
+    engine.keep_call_shape = keep
     clipped = engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), CLIP)
     return torch.cat([g.flatten() for g in clipped.grads])
 
 
-def _removal_difference(model, x, y, record, mode) -> float:
-    """``||S(D) - S(D')|| / C`` for ``D`` the honest batch with ``record`` (label 0) and ``D'`` without it, each a
-    first batch of its structure (every check runs on it); ``inf`` never: a refusal raises."""
-    with_record = _release(model, torch.cat([x, record]), torch.cat([y, torch.zeros(1, dtype=torch.long)]), mode)
-    without = _release(model, x, y, mode)
+def _removal_difference(model, x, y, record, mode, label: int = 0, keep: bool = False) -> float:
+    """``||S(D) - S(D')|| / C`` for ``D`` the honest batch with ``record`` (labelled ``label``) and ``D'`` without
+    it, each a first batch of its structure (every check runs on it); ``inf`` never: a refusal raises."""
+    with_record = _release(model, torch.cat([x, record]), torch.cat([y, torch.tensor([label], dtype=y.dtype)]), mode,
+                           keep)
+    without = _release(model, x, y, mode, keep)
     return float((with_record - without).norm()) / CLIP
 
 
@@ -100,10 +104,10 @@ def _random_record() -> torch.Tensor:
     return torch.randn(1, 1, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float32)
 
 
-def _released_or_refused(model, x, y, record, mode) -> float:
+def _released_or_refused(model, x, y, record, mode, label: int = 0, keep: bool = False) -> float:
     """``||S(D) - S(D')|| / C``, or 0 where the engine refuses (safe)."""
     try:
-        return _removal_difference(model, x, y, record, mode)
+        return _removal_difference(model, x, y, record, mode, label, keep)
     except PrivacyConfigError:
         return 0.0
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine
+from tests.per_example.test_pe_conv_tf32_attacks import _release, _released_or_refused
 
 CLIP = 1.0
 BATCH = 16
@@ -75,25 +76,6 @@ def _record(model: TrimmedSummedNet, scale: float, tail: float) -> torch.Tensor:
     record[0, :LENGTH - 1] = x
     record[0, LENGTH - 1] = tail * torch.randn(WIDTH, generator=generator, dtype=torch.float64)
     return record.float()
-
-
-def _release(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, keep: bool = False) -> torch.Tensor:
-    engine = PerExampleGradientEngine(model, mode=mode)
-    engine.keep_call_shape = keep
-    clipped = engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), CLIP)
-    return torch.cat([g.flatten() for g in clipped.grads])
-
-
-def _released_or_refused(model, x, y, record, mode, keep=False) -> float:
-    """``||S(D) - S(D')|| / C`` for one removal (record labelled 0), each a first batch of its structure; 0 where
-    the engine refuses (safe)."""
-    try:
-        with_record = _release(model, torch.cat([x, record]), torch.cat([y, torch.zeros(1, dtype=torch.long)]),
-                               mode, keep)
-        without = _release(model, x, y, mode, keep)
-    except PrivacyConfigError:
-        return 0.0
-    return float((with_record - without).norm()) / CLIP
 
 
 @pytest.mark.parametrize("folded", [True, False], ids=["folded", "batch-first"])
