@@ -6,6 +6,7 @@ calibrated run provably spends at most ``target_epsilon`` under the PRV accounta
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Callable, Iterable
@@ -20,6 +21,7 @@ from lit_zodp.errors import (
 )
 from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.privacy.mechanisms import Mechanism, SubsampledGaussian
+from lit_zodp.privacy.plan import StepPlan, composed_multiplier
 
 
 def calibrate_noise_multiplier(
@@ -49,6 +51,17 @@ def calibrate_noise_multiplier(
     return bisect_sigma(lambda sigma: [(SubsampledGaussian(sigma, sample_rate), count)],
                         target_epsilon=target_epsilon, delta=delta, eps_error=eps_error,
                         sigma_tolerance=sigma_tolerance, sigma_max=sigma_max)
+
+
+@functools.lru_cache(maxsize=64)
+def calibrated_multiplier(sampling, plan: StepPlan, steps: int, *, target_epsilon: float, delta: float,
+                          eps_error: float) -> float:
+    """:func:`bisect_sigma` for ``steps`` steps of ``plan``'s releases on ``sampling``'s batches (a sampling
+    description: ``sigma -> mechanism``), memoised. The answer is a function of these public, hashable settings
+    alone, so a second fit of one configuration in a process (a sweep over seeds, a test suite) reuses it: with the
+    PRV accountant a calibration costs seconds. A refusal (no sigma reaches the target) is raised, not stored."""
+    return bisect_sigma(lambda sigma: [(sampling.mechanism(composed_multiplier(plan, sigma)), steps)],
+                        target_epsilon=target_epsilon, delta=delta, eps_error=eps_error)
 
 
 def bisect_sigma(

@@ -37,7 +37,7 @@ from lit_zodp.errors import (
     check_positive,
     raise_if_any,
 )
-from lit_zodp.privacy.calibration import bisect_sigma, steps_within_budget
+from lit_zodp.privacy.calibration import calibrated_multiplier, steps_within_budget
 from lit_zodp.privacy.clipping import check_clip
 from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.privacy.mechanisms import Gaussian, SinglePassGaussian, SubsampledGaussian
@@ -440,9 +440,9 @@ class PrivacyComponent:
                     f"cannot be certified by accountant='rdp' (Opacus's RDP orders) whatever the noise ({err}): use "
                     "accountant='prv' (the default, tighter), or a larger target_epsilon or delta") from None
             return multiplier / composed_multiplier(self.step_plan, 1.0)
-        return bisect_sigma(lambda sigma: self._steps_cost(self.planned_steps, sigma),
-                            target_epsilon=self.target_epsilon, delta=self.delta,
-                            eps_error=self.ledger.eps_error)
+        return calibrated_multiplier(self.sampling, tuple(self.step_plan), self.planned_steps,
+                                     target_epsilon=self.target_epsilon, delta=self.delta,
+                                     eps_error=self.ledger.eps_error)  # (the plan of :meth:`_steps_cost`)
 
     def _steps_cost(self, steps: int, sigma: float) -> list:
         return [(self.sampling.mechanism(composed_multiplier(self.step_plan, sigma)), steps)]

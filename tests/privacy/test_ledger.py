@@ -141,3 +141,27 @@ def test_mechanism_parameters_validated():
         SubsampledGaussian(1.0, 1.2)
     with pytest.raises(PrivacyConfigError, match="noise_multiplier"):
         Gaussian(0.0)
+
+
+def test_the_memoised_calibration_is_the_plans_own_and_keyed_by_every_public_setting():
+    """``calibrated_multiplier`` (what a fit's privacy component calibrates with) equals a fresh bisection of the same
+    plan, and a change of the rate, the plan's sensitivity, the steps or the target is a new calibration."""
+    from lit_zodp.privacy.calibration import bisect_sigma, calibrated_multiplier
+    from lit_zodp.privacy.plan import GaussianRelease, composed_multiplier
+    from lit_zodp.privacy.sampling import PoissonSampling
+
+    sampling, plan = PoissonSampling(n=1000, sample_rate=0.02), (GaussianRelease("g", sensitivity=math.sqrt(2)),)
+    settings = dict(target_epsilon=2.0, delta=1e-5, eps_error=0.05)
+    sigma = calibrated_multiplier(sampling, plan, 300, **settings)
+    fresh = bisect_sigma(lambda s: [(SubsampledGaussian(composed_multiplier(plan, s), 0.02), 300)], **settings)
+    assert sigma == fresh
+    hits = calibrated_multiplier.cache_info().hits
+    assert calibrated_multiplier(sampling, plan, 300, **settings) == sigma
+    assert calibrated_multiplier.cache_info().hits == hits + 1
+    one = (GaussianRelease("g"),)
+    others = [calibrated_multiplier(PoissonSampling(n=1000, sample_rate=0.04), plan, 300, **settings),
+              calibrated_multiplier(sampling, one, 300, **settings),
+              calibrated_multiplier(sampling, plan, 600, **settings),
+              calibrated_multiplier(sampling, plan, 300, **settings | dict(target_epsilon=4.0))]
+    assert others[0] > sigma and others[2] > sigma and others[3] < sigma
+    assert others[1] == pytest.approx(sigma / math.sqrt(2), rel=2e-3)  # sensitivity sqrt(2): sqrt(2) times the noise
