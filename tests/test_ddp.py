@@ -51,11 +51,14 @@ def registry(slow: set) -> list:
             for name in PRIVATE + sorted(v for v in VARIANTS if v not in PRIVATE)]
 
 
-REGISTRY = registry(PROJECTED | PUBLIC | set(VARIANTS) - set(PRIVATE))
-#: The OS-secrets check in the default suite: one module per way of drawing the step's randomness (DPZero's ZO base;
-#: DP-SGD's first-order base; MeZO-BCD's blocks; O2NC's tree). DPGD-0th and DP-Adam share DPZero's and DP-SGD's
-#: secrets and broadcast (the privacy component's), so they run with ``-m slow`` (~20 s each on 2 cores).
-OS_SECRETS_REGISTRY = registry(PROJECTED | PUBLIC | set(VARIANTS) - set(PRIVATE) | {"DPGD0th", "DPAdam"})
+#: DPGD-0th and DP-Adam share DPZero's and DP-SGD's steps but for the release (the privacy component's, one per base
+#: in the default suite), so they run with ``-m slow`` (~20 s each on 2 cores: the default suite's budget).
+SHARED_PATHS = {"DPGD0th", "DPAdam"}
+REGISTRY = registry(PROJECTED | PUBLIC | set(VARIANTS) - set(PRIVATE) | SHARED_PATHS)
+#: The OS-secrets check in the default suite: the two bases' ways of drawing the step's randomness (DPZero's ZO base;
+#: DP-SGD's first-order base); MeZO-BCD's blocks and O2NC's tree, drawn by those bases' secrets, with ``-m slow``.
+OS_SECRETS_REGISTRY = registry(PROJECTED | PUBLIC | set(VARIANTS) - set(PRIVATE) | SHARED_PATHS
+                               | {"DPMeZOBCD", "DPO2NC"})
 
 
 def importable_from(folder) -> dict:
