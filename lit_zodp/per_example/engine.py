@@ -93,6 +93,7 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, ParameterWrites, R
                                          refuse_compiled, refuse_reentrant_checkpointing, rows_agree,
                                          step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
+from lit_zodp.per_example.gradient_halves import refuse_gradient_mixing
 from lit_zodp.per_example.ghost import FLOAT64_UNIT, _gamma, at_least_float32, row_norm_sq
 from lit_zodp.per_example.reference import call_gradients, is_batched
 from lit_zodp.per_example import rounding
@@ -600,6 +601,10 @@ class PerExampleGradientEngine:
         self._uncovered_of: Dict[int, FrozenSet[int]] = {}
         self._misaligned: Dict[int, FrozenSet[CallKey]] = {}  # per verified structure: calls failing alignment
         self._expand_shared = True  # shared [1, T] embedding indices expanded to the batch (until a forward fails)
+        #: This step's calls of the module whose forward was checked, for the gradients' check once the clip factors
+        #: are known (:mod:`.gradient_halves`), and whether that forward check fell back to eval mode.
+        self._gradient_check: Optional[Tuple[List[ModuleCall], bool]] = None
+        self._in_eval = False
 
     def __setstate__(self, state: dict) -> None:
         """A copy (a callback's ``deepcopy`` of the module: an EMA or teacher model) or unpickled engine keys its maps by
@@ -611,6 +616,7 @@ class PerExampleGradientEngine:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._module_names = {id(m): name for name, m in self.module.named_modules()}
         self._checked, self._misaligned, self._uncovered_of = set(), {}, {}
+        self._gradient_check, self._in_eval = None, False
 
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
         """For each parameter, the ``(module, local name)`` pairs holding it directly."""
@@ -705,8 +711,10 @@ class PerExampleGradientEngine:
                 if examples is not None:
                     ok &= torch.arange(len(losses), device=ok.device) < examples
                 keep = None if bool(ok.all()) else ok
-                sums = [_dense_sum(torch.where(ok, clip_factors(norms[:, j], clip), torch.zeros_like(norms[:, j])),
-                                   part, keep).reshape(-1) for j, (part, clip) in enumerate(zip(parts, clips))]
+                factors = [torch.where(ok, clip_factors(norms[:, j], clip), torch.zeros_like(norms[:, j]))
+                           for j, clip in enumerate(clips)]
+                self._refuse_gradient_mixing(torch.stack(factors, 1).amin(1), norms.norm(dim=1))
+                sums = [_dense_sum(f, part, keep).reshape(-1) for f, part in zip(factors, parts)]
                 examples = len(losses) if examples is None else examples
                 return ClippedParts(sums, norms[:examples].float(), examples)
         finally:
@@ -765,7 +773,7 @@ class PerExampleGradientEngine:
 
         Runs with autocast off (:func:`.rounding.outside_autocast`) but for the forward: the engine's
         sums and norms keep the dtypes it chose."""
-        self.last_recomputed = {}
+        self.last_recomputed, self._gradient_check = {}, None
         modules = list(self.module.named_modules())  # one walk for the three checks below (each walked alone before)
         self._refuse_changed_trainables(modules)
         uses = ParameterUses(self.params, tape.stack)
@@ -848,7 +856,9 @@ class PerExampleGradientEngine:
             self._drop_outputs(tape)
             return known
         roots = [c for c in tape.module_calls if c.module is self.module]  # (before the outputs are dropped)
+        self._in_eval = False
         self._refuse_forward_mixing(tape, len(losses))
+        self._gradient_check = (roots, self._in_eval)
         misaligned = known
         if misaligned is None:
             misaligned = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, len(losses))))
@@ -968,6 +978,7 @@ class PerExampleGradientEngine:
             if rows_agree(again, values_of(torch.arange(size)), dtype=dtype, blocks=blocks):
                 raise  # the recomputation reproduces: mixing
         warn_unchecked_training_mode("the engine's module")
+        self._in_eval = True
         with eval_mode(self.module):
             refuse_batch_mixing(values_of, size, **checked)
 
@@ -1388,6 +1399,7 @@ class PerExampleGradientEngine:
         if examples is not None:
             ok &= torch.arange(len(losses), device=ok.device) < examples
         factors = torch.where(ok, clip_factors(norms, clip), torch.zeros_like(norms))
+        self._refuse_gradient_mixing(factors, norms)
         ok = None if bool(ok.all()) else ok
         if batch.second_pass is not None:
             sums = self._second_backward(batch, factors, ok, tape)
@@ -1398,6 +1410,27 @@ class PerExampleGradientEngine:
         out = [sums[i].to(sum_dtype(p.dtype)) for i, p in enumerate(self.params)]
         examples = len(losses) if examples is None else examples
         return ClippedSum(out, norms[:examples].float(), examples)
+
+    def _refuse_gradient_mixing(self, factors: Tensor, norms: Tensor) -> None:
+        """At a step whose forward was checked (:meth:`_verified`): the clip-weighted gradient of the whole batch must
+        be the sum of its halves' (:func:`.gradient_halves.refuse_gradient_mixing`; red-team review 65's records that
+        set the median, 1.77 C, and backward scaled by a batch statistic, 2.5 C). Separately clipped parts are
+        weighted by each example's smallest factor, its norm over all parts (any fixed weights make an identity)."""
+        pending, self._gradient_check = self._gradient_check, None
+        if pending is None:
+            return
+        calls, in_eval = pending
+        devices = sorted({x.device for c in calls for x in c.inputs if isinstance(x, Tensor) and x.device.type == "cuda"},
+                         key=str)
+        dtype = _coarsest([*(g.dtype for c in calls for g in c.grads.values()), *(p.dtype for p in self.params)])
+
+        def project(i: int, gradient: Tensor) -> Tensor:
+            return self._projections[i].of_gradients(gradient) if i in self._projections else gradient
+
+        with eval_mode(self.module) if in_eval else contextlib.nullcontext():
+            refuse_gradient_mixing(calls, factors, norms, self.params, project=project, dtype=dtype,
+                                   device_type=self._device_type, keep_call_shape=self.keep_call_shape,
+                                   devices=devices)
 
     def _ghost_sums(self, batch: _Batch, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:
         """``sum_i f_i G_i`` of the ghost parts from their recorded rows (``factors=None``: ``f_i = 1``)."""

@@ -120,8 +120,6 @@ def _class_leaning_images(model: review64.BatchShiftedConvNet):
     return images[a], images[b] * (norms[a] / norms[b])
 
 
-@pytest.mark.xfail(strict=True, reason="open (review 65): the median's breakdown point: records that are most of a "
-                                        "batch set its tolerance")
 @pytest.mark.parametrize("mode", MODES)
 def test_records_that_are_most_of_a_small_batch_cannot_set_its_tolerance(mode):
     """Three records and one honest example (``B = 4``), the removal of one record (``B = 3``): 1.77 C released at
@@ -241,8 +239,6 @@ class _BackwardScaledNet(nn.Module):
         return _BatchScaledBackward.apply(logits, x.detach().pow(2).sum(1).mean())
 
 
-@pytest.mark.xfail(strict=True, reason="open (review 65, pre-existing): a batch-dependent scale of the backward "
-                                        "alone passes the alignment check")
 @pytest.mark.parametrize("mode", MODES)
 def test_a_batch_dependent_scale_of_the_backward_is_refused(mode):
     """Pre-existing: 2.5 C released at 61056bb/a8eeb7e (C = 0.1 on these inputs of norm ~8)."""
