@@ -1,0 +1,94 @@
+"""The clipped gradients against their halves (:mod:`lit_zodp.per_example.gradient_halves`): at a step whose forward
+is checked, the module's clip-weighted gradient on the whole batch equals the sum of two secret halves' to rounding,
+and a backward that depends on the batch is refused with that check's message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_zodp.errors import PrivacyConfigError
+from lit_zodp.per_example import PerExampleGradientEngine
+from lit_zodp.per_example import gradient_halves
+from tests.per_example.test_pe_layer_inputs_attacks import _BackwardScaledNet
+
+MODES = ["hooks", "ghost", "bookkeeping"]
+
+
+@pytest.fixture
+def comparisons(monkeypatch):
+    """Each comparison's ``(gap, scale)`` as the check computed them."""
+    seen = []
+    original = gradient_halves._gap_and_scale
+
+    def spy(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(gradient_halves, "_gap_and_scale", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_honest_model_with_dropout_meets_the_identity_far_inside_the_tolerance(mode, comparisons):
+    """A float32 MLP with dropout in training mode (the draws at their mean in the recomputations), B = 2 to 8: the
+    halves' sum is the whole's to float32 rounding, and the gradients compared are not zero."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3)).float().train()
+    for size in (2, 5, 8):
+        x, y = torch.randn(size, 6, dtype=torch.float32), torch.randint(0, 3, (size,))
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(
+            lambda: F.cross_entropy(model(x), y, reduction="none"), 0.5)
+    assert len(comparisons) == 3
+    for gap, scale in comparisons:
+        assert scale > 0.1 and gap <= 1e-5 * scale  # float32: sqrt(eps) = 3.5e-4 would pass it
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_backward_scaled_by_a_batch_statistic_is_refused_by_this_check(mode):
+    """Review 65's open attack: an identity forward whose backward divides by ``1 + 1e-6 mean ||x||^2``; a record of
+    1e5 times an input's size changes that scale by 5000 between the halves. The forward checks and the alignment
+    check pass it; this one names the clip-weighted gradient."""
+    torch.manual_seed(0)
+    model = _BackwardScaledNet().float()
+    x = torch.cat([torch.randn(15, 8, dtype=torch.float32) * 3,
+                   torch.randn(1, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float32) * 1e5])
+    y = torch.randint(0, 2, (16,))
+    with pytest.raises(PrivacyConfigError, match="clip-weighted gradient of the engine's module on the whole batch"):
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"),
+                                                               0.1)
+
+
+def test_only_checked_steps_run_it(comparisons):
+    """The first batch of a structure and an OS-drawn re-check run it; a later batch of the same structure does not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    engine = PerExampleGradientEngine(model, recheck_probability=0.0)
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+
+    def step():
+        engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 1.0)
+
+    step()
+    assert len(comparisons) == 1
+    step()
+    assert len(comparisons) == 1
+    engine.recheck_next = True
+    step()
+    assert len(comparisons) == 2
+
+
+def test_a_row_whose_recomputation_is_not_finite_is_left_out_of_the_comparison(comparisons):
+    """An example with a non-finite loss (factor 0) whose forward is not finite either: the first comparison is not
+    finite, the second runs without that row and passes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    x[2] = float("inf")
+    clipped = PerExampleGradientEngine(model).clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 1.0)
+    assert all(torch.isfinite(g).all() for g in clipped.grads)
+    assert len(comparisons) == 2
+    (first_gap, _), (gap, scale) = comparisons
+    assert not torch.isfinite(torch.tensor(first_gap)) and gap <= 1e-10 * scale
