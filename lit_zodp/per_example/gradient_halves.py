@@ -105,6 +105,9 @@ def _clip_weighted_gradient(calls: Sequence[ModuleCall], weights: Tensor, index:
             flat = tree_flatten(call.module(*args, **kwargs))[0]
         for j, grad in call.grads.items():
             out = flat[j] if j < len(flat) else None
+            batch_dim = _batch_dim(grad, size)
+            if batch_dim and isinstance(out, Tensor) and out.dim() == grad.dim():
+                out, grad = out.movedim(batch_dim, 0), grad.movedim(batch_dim, 0)
             cotangent = _cotangent(out, grad, padded, row_weights)
             if cotangent is not None:
                 outputs.append(out)
@@ -114,11 +117,25 @@ def _clip_weighted_gradient(calls: Sequence[ModuleCall], weights: Tensor, index:
     return list(torch.autograd.grad(outputs, list(params), cotangents, allow_unused=True))
 
 
+def _batch_dim(grad: Tensor, size: int) -> Optional[int]:
+    """The dimension of an output gradient that holds the step's ``size`` examples: 0 where it has ``size`` rows,
+    else the only dimension of that size (a sequence-first ``[T, B, ...]`` or transposed ``[classes, B]`` output:
+    skipped, the check saw nothing of a backward scaled by a batch statistic behind it, 5.8 C released, red-team
+    review 67); ``None``: none or several (not comparable)."""
+    if grad.dim() == 0:
+        return None
+    if grad.shape[0] == size:
+        return 0
+    found = [d for d, n in enumerate(grad.shape) if n == size]
+    return found[0] if len(found) == 1 else None
+
+
 def _cotangent(out, grad: Tensor, padded: Tensor, row_weights: Tensor) -> Optional[Tensor]:
     """``c_r dL_r/d out_r`` for the recomputed output's rows; a recomputation of fewer positions than the step's
     (a forward trimming its batch to its longest row) takes the positions both hold, whose loss alone can depend on
     them (a padded position's gradient is 0). ``None``: not comparable (the forward checks see those)."""
-    if not (isinstance(out, Tensor) and out.requires_grad and out.dim() == grad.dim() and len(out) == len(padded)):
+    if not (isinstance(out, Tensor) and out.requires_grad and out.dim() == grad.dim() and out.dim() > 0
+            and len(out) == len(padded)):
         return None
     if any(mine > theirs for mine, theirs in zip(out.shape[1:], grad.shape[1:])):
         return None
