@@ -26,6 +26,7 @@ only on some splits, or below the tolerance (about ``2 sqrt(eps) B C``), passes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Callable, List, Optional, Sequence
@@ -37,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example.checks import MeanOfRandomDraws, beyond_tolerance, random_halves
 from lit_zodp.per_example.reference import is_batched
-from lit_zodp.per_example.rounding import forward_autocast, working_eps
+from lit_zodp.per_example.rounding import _FORWARD_AUTOCAST, forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
 from lit_zodp.privacy.training_randomness import secret_streams
 
@@ -46,7 +47,8 @@ Gradients = List[Optional[Tensor]]
 
 def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: Tensor, params: Sequence[Tensor], *,
                            project: Callable[[int, Tensor], Tensor], dtype: torch.dtype, device_type: str,
-                           keep_call_shape: bool = False, devices: Sequence[torch.device] = ()) -> None:
+                           keep_call_shape: bool = False, devices: Sequence[torch.device] = (),
+                           without_autocast: bool = False) -> None:
     """Refuse the step if the clip-weighted gradient of the whole batch is not the sum of its halves' (module doc).
 
     Args:
@@ -58,6 +60,9 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         dtype: Of the computation, for the tolerance (:func:`.rounding.working_eps`).
         keep_call_shape: Run each half in the call's batch shape (copies of its first row, weight 0).
         devices: The CUDA devices whose random streams the recomputation must leave alone.
+        without_autocast: Recompute without the forward's autocast (a model of float32 parameters and inputs run
+            under a bfloat16 autocast: every run is the check's own, so it may run in float32, and its tolerance is
+            float32's, not ``sqrt(2^-7)`` of the norms, which let 2.4 C through at ``B = 16``: red-team review 67).
     """
     size = len(weights)
     calls = [call for call in calls if call.grads]
@@ -71,13 +76,19 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             return
         first, second = random_halves(len(attempt))
         run = functools.partial(_clip_weighted_gradient, calls, weights, size=size, params=params,
-                                keep_call_shape=keep_call_shape, devices=devices, device_type=device_type)
+                                keep_call_shape=keep_call_shape, devices=devices, device_type=device_type,
+                                without_autocast=without_autocast)
         gap, scale = _gap_and_scale(run, (attempt, attempt[first], attempt[second]), project)
         if math.isfinite(gap) and math.isfinite(scale):
             break  # (a row weighted 0 whose recomputation is not finite spoils the sums: compared without it)
     else:
         return
-    tolerance = working_eps(device_type, dtype) ** 0.5 * (float(scale_of_rows) + scale)
+    token = _FORWARD_AUTOCAST.set(None) if without_autocast else None
+    try:
+        tolerance = working_eps(device_type, dtype) ** 0.5 * (float(scale_of_rows) + scale)
+    finally:
+        if token is not None:
+            _FORWARD_AUTOCAST.reset(token)
     if gap > tolerance:
         raise PrivacyConfigError(
             "The per-example gradients depend on their batch-mates: the clip-weighted gradient of the engine's module "
@@ -89,7 +100,7 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
 
 def _clip_weighted_gradient(calls: Sequence[ModuleCall], weights: Tensor, index: Tensor, *, size: int,
                             params: Sequence[Tensor], keep_call_shape: bool, devices: Sequence[torch.device],
-                            device_type: str) -> Gradients:
+                            device_type: str, without_autocast: bool = False) -> Gradients:
     """``d/dtheta sum_calls sum_{r in index} <c_r dL_r/d out_r, out_r>``, the module run on rows ``index`` alone."""
     outputs: List[Tensor] = []
     cotangents: List[Tensor] = []
@@ -101,7 +112,8 @@ def _clip_weighted_gradient(calls: Sequence[ModuleCall], weights: Tensor, index:
         inputs = [x[padded.to(x.device)].detach() if is_batched(x, size) else
                   x.detach() if isinstance(x, Tensor) else x for x in call.inputs]
         args, kwargs = tree_unflatten(inputs, call.spec)
-        with secret_streams(devices), torch.enable_grad(), MeanOfRandomDraws(), forward_autocast(device_type):
+        autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
+        with secret_streams(devices), torch.enable_grad(), MeanOfRandomDraws(), autocast:
             flat = tree_flatten(call.module(*args, **kwargs))[0]
         for j, grad in call.grads.items():
             out = flat[j] if j < len(flat) else None

@@ -12,6 +12,13 @@ Fixed here:
   one removal (every mode, ``B = 16``, ``C = 0.1``; 5.80 C with the model drawn in float32). The output gradient's
   batch dimension is now located (its only dimension of ``B``: ``_batch_dim``) and moved to the front in every run.
 
+* Under a bfloat16 autocast the check recomputed in bfloat16 with a tolerance of ``sqrt(2^-7)`` of the norms (25
+  times float32's): the scaled backward below, a record ``-2000 mu`` against 15 aligned batch-mates, released 2.41 C
+  at ``B = 16`` (4.48 C at ``-3000 mu``). Every run of the check is its own (only the step's output gradients are
+  reused, as weights), so for a model whose parameters, buffers and inputs are float32 or wider it now runs without
+  the autocast, with float32's tolerance: refused. The honest models below under that autocast (BERT, RoBERTa,
+  GPT-2, OPT, Llama, LSTM, 216 steps) pass, largest gap 1.9e-4 of the float32 tolerance's norms' term.
+
 Open (strict ``xfail``):
 
 * The same scale in ``loss_fn`` after the module: the check reuses the step's output gradients ``dL_r / d out_r``,
@@ -25,14 +32,21 @@ Open (strict ``xfail``):
   ``B`` while the honest rounding gap stays near ``eps`` times the norms: the scaled backward, batch-mates whose
   gradients are aligned and unclipped, and a record ``-scale * mu`` whose clipped gradient points against theirs:
   1.07 C at ``B = 64`` (scale 600), 1.56 C at ``B = 256`` (scale 1500; 2.07 C at 2000 on every draw of the halves;
-  2.83 C at 2500, refused on most draws), float32; under a CPU bfloat16 autocast 2.41 C at ``B = 16`` (scale 2000;
-  4.48 C at 3000). On the honest models below the largest gap measured was 2.4e-4 of ``sqrt(eps)`` times the norms'
-  term (about ``0.7 eps`` of it): a tolerance nearer ``eps`` (with a margin for deep reductions) would close most
-  of this.
+  2.83 C at 2500, refused on most draws), float32. On the honest models below the largest gap measured was 2.4e-4
+  of ``sqrt(eps)`` times the norms' term (about ``0.7 eps`` of it): a tolerance nearer ``eps`` (with a margin for
+  deep reductions) would close most of this.
+* A record with an infinite feature: its loss is not finite (factor 0), its batch statistic (``inf``) scales every
+  batch-mate's backward to 0, and the first attempt's whole-batch gradient is NaN (``0 * inf`` in a weight
+  gradient), so the second attempt compares the other rows without it, whose gradients are then ordinary: 3.81 C
+  (every mode). The step's own clipped sum of the finite rows is what the second attempt's whole would have to
+  match (or a non-finite first attempt refused).
 
 No false refusal by the new check: tiny BERT, RoBERTa, GPT-2, OPT and Llama (``HFSequenceClassifier(config=...)``,
-dropout 0.1 in train mode) and the LSTM backbone, every mode, seeds 0-2, ``B`` 2, 3, 5, 8 (216 steps); one of them is
-kept below.
+dropout 0.1 in train mode) and the LSTM backbone, every mode, seeds 0-2, ``B`` 2, 3, 5, 8 (216 steps; 144 of them
+again with ``keep_call_shape``), and a timm ViT (``TimmClassifier``, dropout 0.1 with ``cls_token``/``pos_embed``
+frozen, and without dropout: 72 steps): largest gap 2.4e-4 of ``sqrt(eps)`` times the norms' term; one of them is
+kept below. Review 66's fix (``engine._rows_seen``) re-read: positions a half's recomputed input lacks are padding for
+every row of that half, which a masked model's gradients do not read; no break found.
 """
 
 from __future__ import annotations
@@ -196,10 +210,10 @@ def test_mixing_below_the_tolerance_of_a_large_batch_is_refused(mode):
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
 
 
-@pytest.mark.xfail(strict=True, reason="open (review 67): under a bfloat16 autocast the tolerance is sqrt(2^-7) of "
-                                        "the norms: 2.41 C at B = 16")
 @pytest.mark.parametrize("mode", MODES)
 def test_mixing_under_a_bfloat16_autocast_is_refused(mode):
+    """2.41 C released at 1a6d9aa (the check recomputed under the forward's bfloat16 autocast, its tolerance
+    ``sqrt(2^-7)`` of the norms); a float32 model's check now runs in float32."""
     model, x, y, direction, label = _aligned_batch(16)
 
     def losses(xs, ys):
@@ -210,10 +224,11 @@ def test_mixing_under_a_bfloat16_autocast_is_refused(mode):
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bfloat16-autocast"])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_tiny_gpt2_with_dropout_is_not_refused(mode):
-    """One of the honest models of this review's sweep (no false refusal in 216 steps): GPT-2 in train mode, dropout
-    0.1, padded batches of 2, 3, 5 and 8."""
+def test_a_tiny_gpt2_with_dropout_is_not_refused(mode, autocast):
+    """One of the honest models of this review's sweep (no false refusal of the new check): GPT-2 in train mode,
+    dropout 0.1, padded batches of 2, 3, 5 and 8, in float32 and under a CPU bfloat16 autocast."""
     from lit_zodp.backbones import HFSequenceClassifier
 
     torch.manual_seed(0)
@@ -227,6 +242,26 @@ def test_a_tiny_gpt2_with_dropout_is_not_refused(mode):
         ids = torch.randint(2, 50, (size, 6), generator=generator) * mask
         y = torch.randint(0, 2, (size,), generator=generator)
         engine = PerExampleGradientEngine(model, mode=mode)
-        clipped = engine.clipped_sum(lambda: F.cross_entropy(model({"input_ids": ids, "attention_mask": mask}), y,
-                                                             reduction="none"), 1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            clipped = engine.clipped_sum(lambda: F.cross_entropy(model({"input_ids": ids, "attention_mask": mask})
+                                                                 .float(), y, reduction="none"), 1.0)
         assert all(torch.isfinite(g).all() for g in clipped.grads)
+
+
+@pytest.mark.xfail(strict=True, reason="open (review 67): a record whose recomputation is not finite (factor 0) is "
+                                        "dropped from the second attempt, which then compares a batch without it: "
+                                        "3.81 C")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_record_that_spoils_the_first_attempt_is_not_dropped_unchecked(mode):
+    """A record with one infinite feature: its loss is not finite (factor 0), the batch statistic ``inf`` scales
+    every batch-mate's backward to 0, and the first attempt's whole-batch gradient is NaN (``0 * inf`` in the weight
+    gradient). The second attempt compares the 15 honest rows without the record, whose gradients then are ordinary:
+    it passes, and one removal changes the released sum by the batch-mates' whole clipped sum."""
+    x, y, _ = _review65_batch()
+    torch.manual_seed(0)
+    model = _BackwardScaledNet().float()
+    record = torch.zeros(1, 8, dtype=torch.float32)
+    record[0, 0] = float("inf")
+    released = _released(model, lambda xs, ys: F.cross_entropy(model(xs), ys, reduction="none"), mode, 0.1, x, y,
+                         record, 0)
+    assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
