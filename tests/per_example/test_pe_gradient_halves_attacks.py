@@ -11,13 +11,14 @@ Fixed here:
   ``_cotangent`` returned ``None`` for it, so the check compared nothing and passed silently: 3.73 C released on
   one removal (every mode, ``B = 16``, ``C = 0.1``; 5.80 C with the model drawn in float32). The output gradient's
   batch dimension is now located (its only dimension of ``B``: ``_batch_dim``) and moved to the front in every run.
-
-* Under a bfloat16 autocast the check recomputed in bfloat16 with a tolerance of ``sqrt(2^-7)`` of the norms (25
+* Under a bfloat16 autocast the check recomputed in bfloat16 with a tolerance of ``sqrt(2^-7)`` of the norms (256
   times float32's): the scaled backward below, a record ``-2000 mu`` against 15 aligned batch-mates, released 2.41 C
   at ``B = 16`` (4.48 C at ``-3000 mu``). Every run of the check is its own (only the step's output gradients are
   reused, as weights), so for a model whose parameters, buffers and inputs are float32 or wider it now runs without
   the autocast, with float32's tolerance: refused. The honest models below under that autocast (BERT, RoBERTa,
-  GPT-2, OPT, Llama, LSTM, 216 steps) pass, largest gap 1.9e-4 of the float32 tolerance's norms' term.
+  GPT-2, OPT, Llama, LSTM, 216 steps) pass the new check, largest gap 1.9e-4 of the float32 tolerance's norms' term
+  (one BERT step, seed 1, ``B = 8``, "hooks", was refused once by the coverage check's fallback, pre-existing and
+  not reproduced in 12 reruns).
 
 Open (strict ``xfail``):
 
@@ -40,6 +41,9 @@ Open (strict ``xfail``):
   gradient), so the second attempt compares the other rows without it, whose gradients are then ordinary: 3.81 C
   (every mode). The step's own clipped sum of the finite rows is what the second attempt's whole would have to
   match (or a non-finite first attempt refused).
+
+Known and warned, not tested here: a forward random beyond dropout (``RReLU``) sends both halves checks to eval mode,
+so a scale active only in training passes them (4.16 C, with the warning that training mode went unchecked).
 
 No false refusal by the new check: tiny BERT, RoBERTa, GPT-2, OPT and Llama (``HFSequenceClassifier(config=...)``,
 dropout 0.1 in train mode) and the LSTM backbone, every mode, seeds 0-2, ``B`` 2, 3, 5, 8 (216 steps; 144 of them
