@@ -25,6 +25,8 @@ Open (strict ``xfail``):
 * The same scale in ``loss_fn`` after the module: the check reuses the step's output gradients ``dL_r / d out_r``,
   which hold it, and the forward checks never see a backward: 3.73 C (every mode). Only a check that recomputes the
   losses' gradients on the halves (the first-order module's, whose ``per_example_loss`` can run on a half) can.
+  (A backbone whose ``per_example_loss`` applies it fits DOPE-SGD, DP-Adam and DP-GRaPE without a refusal: the
+  module's loss halves compare the losses, which the identity forward leaves alone.)
 * A flattened output (``[2B]``, as an LM's ``logits.view(-1, V)``): no dimension of ``B``, not compared: 3.73 C.
 * A ``loss_fn`` that calls the module's children, never the module itself: no call of the engine's module is
   recorded, so neither the forward halves nor the gradient halves run at all. Review 64's detached batch mean
