@@ -26,6 +26,7 @@ only on some splits, or below the tolerance (about ``2 sqrt(eps) B C``), passes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -37,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example.checks import MeanOfRandomDraws, beyond_tolerance, random_halves
 from lit_zodp.per_example.reference import is_batched
-from lit_zodp.per_example.rounding import forward_autocast, working_eps
+from lit_zodp.per_example.rounding import _FORWARD_AUTOCAST, forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
 from lit_zodp.privacy.training_randomness import secret_streams
 
@@ -46,7 +47,8 @@ Gradients = List[Optional[Tensor]]
 
 def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: Tensor, params: Sequence[Tensor], *,
                            project: Callable[[int, Tensor], Tensor], dtype: torch.dtype, device_type: str,
-                           keep_call_shape: bool = False, devices: Sequence[torch.device] = ()) -> None:
+                           keep_call_shape: bool = False, devices: Sequence[torch.device] = (),
+                           without_autocast: bool = False) -> None:
     """Refuse the step if the clip-weighted gradient of the whole batch is not the sum of its halves' (module doc).
 
     Args:
@@ -58,15 +60,20 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         dtype: Of the computation, for the tolerance (:func:`.rounding.working_eps`).
         keep_call_shape: Run each half in the call's batch shape (copies of its first row, weight 0).
         devices: The CUDA devices whose random streams the recomputation must leave alone.
+        without_autocast: Recompute without the forward's autocast (a model of float32 parameters and inputs run
+            under a bfloat16 autocast: every run is the check's own, so it may run in float32, and its tolerance is
+            float32's, not ``sqrt(2^-7)`` of the norms, which let 2.4 C through at ``B = 16``: red-team review 67).
     """
     size = len(weights)
     calls = [call for call in calls if call.grads]
     if size < 2 or not calls:
         return
     shares = torch.where(weights > 0, weights.double() * norms.double(), 0.0)  # c_r ||g_r|| (<= C)
-    tolerance_of_rows = working_eps(device_type, dtype) ** 0.5 * float(shares.nan_to_num(0.0).sum())
+    with _no_forward_autocast() if without_autocast else contextlib.nullcontext():
+        root_eps = working_eps(device_type, dtype) ** 0.5
+    tolerance_of_rows = root_eps * float(shares.nan_to_num(0.0).sum())
     run = functools.partial(_clip_weighted_gradient, calls, size=size, params=params, keep_call_shape=keep_call_shape,
-                            devices=devices, device_type=device_type)
+                            devices=devices, device_type=device_type, without_autocast=without_autocast)
     weights = weights.double().cpu()
     for rows in (torch.arange(size), (weights > 0).nonzero().flatten()):
         if len(rows) < 2:
@@ -77,10 +84,10 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             break  # (a row weighted 0 whose recomputation is not finite spoils the sums: compared without it)
     else:
         return
-    ratio = gap / (tolerance_of_rows + working_eps(device_type, dtype) ** 0.5 * scale)
+    ratio = gap / (tolerance_of_rows + root_eps * scale)
     if ratio > 1:  # measured again with each half in the batch's shape, each row in its place (as the forward's)
         gap, scale = _gap_and_scale(run, _in_place(rows, weights, halves), project)
-        ratio = gap / (tolerance_of_rows + working_eps(device_type, dtype) ** 0.5 * scale)
+        ratio = gap / (tolerance_of_rows + root_eps * scale)
     if not ratio <= 1:
         raise PrivacyConfigError(
             "The per-example gradients depend on their batch-mates: the clip-weighted gradient of the engine's module "
@@ -113,7 +120,8 @@ def _in_place(rows: Tensor, weights: Tensor, halves: Tuple[Tensor, Tensor]) -> L
 
 
 def _clip_weighted_gradient(calls: Sequence[ModuleCall], part: Part, *, size: int, params: Sequence[Tensor],
-                            keep_call_shape: bool, devices: Sequence[torch.device], device_type: str) -> Gradients:
+                            keep_call_shape: bool, devices: Sequence[torch.device], device_type: str,
+                            without_autocast: bool = False) -> Gradients:
     """``d/dtheta sum_calls sum_k w_k <dL_{r_k}/d out, out_k>``, the module run on the rows ``r`` of ``part`` alone
     (``w``: their weights)."""
     index, weights = part
@@ -126,10 +134,14 @@ def _clip_weighted_gradient(calls: Sequence[ModuleCall], part: Part, *, size: in
         inputs = [x[padded.to(x.device)].detach() if is_batched(x, size) else
                   x.detach() if isinstance(x, Tensor) else x for x in call.inputs]
         args, kwargs = tree_unflatten(inputs, call.spec)
-        with secret_streams(devices), torch.enable_grad(), MeanOfRandomDraws(), forward_autocast(device_type):
+        autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
+        with secret_streams(devices), torch.enable_grad(), MeanOfRandomDraws(), autocast:
             flat = tree_flatten(call.module(*args, **kwargs))[0]
         for j, grad in call.grads.items():
             out = flat[j] if j < len(flat) else None
+            batch_dim = _batch_dim(grad, size)
+            if batch_dim and isinstance(out, Tensor) and out.dim() == grad.dim():
+                out, grad = out.movedim(batch_dim, 0), grad.movedim(batch_dim, 0)
             cotangent = _cotangent(out, grad, padded, row_weights)
             if cotangent is not None:
                 outputs.append(out)
@@ -139,11 +151,35 @@ def _clip_weighted_gradient(calls: Sequence[ModuleCall], part: Part, *, size: in
     return list(torch.autograd.grad(outputs, list(params), cotangents, allow_unused=True))
 
 
+@contextlib.contextmanager
+def _no_forward_autocast():
+    """The forward's autocast unset (for :func:`.rounding.working_eps`)."""
+    token = _FORWARD_AUTOCAST.set(None)
+    try:
+        yield
+    finally:
+        _FORWARD_AUTOCAST.reset(token)
+
+
+def _batch_dim(grad: Tensor, size: int) -> Optional[int]:
+    """The dimension of an output gradient that holds the step's ``size`` examples: 0 where it has ``size`` rows,
+    else the only dimension of that size (a sequence-first ``[T, B, ...]`` or transposed ``[classes, B]`` output:
+    skipped, the check saw nothing of a backward scaled by a batch statistic behind it, 5.8 C released, red-team
+    review 67); ``None``: none or several (not comparable)."""
+    if grad.dim() == 0:
+        return None
+    if grad.shape[0] == size:
+        return 0
+    found = [d for d, n in enumerate(grad.shape) if n == size]
+    return found[0] if len(found) == 1 else None
+
+
 def _cotangent(out, grad: Tensor, padded: Tensor, row_weights: Tensor) -> Optional[Tensor]:
     """``c_r dL_r/d out_r`` for the recomputed output's rows; a recomputation of fewer positions than the step's
     (a forward trimming its batch to its longest row) takes the positions both hold, whose loss alone can depend on
     them (a padded position's gradient is 0). ``None``: not comparable (the forward checks see those)."""
-    if not (isinstance(out, Tensor) and out.requires_grad and out.dim() == grad.dim() and len(out) == len(padded)):
+    if not (isinstance(out, Tensor) and out.requires_grad and out.dim() == grad.dim() and out.dim() > 0
+            and len(out) == len(padded)):
         return None
     if any(mine > theirs for mine, theirs in zip(out.shape[1:], grad.shape[1:])):
         return None
