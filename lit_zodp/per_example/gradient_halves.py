@@ -84,10 +84,10 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             break  # (a row weighted 0 whose recomputation is not finite spoils the sums: compared without it)
     else:
         return
-    ratio = gap / (tolerance_of_rows + root_eps * scale)
+    ratio = _beyond(gap, tolerance_of_rows + root_eps * scale)
     if ratio > 1:  # measured again with each half in the batch's shape, each row in its place (as the forward's)
         gap, scale = _gap_and_scale(run, _in_place(rows, weights, halves), project)
-        ratio = gap / (tolerance_of_rows + root_eps * scale)
+        ratio = _beyond(gap, tolerance_of_rows + root_eps * scale)
     if not ratio <= 1:
         raise PrivacyConfigError(
             "The per-example gradients depend on their batch-mates: the clip-weighted gradient of the engine's module "
@@ -95,6 +95,11 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             f"{beyond_tolerance(ratio)}. A forward or backward that mixes examples (a batch statistic, "
             "including one that only a custom autograd.Function's backward reads) breaks per-example clipping; "
             "compute each example's loss and gradient from its own row")
+
+
+def _beyond(gap: float, tolerance: float) -> float:
+    """``gap / tolerance``; 0 where the sums agree exactly (all gradients 0: a tolerance of 0), NaN if not finite."""
+    return 0.0 if gap == 0 else gap / tolerance
 
 
 Part = Tuple[Tensor, Tensor]  # (the rows run, their weights)

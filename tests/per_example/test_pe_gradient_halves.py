@@ -92,3 +92,15 @@ def test_a_row_whose_recomputation_is_not_finite_is_left_out_of_the_comparison(c
     assert len(comparisons) == 2
     (first_gap, _), (gap, scale) = comparisons
     assert not torch.isfinite(torch.tensor(first_gap)) and gap <= 1e-10 * scale
+
+
+def test_gradients_that_are_all_zero_agree_exactly():
+    """Every gradient 0 (a head and its input zeroed): the tolerance is 0 too, and the check passes (0 / 0 refused)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight.zero_(), model[0].bias.zero_(), model[2].weight.zero_()
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    losses = lambda: (model(x) * 0).sum(1)  # noqa: E731
+    clipped = PerExampleGradientEngine(model).clipped_sum(losses, 1.0)
+    assert all(float(g.abs().max()) == 0 for g in clipped.grads)
