@@ -117,6 +117,15 @@ def _review65_batch():
     return x, y, record
 
 
+def _laid_out_released(layout: str, mode: str) -> float:
+    """Review 65's batch and record against the scaled backward behind an output laid out as ``layout``."""
+    x, y, record = _review65_batch()
+    torch.manual_seed(0)
+    model = _LaidOut(layout).float()
+    return _released(model, lambda xs, ys: F.cross_entropy(_logits(model(xs), layout, len(xs)), ys, reduction="none"),
+                     mode, 0.1, x, y, record, 0)
+
+
 @pytest.mark.parametrize("layout", ["seq", "T"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_backward_scale_behind_a_non_batch_first_output_is_refused(mode, layout):
@@ -129,10 +138,7 @@ def test_a_backward_scale_behind_a_non_batch_first_output_is_refused(mode, layou
         clipped = engine.clipped_sum(lambda: F.cross_entropy(_logits(honest(x[:size]), layout, size), y[:size],
                                                              reduction="none"), 0.1)
         assert all(torch.isfinite(g).all() for g in clipped.grads)
-    torch.manual_seed(0)
-    model = _LaidOut(layout).float()
-    released = _released(model, lambda xs, ys: F.cross_entropy(_logits(model(xs), layout, len(xs)), ys,
-                                                                 reduction="none"), mode, 0.1, x, y, record, 0)
+    released = _laid_out_released(layout, mode)
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
 
 
@@ -140,11 +146,7 @@ def test_a_backward_scale_behind_a_non_batch_first_output_is_refused(mode, layou
                                         "gradient halves compare nothing: 3.73 C")
 @pytest.mark.parametrize("mode", MODES)
 def test_a_backward_scale_behind_a_flattened_output_is_refused(mode):
-    x, y, record = _review65_batch()
-    torch.manual_seed(0)
-    model = _LaidOut("flat").float()
-    released = _released(model, lambda xs, ys: F.cross_entropy(_logits(model(xs), "flat", len(xs)), ys,
-                                                                 reduction="none"), mode, 0.1, x, y, record, 0)
+    released = _laid_out_released("flat", mode)
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
 
 
