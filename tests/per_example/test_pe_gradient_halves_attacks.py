@@ -20,12 +20,14 @@ Fixed here:
   (one BERT step, seed 1, ``B = 8``, "hooks", was refused once by the coverage check's fallback, pre-existing and
   not reproduced in 12 reruns).
 
-* Fixed by the lead after the review: a ``loss_fn`` that calls the module's children, never the module itself: no
-  call of the engine's module was recorded, so neither the forward halves nor the gradient halves ran at all. Review
-  64's detached batch mean (``alpha = 1e-4``) with a random record times 1e5: 6.54 C released (14.0 C at
-  ``alpha = 1e-2``). A checked step whose ``loss_fn`` did not call the engine's module is now refused in one line.
-
 Open (strict ``xfail``):
+
+* A ``loss_fn`` that calls the module's children, never the module itself: no call of the engine's module is
+  recorded, so neither the forward halves nor the gradient halves run at all. Review 64's detached batch mean
+  (``alpha = 1e-4``) with a random record times 1e5: 6.54 C released (14.0 C at ``alpha = 1e-2``). Refusing such a
+  step (tried after the review) refused the package's own ``HFAnswerGenerator`` and GEP's ``per_example_loss``
+  path, whose losses call submodules or a method: in those fits only the modules' loss halves
+  (``AlgorithmModule.run_independence_checks``) compare the batch.
 
 * The same scale in ``loss_fn`` after the module: the check reuses the step's output gradients ``dL_r / d out_r``,
   which hold it, and the forward checks never see a backward: 3.73 C (every mode). Only a check that recomputes the
@@ -167,6 +169,8 @@ def test_a_backward_scale_in_the_loss_after_the_module_is_refused(mode):
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
 
 
+@pytest.mark.xfail(strict=True, reason="open (review 67): a loss_fn that never calls the engine's module runs no "
+                                        "halves check (forward or gradient): 6.54 C")
 @pytest.mark.parametrize("mode", MODES)
 def test_a_loss_that_calls_only_the_modules_children_is_checked(mode):
     """Review 64's model (a detached batch mean, ``alpha = 1e-4``, refused when ``loss_fn`` calls it) run by a
