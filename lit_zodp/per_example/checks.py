@@ -500,6 +500,15 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
     return int(torch.isfinite(flat_rows(full)).all(1).sum()) >= 2
 
 
+def in_place_index(half: Tensor, size: int) -> Tensor:
+    """Rows for a half run in the whole batch's shape: each of the half's rows at its own position, the other half's
+    positions filled with the half's rows again (a kernel choosing its reduction order by the call's shape then
+    rounds the half as the whole)."""
+    index = half[torch.arange(size) % len(half)]
+    index[half] = half
+    return index
+
+
 def _halves_values(values_of: Callable[[Tensor], Tensor], halves: tuple[Tensor, Tensor], full: Tensor,
                    in_place: bool = False) -> Tensor:
     """Each half's rows computed without the other half: alone, or (``in_place``) in a batch of the whole batch's
@@ -507,10 +516,7 @@ def _halves_values(values_of: Callable[[Tensor], Tensor], halves: tuple[Tensor, 
     split = torch.empty_like(flat_rows(full))
     size = len(split)
     for half in halves:
-        index = half
-        if in_place:
-            index = half[torch.arange(size) % len(half)]
-            index[half] = half
+        index = in_place_index(half, size) if in_place else half
         values = flat_rows(values_of(index))
         split[half.to(split.device)] = (values[half.to(values.device)] if in_place else values).to(split.dtype)
     return split

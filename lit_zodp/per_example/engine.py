@@ -413,6 +413,12 @@ def _rows_seen(x: Optional[Tensor], index: Tensor, batch: int, full: Tensor, dev
     return flat_rows(rows).to(device)
 
 
+def _cuda_devices(calls: Iterable[ModuleCall]) -> List[torch.device]:
+    """The CUDA devices the calls' tensor inputs live on (whose random streams a recomputation must restore)."""
+    return sorted({x.device for c in calls for x in c.inputs if isinstance(x, Tensor) and x.device.type == "cuda"},
+                  key=str)
+
+
 def _coarsest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """The floating dtype with the largest machine epsilon."""
     return max((d for d in dtypes if d.is_floating_point), key=lambda d: torch.finfo(d).eps)
@@ -604,7 +610,6 @@ class PerExampleGradientEngine:
         #: This step's calls of the module whose forward was checked, for the gradients' check once the clip factors
         #: are known (:mod:`.gradient_halves`), and whether that forward check fell back to eval mode.
         self._gradient_check: Optional[Tuple[List[ModuleCall], bool]] = None
-        self._in_eval = False
 
     def __setstate__(self, state: dict) -> None:
         """A copy (a callback's ``deepcopy`` of the module: an EMA or teacher model) or unpickled engine keys its maps by
@@ -616,7 +621,7 @@ class PerExampleGradientEngine:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._module_names = {id(m): name for name, m in self.module.named_modules()}
         self._checked, self._misaligned, self._uncovered_of = set(), {}, {}
-        self._gradient_check, self._in_eval = None, False
+        self._gradient_check = None
 
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
         """For each parameter, the ``(module, local name)`` pairs holding it directly."""
@@ -856,9 +861,7 @@ class PerExampleGradientEngine:
             self._drop_outputs(tape)
             return known
         roots = [c for c in tape.module_calls if c.module is self.module]  # (before the outputs are dropped)
-        self._in_eval = False
-        self._refuse_forward_mixing(tape, len(losses))
-        self._gradient_check = (roots, self._in_eval)
+        self._gradient_check = (roots, self._refuse_forward_mixing(tape, len(losses)))
         misaligned = known
         if misaligned is None:
             misaligned = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, len(losses))))
@@ -904,21 +907,23 @@ class PerExampleGradientEngine:
         for call in tape.module_calls:
             call.outputs = {}
 
-    def _refuse_forward_mixing(self, tape: Tape, size: int) -> None:
+    def _refuse_forward_mixing(self, tape: Tape, size: int) -> bool:
         """Each call of the engine's module, recomputed (no grad) on two random halves of the batch,
         must give the rows it gave on the whole batch (:func:`.checks.refuse_batch_mixing`): per-row
         values that depend on batch-mates send no gradient across rows, so alignment and coverage miss
         them (audit 5 F1). ``loss_fn``'s own arithmetic after the module is not recomputed. The rule layers'
-        batch-first inputs are compared too (:meth:`_rule_inputs`)."""
+        batch-first inputs are compared too (:meth:`_rule_inputs`). Whether a call was checked in eval mode."""
         recording, tape.recording = tape.recording, False  # the recomputations are not the batch's calls
+        in_eval = False
         try:
             for call in list(tape.module_calls):
                 outputs = {j: v for j, v in call.outputs.items() if is_batched(v, size)}
                 call.outputs = {}
                 if call.module is self.module and outputs and size >= 2:
-                    self._refuse_call_mixing(call, outputs, size, self._rule_inputs(tape, size, call))
+                    in_eval |= self._refuse_call_mixing(call, outputs, size, self._rule_inputs(tape, size, call))
         finally:
             tape.recording = recording
+        return in_eval
 
     @staticmethod
     def _rule_inputs(tape: Tape, size: int, call: ModuleCall) -> List[_Input]:
@@ -948,13 +953,13 @@ class PerExampleGradientEngine:
         return found
 
     def _refuse_call_mixing(self, call: ModuleCall, outputs: Dict[int, Tensor], size: int,
-                            rule_inputs: List[_Input]) -> None:
+                            rule_inputs: List[_Input]) -> bool:
         """The recomputations run in the step's mode with every Bernoulli draw at its mean
         (:class:`.checks.MeanOfRandomDraws`). A step whose forward drew dropout masks does not reproduce:
         the halves are then compared with the whole batch recomputed the same way. Only a forward random
         in other ways (``rand``: RReLU, noise layers) is checked in eval mode, with a warning that its
         training-mode behaviour went unchecked (before audit 8 every model with dropout was, and mixing
-        only in training passed: 4.33 C released on one removal)."""
+        only in training passed: 4.33 C released on one removal). Whether it fell back to eval mode."""
         parts = [flat_rows(outputs[j]) for j in sorted(outputs)]
         project = _SecretProjections(parts[0].device if parts else rule_inputs[0].step.device)
         blocks = [sum(part.shape[1] for part in parts)] * bool(parts) + [PROJECTIONS] * len(rule_inputs)
@@ -966,21 +971,21 @@ class PerExampleGradientEngine:
         checked = dict(dtype=dtype, device=full.device, what=what, blocks=blocks)
         try:
             refuse_batch_mixing(values_of, size, full=full, **checked)
-            return
+            return False
         except PrivacyConfigError:
             again = values_of(torch.arange(size))
             if not self.module.training or rows_agree(full, again, dtype=dtype, blocks=blocks):
                 raise  # the step's own rows reproduce: the halves' difference is mixing
         try:  # the step drew dropout masks: compare with the whole batch recomputed the same way
             refuse_batch_mixing(values_of, size, full=again, **checked)
-            return
+            return False
         except PrivacyConfigError:
             if rows_agree(again, values_of(torch.arange(size)), dtype=dtype, blocks=blocks):
                 raise  # the recomputation reproduces: mixing
         warn_unchecked_training_mode("the engine's module")
-        self._in_eval = True
         with eval_mode(self.module):
             refuse_batch_mixing(values_of, size, **checked)
+        return True
 
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int, device: torch.device,
                  rule_inputs: Sequence[_Input] = (),
@@ -993,8 +998,7 @@ class PerExampleGradientEngine:
         a half runs alone, which shows capacity-type mixing more surely (fewer rows, less overflow). Then the
         ``rule_inputs``' layers' inputs on those rows through ``project``, each call matched by its rank (NaN where
         the recomputation has no such call: a verdict of "finite in one only")."""
-        devices = sorted({x.device for x in call.inputs if isinstance(x, Tensor) and x.device.type == "cuda"},
-                         key=str)
+        devices = _cuda_devices([call])
 
         def values_of(index: Tensor) -> Tensor:
             rows = len(index)
@@ -1420,12 +1424,11 @@ class PerExampleGradientEngine:
         if pending is None:
             return
         calls, in_eval = pending
-        devices = sorted({x.device for c in calls for x in c.inputs if isinstance(x, Tensor) and x.device.type == "cuda"},
-                         key=str)
+        devices = _cuda_devices(calls)
         # a model of float32 (or wider) parameters, buffers and inputs under a half-precision autocast: the check's
         # runs are its own, so they run in float32, with float32's tolerance (review 67: 2.4 C at B = 16 in bf16)
         wide = (torch.float32, torch.float64)
-        without_autocast = rounding._FORWARD_AUTOCAST.get() is not None and all(
+        without_autocast = rounding.forward_autocast_dtype() is not None and all(
             t.dtype in wide for t in [*self.module.parameters(), *self.module.buffers(),
                                       *(x for c in calls for x in c.inputs if isinstance(x, Tensor))]
             if t.is_floating_point())

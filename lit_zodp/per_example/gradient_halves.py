@@ -36,9 +36,9 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError
-from lit_zodp.per_example.checks import MeanOfRandomDraws, beyond_tolerance, random_halves
+from lit_zodp.per_example.checks import MeanOfRandomDraws, beyond_tolerance, in_place_index, random_halves
 from lit_zodp.per_example.reference import is_batched
-from lit_zodp.per_example.rounding import _FORWARD_AUTOCAST, forward_autocast, working_eps
+from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
 from lit_zodp.privacy.training_randomness import secret_streams
 
@@ -80,9 +80,9 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
     if size < 2 or not calls:
         return
     shares = torch.where(weights > 0, weights.double() * norms.double(), 0.0)  # c_r ||g_r|| (<= C)
-    with _no_forward_autocast() if without_autocast else contextlib.nullcontext():
-        root_eps = tolerance_unit(working_eps(device_type, dtype))
-    tolerance_of_rows = root_eps * float(shares.nan_to_num(0.0).sum())
+    with no_forward_autocast() if without_autocast else contextlib.nullcontext():
+        unit = tolerance_unit(working_eps(device_type, dtype))
+    tolerance_of_rows = unit * float(shares.nan_to_num(0.0).sum())
     run = functools.partial(_clip_weighted_gradient, calls, size=size, params=params, keep_call_shape=keep_call_shape,
                             devices=devices, device_type=device_type, without_autocast=without_autocast)
     weights = weights.double().cpu()
@@ -95,10 +95,10 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             break  # (a row weighted 0 whose recomputation is not finite spoils the sums: compared without it)
     else:
         return
-    ratio = _beyond(gap, tolerance_of_rows + root_eps * scale)
+    ratio = _beyond(gap, tolerance_of_rows + unit * scale)
     if ratio > 1:  # measured again with each half in the batch's shape, each row in its place (as the forward's)
         gap, scale = _gap_and_scale(run, _in_place(rows, weights, halves), project)
-        ratio = _beyond(gap, tolerance_of_rows + root_eps * scale)
+        ratio = _beyond(gap, tolerance_of_rows + unit * scale)
     if not ratio <= 1:
         raise PrivacyConfigError(
             "The per-example gradients depend on their batch-mates: the clip-weighted gradient of the engine's module "
@@ -122,13 +122,11 @@ def _alone(rows: Tensor, weights: Tensor, halves: Tuple[Tensor, Tensor]) -> List
 
 
 def _in_place(rows: Tensor, weights: Tensor, halves: Tuple[Tensor, Tensor]) -> List[Part]:
-    """The whole of ``rows``, then each half in its shape: each of the half's rows at its own position, the other
-    half's positions filled with the half's rows again at weight 0 (a kernel choosing its reduction order by the
-    call's shape rounds both alike; red-team review 20's cancelling row)."""
+    """The whole of ``rows``, then each half in its shape (:func:`.checks.in_place_index`), the other half's positions
+    at weight 0 (red-team review 20's cancelling row rounds with the row count)."""
     parts = [(rows, weights[rows])]
     for half in halves:
-        position = half[torch.arange(len(rows)) % len(half)]
-        position[half] = half
+        position = in_place_index(half, len(rows))
         mine = torch.zeros(len(rows), dtype=torch.bool)
         mine[half] = True
         parts.append((rows[position], torch.where(mine, weights[rows[position]], 0.0)))
@@ -165,16 +163,6 @@ def _clip_weighted_gradient(calls: Sequence[ModuleCall], part: Part, *, size: in
     if not outputs:
         return [None] * len(params)
     return list(torch.autograd.grad(outputs, list(params), cotangents, allow_unused=True))
-
-
-@contextlib.contextmanager
-def _no_forward_autocast():
-    """The forward's autocast unset (for :func:`.rounding.working_eps`)."""
-    token = _FORWARD_AUTOCAST.set(None)
-    try:
-        yield
-    finally:
-        _FORWARD_AUTOCAST.reset(token)
 
 
 def _batch_dim(grad: Tensor, size: int) -> Optional[int]:

@@ -147,6 +147,22 @@ def outside_autocast(device_type: str) -> Iterator[None]:
         _FORWARD_AUTOCAST.reset(token)
 
 
+def forward_autocast_dtype() -> Optional[torch.dtype]:
+    """The autocast dtype the current batch's forward ran under (``None``: none)."""
+    return _FORWARD_AUTOCAST.get()
+
+
+@contextlib.contextmanager
+def no_forward_autocast() -> Iterator[None]:
+    """Inside, the forward counts as run without autocast (a check whose recomputations run in float32 takes
+    float32's :func:`working_eps`)."""
+    token = _FORWARD_AUTOCAST.set(None)
+    try:
+        yield
+    finally:
+        _FORWARD_AUTOCAST.reset(token)
+
+
 def forward_autocast(device_type: str) -> contextlib.AbstractContextManager:
     """The forward's autocast again (a recomputation must run the forward's function)."""
     dtype = _FORWARD_AUTOCAST.get()
@@ -173,5 +189,5 @@ def working_eps(device_type: str, *dtypes: torch.dtype) -> float:
 
 
 __all__ = ["HALF_DTYPES", "MatmulRounding", "autocast_dtype", "float32_conv_setting", "float32_matmul_setting",
-           "forward_autocast", "has_convolutions", "model_convolutions", "outside_autocast", "sum_rounding",
-           "working_eps"]
+           "forward_autocast", "forward_autocast_dtype", "has_convolutions", "model_convolutions",
+           "no_forward_autocast", "outside_autocast", "sum_rounding", "working_eps"]

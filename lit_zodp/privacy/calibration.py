@@ -53,6 +53,12 @@ def calibrate_noise_multiplier(
                         sigma_tolerance=sigma_tolerance, sigma_max=sigma_max)
 
 
+def steps_cost(sampling, plan: StepPlan, steps: int, sigma: float) -> list:
+    """``[(mechanism, count)]`` of ``steps`` steps of ``plan``'s releases on ``sampling``'s batches (a sampling
+    description: ``noise multiplier -> mechanism``) at noise multiplier ``sigma``."""
+    return [(sampling.mechanism(composed_multiplier(plan, sigma)), steps)]
+
+
 @functools.lru_cache(maxsize=64)
 def calibrated_multiplier(sampling, plan: StepPlan, steps: int, *, target_epsilon: float, delta: float,
                           eps_error: float) -> float:
@@ -60,7 +66,7 @@ def calibrated_multiplier(sampling, plan: StepPlan, steps: int, *, target_epsilo
     description: ``sigma -> mechanism``), memoised. The answer is a function of these public, hashable settings
     alone, so a second fit of one configuration in a process (a sweep over seeds, a test suite) reuses it: with the
     PRV accountant a calibration costs seconds. A refusal (no sigma reaches the target) is raised, not stored."""
-    return bisect_sigma(lambda sigma: [(sampling.mechanism(composed_multiplier(plan, sigma)), steps)],
+    return bisect_sigma(lambda sigma: steps_cost(sampling, plan, steps, sigma),
                         target_epsilon=target_epsilon, delta=delta, eps_error=eps_error)
 
 

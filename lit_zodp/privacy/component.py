@@ -37,7 +37,7 @@ from lit_zodp.errors import (
     check_positive,
     raise_if_any,
 )
-from lit_zodp.privacy.calibration import calibrated_multiplier, steps_within_budget
+from lit_zodp.privacy.calibration import calibrated_multiplier, steps_cost, steps_within_budget
 from lit_zodp.privacy.clipping import check_clip
 from lit_zodp.privacy.ledger import PrivacyLedger
 from lit_zodp.privacy.mechanisms import Gaussian, SinglePassGaussian, SubsampledGaussian
@@ -442,10 +442,10 @@ class PrivacyComponent:
             return multiplier / composed_multiplier(self.step_plan, 1.0)
         return calibrated_multiplier(self.sampling, tuple(self.step_plan), self.planned_steps,
                                      target_epsilon=self.target_epsilon, delta=self.delta,
-                                     eps_error=self.ledger.eps_error)  # (the plan of :meth:`_steps_cost`)
+                                     eps_error=self.ledger.eps_error)
 
     def _steps_cost(self, steps: int, sigma: float) -> list:
-        return [(self.sampling.mechanism(composed_multiplier(self.step_plan, sigma)), steps)]
+        return steps_cost(self.sampling, self.step_plan, steps, sigma)
 
     def _constants(self) -> StepConstants:
         """This fit's :class:`StepConstants`, made by its plan (sigma, C and the neighbours are fixed until its end)."""
