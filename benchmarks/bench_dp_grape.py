@@ -216,9 +216,9 @@ def make_ours(backbone, algo: str, grad_mode: str, rank: int, frequency: int):
             self.engine_bytes: list[int] = []
             clip_and_sum = self.engine._clip_and_sum
 
-            def recorded(losses, batch, clip, tape, examples=None):
+            def recorded(losses, batch, clip, tape, *args):
                 self.engine_bytes.append(tensor_bytes(list(batch.dense.values())))
-                return clip_and_sum(losses, batch, clip, tape, examples)
+                return clip_and_sum(losses, batch, clip, tape, *args)
 
             self.engine._clip_and_sum = recorded
             self.phase_times: dict[str, list[float]] = {p: [] for p in PHASES}

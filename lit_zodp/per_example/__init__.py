@@ -1,6 +1,6 @@
 """Per-example gradients, one flat clip, one sum: the engine shared by the DP-SGD-style algorithms.
 
-* :class:`PerExampleGradientEngine` and :class:`ClippedSum` (:mod:`.engine`): modes "hooks",
+* :class:`PerExampleGradientEngine`, :class:`ClippedSum` and :class:`MicroBatch` (:mod:`.engine`): modes "hooks",
   "ghost" and "vmap", micro-batching;
 * the transform slot (:mod:`.transforms`): :class:`GradientTransform`, :class:`Projection`
   (projected rows, never ``B x out x in``), :class:`Projections`;
@@ -11,7 +11,7 @@
 * the torch.func reference :func:`per_example_gradients_vmap` and the fallback (:mod:`.reference`).
 """
 
-from lit_zodp.per_example.engine import ClippedParts, ClippedSum, PerExampleGradientEngine
+from lit_zodp.per_example.engine import ClippedParts, ClippedSum, MicroBatch, PerExampleGradientEngine
 from lit_zodp.per_example.reference import per_example_gradients_vmap
 from lit_zodp.per_example.samplers import register_sampler, sampler_for
 from lit_zodp.per_example.transforms import GradientTransform, Projection, Projections
@@ -20,6 +20,7 @@ __all__ = [
     "ClippedParts",
     "ClippedSum",
     "GradientTransform",
+    "MicroBatch",
     "PerExampleGradientEngine",
     "Projection",
     "Projections",

@@ -87,13 +87,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import PROJECTIONS, CallKey, _disagreeing, _RowSummaries, misaligned_calls
-from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, ParameterWrites, RecheckProbability, buffer_state,
-                                         check_losses, check_mode, check_recheck_probability, check_transform, eval_mode,
-                                         flat_rows, refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes,
-                                         refuse_compiled, refuse_reentrant_checkpointing, rows_agree,
-                                         step_mode_recompute, warn_unchecked_training_mode)
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, MeanOfRandomDraws, ParameterWrites, RecheckProbability,
+                                         buffer_state, check_losses, check_mode, check_recheck_probability,
+                                         check_transform, eval_mode, flat_rows, refuse_batch_mixing, refuse_batchnorm,
+                                         refuse_buffer_writes, refuse_compiled, refuse_reentrant_checkpointing,
+                                         rows_agree, step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
-from lit_zodp.per_example.gradient_halves import refuse_gradient_mixing
+from lit_zodp.per_example.gradient_halves import LossesOf, refuse_gradient_mixing, tolerance_unit
 from lit_zodp.per_example.ghost import FLOAT64_UNIT, _gamma, at_least_float32, row_norm_sq
 from lit_zodp.per_example.reference import call_gradients, is_batched
 from lit_zodp.per_example import rounding
@@ -105,9 +105,27 @@ from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape, _first_input
 from lit_zodp.per_example.transforms import GradientTransform, Projection, as_transform
 from lit_zodp.per_example.uses import ParameterUses
 from lit_zodp.privacy.clipping import check_clip, clip_factors
-from lit_zodp.privacy.training_randomness import secret_cpu_generator
+from lit_zodp.privacy.training_randomness import secret_cpu_generator, secret_streams
 
 Transform = Union[GradientTransform, Callable[[str, Tensor, Tensor], Tensor]]
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch of a logical batch (:meth:`PerExampleGradientEngine.clipped_sum_microbatched`): its
+    ``loss_fn``, how many of its rows are examples (``None``: all; the others pad a fixed-shape chunk), and the
+    losses of given rows of it alone for the checks (:meth:`PerExampleGradientEngine.clipped_sum`)."""
+
+    loss_fn: Callable[[], Tensor]
+    examples: Optional[int] = None
+    losses_of: Optional[LossesOf] = None
+
+
+MicroBatchLike = Union[Callable[[], Tensor], Tuple[Callable[[], Tensor], Optional[int]], MicroBatch]
+
+
+def micro_batch(item: MicroBatchLike) -> MicroBatch:
+    """A loss function, a ``(loss_fn, examples)`` pair or a :class:`MicroBatch`, as a :class:`MicroBatch`."""
+    return MicroBatch(*item) if isinstance(item, tuple) else MicroBatch(item)
 
 #: The rule of a projected weight: the outer-product rules on the projected rows.
 _OUTER_WEIGHT = Sampler(grads=lambda _, a, g: {"weight": outer_grads(a, g)},
@@ -635,7 +653,8 @@ class PerExampleGradientEngine:
 
     # ------------------------------------------------------------------------------ public API
 
-    def clipped_sum(self, loss_fn: Callable[[], Tensor], clip: float, examples: Optional[int] = None) -> ClippedSum:
+    def clipped_sum(self, loss_fn: Callable[[], Tensor], clip: float, examples: Optional[int] = None, *,
+                    losses_of: Optional[LossesOf] = None) -> ClippedSum:
         """Run ``loss_fn`` once (forward), back-propagate, and return the clipped sum.
 
         Every mode calls ``loss_fn`` once; "ghost" runs two backwards, the others one (the vmap
@@ -647,62 +666,70 @@ class PerExampleGradientEngine:
             clip: The flat clipping norm ``C > 0`` (``math.inf``: no clipping).
             examples: only the first ``examples`` rows are examples; the others pad a fixed-shape
                 forward (:mod:`lit_zodp.privacy.fixed_shape`): factor 0, not counted. ``None``: all.
+            losses_of: ``rows -> [len(rows)]``: the per-example losses of those rows of the batch (a CPU
+                ``int64`` index) computed without the others, as ``loss_fn`` computes them. At checked steps the
+                gradient halves then recompute the losses themselves (:mod:`.gradient_halves`), which sees what
+                ``loss_fn`` does around the module; without it a checked step whose loss never called the module
+                (only its children, or a method) is refused. The package's modules pass it.
         """
         check_clip(clip)
-        return self._unexpanded_on_failure(lambda: self._clipped_sum(loss_fn, clip, examples))
+        return self._unexpanded_on_failure(lambda: self._clipped_sum(loss_fn, clip, examples, losses_of))
 
-    def _clipped_sum(self, loss_fn: Callable[[], Tensor], clip: float, examples: Optional[int]) -> ClippedSum:
+    def _clipped_sum(self, loss_fn: Callable[[], Tensor], clip: float, examples: Optional[int],
+                     losses_of: Optional[LossesOf]) -> ClippedSum:
         tape = self._tape()
         try:
             with tape, outside_autocast(self._device_type), model_convolutions(self._convolutions):
                 losses, batch = self._per_example(loss_fn, tape, mode=self.mode)
                 if losses.numel() == 0:
                     return self._empty()
-                return self._clip_and_sum(losses, batch, clip, tape, examples)
+                return self._clip_and_sum(losses, batch, clip, tape, examples, losses_of)
         finally:
             tape.clear()
             for param in self.params:
                 param.grad = None
 
-    def clipped_sum_microbatched(self, loss_fns: Iterable[Callable[[], Tensor] | Tuple[Callable[[], Tensor], int]],
-                                 clip: float) -> ClippedSum:
+    def clipped_sum_microbatched(self, loss_fns: Iterable[MicroBatchLike], clip: float) -> ClippedSum:
         """The clipped sum of one logical batch given as micro-batches (equal to one call on all):
-        loss functions, or ``(loss_fn, examples)`` pairs of padded fixed-shape chunks."""
+        loss functions, or :class:`MicroBatch` tuples ``(loss_fn, examples[, losses_of])`` (padded fixed-shape
+        chunks; the losses of given rows for the checks)."""
         check_clip(clip)
         total = None
         for item in loss_fns:
-            loss_fn, examples = item if isinstance(item, tuple) else (item, None)
-            part = self.clipped_sum(loss_fn, clip, examples)
+            loss_fn, examples, losses_of = micro_batch(item)
+            part = self.clipped_sum(loss_fn, clip, examples, losses_of=losses_of)
             total = part if total is None else total.add_(part)
         return total if total is not None else self._empty()
 
     def clipped_parts(self, loss_fn: Callable[[], Tensor], split: PartSplit, clips: Sequence[float],
-                      examples: Optional[int] = None) -> ClippedParts:
+                      examples: Optional[int] = None, *, losses_of: Optional[LossesOf] = None) -> ClippedParts:
         """Per-example gradients (materialised: mode "hooks" or "vmap"; after the transform) cut by ``split`` into
         parts ``[B, d_j]``, part ``j`` of each example clipped to ``clips[j]``, each part summed over the batch: GEP's
         separately clipped embedding and residual (Yu et al. 2021, Alg. 1). As :meth:`clipped_sum`: an example whose
         loss or any part's norm is not finite, and a padding row (index ``>= examples``), count with factor 0 in every
         part; the norms are float64 upper bounds, the factors keep the clip margin and the sums accumulate in float64.
-        ``split`` must treat each example's row alone (the sensitivity of part ``j`` is then ``clips[j]``)."""
+        ``split`` must treat each example's row alone (the sensitivity of part ``j`` is then ``clips[j]``);
+        ``losses_of`` as in :meth:`clipped_sum`."""
         raise_if_any([None if self.mode in ("hooks", "vmap") else
                       f"Separately clipped parts need materialised per-example gradients: expected the engine's mode "
                       f"'hooks' or 'vmap', but got {self.mode!r}"])
         for clip in clips:
             check_clip(clip)
-        return self._unexpanded_on_failure(lambda: self._clipped_parts(loss_fn, split, list(clips), examples))
+        return self._unexpanded_on_failure(lambda: self._clipped_parts(loss_fn, split, list(clips), examples,
+                                                                       losses_of))
 
-    def clipped_parts_microbatched(self, loss_fns: Iterable[Callable[[], Tensor] | Tuple[Callable[[], Tensor], int]],
-                                   split: PartSplit, clips: Sequence[float]) -> ClippedParts:
+    def clipped_parts_microbatched(self, loss_fns: Iterable[MicroBatchLike], split: PartSplit,
+                                   clips: Sequence[float]) -> ClippedParts:
         """:meth:`clipped_parts` of one logical batch given as micro-batches (equal to one call on all)."""
         total = None
         for item in loss_fns:
-            loss_fn, examples = item if isinstance(item, tuple) else (item, None)
-            part = self.clipped_parts(loss_fn, split, clips, examples)
+            loss_fn, examples, losses_of = micro_batch(item)
+            part = self.clipped_parts(loss_fn, split, clips, examples, losses_of=losses_of)
             total = part if total is None else total.add_(part)
         return total if total is not None else self._empty_parts(split, clips)
 
     def _clipped_parts(self, loss_fn: Callable[[], Tensor], split: PartSplit, clips: List[float],
-                       examples: Optional[int]) -> ClippedParts:
+                       examples: Optional[int], losses_of: Optional[LossesOf]) -> ClippedParts:
         tape = self._tape()
         try:
             with tape, outside_autocast(self._device_type), model_convolutions(self._convolutions):
@@ -718,8 +745,11 @@ class PerExampleGradientEngine:
                 keep = None if bool(ok.all()) else ok
                 factors = [torch.where(ok, clip_factors(norms[:, j], clip), torch.zeros_like(norms[:, j]))
                            for j, clip in enumerate(clips)]
-                self._refuse_gradient_mixing(torch.stack(factors, 1).amin(1), norms.norm(dim=1))
+                smallest = torch.stack(factors, 1).amin(1)
+                retry = self._refuse_gradient_mixing(smallest, norms.norm(dim=1), losses_of)
                 sums = [_dense_sum(f, part, keep).reshape(-1) for f, part in zip(factors, parts)]
+                if retry is not None:  # (the check's weights: each example's smallest factor, over every part)
+                    retry(self._in_clipped_space([_dense_sum(smallest, g, keep) for g in grads]))
                 examples = len(losses) if examples is None else examples
                 return ClippedParts(sums, norms[:examples].float(), examples)
         finally:
@@ -1390,7 +1420,7 @@ class PerExampleGradientEngine:
         return self.transform.apply(self.names[i], self.params[i], grads)
 
     def _clip_and_sum(self, losses: Tensor, batch: _Batch, clip: float, tape: Tape,
-                      examples: Optional[int] = None) -> ClippedSum:
+                      examples: Optional[int] = None, losses_of: Optional[LossesOf] = None) -> ClippedSum:
         """Flat clip across all parameters (Abadi et al. 2016), non-finite examples and padding rows
         (index ``>= examples``) at factor 0."""
         count = len(self.params)
@@ -1403,7 +1433,7 @@ class PerExampleGradientEngine:
         if examples is not None:
             ok &= torch.arange(len(losses), device=ok.device) < examples
         factors = torch.where(ok, clip_factors(norms, clip), torch.zeros_like(norms))
-        self._refuse_gradient_mixing(factors, norms)
+        retry = self._refuse_gradient_mixing(factors, norms, losses_of)
         ok = None if bool(ok.all()) else ok
         if batch.second_pass is not None:
             sums = self._second_backward(batch, factors, ok, tape)
@@ -1411,37 +1441,84 @@ class PerExampleGradientEngine:
             sums = self._ghost_sums(batch, factors, ok)
         for i, grads in dense.items():
             sums[i] = _dense_sum(factors, grads, ok)
+        if retry is not None:
+            retry(self._in_clipped_space([sums[i] for i in range(count)]))
         out = [sums[i].to(sum_dtype(p.dtype)) for i, p in enumerate(self.params)]
         examples = len(losses) if examples is None else examples
         return ClippedSum(out, norms[:examples].float(), examples)
 
-    def _refuse_gradient_mixing(self, factors: Tensor, norms: Tensor) -> None:
+    def _refuse_gradient_mixing(self, factors: Tensor, norms: Tensor,
+                                losses_of: Optional[LossesOf] = None) -> Optional[Callable[[Optional[list]], None]]:
         """At a step whose forward was checked (:meth:`_verified`): the clip-weighted gradient of the whole batch must
         be the sum of its halves' (:func:`.gradient_halves.refuse_gradient_mixing`; red-team review 65's records that
         set the median, 1.77 C, and backward scaled by a batch statistic, 2.5 C). Separately clipped parts are
-        weighted by each example's smallest factor, its norm over all parts (any fixed weights make an identity)."""
+        weighted by each example's smallest factor, its norm over all parts (any fixed weights make an identity).
+        With ``losses_of`` the losses are recomputed; where they do not reproduce in training mode (a loss random
+        beyond dropout) the check runs in eval mode, with a warning, as the forward checks do. Returns the rest of
+        the check where a row's recomputation was not finite: to call with the step's clipped sum in the clipped
+        space (``None``: not in it)."""
         pending, self._gradient_check = self._gradient_check, None
         if pending is None:
-            return
+            return None
         calls, in_eval = pending
-        devices = _cuda_devices(calls)
+        devices = sorted({*_cuda_devices(calls), *(p.device for p in self.params if p.device.type == "cuda")},
+                         key=str)
         # a model of float32 (or wider) parameters, buffers and inputs under a half-precision autocast: the check's
         # runs are its own, so they run in float32, with float32's tolerance (review 67: 2.4 C at B = 16 in bf16)
         wide = (torch.float32, torch.float64)
-        without_autocast = rounding.forward_autocast_dtype() is not None and all(
+        autocast_dtype = rounding.forward_autocast_dtype()
+        without_autocast = autocast_dtype is not None and all(
             t.dtype in wide for t in [*self.module.parameters(), *self.module.buffers(),
                                       *(x for c in calls for x in c.inputs if isinstance(x, Tensor))]
             if t.is_floating_point())
-        dtype = _coarsest([*(() if without_autocast else (g.dtype for c in calls for g in c.grads.values())),
-                           *(p.dtype for p in self.params)])
+        grad_dtypes = [g.dtype for c in calls for g in c.grads.values()]
+        param_dtypes = [p.dtype for p in self.params]
+        dtype = _coarsest(param_dtypes if without_autocast else [*grad_dtypes, *param_dtypes])
+        # the step's own sum (a retry's comparison) kept its forward's rounding: an autocast's
+        released_unit = tolerance_unit(working_eps(self._device_type, _coarsest(
+            [*grad_dtypes, *param_dtypes, *([autocast_dtype] if autocast_dtype is not None else [])])))
 
         def project(i: int, gradient: Tensor) -> Tensor:
             return self._projections[i].of_gradients(gradient) if i in self._projections else gradient
 
-        with eval_mode(self.module) if in_eval else contextlib.nullcontext():
-            refuse_gradient_mixing(calls, factors, norms, self.params, project=project, dtype=dtype,
-                                   device_type=self._device_type, keep_call_shape=self.keep_call_shape,
-                                   devices=devices, without_autocast=without_autocast)
+        def check() -> Optional[Callable[[Optional[list]], None]]:
+            return refuse_gradient_mixing(calls, factors, norms, self.params, project=project, dtype=dtype,
+                                          device_type=self._device_type, keep_call_shape=self.keep_call_shape,
+                                          devices=devices, without_autocast=without_autocast, losses_of=losses_of,
+                                          released_unit=released_unit)
+
+        if not in_eval:
+            try:
+                return check()
+            except PrivacyConfigError:
+                if losses_of is None or not self.module.training or self._losses_reproduce(
+                        losses_of, len(factors), devices, dtype, without_autocast):
+                    raise
+            warn_unchecked_training_mode("the engine's module and its loss")
+        with eval_mode(self.module):
+            retry = check()
+        if retry is None:
+            return None
+
+        def retry_in_eval_mode(released: Optional[list]) -> None:
+            with eval_mode(self.module):
+                retry(released)
+        return retry_in_eval_mode
+
+    def _in_clipped_space(self, sums: List[Tensor]) -> Optional[List[Tensor]]:
+        """The step's sums as the gradient halves compare them (projected), or ``None`` where a transform rewrites the
+        per-example gradients (DOPE-SGD's recentring): then they are not."""
+        return None if self.transform is not None and self.transform.rewrites() else sums
+
+    def _losses_reproduce(self, losses_of: LossesOf, size: int, devices: List[torch.device], dtype: torch.dtype,
+                          without_autocast: bool) -> bool:
+        """Whether the batch's losses recomputed twice as the gradient halves compute them (every Bernoulli draw at its
+        mean, fresh secret streams) agree: a loss random beyond dropout differs between any two runs."""
+        rows = torch.arange(size)
+        autocast = contextlib.nullcontext() if without_autocast else forward_autocast(self._device_type)
+        with secret_streams(devices), torch.no_grad(), MeanOfRandomDraws(), autocast:
+            first, second = losses_of(rows), losses_of(rows)
+        return rows_agree(first.double()[:, None], second.double()[:, None], dtype=dtype)
 
     def _ghost_sums(self, batch: _Batch, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:
         """``sum_i f_i G_i`` of the ghost parts from their recorded rows (``factors=None``: ``f_i = 1``)."""

@@ -17,11 +17,23 @@ and on two secret random halves of it, each without the other, every Bernoulli d
     sum over the halves h of  d/dtheta sum_{r in h} <v_r, out_r(x_h)>   =   d/dtheta sum_r <v_r, out_r(x)>
 
 to rounding (any fixed weights give an identity; these make row ``r``'s term its clipped gradient, of norm at most
-``C``). The tolerance is ``u (sum_r c_r ||g_r|| + ||G_whole|| + ||G_half1|| + ||G_half2||)`` with
-``u = min(sqrt(eps), 256 eps)`` (:func:`tolerance_unit`). The first term is at most ``B C`` whatever the records, and a
-record can widen the others only by a ``u`` share of what it moves. Where an example's share of the sum moves by much
-more than that (both attacks above: ``O(C)``), the difference shows. Compared in the space the engine clips in (its projections). Sampled, not proved: mixing that shows
-only on some splits, or below the tolerance (about ``2 u B C``), passes.
+``C``). Given ``losses_of`` (the per-example losses of some rows of the batch alone, as the step's ``loss_fn`` computes
+them: the package's modules pass it), the losses themselves are recomputed instead, ``sum_r c_r L_r``, so what
+``loss_fn`` does around the module is checked too: a ``loss_fn`` calling only the module's children (no call of the
+module to recompute: 6.54 C released, red-team review 67), a batch-scaled backward after the module (the step's output
+gradients hold it: 3.73 C), an output with no dimension of ``B`` (3.73 C). Without ``losses_of`` a step whose loss
+never called the module, or none of whose outputs has ``B`` rows, is refused: nothing could be compared.
+
+The tolerance is ``u (sum_r c_r ||g_r|| + ||G_whole|| + ||G_half1|| + ||G_half2||)`` with ``u = min(sqrt(eps), 256
+eps)`` (:func:`tolerance_unit`). The first term is at most ``B C`` whatever the records, and a record can widen the
+others only by a ``u`` share of what it moves. Where an example's share of the sum moves by much more than that (both
+attacks above: ``O(C)``), the difference shows. Compared in the space the engine clips in (its projections). Sampled,
+not proved: mixing that shows only on some splits, or below the tolerance (about ``2 u B C``), passes.
+
+A row weighted 0 whose recomputation is not finite (an input with an infinite feature) makes the whole batch's
+gradient NaN (``0 * inf``); the rows in the sum are then compared without it, and their whole must also give the
+step's own clipped sum (:func:`_retry_without_non_finite_rows`): compared only with each other, a record whose batch
+statistic scaled every batch-mate's backward to 0 passed (3.81 C, review 67).
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -56,11 +68,33 @@ def tolerance_unit(eps: float) -> float:
     return min(eps ** 0.5, TOLERANCE_EPS * eps)
 
 
+LossesOf = Callable[[Tensor], Tensor]
+
+def _not_finite(reason: str) -> PrivacyConfigError:
+    """The refusal of a checked step with a row whose recomputation is not finite, for ``reason``."""
+    return PrivacyConfigError(
+        "The per-example gradients could not be checked for independence from their batch-mates: an example whose "
+        "loss or gradient is not finite (an input with an infinite or NaN feature) spoiled the recomputed batch "
+        f"gradient, and {reason}; drop non-finite inputs from the data")
+
+
+#: Why a checked step whose gradients could not be compared is refused.
+UNCOMPARED = ("The per-example gradients could not be checked for independence from their batch-mates: the loss never "
+              "called the engine's module, or none of the module's outputs has one row per example (a flattened "
+              "[B*T] output), so neither the forward nor the gradient halves could run; call the module itself in "
+              "loss_fn with batch-first outputs, or pass `losses_of` (the per-example losses of given rows of the "
+              "batch alone) to clipped_sum")
+
+
 def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: Tensor, params: Sequence[Tensor], *,
                            project: Callable[[int, Tensor], Tensor], dtype: torch.dtype, device_type: str,
                            keep_call_shape: bool = False, devices: Sequence[torch.device] = (),
-                           without_autocast: bool = False) -> None:
+                           without_autocast: bool = False, losses_of: Optional[LossesOf] = None,
+                           released_unit: Optional[float] = None) -> Optional[Callable[[Optional[Gradients]], None]]:
     """Refuse the step if the clip-weighted gradient of the whole batch is not the sum of its halves' (module doc).
+
+    Returns ``None``, or where the whole batch's recomputed gradient was not finite, the rest of the check, to call
+    with the step's own clipped sum once it is formed (:func:`_retry_without_non_finite_rows`).
 
     Args:
         calls: The calls of the engine's module in the step, each with its output gradients (``call.grads``).
@@ -74,31 +108,53 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         without_autocast: Recompute without the forward's autocast (a model of float32 parameters and inputs run
             under a bfloat16 autocast: every run is the check's own, so it may run in float32, and its tolerance is
             float32's, not ``sqrt(2^-7)`` of the norms, which let 2.4 C through at ``B = 16``: red-team review 67).
+        losses_of: ``rows -> [len(rows)]``, the per-example losses of those rows of the batch (a CPU ``int64``
+            index) run without the others, as ``loss_fn`` computes them: then the losses are recomputed (module doc)
+            and ``calls`` serve only for ``devices``.
+        released_unit: The tolerance's unit against the step's own sum (its forward's rounding: an autocast's).
+
+    Raises:
+        PrivacyConfigError: The sums differ beyond the tolerance, or nothing could be compared (:data:`UNCOMPARED`).
     """
     size = len(weights)
-    calls = [call for call in calls if call.grads]
-    if size < 2 or not calls:
-        return
-    shares = torch.where(weights > 0, weights.double() * norms.double(), 0.0)  # c_r ||g_r|| (<= C)
+    # (their output gradients as they are now: a later backward of the step, ghost's second, records its own there)
+    calls = [(call, dict(call.grads)) for call in calls if call.grads]
+    if size < 2:
+        return None
+    if losses_of is None and not calls:
+        raise PrivacyConfigError(UNCOMPARED)
+    shares = float(torch.where(weights > 0, weights.double() * norms.double(), 0.0).nan_to_num(0.0).sum())
     with no_forward_autocast() if without_autocast else contextlib.nullcontext():
         unit = tolerance_unit(working_eps(device_type, dtype))
-    tolerance_of_rows = unit * float(shares.nan_to_num(0.0).sum())
-    run = functools.partial(_clip_weighted_gradient, calls, size=size, params=params, keep_call_shape=keep_call_shape,
-                            devices=devices, device_type=device_type, without_autocast=without_autocast)
-    weights = weights.double().cpu()
-    for rows in (torch.arange(size), (weights > 0).nonzero().flatten()):
-        if len(rows) < 2:
-            return
-        halves = random_halves(len(rows))
-        gap, scale = _gap_and_scale(run, _alone(rows, weights, halves), project)
-        if math.isfinite(gap) and math.isfinite(scale):
-            break  # (a row weighted 0 whose recomputation is not finite spoils the sums: compared without it)
+    if losses_of is not None:
+        run = functools.partial(_loss_weighted_gradient, losses_of, params=params, devices=devices,
+                                device_type=device_type, without_autocast=without_autocast)
     else:
-        return
-    ratio = _beyond(gap, tolerance_of_rows + unit * scale)
+        run = functools.partial(_clip_weighted_gradient, calls, size=size, params=params,
+                                keep_call_shape=keep_call_shape, devices=devices, device_type=device_type,
+                                without_autocast=without_autocast)
+    weights = weights.double().cpu()
+    compare = functools.partial(_refuse_halves_apart, run, weights, project=project, unit=unit, shares=shares)
+    if compare(torch.arange(size)):
+        return None
+    return functools.partial(_retry_without_non_finite_rows, run, compare, weights, project=project,
+                             unit=released_unit or unit, shares=shares)
+
+
+def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows: Tensor, *,
+                         project: Callable[[int, Tensor], Tensor], unit: float, shares: float) -> bool:
+    """The comparison of :func:`refuse_gradient_mixing` on ``rows`` (2 or more); ``False`` where the whole's or a
+    half's gradient is not finite (nothing compared)."""
+    if len(rows) < 2:
+        return True
+    halves = random_halves(len(rows))
+    gap, scale = _gap_and_scale(run, _alone(rows, weights, halves), project)
+    if not (math.isfinite(gap) and math.isfinite(scale)):
+        return False
+    ratio = _beyond(gap, unit * (shares + scale))
     if ratio > 1:  # measured again with each half in the batch's shape, each row in its place (as the forward's)
         gap, scale = _gap_and_scale(run, _in_place(rows, weights, halves), project)
-        ratio = _beyond(gap, tolerance_of_rows + unit * scale)
+        ratio = _beyond(gap, unit * (shares + scale))
     if not ratio <= 1:
         raise PrivacyConfigError(
             "The per-example gradients depend on their batch-mates: the clip-weighted gradient of the engine's module "
@@ -106,6 +162,39 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             f"{beyond_tolerance(ratio)}. A forward or backward that mixes examples (a batch statistic, "
             "including one that only a custom autograd.Function's backward reads) breaks per-example clipping; "
             "compute each example's loss and gradient from its own row")
+    return True
+
+
+def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Callable[[Tensor], bool],
+                                   weights: Tensor, released: Optional[Gradients], *,
+                                   project: Callable[[int, Tensor], Tensor], unit: float, shares: float) -> None:
+    """After a whole batch whose recomputed gradient is not finite (a row weighted 0 whose forward is not: an
+    input with an infinite feature): the rows in the sum, recomputed without the others, must give the step's own
+    clipped sum ``released`` (in the clipped space), then meet the halves' identity. Compared without that row alone,
+    a record whose batch statistic (``inf``) scaled every batch-mate's backward to 0 passed, and one removal moved
+    the release by their whole clipped sum (3.81 C, red-team review 67). ``released`` ``None``: the step's sum is not
+    in the compared space (a transform rewriting the gradients): refused."""
+    rows = (weights > 0).nonzero().flatten()
+    if len(rows) == 0:
+        return
+    if released is None:
+        raise _not_finite("with a transform that rewrites the per-example gradients (DOPE-SGD's recentring) the "
+                          "step's own clipped sum cannot be compared with the batch recomputed without it")
+    whole = run((rows, weights[rows]))
+    terms = [torch.linalg.vector_norm(
+        (project(i, g).double() if g is not None else torch.zeros((), dtype=torch.float64, device=s.device))
+        - s.double()) ** 2 for i, (g, s) in enumerate(zip(whole, released))]
+    gap = float(torch.stack(terms).sum().sqrt())
+    scale = float(_norm_sq(whole, project).sqrt()) + float(sum(
+        torch.linalg.vector_norm(s.double()) ** 2 for s in released) ** 0.5)
+    del whole
+    ratio = _beyond(gap, unit * (shares + scale))
+    if not ratio <= 1:
+        raise _not_finite("the rows in the sum, recomputed without it, give a clip-weighted gradient that differs "
+                          f"from the step's own by {beyond_tolerance(ratio)} (a backward that mixes examples, or "
+                          "dropout in training mode, which the check cannot replay)")
+    if not compare(rows):
+        raise _not_finite("the rows in the sum recomputed without it are not finite either")
 
 
 def _beyond(gap: float, tolerance: float) -> float:
@@ -133,7 +222,8 @@ def _in_place(rows: Tensor, weights: Tensor, halves: Tuple[Tensor, Tensor]) -> L
     return parts
 
 
-def _clip_weighted_gradient(calls: Sequence[ModuleCall], part: Part, *, size: int, params: Sequence[Tensor],
+def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]], part: Part, *, size: int,
+                            params: Sequence[Tensor],
                             keep_call_shape: bool, devices: Sequence[torch.device], device_type: str,
                             without_autocast: bool = False) -> Gradients:
     """``d/dtheta sum_calls sum_k w_k <dL_{r_k}/d out, out_k>``, the module run on the rows ``r`` of ``part`` alone
@@ -144,14 +234,14 @@ def _clip_weighted_gradient(calls: Sequence[ModuleCall], part: Part, *, size: in
     row_weights = torch.cat([weights, weights.new_zeros(len(padded) - rows)])
     outputs: List[Tensor] = []
     cotangents: List[Tensor] = []
-    for call in calls:
+    for call, grads in calls:
         inputs = [x[padded.to(x.device)].detach() if is_batched(x, size) else
                   x.detach() if isinstance(x, Tensor) else x for x in call.inputs]
         args, kwargs = tree_unflatten(inputs, call.spec)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
         with secret_streams(devices), torch.enable_grad(), MeanOfRandomDraws(), autocast:
             flat = tree_flatten(call.module(*args, **kwargs))[0]
-        for j, grad in call.grads.items():
+        for j, grad in grads.items():
             out = flat[j] if j < len(flat) else None
             batch_dim = _batch_dim(grad, size)
             if batch_dim and isinstance(out, Tensor) and out.dim() == grad.dim():
@@ -161,8 +251,26 @@ def _clip_weighted_gradient(calls: Sequence[ModuleCall], part: Part, *, size: in
                 outputs.append(out)
                 cotangents.append(cotangent)
     if not outputs:
-        return [None] * len(params)
+        raise PrivacyConfigError(UNCOMPARED)
     return list(torch.autograd.grad(outputs, list(params), cotangents, allow_unused=True))
+
+
+def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence[Tensor],
+                            devices: Sequence[torch.device], device_type: str, without_autocast: bool) -> Gradients:
+    """``d/dtheta sum_k w_k L_{r_k}``, the losses of the rows ``r`` of ``part`` recomputed alone by ``losses_of``
+    (``w``: their weights)."""
+    index, weights = part
+    autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
+    with secret_streams(devices), torch.enable_grad(), MeanOfRandomDraws(), autocast:
+        losses = losses_of(index)
+    if not (isinstance(losses, Tensor) and losses.shape == (len(index),)):
+        raise PrivacyConfigError(f"Expected `losses_of` to return one loss per row asked for ({len(index)}), but it "
+                                 f"returned {tuple(losses.shape) if isinstance(losses, Tensor) else type(losses)}")
+    weights = weights.to(losses.device)
+    total = torch.where(weights > 0, losses.double() * weights, 0.0).sum()
+    if not total.requires_grad:
+        return [None] * len(params)
+    return list(torch.autograd.grad(total, list(params), allow_unused=True))
 
 
 def _batch_dim(grad: Tensor, size: int) -> Optional[int]:

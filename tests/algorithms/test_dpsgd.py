@@ -206,8 +206,8 @@ def test_under_bf16_mixed_precision_the_engine_runs_inside_the_autocast_and_sees
 
     seen, clipped_sum = [], engine_module.PerExampleGradientEngine.clipped_sum
 
-    def spy(self, loss_fn, clip, examples=None):
-        result = clipped_sum(self, loss_fn, clip, examples)
+    def spy(self, loss_fn, clip, examples=None, **kwargs):
+        result = clipped_sum(self, loss_fn, clip, examples, **kwargs)
         seen.append((torch.is_autocast_enabled("cpu"), {g.dtype for g in result.grads}))
         return result
 

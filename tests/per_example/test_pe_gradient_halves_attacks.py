@@ -98,11 +98,13 @@ def _logits(out: torch.Tensor, layout: str, size: int) -> torch.Tensor:
 
 
 def _released(model: nn.Module, losses, mode: str, clip: float, x: torch.Tensor, y: torch.Tensor,
-              record: torch.Tensor, label: int) -> float:
-    """``||S(D) - S(D')|| / C`` (``losses(xs, ys)``: the per-example losses of ``loss_fn``), 0 where refused."""
+              record: torch.Tensor, label: int, *, losses_of: bool = False) -> float:
+    """``||S(D) - S(D')|| / C`` (``losses(xs, ys)``: the per-example losses of ``loss_fn``; ``losses_of``: given to
+    the engine too, as the package's modules do), 0 where refused."""
     def release(xs, ys):
         engine = PerExampleGradientEngine(model, mode=mode)
-        clipped = engine.clipped_sum(lambda: losses(xs, ys), clip)
+        rows_losses = (lambda rows: losses(xs[rows], ys[rows])) if losses_of else None
+        clipped = engine.clipped_sum(lambda: losses(xs, ys), clip, losses_of=rows_losses)
         return torch.cat([g.flatten() for g in clipped.grads])
 
     try:
@@ -145,18 +147,40 @@ def test_a_backward_scale_behind_a_non_batch_first_output_is_refused(mode, layou
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
 
 
-@pytest.mark.xfail(strict=True, reason="open (review 67): a flattened output [2B] has no dimension of B, so the "
-                                        "gradient halves compare nothing: 3.73 C")
+@pytest.mark.parametrize("losses_of", [False, True], ids=["refused-uncompared", "losses-recomputed"])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_backward_scale_behind_a_flattened_output_is_refused(mode):
-    released = _laid_out_released("flat", mode)
+def test_a_backward_scale_behind_a_flattened_output_is_refused(mode, losses_of):
+    """3.73 C released at 1accfbd (an output ``[2B]`` has no dimension of ``B``: nothing compared, passed). Now such a
+    step is refused as uncompared, or, given ``losses_of``, its losses are recomputed and the scale shows."""
+    x, y, record = _review65_batch()
+    torch.manual_seed(0)
+    model = _LaidOut("flat").float()
+    losses = lambda xs, ys: F.cross_entropy(_logits(model(xs), "flat", len(xs)), ys, reduction="none")  # noqa: E731
+    if not losses_of:  # (any batch: nothing to compare)
+        with pytest.raises(PrivacyConfigError, match="could not be checked"):
+            PerExampleGradientEngine(model, mode=mode).clipped_sum(lambda: losses(x, y), 0.1)
+    released = _released(model, losses, mode, 0.1, x, y, record, 0, losses_of=losses_of)
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
 
 
-@pytest.mark.xfail(strict=True, reason="open (review 67): the check reuses the step's output gradients, which hold "
-                                        "a scale applied in loss_fn after the module: 3.73 C")
 @pytest.mark.parametrize("mode", MODES)
-def test_a_backward_scale_in_the_loss_after_the_module_is_refused(mode):
+def test_an_honest_flattened_output_passes_given_its_losses(mode):
+    """The same layout without the scaled backward: the recomputed losses' halves agree (no false refusal)."""
+    x, y, _ = _review65_batch()
+    torch.manual_seed(0)
+    model = _LaidOut("flat", scaled=False).float()
+    losses = lambda xs, ys: F.cross_entropy(_logits(model(xs), "flat", len(xs)), ys, reduction="none")  # noqa: E731
+    for size in (2, 5, 15):
+        clipped = PerExampleGradientEngine(model, mode=mode).clipped_sum(
+            lambda: losses(x[:size], y[:size]), 0.1, losses_of=lambda rows: losses(x[rows], y[rows]))
+        assert clipped.batch_size == size and all(torch.isfinite(g).all() for g in clipped.grads)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_backward_scale_in_the_loss_after_the_module_is_refused_given_its_losses(mode):
+    """3.73 C released at 1accfbd: the check weighted the module's recomputed outputs by the step's output gradients,
+    which hold a scale applied in ``loss_fn`` after the module. Given ``losses_of`` the losses are recomputed. (A
+    bare engine without it cannot see ``loss_fn``'s arithmetic after the module: the package's modules pass it.)"""
     x, y, record = _review65_batch()
     torch.manual_seed(0)
     model = _LaidOut("seq", scaled=False).float()
@@ -166,16 +190,16 @@ def test_a_backward_scale_in_the_loss_after_the_module_is_refused(mode):
         return F.cross_entropy(_BatchScaledBackward.apply(logits, xs.detach().pow(2).sum(1).mean()), ys,
                                reduction="none")
 
-    released = _released(model, losses, mode, 0.1, x, y, record, 0)
+    released = _released(model, losses, mode, 0.1, x, y, record, 0, losses_of=True)
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
 
 
-@pytest.mark.xfail(strict=True, reason="open (review 67): a loss_fn that never calls the engine's module runs no "
-                                        "halves check (forward or gradient): 6.54 C")
+@pytest.mark.parametrize("losses_of", [False, True], ids=["refused-uncompared", "losses-recomputed"])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_loss_that_calls_only_the_modules_children_is_checked(mode):
+def test_a_loss_that_calls_only_the_modules_children_is_checked(mode, losses_of):
     """Review 64's model (a detached batch mean, ``alpha = 1e-4``, refused when ``loss_fn`` calls it) run by a
-    ``loss_fn`` that calls ``conv`` and ``fc`` itself."""
+    ``loss_fn`` that calls ``conv`` and ``fc`` itself: 6.54 C released at 1accfbd (no call of the module, no check).
+    Now refused as uncompared, or, given ``losses_of``, by the recomputed losses' halves."""
     model, x, _ = review64._problem(alpha=1e-4)
     y = torch.zeros(len(x), dtype=torch.long)
 
@@ -185,7 +209,8 @@ def test_a_loss_that_calls_only_the_modules_children_is_checked(mode):
 
     with pytest.raises(PrivacyConfigError, match="batch-mates"):  # the same model called as a whole: refused
         review64._removal_difference(model, x, y, review64._random_record() * 1e5, mode)
-    released = _released(model, losses, mode, review64.CLIP, x, y, review64._random_record() * 1e5, 0)
+    released = _released(model, losses, mode, review64.CLIP, x, y, review64._random_record() * 1e5, 0,
+                         losses_of=losses_of)
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
 
 
@@ -261,9 +286,6 @@ def test_a_tiny_gpt2_with_dropout_is_not_refused(mode, autocast):
         assert all(torch.isfinite(g).all() for g in clipped.grads)
 
 
-@pytest.mark.xfail(strict=True, reason="open (review 67): a record whose recomputation is not finite (factor 0) is "
-                                        "dropped from the second attempt, which then compares a batch without it: "
-                                        "3.81 C")
 @pytest.mark.parametrize("mode", MODES)
 def test_a_record_that_spoils_the_first_attempt_is_not_dropped_unchecked(mode):
     """A record with one infinite feature: its loss is not finite (factor 0), the batch statistic ``inf`` scales
