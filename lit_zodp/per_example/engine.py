@@ -56,9 +56,13 @@ module (the reference path).
    probability ``recheck_probability``, each call of the engine's module is recomputed without grad on
    two random halves of the batch and must give the rows it gave on the whole batch; forward values
    that depend on batch-mates (batch centring, detached statistics, MoE capacity) send no gradient
-   across rows, so 4 and 5 cannot see them (audit 5 F1). Sampled, not proved: data-dependent mixing
-   shows only on the batches that trigger it; ``loss_fn``'s own arithmetic is not recomputed. A
-   verdict (5, 6 and 4) is kept for a structure only when at least 2 examples were finite (F2).
+   across rows, so 4 and 5 cannot see them (audit 5 F1). At those steps the clip-weighted gradient
+   of the whole batch must also be the sum of its halves' (:mod:`.gradient_halves`), recomputed from
+   the losses themselves where the caller passes ``losses_of`` (the package's modules do), so
+   ``loss_fn``'s own arithmetic is checked too; without it, from the module's outputs, and a step
+   whose loss never called the module is refused. Sampled, not proved: data-dependent mixing
+   shows only on the batches that trigger it. A verdict (5, 6 and 4) is kept for a structure only
+   when at least 2 examples were finite (F2).
 7. "ghost" mode verifies its second backward on every step: per row, ``u^T G2[r] v = f_r u^T G1[r] v``
    (random ``u, v``, secret per step), else it refuses (F3).
 
@@ -1508,7 +1512,7 @@ class PerExampleGradientEngine:
     def _in_clipped_space(self, sums: List[Tensor]) -> Optional[List[Tensor]]:
         """The step's sums as the gradient halves compare them (projected), or ``None`` where a transform rewrites the
         per-example gradients (DOPE-SGD's recentring): then they are not."""
-        return None if self.transform is not None and self.transform.rewrites() else sums
+        return None if self.transform is not None and self.transform.rewrites else sums
 
     def _losses_reproduce(self, losses_of: LossesOf, size: int, devices: List[torch.device], dtype: torch.dtype,
                           without_autocast: bool) -> bool:

@@ -115,6 +115,27 @@ def test_the_rows_left_after_a_non_finite_one_must_give_the_steps_own_sum(mode):
     assert all(torch.isfinite(g).all() for g in step().grads)
 
 
+def test_a_non_finite_row_under_a_rewriting_transform_is_refused():
+    """DOPE-SGD's recentring rewrites each per-example gradient (``g_i - c``): the step's sum is not in the space the
+    check compares, so a checked batch whose recomputation a non-finite row spoiled cannot be compared: refused with
+    that reason. Without the non-finite row the same step passes."""
+    from lit_zodp.per_example.transforms import Recentring
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    centers = {name: torch.full_like(p, 0.01) for name, p in model.named_parameters()}
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+
+    def step(inputs):
+        engine = PerExampleGradientEngine(model, transform=Recentring(centers))
+        return engine.clipped_sum(lambda: F.cross_entropy(model(inputs), y, reduction="none"), 1.0)
+
+    assert all(torch.isfinite(g).all() for g in step(x).grads)
+    x[2] = float("inf")
+    with pytest.raises(PrivacyConfigError, match="not finite .* recentring"):
+        step(x)
+
+
 def test_gradients_that_are_all_zero_agree_exactly():
     """Every gradient 0 (a head and its input zeroed): the tolerance is 0 too, and the check passes (0 / 0 refused)."""
     torch.manual_seed(0)
