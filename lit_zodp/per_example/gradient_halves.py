@@ -70,6 +70,7 @@ def tolerance_unit(eps: float) -> float:
 
 LossesOf = Callable[[Tensor], Tensor]
 
+
 def _not_finite(reason: str) -> PrivacyConfigError:
     """The refusal of a checked step with a row whose recomputation is not finite, for ``reason``."""
     return PrivacyConfigError(
