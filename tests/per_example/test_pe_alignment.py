@@ -251,6 +251,63 @@ def test_half_precision_rows_of_many_positions_agree_when_scaled(dtype):
     assert _disagreeing_rows(first, second, w, ok, dtype) == {("layer", 0)}
 
 
+def _recheck(first, own, extra, rows_failing):
+    """``_rows_rechecked`` on one call's rows ``[B, 5, 3]``: ``first`` the unit pass; each recheck's row ``i`` is
+    ``w_i own[i]`` plus, in row 1, ``w_0 extra`` (example 0's part, if any). The backwards it ran, and the rows
+    rescued among ``rows_failing``."""
+    call, key = object(), ("layer", 0)
+    unit = alignment._RowSummaries({id(call): key}, seed=13)
+    unit(call, 0, first)
+    failing = torch.zeros(1, len(first), dtype=torch.bool)
+    failing[0, rows_failing] = True
+    runs = []
+
+    def again(w):
+        runs.append(w.clone())
+        rows = w[:, None, None] * own
+        rows[1] += w[0] * extra
+        summaries = alignment._RowSummaries({id(call): key}, seed=13, norms=False)
+        summaries(call, 0, rows)
+        return summaries.values
+
+    losses = torch.zeros(len(first), dtype=torch.float64)
+    ok = torch.ones(len(first), dtype=torch.bool)
+    rescued = alignment._rows_rechecked(failing, [(key, 0)], unit.values, losses, ok, torch.Generator(), again)
+    return runs, rescued[0].nonzero().flatten().tolist()
+
+
+def test_a_row_of_its_own_rounding_noise_is_rescued_by_a_power_of_two_weight_and_no_other_part_is():
+    """Row 1 failed the weighted comparison (its own rounding, not linear in ``w``). Its recheck gives it ``+-4`` and
+    every other example a fresh ``+-[1, 2)``: its own part scaled exactly agrees (whatever its size: 1e-12 here);
+    with example 0's part ``c`` on top, ``(w_0 - w_1) c`` (``|.| >= 2``) fails the tolerance relative to the row
+    itself, even with ``c`` 1e-3 of the row (the tolerance is ``8 sqrt(eps) = 1.2e-7`` of it in float64), or 1e6
+    times the row: a large part does not widen what the row is allowed."""
+    torch.manual_seed(0)
+    own = torch.randn(4, 5, 3, dtype=torch.float64)
+    own[1] *= 1e-12
+    first = own.clone()
+    for extra, rescued in [(0.0, [1]), (1e-3, []), (1e6, [])]:
+        part = extra * own[1].norm() * torch.randn(5, 3, dtype=torch.float64)
+        runs, found = _recheck(first + torch.stack([torch.zeros_like(part), part, *torch.zeros_like(own[2:])]),
+                               own, part, [1])
+        assert found == rescued, extra
+        assert len(runs) == 1 and runs[0][1].abs() == alignment.RECHECK_WEIGHT
+        others = torch.cat([runs[0][:1], runs[0][2:]]).abs()
+        assert bool(((others >= 1) & (others < 2)).all())
+
+
+def test_more_failing_rows_than_the_cap_are_not_rechecked():
+    """A call whose every row fails (a misaligned layer) costs no extra backward: past ``ROW_RECHECKS`` rows nothing
+    is rechecked, and nothing is rescued."""
+    torch.manual_seed(0)
+    rows = alignment.ROW_RECHECKS + 1
+    own = torch.randn(rows, 5, 3, dtype=torch.float64)
+    runs, found = _recheck(own, own, 0.0, list(range(rows)))
+    assert runs == [] and found == []
+    runs, found = _recheck(own, own, 0.0, list(range(rows - 1)))
+    assert len(runs) == rows - 1 and found == list(range(rows - 1))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_old_style_weight_norm_is_recomputed_not_crashed(mode):
     """``torch.nn.utils.weight_norm`` leaves ``weight_g``/``weight_v`` on a Linear; the Linear rule

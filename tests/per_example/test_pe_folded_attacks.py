@@ -1,6 +1,8 @@
 """Red-team review 66 (2026-11-30): attacks on the folded calls' halves (``engine._refuse_folded_mixing``, 08efe51).
 Fixed: a recomputed input shorter than the step's is compared on the positions both hold (``engine._rows_seen``).
-Open (strict ``xfail``): a pre-existing false refusal of a tiny OPT batch holding a one-token sequence.
+Fixed after it: a pre-existing false refusal of a tiny OPT batch holding a one-token sequence (the alignment check
+rechecks a row that is its own rounding noise with its example's weight a power of two: ``alignment``'s
+docstring); a row that also holds another example's part is still misaligned.
 
 A folded call's recomputed input is compared only where it has ``n * k`` rows for the step's ``k``
 (``engine._rows_seen``); otherwise the step's own rows are used (nothing compared). A model that trims its padding to
@@ -103,14 +105,35 @@ def test_the_same_record_without_the_trimming_is_refused(mode, folded):
         _release(model, torch.cat([x, record]), torch.cat([y, torch.zeros(1, dtype=torch.long)]), mode)
 
 
-@pytest.mark.xfail(strict=True, reason="open (review 66, pre-existing): the coverage check sends OPT's q_proj/k_proj "
-                                        "to the torch.func fallback on a one-token sequence, which cannot vmap OPT")
 @pytest.mark.parametrize("lengths", [[1, 6], [6, 6, 6, 1]])
 def test_a_tiny_opt_batch_with_a_one_token_sequence_is_not_refused(lengths):
-    """A false refusal seen in this review's OPT check, pre-existing (a370e14 refuses it too): in train mode (dropout
-    0), a batch holding a one-token sequence is refused with "no layer rule covers ...self_attn.k_proj.weight ..."
-    (the coverage check sends ``q_proj``/``k_proj`` to the ``torch.func`` fallback, which cannot vmap OPT); lengths
-    ``[2, 6]`` and ``[2, 3, 4, 5]`` pass."""
+    """A false refusal seen in this review's OPT check, pre-existing (a370e14 refused it too): in train mode (dropout
+    0), a batch holding a one-token sequence was refused with "no layer rule covers ...self_attn.k_proj.weight ...".
+    The one-token row's softmax has one entry, so its ``q_proj``/``k_proj`` output gradient is exactly 0, but SDPA's
+    backward leaves its own rounding noise there (6.9e-11 against 5.7e-4 for a six-token row), not linear in the
+    loss's weight: the alignment check found the calls misaligned and sent them to the ``torch.func`` fallback,
+    which cannot vmap OPT. The row's recheck with a power-of-two weight agrees exactly. The sums match the loop."""
+    model, ids, mask, y = _tiny_opt(lengths)
+    engine = PerExampleGradientEngine(model, mode="hooks")
+    clipped = engine.clipped_sum(lambda: F.cross_entropy(model({"input_ids": ids, "attention_mask": mask}), y,
+                                                         reduction="none"), CLIP)
+    assert not [name for name in engine.last_recomputed if "self_attn" in name]  # from the Linear rules
+    expected = [torch.zeros_like(p) for p in engine.params]
+    for r in range(len(lengths)):
+        model.zero_grad()
+        F.cross_entropy(model({"input_ids": ids[r:r + 1], "attention_mask": mask[r:r + 1]}), y[r:r + 1]).backward()
+        grads = [p.grad.detach().clone() for p in engine.params]
+        norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads))
+        for total, g in zip(expected, grads):
+            total += g * min(1.0, CLIP / float(norm))
+    for name, got, want in zip(engine.names, clipped.grads, expected):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), name
+
+
+def _tiny_opt(lengths, mixing: float = 0.0):
+    """A tiny OPT (train mode, dropout 0) and a right-padded batch of ``lengths``; with ``mixing``, layer 0's
+    ``k_proj`` output row of example 0 also receives ``mixing`` times example 1's gradient of its own row
+    (``k[1] + s (k[0] - k[0].detach())``: the forward is unchanged)."""
     from lit_zodp.backbones import HFSequenceClassifier
 
     torch.manual_seed(0)
@@ -118,12 +141,43 @@ def test_a_tiny_opt_batch_with_a_one_token_sequence_is_not_refused(lengths):
                                              num_attention_heads=2, ffn_dim=32, max_position_embeddings=16,
                                              word_embed_proj_dim=16, pad_token_id=1, dropout=0.0,
                                              attention_dropout=0.0), num_classes=2).float().train()
+    if mixing:
+        attention = model.model.model.decoder.layers[0].self_attn
+        attention.k_proj = _GradientMixing(attention.k_proj, mixing)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(2, 50, (len(lengths), 6), generator=generator)
     mask = (torch.arange(6)[None] < torch.tensor(lengths)[:, None]).long()
     ids = ids * mask + (1 - mask)
     y = torch.randint(0, 2, (len(lengths),), generator=generator)
+    return model, ids, mask, y
+
+
+class _GradientMixing(nn.Module):
+    """``linear``, then row 1's output ``+ s (row 0 - row 0 detached)``: the same values, and row 0 of ``linear``'s
+    output gets ``s`` times row 1's output gradient (example 1's) on top of example 0's own."""
+
+    def __init__(self, linear: nn.Linear, scale: float):
+        super().__init__()
+        self.linear, self.scale = linear, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.linear(x)
+        if len(k) < 2:
+            return k
+        shift = torch.cat([torch.zeros_like(k[:1]), (k[:1] - k[:1].detach()).expand_as(k[1:2]),
+                           torch.zeros_like(k[2:])])
+        return k + self.scale * shift
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e-7, 1e-8])
+def test_another_examples_part_in_a_one_token_row_is_still_misaligned(scale):
+    """The recheck gives example 0 (one token: its own ``k_proj`` row is rounding noise, 6.9e-11) the weight
+    ``+-4`` and example 1 a fresh ``+-[1, 2)``, so example 1's part ``c`` leaves ``(w_1 - w_0) c`` (``|.| >= 2``)
+    against a tolerance relative to the row itself (``8 sqrt(eps) ||G_1[0]||``): a part far above the noise
+    (``scale`` 1e-4: 4e-8), at it (1e-7: 4e-11) or well below it (1e-8: 4e-12) is still found, the call is sent to the
+    ``torch.func`` fallback, which cannot vmap OPT, and the step is refused. Unmixed it passes (the test above)."""
+    model, ids, mask, y = _tiny_opt([1, 6], mixing=scale)
     engine = PerExampleGradientEngine(model, mode="hooks")
-    clipped = engine.clipped_sum(lambda: F.cross_entropy(model({"input_ids": ids, "attention_mask": mask}), y,
-                                                         reduction="none"), CLIP)
-    assert all(torch.isfinite(g).all() for g in clipped.grads)
+    with pytest.raises(PrivacyConfigError, match=r"no layer rule covers .*layers\.0\.self_attn\.k_proj\.linear"):
+        engine.clipped_sum(lambda: F.cross_entropy(model({"input_ids": ids, "attention_mask": mask}), y,
+                                                   reduction="none"), CLIP)
