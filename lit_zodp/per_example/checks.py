@@ -551,8 +551,13 @@ class MeanOfRandomDraws(TorchDispatchMode):
     stay in their mode: inverted dropout (``native_dropout``, and the ``bernoulli_`` masks of the
     composite dropouts and of timm's DropPath) gives its mean, the identity, and any op taking a
     ``dropout_p`` (scaled-dot-product attention kernels) gets 0. At the ATen level, so a dropout called
-    inside another function (``nn.MultiheadAttention``) is caught too. Other random draws (``rand``,
-    ``randn``: RReLU, noise layers) are left alone: the callers check that a recomputation reproduces.
+    inside another function (``nn.MultiheadAttention``) is caught too. The model's other draws from torch's
+    default generators take their means too (:data:`_MEANS`: ``rand``/``uniform_`` the middle of their range,
+    ``randn``/``normal`` their mean, ``exponential_``, ``log_normal_``, ``geometric_``; RReLU's slopes
+    ``(lower + upper) / 2``): before stop 57 they sent both halves checks to eval mode, where a scale active only
+    in training passed (4.16 C released on one removal, red-team review 67). Draws with an explicit generator (the
+    checks' own secret ones) and draws without a mean (``randperm``, ``randint``, ``multinomial``, ``cauchy_``) are
+    left alone: the callers check that a recomputation reproduces, else fall back to eval mode with a warning.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -562,6 +567,12 @@ class MeanOfRandomDraws(TorchDispatchMode):
             return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
         if packet in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli):
             return _bernoulli_mean(packet is torch.ops.aten.bernoulli_, _bound(func, args, kwargs))
+        if packet in _MEANS:
+            bound = _bound(func, args, kwargs)
+            if bound.get("generator") is None:
+                if packet is torch.ops.aten.rrelu_with_noise:
+                    return _rrelu_mean(bound) if bound["training"] else func(*args, **kwargs)
+                return _MEANS[packet](func(*args, **kwargs), bound)
         for k, argument in enumerate(func._schema.arguments):
             if argument.name == "dropout_p":
                 if k < len(args):
@@ -569,6 +580,36 @@ class MeanOfRandomDraws(TorchDispatchMode):
                 else:
                     kwargs["dropout_p"] = 0.0
         return func(*args, **kwargs)
+
+
+def _normal_mean(out: Tensor, bound: dict) -> Tensor:
+    mean = bound["mean"]
+    return out.copy_(mean) if isinstance(mean, Tensor) else out.fill_(mean)
+
+
+#: A draw's mean written into its result, by op (``(result, the op's bound arguments) -> result``).
+_MEANS = {
+    torch.ops.aten.rand: lambda out, _: out.fill_(0.5),
+    torch.ops.aten.rand_like: lambda out, _: out.fill_(0.5),
+    torch.ops.aten.randn: lambda out, _: out.zero_(),
+    torch.ops.aten.randn_like: lambda out, _: out.zero_(),
+    torch.ops.aten.uniform_: lambda out, b: out.fill_((b["from"] + b["to"]) / 2),
+    torch.ops.aten.normal_: lambda out, b: out.fill_(b["mean"]),
+    torch.ops.aten.normal: _normal_mean,
+    torch.ops.aten.exponential_: lambda out, b: out.fill_(1.0 / b["lambd"]),
+    torch.ops.aten.log_normal_: lambda out, b: out.fill_(math.exp(b["mean"] + b["std"] ** 2 / 2)),
+    torch.ops.aten.geometric_: lambda out, b: out.fill_(1.0 / b["p"]),
+    torch.ops.aten.rrelu_with_noise: None,  # (:func:`_rrelu_mean`)
+}
+
+
+def _rrelu_mean(bound: dict) -> Tensor:
+    """RReLU in training at the mean of its slopes: the negative part times ``(lower + upper) / 2``, written into
+    ``noise`` too (its backward reads it)."""
+    x, noise = bound["self"], bound["noise"]
+    slope = (float(bound["lower"]) + float(bound["upper"])) / 2
+    noise.copy_(torch.where(x >= 0, torch.ones_like(x), torch.full_like(x, slope)))
+    return x * noise
 
 
 def _bound(func, args: tuple, kwargs: dict) -> dict:

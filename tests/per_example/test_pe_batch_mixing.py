@@ -4,6 +4,7 @@ backward not being ``f_i`` times its first (F3)."""
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -251,10 +252,42 @@ class NoisyPerExample(_TwoLayers):
         return self.l2(h + 0.1 * torch.randn_like(h) if self.training else h)
 
 
+class NoisyMixing(NoisyPerExample):
+    """The noisy model with a detached batch mean added only in training."""
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        if not self.training:
+            return self.l2(h)
+        return self.l2(h + 0.1 * torch.randn_like(h) + 0.5 * h.detach().mean(0))
+
+
+class ShuffledPerExample(_TwoLayers):
+    """Per-example, but permutes its hidden units at random in training (a draw without a mean: ``randperm``)."""
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        return self.l2(h[:, torch.randperm(h.shape[1])] if self.training else h)
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_a_forward_random_beyond_dropout_is_compared_in_eval_mode_with_a_warning(mode):
+def test_gaussian_noise_is_checked_in_training_mode_at_its_mean(mode):
+    """Before stop 57 any draw beyond dropout sent the checks to eval mode (with a warning), where mixing that only
+    training does passed; a Gaussian draw now takes its mean: no warning, and training-only mixing is refused."""
     x, y = _batch()
-    model = NoisyPerExample().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = NoisyPerExample().train()
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
+    model = NoisyMixing().train()
+    with pytest.raises(PrivacyConfigError, match="batch-mates"):
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_random_beyond_any_mean_is_compared_in_eval_mode_with_a_warning(mode):
+    x, y = _batch()
+    model = ShuffledPerExample().train()
     with pytest.warns(UserWarning, match="random numbers other than dropout masks.*compared it in eval mode"):
         PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
     assert model.training

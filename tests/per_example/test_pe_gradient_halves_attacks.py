@@ -49,8 +49,10 @@ Open (strict ``xfail``):
   (every mode). The step's own clipped sum of the finite rows is what the second attempt's whole would have to
   match (or a non-finite first attempt refused).
 
-Known and warned, not tested here: a forward random beyond dropout (``RReLU``) sends both halves checks to eval mode,
-so a scale active only in training passes them (4.16 C, with the warning that training mode went unchecked).
+Known and warned then, fixed at stop 57: a forward random beyond dropout (``RReLU``) sent both halves checks to eval
+mode, so a scale active only in training passed them (4.16 C, with the warning that training mode went unchecked).
+The checks' recomputations now take RReLU's slopes (and Gaussian, uniform, exponential draws) at their means
+(:class:`~lit_zodp.per_example.checks.MeanOfRandomDraws`), so they stay in training mode: refused below.
 
 No false refusal by the new check: tiny BERT, RoBERTa, GPT-2, OPT and Llama (``HFSequenceClassifier(config=...)``,
 dropout 0.1 in train mode) and the LSTM backbone, every mode, seeds 0-2, ``B`` 2, 3, 5, 8 (216 steps; 144 of them
@@ -300,3 +302,35 @@ def test_a_record_that_spoils_the_first_attempt_is_not_dropped_unchecked(mode):
     released = _released(model, lambda xs, ys: F.cross_entropy(model(xs), ys, reduction="none"), mode, 0.1, x, y,
                          record, 0)
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
+
+
+class _RReLUTrainingScaled(nn.Module):
+    """Review 65's two-layer net with RReLU (random slopes in training) whose backward is scaled by a batch
+    statistic only in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(8, 16), nn.Linear(16, 2), nn.RReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.fc2(self.act(self.fc1(x)))
+        return _BatchScaledBackward.apply(logits, x.detach().pow(2).sum(1).mean()) if self.training else logits
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_training_only_scale_behind_rrelu_is_refused(mode, monkeypatch):
+    """4.16 C released at 1accfbd: RReLU's random slopes sent the halves checks to eval mode (warned), where the
+    scale is off. With the slopes at their mean the checks stay in training mode. Without that (RReLU's draws left
+    random, as before) the same record releases more than C: the attack is real."""
+    from lit_zodp.per_example import checks
+
+    x, y, record = _review65_batch()
+    torch.manual_seed(0)
+    model = _RReLUTrainingScaled().float().train()
+    losses = lambda xs, ys: F.cross_entropy(model(xs), ys, reduction="none")  # noqa: E731
+    for losses_of in (False, True):
+        released = _released(model, losses, mode, 0.1, x, y, record, 0, losses_of=losses_of)
+        assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
+    monkeypatch.delitem(checks._MEANS, torch.ops.aten.rrelu_with_noise)
+    with pytest.warns(UserWarning, match="compared it in eval mode"):
+        assert _released(model, losses, mode, 0.1, x, y, record, 0) > 2
