@@ -35,8 +35,10 @@ are formed:
 
 * ``"ghost"`` (ghost clipping, Li et al. 2022 Sec. 4; Opacus' fast gradient clipping): the norms
   are taken inside the backward as each output gradient arrives, which is then dropped; a second
-  backward of ``sum_i f_i loss_i`` (on the retained graph, to the layer outputs only) gives rows
-  scaled by ``f_i``, summed layer by layer as they arrive. Peak memory: the retained graph, no
+  backward of ``sum_i loss_i`` (on the retained graph, to the layer outputs only: the first pass's
+  rows again, exactly) gives the rows, summed layer by layer as they arrive with weights ``f_i``.
+  Li et al. seed it with ``sum_i f_i loss_i``; a backward not linear in its incoming gradient (a
+  clamping hook) then sums rows that are not ``f_i`` times the rows whose norms were taken. Peak memory: the retained graph, no
   output gradient beyond the layer at hand. Each layer's rows are shrunk to their first-pass norm
   bound (:func:`_within_first_pass_norms`): the second backward rounds on its own.
 * ``"bookkeeping"`` (Bu et al. 2023, "Differentially private optimization on large model at small
@@ -481,22 +483,6 @@ def _within_first_pass_norms(part: _Part, factors: Tensor, batch: _Batch) -> Ten
     second = sum(norm_sq.double() for norm_sq in part.norms_sq().values())
     allowed = factors.double().pow(2) * first
     return torch.where(second > allowed, allowed / second, torch.ones_like(allowed)).sqrt()
-
-
-def second_pass_scales(factors: Tensor, ok: Optional[Tensor]) -> Tensor:
-    """Per example, the power of two ``s_i >= 1`` by which "ghost" mode's second backward scales its seed: ``f_i s_i``
-    in ``(1/2, 1]``, ``s_i = 1`` where ``f_i`` is already there, 0, or not finite (or the example is not). Clip
-    factors of 1e-4 and below (a gradient 1e4 times C) sent float16 layers' gradients into subnormals, whose rounding
-    failed the row check: the step was refused (review 55; float16 weights, C = 1e-3). Example ``i``'s rows are then
-    ``f_i s_i`` times its first pass's, checked and bounded as such, and its share divided by ``s_i`` (exactly, a
-    power of two). Per example, never from the batch: one record's factor changes no other example's seed, so none
-    of their roundings. On the device: no host synchronisation."""
-    sizes = factors.detach().abs().to(torch.float64)
-    usable = (sizes > 0) & (sizes < 0.5) & torch.isfinite(sizes)
-    if ok is not None:
-        usable = usable & ok
-    exponent = torch.where(usable, torch.floor(-torch.log2(torch.where(usable, sizes, 1.0))), 0.0)
-    return torch.exp2(exponent.clamp(max=100.0))
 
 
 def _add_dense(batch: _Batch, grads: Dict[int, Tensor]) -> None:
@@ -1532,17 +1518,21 @@ class PerExampleGradientEngine:
         return sums
 
     def _second_backward(self, batch: _Batch, factors: Tensor, ok: Optional[Tensor], tape: Tape) -> Dict[int, Tensor]:
-        """"ghost" mode: back-propagate ``sum_i f_i loss_i`` (``where``: a non-finite example adds an
-        exact 0) to the single-use layer outputs; each call sums its ``f``-scaled rows as they arrive."""
+        """"ghost" mode: back-propagate ``sum_i loss_i`` again (``where``: a non-finite example adds an exact 0) to the
+        single-use layer outputs; each call sums its rows as they arrive, weighted by ``f_i``. Seeded with the first
+        pass's weights, the rows are the first pass's exactly (where the backward is deterministic): a row whose exact
+        gradient is 0 (OPT's one-token row) keeps its own rounding noise, which a seed ``f_i`` did not scale by
+        ``f_i`` (refused), and a backward not linear in its incoming gradient sums the rows its norms were taken of.
+        Seeded ``f_i s_i`` before stop 57 (``s_i`` a power of two, review 55: float16 subnormals at tiny ``f_i``);
+        seed 1 needs no such scale."""
         second, sums = batch.second_pass, {}
         calls = [(call, {k: i for k, i in mine.items() if i in batch.ghost_norm_sq}) for call, mine in second.calls]
         calls = [(call, mine) for call, mine in calls if mine and call.edge is not None]
-        scales = second_pass_scales(factors, ok)
-        seeds = factors * scales  # (example i's rows arrive s_i times larger; its share is divided by s_i)
+        seeds = torch.ones_like(factors)  # (the first pass's: its rows again, exactly; f_i weights the sums)
         for call, mine in calls:
-            call.consume = self._second_pass_consumer(call, mine, batch, seeds, scales, ok, sums, second)
+            call.consume = self._second_pass_consumer(call, mine, batch, seeds, factors, ok, sums, second)
         losses = second.losses
-        weighted = seeds.to(losses.dtype) * losses
+        weighted = losses
         if ok is not None:
             weighted = torch.where(ok, weighted, torch.zeros((), dtype=losses.dtype, device=losses.device))
         tape.recording = True
@@ -1561,19 +1551,20 @@ class PerExampleGradientEngine:
         return sums
 
     def _second_pass_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, seeds: Tensor,
-                              scales: Tensor, ok: Optional[Tensor], sums: Dict[int, Tensor], second: _SecondPass):
+                              factors: Tensor, ok: Optional[Tensor], sums: Dict[int, Tensor], second: _SecondPass):
         def consume(grad: Tensor) -> None:
             second.again(call, 0, grad)
             for part in self._parts(call, mine, batch, grad):
                 within = _within_first_pass_norms(part, seeds, batch)
-                for i, total in part.summed(within / scales.to(within.dtype), ok).items():
+                for i, total in part.summed(within * factors.to(within.dtype), ok).items():
                     sums[i] = total if i not in sums else sums[i] + total
         return consume
 
     def _verify_second_pass(self, second: _SecondPass, calls: List[LayerCall], factors: Tensor,
                             ok: Optional[Tensor]) -> None:
         """"ghost" mode's sums are clipped only if each row of the second backward is ``f_r`` times the
-        first's: ``u_k^T G2[r] v_k = f_r u_k^T G1[r] v_k`` to within the tolerance in root mean square over
+        first's (``f_r = 1`` since stop 57: the same seeds, :meth:`_second_backward`):
+        ``u_k^T G2[r] v_k = f_r u_k^T G1[r] v_k`` to within the tolerance in root mean square over
         ``k`` (random ``u_k, v_k``, secret per step; the alignment check's comparison and tolerance,
         :func:`.alignment._disagreeing`). A backward hook or custom ``autograd.Function`` not linear in
         its incoming gradient released 18.7-23 C, one mixing rows only in the second pass 4.1 C (audit 5

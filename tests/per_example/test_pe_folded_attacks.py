@@ -105,16 +105,19 @@ def test_the_same_record_without_the_trimming_is_refused(mode, folded):
         _release(model, torch.cat([x, record]), torch.cat([y, torch.zeros(1, dtype=torch.long)]), mode)
 
 
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
 @pytest.mark.parametrize("lengths", [[1, 6], [6, 6, 6, 1]])
-def test_a_tiny_opt_batch_with_a_one_token_sequence_is_not_refused(lengths):
+def test_a_tiny_opt_batch_with_a_one_token_sequence_is_not_refused(lengths, mode):
     """A false refusal seen in this review's OPT check, pre-existing (a370e14 refused it too): in train mode (dropout
     0), a batch holding a one-token sequence was refused with "no layer rule covers ...self_attn.k_proj.weight ...".
     The one-token row's softmax has one entry, so its ``q_proj``/``k_proj`` output gradient is exactly 0, but SDPA's
     backward leaves its own rounding noise there (6.9e-11 against 5.7e-4 for a six-token row), not linear in the
     loss's weight: the alignment check found the calls misaligned and sent them to the ``torch.func`` fallback,
-    which cannot vmap OPT. The row's recheck with a power-of-two weight agrees exactly. The sums match the loop."""
+    which cannot vmap OPT. The row's recheck with a power-of-two weight agrees exactly. Ghost mode's second backward
+    refused it too (seeded ``f_i``, that noise did not scale by ``f_i``) until it was seeded as the first pass (stop
+    57). The sums match the loop in every mode."""
     model, ids, mask, y = _tiny_opt(lengths)
-    engine = PerExampleGradientEngine(model, mode="hooks")
+    engine = PerExampleGradientEngine(model, mode=mode)
     clipped = engine.clipped_sum(lambda: F.cross_entropy(model({"input_ids": ids, "attention_mask": mask}), y,
                                                          reduction="none"), CLIP)
     assert not [name for name in engine.last_recomputed if "self_attn" in name]  # from the Linear rules

@@ -126,25 +126,12 @@ def test_sums_keep_float64_and_an_empty_batch_has_the_sum_dtype():
     assert all(g.dtype == torch.float32 for g in empty.grads)
 
 
-def test_second_pass_scales_are_per_example_powers_of_two_bringing_each_seed_into_half_one():
-    from lit_zodp.per_example.engine import second_pass_scales
-
-    factors = torch.tensor([0.3, 0.25, 0.5, 1.0, 1e-5, 2.0 ** -20, 0.0, float("nan"), 1e-3])
-    ok = torch.tensor([True] * 7 + [False, False])
-    scales = second_pass_scales(factors, ok)
-    assert scales.tolist() == [2.0, 4.0, 1.0, 1.0, 65536.0, 2.0 ** 20, 1.0, 1.0, 1.0]
-    assert torch.equal(torch.log2(scales), torch.log2(scales).round())  # exact powers of two
-    seeds = (factors * scales)[:6]
-    assert ((seeds > 0.5) | (factors[:6] == 0.5)).all() and (seeds <= 1).all()
-    # per example: another example's factor changes no scale
-    assert torch.equal(second_pass_scales(factors[:4], None), scales[:4])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_ghost_mode_at_tiny_clip_factors_sums_as_materialised_gradients_do(dtype):
-    """Clip factors of 1e-6 (C = 1e-6 against gradients of order 1): "ghost" mode's second backward, seeded ``f_i s_i``
-    (:func:`~lit_zodp.per_example.engine.second_pass_scales`), gives the clipped sum "hooks" mode gives. In float16
-    the seeds ``f_i`` underflowed to subnormals and the row check refused the step (review 55)."""
+    """Clip factors of 1e-6 (C = 1e-6 against gradients of order 1): "ghost" mode's second backward gives the clipped
+    sum "hooks" mode gives. In float16 seeds ``f_i`` underflowed to subnormals and the row check refused the step
+    (review 55); they were ``f_i s_i`` (``s_i`` a power of two) until stop 57, and are the first pass's (1) since,
+    the factors weighting the sums."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype)
     g = torch.Generator().manual_seed(1)
