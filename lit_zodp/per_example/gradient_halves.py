@@ -33,7 +33,8 @@ not proved: mixing that shows only on some splits, or below the tolerance (about
 A row weighted 0 whose recomputation is not finite (an input with an infinite feature) makes the whole batch's
 gradient NaN (``0 * inf``); the rows in the sum are then compared without it, and their whole must also give the
 step's own clipped sum (:func:`_retry_without_non_finite_rows`): compared only with each other, a record whose batch
-statistic scaled every batch-mate's backward to 0 passed (3.81 C, review 67).
+statistic scaled every batch-mate's backward to 0 passed (3.81 C, review 67). Under a half-precision autocast of a
+float32 model that comparison would have the autocast's tolerance, so such a retry is refused (review 68: 2.90 C).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         losses_of: ``rows -> [len(rows)]``, the per-example losses of those rows of the batch (a CPU ``int64``
             index) run without the others, as ``loss_fn`` computes them: then the losses are recomputed (module doc)
             and ``calls`` serve only for ``devices``.
-        released_unit: The tolerance's unit against the step's own sum (its forward's rounding: an autocast's).
+        released_unit: The tolerance's unit against the step's own sum (its forward's rounding: an autocast's);
+            coarser than the check's own, a retry is refused (red-team review 68).
 
     Raises:
         PrivacyConfigError: The sums differ beyond the tolerance, or nothing could be compared (:data:`UNCOMPARED`).
@@ -137,8 +139,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
     compare = functools.partial(_refuse_halves_apart, run, weights, project=project, unit=unit, shares=shares)
     if compare(torch.arange(size)):
         return None
-    return functools.partial(_retry_without_non_finite_rows, run, compare, weights, project=project,
-                             unit=released_unit or unit, shares=shares)
+    return functools.partial(_retry_without_non_finite_rows, run, compare, weights, project=project, unit=unit,
+                             released_unit=unit if released_unit is None else released_unit, shares=shares)
 
 
 def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows: Tensor, *,
@@ -167,19 +169,27 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
 
 def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Callable[[Tensor], bool],
                                    weights: Tensor, released: Optional[Gradients], *,
-                                   project: Callable[[int, Tensor], Tensor], unit: float, shares: float) -> None:
+                                   project: Callable[[int, Tensor], Tensor], unit: float, released_unit: float,
+                                   shares: float) -> None:
     """After a whole batch whose recomputed gradient is not finite (a row weighted 0 whose forward is not: an
     input with an infinite feature): the rows in the sum, recomputed without the others, must give the step's own
     clipped sum ``released`` (in the clipped space), then meet the halves' identity. Compared without that row alone,
     a record whose batch statistic (``inf``) scaled every batch-mate's backward to 0 passed, and one removal moved
     the release by their whole clipped sum (3.81 C, red-team review 67). ``released`` ``None``: the step's sum is not
-    in the compared space (a transform rewriting the gradients): refused."""
+    in the compared space (a transform rewriting the gradients): refused. Refused too where the step's sum was
+    rounded more coarsely than the check's recomputation (``released_unit > unit``: a float32 model under a
+    half-precision autocast, whose check runs in float32): compared to the autocast's rounding (``u`` 0.088 of
+    ``sum_r c_r ||g_r||`` in bfloat16), a record with an infinite feature whose batch statistic scaled every
+    batch-mate's backward by 0.8 passed, 2.90 C released at ``B = 16`` (red-team review 68)."""
     rows = (weights > 0).nonzero().flatten()
     if len(rows) == 0:
         return
     if released is None:
         raise _not_finite("with a transform that rewrites the per-example gradients (DOPE-SGD's recentring) the "
                           "step's own clipped sum cannot be compared with the batch recomputed without it")
+    if released_unit > unit:
+        raise _not_finite("the step's own clipped sum, rounded by its forward's half-precision autocast, cannot be "
+                          "compared closely enough with the batch recomputed without it in float32")
     whole = run((rows, weights[rows]))
     terms = [torch.linalg.vector_norm(
         (project(i, g).double() if g is not None else torch.zeros((), dtype=torch.float64, device=s.device))
