@@ -739,13 +739,23 @@ class PerExampleGradientEngine:
                 retry = self._refuse_gradient_mixing(smallest, norms.norm(dim=1), losses_of)
                 sums = [_dense_sum(f, part, keep).reshape(-1) for f, part in zip(factors, parts)]
                 if retry is not None:  # (the check's weights: each example's smallest factor, over every part)
-                    retry(self._in_clipped_space([_dense_sum(smallest, g, keep) for g in grads]))
+                    retry(self._in_clipped_space([_dense_sum(smallest, part, keep).reshape(-1) for part in parts]),
+                          lambda whole: self._parts_of(whole, split))
                 examples = len(losses) if examples is None else examples
                 return ClippedParts(sums, norms[:examples].float(), examples)
         finally:
             tape.clear()
             for param in self.params:
                 param.grad = None
+
+    def _parts_of(self, gradients: list, split: PartSplit) -> List[Tensor]:
+        """A batch gradient of the parameters (``None``: 0) cut by ``split`` as one row, flat: a retry compares the
+        rows in the sum with the step's smallest-factor sums of the parts (``split`` empties the per-example gradients
+        it cuts, GEP's, so they cannot be summed after it; a split that treats each row alone, linearly, gives the
+        sum's parts)."""
+        rows = [self._transformed(i, (g if g is not None else torch.zeros_like(p))[None])
+                for i, (g, p) in enumerate(zip(gradients, self.params))]
+        return [part[0].reshape(-1) for part in split(rows)]
 
     def _empty_parts(self, split: PartSplit, clips: Sequence[float]) -> ClippedParts:
         """Zero sums of an empty batch, in the parts' sizes."""
@@ -1490,9 +1500,9 @@ class PerExampleGradientEngine:
         if retry is None:
             return None
 
-        def retry_in_eval_mode(released: Optional[list]) -> None:
+        def retry_in_eval_mode(released: Optional[list], space: Optional[Callable[[list], list]] = None) -> None:
             with eval_mode(self.module):
-                retry(released)
+                retry(released, space)
         return retry_in_eval_mode
 
     def _in_clipped_space(self, sums: List[Tensor]) -> Optional[List[Tensor]]:

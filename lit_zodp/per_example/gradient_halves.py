@@ -30,10 +30,15 @@ others only by a ``u`` share of what it moves. Where an example's share of the s
 attacks above: ``O(C)``), the difference shows. Compared in the space the engine clips in (its projections). Sampled,
 not proved: mixing that shows only on some splits, or below the tolerance (about ``2 u B C``), passes.
 
+A mismatch is measured again with each half in the batch's shape (a kernel's rounding follows the shape); on the
+losses path it is still refused there where the halves alone moved most rows' losses (a loss reading the row count,
+``loss / len(x)``: 1.50 C, review 68). A backward alone scaled by the row count moves no loss, and passes.
+
 A row weighted 0 whose recomputation is not finite (an input with an infinite feature) makes the whole batch's
 gradient NaN (``0 * inf``); the rows in the sum are then compared without it, and their whole must also give the
 step's own clipped sum (:func:`_retry_without_non_finite_rows`): compared only with each other, a record whose batch
-statistic scaled every batch-mate's backward to 0 passed (3.81 C, review 67).
+statistic scaled every batch-mate's backward to 0 passed (3.81 C, review 67). Under a half-precision autocast of a
+float32 model that comparison would have the autocast's tolerance, so such a retry is refused (review 68: 2.90 C).
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError
-from lit_zodp.per_example.checks import MeanOfRandomDraws, beyond_tolerance, in_place_index, random_halves
+from lit_zodp.per_example.checks import (MeanOfRandomDraws, beyond_tolerance, in_place_index, random_halves,
+                                         rows_differ)
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
@@ -112,7 +118,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         losses_of: ``rows -> [len(rows)]``, the per-example losses of those rows of the batch (a CPU ``int64``
             index) run without the others, as ``loss_fn`` computes them: then the losses are recomputed (module doc)
             and ``calls`` serve only for ``devices``.
-        released_unit: The tolerance's unit against the step's own sum (its forward's rounding: an autocast's).
+        released_unit: The tolerance's unit against the step's own sum (its forward's rounding: an autocast's);
+            coarser than the check's own, a retry is refused (red-team review 68).
 
     Raises:
         PrivacyConfigError: The sums differ beyond the tolerance, or nothing could be compared (:data:`UNCOMPARED`).
@@ -127,35 +134,50 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
     shares = float(torch.where(weights > 0, weights.double() * norms.double(), 0.0).nan_to_num(0.0).sum())
     with no_forward_autocast() if without_autocast else contextlib.nullcontext():
         unit = tolerance_unit(working_eps(device_type, dtype))
+    seen: Optional[List[Tensor]] = None  # (the losses path: each run's losses, for the row count's rule)
     if losses_of is not None:
+        seen = []
         run = functools.partial(_loss_weighted_gradient, losses_of, params=params, devices=devices,
-                                device_type=device_type, without_autocast=without_autocast)
+                                device_type=device_type, without_autocast=without_autocast, seen=seen)
     else:
         run = functools.partial(_clip_weighted_gradient, calls, size=size, params=params,
                                 keep_call_shape=keep_call_shape, devices=devices, device_type=device_type,
                                 without_autocast=without_autocast)
     weights = weights.double().cpu()
-    compare = functools.partial(_refuse_halves_apart, run, weights, project=project, unit=unit, shares=shares)
+    compare = functools.partial(_refuse_halves_apart, run, weights, project=project, unit=unit, shares=shares,
+                                seen=seen, dtype=dtype)
     if compare(torch.arange(size)):
         return None
-    return functools.partial(_retry_without_non_finite_rows, run, compare, weights, project=project,
-                             unit=released_unit or unit, shares=shares)
+    return functools.partial(_retry_without_non_finite_rows, run, compare, weights, project=project, unit=unit,
+                             released_unit=unit if released_unit is None else released_unit, shares=shares)
 
 
 def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows: Tensor, *,
-                         project: Callable[[int, Tensor], Tensor], unit: float, shares: float) -> bool:
+                         project: Callable[[int, Tensor], Tensor], unit: float, shares: float,
+                         seen: Optional[List[Tensor]] = None, dtype: torch.dtype = torch.float32) -> bool:
     """The comparison of :func:`refuse_gradient_mixing` on ``rows`` (2 or more); ``False`` where the whole's or a
-    half's gradient is not finite (nothing compared)."""
+    half's gradient is not finite (nothing compared). ``seen``: where the runs leave their losses (the losses path):
+    a mismatch that the batch's shape explains is still refused where it moved most rows' losses
+    (:func:`_moves_most_losses`)."""
     if len(rows) < 2:
         return True
+    if seen is not None:
+        seen.clear()
     halves = random_halves(len(rows))
     gap, scale = _gap_and_scale(run, _alone(rows, weights, halves), project)
     if not (math.isfinite(gap) and math.isfinite(scale)):
         return False
     ratio = _beyond(gap, unit * (shares + scale))
     if ratio > 1:  # measured again with each half in the batch's shape, each row in its place (as the forward's)
+        alone = list(seen or ())
         gap, scale = _gap_and_scale(run, _in_place(rows, weights, halves), project)
         ratio = _beyond(gap, unit * (shares + scale))
+        if ratio <= 1 and _moves_most_losses(alone, halves, dtype):
+            raise PrivacyConfigError(
+                "The per-example losses depend on the batch's row count: on each half of the batch alone most "
+                "examples' losses differ from the whole batch's beyond rounding, and agree only in the whole batch's "
+                "shape (a loss reading `len(x)`, a mean over the batch's rows). Removing one example changes the row "
+                "count, hence every batch-mate's gradient; compute each example's loss from its own row")
     if not ratio <= 1:
         raise PrivacyConfigError(
             "The per-example gradients depend on their batch-mates: the clip-weighted gradient of the engine's module "
@@ -167,28 +189,45 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
 
 
 def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Callable[[Tensor], bool],
-                                   weights: Tensor, released: Optional[Gradients], *,
-                                   project: Callable[[int, Tensor], Tensor], unit: float, shares: float) -> None:
+                                   weights: Tensor, released: Optional[Gradients],
+                                   space: Optional[Callable[[Gradients], List[Tensor]]] = None, *,
+                                   project: Callable[[int, Tensor], Tensor], unit: float, released_unit: float,
+                                   shares: float) -> None:
     """After a whole batch whose recomputed gradient is not finite (a row weighted 0 whose forward is not: an
     input with an infinite feature): the rows in the sum, recomputed without the others, must give the step's own
     clipped sum ``released`` (in the clipped space), then meet the halves' identity. Compared without that row alone,
     a record whose batch statistic (``inf``) scaled every batch-mate's backward to 0 passed, and one removal moved
     the release by their whole clipped sum (3.81 C, red-team review 67). ``released`` ``None``: the step's sum is not
-    in the compared space (a transform rewriting the gradients): refused."""
+    in the compared space (a transform rewriting the gradients): refused. Refused too where the step's sum was
+    rounded more coarsely than the check's recomputation (``released_unit > unit``: a float32 model under a
+    half-precision autocast, whose check runs in float32): compared to the autocast's rounding (``u`` 0.088 of
+    ``sum_r c_r ||g_r||`` in bfloat16), a record with an infinite feature whose batch statistic scaled every
+    batch-mate's backward by 0.8 passed, 2.90 C released at ``B = 16`` (red-team review 68). ``space``: the
+    recomputed gradients (of the parameters) in the space of ``released``, where it is not the clipped space
+    (separately clipped parts, whose split emptied the step's per-example gradients: GEP's; a list of 0 sums failed
+    with a ``RuntimeError``, review 68)."""
     rows = (weights > 0).nonzero().flatten()
     if len(rows) == 0:
         return
     if released is None:
         raise _not_finite("with a transform that rewrites the per-example gradients (DOPE-SGD's recentring) the "
                           "step's own clipped sum cannot be compared with the batch recomputed without it")
+    if released_unit > unit:
+        raise _not_finite("the step's own clipped sum, rounded by its forward's half-precision autocast, cannot be "
+                          "compared closely enough with the batch recomputed without it in float32")
     whole = run((rows, weights[rows]))
-    terms = [torch.linalg.vector_norm(
-        (project(i, g).double() if g is not None else torch.zeros((), dtype=torch.float64, device=s.device))
-        - s.double()) ** 2 for i, (g, s) in enumerate(zip(whole, released))]
-    gap = float(torch.stack(terms).sum().sqrt())
-    scale = float(_norm_sq(whole, project).sqrt()) + float(sum(
-        torch.linalg.vector_norm(s.double()) ** 2 for s in released) ** 0.5)
+    compared: List[Optional[Tensor]] = (list(space(whole)) if space is not None else
+                                        [None if g is None else project(i, g) for i, g in enumerate(whole)])
     del whole
+    if len(compared) != len(released):
+        raise _not_finite("the step's own clipped sum could not be formed in the space it is compared in")
+    terms = [torch.linalg.vector_norm(
+        (g.double() if g is not None else torch.zeros((), dtype=torch.float64, device=s.device))
+        - s.double()) ** 2 for g, s in zip(compared, released)]
+    gap = float(torch.stack(terms).sum().sqrt()) if terms else 0.0
+    scale = float(sum(torch.linalg.vector_norm(g.double()) ** 2 for g in compared if g is not None) ** 0.5) + float(
+        sum(torch.linalg.vector_norm(s.double()) ** 2 for s in released) ** 0.5)
+    del compared
     ratio = _beyond(gap, unit * (shares + scale))
     if not ratio <= 1:
         raise _not_finite("the rows in the sum, recomputed without it, give a clip-weighted gradient that differs "
@@ -196,6 +235,23 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
                           "dropout in training mode, which the check cannot replay)")
     if not compare(rows):
         raise _not_finite("the rows in the sum recomputed without it are not finite either")
+
+
+def _moves_most_losses(alone: Sequence[Tensor], halves: Tuple[Tensor, Tensor], dtype: torch.dtype) -> bool:
+    """Whether the losses of the whole and of each half alone (``alone``: as the runs left them) differ beyond
+    rounding on most finite rows, 2 or more (the forward checks' rule, :func:`.checks._beyond_shape_rounding`): one
+    row cannot do that, a loss reading the row count does. A mismatch of the gradient halves that each half run in
+    the batch's shape explains passed, and a loss scaled by ``f(len(x))`` agreed there: ``loss / len(x)`` released
+    1.50 C, one switched off above 16 rows 15.8 C on one removal (red-team review 68)."""
+    if len(alone) != 3:
+        return False
+    whole = alone[0].double()
+    split = torch.full_like(whole, math.nan)
+    for half, losses in zip(halves, alone[1:]):
+        split[half.to(split.device)] = losses.double().to(split.device)
+    ratio = rows_differ(whole[:, None], split[:, None], dtype=dtype, device=whole.device)
+    moved, finite = int((ratio > 1.0).sum()), int(torch.isfinite(whole).sum())
+    return moved >= 2 and 2 * moved > finite
 
 
 def _beyond(gap: float, tolerance: float) -> float:
@@ -257,9 +313,10 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
 
 
 def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence[Tensor],
-                            devices: Sequence[torch.device], device_type: str, without_autocast: bool) -> Gradients:
+                            devices: Sequence[torch.device], device_type: str, without_autocast: bool,
+                            seen: Optional[List[Tensor]] = None) -> Gradients:
     """``d/dtheta sum_k w_k L_{r_k}``, the losses of the rows ``r`` of ``part`` recomputed alone by ``losses_of``
-    (``w``: their weights)."""
+    (``w``: their weights); the losses appended to ``seen`` (detached)."""
     index, weights = part
     autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
     with secret_streams(devices), torch.enable_grad(), MeanOfRandomDraws(), autocast:
@@ -267,6 +324,8 @@ def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence
     if not (isinstance(losses, Tensor) and losses.shape == (len(index),)):
         raise PrivacyConfigError(f"Expected `losses_of` to return one loss per row asked for ({len(index)}), but it "
                                  f"returned {tuple(losses.shape) if isinstance(losses, Tensor) else type(losses)}")
+    if seen is not None:
+        seen.append(losses.detach())
     weights = weights.to(losses.device)
     total = torch.where(weights > 0, losses.double() * weights, 0.0).sum()
     if not total.requires_grad:
