@@ -1,12 +1,12 @@
 """Red-team review 69 (2026-11-30): attacks on the alignment check's recheck of failing rows (``alignment``, 8831465).
-Open (strict ``xfail``), pre-existing (45962bd, before the recheck, releases the same): a backward that gives every
+Open (strict ``xfail``), pre-existing (45962bd, before the recheck, releases it too): a backward that gives every
 batch-mate's row a small share of one flagged example's output gradient, each share inside that row's own tolerance
 (``2 sqrt(eps) |w_r| ||G_1[r]||``), adds up over the batch, and the gradient halves (:mod:`.gradient_halves`) stay
 under their tolerance: 1.013 C released at ``B = 128`` in float32 (every mode; the halves at 0.42 of their
 tolerance), 1.97 C at ``B = 64`` under the TF32 matmul setting (emulated: the tolerances of
 ``torch.set_float32_matmul_precision("high")`` on CUDA, ``eps = 2^-9``), and 3.9 C at ``B = 64`` under
 ``torch.set_float32_matmul_precision("medium")`` on this CPU (real: oneDNN's bfloat16 operands, ``eps = 2^-6``;
-45962bd: 4.2 C in a float32-default run). Open, from the recheck itself: at shares of ``1.2-1.5 sqrt(eps)`` of each
+45962bd: 4.2 C, and 1.013 C in float32 at ``B = 64``, in float32-default runs). Open, from the recheck itself: at shares of ``1.2-1.5 sqrt(eps)`` of each
 row, the rows that fail the first comparison (at most 8) pass their recheck, and the same draw releases 1.0031 C
 (float32, ``B = 16``) or 1.57 C (TF32, ``B = 16``) where without the recheck (``ROW_RECHECKS = 0``) the ``Linear``
 is recomputed (1.0 C).
