@@ -6,10 +6,10 @@ under their tolerance: 1.013 C released at ``B = 128`` in float32 (every mode; t
 tolerance), 1.97 C at ``B = 64`` under the TF32 matmul setting (emulated: the tolerances of
 ``torch.set_float32_matmul_precision("high")`` on CUDA, ``eps = 2^-9``), and 3.9 C at ``B = 64`` under
 ``torch.set_float32_matmul_precision("medium")`` on this CPU (real: oneDNN's bfloat16 operands, ``eps = 2^-6``;
-45962bd: 4.2 C, and 1.013 C in float32 at ``B = 64``, in float32-default runs). Open, from the recheck itself: at shares of ``1.2-1.5 sqrt(eps)`` of each
-row, the rows that fail the first comparison (at most 8) pass their recheck, and the same draw releases 1.0031 C
-(float32, ``B = 16``) or 1.57 C (TF32, ``B = 16``) where without the recheck (``ROW_RECHECKS = 0``) the ``Linear``
-is recomputed (1.0 C).
+45962bd: 4.2 C, and 1.013 C in float32 at ``B = 64``, in float32-default runs). Open, from the recheck itself: at
+shares of ``1.2-1.5 sqrt(eps)`` of each row, the rows that fail the first comparison (at most 8) pass their recheck,
+and the same draw releases 1.0031 C (float32, ``B = 16``) or 1.57 C (TF32, ``B = 16``) where without the recheck
+(``ROW_RECHECKS = 0``) the ``Linear`` is recomputed (1.0 C).
 
 Why: the recheck passes a share ``c`` of a row whenever ``|w_i - w_r| ||c|| <= 2 sqrt(eps) |w_r| ||row||`` with
 ``|w_r| = 4`` and ``|w_i - w_r|`` in ``[2, 6]``: every share up to ``1.33 sqrt(eps)`` of its row (the estimate's
