@@ -739,7 +739,8 @@ class PerExampleGradientEngine:
                 retry = self._refuse_gradient_mixing(smallest, norms.norm(dim=1), losses_of)
                 sums = [_dense_sum(f, part, keep).reshape(-1) for f, part in zip(factors, parts)]
                 if retry is not None:  # (the check's weights: each example's smallest factor, over every part)
-                    retry(self._in_clipped_space([_dense_sum(smallest, part, keep).reshape(-1) for part in parts]),
+                    rewritten = self.transform is not None and self.transform.rewrites  # (not undone in parts)
+                    retry(None if rewritten else [_dense_sum(smallest, part, keep).reshape(-1) for part in parts],
                           lambda whole: self._parts_of(whole, split))
                 examples = len(losses) if examples is None else examples
                 return ClippedParts(sums, norms[:examples].float(), examples)
@@ -1442,7 +1443,7 @@ class PerExampleGradientEngine:
         for i, grads in dense.items():
             sums[i] = _dense_sum(factors, grads, ok)
         if retry is not None:
-            retry(self._in_clipped_space([sums[i] for i in range(count)]))
+            retry(self._in_clipped_space([sums[i] for i in range(count)], factors))
         out = [sums[i].to(sum_dtype(p.dtype)) for i, p in enumerate(self.params)]
         examples = len(losses) if examples is None else examples
         return ClippedSum(out, norms[:examples].float(), examples)
@@ -1505,10 +1506,16 @@ class PerExampleGradientEngine:
                 retry(released, space)
         return retry_in_eval_mode
 
-    def _in_clipped_space(self, sums: List[Tensor]) -> Optional[List[Tensor]]:
-        """The step's sums as the gradient halves compare them (projected), or ``None`` where a transform rewrites the
-        per-example gradients (DOPE-SGD's recentring): then they are not."""
-        return None if self.transform is not None and self.transform.rewrites else sums
+    def _in_clipped_space(self, sums: List[Tensor], weights: Tensor) -> Optional[List[Tensor]]:
+        """The step's sums (``sum_i w_i T(g_i)``) as the gradient halves compare them, projected but not rewritten: an
+        affine rewrite is undone on the sum (DOPE-SGD's recentring: ``+ (sum_i w_i) c``,
+        :meth:`.GradientTransform.unapply_sum`); ``None`` where a rewrite cannot be (then they cannot be compared)."""
+        if self.transform is None or not self.transform.rewrites:
+            return sums
+        total = float(weights.double().sum())  # (a retry only: one host synchronisation)
+        undone = [self.transform.unapply_sum(name, param, summed, total)
+                  for name, param, summed in zip(self.names, self.params, sums)]
+        return None if any(u is None for u in undone) else undone
 
     def _losses_reproduce(self, losses_of: LossesOf, size: int, devices: List[torch.device], dtype: torch.dtype,
                           without_autocast: bool) -> bool:

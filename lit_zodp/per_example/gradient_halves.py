@@ -198,7 +198,8 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     clipped sum ``released`` (in the clipped space), then meet the halves' identity. Compared without that row alone,
     a record whose batch statistic (``inf``) scaled every batch-mate's backward to 0 passed, and one removal moved
     the release by their whole clipped sum (3.81 C, red-team review 67). ``released`` ``None``: the step's sum is not
-    in the compared space (a transform rewriting the gradients): refused. Refused too where the step's sum was
+    in the compared space (a rewrite of the gradients that a sum cannot undo; DOPE-SGD's recentring is undone):
+    refused. Refused too where the step's sum was
     rounded more coarsely than the check's recomputation (``released_unit > unit``: a float32 model under a
     half-precision autocast, whose check runs in float32): compared to the autocast's rounding (``u`` 0.088 of
     ``sum_r c_r ||g_r||`` in bfloat16), a record with an infinite feature whose batch statistic scaled every
@@ -210,8 +211,9 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     if len(rows) == 0:
         return
     if released is None:
-        raise _not_finite("with a transform that rewrites the per-example gradients (DOPE-SGD's recentring) the "
-                          "step's own clipped sum cannot be compared with the batch recomputed without it")
+        raise _not_finite("with a transform that rewrites the per-example gradients in a way a sum cannot undo (a "
+                          "generic function), the step's own clipped sum cannot be compared with the batch recomputed "
+                          "without it")
     if released_unit > unit:
         raise _not_finite("the step's own clipped sum, rounded by its forward's half-precision autocast, cannot be "
                           "compared closely enough with the batch recomputed without it in float32")

@@ -104,6 +104,12 @@ class GradientTransform:
         """Whether :meth:`apply` is overridden (then per-example gradients must be materialised)."""
         return type(self).apply is not GradientTransform.apply
 
+    def unapply_sum(self, name: str, param: Tensor, summed: Tensor, weight: float) -> Optional[Tensor]:
+        """``sum_i w_i g_i`` from ``sum_i w_i apply(g_i)`` and ``weight = sum_i w_i``, where :meth:`apply` is affine
+        (``None``: unknown). The gradient halves' retry compares a step's sum before the rewrite
+        (:mod:`.gradient_halves`)."""
+        return None if self.rewrites else summed
+
 
 class Projections(GradientTransform):
     """Fixed projections by parameter name: ``Projections({"0.weight": Projection(P)})``."""
@@ -125,6 +131,11 @@ class Recentring(GradientTransform):
     def apply(self, name: str, param: Tensor, grads: Tensor) -> Tensor:
         center = self.centers.get(name)
         return grads if center is None else grads - center.to(grads.dtype)
+
+    def unapply_sum(self, name: str, param: Tensor, summed: Tensor, weight: float) -> Optional[Tensor]:
+        """``sum_i w_i (g_i - c) + (sum_i w_i) c``."""
+        center = self.centers.get(name)
+        return summed if center is None else summed + weight * center.to(summed.dtype)
 
 
 class _Function(GradientTransform):

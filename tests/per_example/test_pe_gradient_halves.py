@@ -115,10 +115,11 @@ def test_the_rows_left_after_a_non_finite_one_must_give_the_steps_own_sum(mode):
     assert all(torch.isfinite(g).all() for g in step().grads)
 
 
-def test_a_non_finite_row_under_a_rewriting_transform_is_refused():
-    """DOPE-SGD's recentring rewrites each per-example gradient (``g_i - c``): the step's sum is not in the space the
-    check compares, so a checked batch whose recomputation a non-finite row spoiled cannot be compared: refused with
-    that reason. Without the non-finite row the same step passes."""
+def test_a_non_finite_row_under_a_rewriting_transform():
+    """The retry compares the step's sum before any rewrite of the per-example gradients: DOPE-SGD's recentring
+    (``g_i - c``) is undone on the sum (``+ (sum_i f_i) c``), so a checked batch with a non-finite row passes, as it
+    passes without the transform (the privacy contract's NaN rows in DOPE-SGD); a rewrite that cannot be undone on a
+    sum (a generic function) is refused with that reason. Without the non-finite row both pass."""
     from lit_zodp.per_example.transforms import Recentring
 
     torch.manual_seed(0)
@@ -126,14 +127,17 @@ def test_a_non_finite_row_under_a_rewriting_transform_is_refused():
     centers = {name: torch.full_like(p, 0.01) for name, p in model.named_parameters()}
     x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
 
-    def step(inputs):
-        engine = PerExampleGradientEngine(model, transform=Recentring(centers))
+    def step(inputs, transform):
+        engine = PerExampleGradientEngine(model, transform=transform)
         return engine.clipped_sum(lambda: F.cross_entropy(model(inputs), y, reduction="none"), 1.0)
 
-    assert all(torch.isfinite(g).all() for g in step(x).grads)
+    squashed = lambda name, param, grads: grads.tanh()  # noqa: E731
+    for transform in (Recentring(centers), squashed):
+        assert all(torch.isfinite(g).all() for g in step(x, transform).grads)
     x[2] = float("inf")
-    with pytest.raises(PrivacyConfigError, match="not finite .* recentring"):
-        step(x)
+    assert all(torch.isfinite(g).all() for g in step(x, Recentring(centers)).grads)
+    with pytest.raises(PrivacyConfigError, match="not finite .* rewrites"):
+        step(x, squashed)
 
 
 def test_gradients_that_are_all_zero_agree_exactly():
