@@ -583,6 +583,7 @@ class MeanOfRandomDraws(TorchDispatchMode):
 
 
 def _normal_mean(out: Tensor, bound: dict) -> Tensor:
+    """``normal(mean, std)``'s result at ``mean`` (a tensor or a number)."""
     mean = bound["mean"]
     return out.copy_(mean) if isinstance(mean, Tensor) else out.fill_(mean)
 
