@@ -65,8 +65,9 @@ module (the reference path).
    whose loss never called the module is refused. Sampled, not proved: data-dependent mixing
    shows only on the batches that trigger it. A verdict (5, 6 and 4) is kept for a structure only
    when at least 2 examples were finite (F2).
-7. "ghost" mode verifies its second backward on every step: per row, ``u^T G2[r] v = f_r u^T G1[r] v``
-   (random ``u, v``, secret per step), else it refuses (F3).
+7. "ghost" mode verifies its second backward on every step: per row, ``u^T G2[r] v = u^T G1[r] v``
+   (random ``u, v``, secret per step; seeded as the first pass since stop 57, the factors weighting the
+   sums), else it refuses (F3: a backward that differs between the passes).
 
 Assumptions (as in Opacus): the engine's module is batch-first at its own inputs and outputs
 (checked as in 5); the forward is deterministic where it is recomputed; no BatchNorm and no buffer
