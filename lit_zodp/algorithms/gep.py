@@ -18,9 +18,13 @@ Choices, with where they come from:
   they fall across tensors; group ``g`` gets ``floor(K sqrt(n_g) / sum_h sqrt(n_h))`` bases (at most ``n_g``).
 * Power method (the authors' ``get_bases``): ``L ~ N(0, 1)`` of shape ``[n_g, k_g]``, then ``power_iterations``
   times ``L <- orth(G_g^T G_g L)``; ``orth`` is a Householder QR here (the code's Gram-Schmidt, up to the signs of
-  columns). With fewer anchor gradients than bases the columns past their rank are an arbitrary orthonormal
-  completion (the code normalises round-off there): they only add noise dimensions, so keep ``num_bases`` at most
-  ``num_groups * b'`` to avoid them (warned at the fit's first step). ``L``'s draw and the anchor pass's dropout are
+  columns), run in the coordinates of ``G_g``'s right singular vectors over its singular values above
+  ``sqrt(eps) s_1`` (the same subspace: ``G^T G L = W S^2 W^T L``; the smaller ones are round-off in ``G^T G L``).
+  With fewer anchor gradients (or a smaller rank) than bases the columns past the rank are an arbitrary orthonormal
+  completion: the code normalises round-off there, which a last-bit change of the weights turned completely (a DDP
+  fit's weights parted from one process's); here it is the seeded start's remaining columns projected off the
+  span. They only add noise dimensions, so keep ``num_bases`` at most ``num_groups * b'`` to avoid them (warned at
+  the fit's first step). ``L``'s draw and the anchor pass's dropout are
   public randomness from the run seed and the step (every DDP rank the same subspace without communication); the
   subspace is a function of public data and the released weights, so it costs no privacy.
 * Clipping: the embedding is clipped as ONE vector over all groups (``C0``), the residual as one vector over all
@@ -131,10 +135,37 @@ def _power_method(anchors: Tensor, groups: list[tuple[int, int]], counts: list[i
         generator = torch.Generator(device=anchors.device).manual_seed(derive_seed(seed, index))
         start = torch.randn(b - a, k, generator=generator, device=anchors.device,
                             dtype=torch.float32).to(block.dtype)  # (float32 draws whatever the default dtype)
+        rows, squares = _row_space(block)  # G = U S W^T: W^T [r, n_g] and S^2 [r] of its numerical rank r
+        spanned = min(k, len(rows))  # G^T G L has rank r: QR's columns past it were its round-off
+        coords = rows @ start[:, :spanned]  # (L <- orth(G^T G L) in the coordinates of W: W orth(S^2 W^T L))
         for _ in range(power_iterations):
-            start = torch.linalg.qr(block.T @ (block @ start)).Q
-        bases.append(start)
+            coords = torch.linalg.qr(squares[:, None] * coords).Q
+        basis = rows.T @ coords
+        bases.append(basis if spanned == k else torch.cat([basis, _completion(basis, start[:, spanned:])], 1))
     return AnchorSubspace(groups, bases)
+
+
+def _row_space(block: Tensor) -> tuple[Tensor, Tensor]:
+    """``W_r^T`` and ``S_r^2`` of ``block = U S W^T`` over the singular values above ``sqrt(eps) s_1``, those that
+    ``G^T G L`` resolves in the block's precision (its round-off is ``eps s_1^2``). A zero or repeated anchor gradient
+    (a dead ReLU's group) leaves a singular value of round-off, and one just above it a direction that a last-bit
+    change of the weights turned by ~ that change over it: both changed the basis, and the noise ``V z`` with it."""
+    _, values, rows = torch.linalg.svd(block, full_matrices=False)
+    if not len(values) or not bool(values[0] > 0):
+        return rows[:0], values[:0]
+    rank = int((values > values[0] * math.sqrt(torch.finfo(block.dtype).eps)).sum())
+    return rows[:rank], values[:rank] ** 2
+
+
+def _completion(basis: Tensor, draws: Tensor) -> Tensor:
+    """Orthonormal columns spanning ``draws`` (the start's columns past the anchors' rank) projected off ``basis``:
+    the bases past the anchor gradients' span. QR's columns past the rank of ``G^T G L`` came from its round-off, so
+    a last-bit change of the weights (a DDP all-reduce summing the clipped sums in another order) turned them, and
+    the embedding's noise ``V z`` with them, completely (the DDP test's 0.19, from step 3); the projected draws
+    move with ``basis`` only as much as it moves. Public: the seeded start and the public subspace."""
+    for _ in range(2):  # (twice: orthogonal to working precision)
+        draws = draws - basis @ (basis.T @ draws)
+    return torch.linalg.qr(draws).Q
 
 
 def flatten_rows(grads: list[Tensor]) -> Tensor:

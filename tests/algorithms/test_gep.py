@@ -56,6 +56,24 @@ def test_the_power_method_spans_the_anchor_gradients_top_subspace():
                            anchor_subspace(anchors, groups, [3], 1, seed=5).bases[0])  # the start is the seed's
 
 
+
+def test_bases_past_the_anchor_gradients_span_move_only_as_much_as_the_anchors():
+    """More bases than the anchor gradients span (TINY's default 1000 bases, 6 anchors), a repeated anchor gradient
+    among them (rank 5): QR's columns past the rank were its round-off, so a last-bit change of the anchors (the DDP
+    all-reduce summing in another order) turned them, and the noise ``V z`` with them, by O(1) (the DDP test's 0.19
+    after 16 steps). They are the seeded start projected off the anchors' span now: they move by ~ the change."""
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.randn(6, 40, generator=g)
+    anchors[5] = anchors[4]
+    nudged = anchors * (1 + 2e-7 * torch.randn(anchors.shape, generator=g))  # (a float32 last bit or two)
+    for count in (40, 20):
+        basis = anchor_subspace(anchors, [(0, 40)], [count], 1, seed=5).bases[0]
+        moved = anchor_subspace(nudged, [(0, 40)], [count], 1, seed=5).bases[0]
+        torch.testing.assert_close(basis.T @ basis, torch.eye(count), atol=1e-5, rtol=0)
+        torch.testing.assert_close(anchors @ basis @ basis.T, anchors, atol=1e-4, rtol=0)  # the span holds them
+        assert (basis - moved).abs().max() < 1e-4
+
+
 # ------------------------------------------------------------------------------------------ the step, naively
 def naive_gep_step(module, before, c0, c1, public_rows=12, dtype=torch.float32):
     """Alg. 1 at sigma = 0 from autograd: per-example gradients of the private set, anchor gradients of the public
