@@ -56,7 +56,6 @@ def test_the_power_method_spans_the_anchor_gradients_top_subspace():
                            anchor_subspace(anchors, groups, [3], 1, seed=5).bases[0])  # the start is the seed's
 
 
-
 def test_bases_past_the_anchor_gradients_span_move_only_as_much_as_the_anchors():
     """More bases than the anchor gradients span (TINY's default 1000 bases, 6 anchors), a repeated anchor gradient
     among them (rank 5): QR's columns past the rank were its round-off, so a last-bit change of the anchors (the DDP
