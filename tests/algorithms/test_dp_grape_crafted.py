@@ -221,8 +221,9 @@ def test_every_insertion_index_of_a_clipped_cancelling_record_in_a_batch_of_512(
     ghost norms' new T = 1 bound moved the honest factors by 2.4e-6; the record's guard ``(T + 2) u S_i`` is at the
     edge of those modes' float32 sums)."""
     if (d_in, d_out, rank) == (64, 64, 4) and mode in ("ghost", "bookkeeping"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="open (cc01332, found at stop 57): 1.0000016 C, the "
-                                                                 "cancelling record's guard at the edge of float32 sums"))
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="open (cc01332, found at stop 57): 1.0000016 C, the cancelling record's guard at the "
+                                "edge of float32 sums"))
     worst = 0.0
     for positions in (2, 5):
         model = Pooled(d_in, d_out)
