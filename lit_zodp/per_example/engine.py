@@ -94,11 +94,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import PROJECTIONS, CallKey, _disagreeing, _RowSummaries, misaligned_calls
-from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, MeanOfRandomDraws, ParameterWrites, RecheckProbability,
-                                         buffer_state, check_losses, check_mode, check_recheck_probability,
-                                         check_transform, eval_mode, flat_rows, refuse_batch_mixing, refuse_batchnorm,
-                                         refuse_buffer_writes, refuse_compiled, refuse_reentrant_checkpointing,
-                                         rows_agree, step_mode_recompute, warn_unchecked_training_mode)
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, ParameterWrites, RecheckProbability, buffer_state,
+                                         check_losses, check_mode, check_recheck_probability, check_transform, eval_mode,
+                                         flat_rows, refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes,
+                                         refuse_compiled, refuse_reentrant_checkpointing, rows_agree,
+                                         step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.gradient_halves import LossesOf, refuse_gradient_mixing, tolerance_unit
 from lit_zodp.per_example.ghost import FLOAT64_UNIT, _gamma, at_least_float32, row_norm_sq
@@ -112,7 +112,7 @@ from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape, _first_input
 from lit_zodp.per_example.transforms import GradientTransform, Projection, as_transform
 from lit_zodp.per_example.uses import ParameterUses
 from lit_zodp.privacy.clipping import check_clip, clip_factors
-from lit_zodp.privacy.training_randomness import secret_cpu_generator, secret_streams
+from lit_zodp.privacy.training_randomness import secret_cpu_generator
 
 Transform = Union[GradientTransform, Callable[[str, Tensor, Tensor], Tensor]]
 
@@ -1520,12 +1520,13 @@ class PerExampleGradientEngine:
 
     def _losses_reproduce(self, losses_of: LossesOf, size: int, devices: List[torch.device], dtype: torch.dtype,
                           without_autocast: bool) -> bool:
-        """Whether the batch's losses recomputed twice as the gradient halves compute them (every Bernoulli draw at its
-        mean, fresh secret streams) agree: a loss random beyond dropout differs between any two runs."""
+        """Whether the batch's losses recomputed twice as the gradient halves compute them agree: in the step's mode
+        (:func:`.checks.step_mode_recompute`, as the module's loss halves probe theirs: autograd on, every draw with a
+        mean at it, fresh secret streams); a loss random beyond that differs between any two runs."""
         rows = torch.arange(size)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(self._device_type)
-        with secret_streams(devices), torch.no_grad(), MeanOfRandomDraws(), autocast:
-            first, second = losses_of(rows), losses_of(rows)
+        with step_mode_recompute(devices), autocast:
+            first, second = losses_of(rows).detach(), losses_of(rows).detach()
         return rows_agree(first.double()[:, None], second.double()[:, None], dtype=dtype)
 
     def _ghost_sums(self, batch: _Batch, factors: Optional[Tensor], ok: Optional[Tensor]) -> Dict[int, Tensor]:

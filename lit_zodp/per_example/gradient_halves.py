@@ -199,11 +199,11 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     a record whose batch statistic (``inf``) scaled every batch-mate's backward to 0 passed, and one removal moved
     the release by their whole clipped sum (3.81 C, red-team review 67). ``released`` ``None``: the step's sum is not
     in the compared space (a rewrite of the gradients that a sum cannot undo; DOPE-SGD's recentring is undone):
-    refused. Refused too where the step's sum was
-    rounded more coarsely than the check's recomputation (``released_unit > unit``: a float32 model under a
-    half-precision autocast, whose check runs in float32): compared to the autocast's rounding (``u`` 0.088 of
-    ``sum_r c_r ||g_r||`` in bfloat16), a record with an infinite feature whose batch statistic scaled every
-    batch-mate's backward by 0.8 passed, 2.90 C released at ``B = 16`` (red-team review 68). ``space``: the
+    refused. Refused too where the step's sum was rounded more coarsely than the check's recomputation
+    (``released_unit > unit``: a float32 model under a half-precision autocast, whose check runs in float32):
+    compared to the autocast's rounding (``u`` 0.088 of ``sum_r c_r ||g_r||`` in bfloat16), a record with an infinite
+    feature whose batch statistic scaled every batch-mate's backward by 0.8 passed, 2.90 C released at ``B = 16``
+    (red-team review 68). ``space``: the
     recomputed gradients (of the parameters) in the space of ``released``, where it is not the clipped space
     (separately clipped parts, whose split emptied the step's per-example gradients: GEP's; a list of 0 sums failed
     with a ``RuntimeError``, review 68)."""
@@ -227,8 +227,7 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
         (g.double() if g is not None else torch.zeros((), dtype=torch.float64, device=s.device))
         - s.double()) ** 2 for g, s in zip(compared, released)]
     gap = float(torch.stack(terms).sum().sqrt()) if terms else 0.0
-    scale = float(sum(torch.linalg.vector_norm(g.double()) ** 2 for g in compared if g is not None) ** 0.5) + float(
-        sum(torch.linalg.vector_norm(s.double()) ** 2 for s in released) ** 0.5)
+    scale = float(_norm_sq(compared, _as_it_is).sqrt()) + float(_norm_sq(released, _as_it_is).sqrt())
     del compared
     ratio = _beyond(gap, unit * (shares + scale))
     if not ratio <= 1:
@@ -379,6 +378,11 @@ def _gap_and_scale(run: Callable[[Part], Gradients], parts: Sequence[Part],
         del half
     values = torch.stack([_norm_sq(difference, project), *norms_sq]).sqrt().tolist()
     return values[0], sum(values[1:])
+
+
+def _as_it_is(i: int, gradient: Tensor) -> Tensor:
+    """The identity ``project`` of gradients already in the compared space."""
+    return gradient
 
 
 def _norm_sq(gradients: Gradients, project: Callable[[int, Tensor], Tensor]) -> Tensor:

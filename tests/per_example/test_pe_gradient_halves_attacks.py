@@ -109,6 +109,12 @@ def _released(model: nn.Module, losses, mode: str, clip: float, x: torch.Tensor,
         clipped = engine.clipped_sum(lambda: losses(xs, ys), clip, losses_of=rows_losses)
         return torch.cat([g.flatten() for g in clipped.grads])
 
+    return removal_difference(release, clip, x, y, record, label)
+
+
+def removal_difference(release, clip: float, x: torch.Tensor, y: torch.Tensor, record: torch.Tensor,
+                       label: int) -> float:
+    """``||release(D + record) - release(D)|| / C`` (``release(xs, ys)``: the flat released sum), 0 where refused."""
     try:
         with_record = release(torch.cat([x, record]), torch.cat([y, torch.tensor([label], dtype=y.dtype)]))
         return float((with_record - release(x, y)).norm()) / clip

@@ -216,17 +216,19 @@ def test_a_batch_mean_in_the_second_call_only_is_still_refused_in_eval_mode():
 
 
 class _BatchScaledBackward(torch.autograd.Function):
-    """Identity forward; the backward divides the gradient by ``1 + 1e-6 * stat`` (a batch statistic)."""
+    """Identity forward; the backward divides the gradient by ``1 + rate * stat`` (a batch statistic; ``rate``
+    1e-6 unless given)."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, stat: torch.Tensor, rate: float = 1e-6) -> torch.Tensor:
         ctx.save_for_backward(stat)
+        ctx.rate = rate
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (stat,) = ctx.saved_tensors
-        return grad / (1 + 1e-6 * stat), None
+        return grad / (1 + ctx.rate * stat), None, None
 
 
 class _BackwardScaledNet(nn.Module):
