@@ -1419,6 +1419,22 @@ def test_a_forward_mixing_the_batch_in_its_values_is_refused_before_a_step_is_re
     refused_before_a_step(name, _BatchCentring(), "depend on their batch-mates")
 
 
+class _RowCountForSomeRows(nn.Module):
+    """Scales the rows whose first input is above 0.5 (about a third of them) by ``1 + len(x) / 10``, a function of
+    the batch's row count: fewer than most rows move between the halves and the whole batch, and each half agrees in
+    the whole batch's shape (the checks' rule until stop 58 passed it)."""
+
+    def forward(self, x):
+        return torch.where(x[:, :1] > 0.5, x * (1 + len(x) / 10), x)
+
+
+@pytest.mark.parametrize("name", PRIVATE_CASES)
+def test_a_forward_reading_the_row_count_in_some_rows_is_refused_before_a_step_is_released(name):
+    """Removing one example would move every such batch-mate's value (7.8 C released through a loss of this kind,
+    stop 58: ``test_pe_losses_halves_attacks.py``)."""
+    refused_before_a_step(name, _RowCountForSomeRows(), "depend on (their batch-mates|the batch's row count)")
+
+
 class _LateCentring(nn.Module):
     """Centres on the batch mean only from its owner's step ``after`` on (``owner`` set after it is built): mixing
     that the first batch does not trigger. ``mixed``: the private forwards that centred. (Counted in forwards until

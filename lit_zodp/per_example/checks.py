@@ -400,6 +400,13 @@ def random_halves(size: int) -> tuple[Tensor, Tensor]:
     return order[: size // 2], order[size // 2:]
 
 
+def one_removed(size: int) -> Tensor:
+    """``range(size)`` without one row drawn from a generator seeded by the OS (a model cannot predict which): a
+    batch of the row count of the neighbouring dataset that lacks one example."""
+    dropped = int(torch.randint(size, (1,), generator=secret_cpu_generator()))
+    return torch.cat([torch.arange(dropped), torch.arange(dropped + 1, size)])
+
+
 def flat_rows(values: Tensor) -> Tensor:
     """``values [B, ...]`` as detached rows ``[B, -1]`` of at least float32."""
     return values.detach().reshape(values.shape[0], -1).to(torch.promote_types(values.dtype, torch.float32))
@@ -465,7 +472,8 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
     mixture of experts with capacity, an off-by-one gather) sends no gradient across rows, so the
     gradient-path checks (:mod:`.alignment`, :mod:`.coverage`) cannot see it. Here the rows are
     recomputed on two random halves of the batch (:func:`random_halves`) and compared with the whole
-    batch's, to the rounding tolerance of :func:`rows_differ`. Sampled, not proved: data-dependent
+    batch's, to the rounding tolerance of :func:`rows_differ`, then on the batch without one random row
+    (:func:`_beyond_one_removal`: the neighbouring dataset's row count). Sampled, not proved: data-dependent
     mixing shows only on the batches that trigger it.
 
     Args:
@@ -492,6 +500,8 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
     if changed > 1.0:
         changed = _beyond_shape_rounding(ratio, full, in_place or values_of, halves, dtype=dtype, device=device,
                                          blocks=blocks)
+    if changed <= 1.0 and size > 2:  # (a batch of 2: its halves are its removals)
+        changed = _beyond_one_removal(values_of, full, dtype=dtype, device=device, blocks=blocks)
     raise_if_any([None if changed <= 1.0 else
                   f"The {what} depend on their batch-mates (an example's value changed by "
                   f"{beyond_tolerance(changed)} when the batch was split in two): per-example clipping cannot bound "
@@ -531,14 +541,32 @@ def _beyond_shape_rounding(ratio: Tensor, full: Tensor, in_place: Callable[[Tens
     4: one such row refused a per-example MLP, so whether a run stopped told whether that row was in the batch
     (red-team review 20). The halves again in the whole batch's shape, each row in its place (bitwise the full
     batch's rows for a per-example forward): a mismatch there is mixing; one that the shape alone explains is
-    refused only when it moves most finite rows (a forward reading the row count, ``x / len(x)``), which one row
-    cannot do."""
+    refused where it moves two rows or more (a forward reading the row count, ``x / len(x)``), which one row cannot
+    do (:func:`beyond_one_row`; until stop 58 "most finite rows", which a row count read by some rows passed)."""
     again = float(rows_differ(full, _halves_values(in_place, halves, full, in_place=True), dtype=dtype,
                               device=device, blocks=blocks).max())
-    if again > 1.0:
-        return again
-    moved, finite = int((ratio > 1.0).sum()), int(torch.isfinite(flat_rows(full)).all(1).sum())
-    return float(ratio.max()) if moved >= 2 and 2 * moved > finite else 1.0
+    return again if again > 1.0 else beyond_one_row(ratio)
+
+
+def _beyond_one_removal(values_of: Callable[[Tensor], Tensor], full: Tensor, *, dtype: torch.dtype,
+                        device: torch.device, blocks: Sequence[int] = ()) -> float:
+    """How far the rows of the batch without one secret random row (:func:`one_removed`), computed alone, are
+    beyond rounding from the whole batch's (:func:`beyond_one_row`): the row count of the neighbouring dataset.
+    The halves compare row counts ``B // 2`` and ``B - B // 2`` with ``B``: a forward or loss scaled by a function
+    of the row count for some rows only (44% of the batch's, under the rule "most rows move" that this replaces)
+    released 7.8 C on one removal at ``B = 17`` (stop 58), and one equal at those counts and changed at ``B - 1``
+    passed them whatever its rows."""
+    rest = one_removed(len(full))
+    ratio = rows_differ(full[rest.to(full.device)], values_of(rest), dtype=dtype, device=device, blocks=blocks)
+    return beyond_one_row(ratio)
+
+
+def beyond_one_row(ratio: Tensor) -> float:
+    """A comparison's verdict (> 1: refused) where the batch's shape differed: the largest ratio where two or more
+    rows moved beyond rounding, else at most 1. One row may round with the shape (terms that cancel, red-team
+    review 20: refusing it told whether that row was in the batch); two rows may not."""
+    largest = float(ratio.max()) if ratio.numel() else 0.0
+    return largest if int((ratio > 1.0).sum()) >= 2 else min(largest, 1.0)
 
 
 class MeanOfRandomDraws(TorchDispatchMode):

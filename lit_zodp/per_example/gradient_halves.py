@@ -53,8 +53,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError
-from lit_zodp.per_example.checks import (MeanOfRandomDraws, beyond_tolerance, in_place_index, random_halves,
-                                         rows_differ)
+from lit_zodp.per_example.checks import (MeanOfRandomDraws, beyond_one_row, beyond_tolerance, in_place_index,
+                                         one_removed, random_halves, rows_differ)
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
@@ -157,8 +157,8 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
                          seen: Optional[List[Tensor]] = None, dtype: torch.dtype = torch.float32) -> bool:
     """The comparison of :func:`refuse_gradient_mixing` on ``rows`` (2 or more); ``False`` where the whole's or a
     half's gradient is not finite (nothing compared). ``seen``: where the runs leave their losses (the losses path):
-    a mismatch that the batch's shape explains is still refused where it moved most rows' losses
-    (:func:`_moves_most_losses`)."""
+    a mismatch that the batch's shape explains is still refused where it moved two rows' losses or more
+    (:func:`_moves_rows_losses`)."""
     if len(rows) < 2:
         return True
     if seen is not None:
@@ -172,7 +172,7 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
         alone = list(seen or ())
         gap, scale = _gap_and_scale(run, _in_place(rows, weights, halves), project)
         ratio = _beyond(gap, unit * (shares + scale))
-        if ratio <= 1 and _moves_most_losses(alone, halves, dtype):
+        if ratio <= 1 and _moves_rows_losses(alone, halves, dtype):
             raise PrivacyConfigError(
                 "The per-example losses depend on the batch's row count: on each half of the batch alone most "
                 "examples' losses differ from the whole batch's beyond rounding, and agree only in the whole batch's "
@@ -185,7 +185,56 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
             f"{beyond_tolerance(ratio)}. A forward or backward that mixes examples (a batch statistic, "
             "including one that only a custom autograd.Function's backward reads) breaks per-example clipping; "
             "compute each example's loss and gradient from its own row")
+    _refuse_row_count(functools.partial(_ratio, run, project=project, unit=unit, shares=shares), rows, weights)
     return True
+
+
+def _refuse_row_count(ratio_of: Callable[[List[Part]], float], rows: Tensor, weights: Tensor) -> None:
+    """Refuse the step unless the rows without one, run alone (the neighbouring dataset's row count), give the
+    clip-weighted gradient they give in the batch's shape. The halves compare row counts ``B // 2`` and
+    ``B - B // 2`` with ``B``, and a mismatch that the batch's shape explains passed: a backward alone scaled by a
+    function of the row count (an identity ``autograd.Function``) moved no loss, and one switched off above 16 rows
+    released 15.8 C on one removal at ``B = 17`` (red-team review 68); scaling some rows' losses only, 7.8 C (stop
+    58). The row left out is a secret random one; where that comparison differs, the one row that rounds with the
+    shape (review 20's cancelling row) is sought (:func:`_the_row_moving_with_the_shape`), and the rows without it
+    must agree. Two rows or more that move with the shape are refused, as the forward checks refuse them."""
+    size = len(rows)
+    if size < 3:  # (a batch of 2: its halves are its removals)
+        return
+    if ratio_of(_alone_and_placed(rows, weights, one_removed(size))) <= 1:
+        return
+    moving = _the_row_moving_with_the_shape(ratio_of, rows, weights)
+    rest = torch.cat([torch.arange(moving), torch.arange(moving + 1, size)]) if moving is not None else None
+    ratio = ratio_of(_alone_and_placed(rows, weights, rest)) if rest is not None else math.inf
+    if not ratio <= 1:
+        raise PrivacyConfigError(
+            "The per-example gradients depend on the batch's row count: the batch without one example, run alone, "
+            "gives the other examples a clip-weighted gradient that differs from theirs in the whole batch's shape "
+            f"by {beyond_tolerance(ratio)} (more than one example's rounding). A loss or backward reading `len(x)` "
+            "or the batch's shape changes every batch-mate's gradient when one example is removed; compute each "
+            "example's loss and gradient from its own row")
+
+
+def _the_row_moving_with_the_shape(ratio_of: Callable[[List[Part]], float], rows: Tensor,
+                                   weights: Tensor) -> Optional[int]:
+    """The position of the one row whose clip-weighted gradient moves with the batch's shape: random halves of a
+    group, each run alone and in the batch's shape, and the search goes on in the half that moved more; ``None``
+    where both moved beyond rounding (two rows or more)."""
+    group = torch.arange(len(rows))
+    while len(group) > 1:
+        halves = random_halves(len(group))
+        ratios = [ratio_of(_alone_and_placed(rows, weights, group[half])) for half in halves]
+        if not (ratios[0] <= 1 or ratios[1] <= 1):
+            return None
+        group = group[halves[0 if not ratios[1] > ratios[0] else 1]]  # (NaN: that half)
+    return int(group[0])
+
+
+def _ratio(run: Callable[[Part], Gradients], parts: List[Part], *, project: Callable[[int, Tensor], Tensor],
+           unit: float, shares: float) -> float:
+    """``||G_parts[0] - sum G_parts[1:]||`` over its tolerance (module doc); NaN where not finite."""
+    gap, scale = _gap_and_scale(run, parts, project)
+    return _beyond(gap, unit * (shares + scale))
 
 
 def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Callable[[Tensor], bool],
@@ -238,21 +287,19 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
         raise _not_finite("the rows in the sum recomputed without it are not finite either")
 
 
-def _moves_most_losses(alone: Sequence[Tensor], halves: Tuple[Tensor, Tensor], dtype: torch.dtype) -> bool:
+def _moves_rows_losses(alone: Sequence[Tensor], halves: Tuple[Tensor, Tensor], dtype: torch.dtype) -> bool:
     """Whether the losses of the whole and of each half alone (``alone``: as the runs left them) differ beyond
-    rounding on most finite rows, 2 or more (the forward checks' rule, :func:`.checks._beyond_shape_rounding`): one
-    row cannot do that, a loss reading the row count does. A mismatch of the gradient halves that each half run in
-    the batch's shape explains passed, and a loss scaled by ``f(len(x))`` agreed there: ``loss / len(x)`` released
-    1.50 C, one switched off above 16 rows 15.8 C on one removal (red-team review 68)."""
+    rounding on two rows or more (the forward checks' rule, :func:`.checks.beyond_one_row`): one row cannot do
+    that, a loss reading the row count does. A mismatch of the gradient halves that each half run in the batch's
+    shape explains passed, and a loss scaled by ``f(len(x))`` agreed there: ``loss / len(x)`` released 1.50 C on one
+    removal (red-team review 68). (The rows without one, :func:`_refuse_row_count`, refuse it too; this names it.)"""
     if len(alone) != 3:
         return False
     whole = alone[0].double()
     split = torch.full_like(whole, math.nan)
     for half, losses in zip(halves, alone[1:]):
         split[half.to(split.device)] = losses.double().to(split.device)
-    ratio = rows_differ(whole[:, None], split[:, None], dtype=dtype, device=whole.device)
-    moved, finite = int((ratio > 1.0).sum()), int(torch.isfinite(whole).sum())
-    return moved >= 2 and 2 * moved > finite
+    return beyond_one_row(rows_differ(whole[:, None], split[:, None], dtype=dtype, device=whole.device)) > 1
 
 
 def _beyond(gap: float, tolerance: float) -> float:
@@ -269,15 +316,24 @@ def _alone(rows: Tensor, weights: Tensor, halves: Tuple[Tensor, Tensor]) -> List
 
 
 def _in_place(rows: Tensor, weights: Tensor, halves: Tuple[Tensor, Tensor]) -> List[Part]:
-    """The whole of ``rows``, then each half in its shape (:func:`.checks.in_place_index`), the other half's positions
-    at weight 0 (red-team review 20's cancelling row rounds with the row count)."""
-    parts = [(rows, weights[rows])]
-    for half in halves:
-        position = in_place_index(half, len(rows))
-        mine = torch.zeros(len(rows), dtype=torch.bool)
-        mine[half] = True
-        parts.append((rows[position], torch.where(mine, weights[rows[position]], 0.0)))
-    return parts
+    """The whole of ``rows``, then each half in its shape (:func:`_placed`; red-team review 20's cancelling row
+    rounds with the row count)."""
+    return [(rows, weights[rows]), *(_placed(rows, weights, half) for half in halves)]
+
+
+def _placed(rows: Tensor, weights: Tensor, group: Tensor) -> Part:
+    """The positions ``group`` of ``rows`` run in the shape of ``rows`` (:func:`.checks.in_place_index`), the other
+    positions at weight 0."""
+    position = in_place_index(group, len(rows))
+    mine = torch.zeros(len(rows), dtype=torch.bool)
+    mine[group] = True
+    return rows[position], torch.where(mine, weights[rows[position]], 0.0)
+
+
+def _alone_and_placed(rows: Tensor, weights: Tensor, group: Tensor) -> List[Part]:
+    """The positions ``group`` of ``rows`` run alone, then in the shape of ``rows`` (:func:`_placed`): compared, the
+    row count's part in their gradient."""
+    return [(rows[group], weights[rows[group]]), _placed(rows, weights, group)]
 
 
 def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]], part: Part, *, size: int,

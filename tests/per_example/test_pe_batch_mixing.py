@@ -342,7 +342,7 @@ def test_refuse_batch_mixing_works_on_any_per_example_function():
     assert not refuse_batch_mixing(nan_rows, B, **check)
 
 
-def test_a_mismatch_the_batch_shape_explains_refuses_only_when_it_moves_most_rows():
+def test_a_mismatch_the_batch_shape_explains_refuses_only_when_it_moves_two_rows():
     """Red-team review 20: a row rounding with the batch's shape alone (its terms summed in another order in a half)
     no longer refuses, while a forward reading the row count (every row moves) and batch centring still do."""
     x, _ = _batch()
@@ -359,6 +359,43 @@ def test_a_mismatch_the_batch_shape_explains_refuses_only_when_it_moves_most_row
     for mixing in (lambda rows: ordered(rows) / len(rows), lambda rows: ordered(rows - rows.mean(0))):
         with pytest.raises(PrivacyConfigError, match="depend on their batch-mates"):
             refuse_batch_mixing(lambda index: mixing(x[index]), B, **check)
+
+
+def _some_rows_scaled(x: torch.Tensor, scale_of, rows: int):
+    """``values_of``: the batch's first ``rows`` rows (by content: their first feature at or above the ``rows``-th
+    largest) scaled by ``scale_of(len(index))``, a function of the row count."""
+    above = float(x[:, 0].sort(descending=True).values[rows - 1])
+
+    def values_of(index):
+        values = x[index]
+        return torch.where(values[:, :1] >= above, values * scale_of(len(index)), values)
+    return values_of
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_a_row_count_read_by_two_rows_is_refused(rows):
+    """Stop 58: a forward scaling two or three of its six rows by a function of the row count moved fewer than
+    most rows in the halves, each half agreed in the batch's shape, and it passed (the same through
+    ``per_example_loss``: 7.8 C released on one removal, ``test_pe_losses_halves_attacks.py``)."""
+    x, _ = _batch()
+    x = x.double()
+    with pytest.raises(PrivacyConfigError, match="depend on their batch-mates"):
+        refuse_batch_mixing(_some_rows_scaled(x, lambda n: 1.0 + n, rows), B, dtype=torch.float64, device=x.device)
+    one = _some_rows_scaled(x, lambda n: 1.0 + n, 1)  # (one row: review 20's rounding cannot be told from it)
+    assert refuse_batch_mixing(one, B, dtype=torch.float64, device=x.device)
+
+
+@pytest.mark.parametrize("size", [5, 6, 7])
+def test_a_row_count_read_only_one_below_the_batchs_is_refused(size):
+    """A scale equal at the halves' row counts and the batch's, changed at ``B - 1`` (the neighbouring dataset's
+    count): only the rows without one show it, every row."""
+    x, _ = _batch()
+    x = torch.cat([x, x[:1] + 1]).double()[:size]
+    values_of = _some_rows_scaled(x, lambda n: 1.0 + (n == size - 1), size)
+    assert torch.equal(values_of(torch.arange(size)), x)  # (the batch and its halves: unscaled)
+    assert torch.equal(values_of(torch.arange(size // 2)), x[:size // 2])
+    with pytest.raises(PrivacyConfigError, match="depend on their batch-mates"):
+        refuse_batch_mixing(values_of, size, dtype=torch.float64, device=x.device)
 
 
 def _rows_differ_reference(full, again, dtype):

@@ -41,7 +41,7 @@ def test_an_honest_model_with_dropout_meets_the_identity_far_inside_the_toleranc
         x, y = torch.randn(size, 6, dtype=torch.float32), torch.randint(0, 3, (size,))
         PerExampleGradientEngine(model, mode=mode).clipped_sum(
             lambda: F.cross_entropy(model(x), y, reduction="none"), 0.5)
-    assert len(comparisons) == 3
+    assert len(comparisons) == 5  # (the halves at each size, and the rows without one at B = 5 and 8)
     for gap, scale in comparisons:
         assert scale > 0.1 and gap <= 1e-5 * scale  # float32: sqrt(eps) = 3.5e-4 would pass it
 
@@ -72,12 +72,12 @@ def test_only_checked_steps_run_it(comparisons):
         engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 1.0)
 
     step()
-    assert len(comparisons) == 1
-    step()
-    assert len(comparisons) == 1
-    engine.recheck_next = True
+    assert len(comparisons) == 2  # (the halves, and the rows without one)
     step()
     assert len(comparisons) == 2
+    engine.recheck_next = True
+    step()
+    assert len(comparisons) == 4
 
 
 def test_a_row_whose_recomputation_is_not_finite_is_left_out_of_the_comparison(comparisons):
@@ -89,9 +89,9 @@ def test_a_row_whose_recomputation_is_not_finite_is_left_out_of_the_comparison(c
     x[2] = float("inf")
     clipped = PerExampleGradientEngine(model).clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 1.0)
     assert all(torch.isfinite(g).all() for g in clipped.grads)
-    assert len(comparisons) == 2
-    (first_gap, _), (gap, scale) = comparisons
-    assert not torch.isfinite(torch.tensor(first_gap)) and gap <= 1e-10 * scale
+    assert len(comparisons) == 3  # (the whole, then the rows in the sum: their halves, and those without one)
+    (first_gap, _), *again = comparisons
+    assert not torch.isfinite(torch.tensor(first_gap)) and all(gap <= 1e-10 * scale for gap, scale in again)
 
 
 @pytest.mark.parametrize("mode", MODES)
