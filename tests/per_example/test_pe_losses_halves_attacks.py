@@ -347,7 +347,8 @@ def test_a_loss_divided_by_the_row_count_is_refused_by_the_gradient_halves(mode)
     """1.50 C released at 5eb66f5: the bare engine given ``losses_of``; ``loss / len(x)`` halves every gradient on a
     half alone (refused there), but each half run in the batch's shape (``_in_place``) has the whole's row count,
     and that measure replaced the first. Unclipped batch-mates (``C = 0.075``): removing the record scales each of
-    their terms by 17/16. Now refused: most rows' losses (two or more suffice since stop 58) moved on the halves alone (``_moves_rows_losses``)."""
+    their terms by 17/16. Now refused: most rows' losses (two or more suffice since stop 58) moved on the halves
+    alone (``_moves_rows_losses``)."""
     x, y, record, label = _row_count_batch()
     torch.manual_seed(0)
     model = _RowCountLoss(lambda rows: 1.0 / rows).float()
