@@ -43,14 +43,16 @@ Open (strict ``xfail``):
   as an honest RReLU model's, on the record's steps only). Without the record the step passes silently. (Since the
   lead's change the same day, the checks take ``rand`` at its mean, so that model is refused; with a draw that has no
   mean, ``randint``, the break stays open.)
-* A backward scaled by a function of the batch's row count (an ``autograd.Function`` whose forward is the identity):
-  the gradient halves re-measure a mismatch with each half run in the batch's shape (``_in_place``, for kernels whose
-  rounding follows the shape, review 20), where the row count is the whole's, and that measure replaces the first;
-  no loss moves, so neither the module's loss halves nor the rule fixed above see it, while one removal changes
-  ``len(x)`` for every batch-mate. Switched off above 16 rows, through ``DPSGD.private_gradient`` (a fresh module per
-  batch, its loss halves pending): the record's batch of 17 rows zeroes every batch-mate's gradient, 15.8 C (every
-  mode). The gradient halves have sums, not rows: the forward checks' rule (refused where most rows move) has no
-  direct analogue for a backward.
+* (Closed at stop 58.) A backward scaled by a function of the batch's row count (an ``autograd.Function`` whose
+  forward is the identity): the gradient halves re-measure a mismatch with each half run in the batch's shape
+  (``_in_place``, for kernels whose rounding follows the shape, review 20), where the row count is the whole's, and
+  that measure replaces the first; no loss moves, so neither the module's loss halves nor the rule fixed above see
+  it, while one removal changes ``len(x)`` for every batch-mate. Switched off above 16 rows, through
+  ``DPSGD.private_gradient`` (a fresh module per batch, its loss halves pending): the record's batch of 17 rows
+  zeroes every batch-mate's gradient, 15.8 C (every mode). Stop 58 found the same through 7 of the 16 rows' losses
+  (7.8 C: "most rows" did not move) and closed both: every halves check also compares the batch without one secret
+  random row, and two rows moving with the shape are refused (``gradient_halves._refuse_row_count``,
+  ``checks.beyond_one_row``; the tests at the end of this file).
 * A bfloat16 model (parameters bfloat16, not a float32 model under an autocast, which review 67 closed by checking
   it in float32): the gradient halves run in bfloat16 with the unit ``min(sqrt(2^-7), 256 * 2^-7) = 0.088`` of the
   norms' term, and review 67's scaled backward with the aligned batch passes: 4.48 C at ``B = 16`` (record ``-3000
