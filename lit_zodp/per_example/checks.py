@@ -583,9 +583,11 @@ class MeanOfRandomDraws(TorchDispatchMode):
     default generators take their means too (:data:`_MEANS`: ``rand``/``uniform_`` the middle of their range,
     ``randn``/``normal`` their mean, ``exponential_``, ``log_normal_``, ``geometric_``; RReLU's slopes
     ``(lower + upper) / 2``): before stop 57 they sent both halves checks to eval mode, where a scale active only
-    in training passed (4.16 C released on one removal, red-team review 67). Draws with an explicit generator (the
-    checks' own secret ones) and draws without a mean (``randperm``, ``randint``, ``multinomial``, ``cauchy_``) are
-    left alone: the callers check that a recomputation reproduces, else fall back to eval mode with a warning.
+    in training passed (4.16 C released on one removal, red-team review 67). Since stop 58 draws without a mean take
+    a fixed stand-in: ``randint``/``random_`` the middle of their range, ``randperm`` the identity, ``multinomial``
+    the most likely categories, ``cauchy_`` its median, ``poisson`` its rate. Draws with an explicit generator (the
+    checks' own secret ones) are left alone: the callers check that a recomputation reproduces, else fall back to
+    eval mode with a warning.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -629,7 +631,31 @@ _MEANS = {
     torch.ops.aten.log_normal_: lambda out, b: out.fill_(math.exp(b["mean"] + b["std"] ** 2 / 2)),
     torch.ops.aten.geometric_: lambda out, b: out.fill_(1.0 / b["p"]),
     torch.ops.aten.rrelu_with_noise: None,  # (:func:`_rrelu_mean`)
+    # draws without a mean, at a fixed stand-in (stop 58: they sent the checks to eval mode, where a record that
+    # made a train-only loss random with ``randint`` switched a train-only batch statistic off, 3.73 C)
+    torch.ops.aten.randint: lambda out, b: _middle_of_range(out, b.get("low", 0), b["high"]),
+    torch.ops.aten.randint_like: lambda out, b: _middle_of_range(out, b.get("low", 0), b["high"]),
+    torch.ops.aten.random_: lambda out, b: _middle_of_range(out, b.get("from", 0), b.get("to")),
+    torch.ops.aten.randperm: lambda out, b: out.copy_(torch.arange(b["n"], device=out.device)),
+    torch.ops.aten.multinomial: lambda out, b: out.copy_(_most_likely(b["self"], b["num_samples"], b["replacement"])),
+    torch.ops.aten.cauchy_: lambda out, b: out.fill_(b["median"]),
+    torch.ops.aten.poisson: lambda out, b: out.copy_(b["self"]),
 }
+
+
+def _middle_of_range(out: Tensor, low, high) -> Tensor:
+    """An integer draw from ``[low, high)`` at the middle of its range (``random_`` without a bound: as drawn)."""
+    if high is None:
+        return out
+    low, high = int(low), int(high)
+    return out.fill_(low + (high - low - 1) // 2)
+
+
+def _most_likely(probabilities: Tensor, count: int, replacement: bool) -> Tensor:
+    """``multinomial``'s stand-in: the ``count`` most likely categories (with replacement: the most likely, repeated)."""
+    if replacement:
+        return probabilities.argmax(-1, keepdim=True).expand(*probabilities.shape[:-1], count)
+    return probabilities.topk(count, -1).indices
 
 
 def _rrelu_mean(bound: dict) -> Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine
-from lit_zodp.per_example.checks import refuse_batch_mixing, rows_differ
+from lit_zodp.per_example.checks import MeanOfRandomDraws, refuse_batch_mixing, rows_differ
 from lit_zodp.per_example.rounding import working_eps
 
 MODES = ["hooks", "ghost", "bookkeeping"]
@@ -263,11 +263,26 @@ class NoisyMixing(NoisyPerExample):
 
 
 class ShuffledPerExample(_TwoLayers):
-    """Per-example, but permutes its hidden units at random in training (a draw without a mean: ``randperm``)."""
+    """Per-example, but permutes its hidden units at random in training (a draw without a mean: ``randperm``; from
+    its own generator, ``own_generator``, which the checks leave alone)."""
+
+    def __init__(self, own_generator: bool = False):
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(0) if own_generator else None
 
     def forward(self, x):
         h = torch.tanh(self.l1(x))
-        return self.l2(h[:, torch.randperm(h.shape[1])] if self.training else h)
+        return self.l2(h[:, torch.randperm(h.shape[1], generator=self.generator)] if self.training else h)
+
+
+class ShuffledMixing(ShuffledPerExample):
+    """The shuffled model with a detached batch mean added only in training."""
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        if not self.training:
+            return self.l2(h)
+        return self.l2(h[:, torch.randperm(h.shape[1])] + 0.5 * h.detach().mean(0))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -285,9 +300,42 @@ def test_gaussian_noise_is_checked_in_training_mode_at_its_mean(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_draw_without_a_mean_is_checked_in_training_mode_at_a_stand_in(mode):
+    """Stop 58: ``randperm`` (like ``randint``, ``multinomial``) sent the checks to eval mode with a warning; the
+    identity permutation stands in for it now: no warning, and training-only mixing is refused."""
+    x, y = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = ShuffledPerExample().train()
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
+    model = ShuffledMixing().train()
+    with pytest.raises(PrivacyConfigError, match="batch-mates"):
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
+
+
+def test_the_stand_ins_of_draws_without_a_mean():
+    """Each op's stand-in, called as a model would (default generators): reproducible, in range, of the draw's shape
+    and dtype; an explicit generator's draw is left as drawn."""
+    probabilities = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]])
+    with MeanOfRandomDraws():
+        assert torch.equal(torch.randint(2, 9, (3,)), torch.full((3,), 5))
+        assert torch.equal(torch.randint(4, (2, 2)), torch.full((2, 2), 1))
+        assert torch.equal(torch.randint_like(torch.zeros(2), 0, 2), torch.zeros(2))
+        assert torch.equal(torch.empty(3, dtype=torch.long).random_(0, 10), torch.full((3,), 4))
+        assert torch.equal(torch.randperm(5), torch.arange(5))
+        assert torch.equal(torch.multinomial(probabilities, 2), torch.tensor([[1, 2], [0, 2]]))
+        assert torch.equal(torch.multinomial(probabilities, 3, replacement=True), torch.tensor([[1] * 3, [0] * 3]))
+        assert torch.equal(torch.empty(2).cauchy_(1.5, 2.0), torch.full((2,), 1.5))
+        assert torch.equal(torch.poisson(torch.tensor([2.0, 7.0])), torch.tensor([2.0, 7.0]))
+        drawn = torch.randperm(50, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(drawn, torch.randperm(50, generator=torch.Generator().manual_seed(1)))
+    assert not torch.equal(drawn, torch.arange(50))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_forward_random_beyond_any_mean_is_compared_in_eval_mode_with_a_warning(mode):
     x, y = _batch()
-    model = ShuffledPerExample().train()
+    model = ShuffledPerExample(own_generator=True).train()
     with pytest.warns(UserWarning, match="random numbers other than dropout masks.*compared it in eval mode"):
         PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
     assert model.training
