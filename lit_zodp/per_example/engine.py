@@ -64,7 +64,8 @@ module (the reference path).
    ``loss_fn``'s own arithmetic is checked too; without it, from the module's outputs, and a step
    whose loss never called the module is refused. Sampled, not proved: data-dependent mixing
    shows only on the batches that trigger it. A verdict (5, 6 and 4) is kept for a structure only
-   when at least 2 examples were finite (F2).
+   when at least 2 examples were finite (F2). At a checked step every micro-batch of the logical batch
+   is checked (6), not only the first (red-team review 70: a row count read in the last one, 4.97 C).
 7. "ghost" mode verifies its second backward on every step: per row, ``u^T G2[r] v = u^T G1[r] v``
    (random ``u, v``, secret per step; seeded as the first pass since stop 57, the factors weighting the
    sums), else it refuses (F3: a backward that differs between the passes).

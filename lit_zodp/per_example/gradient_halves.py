@@ -34,6 +34,11 @@ A mismatch is measured again with each half in the batch's shape (a kernel's rou
 losses path it is still refused there where the halves alone moved most rows' losses (a loss reading the row count,
 ``loss / len(x)``: 1.50 C, review 68). A backward alone scaled by the row count moves no loss, and passes.
 
+Every comparison also weights each row by a secret random factor in ``[1, 2)`` (:func:`secret_row_weights`): under
+the clip factors alone, a backward adding to each row's gradient a large term, linear in the row's own output
+gradient and cancelling between the rows of every run (roots of unity over the run's rows), moved every clip factor
+while every compared sum held (12.6 C, red-team review 70).
+
 A row weighted 0 whose recomputation is not finite (an input with an infinite feature) makes the whole batch's
 gradient NaN (``0 * inf``); the rows in the sum are then compared without it, and their whole must also give the
 step's own clipped sum (:func:`_retry_without_non_finite_rows`): compared only with each other, a record whose batch
