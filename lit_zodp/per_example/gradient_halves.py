@@ -38,6 +38,11 @@ where they do not, the one row rounding with the shape is sought and set aside):
 count moved no loss and released 15.8 C on one removal (review 68), a loss read at the row count by 7 of 16 rows
 7.8 C (stop 58).
 
+Every comparison also weights each row by a secret random factor in ``[1, 2)`` (:func:`secret_row_weights`): under
+the clip factors alone, a backward adding to each row's gradient a large term, linear in the row's own output
+gradient and cancelling between the rows of every run (roots of unity over the run's rows), moved every clip factor
+while every compared sum held (12.6 C, red-team review 70).
+
 A row weighted 0 whose recomputation is not finite (an input with an infinite feature) makes the whole batch's
 gradient NaN (``0 * inf``); the rows in the sum are then compared without it, and their whole must also give the
 step's own clipped sum (:func:`_retry_without_non_finite_rows`): compared only with each other, a record whose batch
@@ -62,7 +67,7 @@ from lit_zodp.per_example.checks import (MeanOfRandomDraws, beyond_one_row, beyo
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
-from lit_zodp.privacy.training_randomness import secret_streams
+from lit_zodp.privacy.training_randomness import secret_cpu_generator, secret_streams
 
 Gradients = List[Optional[Tensor]]
 
@@ -135,7 +140,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         return None
     if losses_of is None and not calls:
         raise PrivacyConfigError(UNCOMPARED)
-    shares = float(torch.where(weights > 0, weights.double() * norms.double(), 0.0).nan_to_num(0.0).sum())
+    share_rows = torch.where(weights > 0, weights.double() * norms.double(), 0.0).nan_to_num(0.0).detach().cpu()
+    shares = float(share_rows.sum())
     with no_forward_autocast() if without_autocast else contextlib.nullcontext():
         unit = tolerance_unit(working_eps(device_type, dtype))
     seen: Optional[List[Tensor]] = None  # (the losses path: each run's losses, for the row count's rule)
@@ -148,7 +154,7 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
                                 keep_call_shape=keep_call_shape, devices=devices, device_type=device_type,
                                 without_autocast=without_autocast)
     weights = weights.double().cpu()
-    compare = functools.partial(_refuse_halves_apart, run, weights, project=project, unit=unit, shares=shares,
+    compare = functools.partial(_refuse_halves_apart, run, weights, project=project, unit=unit, shares=share_rows,
                                 seen=seen, dtype=dtype)
     if compare(torch.arange(size)):
         return None
@@ -157,14 +163,24 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
 
 
 def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows: Tensor, *,
-                         project: Callable[[int, Tensor], Tensor], unit: float, shares: float,
+                         project: Callable[[int, Tensor], Tensor], unit: float, shares: Tensor,
                          seen: Optional[List[Tensor]] = None, dtype: torch.dtype = torch.float32) -> bool:
     """The comparison of :func:`refuse_gradient_mixing` on ``rows`` (2 or more); ``False`` where the whole's or a
     half's gradient is not finite (nothing compared). ``seen``: where the runs leave their losses (the losses path):
     a mismatch that the batch's shape explains is still refused where it moved two rows' losses or more
-    (:func:`_moves_rows_losses`)."""
+    (:func:`_moves_rows_losses`). ``shares``: each row's ``c_r ||g_r||``.
+
+    Every row's clip factor is multiplied by a secret random weight in ``[1, 2)`` (:func:`secret_row_weights`; any
+    fixed weights give the identity): compared with the clip factors alone, a backward that adds to each row's
+    gradient a large term, linear in that row's own output gradient (so the alignment check's ``G_w[r] = w_r G_1[r]``
+    holds), signed so that the terms cancel in pairs among the rows of each run, moved every row's clip factor while
+    every sum compared stayed the same: switched on by a record, it clipped every batch-mate's gradient to the
+    cancelling term, 14.8 C released on one removal (``B = 16``, every mode, red-team review 70)."""
     if len(rows) < 2:
         return True
+    secret = secret_row_weights(len(weights))
+    weights = weights * secret
+    shares = float((shares * secret).sum())
     if seen is not None:
         seen.clear()
     halves = random_halves(len(rows))
@@ -191,6 +207,12 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
             "compute each example's loss and gradient from its own row")
     _refuse_row_count(functools.partial(_ratio, run, project=project, unit=unit, shares=shares), rows, weights)
     return True
+
+
+def secret_row_weights(size: int) -> Tensor:
+    """``size`` weights in ``[1, 2)`` (float64) from a generator seeded by the OS: a model cannot predict them, so
+    terms that cancel between rows under equal weights (the clip factors') do not cancel under these."""
+    return 1.0 + torch.rand(size, generator=secret_cpu_generator(), dtype=torch.float64)
 
 
 def _refuse_row_count(ratio_of: Callable[[List[Part]], float], rows: Tensor, weights: Tensor) -> None:
