@@ -175,7 +175,8 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
     gradient a large term, linear in that row's own output gradient (so the alignment check's ``G_w[r] = w_r G_1[r]``
     holds), signed so that the terms cancel in pairs among the rows of each run, moved every row's clip factor while
     every sum compared stayed the same: switched on by a record, it clipped every batch-mate's gradient to the
-    cancelling term, 14.8 C released on one removal (``B = 16``, every mode, red-team review 70)."""
+    cancelling term, 12.6 C released on one removal (``B = 16``, every mode, red-team review 70; 14.8 C with signs
+    in pairs, on the draws whose halves paired them)."""
     if len(rows) < 2:
         return True
     secret = secret_row_weights(len(weights))
@@ -194,7 +195,7 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
         ratio = _beyond(gap, unit * (shares + scale))
         if ratio <= 1 and _moves_rows_losses(alone, halves, dtype):
             raise PrivacyConfigError(
-                "The per-example losses depend on the batch's row count: on each half of the batch alone most "
+                "The per-example losses depend on the batch's row count: on each half of the batch alone several "
                 "examples' losses differ from the whole batch's beyond rounding, and agree only in the whole batch's "
                 "shape (a loss reading `len(x)`, a mean over the batch's rows). Removing one example changes the row "
                 "count, hence every batch-mate's gradient; compute each example's loss from its own row")
