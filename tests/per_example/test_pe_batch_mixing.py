@@ -285,30 +285,20 @@ class ShuffledMixing(ShuffledPerExample):
         return self.l2(h[:, torch.randperm(h.shape[1])] + 0.5 * h.detach().mean(0))
 
 
+@pytest.mark.parametrize("honest, mixing", [(NoisyPerExample, NoisyMixing), (ShuffledPerExample, ShuffledMixing)],
+                         ids=["gaussian", "randperm"])
 @pytest.mark.parametrize("mode", MODES)
-def test_gaussian_noise_is_checked_in_training_mode_at_its_mean(mode):
+def test_a_random_forward_is_checked_in_training_mode(mode, honest, mixing):
     """Before stop 57 any draw beyond dropout sent the checks to eval mode (with a warning), where mixing that only
-    training does passed; a Gaussian draw now takes its mean: no warning, and training-only mixing is refused."""
+    training does passed; a Gaussian draw takes its mean since, and a draw without a mean (``randperm``, like
+    ``randint``, ``multinomial``) a fixed stand-in since stop 58 (the identity permutation): no warning, and
+    training-only mixing is refused."""
     x, y = _batch()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model = NoisyPerExample().train()
+        model = honest().train()
         PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
-    model = NoisyMixing().train()
-    with pytest.raises(PrivacyConfigError, match="batch-mates"):
-        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_a_draw_without_a_mean_is_checked_in_training_mode_at_a_stand_in(mode):
-    """Stop 58: ``randperm`` (like ``randint``, ``multinomial``) sent the checks to eval mode with a warning; the
-    identity permutation stands in for it now: no warning, and training-only mixing is refused."""
-    x, y = _batch()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        model = ShuffledPerExample().train()
-        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
-    model = ShuffledMixing().train()
+    model = mixing().train()
     with pytest.raises(PrivacyConfigError, match="batch-mates"):
         PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
 
