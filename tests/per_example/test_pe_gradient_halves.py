@@ -150,3 +150,25 @@ def test_gradients_that_are_all_zero_agree_exactly():
     losses = lambda: (model(x) * 0).sum(1)  # noqa: E731
     clipped = PerExampleGradientEngine(model).clipped_sum(losses, 1.0)
     assert all(float(g.abs().max()) == 0 for g in clipped.grads)
+
+
+def test_one_row_whose_terms_cancel_is_not_refused_on_any_split():
+    """A constant image of ``1e10`` (plus a small image) through a standardised convolution, whose pull-back has a
+    null space: the record's clip-weighted gradient rounds apart in every run that sums it with other rows, at
+    ``eps`` times its huge terms, above the tolerance's ``256 eps`` of the clipped norms. Since stop 57's unit the
+    halves refused it on about one split in three in "hooks" (``test_nfresnet_crafted.py`` failed in CI one run in
+    three; a refusal tells whether the record was in the batch). One row explaining the mismatch is now set apart,
+    once the others are shown not to move with it (``_one_row_rounds_apart``). 12 re-checked steps (the test's
+    failures were the OS's 1% re-checks of its record batches), after an honest first batch of the structure."""
+    from tests.backbones.test_nfresnet_crafted import StdConvNet, honest, null_space_record
+
+    model = StdConvNet(constant_channels=True)
+    x, y = honest(32)
+    engine = PerExampleGradientEngine(model, mode="hooks", recheck_probability=0.0)
+    engine.clipped_sum(lambda: F.cross_entropy(model(torch.cat([x, x[:1]])), torch.cat([y, y[:1]]),
+                                               reduction="none"), 1e-3)
+    x, y = torch.cat([null_space_record(1e10, 100.0), x]), torch.cat([y[:1], y])
+    for _ in range(12):
+        engine.recheck_next = True
+        clipped = engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 1e-3)
+        assert all(torch.isfinite(g).all() for g in clipped.grads)

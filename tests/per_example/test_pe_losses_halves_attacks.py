@@ -461,11 +461,13 @@ def test_a_row_count_read_only_at_the_neighbours_count_is_refused_at_the_records
 @pytest.mark.xfail(strict=True, reason="open: a bfloat16 model's gradient halves run in bfloat16 with a tolerance of "
                                        "sqrt(2^-7) of the norms' term (4.48 C at B = 16)")
 @pytest.mark.parametrize("losses_of", [False, True], ids=["calls", "losses"])
-def test_mixing_below_a_bfloat16_models_tolerance_is_refused(losses_of):
+def test_mixing_below_a_bfloat16_models_tolerance_is_refused(losses_of, monkeypatch):
     """Review 67's scaled backward and aligned batch (its autocast attack, closed for float32 models by checking them
     in float32) on a model whose parameters are bfloat16: the check cannot drop to float32, and its unit is
     ``min(sqrt(eps), 256 eps) = 0.088``: a record ``-3000 mu`` releases 4.48 C at ``B = 16`` (16.8 C at ``B = 64``,
-    ``-6000 mu``)."""
+    ``-6000 mu``). (Since stop 58 the rows without one secret row refuse it when that row is the record's, one draw
+    in 17: the test leaves out a batch-mate, as 16 draws in 17 do.)"""
+    monkeypatch.setattr(gradient_halves, "secret_row", lambda size: torch.tensor([0]))
     model, x, y, direction, label = _aligned_batch(16)
     model = model.to(torch.bfloat16)
     released = _released(model, lambda xs, ys: F.cross_entropy(model(xs).float(), ys, reduction="none"), "hooks", 1.0,

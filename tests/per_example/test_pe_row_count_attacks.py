@@ -159,11 +159,15 @@ def _paired_released(mode: str) -> float:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_backward_whose_terms_cancel_in_pairs_is_refused(mode, monkeypatch):
-    """12.61 C released with the step's clip factors as the only weights; refused under the secret row weights."""
+    """12.61 C released with the step's clip factors as the only weights; refused under the secret row weights. (Since
+    the lead's change the same day the rows without one run beside the left-out row's content, which a rank among
+    the run's distinct rows also reads: that comparison refuses it too, so both are switched off to show the
+    release.)"""
     released = _paired_released(mode)
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
     if mode == "hooks":
         monkeypatch.setattr(gradient_halves, "secret_row_weights", lambda size: torch.ones(size, dtype=torch.float64))
+        monkeypatch.setattr(gradient_halves, "_refuse_row_count", lambda *args: None)
         assert _paired_released(mode) > 12
 
 
