@@ -36,7 +36,11 @@ count, ``loss / len(x)``: 1.50 C, review 68). Then the rows without one secret r
 of the neighbouring dataset), must give the gradient they give in the batch's shape (:func:`_refuse_row_count`;
 where they do not, the one row rounding with the shape is sought and set aside): a backward alone scaled by the row
 count moved no loss and released 15.8 C on one removal (review 68), a loss read at the row count by 7 of 16 rows
-7.8 C (stop 58).
+7.8 C (stop 58). Wherever one row is set apart, the step's own clipped sum less the other rows' (run alone) must be
+at most that row's clipped norm, and each other row's clipped norm alone its norm in the step
+(:func:`_refuse_row_apart`): a backward on only where that row's output gradient and another's are non-zero, which
+no comparison of the certificate runs, released 20.4 C (12.6 C with terms cancelling under the clip factors,
+red-team review 71).
 
 Every comparison also weights each row by a secret random factor in ``[1, 2)`` (:func:`secret_row_weights`): under
 the clip factors alone, a backward adding to each row's gradient a large term, linear in the row's own output
@@ -154,22 +158,28 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
                                 keep_call_shape=keep_call_shape, devices=devices, device_type=device_type,
                                 without_autocast=without_autocast)
     weights = weights.double().cpu()
+    apart: List[int] = []  # (the row a comparison set apart as rounding: :func:`_one_row_certified`)
     compare = functools.partial(_refuse_halves_apart, run, weights, project=project, unit=unit, shares=share_rows,
-                                seen=seen, dtype=dtype)
+                                seen=seen, dtype=dtype, apart=apart)
+    row_apart = functools.partial(_refuse_row_apart, run, weights, apart, project=project, unit=unit,
+                                  shares=share_rows)
     if compare(torch.arange(size)):
-        return None
+        return row_apart if apart else None
     return functools.partial(_retry_without_non_finite_rows, run, compare, weights, project=project, unit=unit,
-                             released_unit=unit if released_unit is None else released_unit, shares=shares)
+                             released_unit=unit if released_unit is None else released_unit, shares=shares,
+                             row_apart=row_apart, apart=apart)
 
 
 def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows: Tensor, *,
                          project: Callable[[int, Tensor], Tensor], unit: float, shares: Tensor,
-                         seen: Optional[List[Tensor]] = None, dtype: torch.dtype = torch.float32) -> bool:
+                         seen: Optional[List[Tensor]] = None, dtype: torch.dtype = torch.float32,
+                         apart: Optional[List[int]] = None) -> bool:
     """The comparison of :func:`refuse_gradient_mixing` on ``rows`` (2 or more); ``False`` where the whole's or a
     half's gradient is not finite (nothing compared). ``seen``: where the runs leave their losses (the losses path):
     a mismatch that the batch's shape explains is still refused where it moved two rows' losses or more
     (:func:`_moves_rows_losses`). ``shares``: each row's ``c_r ||g_r||``. A mismatch that remains is passed where
-    one row explains it (:func:`_one_row_rounds_apart`).
+    one row explains it (:func:`_one_row_rounds_apart`); that row's index is appended to ``apart``, and the step's own
+    sum must then be the other rows' run alone, to that row's clipped norm (:func:`_refuse_row_apart`).
 
     Every row's clip factor is multiplied by a secret random weight in ``[1, 2)`` (:func:`secret_row_weights`; any
     fixed weights give the identity): compared with the clip factors alone, a backward that adds to each row's
@@ -202,7 +212,10 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
                 "count, hence every batch-mate's gradient; compute each example's loss from its own row")
     ratio_of = functools.partial(_ratio, run, project=project, unit=unit, shares=shares)
     if not ratio <= 1:
-        if _one_row_rounds_apart(ratio_of, rows, weights, halves):
+        row = _one_row_rounds_apart(ratio_of, rows, weights, halves)
+        if row is not None:
+            if apart is not None:
+                apart.append(row)
             return True
         raise PrivacyConfigError(
             "The per-example gradients depend on their batch-mates: the clip-weighted gradient of the engine's module "
@@ -210,12 +223,14 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
             f"{beyond_tolerance(ratio)}. A forward or backward that mixes examples (a batch statistic, "
             "including one that only a custom autograd.Function's backward reads) breaks per-example clipping; "
             "compute each example's loss and gradient from its own row")
-    _refuse_row_count(ratio_of, rows, weights)
+    row = _refuse_row_count(ratio_of, rows, weights)
+    if row is not None and apart is not None:
+        apart.append(row)
     return True
 
 
 def _one_row_rounds_apart(ratio_of: Callable[[List[Part]], float], rows: Tensor, weights: Tensor,
-                          halves: Tuple[Tensor, Tensor]) -> bool:
+                          halves: Tuple[Tensor, Tensor]) -> Optional[int]:
     """Whether one row explains a mismatch of the halves, as rounding: a row whose terms are huge and cancel (a
     constant image of ``1e10`` through a standardised convolution, whose pull-back has a null space) rounds its
     clip-weighted gradient at ``eps`` times those terms, far above the tolerance's ``256 eps`` of the clipped norms,
@@ -223,7 +238,8 @@ def _one_row_rounds_apart(ratio_of: Callable[[List[Part]], float], rows: Tensor,
     ``tests/backbones/test_nfresnet_crafted.py`` were refused on about one split in three (a refusal that tells
     whether the record was in the batch, red-team review 20's point). Where the halves in the batch's shape agree
     with that row at weight 0 (its content in place: so it moves no other row) and the rows without it agree run
-    alone (:func:`_one_row_certified`), the row's own clipped term, at most ``C``, is all it moves."""
+    alone (:func:`_one_row_certified`), the row's own clipped term, at most ``C``, is all it moves. Returns that
+    row (an index of ``weights``), or ``None``."""
     def zeroed(out: Tensor) -> float:
         return ratio_of(_in_place(rows, _at_weight_zero(rows, weights, out), halves))
 
@@ -236,7 +252,7 @@ def secret_row(size: int) -> Tensor:
 
 
 def _one_row_certified(ratio_of: Callable[[List[Part]], float], zeroed: Callable[[Tensor], float], rows: Tensor,
-                       weights: Tensor) -> bool:
+                       weights: Tensor) -> Optional[int]:
     """Whether a failed comparison holds with one row at weight 0 (``zeroed(positions)``: the comparison with those
     positions of ``rows`` at weight 0), found by random bisection (the search goes on in the half whose zeroing
     brings the comparison lower: the row is in it; "the first half that passes" followed a mismatch near the
@@ -245,15 +261,20 @@ def _one_row_certified(ratio_of: Callable[[List[Part]], float], zeroed: Callable
     (:func:`_beside`), and that row's own gradient beside them is the one it has among copies of itself
     (:func:`_among_copies`, the batch's shape: their content does not move it). Without the last, review 65's
     three records of a batch of four, whose detached batch mean moved the honest row, passed with that row set
-    apart (1.77 C). Two rows or more: ``False``. How the row was found does not matter to the last three
-    comparisons, which are what the callers need."""
+    apart (1.77 C). Two rows or more: ``None``; else the row (an index of ``weights``). How the row was found does
+    not matter to the last three comparisons, which are what the callers need. None of them runs that row and the
+    others both at a non-zero weight (a row of huge cancelling terms rounds apart only there), so a backward that
+    moves the others only where that row's output gradient is non-zero passes all three: the caller's
+    :func:`_refuse_row_apart` compares the step's own sum (red-team review 71)."""
     group = torch.arange(len(rows))
     while len(group) > 1:
         halves = random_halves(len(group))
         ratios = [zeroed(group[half]) for half in halves]
         group = group[halves[0 if not ratios[1] < ratios[0] else 1]]  # (NaN: the other half)
-    return (zeroed(group) <= 1 and ratio_of(_beside(rows, weights, group)) <= 1
-            and ratio_of(_among_copies(rows, weights, group)) <= 1)
+    if (zeroed(group) <= 1 and ratio_of(_beside(rows, weights, group)) <= 1
+            and ratio_of(_among_copies(rows, weights, group)) <= 1):
+        return int(rows[group[0]])
+    return None
 
 
 def _among_copies(rows: Tensor, weights: Tensor, group: Tensor) -> List[Part]:
@@ -278,7 +299,7 @@ def secret_row_weights(size: int) -> Tensor:
     return 1.0 + torch.rand(size, generator=secret_cpu_generator(), dtype=torch.float64)
 
 
-def _refuse_row_count(ratio_of: Callable[[List[Part]], float], rows: Tensor, weights: Tensor) -> None:
+def _refuse_row_count(ratio_of: Callable[[List[Part]], float], rows: Tensor, weights: Tensor) -> Optional[int]:
     """Refuse the step unless the rows without one, run alone (the neighbouring dataset's row count), give the
     clip-weighted gradient they give beside it in the batch (its content in place at weight 0). The halves compare
     row counts ``B // 2`` and ``B - B // 2`` with ``B``, and a mismatch that the batch's shape explains passed: a
@@ -287,16 +308,17 @@ def _refuse_row_count(ratio_of: Callable[[List[Part]], float], rows: Tensor, wei
     losses only, 7.8 C (stop 58). The row left out is a secret random one; where that comparison differs, it must hold
     with one row at weight 0, and the rows without that one must agree (:func:`_one_row_certified`: review 20's row
     whose terms cancel rounds apart in any run that sums it with others). Two rows or more that move are refused, as
-    the forward checks refuse them."""
+    the forward checks refuse them. Returns the row set apart (an index of ``weights``), or ``None``."""
     size = len(rows)
     if size < 3:  # (a batch of 2: its halves are its removals)
-        return
+        return None
     dropped = secret_row(size)
     if ratio_of(_beside(rows, weights, dropped)) <= 1:
-        return
-    if _one_row_certified(ratio_of, lambda out: ratio_of(_beside(rows, _at_weight_zero(rows, weights, out), dropped)),
-                          rows, weights):
-        return
+        return None
+    row = _one_row_certified(ratio_of, lambda out: ratio_of(_beside(rows, _at_weight_zero(rows, weights, out),
+                                                                    dropped)), rows, weights)
+    if row is not None:
+        return row
     raise PrivacyConfigError(
         "The per-example gradients depend on the batch's row count: the batch without one example, run alone, gives "
         "the other examples a clip-weighted gradient that differs from theirs in the whole batch beyond rounding, "
@@ -325,7 +347,8 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
                                    weights: Tensor, released: Optional[Gradients],
                                    space: Optional[Callable[[Gradients], List[Tensor]]] = None, *,
                                    project: Callable[[int, Tensor], Tensor], unit: float, released_unit: float,
-                                   shares: float) -> None:
+                                   shares: float, row_apart: Optional[Callable[..., None]] = None,
+                                   apart: Sequence[int] = ()) -> None:
     """After a whole batch whose recomputed gradient is not finite (a row weighted 0 whose forward is not: an
     input with an infinite feature): the rows in the sum, recomputed without the others, must give the step's own
     clipped sum ``released`` (in the clipped space), then meet the halves' identity. Compared without that row alone,
@@ -350,18 +373,9 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     if released_unit > unit:
         raise _not_finite("the step's own clipped sum, rounded by its forward's half-precision autocast, cannot be "
                           "compared closely enough with the batch recomputed without it in float32")
-    whole = run((rows, weights[rows]))
-    compared: List[Optional[Tensor]] = (list(space(whole)) if space is not None else
-                                        [None if g is None else project(i, g) for i, g in enumerate(whole)])
-    del whole
-    if len(compared) != len(released):
+    gap, scale = _gap_to_released(run, (rows, weights[rows]), released, space, project)
+    if gap is None:
         raise _not_finite("the step's own clipped sum could not be formed in the space it is compared in")
-    terms = [torch.linalg.vector_norm(
-        (g.double() if g is not None else torch.zeros((), dtype=torch.float64, device=s.device))
-        - s.double()) ** 2 for g, s in zip(compared, released)]
-    gap = float(torch.stack(terms).sum().sqrt()) if terms else 0.0
-    scale = float(_norm_sq(compared, _as_it_is).sqrt()) + float(_norm_sq(released, _as_it_is).sqrt())
-    del compared
     ratio = _beyond(gap, unit * (shares + scale))
     if not ratio <= 1:
         raise _not_finite("the rows in the sum, recomputed without it, give a clip-weighted gradient that differs "
@@ -369,6 +383,74 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
                           "dropout in training mode, which the check cannot replay)")
     if not compare(rows):
         raise _not_finite("the rows in the sum recomputed without it are not finite either")
+    if apart and row_apart is not None:
+        row_apart(released, space)
+
+
+def _gap_to_released(run: Callable[[Part], Gradients], part: Part, released: Gradients,
+                     space: Optional[Callable[[Gradients], List[Tensor]]],
+                     project: Callable[[int, Tensor], Tensor]) -> Tuple[Optional[float], float]:
+    """``||G_part - released||`` and ``||G_part|| + ||released||`` (``released``: the step's own sum in the clipped
+    space, or in ``space``'s); the gap ``None`` where they are not in the same space."""
+    whole = run(part)
+    compared: List[Optional[Tensor]] = (list(space(whole)) if space is not None else
+                                        [None if g is None else project(i, g) for i, g in enumerate(whole)])
+    del whole
+    if len(compared) != len(released):
+        return None, math.inf
+    terms = [torch.linalg.vector_norm(
+        (g.double() if g is not None else torch.zeros((), dtype=torch.float64, device=s.device))
+        - s.double()) ** 2 for g, s in zip(compared, released)]
+    gap = float(torch.stack(terms).sum().sqrt()) if terms else 0.0
+    scale = float(_norm_sq(compared, _as_it_is).sqrt()) + float(_norm_sq(released, _as_it_is).sqrt())
+    return gap, scale
+
+
+def _refuse_row_apart(run: Callable[[Part], Gradients], weights: Tensor, apart: Sequence[int],
+                      released: Optional[Gradients], space: Optional[Callable[[Gradients], List[Tensor]]] = None, *,
+                      project: Callable[[int, Tensor], Tensor], unit: float, shares: Tensor) -> None:
+    """After a comparison set one row apart as rounding (``apart``, :func:`_one_row_certified`): the step's own
+    clipped sum ``released`` less the other rows' clip-weighted gradient, run alone (with no secret weights: the
+    step's), must be at most that row's clipped norm ``c_m ||g_m||`` (to the tolerance): what one removal may move.
+    The certificate's runs put that row or the others at weight 0, and a backward reads which rows' output gradients
+    are 0 (the alignment check's ``G_w[r] = w_r G_1[r]`` holds for any positive weights): one that added a large
+    term to every batch-mate's gradient only where the record's output gradient and another row's were non-zero
+    passed every comparison with the record set apart, and released 20.4 C on one removal (``B = 16``, every mode,
+    red-team review 71). The step's own sum is formed row by row (the hooks' per-example gradients) or with the
+    clip factors, so it has that term, and the others alone do not. First each other row is recomputed alone (one
+    run a row: only at a step that set a row apart) and its clipped norm compared with the step's: the clip
+    factors weighting the others alone are the step's, and terms that cancel between rows under them (review 70's
+    roots of unity) switched on the same way clipped every batch-mate to its term while the sums agreed (12.61 C,
+    review 71). ``released`` ``None`` (a rewrite a sum cannot undo): refused."""
+    row = apart[-1]
+    if released is None:
+        raise PrivacyConfigError(
+            "The per-example gradients could not be checked for independence from their batch-mates: one example's "
+            "gradient rounds apart from the rest in every recomputation of the batch, and with a transform that "
+            "rewrites the per-example gradients in a way a sum cannot undo the step's own clipped sum cannot be "
+            "compared with the other examples' recomputed without it")
+    rest = ((weights > 0) & (torch.arange(len(weights)) != row)).nonzero().flatten()
+    total = float(shares.sum())
+    moved = 0.0  # (each other row's clipped norm alone, against the step's: its clip factor is its own)
+    for other in rest.tolist():
+        alone = float(_norm_sq(run((torch.tensor([other]), torch.ones(1, dtype=weights.dtype))), project).sqrt())
+        moved += abs(float(weights[other]) * alone - float(shares[other]))
+    if not moved <= unit * total:
+        raise PrivacyConfigError(
+            "The per-example gradients depend on their batch-mates: the other examples' gradient norms, each "
+            "recomputed alone, differ from theirs in the step (their clipped norms by "
+            f"{moved:.4g} in all, against a tolerance of {unit * total:.4g}) beside one example whose gradient rounds "
+            "apart from the rest; compute each example's loss and gradient from its own row")
+    gap, scale = _gap_to_released(run, (rest, weights[rest]), released, space, project)
+    own = float(shares[row])
+    limit = own * (1 + unit) + unit * (float(shares.sum()) + scale)
+    if gap is None or not gap <= limit:
+        raise PrivacyConfigError(
+            "The per-example gradients depend on their batch-mates: the step's clipped sum differs from its other "
+            "examples' clip-weighted gradient, recomputed without one example, by more than that example's clipped "
+            f"norm ({'not comparable' if gap is None else f'{gap:.4g} against {own:.4g}'}). A backward that changes "
+            "the other examples' gradients where that example's output gradient is non-zero breaks per-example "
+            "clipping; compute each example's loss and gradient from its own row")
 
 
 def _moves_rows_losses(alone: Sequence[Tensor], halves: Tuple[Tensor, Tensor], dtype: torch.dtype) -> bool:
