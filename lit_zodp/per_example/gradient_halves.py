@@ -435,22 +435,22 @@ def _refuse_row_apart(run: Callable[[Part], Gradients], weights: Tensor, apart: 
     for other in rest.tolist():
         alone = float(_norm_sq(run((torch.tensor([other]), torch.ones(1, dtype=weights.dtype))), project).sqrt())
         moved += abs(float(weights[other]) * alone - float(shares[other]))
-    if not moved <= unit * total:
+    if not moved <= unit * total:  # (only the order of the ratio is shown: private examples set it, audit 6)
         raise PrivacyConfigError(
             "The per-example gradients depend on their batch-mates: the other examples' gradient norms, each "
             "recomputed alone, differ from theirs in the step (their clipped norms by "
-            f"{moved:.4g} in all, against a tolerance of {unit * total:.4g}) beside one example whose gradient rounds "
+            f"{beyond_tolerance(_beyond(moved, unit * total))} in all) beside one example whose gradient rounds "
             "apart from the rest; compute each example's loss and gradient from its own row")
     gap, scale = _gap_to_released(run, (rest, weights[rest]), released, space, project)
     own = float(shares[row])
     limit = own * (1 + unit) + unit * (float(shares.sum()) + scale)
     if gap is None or not gap <= limit:
+        by = "not comparable" if gap is None else beyond_tolerance(_beyond(gap, limit))
         raise PrivacyConfigError(
             "The per-example gradients depend on their batch-mates: the step's clipped sum differs from its other "
             "examples' clip-weighted gradient, recomputed without one example, by more than that example's clipped "
-            f"norm ({'not comparable' if gap is None else f'{gap:.4g} against {own:.4g}'}). A backward that changes "
-            "the other examples' gradients where that example's output gradient is non-zero breaks per-example "
-            "clipping; compute each example's loss and gradient from its own row")
+            f"norm ({by}). A backward that changes the other examples' gradients where that example's output gradient "
+            "is non-zero breaks per-example clipping; compute each example's loss and gradient from its own row")
 
 
 def _moves_rows_losses(alone: Sequence[Tensor], halves: Tuple[Tensor, Tensor], dtype: torch.dtype) -> bool:
