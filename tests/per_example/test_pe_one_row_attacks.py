@@ -72,6 +72,12 @@ MODES = ["hooks", "ghost", "bookkeeping"]
 MARGIN = 1 + 1e-3
 
 
+def _record_and_another_live(grad: torch.Tensor, record: torch.Tensor) -> bool:
+    """Whether the record's output gradient and another row's are non-zero: the gate of this file's backwards."""
+    live = grad.abs().sum(1) > 0
+    return bool((live & record).any()) and bool((live & ~record).any())
+
+
 class _GatedMove(torch.autograd.Function):
     """Identity forward; the backward adds ``K <grad_r, a> u`` to columns 2 and 3 of every row ``r`` but the record's
     (``a = (1, -1) / sqrt 2`` on columns 0 and 1, ``u = (1, 0)``), only where the record's output gradient and another
@@ -89,8 +95,7 @@ class _GatedMove(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (record,) = ctx.saved_tensors
         live = grad.abs().sum(1) > 0
-        on = bool(record.any()) and bool(live.all()) if _GatedMove.every_row else (
-            bool((live & record).any()) and bool((live & ~record).any()))
+        on = bool(record.any()) and bool(live.all()) if _GatedMove.every_row else _record_and_another_live(grad, record)
         if not on:
             return grad, None
         along = _GatedMove.K * (grad[:, 0] - grad[:, 1]) / math.sqrt(2.0) * (~record).to(grad.dtype)
@@ -177,8 +182,7 @@ class _GatedPairedMove(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         directions, record = ctx.saved_tensors
-        live = grad.abs().sum(1) > 0
-        if not (bool((live & record).any()) and bool((live & ~record).any())):
+        if not _record_and_another_live(grad, record):
             return grad, None, None
         along = _PairedMove.K * (grad[:, 0] - grad[:, 1]) / math.sqrt(2.0)
         return torch.cat([grad[:, :2], grad[:, 2:] + along[:, None] * directions], 1), None, None
@@ -222,8 +226,7 @@ class _IntoMove(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         record, sign = ctx.saved_tensors
-        live = grad.abs().sum(1) > 0
-        if not (bool((live & record).any()) and bool((live & ~record).any())):
+        if not _record_and_another_live(grad, record):
             return grad, None, None
         along = _GatedMove.K * (grad[:, 0] - grad[:, 1]) / math.sqrt(2.0) * record.to(grad.dtype) * sign
         term = torch.stack([along, torch.zeros_like(along)], 1)
