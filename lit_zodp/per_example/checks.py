@@ -400,10 +400,16 @@ def random_halves(size: int) -> tuple[Tensor, Tensor]:
     return order[: size // 2], order[size // 2:]
 
 
+def secret_row(size: int) -> Tensor:
+    """One position of ``range(size)`` (a 1-element index) from a generator seeded by the OS: a model cannot
+    predict which."""
+    return torch.randint(size, (1,), generator=secret_cpu_generator())
+
+
 def one_removed(size: int) -> Tensor:
-    """``range(size)`` without one row drawn from a generator seeded by the OS (a model cannot predict which): a
-    batch of the row count of the neighbouring dataset that lacks one example."""
-    dropped = int(torch.randint(size, (1,), generator=secret_cpu_generator()))
+    """``range(size)`` without one :func:`secret_row`: a batch of the row count of the neighbouring dataset that
+    lacks one example."""
+    dropped = int(secret_row(size))
     return torch.cat([torch.arange(dropped), torch.arange(dropped + 1, size)])
 
 

@@ -67,7 +67,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example.checks import (MeanOfRandomDraws, beyond_one_row, beyond_tolerance, in_place_index,
-                                         random_halves, rows_differ)
+                                         random_halves, rows_differ, secret_row)
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
@@ -244,11 +244,6 @@ def _one_row_rounds_apart(ratio_of: Callable[[List[Part]], float], rows: Tensor,
         return ratio_of(_in_place(rows, _at_weight_zero(rows, weights, out), halves))
 
     return _one_row_certified(ratio_of, zeroed, rows, weights)
-
-
-def secret_row(size: int) -> Tensor:
-    """One position of ``range(size)`` (a 1-element index) from a generator seeded by the OS."""
-    return torch.randint(size, (1,), generator=secret_cpu_generator())
 
 
 def _one_row_certified(ratio_of: Callable[[List[Part]], float], zeroed: Callable[[Tensor], float], rows: Tensor,
@@ -443,7 +438,7 @@ def _refuse_row_apart(run: Callable[[Part], Gradients], weights: Tensor, apart: 
             "apart from the rest; compute each example's loss and gradient from its own row")
     gap, scale = _gap_to_released(run, (rest, weights[rest]), released, space, project)
     own = float(shares[row])
-    limit = own * (1 + unit) + unit * (float(shares.sum()) + scale)
+    limit = own * (1 + unit) + unit * (total + scale)
     if gap is None or not gap <= limit:
         by = "not comparable" if gap is None else beyond_tolerance(_beyond(gap, limit))
         raise PrivacyConfigError(
