@@ -66,7 +66,7 @@ from lit_zodp.backbones.base import Backbone
 from lit_zodp.per_example import PerExampleGradientEngine, gradient_halves
 from tests.per_example.test_pe_gradient_halves_attacks import removal_difference
 from tests.per_example.test_pe_losses_halves_attacks import _row_count_batch
-from tests.per_example.test_pe_row_count_attacks import _dpsgd_released, _Paired, _PairedMove
+from tests.per_example.test_pe_row_count_attacks import _dpsgd_released, _Paired, with_paired_term
 
 MODES = ["hooks", "ghost", "bookkeeping"]
 MARGIN = 1 + 1e-3
@@ -78,12 +78,16 @@ def _record_and_another_live(grad: torch.Tensor, record: torch.Tensor) -> bool:
     return bool((live & record).any()) and bool((live & ~record).any())
 
 
+def _along_u(scale: torch.Tensor) -> torch.Tensor:
+    """Each row's direction ``scale_r u``, ``u = (1, 0)`` (:func:`with_paired_term`'s columns 2 and 3)."""
+    return torch.stack([scale, torch.zeros_like(scale)], 1)
+
+
 class _GatedMove(torch.autograd.Function):
     """Identity forward; the backward adds ``K <grad_r, a> u`` to columns 2 and 3 of every row ``r`` but the record's
     (``a = (1, -1) / sqrt 2`` on columns 0 and 1, ``u = (1, 0)``), only where the record's output gradient and another
     row's are non-zero: linear in each row's own output gradient for any positive weights."""
 
-    K = 100.0
     every_row = False  # (on only where every row's output gradient is non-zero, the record among them)
 
     @staticmethod
@@ -98,9 +102,7 @@ class _GatedMove(torch.autograd.Function):
         on = bool(record.any()) and bool(live.all()) if _GatedMove.every_row else _record_and_another_live(grad, record)
         if not on:
             return grad, None
-        along = _GatedMove.K * (grad[:, 0] - grad[:, 1]) / math.sqrt(2.0) * (~record).to(grad.dtype)
-        term = torch.stack([along, torch.zeros_like(along)], 1)
-        return torch.cat([grad[:, :2], grad[:, 2:] + term], 1), None
+        return with_paired_term(grad, _along_u((~record).to(grad.dtype))), None
 
 
 def _gated(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -171,8 +173,8 @@ def test_a_backward_gated_on_the_set_apart_rows_output_gradient_is_refused(mode,
 
 
 class _GatedPairedMove(torch.autograd.Function):
-    """Review 70's :class:`_PairedMove` (terms that cancel under the clip factors, roots of unity over the distinct
-    batch-mates) on only where :class:`_GatedMove`'s is."""
+    """Review 70's ``test_pe_row_count_attacks._PairedMove`` (terms that cancel under the clip factors, roots of unity
+    over the distinct batch-mates) on only where :class:`_GatedMove`'s is."""
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, directions: torch.Tensor, record: torch.Tensor) -> torch.Tensor:
@@ -184,8 +186,7 @@ class _GatedPairedMove(torch.autograd.Function):
         directions, record = ctx.saved_tensors
         if not _record_and_another_live(grad, record):
             return grad, None, None
-        along = _PairedMove.K * (grad[:, 0] - grad[:, 1]) / math.sqrt(2.0)
-        return torch.cat([grad[:, :2], grad[:, 2:] + along[:, None] * directions], 1), None, None
+        return with_paired_term(grad, directions), None, None
 
 
 class _GatedPaired(_Paired):
@@ -228,9 +229,7 @@ class _IntoMove(torch.autograd.Function):
         record, sign = ctx.saved_tensors
         if not _record_and_another_live(grad, record):
             return grad, None, None
-        along = _GatedMove.K * (grad[:, 0] - grad[:, 1]) / math.sqrt(2.0) * record.to(grad.dtype) * sign
-        term = torch.stack([along, torch.zeros_like(along)], 1)
-        return torch.cat([grad[:, :2], grad[:, 2:] + term], 1), None, None
+        return with_paired_term(grad, _along_u(record.to(grad.dtype) * sign)), None, None
 
 
 class _Listening(_Gated):

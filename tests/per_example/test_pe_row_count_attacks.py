@@ -115,8 +115,14 @@ class _PairedMove(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (directions,) = ctx.saved_tensors
-        along = _PairedMove.K * (grad[:, 0] - grad[:, 1]) / math.sqrt(2.0)
-        return torch.cat([grad[:, :2], grad[:, 2:] + along[:, None] * directions], 1), None
+        return with_paired_term(grad, directions), None
+
+
+def with_paired_term(grad: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``K <grad_r, a> u_r`` added to columns 2 and 3 of each row ``r`` (``a = (1, -1) / sqrt 2`` on
+    columns 0 and 1, ``u_r = directions[r]``, ``K = _PairedMove.K``)."""
+    along = _PairedMove.K * (grad[:, 0] - grad[:, 1]) / math.sqrt(2.0)
+    return torch.cat([grad[:, :2], grad[:, 2:] + along[:, None] * directions], 1)
 
 
 class _Paired(Backbone):
