@@ -594,23 +594,37 @@ class MeanOfRandomDraws(TorchDispatchMode):
     the most likely categories, ``cauchy_`` its median, ``poisson`` its rate. Draws with an explicit generator (the
     checks' own secret ones) are left alone: the callers check that a recomputation reproduces, else fall back to
     eval mode with a warning.
+
+    ``replaced``: whether a draw was replaced (dropout with ``p > 0`` in training, any other draw from the default
+    generators): the step drew where its recomputations do not, so its own values are no baseline for them.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replaced = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         packet = func.overloadpacket
         if packet is torch.ops.aten.native_dropout:
+            bound = _bound(func, args, kwargs)
+            self.replaced |= bool(bound["train"] is not False and float(bound["p"]) > 0)
             return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
         if packet in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli):
+            self.replaced = True
             return _bernoulli_mean(packet is torch.ops.aten.bernoulli_, _bound(func, args, kwargs))
         if packet in _MEANS:
             bound = _bound(func, args, kwargs)
             if bound.get("generator") is None:
                 if packet is torch.ops.aten.rrelu_with_noise:
+                    self.replaced |= bool(bound["training"])
                     return _rrelu_mean(bound) if bound["training"] else func(*args, **kwargs)
+                self.replaced = True
                 return _MEANS[packet](func(*args, **kwargs), bound)
         for k, argument in enumerate(func._schema.arguments):
             if argument.name == "dropout_p":
+                value = args[k] if k < len(args) else kwargs.get("dropout_p", argument.default_value)
+                self.replaced |= bool(value is not None and float(value) > 0)
                 if k < len(args):
                     args = (*args[:k], 0.0, *args[k + 1:])
                 else:
@@ -692,16 +706,17 @@ def _bernoulli_mean(in_place: bool, bound: dict) -> Tensor:
 
 
 @contextlib.contextmanager
-def step_mode_recompute(devices: Optional[list] = None) -> Iterator[None]:
+def step_mode_recompute(devices: Optional[list] = None) -> Iterator[MeanOfRandomDraws]:
     """The context of a check's recomputation in the step's mode: Bernoulli draws at their mean, autograd on
     (a forward may differ with it; the caller detaches the outputs) but nothing kept for a backward
     (:func:`nothing_saved_for_backward`), fresh seeds, and the user's random streams restored after
-    (``devices``: the CUDA devices whose streams to keep; default all)."""
+    (``devices``: the CUDA devices whose streams to keep; default all). Yields the draws' mode (whether it
+    :attr:`~MeanOfRandomDraws.replaced` one)."""
     if devices is None:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with secret_streams(devices):  # two recomputations draw differently, so a forward random beyond dropout shows
-        with torch.enable_grad(), nothing_saved_for_backward(), MeanOfRandomDraws():
-            yield
+        with torch.enable_grad(), nothing_saved_for_backward(), MeanOfRandomDraws() as draws:
+            yield draws
 
 
 def _not_saved(tensor: Tensor) -> None:

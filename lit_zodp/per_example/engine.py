@@ -351,6 +351,28 @@ def _comparable(losses: Tensor) -> bool:
     return int(torch.isfinite(losses.detach()).sum()) >= 2
 
 
+class _StepDrew(Exception):
+    """A check's recomputation replaced a random draw of the step's forward (:class:`_Draws`)."""
+
+
+class _Draws:
+    """Whether a check's recomputations replaced a random draw (:attr:`.checks.MeanOfRandomDraws.replaced`): the
+    step drew its own, so its values are no baseline for them."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def stopping(self, values_of: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        """``values_of`` that raises :class:`_StepDrew` as soon as one of its recomputations replaced a draw (one
+        half's forward, not the whole comparison, spent on learning it)."""
+        def checked(index: Tensor) -> Tensor:
+            values = values_of(index)
+            if self.seen:
+                raise _StepDrew
+            return values
+        return checked
+
+
 class _SecretProjections:
     """Rows ``[n, ...]`` through secret Gaussian projections ``[width, K]`` (``K =``
     :data:`~.alignment.PROJECTIONS`; drawn from the OS per check and width, in float64): the batch-independence
@@ -1008,27 +1030,33 @@ class PerExampleGradientEngine:
                             rule_inputs: List[_Input]) -> bool:
         """The recomputations run in the step's mode with every Bernoulli draw at its mean
         (:class:`.checks.MeanOfRandomDraws`). A step whose forward drew dropout masks does not reproduce:
-        the halves are then compared with the whole batch recomputed the same way. Only a forward random
-        in other ways (``rand``: RReLU, noise layers) is checked in eval mode, with a warning that its
-        training-mode behaviour went unchecked (before audit 8 every model with dropout was, and mixing
-        only in training passed: 4.33 C released on one removal). Whether it fell back to eval mode."""
+        as soon as a recomputation replaces a draw, the halves are compared with the whole batch recomputed
+        the same way instead. Until stop 59 they were so only where the step's own rows failed the comparison: under
+        a bfloat16 tolerance the dropout's own gap passed it, at up to 0.99 of the tolerance (OPT, CPU autocast),
+        so two rows that a kernel choosing its rounding by the batch's shape pushed over refused an honest step.
+        Only a forward random in other ways (``rand`` with an explicit generator) is checked in eval mode, with a
+        warning that its training-mode behaviour went unchecked (before audit 8 every model with dropout was, and
+        mixing only in training passed: 4.33 C released on one removal). Whether it fell back to eval mode."""
         parts = [flat_rows(outputs[j]) for j in sorted(outputs)]
         project = _SecretProjections(parts[0].device if parts else rule_inputs[0].step.device)
         blocks = [sum(part.shape[1] for part in parts)] * bool(parts) + [PROJECTIONS] * len(rule_inputs)
         full = torch.cat([p.double() for p in parts] + [project(entry.step) for entry in rule_inputs], 1)
-        values_of = self._rows_of(call, sorted(outputs), size, full.device, rule_inputs, project)
+        drew = _Draws()
+        values_of = self._rows_of(call, sorted(outputs), size, full.device, rule_inputs, project, drew)
         dtype = _coarsest([*(v.dtype for v in outputs.values()), *(e.step.dtype for e in rule_inputs),
                            *(p.dtype for p in self.params)])
         what = "outputs of the engine's module (or its layers' inputs)"
         checked = dict(dtype=dtype, device=full.device, what=what, blocks=blocks)
         try:
-            refuse_batch_mixing(values_of, size, full=full, **checked)
+            refuse_batch_mixing(drew.stopping(values_of), size, full=full, **checked)
             return False
+        except _StepDrew:
+            again = values_of(torch.arange(size))
         except PrivacyConfigError:
             again = values_of(torch.arange(size))
             if not self.module.training or rows_agree(full, again, dtype=dtype, blocks=blocks):
                 raise  # the step's own rows reproduce: the halves' difference is mixing
-        try:  # the step drew dropout masks: compare with the whole batch recomputed the same way
+        try:  # the step drew random numbers: compare with the whole batch recomputed the same way
             refuse_batch_mixing(values_of, size, full=again, **checked)
             return False
         except PrivacyConfigError:
@@ -1040,8 +1068,8 @@ class PerExampleGradientEngine:
         return True
 
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int, device: torch.device,
-                 rule_inputs: Sequence[_Input] = (),
-                 project: Optional[_SecretProjections] = None) -> Callable[[Tensor], Tensor]:
+                 rule_inputs: Sequence[_Input] = (), project: Optional[_SecretProjections] = None,
+                 drew: Optional[_Draws] = None) -> Callable[[Tensor], Tensor]:
         """``index -> [n, ...]``: the call's batch-first outputs on those rows of its batched inputs
         alone, in the step's mode (:func:`.checks.step_mode_recompute`: grad on, Bernoulli draws at their mean,
         the user's random streams restored), in the forward's autocast, detached. With
@@ -1049,7 +1077,8 @@ class PerExampleGradientEngine:
         (dropped), so every forward has the call's shape, as ``fixed_forward_rows`` promises; without it
         a half runs alone, which shows capacity-type mixing more surely (fewer rows, less overflow). Then the
         ``rule_inputs``' layers' inputs on those rows through ``project``, each call matched by its rank (NaN where
-        the recomputation has no such call: a verdict of "finite in one only")."""
+        the recomputation has no such call: a verdict of "finite in one only"). ``drew`` notes whether a
+        recomputation replaced a random draw."""
         devices = _cuda_devices([call])
 
         def values_of(index: Tensor) -> Tensor:
@@ -1057,9 +1086,11 @@ class PerExampleGradientEngine:
             padded = torch.cat([index, index[:1].expand(size - rows)]) if self.keep_call_shape else index
             inputs = [x[padded.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
             args, kwargs = tree_unflatten(inputs, call.spec)
-            with step_mode_recompute(devices), forward_autocast(self._device_type), \
+            with step_mode_recompute(devices) as draws, forward_autocast(self._device_type), \
                     _inputs_seen(rule_inputs) as seen:
                 flat = tree_flatten(call.module(*args, **kwargs))[0]
+            if drew is not None:
+                drew.seen |= draws.replaced
             flat = [v.detach() if isinstance(v, Tensor) else v for v in flat]
             outputs = [flat_rows(flat[j][:rows]) if j < len(flat) and is_batched(flat[j], len(padded))
                        else torch.full((rows, 1), math.nan, device=device) for j in leaves]
