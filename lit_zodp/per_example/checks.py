@@ -632,6 +632,28 @@ class MeanOfRandomDraws(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class StepDrew(Exception):
+    """A check's recomputation replaced a random draw of the step's forward (:class:`Draws`)."""
+
+
+class Draws:
+    """Whether a check's recomputations replaced a random draw (:attr:`MeanOfRandomDraws.replaced`): the step drew
+    its own (dropout in training), so its own values, norms and sums are no baseline for them."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def stopping(self, values_of: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        """``values_of`` that raises :class:`StepDrew` as soon as one of its recomputations replaced a draw (one
+        half's forward, not the whole comparison, spent on learning it)."""
+        def checked(index: Tensor) -> Tensor:
+            values = values_of(index)
+            if self.seen:
+                raise StepDrew
+            return values
+        return checked
+
+
 def _normal_mean(out: Tensor, bound: dict) -> Tensor:
     """``normal(mean, std)``'s result at ``mean`` (a tensor or a number)."""
     mean = bound["mean"]

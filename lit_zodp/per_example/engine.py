@@ -95,11 +95,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import PROJECTIONS, CallKey, _disagreeing, _RowSummaries, misaligned_calls
-from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, ParameterWrites, RecheckProbability, buffer_state,
-                                         check_losses, check_mode, check_recheck_probability, check_transform, eval_mode,
-                                         flat_rows, refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes,
-                                         refuse_compiled, refuse_reentrant_checkpointing, rows_agree,
-                                         step_mode_recompute, warn_unchecked_training_mode)
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, Draws, ParameterWrites, RecheckProbability, StepDrew,
+                                         buffer_state, check_losses, check_mode, check_recheck_probability,
+                                         check_transform, eval_mode, flat_rows, refuse_batch_mixing, refuse_batchnorm,
+                                         refuse_buffer_writes, refuse_compiled, refuse_reentrant_checkpointing,
+                                         rows_agree, step_mode_recompute, warn_unchecked_training_mode)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.gradient_halves import LossesOf, refuse_gradient_mixing, tolerance_unit
 from lit_zodp.per_example.ghost import FLOAT64_UNIT, _gamma, at_least_float32, row_norm_sq
@@ -349,28 +349,6 @@ class _Recompute:
 def _comparable(losses: Tensor) -> bool:
     """At least 2 finite examples: only then can a check see one example reach another."""
     return int(torch.isfinite(losses.detach()).sum()) >= 2
-
-
-class _StepDrew(Exception):
-    """A check's recomputation replaced a random draw of the step's forward (:class:`_Draws`)."""
-
-
-class _Draws:
-    """Whether a check's recomputations replaced a random draw (:attr:`.checks.MeanOfRandomDraws.replaced`): the
-    step drew its own, so its values are no baseline for them."""
-
-    def __init__(self) -> None:
-        self.seen = False
-
-    def stopping(self, values_of: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-        """``values_of`` that raises :class:`_StepDrew` as soon as one of its recomputations replaced a draw (one
-        half's forward, not the whole comparison, spent on learning it)."""
-        def checked(index: Tensor) -> Tensor:
-            values = values_of(index)
-            if self.seen:
-                raise _StepDrew
-            return values
-        return checked
 
 
 class _SecretProjections:
@@ -1041,7 +1019,7 @@ class PerExampleGradientEngine:
         project = _SecretProjections(parts[0].device if parts else rule_inputs[0].step.device)
         blocks = [sum(part.shape[1] for part in parts)] * bool(parts) + [PROJECTIONS] * len(rule_inputs)
         full = torch.cat([p.double() for p in parts] + [project(entry.step) for entry in rule_inputs], 1)
-        drew = _Draws()
+        drew = Draws()
         values_of = self._rows_of(call, sorted(outputs), size, full.device, rule_inputs, project, drew)
         dtype = _coarsest([*(v.dtype for v in outputs.values()), *(e.step.dtype for e in rule_inputs),
                            *(p.dtype for p in self.params)])
@@ -1050,7 +1028,7 @@ class PerExampleGradientEngine:
         try:
             refuse_batch_mixing(drew.stopping(values_of), size, full=full, **checked)
             return False
-        except _StepDrew:
+        except StepDrew:
             again = values_of(torch.arange(size))
         except PrivacyConfigError:
             again = values_of(torch.arange(size))
@@ -1069,7 +1047,7 @@ class PerExampleGradientEngine:
 
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int, device: torch.device,
                  rule_inputs: Sequence[_Input] = (), project: Optional[_SecretProjections] = None,
-                 drew: Optional[_Draws] = None) -> Callable[[Tensor], Tensor]:
+                 drew: Optional[Draws] = None) -> Callable[[Tensor], Tensor]:
         """``index -> [n, ...]``: the call's batch-first outputs on those rows of its batched inputs
         alone, in the step's mode (:func:`.checks.step_mode_recompute`: grad on, Bernoulli draws at their mean,
         the user's random streams restored), in the forward's autocast, detached. With
