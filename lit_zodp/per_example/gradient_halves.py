@@ -59,19 +59,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError
-from lit_zodp.per_example.checks import (MeanOfRandomDraws, beyond_one_row, beyond_tolerance, in_place_index,
+from lit_zodp.per_example.checks import (Draws, MeanOfRandomDraws, beyond_one_row, beyond_tolerance, in_place_index,
                                          random_halves, rows_differ, secret_row)
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
-from lit_zodp.privacy.training_randomness import secret_cpu_generator, secret_streams
+from lit_zodp.privacy.training_randomness import RandomState, replayed_streams, secret_cpu_generator, secret_streams
 
 Gradients = List[Optional[Tensor]]
 
@@ -149,20 +149,22 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
     with no_forward_autocast() if without_autocast else contextlib.nullcontext():
         unit = tolerance_unit(working_eps(device_type, dtype))
     seen: Optional[List[Tensor]] = None  # (the losses path: each run's losses, for the row count's rule)
+    drew = Draws()  # (whether a run replaced a random draw: the step drew its own)
     if losses_of is not None:
         seen = []
         run = functools.partial(_loss_weighted_gradient, losses_of, params=params, devices=devices,
-                                device_type=device_type, without_autocast=without_autocast, seen=seen)
+                                device_type=device_type, without_autocast=without_autocast, seen=seen, drew=drew,
+                                state=next((call.random_state for call, _ in calls), None))
     else:
         run = functools.partial(_clip_weighted_gradient, calls, size=size, params=params,
                                 keep_call_shape=keep_call_shape, devices=devices, device_type=device_type,
-                                without_autocast=without_autocast)
+                                without_autocast=without_autocast, drew=drew)
     weights = weights.double().cpu()
     apart: List[int] = []  # (the row a comparison set apart as rounding: :func:`_one_row_certified`)
     compare = functools.partial(_refuse_halves_apart, run, weights, project=project, unit=unit, shares=share_rows,
                                 seen=seen, dtype=dtype, apart=apart)
     row_apart = functools.partial(_refuse_row_apart, run, weights, apart, project=project, unit=unit,
-                                  shares=share_rows)
+                                  shares=share_rows, drew=drew)
     if compare(torch.arange(size)):
         return row_apart if apart else None
     return functools.partial(_retry_without_non_finite_rows, run, compare, weights, project=project, unit=unit,
@@ -403,7 +405,8 @@ def _gap_to_released(run: Callable[[Part], Gradients], part: Part, released: Gra
 
 def _refuse_row_apart(run: Callable[[Part], Gradients], weights: Tensor, apart: Sequence[int],
                       released: Optional[Gradients], space: Optional[Callable[[Gradients], List[Tensor]]] = None, *,
-                      project: Callable[[int, Tensor], Tensor], unit: float, shares: Tensor) -> None:
+                      project: Callable[[int, Tensor], Tensor], unit: float, shares: Tensor,
+                      drew: Optional[Draws] = None) -> None:
     """After a comparison set one row apart as rounding (``apart``, :func:`_one_row_certified`): the step's own
     clipped sum ``released`` less the other rows' clip-weighted gradient, run alone (with no secret weights: the
     step's), must be at most that row's clipped norm ``c_m ||g_m||`` (to the tolerance): what one removal may move.
@@ -416,7 +419,16 @@ def _refuse_row_apart(run: Callable[[Part], Gradients], weights: Tensor, apart: 
     run a row: only at a step that set a row apart) and its clipped norm compared with the step's: the clip
     factors weighting the others alone are the step's, and terms that cancel between rows under them (review 70's
     roots of unity) switched on the same way clipped every batch-mate to its term while the sums agreed (12.61 C,
-    review 71). ``released`` ``None`` (a rewrite a sum cannot undo): refused."""
+    review 71). ``released`` ``None`` (a rewrite a sum cannot undo): refused.
+
+    Where the step drew random numbers (``drew``: dropout in training), which the other runs take at their mean, its
+    own norms and sum differ from them by the draws' effect: an honest model with review 20's record (NF-ResNet's
+    standardised convolution, dropout 0.1 before the head) was refused at 5 of 6 re-checked steps, "hooks" (stop 59),
+    a refusal that tells whether the record was in the batch. These runs then replay the step's own draws (its
+    generators' states at the module's call, :func:`~lit_zodp.privacy.training_randomness.replayed_streams`) in the
+    batch's shape, every row's content in place and the rows not compared at weight 0: each row gets its mask again.
+    (Compared among recomputations instead, every run summing the record with other rows rounded it apart by 2 to
+    5 C.)"""
     row = apart[-1]
     if released is None:
         raise PrivacyConfigError(
@@ -426,9 +438,11 @@ def _refuse_row_apart(run: Callable[[Part], Gradients], weights: Tensor, apart: 
             "compared with the other examples' recomputed without it")
     rest = ((weights > 0) & (torch.arange(len(weights)) != row)).nonzero().flatten()
     total = float(shares.sum())
+    run, only, others = _as_the_step_drew(run, weights, rest) if drew is not None and drew.seen else (
+        run, lambda other: (torch.tensor([other]), torch.ones(1, dtype=weights.dtype)), (rest, weights[rest]))
     moved = 0.0  # (each other row's clipped norm alone, against the step's: its clip factor is its own)
     for other in rest.tolist():
-        alone = float(_norm_sq(run((torch.tensor([other]), torch.ones(1, dtype=weights.dtype))), project).sqrt())
+        alone = float(_norm_sq(run(only(other)), project).sqrt())
         moved += abs(float(weights[other]) * alone - float(shares[other]))
     if not moved <= unit * total:  # (only the order of the ratio is shown: private examples set it, audit 6)
         raise PrivacyConfigError(
@@ -436,7 +450,7 @@ def _refuse_row_apart(run: Callable[[Part], Gradients], weights: Tensor, apart: 
             "recomputed alone, differ from theirs in the step (their clipped norms by "
             f"{beyond_tolerance(_beyond(moved, unit * total))} in all) beside one example whose gradient rounds "
             "apart from the rest; compute each example's loss and gradient from its own row")
-    gap, scale = _gap_to_released(run, (rest, weights[rest]), released, space, project)
+    gap, scale = _gap_to_released(run, others, released, space, project)
     own = float(shares[row])
     limit = own * (1 + unit) + unit * (total + scale)
     if gap is None or not gap <= limit:
@@ -446,6 +460,20 @@ def _refuse_row_apart(run: Callable[[Part], Gradients], weights: Tensor, apart: 
             "examples' clip-weighted gradient, recomputed without one example, by more than that example's clipped "
             f"norm ({by}). A backward that changes the other examples' gradients where that example's output gradient "
             "is non-zero breaks per-example clipping; compute each example's loss and gradient from its own row")
+
+
+def _as_the_step_drew(run: Callable[..., Gradients], weights: Tensor,
+                      rest: Tensor) -> Tuple[Callable[[Part], Gradients], Callable[[int], Part], Part]:
+    """For :func:`_refuse_row_apart` at a step that drew random numbers: the runs replaying its draws, one row of
+    the batch in the batch's shape (the others' content in place at weight 0), and the rows ``rest`` so."""
+    everyone = torch.arange(len(weights))
+
+    def only(other: int) -> Part:
+        return everyone, torch.where(everyone == other, 1.0, 0.0).to(weights.dtype)
+
+    in_rest = torch.zeros(len(weights), dtype=torch.bool)
+    in_rest[rest] = True
+    return functools.partial(run, replay=True), only, (everyone, torch.where(in_rest, weights, 0.0))
 
 
 def _moves_rows_losses(alone: Sequence[Tensor], halves: Tuple[Tensor, Tensor], dtype: torch.dtype) -> bool:
@@ -494,9 +522,11 @@ def _placed(rows: Tensor, weights: Tensor, group: Tensor) -> Part:
 def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]], part: Part, *, size: int,
                             params: Sequence[Tensor],
                             keep_call_shape: bool, devices: Sequence[torch.device], device_type: str,
-                            without_autocast: bool = False) -> Gradients:
+                            without_autocast: bool = False, drew: Optional[Draws] = None,
+                            replay: bool = False) -> Gradients:
     """``d/dtheta sum_calls sum_k w_k <dL_{r_k}/d out, out_k>``, the module run on the rows ``r`` of ``part`` alone
-    (``w``: their weights)."""
+    (``w``: their weights), each draw at its mean (``drew`` notes whether one was replaced), or (``replay``) each
+    call's draws as the step drew them (:func:`_draws_of`)."""
     index, weights = part
     rows = len(index)
     padded = torch.cat([index, index[:1].expand(size - rows)]) if keep_call_shape else index
@@ -508,7 +538,7 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
                   x.detach() if isinstance(x, Tensor) else x for x in call.inputs]
         args, kwargs = tree_unflatten(inputs, call.spec)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
-        with secret_streams(devices), torch.enable_grad(), MeanOfRandomDraws(), autocast:
+        with _draws_of(call.random_state if replay else None, devices, drew), torch.enable_grad(), autocast:
             flat = tree_flatten(call.module(*args, **kwargs))[0]
         for j, grad in grads.items():
             out = flat[j] if j < len(flat) else None
@@ -526,12 +556,14 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
 
 def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence[Tensor],
                             devices: Sequence[torch.device], device_type: str, without_autocast: bool,
-                            seen: Optional[List[Tensor]] = None) -> Gradients:
+                            seen: Optional[List[Tensor]] = None, drew: Optional[Draws] = None,
+                            state: Optional[RandomState] = None, replay: bool = False) -> Gradients:
     """``d/dtheta sum_k w_k L_{r_k}``, the losses of the rows ``r`` of ``part`` recomputed alone by ``losses_of``
-    (``w``: their weights); the losses appended to ``seen`` (detached)."""
+    (``w``: their weights); the losses appended to ``seen`` (detached). Each draw at its mean (``drew`` notes whether
+    one was replaced), or (``replay``) as the step drew them from ``state`` (:func:`_draws_of`)."""
     index, weights = part
     autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
-    with secret_streams(devices), torch.enable_grad(), MeanOfRandomDraws(), autocast:
+    with _draws_of(state if replay else None, devices, drew), torch.enable_grad(), autocast:
         losses = losses_of(index)
     if not (isinstance(losses, Tensor) and losses.shape == (len(index),)):
         raise PrivacyConfigError(f"Expected `losses_of` to return one loss per row asked for ({len(index)}), but it "
@@ -543,6 +575,21 @@ def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence
     if not total.requires_grad:
         return [None] * len(params)
     return list(torch.autograd.grad(total, list(params), allow_unused=True))
+
+
+@contextlib.contextmanager
+def _draws_of(state: Optional[RandomState], devices: Sequence[torch.device], drew: Optional[Draws]) -> Iterator[None]:
+    """A run's random draws: replayed from the step's generators' ``state`` (its masks again, in the step's shape),
+    or, without one, each at its mean under fresh secret streams (:class:`.checks.MeanOfRandomDraws`; ``drew`` notes
+    whether one was replaced)."""
+    if state is not None:
+        with replayed_streams(state):
+            yield
+        return
+    with secret_streams(devices), MeanOfRandomDraws() as draws:
+        yield
+    if drew is not None:
+        drew.seen |= draws.replaced
 
 
 def _batch_dim(grad: Tensor, size: int) -> Optional[int]:

@@ -30,6 +30,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
+from lit_zodp.privacy.training_randomness import RandomState, random_state
+
 
 @dataclass(eq=False)
 class LayerCall:
@@ -81,6 +83,9 @@ class ModuleCall:
     layer_span: Optional[Tuple[int, int]] = None
     #: The root's calls: ``(start, end)``, the other module calls recorded inside it (``tape.module_calls[start:end]``).
     module_span: Optional[Tuple[int, int]] = None
+    #: The root's calls in training mode: the generators' states as the call began, so a check can draw its dropout
+    #: masks again (:func:`~lit_zodp.privacy.training_randomness.replayed_streams`); cleared with the tape.
+    random_state: Optional[RandomState] = None
 
     def output_edges(self) -> List[GradientEdge]:
         """The autograd edges of the tensor outputs (none once the graph is released)."""
@@ -100,11 +105,17 @@ def _first_input(args: tuple, kwargs: dict) -> Any:
     return args[0] if args else next(iter(kwargs.values()), None)
 
 
-def _leading_dim(args: tuple, kwargs: dict) -> Optional[int]:
-    for leaf in tree_flatten((args, kwargs))[0]:
+def _leading_dim(leaves: List[Any]) -> Optional[int]:
+    for leaf in leaves:
         if isinstance(leaf, Tensor) and leaf.dim() >= 1:
             return leaf.shape[0]
     return None
+
+
+def _cuda_indices(leaves: List[Any]) -> List[int]:
+    """The CUDA devices the tensors among ``leaves`` are on."""
+    return sorted({leaf.device.index for leaf in leaves if isinstance(leaf, Tensor) and leaf.is_cuda
+                   and leaf.device.index is not None})
 
 
 class Tape:
@@ -131,7 +142,8 @@ class Tape:
         self.layer_calls: List[LayerCall] = []
         self.module_calls: List[ModuleCall] = []
         self.stack: List[nn.Module] = []
-        self._root_starts: List[Tuple[int, int]] = []  # the layer and module calls before each open root call
+        # the layer and module calls before each open root call, and the generators' states as it began
+        self._root_starts: List[Tuple[int, int, Optional[RandomState]]] = []
         self._handles: list = []
 
     def __enter__(self) -> "Tape":
@@ -195,8 +207,10 @@ class Tape:
 
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._recording_forward:
-            self.batch_hint = _leading_dim(args, kwargs)
-            self._root_starts.append((len(self.layer_calls), len(self.module_calls)))
+            leaves = tree_flatten((args, kwargs))[0]
+            self.batch_hint = _leading_dim(leaves)
+            state = random_state(_cuda_indices(leaves)) if module.training else None
+            self._root_starts.append((len(self.layer_calls), len(self.module_calls), state))
 
     def _broadcast_embedding_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         """Shared index rows ``[1, T]`` (e.g. BERT's and GPT-2's position ids) are expanded to the
@@ -232,7 +246,7 @@ class Tape:
                     for leaf in inputs]
         call = ModuleCall(module, inputs, spec, versions)
         if module is self.root and self._root_starts:
-            layer_start, module_start = self._root_starts.pop()
+            layer_start, module_start, call.random_state = self._root_starts.pop()
             call.layer_span = (layer_start, len(self.layer_calls))
             call.module_span = (module_start, len(self.module_calls))
         self.module_calls.append(call)

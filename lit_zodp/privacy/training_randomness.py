@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from typing import Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -130,6 +130,41 @@ def secret_streams(cuda_devices: Iterable[Union[int, torch.device]] = ()) -> Ite
             generator.set_state(state)
 
 
+class RandomState(NamedTuple):
+    """torch's CPU generator state and the initialised CUDA devices' (``(index, state)``), taken at a private forward
+    (:func:`random_state`): the checks replay a step's own dropout masks with it (:func:`replayed_streams`). Held in
+    memory for the step only (the engine's tape), never saved: inside a private step it is a secret state."""
+
+    cpu: torch.Tensor
+    cuda: tuple
+
+
+def random_state(cuda_devices: Iterable[int] = ()) -> RandomState:
+    """The generators' states now: the CPU's, and those of ``cuda_devices`` (indices) and of the current CUDA device
+    where CUDA is initialised (no other device's: reading one would create its context)."""
+    devices = set(cuda_devices) | ({torch.cuda.current_device()} if torch.cuda.is_initialized() else set())
+    cuda = tuple((i, torch.cuda.default_generators[i].get_state()) for i in sorted(devices))
+    return RandomState(torch.random.default_generator.get_state(), cuda)
+
+
+@contextlib.contextmanager
+def replayed_streams(state: RandomState) -> Iterator[None]:
+    """Inside: torch's CPU generator and the recorded CUDA devices' at ``state``, so a forward run as the step ran it
+    (same inputs, same shapes) draws the step's masks again; after, each back where it was, on error too."""
+    cuda = [(torch.cuda.default_generators[i], saved) for i, saved in state.cuda]
+    cpu_before = torch.random.default_generator.get_state()
+    cuda_before = [generator.get_state() for generator, _ in cuda]
+    try:
+        torch.random.default_generator.set_state(state.cpu)
+        for generator, saved in cuda:
+            generator.set_state(saved)
+        yield
+    finally:
+        torch.random.default_generator.set_state(cpu_before)
+        for (generator, _), before in zip(cuda, cuda_before):
+            generator.set_state(before)
+
+
 @contextlib.contextmanager
 def keyed_training_randomness(device: torch.device, seed: int) -> Iterator[None]:
     """Run the enclosed forward and backward of a PUBLIC computation that every DDP rank must repeat alike (GEP's
@@ -151,4 +186,5 @@ def keyed_training_randomness(device: torch.device, seed: int) -> Iterator[None]
 
 
 __all__ = ["CUDA_SECRET_BITS", "GeneratorLayoutError", "MT_WORDS", "keyed_training_randomness", "secret_cpu_generator",
-           "secret_cpu_state", "secret_cuda_state", "secret_streams", "secret_training_randomness"]
+           "secret_cpu_state", "secret_cuda_state", "secret_streams", "secret_training_randomness", "RandomState",
+           "random_state", "replayed_streams"]

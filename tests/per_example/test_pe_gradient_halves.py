@@ -174,14 +174,12 @@ def test_one_row_whose_terms_cancel_is_not_refused_on_any_split():
         assert all(torch.isfinite(g).all() for g in clipped.grads)
 
 
-@pytest.mark.xfail(strict=True, raises=PrivacyConfigError,
-                   reason="open (stop 59): with dropout drawn in the step, the set-apart row's check compares the "
-                          "step's own clipped norms and sum (drawn masks) with recomputations (masks at their mean), "
-                          "so an honest model is refused where the record is in the batch (5 of 6 re-checked steps, "
-                          "'hooks'): the refusal tells whether it was")
 def test_one_row_whose_terms_cancel_is_not_refused_with_dropout_in_training():
-    """The test above with dropout (``p = 0.1``) before the head, in training mode (without dropout, or without the
-    record, the same steps pass)."""
+    """The test above with dropout (``p = 0.1``) before the head, in training mode. The set-apart row's check
+    compared the step's own clipped norms and sum (masks drawn) with recomputations (masks at their mean), and refused
+    at 5 of 6 re-checked steps with the record (none without it, or without dropout): a refusal that tells whether the
+    record was in the batch. Since stop 59 its runs replay the step's draws in the batch's shape
+    (``gradient_halves._as_the_step_drew``)."""
     from tests.backbones.test_nfresnet_crafted import StdConvNet, honest, null_space_record
 
     class WithDropout(StdConvNet):

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_zodp.backbones.base import Backbone
+from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine, gradient_halves
 from tests.per_example.test_pe_gradient_halves_attacks import removal_difference
 from tests.per_example.test_pe_losses_halves_attacks import _row_count_batch
@@ -257,3 +258,42 @@ def test_a_record_whose_gradient_reads_a_batch_mate_only_beside_it_is_refused(mo
     xs, ys = torch.cat([x[1:], record]), torch.cat([y[1:], torch.tensor([label])])
     released = _dpsgd_released(_Listening, xs, ys, mate, int(y[0]))
     assert released <= MARGIN, f"one removal changed the released sum by {released:.3f} C"
+
+
+def _with_dropout(cls):
+    """``cls`` with dropout (0.1) on its unit-norm inputs."""
+    class WithDropout(cls):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.drop(x / x.norm(dim=1, keepdim=True)))
+
+    return WithDropout
+
+
+@pytest.mark.parametrize("make", [_Gated, _GatedPaired], ids=["gated", "gated-paired"])
+@pytest.mark.parametrize("mode", MODES)
+def test_with_dropout_drawn_the_gated_backwards_are_refused_against_the_steps_own_draws(mode, make, monkeypatch):
+    """Stop 59: at a step that drew dropout masks, the set-apart row's comparisons replay the step's draws (its
+    generators' states at the module's call) in the batch's shape, as the honest record of
+    ``test_pe_gradient_halves.test_one_row_whose_terms_cancel_is_not_refused_with_dropout_in_training`` needs: both
+    backwards above, with dropout in training, are still refused (the removal's difference is not measured: each
+    step's masks are secret and fresh). With the comparison switched off the step is released ("hooks")."""
+    from lit_zodp.algorithms import DPSGD
+
+    x, y, record, label = _record_batch()
+    xs, ys = torch.cat([x, record]), torch.cat([y, torch.tensor([label])])
+
+    def step():
+        module = DPSGD(_with_dropout(make)().float(), clip=1.0, noise_multiplier=1.0, delta=1e-5, lr=1e-3,
+                       grad_mode=mode).train()
+        module._pending_checks = {"halves"}
+        return module.private_gradient(xs, ys)
+
+    with pytest.raises(PrivacyConfigError, match="batch-mates"):
+        step()
+    if mode == "hooks":
+        monkeypatch.setattr(gradient_halves, "_refuse_row_apart", lambda *args, **kwargs: None)
+        assert step().batch_size == len(ys)
