@@ -169,7 +169,7 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         return row_apart if apart else None
     return functools.partial(_retry_without_non_finite_rows, run, compare, weights, project=project, unit=unit,
                              released_unit=unit if released_unit is None else released_unit, shares=shares,
-                             row_apart=row_apart, apart=apart)
+                             row_apart=row_apart, apart=apart, drew=drew)
 
 
 def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows: Tensor, *,
@@ -345,7 +345,7 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
                                    space: Optional[Callable[[Gradients], List[Tensor]]] = None, *,
                                    project: Callable[[int, Tensor], Tensor], unit: float, released_unit: float,
                                    shares: float, row_apart: Optional[Callable[..., None]] = None,
-                                   apart: Sequence[int] = ()) -> None:
+                                   apart: Sequence[int] = (), drew: Optional[Draws] = None) -> None:
     """After a whole batch whose recomputed gradient is not finite (a row weighted 0 whose forward is not: an
     input with an infinite feature): the rows in the sum, recomputed without the others, must give the step's own
     clipped sum ``released`` (in the clipped space), then meet the halves' identity. Compared without that row alone,
@@ -359,7 +359,13 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     (red-team review 68). ``space``: the
     recomputed gradients (of the parameters) in the space of ``released``, where it is not the clipped space
     (separately clipped parts, whose split emptied the step's per-example gradients: GEP's; a list of 0 sums failed
-    with a ``RuntimeError``, review 68)."""
+    with a ``RuntimeError``, review 68).
+
+    Where the step drew random numbers (``drew``: dropout in training), the rows in the sum are run replaying its
+    draws in the batch's shape, each other position holding a copy of a row in the sum at weight 0
+    (:func:`_in_shape_without`): compared with the recomputation's masks at their mean, an honest MLP with dropout 0.1
+    was refused at every re-checked step with a record holding one infinite feature (stop 59, every mode), a refusal
+    that tells whether the record was in the batch."""
     rows = (weights > 0).nonzero().flatten()
     if len(rows) == 0:
         return
@@ -370,18 +376,30 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     if released_unit > unit:
         raise _not_finite("the step's own clipped sum, rounded by its forward's half-precision autocast, cannot be "
                           "compared closely enough with the batch recomputed without it in float32")
-    gap, scale = _gap_to_released(run, (rows, weights[rows]), released, space, project)
+    in_sum = (rows, weights[rows])
+    replayed, in_shape = (functools.partial(run, replay=True), _in_shape_without(weights, rows)) if (
+        drew is not None and drew.seen) else (run, in_sum)
+    gap, scale = _gap_to_released(replayed, in_shape, released, space, project)
     if gap is None:
         raise _not_finite("the step's own clipped sum could not be formed in the space it is compared in")
     ratio = _beyond(gap, unit * (shares + scale))
     if not ratio <= 1:
         raise _not_finite("the rows in the sum, recomputed without it, give a clip-weighted gradient that differs "
                           f"from the step's own by {beyond_tolerance(ratio)} (a backward that mixes examples, or "
-                          "dropout in training mode, which the check cannot replay)")
+                          "random draws the check could not replay)")
     if not compare(rows):
         raise _not_finite("the rows in the sum recomputed without it are not finite either")
     if apart and row_apart is not None:
         row_apart(released, space)
+
+
+def _in_shape_without(weights: Tensor, rows: Tensor) -> Part:
+    """The batch in its shape with only ``rows`` weighted (at ``weights``): every other position holds a copy of the
+    first of ``rows`` (a non-finite row's content would make the sum NaN, ``0 * inf``) at weight 0, so a run replaying
+    the step's draws gives each row its own mask."""
+    index = torch.full((len(weights),), int(rows[0]), dtype=torch.long)
+    index[rows] = rows
+    return index, torch.where(index == torch.arange(len(weights)), weights, 0.0)
 
 
 def _gap_to_released(run: Callable[[Part], Gradients], part: Part, released: Gradients,
