@@ -54,11 +54,13 @@ def registry(slow: set) -> list:
 #: DPGD-0th and DP-Adam share DPZero's and DP-SGD's steps but for the release (the privacy component's, one per base
 #: in the default suite), so they run with ``-m slow`` (~20 s each on 2 cores: the default suite's budget).
 SHARED_PATHS = {"DPGD0th", "DPAdam"}
-REGISTRY = registry(PROJECTED | PUBLIC | set(VARIANTS) - set(PRIVATE) | SHARED_PATHS)
-#: The OS-secrets check in the default suite: the two bases' ways of drawing the step's randomness (DPZero's ZO base;
-#: DP-SGD's first-order base); MeZO-BCD's blocks and O2NC's tree, drawn by those bases' secrets, with ``-m slow``.
+#: MeZO-BCD's blocks and O2NC's tree, drawn on their bases' secrets, with ``-m slow`` too (stop 59: the default
+#: suite took 942 s on two cores, over its 15-minute budget).
+REGISTRY = registry(PROJECTED | PUBLIC | set(VARIANTS) - set(PRIVATE) | SHARED_PATHS | {"DPMeZOBCD", "DPO2NC"})
+#: The OS-secrets check in the default suite: DPZero's ZO base (rank 0 draws and broadcasts the step's secrets);
+#: DP-SGD's first-order base (the same broadcast), MeZO-BCD's blocks and O2NC's tree with ``-m slow`` (stop 59).
 OS_SECRETS_REGISTRY = registry(PROJECTED | PUBLIC | set(VARIANTS) - set(PRIVATE) | SHARED_PATHS
-                               | {"DPMeZOBCD", "DPO2NC"})
+                               | {"DPMeZOBCD", "DPO2NC", "DPSGD"})
 
 
 def importable_from(folder) -> dict:
@@ -273,7 +275,7 @@ def _processes_running(marker: str) -> list:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the ranks left running")
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.slow), 1])  # (rank 0's: -m slow, stop 59)
 def test_a_refusal_on_one_rank_stops_every_rank_in_one_line_each(tmp_path, rank):
     """A refusal raised on one rank only (a check on its own batch) ends the DDP fit without a
     traceback and without a rank left waiting in a collective (NCCL waits 30 minutes there). Rank 0's

@@ -61,6 +61,23 @@ def twin_of(name):
 PRIVATE_CASES = PRIVATE + [name for name in VARIANTS if algorithm_class(name).private]
 #: Every algorithm, the variants and their non-private twins: the cases of the checks every module must pass.
 EVERY_CASES = EVERY + list(VARIANTS) + [twin_of(name) for name in VARIANTS if twin_of(name)]
+#: The modules that run every variant of a check that is a product of variants and modules in the default suite: the
+#: two bases' steps (zeroth and first order).
+EVERY_VARIANT = ("DPZero", "DPSGD")
+
+
+def spread(variants, names=PRIVATE_CASES) -> list:
+    """The cases ``(*variant, name)`` of the product ``variants x names``: in the default suite every variant on
+    :data:`EVERY_VARIANT`'s modules and one variant on each other module (rotating, so each variant meets several
+    modules); the rest with ``-m slow``. The full products took about a tenth of the default suite (stop 59: 942 s on
+    two cores, over its 15-minute budget)."""
+    cases = []
+    for i, name in enumerate(names):
+        for j, variant in enumerate(variants):
+            default = name in EVERY_VARIANT or j == i % len(variants)
+            values = variant if isinstance(variant, tuple) else (variant,)
+            cases.append(pytest.param(*values, name, marks=() if default else pytest.mark.slow))
+    return cases
 
 
 def backprops_private_rows(name):
@@ -1055,8 +1072,7 @@ def _shuffled_loader(dataset, batch_size):
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_tensors)
 
 
-@pytest.mark.parametrize("branch", ["noiseless", "test_seeded", "shuffled"])
-@pytest.mark.parametrize("name", PRIVATE_CASES)
+@pytest.mark.parametrize("branch,name", spread(["noiseless", "test_seeded", "shuffled"]))
 def test_a_continuation_counts_what_made_another_branchs_steps_no_guarantee(name, branch, tmp_path):
     """Review 31: 4 steps, then one continuation of the step-4 checkpoint to 8 at sigma 0, with a test `noise_seed` or
     with shuffled batches, then a second, plain continuation of it. The second printed ``epsilon = 2.723`` after 8 steps
@@ -1458,8 +1474,7 @@ def _in_public_forward(layer):
     return bool(getattr(getattr(layer, "owner", None), "public_forward", False))
 
 
-@pytest.mark.parametrize("name", PRIVATE_CASES)
-@pytest.mark.parametrize("recheck_probability", [1.0, 0.0])
+@pytest.mark.parametrize("recheck_probability,name", spread([1.0, 0.0]))
 def test_mixing_that_starts_after_the_first_batch_is_refused_at_a_rechecked_step(name, recheck_probability):
     """After the first batch, the halves check runs again at steps drawn with ``recheck_probability``
     (OS randomness). At 1 the first mixing step is refused before it is released; at 0 mixing that begins
@@ -1935,9 +1950,8 @@ def _registration_hooks() -> int:
                                         torch_module._global_module_registration_hooks))
 
 
-@pytest.mark.parametrize("name", PRIVATE_CASES)
-@pytest.mark.parametrize("how,at", [("new", 3), ("replaced", 3), ("layer", 3), ("buffer", 9), ("new", 9),
-                                    ("replaced", 9)])
+@pytest.mark.parametrize("how,at,name", spread([("new", 3), ("replaced", 3), ("layer", 3), ("buffer", 9), ("new", 9),
+                                                ("replaced", 9)]))
 def test_a_parameter_or_layer_registered_in_the_private_forward_is_refused_before_its_release(name, how, at):
     """Red-team review, 2026-11-28: a parameter registered in the forward (an un-noised batch mean kept in the model
     and every checkpoint) passed every check, a replaced one passed the forwards that run no independence check
