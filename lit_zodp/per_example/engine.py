@@ -679,6 +679,7 @@ class PerExampleGradientEngine:
                 return self._clip_and_sum(losses, batch, clip, tape, examples, losses_of)
         finally:
             tape.clear()
+            self._gradient_check = None  # (its calls hold the batch's inputs)
             for param in self.params:
                 param.grad = None
 
@@ -766,6 +767,7 @@ class PerExampleGradientEngine:
                 return ClippedParts(sums, norms[:examples].float(), examples)
         finally:
             tape.clear()
+            self._gradient_check = None  # (its calls hold the batch's inputs)
             for param in self.params:
                 param.grad = None
 
@@ -798,6 +800,7 @@ class PerExampleGradientEngine:
             return [self._transformed(i, batch.dense[i], batch) for i in range(len(self.params))]
         finally:
             tape.clear()
+            self._gradient_check = None  # (its calls hold the batch's inputs)
             for param in self.params:
                 param.grad = None
 

@@ -179,7 +179,7 @@ class Tape:
         for call in self.layer_calls:
             call.edge, call.consume = None, None
         for call in self.module_calls:
-            call.edges, call.outputs = [], {}
+            call.edges, call.outputs, call.random_state = [], {}, None
 
     def clear(self) -> None:
         """Drop the recorded activations and gradients."""

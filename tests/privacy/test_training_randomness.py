@@ -117,3 +117,44 @@ def test_on_cuda_the_devices_stream_is_secret_inside_and_restored_after():
             inside.append(torch.rand(64, device=device))
     assert not torch.equal(inside[0], inside[1])
     assert torch.equal(torch.rand(4, device=device), expected)
+
+
+def test_a_replayed_state_draws_the_steps_masks_again_and_leaves_the_stream_where_it_was():
+    """``random_state`` then ``replayed_streams``: a dropout inside draws the masks drawn after the state was taken,
+    and the stream outside continues as if the block had not run (stop 59: the set-apart row's check replays a
+    step's dropout masks)."""
+    from lit_zodp.privacy.training_randomness import random_state, replayed_streams
+
+    dropout, x = torch.nn.Dropout(0.5).train(), torch.ones(4, 64)
+    state = random_state()
+    first = dropout(x)
+    after = torch.random.get_rng_state()
+    with replayed_streams(state):
+        assert torch.equal(dropout(x), first)
+    assert torch.equal(torch.random.get_rng_state(), after)
+    assert not torch.equal(dropout(x), first)
+
+
+def test_the_steps_generator_states_are_dropped_with_its_tape():
+    """The engine keeps the generators' states of each call of its module in training (a secret state inside a
+    private step) for that step only: after it, no call holds one and no pending check holds the calls."""
+    from lit_zodp.per_example import PerExampleGradientEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 2)).train()
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    engine = PerExampleGradientEngine(model)
+    seen, held = [], []
+    original = engine._per_example
+
+    def per_example(loss_fn, tape, **kwargs):
+        result = original(loss_fn, tape, **kwargs)
+        seen.extend(call for call in tape.module_calls if call.module is model)
+        held.extend(call.random_state is not None for call in seen)
+        return result
+
+    engine._per_example = per_example
+    engine.clipped_sum(lambda: torch.nn.functional.cross_entropy(model(x), y, reduction="none"), 1.0)
+    assert held and all(held)  # (during the step)
+    assert all(call.random_state is None for call in seen)
+    assert engine._gradient_check is None
