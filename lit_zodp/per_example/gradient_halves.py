@@ -110,7 +110,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
                            project: Callable[[int, Tensor], Tensor], dtype: torch.dtype, device_type: str,
                            keep_call_shape: bool = False, devices: Sequence[torch.device] = (),
                            without_autocast: bool = False, losses_of: Optional[LossesOf] = None,
-                           released_unit: Optional[float] = None) -> Optional[Callable[[Optional[Gradients]], None]]:
+                           released_unit: Optional[float] = None, loss_state: Optional[RandomState] = None
+                           ) -> Optional[Callable[[Optional[Gradients]], None]]:
     """Refuse the step if the clip-weighted gradient of the whole batch is not the sum of its halves' (module doc).
 
     Returns ``None``, or where the whole batch's recomputed gradient was not finite, the rest of the check, to call
@@ -133,6 +134,12 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             and ``calls`` serve only for ``devices``.
         released_unit: The tolerance's unit against the step's own sum (its forward's rounding: an autocast's);
             coarser than the check's own, a retry is refused (red-team review 68).
+        loss_state: The generators' states as the step's ``loss_fn`` began: with ``losses_of``, the runs that replay
+            the step's draws (:func:`_refuse_row_apart`) start there, so what the loss draws before calling the module
+            (input noise) is drawn again too. From the module's call instead, that noise took the module's draws,
+            and an honest model with review 20's record and a loss adding ``0.01`` Gaussian noise to its inputs was
+            refused at 6 of 6 re-checked steps (none without the record: a refusal that tells whether it was in the
+            batch; dropout 0.1 or none; red-team review 72).
 
     Raises:
         PrivacyConfigError: The sums differ beyond the tolerance, or nothing could be compared (:data:`UNCOMPARED`).
@@ -154,7 +161,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         seen = []
         run = functools.partial(_loss_weighted_gradient, losses_of, params=params, devices=devices,
                                 device_type=device_type, without_autocast=without_autocast, seen=seen, drew=drew,
-                                state=next((call.random_state for call, _ in calls), None))
+                                state=loss_state if loss_state is not None else next(
+                                    (call.random_state for call, _ in calls), None))
     else:
         run = functools.partial(_clip_weighted_gradient, calls, size=size, params=params,
                                 keep_call_shape=keep_call_shape, devices=devices, device_type=device_type,

@@ -144,6 +144,9 @@ class Tape:
         self.stack: List[nn.Module] = []
         # the layer and module calls before each open root call, and the generators' states as it began
         self._root_starts: List[Tuple[int, int, Optional[RandomState]]] = []
+        #: The generators' states as the step's ``loss_fn`` began (set by the engine): the losses path's checks draw
+        #: what ``losses_of`` draws around the module from it (red-team review 72); cleared with the tape.
+        self.loss_state: Optional[RandomState] = None
         self._handles: list = []
 
     def __enter__(self) -> "Tape":
@@ -184,6 +187,7 @@ class Tape:
     def clear(self) -> None:
         """Drop the recorded activations and gradients."""
         self.release_graph()
+        self.loss_state = None
         self.layer_calls.clear()
         self.module_calls.clear()
 

@@ -1,0 +1,213 @@
+"""Red-team review 72 (2026-12-01): attacks on stop 59 (1ef1847, 814fdfb, c0f0699): the engine's forward check compares
+recomputations only with each other once one replaced a random draw, and at a step that drew, the set-apart row's
+check (``gradient_halves._refuse_row_apart``) replays the step's own draws from the generators' states the tape kept
+at the module's call (``ModuleCall.random_state``). Measured as refusal rates over re-checked steps with and without
+review 20's crafted record (``tests/backbones/test_nfresnet_crafted.py``: a refusal only with it tells whether it was
+in the batch), or as ``||S(D + record) - S(D)|| / C`` through ``DPSGD.private_gradient`` with the training
+randomness made equal across the two runs (``first_order.secret_training_randomness`` patched to a fixed seed: each
+step otherwise draws fresh secret masks, whose difference is no removal's).
+
+Fixed here:
+
+* A loss that draws before it calls the module (Gaussian input noise, ``0.01``), with ``losses_of`` (the package's
+  modules always pass it): the losses path replayed from the module's call, so ``losses_of``'s noise took the draws
+  the step's module had made (its dropout masks, or whatever followed), and every other row's recomputed norm
+  differed from the step's. The honest NF-ResNet record was refused at 6 of 6 re-checked steps (dropout 0.1, and 6 of
+  6 without dropout), none of 6 without the record, at c0f0699 and at 814fdfb. The tape now keeps the generators'
+  states as ``loss_fn`` began (``Tape.loss_state``) and the losses path replays from there: 0 of 6.
+* The step's calls pending the gradient halves (``engine._gradient_check``: their inputs and, since c0f0699, the
+  generators' states of a private step) outlived a step that failed after the forward check (a backward raising) or
+  that never reached the halves (``per_example_gradients``): held on the engine until the next step, in a pickled or
+  deep-copied engine's bytes. Now dropped with the tape.
+
+Open (strict ``xfail``):
+
+* A float32 model under a CPU bfloat16 autocast with review 20's record: the set-apart row's check compares the
+  step's own norms and sum (rounded by the autocast) with float32 recomputations (``without_autocast``) at float32's
+  tolerance, and refuses the honest record at 6 of 6 re-checked steps without dropout, 5 of 6 with dropout 0.1,
+  none without the record ("hooks"; not the replay's doing: without dropout nothing is replayed). Loosening to the
+  autocast's tolerance let 2.90 C through (review 68), so it is left open.
+* Mixup inside the module's forward (``x = lam x + (1 - lam) x[randperm(B)]`` before the first layer): the checks'
+  recomputations take ``randperm`` as the identity and ``Beta``'s draws at their stand-ins, so no recomputation
+  mixes, and the per-example gradients (of mixed rows) are exact for the alignment check. 4.84 C released on one
+  removal (``B = 16``, ``C = 0.1``, every mode; the same at 814fdfb). The same mix after a layer is refused (the layer
+  rules are wrong there and the vmap fallback cannot draw). Replaying the step's draws in the batch's shape with the
+  other half's rows replaced by copies would see it; not done here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_zodp.backbones.base import Backbone
+from lit_zodp.errors import PrivacyConfigError
+from lit_zodp.per_example import PerExampleGradientEngine, gradient_halves
+from tests.per_example.test_pe_gradient_halves_attacks import removal_difference
+
+MODES = ["hooks", "ghost", "bookkeeping"]
+MARGIN = 1 + 1e-3
+
+
+def _nfresnet_with_dropout(p: float):
+    """Review 20's standardised-convolution net with dropout ``p`` before the head, in training mode."""
+    from tests.backbones.test_nfresnet_crafted import StdConvNet
+
+    class WithDropout(StdConvNet):
+        def __init__(self):
+            super().__init__(constant_channels=True)
+            self.drop = nn.Dropout(p)
+
+        def forward(self, x):
+            return self.head(self.drop(self.conv(x).mean((2, 3)))).float()
+
+    return WithDropout().train()
+
+
+def _refusals(model, losses, with_record: bool, steps: int = 6, *, autocast: bool = False,
+              losses_of: bool = True) -> tuple:
+    """Refusals of ``steps`` re-checked steps of ``losses(model, x, y)`` (after an honest first batch), with review
+    20's record first in the batch or an honest row there; and how many set a row apart."""
+    from tests.backbones.test_nfresnet_crafted import honest, null_space_record
+
+    apart = []
+    check = gradient_halves._refuse_row_apart
+
+    def spied(*args, **kwargs):
+        apart.append(1)
+        return check(*args, **kwargs)
+
+    x, y = honest(32)
+    engine = PerExampleGradientEngine(model, mode="hooks", recheck_probability=0.0)
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+
+    def step(xs, ys):
+        with context():
+            engine.clipped_sum(lambda: losses(model, xs, ys), 1e-3,
+                               losses_of=(lambda rows: losses(model, xs[rows], ys[rows])) if losses_of else None)
+
+    step(torch.cat([x, x[:1]]), torch.cat([y, y[:1]]))
+    first = null_space_record(1e10, 100.0) if with_record else 0.5 * x[:1]
+    x, y = torch.cat([first, x]), torch.cat([y[:1], y])
+    refused = 0
+    gradient_halves._refuse_row_apart = spied
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(steps):
+                engine.recheck_next = True
+                try:
+                    step(x, y)
+                except PrivacyConfigError:
+                    refused += 1
+    finally:
+        gradient_halves._refuse_row_apart = check
+    return refused, len(apart)
+
+
+def _noisy_inputs(model, x, y):
+    """Per-example losses of inputs with Gaussian noise (``0.01``) drawn before the module's call."""
+    return F.cross_entropy(model(x + 0.01 * torch.randn_like(x)), y, reduction="none")
+
+
+@pytest.mark.parametrize("p", [0.1, 0.0], ids=["dropout", "no-dropout"])
+def test_a_loss_drawing_before_the_module_is_not_refused_beside_the_record(p):
+    """Module doc, fixed: 6 of 6 refused with the record before (none without), 0 of 6 now; the record was set apart
+    at every step, so the replayed comparison ran."""
+    refused, apart = _refusals(_nfresnet_with_dropout(p), _noisy_inputs, with_record=True)
+    assert (refused, apart) == (0, 6)
+    assert _refusals(_nfresnet_with_dropout(p), _noisy_inputs, with_record=False) == (0, 0)
+
+
+def test_the_pending_calls_and_their_generator_states_do_not_outlive_the_step():
+    """Module doc, fixed: a step that failed after the forward check, and ``per_example_gradients`` (which never runs
+    the halves), left the step's calls (inputs, generators' states) on the engine, in its pickled bytes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Linear(8, 2)).train()
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    engine = PerExampleGradientEngine(model, mode="hooks")
+
+    class Raising(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, z):
+            return z.view_as(z)
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("a failing backward")
+
+    with pytest.raises(RuntimeError, match="a failing backward"):
+        engine.clipped_sum(lambda: F.cross_entropy(Raising.apply(model(x)), y, reduction="none"), 1.0)
+    assert engine._gradient_check is None
+    engine.recheck_next = True
+    grads = engine.per_example_gradients(lambda: F.cross_entropy(model(x), y, reduction="none"))
+    assert len(grads[0]) == len(x)
+    assert engine._gradient_check is None
+    assert b"RandomState" not in pickle.dumps(engine) and b"ModuleCall" not in pickle.dumps(engine)
+
+
+@pytest.mark.xfail(strict=True, reason="open: under a CPU bfloat16 autocast (float32 model) the set-apart row's check "
+                                       "refuses review 20's honest record at 6 of 6 re-checked steps (none without "
+                                       "it), 5 of 6 with dropout 0.1: a refusal that leaks membership")
+@pytest.mark.parametrize("p", [0.0, 0.1], ids=["no-dropout", "dropout"])
+def test_the_record_is_not_refused_under_a_bfloat16_autocast(p):
+    def losses(model, x, y):
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    assert _refusals(_nfresnet_with_dropout(p), losses, with_record=False, autocast=True, losses_of=False)[0] == 0
+    refused, apart = _refusals(_nfresnet_with_dropout(p), losses, with_record=True, autocast=True, losses_of=False)
+    assert refused == 0, f"refused at {refused} of 6 re-checked steps with the record (apart at {apart})"
+
+
+class _InputMixup(Backbone):
+    """Mixup inside the forward, before the first layer: ``lam x + (1 - lam) x[randperm(B)]``, ``lam ~ Beta(2, 2)``."""
+
+    num_classes = 2
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            lam = torch.distributions.Beta(2.0, 2.0).sample()
+            x = lam * x + (1 - lam) * x[torch.randperm(len(x))]
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+@contextlib.contextmanager
+def _fixed_training_randomness(device):
+    """The step's training randomness from a fixed seed (the removal's two runs draw alike), torch's restored after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        yield
+
+
+@pytest.mark.xfail(strict=True, reason="open: mixup inside the forward (randperm, Beta) mixes in no recomputation; "
+                                       "4.84 C released on one removal (B = 16, C = 0.1, every mode)")
+@pytest.mark.parametrize("mode", MODES)
+def test_mixup_inside_the_forward_is_refused(mode, monkeypatch):
+    from lit_zodp.algorithms import DPSGD, first_order
+
+    monkeypatch.setattr(first_order, "secret_training_randomness", _fixed_training_randomness)
+    generator = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 8, generator=generator) * 3, torch.randint(0, 2, (16,), generator=generator)
+    record = torch.randn(1, 8, generator=generator) * 3
+
+    def released(xs, ys):
+        torch.manual_seed(0)
+        module = DPSGD(_InputMixup().float(), clip=0.1, noise_multiplier=1.0, delta=1e-5, lr=1e-3,
+                       grad_mode=mode).train()
+        module._pending_checks, module._recheck_pending = {"halves"}, True
+        return torch.cat([g.flatten() for g in module.private_gradient(xs, ys).grads])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a check that warns its way past is not a pass)
+        moved = removal_difference(released, 0.1, x, y, record, 1)
+    assert moved <= MARGIN, f"one removal changed the released sum by {moved:.3f} C"
