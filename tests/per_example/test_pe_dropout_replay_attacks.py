@@ -15,6 +15,12 @@ Fixed here:
   differed from the step's. The honest NF-ResNet record was refused at 6 of 6 re-checked steps (dropout 0.1, and 6 of
   6 without dropout), none of 6 without the record, at c0f0699 and at 814fdfb. The tape now keeps the generators'
   states as ``loss_fn`` began (``Tape.loss_state``) and the losses path replays from there: 0 of 6.
+* The same noise drawn by a forward pre-hook on the engine's module (no ``losses_of``): the tape kept the states
+  and the inputs after the pre-hooks, so the replay drew the noise again on the noised inputs. Passed at 814fdfb
+  without dropout (the noise at its mean: 0 of 6), refused at 6 of 6 since c0f0699 (6 of 6 with dropout 0.1 at
+  both), none without the record. The tape now takes the states and inputs in a first pre-hook
+  (``Tape._root_begins``), and a replay runs from those inputs where a pre-hook replaced them
+  (``ModuleCall.replay_inputs``): 0 of 6.
 * The step's calls pending the gradient halves (``engine._gradient_check``: their inputs and, since c0f0699, the
   generators' states of a private step) outlived a step that failed after the forward check (a backward raising) or
   that never reached the halves (``per_example_gradients``): held on the engine until the next step, in a pickled or
@@ -116,13 +122,25 @@ def _noisy_inputs(model, x, y):
     return F.cross_entropy(model(x + 0.01 * torch.randn_like(x)), y, reduction="none")
 
 
+def _noisy_model(p: float, where: str):
+    """:func:`_nfresnet_with_dropout`, and its per-example losses on inputs with Gaussian noise (``0.01``) drawn
+    before the module's forward: by the loss (``where`` "loss") or by a forward pre-hook on the module ("pre-hook")."""
+    model = _nfresnet_with_dropout(p)
+    if where == "pre-hook":
+        model.register_forward_pre_hook(lambda module, args: (args[0] + 0.01 * torch.randn_like(args[0]),))
+        return model, lambda m, x, y: F.cross_entropy(m(x), y, reduction="none")
+    return model, _noisy_inputs
+
+
+@pytest.mark.parametrize("where, losses_of", [("loss", True), ("pre-hook", False), ("pre-hook", True)],
+                         ids=["loss-losses_of", "pre_hook", "pre_hook-losses_of"])
 @pytest.mark.parametrize("p", [0.1, 0.0], ids=["dropout", "no-dropout"])
-def test_a_loss_drawing_before_the_module_is_not_refused_beside_the_record(p):
+def test_noise_drawn_before_the_module_is_not_refused_beside_the_record(p, where, losses_of):
     """Module doc, fixed: 6 of 6 refused with the record before (none without), 0 of 6 now; the record was set apart
     at every step, so the replayed comparison ran."""
-    refused, apart = _refusals(_nfresnet_with_dropout(p), _noisy_inputs, with_record=True)
+    refused, apart = _refusals(*_noisy_model(p, where), with_record=True, losses_of=losses_of)
     assert (refused, apart) == (0, 6)
-    assert _refusals(_nfresnet_with_dropout(p), _noisy_inputs, with_record=False) == (0, 0)
+    assert _refusals(*_noisy_model(p, where), with_record=False, losses_of=losses_of) == (0, 0)
 
 
 def test_the_pending_calls_and_their_generator_states_do_not_outlive_the_step():
