@@ -177,7 +177,7 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         return row_apart if apart else None
     return functools.partial(_retry_without_non_finite_rows, run, compare, weights, project=project, unit=unit,
                              released_unit=unit if released_unit is None else released_unit, shares=shares,
-                             row_apart=row_apart, apart=apart)
+                             row_apart=row_apart, apart=apart, drew=drew)
 
 
 def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows: Tensor, *,
@@ -353,7 +353,7 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
                                    space: Optional[Callable[[Gradients], List[Tensor]]] = None, *,
                                    project: Callable[[int, Tensor], Tensor], unit: float, released_unit: float,
                                    shares: float, row_apart: Optional[Callable[..., None]] = None,
-                                   apart: Sequence[int] = ()) -> None:
+                                   apart: Sequence[int] = (), drew: Optional[Draws] = None) -> None:
     """After a whole batch whose recomputed gradient is not finite (a row weighted 0 whose forward is not: an
     input with an infinite feature): the rows in the sum, recomputed without the others, must give the step's own
     clipped sum ``released`` (in the clipped space), then meet the halves' identity. Compared without that row alone,
@@ -364,7 +364,13 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     (``released_unit > unit``: a float32 model under a half-precision autocast, whose check runs in float32):
     compared to the autocast's rounding (``u`` 0.088 of ``sum_r c_r ||g_r||`` in bfloat16), a record with an infinite
     feature whose batch statistic scaled every batch-mate's backward by 0.8 passed, 2.90 C released at ``B = 16``
-    (red-team review 68). ``space``: the
+    (red-team review 68). At a step that drew random numbers (``drew``: dropout in training), the rows in the sum
+    are recomputed replaying the step's draws (:func:`_refuse_row_apart`'s runs) in the batch's shape, each in its
+    place, the others' positions holding copies of them at weight 0 (:func:`_placed`: a non-finite row in place
+    makes the weight gradient NaN, ``0 * inf``): recomputed alone with each draw at its mean, an honest MLP with
+    dropout 0.1 and one record with an infinite feature was refused at every re-checked step, none without the record
+    (4 of 4, every mode, DPSGD: a refusal that tells whether the record was in the batch; red-team review 72).
+    ``space``: the
     recomputed gradients (of the parameters) in the space of ``released``, where it is not the clipped space
     (separately clipped parts, whose split emptied the step's per-example gradients: GEP's; a list of 0 sums failed
     with a ``RuntimeError``, review 68)."""
@@ -378,14 +384,17 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     if released_unit > unit:
         raise _not_finite("the step's own clipped sum, rounded by its forward's half-precision autocast, cannot be "
                           "compared closely enough with the batch recomputed without it in float32")
-    gap, scale = _gap_to_released(run, (rows, weights[rows]), released, space, project)
+    part: Part = (rows, weights[rows])
+    if drew is not None and drew.seen:
+        run, part = functools.partial(run, replay=True), _placed(torch.arange(len(weights)), weights, rows)
+    gap, scale = _gap_to_released(run, part, released, space, project)
     if gap is None:
         raise _not_finite("the step's own clipped sum could not be formed in the space it is compared in")
     ratio = _beyond(gap, unit * (shares + scale))
     if not ratio <= 1:
         raise _not_finite("the rows in the sum, recomputed without it, give a clip-weighted gradient that differs "
-                          f"from the step's own by {beyond_tolerance(ratio)} (a backward that mixes examples, or "
-                          "dropout in training mode, which the check cannot replay)")
+                          f"from the step's own by {beyond_tolerance(ratio)} (a forward or backward that mixes "
+                          "examples)")
     if not compare(rows):
         raise _not_finite("the rows in the sum recomputed without it are not finite either")
     if apart and row_apart is not None:
