@@ -35,6 +35,12 @@ Fixed here:
 
 Open (strict ``xfail``):
 
+* Review 20's record in a structure's first batch (a fresh engine, or DPSGD's first step): the numeric coverage check
+  finds the standardised convolution's rule wrong on it (its rounding apart) and falls back to torch.func, which
+  cannot draw dropout: refused in 4 of 4 fresh engines in every mode with dropout 0.1, and in "hooks" without
+  dropout too ("do not add up to the batch gradient"), none without the record (at 814fdfb too: not the replay's
+  doing). The same through DPSGD's first step (dropout 0.1, "hooks"; with ``micro_batch_size=8`` and with
+  ``fixed_forward_rows=16`` too).
 * (Not a test: two crafted records.) Review 20's record beside a record with an infinite feature: the retry
   compares the step's sum with the finite rows recomputed, where the cancelling record rounds apart, before any
   row is set apart: refused at 6 of 6 re-checked steps, none with an honest row in its place
@@ -314,3 +320,25 @@ def test_review_67s_infinite_record_is_refused_with_dropout(mode, monkeypatch):
         assert removal_difference(released, 0.1, x, y, record, 0) <= MARGIN
         monkeypatch.setattr(gradient_halves, "_retry_without_non_finite_rows", lambda *args, **kwargs: None)
         assert removal_difference(released, 0.1, x, y, record, 0) > 2
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="open: in a structure's first batch the numeric coverage check refuses review 20's honest "
+                          "record (4 of 4 fresh engines: 'hooks' with or without dropout, 'ghost'/'bookkeeping' with "
+                          "dropout 0.1, whose torch.func fallback cannot draw), none without it")
+@pytest.mark.parametrize("mode, p", [("hooks", 0.0), ("ghost", 0.1)])
+def test_the_record_in_a_structures_first_batch_is_not_refused(mode, p):
+    from tests.backbones.test_nfresnet_crafted import honest, null_space_record
+
+    x, y = honest(32)
+    refused = []
+    for first in (0.5 * x[:1], null_space_record(1e10, 100.0)):  # (an honest row there, then the record)
+        model = _nfresnet_with_dropout(p)
+        xs, ys = torch.cat([first, x]), torch.cat([y[:1], y])
+        try:
+            PerExampleGradientEngine(model, mode=mode).clipped_sum(
+                lambda: F.cross_entropy(model(xs), ys, reduction="none"), 1e-3)
+            refused.append(False)
+        except PrivacyConfigError:
+            refused.append(True)
+    assert refused == [False, False], "refused with the record only" if refused == [False, True] else refused
