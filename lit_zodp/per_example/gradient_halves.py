@@ -369,7 +369,8 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     place, the others' positions holding copies of them at weight 0 (:func:`_placed`: a non-finite row in place
     makes the weight gradient NaN, ``0 * inf``): recomputed alone with each draw at its mean, an honest MLP with
     dropout 0.1 and one record with an infinite feature was refused at every re-checked step, none without the record
-    (4 of 4, every mode, DPSGD: a refusal that tells whether the record was in the batch; red-team review 72).
+    (4 of 4, every mode, DPSGD: a refusal that tells whether the record was in the batch; red-team review 72). The
+    rows in the sum alone must then give, each draw at its mean, what they give in that shape: the row count.
     ``space``: the
     recomputed gradients (of the parameters) in the space of ``released``, where it is not the clipped space
     (separately clipped parts, whose split emptied the step's per-example gradients: GEP's; a list of 0 sums failed
@@ -386,7 +387,16 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
                           "compared closely enough with the batch recomputed without it in float32")
     part: Part = (rows, weights[rows])
     if drew is not None and drew.seen:
-        run, part = functools.partial(run, replay=True), _placed(torch.arange(len(weights)), weights, rows)
+        part = _placed(torch.arange(len(weights)), weights, rows)
+        # (alone, the row count moved too: each draw at its mean, the rows alone must give what they give in the
+        # batch's shape; without it an infinite record taking the batch to 17 rows, where a backward negated every
+        # batch-mate's gradient, released 9.01 C through the replayed comparison: review 72)
+        ratio = _ratio(run, [(rows, weights[rows]), part], project=project, unit=unit, shares=shares)
+        if not ratio <= 1:
+            raise _not_finite("the rows in the sum, recomputed alone, give a clip-weighted gradient that differs "
+                              f"from theirs in the batch's shape by {beyond_tolerance(ratio)} (a forward or backward "
+                              "that reads the batch's row count)")
+        run = functools.partial(run, replay=True)
     gap, scale = _gap_to_released(run, part, released, space, project)
     if gap is None:
         raise _not_finite("the step's own clipped sum could not be formed in the space it is compared in")

@@ -26,8 +26,10 @@ Fixed here:
   step's own sum (masks drawn) with the rows in it recomputed alone (masks at their mean): an honest MLP with
   dropout 0.1 under DPSGD was refused at 4 of 4 re-checked steps with the record, none without it (every mode; the
   same at 814fdfb). At a step that drew, the retry now replays the step's draws in the batch's shape, the rows not
-  in the sum replaced by copies of rows in it at weight 0: 0 of 4. Review 67's backward scaled by the batch
-  statistic that the record sets to ``inf`` stays refused with dropout (released above 2 C with the retry off).
+  in the sum replaced by copies of rows in it at weight 0, and (each draw at its mean) the rows in the sum alone must
+  give what they give in that shape: 0 of 4. Review 67's backward scaled by the batch statistic that the record sets
+  to ``inf`` stays refused with dropout (released above 2 C with the retry off), and so does a backward negated above
+  16 rows that the record's row reaches (9.01 C through the replayed comparison alone).
 * The step's calls pending the gradient halves (``engine._gradient_check``: their inputs and, since c0f0699, the
   generators' states of a private step) outlived a step that failed after the forward check (a backward raising) or
   that never reached the halves (``per_example_gradients``): held on the engine until the next step, in a pickled or
@@ -342,3 +344,47 @@ def test_the_record_in_a_structures_first_batch_is_not_refused(mode, p):
         except PrivacyConfigError:
             refused.append(True)
     assert refused == [False, False], "refused with the record only" if refused == [False, True] else refused
+
+
+class _FlippedAbove16(torch.autograd.Function):
+    """Identity forward; the backward negated where the batch has more than 16 rows."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:
+        ctx.rows = len(z)
+        return z.view_as(z)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return -grad if ctx.rows > 16 else grad
+
+
+class _RowCountDropoutMLP(_DropoutMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FlippedAbove16.apply(super().forward(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_infinite_record_switching_a_backward_by_the_row_count_is_refused_with_dropout(mode, monkeypatch):
+    """The replayed retry runs the batch's shape, so it cannot see the row count: an infinite record (factor 0, in no
+    comparison of the finite rows) taking the batch to 17 rows, where a backward negates every batch-mate's gradient.
+    Compared only replaying the step's draws in the batch's shape (this review's first fix), 9.01 C released on one
+    removal (16 batch-mates, ``C = 1``, every mode). The retry now also compares, each draw at its mean, the rows
+    in the sum alone with them in the batch's shape (copies at weight 0): refused."""
+    from lit_zodp.algorithms import DPSGD, first_order
+
+    monkeypatch.setattr(first_order, "secret_training_randomness", _fixed_training_randomness)
+    x, y, record = _batch_and_infinite_record()
+    x, y = torch.cat([x, x[:1] + 0.1]), torch.cat([y, y[:1]])
+
+    def released(xs, ys):
+        torch.manual_seed(0)
+        module = DPSGD(_RowCountDropoutMLP().float(), clip=1.0, noise_multiplier=1.0, delta=1e-5, lr=1e-3,
+                       grad_mode=mode).train()
+        module._pending_checks, module._recheck_pending = {"halves"}, True
+        return torch.cat([g.flatten() for g in module.private_gradient(xs, ys).grads])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        moved = removal_difference(released, 1.0, x, y, record, 0)
+    assert moved <= MARGIN, f"one removal changed the released sum by {moved:.3f} C"
