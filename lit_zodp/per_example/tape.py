@@ -84,11 +84,12 @@ class ModuleCall:
     #: The root's calls: ``(start, end)``, the other module calls recorded inside it (``tape.module_calls[start:end]``).
     module_span: Optional[Tuple[int, int]] = None
     #: The root's calls in training mode: the generators' states as the call began, so a check can draw its dropout
-    #: masks again (:func:`~lit_zodp.privacy.training_randomness.replayed_streams`); cleared with the tape.
-    random_state: Optional[RandomState] = None
+    #: masks again (:func:`~lit_zodp.privacy.training_randomness.replayed_streams`); cleared with the tape, and out of
+    #: the call's ``repr`` (a secret state: an assertion's or a log's print of the call showed its first bytes).
+    random_state: Optional[RandomState] = field(default=None, repr=False)
     #: The root's calls whose forward pre-hooks replaced the inputs: the inputs (flat) and their spec as the call
     #: began, before the hooks and their draws, from which a replay of ``random_state`` must run (red-team review 72).
-    replay_inputs: Optional[Tuple[List[Any], Any]] = None
+    replay_inputs: Optional[Tuple[List[Any], Any]] = field(default=None, repr=False)
 
     def output_edges(self) -> List[GradientEdge]:
         """The autograd edges of the tensor outputs (none once the graph is released)."""
