@@ -553,8 +553,7 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
                             replay: bool = False) -> Gradients:
     """``d/dtheta sum_calls sum_k w_k <dL_{r_k}/d out, out_k>``, the module run on the rows ``r`` of ``part`` alone
     (``w``: their weights), each draw at its mean (``drew`` notes whether one was replaced), or (``replay``) each
-    call's draws as the step drew them (:func:`_draws_of`), from its inputs as it began (before pre-hooks that
-    replaced them: :attr:`.tape.ModuleCall.replay_inputs`)."""
+    call's draws as the step drew them (:func:`_draws_of`)."""
     index, weights = part
     rows = len(index)
     padded = torch.cat([index, index[:1].expand(size - rows)]) if keep_call_shape else index
@@ -562,10 +561,9 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
     outputs: List[Tensor] = []
     cotangents: List[Tensor] = []
     for call, grads in calls:
-        given, spec = call.replay_inputs if replay and call.replay_inputs is not None else (call.inputs, call.spec)
         inputs = [x[padded.to(x.device)].detach() if is_batched(x, size) else
-                  x.detach() if isinstance(x, Tensor) else x for x in given]
-        args, kwargs = tree_unflatten(inputs, spec)
+                  x.detach() if isinstance(x, Tensor) else x for x in call.inputs]
+        args, kwargs = tree_unflatten(inputs, call.spec)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
         with _draws_of(call.random_state if replay else None, devices, drew), torch.enable_grad(), autocast:
             flat = tree_flatten(call.module(*args, **kwargs))[0]

@@ -87,9 +87,6 @@ class ModuleCall:
     #: masks again (:func:`~lit_zodp.privacy.training_randomness.replayed_streams`); cleared with the tape, and out of
     #: the call's ``repr`` (a secret state: an assertion's or a log's print of the call showed its first bytes).
     random_state: Optional[RandomState] = field(default=None, repr=False)
-    #: The root's calls whose forward pre-hooks replaced the inputs: the inputs (flat) and their spec as the call
-    #: began, before the hooks and their draws, from which a replay of ``random_state`` must run (red-team review 72).
-    replay_inputs: Optional[Tuple[List[Any], Any]] = field(default=None, repr=False)
 
     def output_edges(self) -> List[GradientEdge]:
         """The autograd edges of the tensor outputs (none once the graph is released)."""
@@ -218,10 +215,12 @@ class Tape:
             self.stack.pop()
 
     def _root_begins(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """First of the root's forward pre-hooks: the generators' states and the inputs before any other pre-hook
-        (a user's that adds input noise draws after it: from its own call, the replay drew that noise again on the
-        noised inputs, and review 20's honest record was refused at 6 of 6 re-checked steps, none without it,
-        red-team review 72)."""
+        """First of the root's forward pre-hooks: the generators' states and the inputs before any other pre-hook,
+        which the call then records (a recomputation calls the module, so its pre-hooks run again). From the inputs
+        a user's pre-hook returned, a recomputation applied it twice: one adding input noise drew it again on the
+        noised inputs in the replay, and review 20's honest record was refused at 6 of 6 re-checked steps (none
+        without it); ``x * 0.5 + 1`` refused the same record at 6 of 6 without dropout, and in eval mode any model at
+        its first batch (the forward check: the step's outputs against recomputations; red-team review 72)."""
         if self._recording_forward:
             leaves, spec = tree_flatten((args, kwargs))
             state = random_state(_cuda_indices(leaves)) if module.training else None
@@ -264,13 +263,14 @@ class Tape:
         if not self._recording_forward:
             return
         inputs, spec = tree_flatten((args, kwargs))
+        root = self._root_starts.pop() if module is self.root and self._root_starts else None
+        if root is not None:  # (the root's inputs as it was called: a recomputation runs its pre-hooks again)
+            inputs, spec = root[3]
         versions = [leaf._version if isinstance(leaf, Tensor) and not leaf.is_inference() else None
                     for leaf in inputs]
         call = ModuleCall(module, inputs, spec, versions)
-        if module is self.root and self._root_starts:
-            layer_start, module_start, call.random_state, raw = self._root_starts.pop()
-            if len(raw[0]) != len(inputs) or any(a is not b for a, b in zip(raw[0], inputs)):
-                call.replay_inputs = raw
+        if root is not None:
+            layer_start, module_start, call.random_state, _ = root
             call.layer_span = (layer_start, len(self.layer_calls))
             call.module_span = (module_start, len(self.module_calls))
         self.module_calls.append(call)

@@ -18,9 +18,11 @@ Fixed here:
 * The same noise drawn by a forward pre-hook on the engine's module (no ``losses_of``): the tape kept the states
   and the inputs after the pre-hooks, so the replay drew the noise again on the noised inputs. Passed at 814fdfb
   without dropout (the noise at its mean: 0 of 6), refused at 6 of 6 since c0f0699 (6 of 6 with dropout 0.1 at
-  both), none without the record. The tape now takes the states and inputs in a first pre-hook
-  (``Tape._root_begins``), and a replay runs from those inputs where a pre-hook replaced them
-  (``ModuleCall.replay_inputs``): 0 of 6.
+  both), none without the record. The tape now takes the states and the inputs in a first pre-hook
+  (``Tape._root_begins``) and records the call with those inputs (every recomputation calls the module, so its
+  pre-hooks run again, once): 0 of 6. A pre-hook rescaling the inputs (``x * 0.5 + 1``, no draw) was applied twice
+  too: the record refused at 6 of 6 re-checked steps without dropout (0 now), and in eval mode any model at its first
+  batch, as batch mixing (every mode; passes now).
 * One record with an infinite feature (factor 0) and any model with dropout in training: the whole batch's
   recomputation is not finite, and the retry (``gradient_halves._retry_without_non_finite_rows``) compared the
   step's own sum (masks drawn) with the rows in it recomputed alone (masks at their mean): an honest MLP with
@@ -149,14 +151,18 @@ def _noisy_model(p: float, where: str):
     """:func:`_nfresnet_with_dropout`, and its per-example losses on inputs with Gaussian noise (``0.01``) drawn
     before the module's forward: by the loss (``where`` "loss") or by a forward pre-hook on the module ("pre-hook")."""
     model = _nfresnet_with_dropout(p)
+    if where == "affine-pre-hook":  # (no draw: the inputs rescaled)
+        model.register_forward_pre_hook(lambda module, args: (args[0] * 0.5 + 1.0,))
+        return model, lambda m, x, y: F.cross_entropy(m(x), y, reduction="none")
     if where == "pre-hook":
         model.register_forward_pre_hook(lambda module, args: (args[0] + 0.01 * torch.randn_like(args[0]),))
         return model, lambda m, x, y: F.cross_entropy(m(x), y, reduction="none")
     return model, _noisy_inputs
 
 
-@pytest.mark.parametrize("where, losses_of", [("loss", True), ("pre-hook", False), ("pre-hook", True)],
-                         ids=["loss-losses_of", "pre_hook", "pre_hook-losses_of"])
+@pytest.mark.parametrize("where, losses_of", [("loss", True), ("pre-hook", False), ("pre-hook", True),
+                                              ("affine-pre-hook", False)],
+                         ids=["loss-losses_of", "pre_hook", "pre_hook-losses_of", "affine_pre_hook"])
 @pytest.mark.parametrize("p", [0.1, 0.0], ids=["dropout", "no-dropout"])
 def test_noise_drawn_before_the_module_is_not_refused_beside_the_record(p, where, losses_of):
     """Module doc, fixed: 6 of 6 refused with the record before (none without), 0 of 6 now; the record was set apart
@@ -164,6 +170,20 @@ def test_noise_drawn_before_the_module_is_not_refused_beside_the_record(p, where
     refused, apart = _refusals(*_noisy_model(p, where), with_record=True, losses_of=losses_of)
     assert (refused, apart) == (0, 6)
     assert _refusals(*_noisy_model(p, where), with_record=False, losses_of=losses_of) == (0, 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_pre_hook_on_the_module_is_not_applied_twice(mode):
+    """Module doc, fixed: the recomputations ran the module on the inputs its pre-hooks had returned, applying them
+    twice; in eval mode the forward check compares the step's outputs with them, and a plain MLP whose pre-hook
+    rescales its inputs was refused at its first batch as batch mixing (every mode; training mode passed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).eval()
+    model.register_forward_pre_hook(lambda module, args: (args[0] * 0.5 + 1.0,))
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    clipped = PerExampleGradientEngine(model, mode=mode).clipped_sum(
+        lambda: F.cross_entropy(model(x), y, reduction="none"), 1.0)
+    assert all(torch.isfinite(g).all() for g in clipped.grads)
 
 
 def test_the_pending_calls_and_their_generator_states_do_not_outlive_the_step():
