@@ -113,7 +113,7 @@ from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape, _first_input
 from lit_zodp.per_example.transforms import GradientTransform, Projection, as_transform
 from lit_zodp.per_example.uses import ParameterUses
 from lit_zodp.privacy.clipping import check_clip, clip_factors
-from lit_zodp.privacy.training_randomness import secret_cpu_generator
+from lit_zodp.privacy.training_randomness import RandomState, random_state, secret_cpu_generator
 
 Transform = Union[GradientTransform, Callable[[str, Tensor, Tensor], Tensor]]
 
@@ -620,7 +620,7 @@ class PerExampleGradientEngine:
         self._expand_shared = True  # shared [1, T] embedding indices expanded to the batch (until a forward fails)
         #: This step's calls of the module whose forward was checked, for the gradients' check once the clip factors
         #: are known (:mod:`.gradient_halves`), and whether that forward check fell back to eval mode.
-        self._gradient_check: Optional[Tuple[List[ModuleCall], bool]] = None
+        self._gradient_check: Optional[Tuple[List[ModuleCall], bool, Optional[RandomState]]] = None
 
     def __setstate__(self, state: dict) -> None:
         """A copy (a callback's ``deepcopy`` of the module: an EMA or teacher model) or unpickled engine keys its maps by
@@ -679,7 +679,7 @@ class PerExampleGradientEngine:
                 return self._clip_and_sum(losses, batch, clip, tape, examples, losses_of)
         finally:
             tape.clear()
-            self._gradient_check = None  # (its calls hold the batch's inputs)
+            self._gradient_check = None  # (its calls' inputs and generators' states: never past the step, review 72)
             for param in self.params:
                 param.grad = None
 
@@ -767,7 +767,7 @@ class PerExampleGradientEngine:
                 return ClippedParts(sums, norms[:examples].float(), examples)
         finally:
             tape.clear()
-            self._gradient_check = None  # (its calls hold the batch's inputs)
+            self._gradient_check = None  # (its calls' inputs and generators' states: never past the step, review 72)
             for param in self.params:
                 param.grad = None
 
@@ -800,7 +800,7 @@ class PerExampleGradientEngine:
             return [self._transformed(i, batch.dense[i], batch) for i in range(len(self.params))]
         finally:
             tape.clear()
-            self._gradient_check = None  # (its calls hold the batch's inputs)
+            self._gradient_check = None  # (its calls' inputs and generators' states: never past the step, review 72)
             for param in self.params:
                 param.grad = None
 
@@ -839,6 +839,8 @@ class PerExampleGradientEngine:
         tape.recording = True
         buffers, parameters = buffer_state(self.module, modules), ParameterWrites(self.module, modules)
         versions = parameters.versions()
+        # (the losses path's checks replay what `losses_of` draws before the module from here: review 72)
+        tape.loss_state = random_state(sorted({p.device.index for p in self.params if p.is_cuda} - {None}))
         with uses, forward_autocast(self._device_type):
             losses = _forward(loss_fn, tape)
         refuse_buffer_writes(self.module, buffers)
@@ -916,7 +918,7 @@ class PerExampleGradientEngine:
             return known
         self._ran_checks = True
         roots = [c for c in tape.module_calls if c.module is self.module]  # (before the outputs are dropped)
-        self._gradient_check = (roots, self._refuse_forward_mixing(tape, len(losses)))
+        self._gradient_check = (roots, self._refuse_forward_mixing(tape, len(losses)), tape.loss_state)
         misaligned = known
         if misaligned is None:
             misaligned = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, len(losses))))
@@ -1494,7 +1496,7 @@ class PerExampleGradientEngine:
         pending, self._gradient_check = self._gradient_check, None
         if pending is None:
             return None
-        calls, in_eval = pending
+        calls, in_eval, loss_state = pending
         devices = sorted({*_cuda_devices(calls), *(p.device for p in self.params if p.device.type == "cuda")},
                          key=str)
         # a model of float32 (or wider) parameters, buffers and inputs under a half-precision autocast: the check's
@@ -1519,7 +1521,7 @@ class PerExampleGradientEngine:
             return refuse_gradient_mixing(calls, factors, norms, self.params, project=project, dtype=dtype,
                                           device_type=self._device_type, keep_call_shape=self.keep_call_shape,
                                           devices=devices, without_autocast=without_autocast, losses_of=losses_of,
-                                          released_unit=released_unit)
+                                          released_unit=released_unit, loss_state=loss_state)
 
         if not in_eval:
             try:

@@ -110,7 +110,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
                            project: Callable[[int, Tensor], Tensor], dtype: torch.dtype, device_type: str,
                            keep_call_shape: bool = False, devices: Sequence[torch.device] = (),
                            without_autocast: bool = False, losses_of: Optional[LossesOf] = None,
-                           released_unit: Optional[float] = None) -> Optional[Callable[[Optional[Gradients]], None]]:
+                           released_unit: Optional[float] = None, loss_state: Optional[RandomState] = None
+                           ) -> Optional[Callable[[Optional[Gradients]], None]]:
     """Refuse the step if the clip-weighted gradient of the whole batch is not the sum of its halves' (module doc).
 
     Returns ``None``, or where the whole batch's recomputed gradient was not finite, the rest of the check, to call
@@ -133,6 +134,12 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             and ``calls`` serve only for ``devices``.
         released_unit: The tolerance's unit against the step's own sum (its forward's rounding: an autocast's);
             coarser than the check's own, a retry is refused (red-team review 68).
+        loss_state: The generators' states as the step's ``loss_fn`` began: with ``losses_of``, the runs that replay
+            the step's draws (:func:`_refuse_row_apart`) start there, so what the loss draws before calling the module
+            (input noise) is drawn again too. From the module's call instead, that noise took the module's draws,
+            and an honest model with review 20's record and a loss adding ``0.01`` Gaussian noise to its inputs was
+            refused at 6 of 6 re-checked steps (none without the record: a refusal that tells whether it was in the
+            batch; dropout 0.1 or none; red-team review 72).
 
     Raises:
         PrivacyConfigError: The sums differ beyond the tolerance, or nothing could be compared (:data:`UNCOMPARED`).
@@ -154,7 +161,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         seen = []
         run = functools.partial(_loss_weighted_gradient, losses_of, params=params, devices=devices,
                                 device_type=device_type, without_autocast=without_autocast, seen=seen, drew=drew,
-                                state=next((call.random_state for call, _ in calls), None))
+                                state=loss_state if loss_state is not None else next(
+                                    (call.random_state for call, _ in calls), None))
     else:
         run = functools.partial(_clip_weighted_gradient, calls, size=size, params=params,
                                 keep_call_shape=keep_call_shape, devices=devices, device_type=device_type,
@@ -356,16 +364,17 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     (``released_unit > unit``: a float32 model under a half-precision autocast, whose check runs in float32):
     compared to the autocast's rounding (``u`` 0.088 of ``sum_r c_r ||g_r||`` in bfloat16), a record with an infinite
     feature whose batch statistic scaled every batch-mate's backward by 0.8 passed, 2.90 C released at ``B = 16``
-    (red-team review 68). ``space``: the
+    (red-team review 68). At a step that drew random numbers (``drew``: dropout in training), the rows in the sum
+    are recomputed replaying the step's draws (:func:`_refuse_row_apart`'s runs) in the batch's shape, each in its
+    place, the others' positions holding copies of them at weight 0 (:func:`_placed`: a non-finite row in place
+    makes the weight gradient NaN, ``0 * inf``): recomputed alone with each draw at its mean, an honest MLP with
+    dropout 0.1 and one record with an infinite feature was refused at every re-checked step, none without the record
+    (4 of 4, every mode, DPSGD: a refusal that tells whether the record was in the batch; red-team review 72). The
+    rows in the sum alone must then give, each draw at its mean, what they give in that shape: the row count.
+    ``space``: the
     recomputed gradients (of the parameters) in the space of ``released``, where it is not the clipped space
     (separately clipped parts, whose split emptied the step's per-example gradients: GEP's; a list of 0 sums failed
-    with a ``RuntimeError``, review 68).
-
-    Where the step drew random numbers (``drew``: dropout in training), the rows in the sum are run replaying its
-    draws in the batch's shape, each other position holding a copy of a row in the sum at weight 0
-    (:func:`_in_shape_without`): compared with the recomputation's masks at their mean, an honest MLP with dropout 0.1
-    was refused at every re-checked step with a record holding one infinite feature (stop 59, every mode), a refusal
-    that tells whether the record was in the batch."""
+    with a ``RuntimeError``, review 68)."""
     rows = (weights > 0).nonzero().flatten()
     if len(rows) == 0:
         return
@@ -376,30 +385,30 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
     if released_unit > unit:
         raise _not_finite("the step's own clipped sum, rounded by its forward's half-precision autocast, cannot be "
                           "compared closely enough with the batch recomputed without it in float32")
-    in_sum = (rows, weights[rows])
-    replayed, in_shape = (functools.partial(run, replay=True), _in_shape_without(weights, rows)) if (
-        drew is not None and drew.seen) else (run, in_sum)
-    gap, scale = _gap_to_released(replayed, in_shape, released, space, project)
+    part: Part = (rows, weights[rows])
+    if drew is not None and drew.seen:
+        part = _placed(torch.arange(len(weights)), weights, rows)
+        # (alone, the row count moved too: each draw at its mean, the rows alone must give what they give in the
+        # batch's shape; without it an infinite record taking the batch to 17 rows, where a backward negated every
+        # batch-mate's gradient, released 9.01 C through the replayed comparison: review 72)
+        ratio = _ratio(run, [(rows, weights[rows]), part], project=project, unit=unit, shares=shares)
+        if not ratio <= 1:
+            raise _not_finite("the rows in the sum, recomputed alone, give a clip-weighted gradient that differs "
+                              f"from theirs in the batch's shape by {beyond_tolerance(ratio)} (a forward or backward "
+                              "that reads the batch's row count)")
+        run = functools.partial(run, replay=True)
+    gap, scale = _gap_to_released(run, part, released, space, project)
     if gap is None:
         raise _not_finite("the step's own clipped sum could not be formed in the space it is compared in")
     ratio = _beyond(gap, unit * (shares + scale))
     if not ratio <= 1:
         raise _not_finite("the rows in the sum, recomputed without it, give a clip-weighted gradient that differs "
-                          f"from the step's own by {beyond_tolerance(ratio)} (a backward that mixes examples, or "
-                          "random draws the check could not replay)")
+                          f"from the step's own by {beyond_tolerance(ratio)} (a forward or backward that mixes "
+                          "examples)")
     if not compare(rows):
         raise _not_finite("the rows in the sum recomputed without it are not finite either")
     if apart and row_apart is not None:
         row_apart(released, space)
-
-
-def _in_shape_without(weights: Tensor, rows: Tensor) -> Part:
-    """The batch in its shape with only ``rows`` weighted (at ``weights``): every other position holds a copy of the
-    first of ``rows`` (a non-finite row's content would make the sum NaN, ``0 * inf``) at weight 0, so a run replaying
-    the step's draws gives each row its own mask."""
-    index = torch.full((len(weights),), int(rows[0]), dtype=torch.long)
-    index[rows] = rows
-    return index, torch.where(index == torch.arange(len(weights)), weights, 0.0)
 
 
 def _gap_to_released(run: Callable[[Part], Gradients], part: Part, released: Gradients,

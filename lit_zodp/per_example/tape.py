@@ -84,8 +84,9 @@ class ModuleCall:
     #: The root's calls: ``(start, end)``, the other module calls recorded inside it (``tape.module_calls[start:end]``).
     module_span: Optional[Tuple[int, int]] = None
     #: The root's calls in training mode: the generators' states as the call began, so a check can draw its dropout
-    #: masks again (:func:`~lit_zodp.privacy.training_randomness.replayed_streams`); cleared with the tape.
-    random_state: Optional[RandomState] = None
+    #: masks again (:func:`~lit_zodp.privacy.training_randomness.replayed_streams`); cleared with the tape, and out of
+    #: the call's ``repr`` (a secret state: an assertion's or a log's print of the call showed its first bytes).
+    random_state: Optional[RandomState] = field(default=None, repr=False)
 
     def output_edges(self) -> List[GradientEdge]:
         """The autograd edges of the tensor outputs (none once the graph is released)."""
@@ -142,12 +143,18 @@ class Tape:
         self.layer_calls: List[LayerCall] = []
         self.module_calls: List[ModuleCall] = []
         self.stack: List[nn.Module] = []
-        # the layer and module calls before each open root call, and the generators' states as it began
-        self._root_starts: List[Tuple[int, int, Optional[RandomState]]] = []
+        # the layer and module calls before each open root call, the generators' states as it began and its inputs
+        # before its pre-hooks (:meth:`_root_begins`)
+        self._root_starts: List[Tuple[int, int, Optional[RandomState], Tuple[List[Any], Any]]] = []
+        self._root_begun: List[Tuple[Optional[RandomState], Tuple[List[Any], Any]]] = []
+        #: The generators' states as the step's ``loss_fn`` began (set by the engine): the losses path's checks draw
+        #: what ``losses_of`` draws around the module from it (red-team review 72); cleared with the tape.
+        self.loss_state: Optional[RandomState] = None
         self._handles: list = []
 
     def __enter__(self) -> "Tape":
         register = self._handles.append
+        register(self.root.register_forward_pre_hook(self._root_begins, with_kwargs=True, prepend=True))
         register(self.root.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
         for layer in self.layers:
             register(layer.register_forward_pre_hook(self._enter))
@@ -176,6 +183,7 @@ class Tape:
         cannot free."""
         self.stack.clear()
         self._root_starts.clear()
+        self._root_begun.clear()
         for call in self.layer_calls:
             call.edge, call.consume = None, None
         for call in self.module_calls:
@@ -184,6 +192,7 @@ class Tape:
     def clear(self) -> None:
         """Drop the recorded activations and gradients."""
         self.release_graph()
+        self.loss_state = None
         self.layer_calls.clear()
         self.module_calls.clear()
 
@@ -205,12 +214,24 @@ class Tape:
         if self.stack and self.stack[-1] is module:
             self.stack.pop()
 
-    def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _root_begins(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """First of the root's forward pre-hooks: the generators' states and the inputs before any other pre-hook,
+        which the call then records (a recomputation calls the module, so its pre-hooks run again). From the inputs
+        a user's pre-hook returned, a recomputation applied it twice: one adding input noise drew it again on the
+        noised inputs in the replay, and review 20's honest record was refused at 6 of 6 re-checked steps (none
+        without it); ``x * 0.5 + 1`` refused the same record at 6 of 6 without dropout, and in eval mode any model at
+        its first batch (the forward check: the step's outputs against recomputations; red-team review 72)."""
         if self._recording_forward:
+            leaves, spec = tree_flatten((args, kwargs))
+            state = random_state(_cuda_indices(leaves)) if module.training else None
+            self._root_begun.append((state, (leaves, spec)))
+
+    def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._recording_forward and self._root_begun:
             leaves = tree_flatten((args, kwargs))[0]
             self.batch_hint = _leading_dim(leaves)
-            state = random_state(_cuda_indices(leaves)) if module.training else None
-            self._root_starts.append((len(self.layer_calls), len(self.module_calls), state))
+            state, raw = self._root_begun.pop()
+            self._root_starts.append((len(self.layer_calls), len(self.module_calls), state, raw))
 
     def _broadcast_embedding_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         """Shared index rows ``[1, T]`` (e.g. BERT's and GPT-2's position ids) are expanded to the
@@ -242,11 +263,14 @@ class Tape:
         if not self._recording_forward:
             return
         inputs, spec = tree_flatten((args, kwargs))
+        root = self._root_starts.pop() if module is self.root and self._root_starts else None
+        if root is not None:  # (the root's inputs as it was called: a recomputation runs its pre-hooks again)
+            inputs, spec = root[3]
         versions = [leaf._version if isinstance(leaf, Tensor) and not leaf.is_inference() else None
                     for leaf in inputs]
         call = ModuleCall(module, inputs, spec, versions)
-        if module is self.root and self._root_starts:
-            layer_start, module_start, call.random_state = self._root_starts.pop()
+        if root is not None:
+            layer_start, module_start, call.random_state, _ = root
             call.layer_span = (layer_start, len(self.layer_calls))
             call.module_span = (module_start, len(self.module_calls))
         self.module_calls.append(call)

@@ -113,8 +113,9 @@ def test_the_rows_left_after_a_non_finite_one_must_give_the_steps_own_sum(mode):
     clipped sum (review 67's record with an infinite feature scaled its batch-mates' backward to 0: 3.81 C). Until
     stop 59 a model with dropout in training mode was refused there (the check took the masks at their mean): an
     honest model, at every re-checked step with such a record, a refusal that tells whether it was in the batch. The
-    rows in the sum now run replaying the step's draws in the batch's shape: the honest model passes in training
-    mode (and in eval mode), review 67's scaled backward with the same dropout is refused."""
+    rows in the sum now run replaying the step's draws in the batch's shape (red-team review 72 found the same and
+    added the row-count comparison, ``test_pe_dropout_replay_attacks.py``): the honest model passes in training mode
+    (and in eval mode), review 67's scaled backward with the same dropout is refused."""
     torch.manual_seed(0)
     honest = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 2))
     x, y = torch.randn(6, 8), torch.randint(0, 2, (6,))
