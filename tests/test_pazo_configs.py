@@ -63,6 +63,7 @@ def expected_rows() -> dict[str, dict]:
             for method in CLASSES for level, eps in EPSILONS.items()}
 
 
+@pytest.mark.slow  # (~18 s on 2 cores: the default suite's budget, stop 59); run with -m slow
 def test_committed_configs_match_the_generator():
     assert_committed_configs_match_the_generator("pazo", GENERATED)
 

@@ -66,6 +66,16 @@ EVERY_CASES = EVERY + list(VARIANTS) + [twin_of(name) for name in VARIANTS if tw
 EVERY_VARIANT = ("DPZero", "DPSGD")
 
 
+#: DPGD-0th and DP-Adam share DPZero's and DP-SGD's steps but for the release: in the five longest checks of one
+#: case a module (:func:`sharing`) they run with ``-m slow``, as in the DDP tests.
+SHARED_PATHS = ("DPGD0th", "DPAdam")
+
+
+def sharing(names=PRIVATE_CASES) -> list:
+    """``names``, those of :data:`SHARED_PATHS` marked ``slow`` (the default suite's budget, stop 59)."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name in SHARED_PATHS else name for name in names]
+
+
 def spread(variants, names=PRIVATE_CASES) -> list:
     """The cases ``(*variant, name)`` of the product ``variants x names``: in the default suite every variant on
     :data:`EVERY_VARIANT`'s modules and one variant on each other module (rotating, so each variant meets several
@@ -255,7 +265,7 @@ def test_a_release_pending_when_the_fit_end_never_ran_is_counted_in_checkpoints_
     assert module.privacy.ledger.total_count == 7 and module.privacy.fit_steps == 2
 
 
-@pytest.mark.parametrize("name", PRIVATE_CASES)
+@pytest.mark.parametrize("name", sharing())
 def test_a_checkpoint_loaded_into_a_module_whose_fit_end_never_ran_takes_no_pending_release(name, tmp_path):
     """Review 35: the module's next plan committed the failed fit's pending release into the ledger loaded since, so
     resuming the checkpoint saved after the failure (5 steps) to step 7 counted 5 + 1 + 3 = 9 where 8 ran, and another
@@ -1013,7 +1023,7 @@ def test_a_budget_that_stops_before_the_trainers_minimum_is_refused_before_a_ste
     assert module.privacy.ledger.total_count == 0
 
 
-@pytest.mark.parametrize("name", PRIVATE_CASES)
+@pytest.mark.parametrize("name", sharing())
 def test_a_second_fit_of_one_module_keeps_the_runs_calibrated_sigma(name):
     """Review 31: calibrated to epsilon 2 over 30 steps (sigma 1.528), a second ``trainer.fit`` of the same module with
     40 steps at q = 0.05 recalibrated sigma for those steps alone (1.114): the budget let none run, and the summary
@@ -1027,7 +1037,7 @@ def test_a_second_fit_of_one_module_keeps_the_runs_calibrated_sigma(name):
     assert all(m.noise_multiplier == per_step for m in module.privacy.ledger.counts) and module.privacy.epsilon() <= 2.0
 
 
-@pytest.mark.parametrize("name", PRIVATE_CASES)
+@pytest.mark.parametrize("name", sharing())
 def test_the_budget_binds_across_a_resume_with_more_steps(name, tmp_path):
     """The audit's case: planned for epsilon 1 over 20 steps, resumed to 40 steps: it must stop at the budget."""
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
@@ -1240,7 +1250,7 @@ def test_testing_an_earlier_checkpoint_after_the_fit_keeps_the_whole_runs_epsilo
     assert module.privacy.ledger.total_count == 4 and module.privacy.epsilon() == spent
 
 
-@pytest.mark.parametrize("name", PRIVATE_CASES)
+@pytest.mark.parametrize("name", sharing())
 def test_an_optimizer_the_module_did_not_build_is_refused_before_the_first_step(name):
     """LightningCLI's ``optimizer:`` replaces configure_optimizers: its steps were never counted (audit 4)."""
     module = build(name)
@@ -1646,7 +1656,7 @@ class _MaskFromTheIds(Callback):
         batch[0]["attention_mask"] = (batch[0]["input_ids"] != 0).long()
 
 
-@pytest.mark.parametrize("name", PRIVATE_CASES)
+@pytest.mark.parametrize("name", sharing())
 def test_a_mask_set_after_the_transfer_is_checked_as_the_forward_sees_it(name):
     """Red-team review, 2026-11-28: the collate marks every column attended and a callback sets the mask from the
     ids in ``on_train_batch_start``. The host's note of the collated mask (no shorter row) must not stand for the
