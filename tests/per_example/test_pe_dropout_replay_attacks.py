@@ -253,12 +253,26 @@ def _fixed_training_randomness(device):
         yield
 
 
+def _rechecked_release(make, clip: float, mode: str):
+    """``(xs, ys) ->`` the flat released clipped sum of a fresh ``DPSGD`` over ``make()`` (float32, train mode), with
+    the halves check and its re-check pending (a checked step)."""
+    from lit_zodp.algorithms import DPSGD
+
+    def released(xs, ys):
+        torch.manual_seed(0)
+        module = DPSGD(make().float(), clip=clip, noise_multiplier=1.0, delta=1e-5, lr=1e-3, grad_mode=mode).train()
+        module._pending_checks, module._recheck_pending = {"halves"}, True
+        return torch.cat([g.flatten() for g in module.private_gradient(xs, ys).grads])
+
+    return released
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="open: mixup inside the forward (randperm, Beta) mixes in no recomputation; 4.68 C released "
                           "on one removal (B = 16, C = 0.1, every mode)")
 @pytest.mark.parametrize("mode", MODES)
 def test_mixup_inside_the_forward_is_refused(mode, monkeypatch):
-    from lit_zodp.algorithms import DPSGD, first_order
+    from lit_zodp.algorithms import first_order
 
     monkeypatch.setattr(first_order, "secret_training_randomness", _fixed_training_randomness)
     generator = torch.Generator().manual_seed(3)
@@ -266,12 +280,7 @@ def test_mixup_inside_the_forward_is_refused(mode, monkeypatch):
     y = torch.randint(0, 2, (16,), generator=generator)
     record = torch.randn(1, 8, generator=generator, dtype=torch.float32) * 3
 
-    def released(xs, ys):
-        torch.manual_seed(0)
-        module = DPSGD(_InputMixup().float(), clip=0.1, noise_multiplier=1.0, delta=1e-5, lr=1e-3,
-                       grad_mode=mode).train()
-        module._pending_checks, module._recheck_pending = {"halves"}, True
-        return torch.cat([g.flatten() for g in module.private_gradient(xs, ys).grads])
+    released = _rechecked_release(_InputMixup, 0.1, mode)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (a check that warns its way past is not a pass)
@@ -396,18 +405,13 @@ def test_an_infinite_record_switching_a_backward_by_the_row_count_is_refused_wit
     Compared only replaying the step's draws in the batch's shape (this review's first fix), 9.01 C released on one
     removal (16 batch-mates, ``C = 1``, every mode). The retry now also compares, each draw at its mean, the rows
     in the sum alone with them in the batch's shape (copies at weight 0): refused."""
-    from lit_zodp.algorithms import DPSGD, first_order
+    from lit_zodp.algorithms import first_order
 
     monkeypatch.setattr(first_order, "secret_training_randomness", _fixed_training_randomness)
     x, y, record = _batch_and_infinite_record()
     x, y = torch.cat([x, x[:1] + 0.1]), torch.cat([y, y[:1]])
 
-    def released(xs, ys):
-        torch.manual_seed(0)
-        module = DPSGD(_RowCountDropoutMLP().float(), clip=1.0, noise_multiplier=1.0, delta=1e-5, lr=1e-3,
-                       grad_mode=mode).train()
-        module._pending_checks, module._recheck_pending = {"halves"}, True
-        return torch.cat([g.flatten() for g in module.private_gradient(xs, ys).grads])
+    released = _rechecked_release(_RowCountDropoutMLP, 1.0, mode)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -162,7 +162,7 @@ def test_gradients_that_are_all_zero_agree_exactly():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     with torch.no_grad():
         model[0].weight.zero_(), model[0].bias.zero_(), model[2].weight.zero_()
-    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    x = torch.randn(6, 4)
     losses = lambda: (model(x) * 0).sum(1)  # noqa: E731
     clipped = PerExampleGradientEngine(model).clipped_sum(losses, 1.0)
     assert all(float(g.abs().max()) == 0 for g in clipped.grads)
@@ -176,9 +176,16 @@ def test_one_row_whose_terms_cancel_is_not_refused_on_any_split():
     three; a refusal tells whether the record was in the batch). One row explaining the mismatch is now set apart,
     once the others are shown not to move with it (``_one_row_rounds_apart``). 12 re-checked steps (the test's
     failures were the OS's 1% re-checks of its record batches), after an honest first batch of the structure."""
-    from tests.backbones.test_nfresnet_crafted import StdConvNet, honest, null_space_record
+    from tests.backbones.test_nfresnet_crafted import StdConvNet
 
-    model = StdConvNet(constant_channels=True)
+    _twelve_rechecks_with_the_record(StdConvNet(constant_channels=True))
+
+
+def _twelve_rechecks_with_the_record(model: nn.Module) -> None:
+    """An honest first batch of the structure, then 12 re-checked steps of review 20's record (``1e10``) beside 32
+    honest images, "hooks", ``C = 1e-3``: each releases a finite sum (a refusal raises)."""
+    from tests.backbones.test_nfresnet_crafted import honest, null_space_record
+
     x, y = honest(32)
     engine = PerExampleGradientEngine(model, mode="hooks", recheck_probability=0.0)
     engine.clipped_sum(lambda: F.cross_entropy(model(torch.cat([x, x[:1]])), torch.cat([y, y[:1]]),
@@ -196,7 +203,7 @@ def test_one_row_whose_terms_cancel_is_not_refused_with_dropout_in_training():
     at 5 of 6 re-checked steps with the record (none without it, or without dropout): a refusal that tells whether the
     record was in the batch. Since stop 59 its runs replay the step's draws in the batch's shape
     (``gradient_halves._as_the_step_drew``)."""
-    from tests.backbones.test_nfresnet_crafted import StdConvNet, honest, null_space_record
+    from tests.backbones.test_nfresnet_crafted import StdConvNet
 
     class WithDropout(StdConvNet):
         def __init__(self):
@@ -206,12 +213,4 @@ def test_one_row_whose_terms_cancel_is_not_refused_with_dropout_in_training():
         def forward(self, x):
             return self.head(self.drop(self.conv(x).mean((2, 3)))).float()
 
-    model = WithDropout().train()
-    x, y = honest(32)
-    engine = PerExampleGradientEngine(model, mode="hooks", recheck_probability=0.0)
-    engine.clipped_sum(lambda: F.cross_entropy(model(torch.cat([x, x[:1]])), torch.cat([y, y[:1]]),
-                                               reduction="none"), 1e-3)
-    x, y = torch.cat([null_space_record(1e10, 100.0), x]), torch.cat([y[:1], y])
-    for _ in range(12):
-        engine.recheck_next = True
-        engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 1e-3)
+    _twelve_rechecks_with_the_record(WithDropout().train())
