@@ -36,11 +36,12 @@ from lit_zodp.privacy.training_randomness import RandomState, random_state
 @dataclass(eq=False)
 class LayerCall:
     """One call of a layer with a rule: its input ``activation`` and output gradient ``grad``
-    (``consume``, when set, receives each output gradient instead of it being stored)."""
+    (``consume``, when set, receives each output gradient instead of it being stored). What private examples set
+    (the activation, the gradient) is out of its ``repr`` (logs, assertion messages)."""
 
     module: nn.Module
-    activation: Tensor
-    grad: Optional[Tensor] = None
+    activation: Tensor = field(repr=False)
+    grad: Optional[Tensor] = field(default=None, repr=False)
     edge: Optional[GradientEdge] = None
     out_shape: Tuple[int, ...] = ()
     consume: Optional[Callable[[Tensor], None]] = None
@@ -66,19 +67,20 @@ class LayerCall:
 
 @dataclass(eq=False)
 class ModuleCall:
-    """One call of a module, for recomputation: flattened ``(args, kwargs)`` and output gradients."""
+    """One call of a module, for recomputation: flattened ``(args, kwargs)`` and output gradients. What private
+    examples set (inputs, output gradients, outputs, the generators' states) is out of its ``repr``."""
 
     module: nn.Module
-    inputs: List[Any]
+    inputs: List[Any] = field(repr=False)
     spec: Any
     versions: List[Optional[int]]
-    grads: Dict[int, Tensor] = field(default_factory=dict)
+    grads: Dict[int, Tensor] = field(default_factory=dict, repr=False)
     edges: List[GradientEdge] = field(default_factory=list)
     out_shapes: List[Tuple[int, ...]] = field(default_factory=list)
     aligned: bool = False  # row i of each output is example i's alone (set by the engine's checks)
     #: The root's calls only, until the batch-independence check: ``{flat output index: value}``
     #: (detached, no copy) of the floating outputs.
-    outputs: Dict[int, Tensor] = field(default_factory=dict)
+    outputs: Dict[int, Tensor] = field(default_factory=dict, repr=False)
     #: The root's calls: ``(start, end)``, the layer calls recorded inside this call (``tape.layer_calls[start:end]``).
     layer_span: Optional[Tuple[int, int]] = None
     #: The root's calls: ``(start, end)``, the other module calls recorded inside it (``tape.module_calls[start:end]``).

@@ -78,7 +78,7 @@ from torch import nn
 from lit_zodp.backbones.base import Backbone
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine, gradient_halves
-from lit_zodp.per_example.tape import ModuleCall
+from lit_zodp.per_example.tape import LayerCall, ModuleCall
 from lit_zodp.privacy.training_randomness import random_state
 from tests.per_example.test_pe_gradient_halves_attacks import removal_difference
 
@@ -213,6 +213,9 @@ def test_the_pending_calls_and_their_generator_states_do_not_outlive_the_step():
     assert b"RandomState" not in pickle.dumps(engine) and b"ModuleCall" not in pickle.dumps(engine)
     call = ModuleCall(model, [], None, [], random_state=random_state())  # (nor in a print of a call)
     assert "RandomState" not in repr(call)
+    private = torch.tensor([123456.0])  # (nor the private values a call holds, stop 59)
+    call = ModuleCall(model, [private], None, [None], grads={0: private}, outputs={0: private})
+    assert "123456" not in repr(call) and "123456" not in repr(LayerCall(model, private, grad=private))
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
