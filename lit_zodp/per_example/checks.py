@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_zodp.errors import LitZodpWarning, raise_if_any
 from lit_zodp.per_example.rounding import model_convolutions, working_eps
-from lit_zodp.privacy.training_randomness import secret_cpu_generator, secret_streams
+from lit_zodp.privacy.training_randomness import (RandomState, random_state, replayed_streams, secret_cpu_generator,
+                                                  secret_streams)
 
 #: Default ``recheck_probability`` (the engine's and every module's): one step in 100 re-runs the
 #: batch-independence check (one forward in two halves, two with ``keep_call_shape``; a model with dropout
@@ -501,7 +502,7 @@ def refuse_batch_mixing(values_of: Callable[[Tensor], Tensor], size: int, *, dty
         return False
     full = values_of(torch.arange(size)) if full is None else full
     halves = random_halves(size)
-    ratio = rows_differ(full, _halves_values(values_of, halves, full), dtype=dtype, device=device, blocks=blocks)
+    ratio = rows_differ(full, halves_values(values_of, halves, full), dtype=dtype, device=device, blocks=blocks)
     changed = float(ratio.max())
     if changed > 1.0:
         changed = _beyond_shape_rounding(ratio, full, in_place or values_of, halves, dtype=dtype, device=device,
@@ -525,7 +526,7 @@ def in_place_index(half: Tensor, size: int) -> Tensor:
     return index
 
 
-def _halves_values(values_of: Callable[[Tensor], Tensor], halves: tuple[Tensor, Tensor], full: Tensor,
+def halves_values(values_of: Callable[[Tensor], Tensor], halves: tuple[Tensor, Tensor], full: Tensor,
                    in_place: bool = False) -> Tensor:
     """Each half's rows computed without the other half: alone, or (``in_place``) in a batch of the whole batch's
     shape where each row keeps its position and the other half's positions repeat the half's own rows."""
@@ -549,7 +550,7 @@ def _beyond_shape_rounding(ratio: Tensor, full: Tensor, in_place: Callable[[Tens
     batch's rows for a per-example forward): a mismatch there is mixing; one that the shape alone explains is
     refused where it moves two rows or more (a forward reading the row count, ``x / len(x)``), which one row cannot
     do (:func:`beyond_one_row`; until stop 58 "most finite rows", which a row count read by some rows passed)."""
-    again = float(rows_differ(full, _halves_values(in_place, halves, full, in_place=True), dtype=dtype,
+    again = float(rows_differ(full, halves_values(in_place, halves, full, in_place=True), dtype=dtype,
                               device=device, blocks=blocks).max())
     return again if again > 1.0 else beyond_one_row(ratio)
 
@@ -632,6 +633,56 @@ class MeanOfRandomDraws(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class Replay:
+    """Runs that replay a step's random draws (dropout masks, ``randperm``, ``Beta``) from its generators' ``state``
+    (:func:`~lit_zodp.privacy.training_randomness.replayed_streams`), and whether they all drew alike.
+
+    The checks' recomputations take every draw at its mean or at a fixed stand-in (:class:`MeanOfRandomDraws`), so
+    mixing done through the draws is in none of them: mixup inside the forward (``lam x + (1 - lam) x[randperm(B)]``)
+    released 4.68 C on one removal, every mode (red-team review 72). Runs of one batch shape that replay the same
+    state draw the same numbers for each position, so a row that moves between them moved with its batch-mates'
+    content. That holds where they drew alike (:meth:`alike`): each ended at the same generators' state (as many
+    numbers drawn: not so where the draws' shapes follow the content, a forward trimming its batch to its longest
+    row) and none drew from an explicit generator (never replayed)."""
+
+    def __init__(self) -> None:
+        self._ends: dict[int, list[RandomState]] = {}
+        self._explicit = False
+
+    @contextlib.contextmanager
+    def run(self, state: RandomState) -> Iterator[None]:
+        """One replayed run: the generators at ``state`` inside, back where they were after."""
+        with replayed_streams(state), _ExplicitGenerators() as explicit:
+            yield
+            end = random_state(index for index, _ in state.cuda)
+        self._explicit |= explicit.seen
+        self._ends.setdefault(id(state), []).append(end)
+
+    def alike(self) -> bool:
+        """Whether the runs from each state so far ended at one generators' state, and none drew from an explicit
+        generator."""
+        return not self._explicit and all(_same_state(ends[0], end) for ends in self._ends.values() for end in ends)
+
+
+def _same_state(a: RandomState, b: RandomState) -> bool:
+    return (torch.equal(a.cpu, b.cpu) and len(a.cuda) == len(b.cuda)
+            and all(i == j and torch.equal(x, y) for (i, x), (j, y) in zip(a.cuda, b.cuda)))
+
+
+class _ExplicitGenerators(TorchDispatchMode):
+    """Notes whether a random op drew from an explicit generator (``seen``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.seen and torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen = _bound(func, args, kwargs).get("generator") is not None
+        return func(*args, **kwargs)
+
+
 class StepDrew(Exception):
     """A check's recomputation replaced a random draw of the step's forward (:class:`Draws`)."""
 
@@ -652,6 +703,10 @@ class Draws:
                 raise StepDrew
             return values
         return checked
+
+    def note(self, mode: Optional[MeanOfRandomDraws]) -> None:
+        """Note whether a recomputation's draws' mode replaced a draw (``None``: a replayed run, none replaced)."""
+        self.seen |= mode is not None and mode.replaced
 
 
 def _normal_mean(out: Tensor, bound: dict) -> Tensor:
@@ -762,6 +817,14 @@ def nothing_saved_for_backward():
     if getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)():
         return torch.autograd.graph.saved_tensors_hooks(_not_saved, _never_unpacked)
     return contextlib.nullcontext()
+
+
+def warn_unreplayed_draws(what: str) -> None:
+    """The runs replaying a step's draws did not draw alike (:meth:`Replay.alike`): said once per place."""
+    warnings.warn(f"The forward of {what} draws random numbers in training mode that the batch-independence checks "
+                  "could not replay alike (an explicit torch.Generator, or draws whose number follows the batch's "
+                  "content), so mixing of examples through those draws (mixup inside the forward) went unchecked",
+                  LitZodpWarning, stacklevel=3)
 
 
 def warn_unchecked_training_mode(what: str) -> None:

@@ -95,11 +95,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import PROJECTIONS, CallKey, _disagreeing, _RowSummaries, misaligned_calls
-from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, Draws, ParameterWrites, RecheckProbability, StepDrew,
-                                         buffer_state, check_losses, check_mode, check_recheck_probability,
-                                         check_transform, eval_mode, flat_rows, refuse_batch_mixing, refuse_batchnorm,
-                                         refuse_buffer_writes, refuse_compiled, refuse_reentrant_checkpointing,
-                                         rows_agree, step_mode_recompute, warn_unchecked_training_mode)
+from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, Draws, ParameterWrites, RecheckProbability, Replay,
+                                         StepDrew, beyond_tolerance, buffer_state, check_losses, check_mode,
+                                         check_recheck_probability, check_transform, eval_mode, flat_rows,
+                                         halves_values, nothing_saved_for_backward, random_halves, refuse_batch_mixing,
+                                         refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
+                                         refuse_reentrant_checkpointing, rows_agree, rows_differ, step_mode_recompute,
+                                         warn_unchecked_training_mode, warn_unreplayed_draws)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.gradient_halves import LossesOf, refuse_gradient_mixing, tolerance_unit
 from lit_zodp.per_example.ghost import FLOAT64_UNIT, _gamma, at_least_float32, row_norm_sq
@@ -437,6 +439,14 @@ def _rows_seen(x: Optional[Tensor], index: Tensor, batch: int, full: Tensor, dev
     rows = step.to(device=x.device, dtype=torch.promote_types(step.dtype, x.dtype), copy=True)
     rows[(slice(None), *(slice(0, n) for n in x.shape[1:]))] = x[:len(index)]
     return flat_rows(rows).to(device)
+
+
+@contextlib.contextmanager
+def _replayed_forward(replay: Replay, state: RandomState) -> Iterator[None]:
+    """A check's forward replaying the step's draws from ``state``, with autograd on but nothing kept for a backward (as
+    :func:`.checks.step_mode_recompute`); yields ``None`` (no draw replaced)."""
+    with replay.run(state), torch.enable_grad(), nothing_saved_for_backward():
+        yield None
 
 
 def _cuda_devices(calls: Iterable[ModuleCall]) -> List[torch.device]:
@@ -1034,6 +1044,7 @@ class PerExampleGradientEngine:
             refuse_batch_mixing(drew.stopping(values_of), size, full=full, **checked)
             return False
         except StepDrew:
+            self._refuse_mixing_through_draws(call, sorted(outputs), size, full, rule_inputs, project, dtype, blocks)
             again = values_of(torch.arange(size))
         except PrivacyConfigError:
             again = values_of(torch.arange(size))
@@ -1050,9 +1061,42 @@ class PerExampleGradientEngine:
             refuse_batch_mixing(values_of, size, **checked)
         return True
 
+    def _refuse_mixing_through_draws(self, call: ModuleCall, leaves: List[int], size: int, full: Tensor,
+                                     rule_inputs: List[_Input], project: _SecretProjections, dtype: torch.dtype,
+                                     blocks: List[int]) -> None:
+        """At a step that drew random numbers, each half of the batch in the batch's shape (each row in its place,
+        the other half's positions holding copies of the half's rows), replaying the step's draws
+        (:class:`.checks.Replay`): every row must give the step's own values. The recomputations with every draw at
+        its mean never see mixing done through the draws (mixup inside the forward: 4.68 C released on one removal,
+        red-team review 72). Where the replayed halves differ from the step's rows, the whole batch replayed is the
+        baseline (a replay that does not reproduce the step: draws from a generator it does not hold), and mixing
+        is refused where that reproduces itself. Runs that did not draw alike (an explicit generator; draws whose
+        number follows the batch's content) give no verdict, with a warning."""
+        if call.random_state is None:
+            return
+        replay = Replay()
+        values_of = self._rows_of(call, leaves, size, full.device, rule_inputs, project, replay=replay)
+        split = halves_values(values_of, random_halves(size), full, in_place=True)
+        compared = dict(dtype=dtype, blocks=blocks)
+        if replay.alike() and rows_agree(full, split, **compared):
+            return
+        whole = values_of(torch.arange(size))
+        if replay.alike() and rows_agree(whole, split, **compared):
+            return
+        if not (replay.alike() and rows_agree(whole, values_of(torch.arange(size)), **compared) and replay.alike()):
+            warn_unreplayed_draws("the engine's module")
+            return
+        ratio = float(rows_differ(whole, split, dtype=dtype, device=full.device, blocks=blocks).max())
+        raise PrivacyConfigError(
+            "The outputs of the engine's module (or its layers' inputs) depend on their batch-mates through the "
+            f"forward's random draws (an example's value changed by {beyond_tolerance(ratio)} when the other half "
+            "of the batch was replaced, the step's draws replayed): mixing examples in training (mixup, a random "
+            "permutation of the batch) breaks per-example clipping; mix examples in the data pipeline instead, "
+            "before the privacy mechanism's sampling, or not at all")
+
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int, device: torch.device,
                  rule_inputs: Sequence[_Input] = (), project: Optional[_SecretProjections] = None,
-                 drew: Optional[Draws] = None) -> Callable[[Tensor], Tensor]:
+                 drew: Optional[Draws] = None, replay: Optional[Replay] = None) -> Callable[[Tensor], Tensor]:
         """``index -> [n, ...]``: the call's batch-first outputs on those rows of its batched inputs
         alone, in the step's mode (:func:`.checks.step_mode_recompute`: grad on, Bernoulli draws at their mean,
         the user's random streams restored), in the forward's autocast, detached. With
@@ -1061,7 +1105,8 @@ class PerExampleGradientEngine:
         a half runs alone, which shows capacity-type mixing more surely (fewer rows, less overflow). Then the
         ``rule_inputs``' layers' inputs on those rows through ``project``, each call matched by its rank (NaN where
         the recomputation has no such call: a verdict of "finite in one only"). ``drew`` notes whether a
-        recomputation replaced a random draw."""
+        recomputation replaced a random draw; with ``replay``, the runs replay the step's draws instead
+        (:meth:`_refuse_mixing_through_draws`)."""
         devices = _cuda_devices([call])
 
         def values_of(index: Tensor) -> Tensor:
@@ -1069,11 +1114,12 @@ class PerExampleGradientEngine:
             padded = torch.cat([index, index[:1].expand(size - rows)]) if self.keep_call_shape else index
             inputs = [x[padded.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
             args, kwargs = tree_unflatten(inputs, call.spec)
-            with step_mode_recompute(devices) as draws, forward_autocast(self._device_type), \
-                    _inputs_seen(rule_inputs) as seen:
+            recompute = (_replayed_forward(replay, call.random_state) if replay is not None
+                         else step_mode_recompute(devices))
+            with recompute as draws, forward_autocast(self._device_type), _inputs_seen(rule_inputs) as seen:
                 flat = tree_flatten(call.module(*args, **kwargs))[0]
             if drew is not None:
-                drew.seen |= draws.replaced
+                drew.note(draws)
             flat = [v.detach() if isinstance(v, Tensor) else v for v in flat]
             outputs = [flat_rows(flat[j][:rows]) if j < len(flat) and is_batched(flat[j], len(padded))
                        else torch.full((rows, 1), math.nan, device=device) for j in leaves]

@@ -66,8 +66,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError
-from lit_zodp.per_example.checks import (Draws, MeanOfRandomDraws, beyond_one_row, beyond_tolerance, in_place_index,
-                                         random_halves, rows_differ, secret_row)
+from lit_zodp.per_example.checks import (Draws, MeanOfRandomDraws, Replay, beyond_one_row, beyond_tolerance,
+                                         in_place_index, random_halves, rows_differ, secret_row, warn_unreplayed_draws)
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
@@ -157,27 +157,32 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         unit = tolerance_unit(working_eps(device_type, dtype))
     seen: Optional[List[Tensor]] = None  # (the losses path: each run's losses, for the row count's rule)
     drew = Draws()  # (whether a run replaced a random draw: the step drew its own)
+    replay = Replay()  # (the runs replaying the step's draws: whether they drew alike)
     if losses_of is not None:
         seen = []
         run = functools.partial(_loss_weighted_gradient, losses_of, params=params, devices=devices,
                                 device_type=device_type, without_autocast=without_autocast, seen=seen, drew=drew,
                                 state=loss_state if loss_state is not None else next(
-                                    (call.random_state for call, _ in calls), None))
+                                    (call.random_state for call, _ in calls), None), replayer=replay)
     else:
         run = functools.partial(_clip_weighted_gradient, calls, size=size, params=params,
                                 keep_call_shape=keep_call_shape, devices=devices, device_type=device_type,
-                                without_autocast=without_autocast, drew=drew)
+                                without_autocast=without_autocast, drew=drew, replayer=replay)
     weights = weights.double().cpu()
     apart: List[int] = []  # (the row a comparison set apart as rounding: :func:`_one_row_certified`)
     compare = functools.partial(_refuse_halves_apart, run, weights, project=project, unit=unit, shares=share_rows,
                                 seen=seen, dtype=dtype, apart=apart)
     row_apart = functools.partial(_refuse_row_apart, run, weights, apart, project=project, unit=unit,
                                   shares=share_rows, drew=drew)
+    through_draws = functools.partial(_refuse_mixing_through_draws, run, weights, replay, project=project, unit=unit,
+                                      shares=share_rows, apart=apart)
     if compare(torch.arange(size)):
+        if drew.seen:
+            through_draws()
         return row_apart if apart else None
     return functools.partial(_retry_without_non_finite_rows, run, compare, weights, project=project, unit=unit,
                              released_unit=unit if released_unit is None else released_unit, shares=shares,
-                             row_apart=row_apart, apart=apart, drew=drew)
+                             row_apart=row_apart, apart=apart, drew=drew, through_draws=through_draws)
 
 
 def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows: Tensor, *,
@@ -239,6 +244,55 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
     return True
 
 
+def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor, replay: Replay, *,
+                                 project: Callable[[int, Tensor], Tensor], unit: float, shares: Tensor,
+                                 apart: List[int]) -> None:
+    """At a step that drew random numbers (dropout in training), the halves' identity again with every run replaying
+    the step's draws (:class:`.checks.Replay`) in the batch's shape: the rows in the sum, then each half of them in
+    its place, the other positions holding copies at weight 0 (:func:`_placed`). The other comparisons take every
+    draw at its mean or at a fixed stand-in, so mixing done through the draws is in none of their runs: a loss
+    adding to each row a detached share of the row ``randperm`` picks released 1.80 C on one removal, and a backward
+    scaled by a batch statistic of dropout's own draws 3.73 C (every mode), with no warning. Runs of one shape from
+    one state draw the same numbers at each position, so what differs between them is their content. One row may
+    round apart (review 20's row whose terms cancel, :func:`_one_row_certified`, without the rows alone: a replay
+    keeps the batch's shape), and is then set apart (:func:`_refuse_row_apart`; a second such row is refused). Runs
+    that did not draw alike (an explicit generator, draws whose number follows the batch's content: RReLU on CPU), or
+    whose whole batch does not reproduce itself (draws from outside torch), give no verdict, with a warning."""
+    size = len(weights)
+    everyone = torch.arange(size)
+    in_sum = (weights > 0).nonzero().flatten()
+    if len(in_sum) < 2:
+        return
+    secret = secret_row_weights(size)
+    weights = weights * secret
+    replayed = functools.partial(run, replay=True)
+    ratio_of = functools.partial(_ratio, replayed, project=project, unit=unit, shares=float((shares * secret).sum()))
+    halves = random_halves(len(in_sum))
+
+    def parts(w: Tensor) -> List[Part]:
+        return [_placed(everyone, w, in_sum), *(_placed(everyone, w, in_sum[half]) for half in halves)]
+
+    ratio = ratio_of(parts(weights))
+    if ratio <= 1 and replay.alike():
+        return
+    whole = _placed(everyone, weights, in_sum)
+    if not (replay.alike() and ratio_of([whole, whole]) <= 1 and replay.alike()):
+        warn_unreplayed_draws("the engine's module and its loss")
+        return
+    if len(in_sum) == size:  # (one row may round apart: a row of huge terms that cancel)
+        row = _one_row_certified(ratio_of, lambda out: ratio_of(parts(_at_weight_zero(everyone, weights, out))),
+                                 everyone, weights, beside=False)
+        if row is not None and replay.alike() and apart[-1:] in ([], [row]):
+            apart[:] = [row]
+            return
+    raise PrivacyConfigError(
+        "The per-example gradients depend on their batch-mates through the step's random draws: with the step's "
+        "draws replayed in the batch's shape, the clip-weighted gradient of the whole batch differs from the sum of "
+        f"its two halves' (each with the other half's rows replaced) by {beyond_tolerance(ratio)}. Mixing examples "
+        "in training (mixup, a random permutation of the batch, a statistic of the dropout draws) breaks per-example "
+        "clipping; mix examples in the data pipeline instead, or not at all")
+
+
 def _one_row_rounds_apart(ratio_of: Callable[[List[Part]], float], rows: Tensor, weights: Tensor,
                           halves: Tuple[Tensor, Tensor]) -> Optional[int]:
     """Whether one row explains a mismatch of the halves, as rounding: a row whose terms are huge and cancel (a
@@ -257,7 +311,7 @@ def _one_row_rounds_apart(ratio_of: Callable[[List[Part]], float], rows: Tensor,
 
 
 def _one_row_certified(ratio_of: Callable[[List[Part]], float], zeroed: Callable[[Tensor], float], rows: Tensor,
-                       weights: Tensor) -> Optional[int]:
+                       weights: Tensor, beside: bool = True) -> Optional[int]:
     """Whether a failed comparison holds with one row at weight 0 (``zeroed(positions)``: the comparison with those
     positions of ``rows`` at weight 0), found by random bisection (the search goes on in the half whose zeroing
     brings the comparison lower: the row is in it; "the first half that passes" followed a mismatch near the
@@ -266,7 +320,8 @@ def _one_row_certified(ratio_of: Callable[[List[Part]], float], zeroed: Callable
     (:func:`_beside`), and that row's own gradient beside them is the one it has among copies of itself
     (:func:`_among_copies`, the batch's shape: their content does not move it). Without the last, review 65's
     three records of a batch of four, whose detached batch mean moved the honest row, passed with that row set
-    apart (1.77 C). Two rows or more: ``None``; else the row (an index of ``weights``). How the row was found does
+    apart (1.77 C). ``beside`` ``False``: without the rows alone (runs replaying the step's draws keep the batch's
+    shape). Two rows or more: ``None``; else the row (an index of ``weights``). How the row was found does
     not matter to the last three comparisons, which are what the callers need. None of them runs that row and the
     others both at a non-zero weight (a row of huge cancelling terms rounds apart only there), so a backward that
     moves the others only where that row's output gradient is non-zero passes all three: the caller's
@@ -276,7 +331,7 @@ def _one_row_certified(ratio_of: Callable[[List[Part]], float], zeroed: Callable
         halves = random_halves(len(group))
         ratios = [zeroed(group[half]) for half in halves]
         group = group[halves[0 if not ratios[1] < ratios[0] else 1]]  # (NaN: the other half)
-    if (zeroed(group) <= 1 and ratio_of(_beside(rows, weights, group)) <= 1
+    if (zeroed(group) <= 1 and (not beside or ratio_of(_beside(rows, weights, group)) <= 1)
             and ratio_of(_among_copies(rows, weights, group)) <= 1):
         return int(rows[group[0]])
     return None
@@ -353,7 +408,8 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
                                    space: Optional[Callable[[Gradients], List[Tensor]]] = None, *,
                                    project: Callable[[int, Tensor], Tensor], unit: float, released_unit: float,
                                    shares: float, row_apart: Optional[Callable[..., None]] = None,
-                                   apart: Sequence[int] = (), drew: Optional[Draws] = None) -> None:
+                                   apart: Sequence[int] = (), drew: Optional[Draws] = None,
+                                   through_draws: Optional[Callable[..., None]] = None) -> None:
     """After a whole batch whose recomputed gradient is not finite (a row weighted 0 whose forward is not: an
     input with an infinite feature): the rows in the sum, recomputed without the others, must give the step's own
     clipped sum ``released`` (in the clipped space), then meet the halves' identity. Compared without that row alone,
@@ -407,6 +463,8 @@ def _retry_without_non_finite_rows(run: Callable[[Part], Gradients], compare: Ca
                           "examples)")
     if not compare(rows):
         raise _not_finite("the rows in the sum recomputed without it are not finite either")
+    if drew is not None and drew.seen and through_draws is not None:
+        through_draws()
     if apart and row_apart is not None:
         row_apart(released, space)
 
@@ -550,7 +608,7 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
                             params: Sequence[Tensor],
                             keep_call_shape: bool, devices: Sequence[torch.device], device_type: str,
                             without_autocast: bool = False, drew: Optional[Draws] = None,
-                            replay: bool = False) -> Gradients:
+                            replay: bool = False, replayer: Optional[Replay] = None) -> Gradients:
     """``d/dtheta sum_calls sum_k w_k <dL_{r_k}/d out, out_k>``, the module run on the rows ``r`` of ``part`` alone
     (``w``: their weights), each draw at its mean (``drew`` notes whether one was replaced), or (``replay``) each
     call's draws as the step drew them (:func:`_draws_of`)."""
@@ -565,7 +623,8 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
                   x.detach() if isinstance(x, Tensor) else x for x in call.inputs]
         args, kwargs = tree_unflatten(inputs, call.spec)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
-        with _draws_of(call.random_state if replay else None, devices, drew), torch.enable_grad(), autocast:
+        with _draws_of(call.random_state if replay else None, devices, drew, replayer), torch.enable_grad(), \
+                autocast:
             flat = tree_flatten(call.module(*args, **kwargs))[0]
         for j, grad in grads.items():
             out = flat[j] if j < len(flat) else None
@@ -584,13 +643,14 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
 def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence[Tensor],
                             devices: Sequence[torch.device], device_type: str, without_autocast: bool,
                             seen: Optional[List[Tensor]] = None, drew: Optional[Draws] = None,
-                            state: Optional[RandomState] = None, replay: bool = False) -> Gradients:
+                            state: Optional[RandomState] = None, replay: bool = False,
+                            replayer: Optional[Replay] = None) -> Gradients:
     """``d/dtheta sum_k w_k L_{r_k}``, the losses of the rows ``r`` of ``part`` recomputed alone by ``losses_of``
     (``w``: their weights); the losses appended to ``seen`` (detached). Each draw at its mean (``drew`` notes whether
     one was replaced), or (``replay``) as the step drew them from ``state`` (:func:`_draws_of`)."""
     index, weights = part
     autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
-    with _draws_of(state if replay else None, devices, drew), torch.enable_grad(), autocast:
+    with _draws_of(state if replay else None, devices, drew, replayer), torch.enable_grad(), autocast:
         losses = losses_of(index)
     if not (isinstance(losses, Tensor) and losses.shape == (len(index),)):
         raise PrivacyConfigError(f"Expected `losses_of` to return one loss per row asked for ({len(index)}), but it "
@@ -605,18 +665,19 @@ def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence
 
 
 @contextlib.contextmanager
-def _draws_of(state: Optional[RandomState], devices: Sequence[torch.device], drew: Optional[Draws]) -> Iterator[None]:
-    """A run's random draws: replayed from the step's generators' ``state`` (its masks again, in the step's shape),
-    or, without one, each at its mean under fresh secret streams (:class:`.checks.MeanOfRandomDraws`; ``drew`` notes
-    whether one was replaced)."""
+def _draws_of(state: Optional[RandomState], devices: Sequence[torch.device], drew: Optional[Draws],
+              replayer: Optional[Replay] = None) -> Iterator[None]:
+    """A run's random draws: replayed from the step's generators' ``state`` (its masks again, in the step's shape;
+    ``replayer`` notes whether its runs drew alike), or, without one, each at its mean under fresh secret streams
+    (:class:`.checks.MeanOfRandomDraws`; ``drew`` notes whether one was replaced)."""
     if state is not None:
-        with replayed_streams(state):
+        with replayer.run(state) if replayer is not None else replayed_streams(state):
             yield
         return
     with secret_streams(devices), MeanOfRandomDraws() as draws:
         yield
     if drew is not None:
-        drew.seen |= draws.replaced
+        drew.note(draws)
 
 
 def _batch_dim(grad: Tensor, size: int) -> Optional[int]:

@@ -61,7 +61,11 @@ Open (strict ``xfail``):
   mixes, and the per-example gradients (of mixed rows) are exact for the alignment check. 4.68 C released on one
   removal (``B = 16``, ``C = 0.1``, every mode; the same at 814fdfb). The same mix after a layer is refused (the layer
   rules are wrong there and the vmap fallback cannot draw). Replaying the step's draws in the batch's shape with the
-  other half's rows replaced by copies would see it; not done here.
+  other half's rows replaced by copies would see it; not done here. (Closed at stop 60: the engine's forward check
+  and the gradient halves each do so at a step that drew, ``engine._refuse_mixing_through_draws`` and
+  ``gradient_halves._refuse_mixing_through_draws``; each alone refuses it. The same mix after the module, in the loss,
+  through a detached share, passed the forward check by construction and the gradient halves at the draws' stand-ins:
+  1.80 C released (``B = 16``, ``C = 0.1``, every mode), refused now.)
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_zodp.backbones.base import Backbone
-from lit_zodp.errors import PrivacyConfigError
+from lit_zodp.errors import LitZodpWarning, PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine, gradient_halves
 from lit_zodp.per_example.tape import LayerCall, ModuleCall
 from lit_zodp.privacy.training_randomness import random_state
@@ -270,25 +274,91 @@ def _rechecked_release(make, clip: float, mode: str):
     return released
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open: mixup inside the forward (randperm, Beta) mixes in no recomputation; 4.68 C released "
-                          "on one removal (B = 16, C = 0.1, every mode)")
-@pytest.mark.parametrize("mode", MODES)
-def test_mixup_inside_the_forward_is_refused(mode, monkeypatch):
-    from lit_zodp.algorithms import first_order
-
-    monkeypatch.setattr(first_order, "secret_training_randomness", _fixed_training_randomness)
+def _mixup_removal(make, mode: str) -> float:
+    """``||S(D + record) - S(D)|| / C`` (0: refused) through a re-checked ``DPSGD`` step over ``make()``, ``B = 16``,
+    ``C = 0.1``, the training randomness equal across the two runs; a warning fails it (a check that warns its way
+    past is not a pass)."""
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(16, 8, generator=generator, dtype=torch.float32) * 3
     y = torch.randint(0, 2, (16,), generator=generator)
     record = torch.randn(1, 8, generator=generator, dtype=torch.float32) * 3
-
-    released = _rechecked_release(_InputMixup, 0.1, mode)
-
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # (a check that warns its way past is not a pass)
-        moved = removal_difference(released, 0.1, x, y, record, 1)
-    assert moved <= MARGIN, f"one removal changed the released sum by {moved:.3f} C"
+        warnings.simplefilter("error")
+        return removal_difference(_rechecked_release(make, 0.1, mode), 0.1, x, y, record, 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixup_inside_the_forward_is_refused(mode, monkeypatch):
+    """4.68 C released before stop 60 (a strict ``xfail``). The forward check and the gradient halves, each replaying
+    the step's draws, refuse it alone; with neither it passes again."""
+    from lit_zodp.algorithms import first_order
+
+    monkeypatch.setattr(first_order, "secret_training_randomness", _fixed_training_randomness)
+    assert _mixup_removal(_InputMixup, mode) <= MARGIN
+    with monkeypatch.context() as patched:
+        patched.setattr(PerExampleGradientEngine, "_refuse_mixing_through_draws", lambda *args, **kwargs: None)
+        assert _mixup_removal(_InputMixup, mode) <= MARGIN
+    with monkeypatch.context() as patched:
+        patched.setattr(gradient_halves, "_refuse_mixing_through_draws", lambda *args, **kwargs: None)
+        assert _mixup_removal(_InputMixup, mode) <= MARGIN
+    monkeypatch.setattr(PerExampleGradientEngine, "_refuse_mixing_through_draws", lambda *args, **kwargs: None)
+    monkeypatch.setattr(gradient_halves, "_refuse_mixing_through_draws", lambda *args, **kwargs: None)
+    assert _mixup_removal(_InputMixup, mode) > 4
+
+
+class _LossMixup(Backbone):
+    """Mixup after the module, in ``per_example_loss``: each row's logits plus a detached share of the row
+    ``randperm`` picks, ``lam ~ U(0, 1)`` (the alignment check sees no gradient across rows; the forward check sees
+    only the module's outputs)."""
+
+    num_classes = 2
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+    def per_example_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(x)
+        if self.training:
+            lam = torch.rand(())
+            logits = logits + 30 * (1 - lam) * logits[torch.randperm(len(x))].detach()
+        return F.cross_entropy(logits, targets, reduction="none")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixup_in_the_loss_through_a_detached_share_is_refused(mode, monkeypatch):
+    """1.80 C released before stop 60, silently (``randperm`` at the identity and ``rand`` at its mean in every
+    recomputation); the gradient halves replaying the step's draws refuse it."""
+    from lit_zodp.algorithms import first_order
+
+    monkeypatch.setattr(first_order, "secret_training_randomness", _fixed_training_randomness)
+    assert _mixup_removal(_LossMixup, mode) <= MARGIN
+    monkeypatch.setattr(gradient_halves, "_refuse_mixing_through_draws", lambda *args, **kwargs: None)
+    assert _mixup_removal(_LossMixup, mode) > 1.5
+
+
+class _MixupBehindRReLU(_InputMixup):
+    """Mixup inside the forward behind an RReLU in training: on CPU RReLU draws a slope only for each negative input,
+    so the number of draws follows the batch's content and no two replays of different content draw alike."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(F.rrelu(x, training=self.training))
+
+
+def test_mixup_whose_draws_cannot_be_replayed_alike_is_not_passed_silently():
+    """Runs that did not draw alike give no verdict: the engine says so (beside the eval-mode fallback's warning
+    that RReLU's draws already give)."""
+    from lit_zodp.algorithms import DPSGD
+
+    torch.manual_seed(0)
+    module = DPSGD(_MixupBehindRReLU().float(), clip=0.1, noise_multiplier=1.0, delta=1e-5, lr=1e-3).train()
+    module._pending_checks, module._recheck_pending = {"halves"}, True
+    x, y = torch.randn(16, 8, dtype=torch.float32) * 3, torch.randint(0, 2, (16,))
+    with pytest.warns(LitZodpWarning, match="could not replay alike"):
+        module.private_gradient(x, y)
 
 
 class _DropoutMLP(Backbone):

@@ -33,15 +33,17 @@ def comparisons(monkeypatch):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_honest_model_with_dropout_meets_the_identity_far_inside_the_tolerance(mode, comparisons):
-    """A float32 MLP with dropout in training mode (the draws at their mean in the recomputations), B = 2 to 8: the
-    halves' sum is the whole's to float32 rounding, and the gradients compared are not zero."""
+    """A float32 MLP with dropout in training mode (the draws at their mean in the recomputations, then replayed as
+    the step drew them), B = 2 to 8: the halves' sum is the whole's to float32 rounding in both, and the gradients
+    compared are not zero."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3)).float().train()
     for size in (2, 5, 8):
         x, y = torch.randn(size, 6, dtype=torch.float32), torch.randint(0, 3, (size,))
         PerExampleGradientEngine(model, mode=mode).clipped_sum(
             lambda: F.cross_entropy(model(x), y, reduction="none"), 0.5)
-    assert len(comparisons) == 5  # (the halves at each size, and the rows without one at B = 5 and 8)
+    # (the halves at each size, the rows without one at B = 5 and 8, and the halves replaying the draws at each size)
+    assert len(comparisons) == 8
     for gap, scale in comparisons:
         assert scale > 0.1 and gap <= 1e-5 * scale  # float32: sqrt(eps) = 3.5e-4 would pass it
 

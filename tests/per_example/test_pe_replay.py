@@ -1,0 +1,66 @@
+"""``checks.Replay``: runs that replay a step's draws, and whether they drew alike (stop 60)."""
+
+import torch
+import torch.nn.functional as F
+
+from lit_zodp.per_example.checks import Replay
+from lit_zodp.privacy.training_randomness import random_state
+
+
+def _masks(replay: Replay, state, x: torch.Tensor) -> torch.Tensor:
+    with replay.run(state):
+        return F.dropout(x, 0.5) != 0  # (the content is never 0)
+
+
+def test_runs_of_one_shape_draw_the_same_masks_whatever_the_content_and_leave_the_generator_alone():
+    torch.manual_seed(0)
+    state = random_state()
+    step = F.dropout(torch.ones(8, 4), 0.5) != 0
+    contents = torch.randn(8, 4), torch.randn(8, 4) * 100
+    after = torch.random.get_rng_state()
+    replay = Replay()
+    first, second = (_masks(replay, state, x) for x in contents)
+    assert torch.equal(first, step) and torch.equal(second, step)
+    assert replay.alike()
+    assert torch.equal(torch.random.get_rng_state(), after)
+
+
+def test_runs_that_draw_more_or_fewer_numbers_are_not_alike():
+    """A forward trimming its batch (fewer positions, fewer draws), and RReLU on CPU, which draws a slope only for
+    each negative input."""
+    state = random_state()
+    trimmed = Replay()
+    _masks(trimmed, state, torch.ones(8, 4))
+    _masks(trimmed, state, torch.ones(8, 3))
+    assert not trimmed.alike()
+
+    rrelu = Replay()
+    for x in (torch.randn(8, 4), torch.randn(8, 4).abs()):
+        with rrelu.run(state):
+            F.rrelu(x, training=True)
+    assert not rrelu.alike()
+
+
+def test_a_draw_from_an_explicit_generator_is_not_replayed():
+    state = random_state()
+    generator = torch.Generator().manual_seed(0)
+    replay = Replay()
+    for _ in range(2):
+        with replay.run(state):
+            torch.rand(3, generator=generator)
+    assert not replay.alike()
+
+
+def test_runs_from_two_states_are_compared_each_with_its_own():
+    """The gradient halves replay each call of the module from its own state: two states, each run twice alike."""
+    first = random_state()
+    torch.rand(5)
+    second = random_state()
+    replay = Replay()
+    for state, count in ((first, 3), (second, 7), (first, 3), (second, 7)):
+        with replay.run(state):
+            torch.rand(count)
+    assert replay.alike()
+    with replay.run(second):
+        torch.rand(8)
+    assert not replay.alike()
