@@ -20,12 +20,18 @@ same engine with the row summaries and the comparison replaced by no-ops.
 ``recheck_probability=1``) against one that does not (``0``); the expected cost per step is
 ``recheck_probability x (ratio - 1)``.
 
+``--check replay``: the backbone in training mode with dropout ``--dropout`` (MiniLM's, and the attention's), every
+step re-checked, against the same steps with the two comparisons that replay the step's draws (stop 60: the forward
+check's and the gradient halves', ``_refuse_mixing_through_draws``) replaced by no-ops. The cost per step is again
+``recheck_probability x (ratio - 1)``.
+
 Usage::
 
     python benchmarks/bench_ghost_check.py --model vit_tiny --batch 32 --dtype bfloat16
     python benchmarks/bench_ghost_check.py --model minilm --batch 32 --seq-len 128 --dtype float32
     python benchmarks/bench_ghost_check.py --model vit_tiny --dtype float32 --check rows
     python benchmarks/bench_ghost_check.py --model minilm --dtype bfloat16 --check forward
+    python benchmarks/bench_ghost_check.py --model minilm --batch 32 --seq-len 64 --dtype float32 --check replay
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ def main(argv=None) -> None:
     parser.add_argument("--clip", type=float, default=1e-3, help="small: every example clipped")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--check", default="norms", choices=["norms", "rows", "forward"])
+    parser.add_argument("--check", default="norms", choices=["norms", "rows", "forward", "replay"])
+    parser.add_argument("--dropout", type=float, default=0.1, help="--check replay: the dropout in training mode")
     args = parser.parse_args(argv)
 
     import torch
@@ -65,11 +72,29 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     backbone, inputs, targets, _ = bd.build_model(args.model, args.batch, args.seq_len, "cpu")
     backbone = backbone.eval().to(dtype)  # eval: no dropout (a random forward is recomputed by vmap)
+    if args.check == "replay":
+        _train_with_dropout(backbone, args.dropout)
     if not isinstance(inputs, dict):
         inputs = inputs.to(dtype)
-    engine = engine_module.PerExampleGradientEngine(backbone, mode="ghost", recheck_probability=0.0)
+    engine = engine_module.PerExampleGradientEngine(backbone, mode="ghost",
+                                                    recheck_probability=1.0 if args.check == "replay" else 0.0)
     switch, shrinks = _switch(args.check, engine_module, engine)
     _time_switch(args, engine, switch, backbone, inputs, targets, shrinks)
+
+
+def _train_with_dropout(backbone, p: float) -> None:
+    """Training mode, every dropout at ``p`` (a Hugging Face attention's ``dropout`` attribute too)."""
+    from torch import nn
+
+    backbone.train()
+    found = 0
+    for module in backbone.modules():
+        if isinstance(module, nn.Dropout):
+            module.p, found = p, found + 1
+        elif isinstance(getattr(module, "dropout", None), float):
+            module.dropout, found = p, found + 1
+    if not found:
+        raise SystemExit("--check replay: the model has no dropout to draw")
 
 
 class _NoSummaries:
@@ -87,6 +112,8 @@ def _switch(check, engine_module, engine):
     largest shrink ``1 - min s`` in ``shrinks``."""
     cls, summaries, shrinks = engine_module.PerExampleGradientEngine, engine_module._RowSummaries, []
     verify, norms = cls._verify_second_pass, engine_module._within_first_pass_norms
+    from lit_zodp.per_example import gradient_halves
+    forward_replay, halves_replay = cls._refuse_mixing_through_draws, gradient_halves._refuse_mixing_through_draws
 
     def measured_norms(part, factors, batch):
         s = norms(part, factors, batch)
@@ -99,8 +126,11 @@ def _switch(check, engine_module, engine):
         elif check == "rows":
             engine_module._RowSummaries = summaries if on else _NoSummaries
             cls._verify_second_pass = verify if on else (lambda *a: None)
-        else:
+        elif check == "forward":
             engine.recheck_probability = 1.0 if on else 0.0
+        else:
+            cls._refuse_mixing_through_draws = forward_replay if on else (lambda *a, **k: None)
+            gradient_halves._refuse_mixing_through_draws = halves_replay if on else (lambda *a, **k: None)
     return switch, shrinks
 
 

@@ -1797,7 +1797,8 @@ def test_private_forwards_run_in_eval_mode_whatever_a_subclass_hook_does(name):
 
 
 class _RecordedDropout(nn.Module):
-    """Dropout with p = 1/2 that keeps the masks it draws (a check's recomputation draws at the mean: not kept)."""
+    """Dropout with p = 1/2 that keeps the masks it draws (a check's recomputation draws at the mean: not kept; a
+    check's replay draws the step's masks again, kept again)."""
 
     def __init__(self):
         super().__init__()
@@ -1846,7 +1847,8 @@ def test_a_private_step_draws_nothing_from_the_seeded_streams_and_its_dropout_ma
     masks, unchanged = run()
     again, _ = run()
     assert unchanged == [True] * 3
-    assert len(masks) == len(again) and not any(torch.equal(a, b) for a, b in zip(masks, again))
+    # (the checks' replays draw a step's masks again, so each fit may keep a different number: any two compared)
+    assert not any(a.shape == b.shape and torch.equal(a, b) for a in masks for b in again)
     assert bool(masks) == (not issubclass(algorithm_class(name), ZerothOrderModule))  # zeroth order: eval, no masks
 
 

@@ -111,7 +111,7 @@ from lit_zodp.per_example.rounding import (HALF_DTYPES, forward_autocast, has_co
                                             outside_autocast, working_eps)
 from lit_zodp.per_example.samplers import (Sampler, _row_norm_sq, outer_grads, outer_norms_sq, outer_summed,
                                            sampler_for)
-from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape, _first_input
+from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape, _cuda_indices, _first_input
 from lit_zodp.per_example.transforms import GradientTransform, Projection, as_transform
 from lit_zodp.per_example.uses import ParameterUses
 from lit_zodp.privacy.clipping import check_clip, clip_factors
@@ -688,10 +688,7 @@ class PerExampleGradientEngine:
                     return self._empty()
                 return self._clip_and_sum(losses, batch, clip, tape, examples, losses_of)
         finally:
-            tape.clear()
-            self._gradient_check = None  # (its calls' inputs and generators' states: never past the step, review 72)
-            for param in self.params:
-                param.grad = None
+            self._end_step(tape)
 
     def clipped_sum_microbatched(self, loss_fns: Iterable[MicroBatchLike], clip: float) -> ClippedSum:
         """The clipped sum of one logical batch given as micro-batches (equal to one call on all):
@@ -776,10 +773,7 @@ class PerExampleGradientEngine:
                 examples = len(losses) if examples is None else examples
                 return ClippedParts(sums, norms[:examples].float(), examples)
         finally:
-            tape.clear()
-            self._gradient_check = None  # (its calls' inputs and generators' states: never past the step, review 72)
-            for param in self.params:
-                param.grad = None
+            self._end_step(tape)
 
     def _parts_of(self, gradients: list, split: PartSplit) -> List[Tensor]:
         """A batch gradient of the parameters (``None``: 0) cut by ``split`` as one row, flat: a retry compares the
@@ -809,10 +803,7 @@ class PerExampleGradientEngine:
                 losses, batch = self._per_example(loss_fn, tape, mode="hooks")
             return [self._transformed(i, batch.dense[i], batch) for i in range(len(self.params))]
         finally:
-            tape.clear()
-            self._gradient_check = None  # (its calls' inputs and generators' states: never past the step, review 72)
-            for param in self.params:
-                param.grad = None
+            self._end_step(tape)
 
     # ------------------------------------------------------------------------- one batch
 
@@ -833,6 +824,14 @@ class PerExampleGradientEngine:
             self._expand_shared = False
             return run()
 
+    def _end_step(self, tape: Tape) -> None:
+        """After a step, whether it succeeded or not: the tape's records, the pending gradient check (its calls'
+        inputs and generators' states: never past the step, review 72) and the parameters' ``.grad`` dropped."""
+        tape.clear()
+        self._gradient_check = None
+        for param in self.params:
+            param.grad = None
+
     @property
     def _device_type(self) -> str:
         return self.params[0].device.type
@@ -850,7 +849,7 @@ class PerExampleGradientEngine:
         buffers, parameters = buffer_state(self.module, modules), ParameterWrites(self.module, modules)
         versions = parameters.versions()
         # (the losses path's checks replay what `losses_of` draws before the module from here: review 72)
-        tape.loss_state = random_state(sorted({p.device.index for p in self.params if p.is_cuda} - {None}))
+        tape.loss_state = random_state(_cuda_indices(self.params))
         with uses, forward_autocast(self._device_type):
             losses = _forward(loss_fn, tape)
         refuse_buffer_writes(self.module, buffers)
