@@ -50,7 +50,6 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lit_zodp.backbones.base import Backbone
 from lit_zodp.errors import PrivacyConfigError
