@@ -16,6 +16,11 @@ Fixed here:
    ``losses_of`` (``B = 16``, ``C = 0.1``, every mode, no warning; 2.90 C with other draws); through ``DPSGD``
    (which passes ``losses_of``, replayed from the loss's own state) it was refused. The tape now takes the states in
    either mode: refused by the forward's replay.
+   The same missing state refused an honest model: review 20's standardised-convolution net in eval mode with only
+   its dropout (0.1) in training (a frozen backbone, a live head's dropout), engine without ``losses_of``: the
+   set-apart row's check (``_refuse_row_apart``) took the step's draws at their mean instead of replaying them, and
+   refused the honest record at 7 of 8 re-checked steps, none of 8 without it (a refusal that tells membership);
+   0 of 8 now.
 2. Review 20's honest record beside padding rows (``fixed_forward_rows=16``, a Poisson batch of 12: four rows at
    weight 0), dropout 0.1: the gradient halves' replay sought a row rounding apart only where every row was in the
    sum (``len(in_sum) == size``), so the record's cancelling terms were refused as mixing at 10 of 12 re-checked
@@ -55,7 +60,7 @@ from lit_zodp.backbones.base import Backbone
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine, gradient_halves
 from tests.per_example.test_pe_dropout_replay_attacks import (MARGIN, MODES, _fixed_training_randomness, _InputMixup,
-                                                              _nfresnet_with_dropout, _rechecked_release)
+                                                              _nfresnet_with_dropout, _rechecked_release, _refusals)
 from tests.per_example.test_pe_gradient_halves_attacks import removal_difference
 
 
@@ -100,6 +105,21 @@ def test_a_root_with_its_training_flag_off_cannot_mix_through_its_draws(mode):
         warnings.simplefilter("error")  # (a check that warns its way past is not a pass)
         moved = removal_difference(released, 0.1, x, y, record, 1)
     assert moved <= MARGIN, f"one removal changed the released sum by {moved:.3f} C"
+
+
+def test_review_20s_record_is_not_refused_by_a_root_in_eval_mode_with_dropout_in_training():
+    """Finding 1, the honest side: 7 of 8 re-checked steps refused before with the record (none without it)."""
+    def losses(model, x, y):
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    def frozen_with_live_dropout():
+        model = _nfresnet_with_dropout(0.1).eval()
+        model.drop.train()
+        return model
+
+    assert _refusals(frozen_with_live_dropout(), losses, with_record=False, steps=3, losses_of=False) == (0, 0)
+    refused, apart = _refusals(frozen_with_live_dropout(), losses, with_record=True, steps=3, losses_of=False)
+    assert (refused, apart) == (0, 3)
 
 
 class _StdConvDropout(Backbone):
