@@ -249,15 +249,17 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
                                  apart: List[int]) -> None:
     """At a step that drew random numbers (dropout in training), the halves' identity again with every run replaying
     the step's draws (:class:`.checks.Replay`) in the batch's shape: the rows in the sum, then each half of them in
-    its place, the other positions holding copies at weight 0 (:func:`_placed`). The other comparisons take every
-    draw at its mean or at a fixed stand-in, so mixing done through the draws is in none of their runs: a loss
-    adding to each row a detached share of the row ``randperm`` picks released 1.80 C on one removal, and a backward
-    scaled by a batch statistic of dropout's own draws 3.73 C (every mode), with no warning. Runs of one shape from
-    one state draw the same numbers at each position, so what differs between them is their content. One row may
-    round apart (review 20's row whose terms cancel, :func:`_one_row_certified`, without the rows alone: a replay
-    keeps the batch's shape), and is then set apart (:func:`_refuse_row_apart`; a second such row is refused). Runs
-    that did not draw alike (an explicit generator, draws whose number follows the batch's content: RReLU on CPU), or
-    whose whole batch does not reproduce itself (draws from outside torch), give no verdict, with a warning."""
+    its place, the other positions holding copies at weight 0 (:func:`_placed`), on each of the splits that together
+    separate every pair of rows (:func:`separating_splits`). The other comparisons take every draw at its mean or at
+    a fixed stand-in, so mixing done through the draws is in none of their runs: a loss adding to each row a detached
+    share of the row ``randperm`` picks released 1.80 C on one removal, and a backward scaled by a batch statistic
+    of dropout's own draws 3.73 C (every mode), with no warning. Runs of one shape from one state draw the same
+    numbers at each position, so what differs between them is their content. One row may round apart (review 20's
+    row whose terms cancel, :func:`_one_row_certified`, without the rows alone: a replay keeps the batch's shape),
+    and is then set apart (:func:`_refuse_row_apart`; a second such row is refused), at weight 0 on the later
+    splits. Runs that did not draw alike (an explicit generator, draws whose number follows the batch's content:
+    RReLU on CPU), or whose whole batch does not reproduce itself (draws from outside torch), give no verdict, with
+    a warning."""
     size = len(weights)
     everyone = torch.arange(size)
     in_sum = (weights > 0).nonzero().flatten()
@@ -267,18 +269,10 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
     weights = weights * secret
     replayed = functools.partial(run, replay=True)
     ratio_of = functools.partial(_ratio, replayed, project=project, unit=unit, shares=float((shares * secret).sum()))
-    halves = random_halves(len(in_sum))
 
-    def parts(w: Tensor) -> List[Part]:
+    def parts(w: Tensor, halves: Tuple[Tensor, Tensor]) -> List[Part]:
         return [_placed(everyone, w, in_sum), *(_placed(everyone, w, in_sum[half]) for half in halves)]
 
-    ratio = ratio_of(parts(weights))
-    if ratio <= 1 and replay.alike():
-        return
-    whole = _placed(everyone, weights, in_sum)
-    if not (replay.alike() and ratio_of([whole, whole]) <= 1 and replay.alike()):
-        warn_unreplayed_draws("the engine's module and its loss")
-        return
     # (one row may round apart: a row of huge terms that cancel; sought among the rows in the sum, the others'
     # positions holding copies of them in every run: with padding rows at weight 0, ``fixed_forward_rows``, review
     # 20's honest record was refused at every re-checked step, none without it: red-team review 73)
@@ -287,17 +281,44 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
         only[in_sum[group]] = weights[in_sum[group]]
         return [_placed(everyone, only, in_sum), _placed(everyone, weights, in_sum[group])]
 
-    row = _one_row_certified(ratio_of, lambda out: ratio_of(parts(_at_weight_zero(in_sum, weights, out))), in_sum,
-                             weights, beside=False, among=among_copies)
-    if row is not None and replay.alike() and apart[-1:] in ([], [row]):
+    row: Optional[int] = None  # (the row set apart on a split: at weight 0 on the later ones)
+    for halves in separating_splits(len(in_sum)):
+        compared = weights if row is None else _at_weight_zero(everyone, weights, torch.tensor([row]))
+        ratio = ratio_of(parts(compared, halves))
+        if ratio <= 1 and replay.alike():
+            continue
+        if row is None:
+            whole = _placed(everyone, weights, in_sum)
+            if not (replay.alike() and ratio_of([whole, whole]) <= 1 and replay.alike()):
+                warn_unreplayed_draws("the engine's module and its loss")
+                return
+            row = _one_row_certified(
+                ratio_of, lambda out: ratio_of(parts(_at_weight_zero(in_sum, weights, out), halves)), in_sum,
+                weights, beside=False, among=among_copies)
+            if row is not None and replay.alike() and apart[-1:] in ([], [row]):
+                continue
+        raise PrivacyConfigError(
+            "The per-example gradients depend on their batch-mates through the step's random draws: with the step's "
+            "draws replayed in the batch's shape, the clip-weighted gradient of the whole batch differs from the sum "
+            f"of its two halves' (each with the other half's rows replaced) by {beyond_tolerance(ratio)}. Mixing "
+            "examples in training (mixup, a random permutation of the batch, a statistic of the dropout draws) breaks "
+            "per-example clipping; mix examples in the data pipeline instead, or not at all")
+    if row is not None:
         apart[:] = [row]
-        return
-    raise PrivacyConfigError(
-        "The per-example gradients depend on their batch-mates through the step's random draws: with the step's "
-        "draws replayed in the batch's shape, the clip-weighted gradient of the whole batch differs from the sum of "
-        f"its two halves' (each with the other half's rows replaced) by {beyond_tolerance(ratio)}. Mixing examples "
-        "in training (mixup, a random permutation of the batch, a statistic of the dropout draws) breaks per-example "
-        "clipping; mix examples in the data pipeline instead, or not at all")
+
+
+def separating_splits(size: int) -> List[Tuple[Tensor, Tensor]]:
+    """``ceil(log2 size)`` splits of ``range(size)`` in two, by the bits of a secret random ranking of the positions
+    (:func:`~lit_zodp.privacy.training_randomness.secret_cpu_generator`): the ranks of any two positions differ in a
+    bit, so the two lie in different halves of at least one split. One random split separates a given pair only
+    half the time: a loss negating the logits of the row that ``randperm`` pairs with the record released 2.0 C on
+    one removal at 4 of 8 re-checked steps (red-team review 73)."""
+    rank = torch.randperm(size, generator=secret_cpu_generator())
+    splits = []
+    for bit in range(max(1, (size - 1).bit_length())):
+        ones = (rank >> bit) & 1 == 1
+        splits.append(((~ones).nonzero().flatten(), ones.nonzero().flatten()))
+    return splits
 
 
 def _one_row_rounds_apart(ratio_of: Callable[[List[Part]], float], rows: Tensor, weights: Tensor,

@@ -34,9 +34,19 @@ Fixed here:
    mean-draw halves ("the clip-weighted gradient ... differs from the sum of its two halves'"), and 1 of 12 with
    ``micro_batch_size=8``, none without it (at c85b596 too). Both halves are now searched where both pass: 0 of 40.
 
+4. Mixing through a draw that moves one pair of rows: a ``per_example_loss`` negating each row's logits where the row
+   ``randperm`` pairs it with is huge (norm 1e4, the record). The mean-draw runs pair each row with itself; the
+   replay's one random split saw the pair only where it separated the record from its partner (about one split in
+   two): 2.0 C released on one removal at 4 of 8 re-checked steps ("hooks"; 3 of 8 "ghost"), the others refused by
+   ``gradient_halves._refuse_mixing_through_draws``. That check now runs on ``ceil(log2 B)`` splits by the bits of a
+   secret random ranking of the rows (``gradient_halves.separating_splits``: every pair of rows lies apart in one),
+   a row set apart on one at weight 0 on the later ones: refused at 16 of 16 in every mode. (Its cost at a checked
+   step that drew: ``3 ceil(log2 B)`` replayed runs instead of 3. The engine's forward replay still takes one split;
+   mixing inside the forward is recomputed by the gradient halves on the losses path.)
+
 Open (strict ``xfail``):
 
-4. Warning-only (a partial break, not new at stop 60): mixup inside the forward drawing from an explicit
+5. Warning-only (a partial break, not new at stop 60): mixup inside the forward drawing from an explicit
    ``torch.Generator`` held by the model. ``MeanOfRandomDraws`` leaves such draws alone and ``Replay`` cannot replay
    them, so the forward check falls back to eval mode and the step passes with a ``LitZodpWarning`` ("draws random
    numbers other than dropout masks in training mode"): 3.77 C released on one removal (``B = 16``, ``C = 0.1``,
@@ -44,17 +54,9 @@ Open (strict ``xfail``):
    dependent number of draws: stop 60's own test). Refusing such forwards in training would refuse honest models
    that draw from their own generators; left to the warning.
 
-5. Mixing through a draw that moves one pair of rows: a ``per_example_loss`` negating each row's logits where the row
-   ``randperm`` pairs it with is huge (review 65-style record, norm 1e4). The mean-draw runs pair each row with
-   itself; the replay's one random split sees the pair only where it separates the record from its partner (about
-   one split in two): 2.0 C released on one removal at 4 of 8 re-checked steps ("hooks"; 3 of 8 "ghost"), the others
-   refused by ``gradient_halves._refuse_mixing_through_draws``. Any interaction of the record with one row is so
-   sampled at 1/2 per check (the forward check's replay too, for mixing inside the forward). Splits by the bits of a
-   secret random ranking of the rows (``ceil(log2 B)`` splits: every pair of rows lies apart in one of them) would
-   see every pair, at ``ceil(log2 B)`` times the replay's cost; not done here.
-
 Commands: ``python -m pytest -q -p no:cacheprovider tests/per_example/test_pe_draw_replay_attacks.py`` (fixed ones
-fail at c85b596: 2.33 C in every mode; 3 of 3 refused; the bisection picks the wrong half).
+fail at c85b596: 2.33 C in every mode; 3 of 3 refused; the bisection picks the wrong half; 2.0 C released at
+about half the steps).
 """
 
 from __future__ import annotations
@@ -207,7 +209,7 @@ class _ExplicitGeneratorMixup(_InputMixup):
                    reason="open: mixup from an explicit torch.Generator passes with a LitZodpWarning only (eval-mode "
                           "fallback): 3.77 C released on one removal (B = 16, C = 0.1, every mode)")
 def test_mixup_from_an_explicit_generator_is_refused(monkeypatch):
-    """Finding 4 (partial: a warning is the only signal)."""
+    """Finding 5 (partial: a warning is the only signal)."""
     from lit_zodp.algorithms import first_order
 
     monkeypatch.setattr(first_order, "secret_training_randomness", _fixed_training_randomness)
@@ -238,12 +240,9 @@ class _PairFlip(Backbone):
         return F.cross_entropy(logits, targets, reduction="none")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open: mixing of one pair through randperm is seen only on a split that separates the pair "
-                          "(about 1 in 2): 2.0 C released on one removal at 4 of 8 re-checked steps")
-def test_mixing_of_one_pair_through_a_draw_is_refused_at_every_checked_step(monkeypatch):
-    """Finding 5: 16 re-checked steps, each one removal; all must be refused or within ``C`` (all 16 refused by
-    chance: ``2^-16``)."""
+@pytest.mark.parametrize("mode", MODES)
+def test_mixing_of_one_pair_through_a_draw_is_refused_at_every_checked_step(mode, monkeypatch):
+    """Finding 4: 16 re-checked steps, each one removal, all refused (2.0 C at about one in two before)."""
     from lit_zodp.algorithms import first_order
 
     monkeypatch.setattr(first_order, "secret_training_randomness", _fixed_training_randomness)
@@ -251,6 +250,17 @@ def test_mixing_of_one_pair_through_a_draw_is_refused_at_every_checked_step(monk
     record = record / record.norm() * 1e4
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        moved = [removal_difference(_rechecked_release(_PairFlip, 0.1, "hooks"), 0.1, x, y, record, 1)
+        moved = [removal_difference(_rechecked_release(_PairFlip, 0.1, mode), 0.1, x, y, record, 1)
                  for _ in range(16)]
     assert max(moved) <= MARGIN, f"released {max(moved):.2f} C at {sum(m > MARGIN for m in moved)} of 16 steps"
+
+
+def test_the_separating_splits_set_every_pair_of_rows_apart():
+    for size in (2, 3, 5, 16, 17, 33):
+        splits = gradient_halves.separating_splits(size)
+        assert len(splits) == max(1, (size - 1).bit_length())
+        apart = torch.zeros(size, size, dtype=torch.bool)
+        for first, second in splits:
+            assert len(first) and len(second) and sorted([*first.tolist(), *second.tolist()]) == list(range(size))
+            apart[first[:, None], second[None, :]] = True
+        assert bool((apart | apart.T | torch.eye(size, dtype=torch.bool)).all())
