@@ -33,16 +33,15 @@ Fixed here:
    half without the record half the time: with the same record and padding, 1 of 40 re-checked steps refused by the
    mean-draw halves ("the clip-weighted gradient ... differs from the sum of its two halves'"), and 1 of 12 with
    ``micro_batch_size=8``, none without it (at c85b596 too). Both halves are now searched where both pass: 0 of 40.
-
 4. Mixing through a draw that moves one pair of rows: a ``per_example_loss`` negating each row's logits where the row
    ``randperm`` pairs it with is huge (norm 1e4, the record). The mean-draw runs pair each row with itself; the
    replay's one random split saw the pair only where it separated the record from its partner (about one split in
    two): 2.0 C released on one removal at 4 of 8 re-checked steps ("hooks"; 3 of 8 "ghost"), the others refused by
    ``gradient_halves._refuse_mixing_through_draws``. That check now runs on ``ceil(log2 B)`` splits by the bits of a
    secret random ranking of the rows (``gradient_halves.separating_splits``: every pair of rows lies apart in one),
-   a row set apart on one at weight 0 on the later ones: refused at 16 of 16 in every mode. (Its cost at a checked
-   step that drew: ``3 ceil(log2 B)`` replayed runs instead of 3. The engine's forward replay still takes one split;
-   mixing inside the forward is recomputed by the gradient halves on the losses path.)
+   a row set apart on one at weight 0 on the later ones: none of 16 re-checked steps releases above ``C``, every
+   mode. (Its cost at a checked step that drew: ``3 ceil(log2 B)`` replayed runs instead of 3. The engine's forward
+   replay still takes one split; the gradient halves recompute the module's forward too.)
 
 Open (strict ``xfail``):
 
