@@ -249,15 +249,17 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
                                  apart: List[int]) -> None:
     """At a step that drew random numbers (dropout in training), the halves' identity again with every run replaying
     the step's draws (:class:`.checks.Replay`) in the batch's shape: the rows in the sum, then each half of them in
-    its place, the other positions holding copies at weight 0 (:func:`_placed`). The other comparisons take every
-    draw at its mean or at a fixed stand-in, so mixing done through the draws is in none of their runs: a loss
-    adding to each row a detached share of the row ``randperm`` picks released 1.80 C on one removal, and a backward
-    scaled by a batch statistic of dropout's own draws 3.73 C (every mode), with no warning. Runs of one shape from
-    one state draw the same numbers at each position, so what differs between them is their content. One row may
-    round apart (review 20's row whose terms cancel, :func:`_one_row_certified`, without the rows alone: a replay
-    keeps the batch's shape), and is then set apart (:func:`_refuse_row_apart`; a second such row is refused). Runs
-    that did not draw alike (an explicit generator, draws whose number follows the batch's content: RReLU on CPU), or
-    whose whole batch does not reproduce itself (draws from outside torch), give no verdict, with a warning."""
+    its place, the other positions holding copies at weight 0 (:func:`_placed`), on each of the splits that together
+    separate every pair of rows (:func:`separating_splits`). The other comparisons take every draw at its mean or at
+    a fixed stand-in, so mixing done through the draws is in none of their runs: a loss adding to each row a detached
+    share of the row ``randperm`` picks released 1.80 C on one removal, and a backward scaled by a batch statistic
+    of dropout's own draws 3.73 C (every mode), with no warning. Runs of one shape from one state draw the same
+    numbers at each position, so what differs between them is their content. One row may round apart (review 20's
+    row whose terms cancel, :func:`_one_row_certified`, without the rows alone: a replay keeps the batch's shape),
+    and is then set apart (:func:`_refuse_row_apart`; a second such row is refused), at weight 0 on the later
+    splits. Runs that did not draw alike (an explicit generator, draws whose number follows the batch's content:
+    RReLU on CPU), or whose whole batch does not reproduce itself (draws from outside torch), give no verdict, with
+    a warning."""
     size = len(weights)
     everyone = torch.arange(size)
     in_sum = (weights > 0).nonzero().flatten()
@@ -267,30 +269,56 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
     weights = weights * secret
     replayed = functools.partial(run, replay=True)
     ratio_of = functools.partial(_ratio, replayed, project=project, unit=unit, shares=float((shares * secret).sum()))
-    halves = random_halves(len(in_sum))
 
-    def parts(w: Tensor) -> List[Part]:
+    def parts(w: Tensor, halves: Tuple[Tensor, Tensor]) -> List[Part]:
         return [_placed(everyone, w, in_sum), *(_placed(everyone, w, in_sum[half]) for half in halves)]
 
-    ratio = ratio_of(parts(weights))
-    if ratio <= 1 and replay.alike():
-        return
-    whole = _placed(everyone, weights, in_sum)
-    if not (replay.alike() and ratio_of([whole, whole]) <= 1 and replay.alike()):
-        warn_unreplayed_draws("the engine's module and its loss")
-        return
-    if len(in_sum) == size:  # (one row may round apart: a row of huge terms that cancel)
-        row = _one_row_certified(ratio_of, lambda out: ratio_of(parts(_at_weight_zero(everyone, weights, out))),
-                                 everyone, weights, beside=False)
-        if row is not None and replay.alike() and apart[-1:] in ([], [row]):
-            apart[:] = [row]
-            return
-    raise PrivacyConfigError(
-        "The per-example gradients depend on their batch-mates through the step's random draws: with the step's "
-        "draws replayed in the batch's shape, the clip-weighted gradient of the whole batch differs from the sum of "
-        f"its two halves' (each with the other half's rows replaced) by {beyond_tolerance(ratio)}. Mixing examples "
-        "in training (mixup, a random permutation of the batch, a statistic of the dropout draws) breaks per-example "
-        "clipping; mix examples in the data pipeline instead, or not at all")
+    # (one row may round apart: a row of huge terms that cancel; sought among the rows in the sum, the others'
+    # positions holding copies of them in every run: with padding rows at weight 0, ``fixed_forward_rows``, review
+    # 20's honest record was refused at every re-checked step, none without it: red-team review 73)
+    def among_copies(group: Tensor) -> List[Part]:
+        only = torch.zeros_like(weights)
+        only[in_sum[group]] = weights[in_sum[group]]
+        return [_placed(everyone, only, in_sum), _placed(everyone, weights, in_sum[group])]
+
+    row: Optional[int] = None  # (the row set apart on a split: at weight 0 on the later ones)
+    for halves in separating_splits(len(in_sum)):
+        compared = weights if row is None else _at_weight_zero(everyone, weights, torch.tensor([row]))
+        ratio = ratio_of(parts(compared, halves))
+        if ratio <= 1 and replay.alike():
+            continue
+        if row is None:
+            whole = _placed(everyone, weights, in_sum)
+            if not (replay.alike() and ratio_of([whole, whole]) <= 1 and replay.alike()):
+                warn_unreplayed_draws("the engine's module and its loss")
+                return
+            row = _one_row_certified(
+                ratio_of, lambda out: ratio_of(parts(_at_weight_zero(in_sum, weights, out), halves)), in_sum,
+                weights, beside=False, among=among_copies)
+            if row is not None and replay.alike() and apart[-1:] in ([], [row]):
+                continue
+        raise PrivacyConfigError(
+            "The per-example gradients depend on their batch-mates through the step's random draws: with the step's "
+            "draws replayed in the batch's shape, the clip-weighted gradient of the whole batch differs from the sum "
+            f"of its two halves' (each with the other half's rows replaced) by {beyond_tolerance(ratio)}. Mixing "
+            "examples in training (mixup, a random permutation of the batch, a statistic of the dropout draws) breaks "
+            "per-example clipping; mix examples in the data pipeline instead, or not at all")
+    if row is not None:
+        apart[:] = [row]
+
+
+def separating_splits(size: int) -> List[Tuple[Tensor, Tensor]]:
+    """``ceil(log2 size)`` splits of ``range(size)`` in two, by the bits of a secret random ranking of the positions
+    (:func:`~lit_zodp.privacy.training_randomness.secret_cpu_generator`): the ranks of any two positions differ in a
+    bit, so the two lie in different halves of at least one split. One random split separates a given pair only
+    half the time: a loss negating the logits of the row that ``randperm`` pairs with the record released 2.0 C on
+    one removal at 4 of 8 re-checked steps (red-team review 73)."""
+    rank = torch.randperm(size, generator=secret_cpu_generator())
+    splits = []
+    for bit in range(max(1, (size - 1).bit_length())):
+        ones = (rank >> bit) & 1 == 1
+        splits.append(((~ones).nonzero().flatten(), ones.nonzero().flatten()))
+    return splits
 
 
 def _one_row_rounds_apart(ratio_of: Callable[[List[Part]], float], rows: Tensor, weights: Tensor,
@@ -311,30 +339,44 @@ def _one_row_rounds_apart(ratio_of: Callable[[List[Part]], float], rows: Tensor,
 
 
 def _one_row_certified(ratio_of: Callable[[List[Part]], float], zeroed: Callable[[Tensor], float], rows: Tensor,
-                       weights: Tensor, beside: bool = True) -> Optional[int]:
+                       weights: Tensor, beside: bool = True,
+                       among: Optional[Callable[[Tensor], List[Part]]] = None) -> Optional[int]:
     """Whether a failed comparison holds with one row at weight 0 (``zeroed(positions)``: the comparison with those
     positions of ``rows`` at weight 0), found by random bisection (the search goes on in the half whose zeroing
     brings the comparison lower: the row is in it; "the first half that passes" followed a mismatch near the
-    tolerance, which zeroing other rows moves by a few tens of percent, to the wrong row), and the rows without that
-    row, run alone (the neighbouring dataset's row count), give the clip-weighted gradient they give beside it
-    (:func:`_beside`), and that row's own gradient beside them is the one it has among copies of itself
-    (:func:`_among_copies`, the batch's shape: their content does not move it). Without the last, review 65's
-    three records of a batch of four, whose detached batch mean moved the honest row, passed with that row set
-    apart (1.77 C). ``beside`` ``False``: without the rows alone (runs replaying the step's draws keep the batch's
-    shape). Two rows or more: ``None``; else the row (an index of ``weights``). How the row was found does
-    not matter to the last three comparisons, which are what the callers need. None of them runs that row and the
+    tolerance, which zeroing other rows moves by a few tens of percent, to the wrong row; where both halves pass,
+    each in turn), and the rows without that row, run alone (the neighbouring dataset's row count), give the
+    clip-weighted gradient they give beside it (:func:`_beside`), and that row's own gradient beside them is the one
+    it has among copies of itself (:func:`_among_copies`, the batch's shape: their content does not move it).
+    Without the last, review 65's three records of a batch of four, whose detached batch mean moved the honest row,
+    passed with that row set apart (1.77 C). ``beside`` ``False``: without the rows alone (runs replaying the step's
+    draws keep the batch's shape); ``among``: those last two runs for positions ``group`` (by default
+    :func:`_among_copies`). Two rows or more: ``None``; else the row (an index of ``weights``). How the row was found
+    does not matter to the last three comparisons, which are what the callers need. None of them runs that row and the
     others both at a non-zero weight (a row of huge cancelling terms rounds apart only there), so a backward that
     moves the others only where that row's output gradient is non-zero passes all three: the caller's
     :func:`_refuse_row_apart` compares the step's own sum (red-team review 71)."""
-    group = torch.arange(len(rows))
-    while len(group) > 1:
+    def certified(group: Tensor) -> bool:
+        return (zeroed(group) <= 1 and (not beside or ratio_of(_beside(rows, weights, group)) <= 1)
+                and ratio_of(among(group) if among is not None else _among_copies(rows, weights, group)) <= 1)
+
+    def search(group: Tensor) -> Optional[int]:
+        if len(group) == 1:
+            return int(rows[group[0]]) if certified(group) else None
         halves = random_halves(len(group))
         ratios = [zeroed(group[half]) for half in halves]
-        group = group[halves[0 if not ratios[1] < ratios[0] else 1]]  # (NaN: the other half)
-    if (zeroed(group) <= 1 and (not beside or ratio_of(_beside(rows, weights, group)) <= 1)
-            and ratio_of(_among_copies(rows, weights, group)) <= 1):
-        return int(rows[group[0]])
-    return None
+        first = 0 if not ratios[1] < ratios[0] else 1  # (NaN: the other half)
+        # (both halves at weight 0 passing: either may hold the row, the other on the next split, and the first
+        # alone missed it: review 20's honest record beside padding rows was refused at 1 of 40 re-checked steps,
+        # none without it, red-team review 73)
+        both = all(ratio <= 1 for ratio in ratios)
+        for k in (first, 1 - first) if both else (first,):
+            row = search(group[halves[k]])
+            if row is not None:
+                return row
+        return None
+
+    return search(torch.arange(len(rows)))
 
 
 def _among_copies(rows: Tensor, weights: Tensor, group: Tensor) -> List[Part]:

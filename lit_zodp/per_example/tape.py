@@ -85,7 +85,7 @@ class ModuleCall:
     layer_span: Optional[Tuple[int, int]] = None
     #: The root's calls: ``(start, end)``, the other module calls recorded inside it (``tape.module_calls[start:end]``).
     module_span: Optional[Tuple[int, int]] = None
-    #: The root's calls in training mode: the generators' states as the call began, so a check can draw its dropout
+    #: The root's calls, in either mode: the generators' states as the call began, so a check can draw its dropout
     #: masks again (:func:`~lit_zodp.privacy.training_randomness.replayed_streams`); cleared with the tape, and out of
     #: the call's ``repr`` (a secret state: an assertion's or a log's print of the call showed its first bytes).
     random_state: Optional[RandomState] = field(default=None, repr=False)
@@ -225,7 +225,9 @@ class Tape:
         its first batch (the forward check: the step's outputs against recomputations; red-team review 72)."""
         if self._recording_forward:
             leaves, spec = tree_flatten((args, kwargs))
-            state = random_state(_cuda_indices(leaves)) if module.training else None
+            # (in eval mode too: a root whose ``training`` flag is off can still draw, ``randperm`` for a mixup, and
+            # without a state the checks took every draw at its stand-in only: 2.90 C released, red-team review 73)
+            state = random_state(_cuda_indices(leaves))
             self._root_begun.append((state, (leaves, spec)))
 
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
