@@ -21,9 +21,10 @@ same engine with the row summaries and the comparison replaced by no-ops.
 ``recheck_probability x (ratio - 1)``.
 
 ``--check replay``: the backbone in training mode with dropout ``--dropout`` (MiniLM's, and the attention's), every
-step re-checked, against the same steps with the two comparisons that replay the step's draws (stop 60: the forward
-check's and the gradient halves', ``_refuse_mixing_through_draws``) replaced by no-ops. The cost per step is again
-``recheck_probability x (ratio - 1)``.
+step checked, against the same steps with the two comparisons that replay the step's draws (stop 60: the forward
+check's and the gradient halves', ``_refuse_mixing_through_draws``) replaced by no-ops. Every step after the first
+is an OS-drawn re-check (the gradient replay on one random split); with ``--first`` the engine forgets the structure
+before each step, so every step is its first check (on ``ceil(log2 B)`` splits that separate every pair).
 
 Usage::
 
@@ -32,6 +33,7 @@ Usage::
     python benchmarks/bench_ghost_check.py --model vit_tiny --dtype float32 --check rows
     python benchmarks/bench_ghost_check.py --model minilm --dtype bfloat16 --check forward
     python benchmarks/bench_ghost_check.py --model minilm --batch 32 --seq-len 64 --dtype float32 --check replay
+    python benchmarks/bench_ghost_check.py --model minilm --batch 32 --seq-len 64 --dtype float32 --check replay --first
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--check", default="norms", choices=["norms", "rows", "forward", "replay"])
     parser.add_argument("--dropout", type=float, default=0.1, help="--check replay: the dropout in training mode")
+    parser.add_argument("--first", action="store_true", help="--check replay: every step a structure's first check")
     args = parser.parse_args(argv)
 
     import torch
@@ -78,7 +81,7 @@ def main(argv=None) -> None:
         inputs = inputs.to(dtype)
     engine = engine_module.PerExampleGradientEngine(backbone, mode="ghost",
                                                     recheck_probability=1.0 if args.check == "replay" else 0.0)
-    switch, shrinks = _switch(args.check, engine_module, engine)
+    switch, shrinks = _switch(args.check, engine_module, engine, first=args.first)
     _time_switch(args, engine, switch, backbone, inputs, targets, shrinks)
 
 
@@ -107,7 +110,7 @@ class _NoSummaries:
         return None
 
 
-def _switch(check, engine_module, engine):
+def _switch(check, engine_module, engine, first: bool = False):
     """``(switch(on), shrinks)``: turn the measured check on or off; ``--check norms`` records each part's
     largest shrink ``1 - min s`` in ``shrinks``."""
     cls, summaries, shrinks = engine_module.PerExampleGradientEngine, engine_module._RowSummaries, []
@@ -131,6 +134,8 @@ def _switch(check, engine_module, engine):
         else:
             cls._refuse_mixing_through_draws = forward_replay if on else (lambda *a, **k: None)
             gradient_halves._refuse_mixing_through_draws = halves_replay if on else (lambda *a, **k: None)
+            if first:
+                engine._misaligned.clear()  # (the structure unknown: its first check)
     return switch, shrinks
 
 
@@ -151,7 +156,7 @@ def _time_switch(args, engine, switch, backbone, inputs, targets, shrinks) -> No
             times[on].append(step(on))
     ratios = [a / b for a, b in zip(times[True], times[False])]
     largest = f"; largest shrink {max(shrinks, default=0.0):.2e} over {len(shrinks)} parts" if args.check == "norms" else ""
-    print(f"{args.model} batch {args.batch} {args.dtype} --check {args.check}: with "
+    print(f"{args.model} batch {args.batch} {args.dtype} --check {args.check}{' --first' if args.first else ''}: with "
           f"{statistics.median(times[True]):.3f} s, without {statistics.median(times[False]):.3f} s per step; "
           f"ratio median {statistics.median(ratios):.4f} (range {min(ratios):.4f}-{max(ratios):.4f}, "
           f"{args.repeats} pairs){largest}")

@@ -449,6 +449,18 @@ def _replayed_forward(replay: Replay, state: RandomState) -> Iterator[None]:
         yield None
 
 
+class _PendingGradientCheck(NamedTuple):
+    """What a checked step's gradient halves need from its forward (:meth:`PerExampleGradientEngine._verified`): the
+    calls of the engine's module, whether the forward was checked in eval mode, the generators' states as ``loss_fn``
+    began, and whether this is the structure's first check (:func:`.gradient_halves.refuse_gradient_mixing`'s
+    ``every_pair``)."""
+
+    calls: List[ModuleCall]
+    in_eval: bool
+    loss_state: Optional[RandomState]
+    every_pair: bool
+
+
 def _cuda_devices(calls: Iterable[ModuleCall]) -> List[torch.device]:
     """The CUDA devices the calls' tensor inputs live on (whose random streams a recomputation must restore)."""
     return sorted({x.device for c in calls for x in c.inputs if isinstance(x, Tensor) and x.device.type == "cuda"},
@@ -630,7 +642,7 @@ class PerExampleGradientEngine:
         self._expand_shared = True  # shared [1, T] embedding indices expanded to the batch (until a forward fails)
         #: This step's calls of the module whose forward was checked, for the gradients' check once the clip factors
         #: are known (:mod:`.gradient_halves`), and whether that forward check fell back to eval mode.
-        self._gradient_check: Optional[Tuple[List[ModuleCall], bool, Optional[RandomState]]] = None
+        self._gradient_check: Optional[_PendingGradientCheck] = None
 
     def __setstate__(self, state: dict) -> None:
         """A copy (a callback's ``deepcopy`` of the module: an EMA or teacher model) or unpickled engine keys its maps by
@@ -927,7 +939,8 @@ class PerExampleGradientEngine:
             return known
         self._ran_checks = True
         roots = [c for c in tape.module_calls if c.module is self.module]  # (before the outputs are dropped)
-        self._gradient_check = (roots, self._refuse_forward_mixing(tape, len(losses)), tape.loss_state)
+        self._gradient_check = _PendingGradientCheck(roots, self._refuse_forward_mixing(tape, len(losses)),
+                                                     tape.loss_state, every_pair=known is None)
         misaligned = known
         if misaligned is None:
             misaligned = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, len(losses))))
@@ -1541,7 +1554,7 @@ class PerExampleGradientEngine:
         pending, self._gradient_check = self._gradient_check, None
         if pending is None:
             return None
-        calls, in_eval, loss_state = pending
+        calls, in_eval, loss_state, every_pair = pending
         devices = sorted({*_cuda_devices(calls), *(p.device for p in self.params if p.device.type == "cuda")},
                          key=str)
         # a model of float32 (or wider) parameters, buffers and inputs under a half-precision autocast: the check's
@@ -1566,7 +1579,7 @@ class PerExampleGradientEngine:
             return refuse_gradient_mixing(calls, factors, norms, self.params, project=project, dtype=dtype,
                                           device_type=self._device_type, keep_call_shape=self.keep_call_shape,
                                           devices=devices, without_autocast=without_autocast, losses_of=losses_of,
-                                          released_unit=released_unit, loss_state=loss_state)
+                                          released_unit=released_unit, loss_state=loss_state, every_pair=every_pair)
 
         if not in_eval:
             try:

@@ -110,8 +110,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
                            project: Callable[[int, Tensor], Tensor], dtype: torch.dtype, device_type: str,
                            keep_call_shape: bool = False, devices: Sequence[torch.device] = (),
                            without_autocast: bool = False, losses_of: Optional[LossesOf] = None,
-                           released_unit: Optional[float] = None, loss_state: Optional[RandomState] = None
-                           ) -> Optional[Callable[[Optional[Gradients]], None]]:
+                           released_unit: Optional[float] = None, loss_state: Optional[RandomState] = None,
+                           every_pair: bool = True) -> Optional[Callable[[Optional[Gradients]], None]]:
     """Refuse the step if the clip-weighted gradient of the whole batch is not the sum of its halves' (module doc).
 
     Returns ``None``, or where the whole batch's recomputed gradient was not finite, the rest of the check, to call
@@ -140,6 +140,10 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             and an honest model with review 20's record and a loss adding ``0.01`` Gaussian noise to its inputs was
             refused at 6 of 6 re-checked steps (none without the record: a refusal that tells whether it was in the
             batch; dropout 0.1 or none; red-team review 72).
+
+        every_pair: At a step that drew, the replayed comparison runs on splits that separate every pair of rows
+            (a structure's first check), else on one random split (an OS-drawn re-check; each split costs three
+            runs of the batch: :func:`_refuse_mixing_through_draws`).
 
     Raises:
         PrivacyConfigError: The sums differ beyond the tolerance, or nothing could be compared (:data:`UNCOMPARED`).
@@ -175,7 +179,7 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
     row_apart = functools.partial(_refuse_row_apart, run, weights, apart, project=project, unit=unit,
                                   shares=share_rows, drew=drew)
     through_draws = functools.partial(_refuse_mixing_through_draws, run, weights, replay, project=project, unit=unit,
-                                      shares=share_rows, apart=apart)
+                                      shares=share_rows, apart=apart, every_pair=every_pair)
     if compare(torch.arange(size)):
         if drew.seen:
             through_draws()
@@ -246,11 +250,15 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
 
 def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor, replay: Replay, *,
                                  project: Callable[[int, Tensor], Tensor], unit: float, shares: Tensor,
-                                 apart: List[int]) -> None:
+                                 apart: List[int], every_pair: bool = True) -> None:
     """At a step that drew random numbers (dropout in training), the halves' identity again with every run replaying
     the step's draws (:class:`.checks.Replay`) in the batch's shape: the rows in the sum, then each half of them in
     its place, the other positions holding copies at weight 0 (:func:`_placed`), on each of the splits that together
-    separate every pair of rows (:func:`separating_splits`). The other comparisons take every draw at its mean or at
+    separate every pair of rows (:func:`separating_splits`; ``every_pair``: a structure's first check, where an
+    always-on mixing must be refused before anything is released) or on one random split (an OS-drawn re-check,
+    sampled as the other comparisons are: 3 runs of the batch against ``3 ceil(log2 B)``, a checked MiniLM step
+    with dropout 1.5x against 3.2x of the same step without the replays). The other comparisons take every draw at
+    its mean or at
     a fixed stand-in, so mixing done through the draws is in none of their runs: a loss adding to each row a detached
     share of the row ``randperm`` picks released 1.80 C on one removal, and a backward scaled by a batch statistic
     of dropout's own draws 3.73 C (every mode), with no warning. Runs of one shape from one state draw the same
@@ -282,7 +290,7 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
         return [_placed(everyone, only, in_sum), _placed(everyone, weights, in_sum[group])]
 
     row: Optional[int] = None  # (the row set apart on a split: at weight 0 on the later ones)
-    for halves in separating_splits(len(in_sum)):
+    for halves in separating_splits(len(in_sum)) if every_pair else [random_halves(len(in_sum))]:
         compared = weights if row is None else _at_weight_zero(everyone, weights, torch.tensor([row]))
         ratio = ratio_of(parts(compared, halves))
         if ratio <= 1 and replay.alike():
