@@ -527,7 +527,7 @@ def in_place_index(half: Tensor, size: int) -> Tensor:
 
 
 def halves_values(values_of: Callable[[Tensor], Tensor], halves: tuple[Tensor, Tensor], full: Tensor,
-                   in_place: bool = False) -> Tensor:
+                  in_place: bool = False) -> Tensor:
     """Each half's rows computed without the other half: alone, or (``in_place``) in a batch of the whole batch's
     shape where each row keeps its position and the other half's positions repeat the half's own rows."""
     split = torch.empty_like(flat_rows(full))

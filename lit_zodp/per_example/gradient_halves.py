@@ -140,7 +140,6 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             and an honest model with review 20's record and a loss adding ``0.01`` Gaussian noise to its inputs was
             refused at 6 of 6 re-checked steps (none without the record: a refusal that tells whether it was in the
             batch; dropout 0.1 or none; red-team review 72).
-
         every_pair: At a step that drew, the replayed comparison runs on splits that separate every pair of rows
             (a structure's first check), else on one random split (an OS-drawn re-check; each split costs three
             runs of the batch: :func:`_refuse_mixing_through_draws`).
@@ -257,11 +256,10 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
     separate every pair of rows (:func:`separating_splits`; ``every_pair``: a structure's first check, where an
     always-on mixing must be refused before anything is released) or on one random split (an OS-drawn re-check,
     sampled as the other comparisons are: 3 runs of the batch against ``3 ceil(log2 B)``, a checked MiniLM step
-    with dropout 1.5x against 3.2x of the same step without the replays). The other comparisons take every draw at
-    its mean or at
-    a fixed stand-in, so mixing done through the draws is in none of their runs: a loss adding to each row a detached
-    share of the row ``randperm`` picks released 1.80 C on one removal, and a backward scaled by a batch statistic
-    of dropout's own draws 3.73 C (every mode), with no warning. Runs of one shape from one state draw the same
+    with dropout 1.6x against 3.5x of the same step without the replays). The other comparisons take every draw at
+    its mean or at a fixed stand-in, so mixing done through the draws is in none of their runs: a loss adding to
+    each row a detached share of the row ``randperm`` picks released 1.80 C on one removal, and a backward scaled
+    by a batch statistic of dropout's own draws 3.73 C (every mode), with no warning. Runs of one shape from one state draw the same
     numbers at each position, so what differs between them is their content. One row may round apart (review 20's
     row whose terms cancel, :func:`_one_row_certified`, without the rows alone: a replay keeps the batch's shape),
     and is then set apart (:func:`_refuse_row_apart`; a second such row is refused), at weight 0 on the later
