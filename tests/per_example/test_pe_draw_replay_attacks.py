@@ -65,13 +65,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lit_zodp.backbones.base import Backbone
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine, gradient_halves
 from tests.per_example.test_pe_dropout_replay_attacks import (MARGIN, MODES, _fixed_training_randomness, _InputMixup,
-                                                              _nfresnet_with_dropout, _rechecked_release, _refusals)
+                                                              _LossMixup, _nfresnet_with_dropout, _rechecked_release,
+                                                              _refusals)
 from tests.per_example.test_pe_gradient_halves_attacks import removal_difference
 
 
@@ -219,17 +219,8 @@ def test_mixup_from_an_explicit_generator_is_refused(monkeypatch):
     assert moved <= MARGIN, f"one removal changed the released sum by {moved:.3f} C"
 
 
-class _PairFlip(Backbone):
+class _PairFlip(_LossMixup):
     """Each row's logits negated where the row ``randperm`` pairs it with has a norm above 1000 (the record)."""
-
-    num_classes = 2
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
 
     def per_example_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(x)
