@@ -71,7 +71,7 @@ from lit_zodp.per_example.checks import (Draws, MeanOfRandomDraws, Replay, beyon
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
-from lit_zodp.privacy.training_randomness import RandomState, replayed_streams, secret_cpu_generator, secret_streams
+from lit_zodp.privacy.training_randomness import RandomState, secret_cpu_generator, secret_streams
 
 Gradients = List[Optional[Tensor]]
 
@@ -259,13 +259,13 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
     with dropout 1.6x against 3.5x of the same step without the replays). The other comparisons take every draw at
     its mean or at a fixed stand-in, so mixing done through the draws is in none of their runs: a loss adding to
     each row a detached share of the row ``randperm`` picks released 1.80 C on one removal, and a backward scaled
-    by a batch statistic of dropout's own draws 3.73 C (every mode), with no warning. Runs of one shape from one state draw the same
-    numbers at each position, so what differs between them is their content. One row may round apart (review 20's
-    row whose terms cancel, :func:`_one_row_certified`, without the rows alone: a replay keeps the batch's shape),
-    and is then set apart (:func:`_refuse_row_apart`; a second such row is refused), at weight 0 on the later
-    splits. Runs that did not draw alike (an explicit generator, draws whose number follows the batch's content:
-    RReLU on CPU), or whose whole batch does not reproduce itself (draws from outside torch), give no verdict, with
-    a warning."""
+    by a batch statistic of dropout's own draws 3.73 C (every mode), with no warning. Runs of one shape from one
+    state draw the same numbers at each position, so what differs between them is their content. One row may round
+    apart (review 20's row whose terms cancel, :func:`_one_row_certified`, without the rows alone: a replay keeps
+    the batch's shape), and is then set apart (:func:`_refuse_row_apart`; a second such row is refused), at weight 0
+    on the later splits. Runs that did not draw alike (an explicit generator, draws whose number follows the batch's
+    content: RReLU on CPU), or whose whole batch does not reproduce itself (draws from outside torch), give no
+    verdict, with a warning."""
     size = len(weights)
     everyone = torch.arange(size)
     in_sum = (weights > 0).nonzero().flatten()
@@ -656,7 +656,7 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
                             params: Sequence[Tensor],
                             keep_call_shape: bool, devices: Sequence[torch.device], device_type: str,
                             without_autocast: bool = False, drew: Optional[Draws] = None,
-                            replay: bool = False, replayer: Optional[Replay] = None) -> Gradients:
+                            replay: bool = False, replayer: Replay) -> Gradients:
     """``d/dtheta sum_calls sum_k w_k <dL_{r_k}/d out, out_k>``, the module run on the rows ``r`` of ``part`` alone
     (``w``: their weights), each draw at its mean (``drew`` notes whether one was replaced), or (``replay``) each
     call's draws as the step drew them (:func:`_draws_of`)."""
@@ -691,8 +691,7 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
 def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence[Tensor],
                             devices: Sequence[torch.device], device_type: str, without_autocast: bool,
                             seen: Optional[List[Tensor]] = None, drew: Optional[Draws] = None,
-                            state: Optional[RandomState] = None, replay: bool = False,
-                            replayer: Optional[Replay] = None) -> Gradients:
+                            state: Optional[RandomState] = None, replay: bool = False, replayer: Replay) -> Gradients:
     """``d/dtheta sum_k w_k L_{r_k}``, the losses of the rows ``r`` of ``part`` recomputed alone by ``losses_of``
     (``w``: their weights); the losses appended to ``seen`` (detached). Each draw at its mean (``drew`` notes whether
     one was replaced), or (``replay``) as the step drew them from ``state`` (:func:`_draws_of`)."""
@@ -714,12 +713,12 @@ def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence
 
 @contextlib.contextmanager
 def _draws_of(state: Optional[RandomState], devices: Sequence[torch.device], drew: Optional[Draws],
-              replayer: Optional[Replay] = None) -> Iterator[None]:
+              replayer: Replay) -> Iterator[None]:
     """A run's random draws: replayed from the step's generators' ``state`` (its masks again, in the step's shape;
     ``replayer`` notes whether its runs drew alike), or, without one, each at its mean under fresh secret streams
     (:class:`.checks.MeanOfRandomDraws`; ``drew`` notes whether one was replaced)."""
     if state is not None:
-        with replayer.run(state) if replayer is not None else replayed_streams(state):
+        with replayer.run(state):
             yield
         return
     with secret_streams(devices), MeanOfRandomDraws() as draws:
