@@ -593,8 +593,9 @@ class MeanOfRandomDraws(TorchDispatchMode):
     in training passed (4.16 C released on one removal, red-team review 67). Since stop 58 draws without a mean take
     a fixed stand-in: ``randint``/``random_`` the middle of their range, ``randperm`` the identity, ``multinomial``
     the most likely categories, ``cauchy_`` its median, ``poisson`` its rate. Draws with an explicit generator (the
-    checks' own secret ones) are left alone: the callers check that a recomputation reproduces, else fall back to
-    eval mode with a warning.
+    checks' own secret ones, a model's own) are left alone: the callers check that a recomputation reproduces, else
+    replay the step's draws (:class:`Replay`, which sets a model's own generator back at each run), then fall back
+    to eval mode, with a warning where the replay gave no verdict.
 
     ``replaced``: whether a draw was replaced (dropout with ``p > 0`` in training, any other draw from the default
     generators): the step drew where its recomputations do not, so its own values are no baseline for them.
@@ -643,25 +644,33 @@ class Replay:
     state draw the same numbers for each position, so a row that moves between them moved with its batch-mates'
     content. That holds where they drew alike (:meth:`alike`): each ended at the same generators' state (as many
     numbers drawn: not so where the draws' shapes follow the content, a forward trimming its batch to its longest
-    row) and none drew from an explicit generator (never replayed)."""
+    row), explicit generators included. A ``torch.Generator`` of the model's own is set, at its first draw in each
+    run, to where it stood at its first draw in the first run that drew from it, and put back there after
+    (:class:`_ReplayedGenerators`): the runs draw its numbers alike, though not the step's own (it has moved on since;
+    the tape keeps only the default generators' states). Before stop 61 such draws were never replayed, and mixup
+    from one passed with a warning: 3.77 C released on one removal (review 73)."""
 
     def __init__(self) -> None:
-        self._ends: dict[int, list[RandomState]] = {}
-        self._explicit = False
+        self._ends: dict[int, list[tuple[RandomState, dict[int, Tensor]]]] = {}
+        self._explicit_starts: dict[int, tuple[torch.Generator, Tensor]] = {}
 
     @contextlib.contextmanager
     def run(self, state: RandomState) -> Iterator[None]:
-        """One replayed run: the generators at ``state`` inside, back where they were after."""
-        with replayed_streams(state), _ExplicitGenerators() as explicit:
-            yield
-            end = random_state(index for index, _ in state.cuda)
-        self._explicit |= explicit.seen
-        self._ends.setdefault(id(state), []).append(end)
+        """One replayed run: the generators at ``state`` inside (explicit ones at their replayed start), back where
+        they were after."""
+        explicit = _ReplayedGenerators(self._explicit_starts)
+        try:
+            with replayed_streams(state), explicit:
+                yield
+                end = random_state(index for index, _ in state.cuda)
+        finally:
+            ends = explicit.put_back()
+        self._ends.setdefault(id(state), []).append((end, ends))
 
     def alike(self) -> bool:
-        """Whether the runs from each state so far ended at one generators' state, and none drew from an explicit
-        generator."""
-        return not self._explicit and all(_same_state(ends[0], end) for ends in self._ends.values() for end in ends)
+        """Whether the runs from each state so far ended at one generators' state, explicit ones included."""
+        return all(_same_state(ends[0][0], end) and _same_explicit(ends[0][1], explicit)
+                   for ends in self._ends.values() for end, explicit in ends)
 
 
 def _same_state(a: RandomState, b: RandomState) -> bool:
@@ -669,18 +678,35 @@ def _same_state(a: RandomState, b: RandomState) -> bool:
             and all(i == j and torch.equal(x, y) for (i, x), (j, y) in zip(a.cuda, b.cuda)))
 
 
-class _ExplicitGenerators(TorchDispatchMode):
-    """Notes whether a random op drew from an explicit generator (``seen``)."""
+def _same_explicit(a: dict[int, Tensor], b: dict[int, Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
 
-    def __init__(self) -> None:
+
+class _ReplayedGenerators(TorchDispatchMode):
+    """Sets each explicit generator a run draws from, at its first draw in the run, to its state in ``starts``
+    (``id -> (generator, state)``), taken at its first draw in the runs of one :class:`Replay` (the checks' own
+    secret generators are drawn outside the runs). :meth:`put_back` returns each one's end state and sets it back
+    to its start."""
+
+    def __init__(self, starts: dict[int, tuple[torch.Generator, Tensor]]) -> None:
         super().__init__()
-        self.seen = False
+        self.starts, self.drawn = starts, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.seen and torch.Tag.nondeterministic_seeded in func.tags:
-            self.seen = _bound(func, args, kwargs).get("generator") is not None
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            generator = _bound(func, args, kwargs).get("generator")
+            if generator is not None and id(generator) not in self.drawn:
+                self.drawn[id(generator)] = generator
+                start = self.starts.setdefault(id(generator), (generator, generator.get_state()))[1]
+                generator.set_state(start)
         return func(*args, **kwargs)
+
+    def put_back(self) -> dict[int, Tensor]:
+        ends = {key: generator.get_state() for key, generator in self.drawn.items()}
+        for key, generator in self.drawn.items():
+            generator.set_state(self.starts[key][1])
+        return ends
 
 
 class StepDrew(Exception):
@@ -822,8 +848,8 @@ def nothing_saved_for_backward():
 def warn_unreplayed_draws(what: str) -> None:
     """The runs replaying a step's draws did not draw alike (:meth:`Replay.alike`): said once per place."""
     warnings.warn(f"The forward of {what} draws random numbers in training mode that the batch-independence checks "
-                  "could not replay alike (an explicit torch.Generator, or draws whose number follows the batch's "
-                  "content), so mixing of examples through those draws (mixup inside the forward) went unchecked",
+                  "could not replay alike (draws whose number follows the batch's content, or draws from outside "
+                  "torch: NumPy), so mixing of examples through those draws (mixup inside the forward) went unchecked",
                   LitZodpWarning, stacklevel=3)
 
 

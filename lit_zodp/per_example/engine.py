@@ -1039,7 +1039,8 @@ class PerExampleGradientEngine:
         the same way instead. Until stop 59 they were so only where the step's own rows failed the comparison: under
         a bfloat16 tolerance the dropout's own gap passed it, at up to 0.99 of the tolerance (OPT, CPU autocast),
         so two rows that a kernel choosing its rounding by the batch's shape pushed over refused an honest step.
-        Only a forward random in other ways (``rand`` with an explicit generator) is checked in eval mode, with a
+        Only a forward random in other ways (``rand`` with an explicit generator) is checked in eval mode, after the
+        comparison replaying its draws (:meth:`_refuse_mixing_through_draws`); where that gave no verdict, with a
         warning that its training-mode behaviour went unchecked (before audit 8 every model with dropout was, and
         mixing only in training passed: 4.33 C released on one removal). Whether it fell back to eval mode."""
         parts = [flat_rows(outputs[j]) for j in sorted(outputs)]
@@ -1068,36 +1069,42 @@ class PerExampleGradientEngine:
         except PrivacyConfigError:
             if rows_agree(again, values_of(torch.arange(size)), dtype=dtype, blocks=blocks):
                 raise  # the recomputation reproduces: mixing
-        warn_unchecked_training_mode("the engine's module")
+        # (draws from the model's own generator: no run takes them at a stand-in, and mixup drawn so passed in eval
+        # mode, 3.77 C released on one removal, review 73; the replay sets such a generator back at each run)
+        if not self._refuse_mixing_through_draws(call, sorted(outputs), size, full, rule_inputs, project, dtype,
+                                                 blocks, warn=False):
+            warn_unchecked_training_mode("the engine's module")
         with eval_mode(self.module):
             refuse_batch_mixing(values_of, size, **checked)
         return True
 
     def _refuse_mixing_through_draws(self, call: ModuleCall, leaves: List[int], size: int, full: Tensor,
                                      rule_inputs: List[_Input], project: _SecretProjections, dtype: torch.dtype,
-                                     blocks: List[int]) -> None:
+                                     blocks: List[int], warn: bool = True) -> bool:
         """At a step that drew random numbers, each half of the batch in the batch's shape (each row in its place,
         the other half's positions holding copies of the half's rows), replaying the step's draws
         (:class:`.checks.Replay`): every row must give the step's own values. The recomputations with every draw at
         its mean never see mixing done through the draws (mixup inside the forward: 4.68 C released on one removal,
         red-team review 72). Where the replayed halves differ from the step's rows, the whole batch replayed is the
         baseline (a replay that does not reproduce the step: draws from a generator it does not hold), and mixing
-        is refused where that reproduces itself. Runs that did not draw alike (an explicit generator; draws whose
-        number follows the batch's content) give no verdict, with a warning."""
+        is refused where that reproduces itself (draws from the model's own generator: the runs draw alike, not as the
+        step did). Runs that did not draw alike (draws whose number follows the batch's content), or whose whole batch
+        does not reproduce itself, give no verdict (with a warning where ``warn``). Whether it gave one."""
         if call.random_state is None:
-            return
+            return False
         replay = Replay()
         values_of = self._rows_of(call, leaves, size, full.device, rule_inputs, project, replay=replay)
         split = halves_values(values_of, random_halves(size), full, in_place=True)
         compared = dict(dtype=dtype, blocks=blocks)
         if replay.alike() and rows_agree(full, split, **compared):
-            return
+            return True
         whole = values_of(torch.arange(size))
         if replay.alike() and rows_agree(whole, split, **compared):
-            return
+            return True
         if not (replay.alike() and rows_agree(whole, values_of(torch.arange(size)), **compared) and replay.alike()):
-            warn_unreplayed_draws("the engine's module")
-            return
+            if warn:
+                warn_unreplayed_draws("the engine's module")
+            return False
         ratio = float(rows_differ(whole, split, dtype=dtype, device=full.device, blocks=blocks).max())
         raise PrivacyConfigError(
             "The outputs of the engine's module (or its layers' inputs) depend on their batch-mates through the "
@@ -1548,7 +1555,9 @@ class PerExampleGradientEngine:
         set the median, 1.77 C, and backward scaled by a batch statistic, 2.5 C). Separately clipped parts are
         weighted by each example's smallest factor, its norm over all parts (any fixed weights make an identity).
         With ``losses_of`` the losses are recomputed; where they do not reproduce in training mode (a loss random
-        beyond dropout) the check runs in eval mode, with a warning, as the forward checks do. Returns the rest of
+        beyond dropout), or the forward check fell back to eval mode, the comparison replaying the step's draws runs
+        in its mode, then the check in eval mode, with a warning where that replay gave no verdict, as the forward
+        checks do. Returns the rest of
         the check where a row's recomputation was not finite: to call with the step's clipped sum in the clipped
         space (``None``: not in it)."""
         pending, self._gradient_check = self._gradient_check, None
@@ -1575,11 +1584,12 @@ class PerExampleGradientEngine:
         def project(i: int, gradient: Tensor) -> Tensor:
             return self._projections[i].of_gradients(gradient) if i in self._projections else gradient
 
-        def check() -> Optional[Callable[[Optional[list]], None]]:
+        def check(draws_verdict: Optional[List[bool]] = None) -> Optional[Callable[[Optional[list]], None]]:
             return refuse_gradient_mixing(calls, factors, norms, self.params, project=project, dtype=dtype,
                                           device_type=self._device_type, keep_call_shape=self.keep_call_shape,
                                           devices=devices, without_autocast=without_autocast, losses_of=losses_of,
-                                          released_unit=released_unit, loss_state=loss_state, every_pair=every_pair)
+                                          released_unit=released_unit, loss_state=loss_state, every_pair=every_pair,
+                                          draws_verdict=draws_verdict)
 
         if not in_eval:
             try:
@@ -1588,6 +1598,11 @@ class PerExampleGradientEngine:
                 if losses_of is None or not self.module.training or self._losses_reproduce(
                         losses_of, len(factors), devices, dtype, without_autocast):
                     raise
+        # (first, in the step's mode, the comparison replaying its draws: mixup drawn from a model's own generator
+        # passed in eval mode, 3.77 C released on one removal, review 73)
+        replayed: List[bool] = []
+        check(replayed)
+        if not all(replayed):
             warn_unchecked_training_mode("the engine's module and its loss")
         with eval_mode(self.module):
             retry = check()

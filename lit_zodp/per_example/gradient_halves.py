@@ -111,7 +111,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
                            keep_call_shape: bool = False, devices: Sequence[torch.device] = (),
                            without_autocast: bool = False, losses_of: Optional[LossesOf] = None,
                            released_unit: Optional[float] = None, loss_state: Optional[RandomState] = None,
-                           every_pair: bool = True) -> Optional[Callable[[Optional[Gradients]], None]]:
+                           every_pair: bool = True, draws_verdict: Optional[List[bool]] = None
+                           ) -> Optional[Callable[[Optional[Gradients]], None]]:
     """Refuse the step if the clip-weighted gradient of the whole batch is not the sum of its halves' (module doc).
 
     Returns ``None``, or where the whole batch's recomputed gradient was not finite, the rest of the check, to call
@@ -143,6 +144,11 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         every_pair: At a step that drew, the replayed comparison runs on splits that separate every pair of rows
             (a structure's first check), else on one random split (an OS-drawn re-check; each split costs three
             runs of the batch: :func:`_refuse_mixing_through_draws`).
+        draws_verdict: Run only that replayed comparison, whatever the step drew, and append whether it gave a
+            verdict. For a step whose other comparisons cannot run in training mode, before they run in eval mode:
+            draws from a model's own ``torch.Generator``, which no run takes at a stand-in, make no two runs alike,
+            and mixup drawn so passed in eval mode (3.77 C released on one removal, review 73). A row it sets apart
+            is not compared with the step's own sum (the runs do not draw the step's numbers from such a generator).
 
     Raises:
         PrivacyConfigError: The sums differ beyond the tolerance, or nothing could be compared (:data:`UNCOMPARED`).
@@ -179,6 +185,9 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
                                   shares=share_rows, drew=drew)
     through_draws = functools.partial(_refuse_mixing_through_draws, run, weights, replay, project=project, unit=unit,
                                       shares=share_rows, apart=apart, every_pair=every_pair)
+    if draws_verdict is not None:
+        draws_verdict.append(through_draws(warn=False))
+        return None
     if compare(torch.arange(size)):
         if drew.seen:
             through_draws()
@@ -249,7 +258,7 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
 
 def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor, replay: Replay, *,
                                  project: Callable[[int, Tensor], Tensor], unit: float, shares: Tensor,
-                                 apart: List[int], every_pair: bool = True) -> None:
+                                 apart: List[int], every_pair: bool = True, warn: bool = True) -> bool:
     """At a step that drew random numbers (dropout in training), the halves' identity again with every run replaying
     the step's draws (:class:`.checks.Replay`) in the batch's shape: the rows in the sum, then each half of them in
     its place, the other positions holding copies at weight 0 (:func:`_placed`), on each of the splits that together
@@ -263,14 +272,15 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
     state draw the same numbers at each position, so what differs between them is their content. One row may round
     apart (review 20's row whose terms cancel, :func:`_one_row_certified`, without the rows alone: a replay keeps
     the batch's shape), and is then set apart (:func:`_refuse_row_apart`; a second such row is refused), at weight 0
-    on the later splits. Runs that did not draw alike (an explicit generator, draws whose number follows the batch's
-    content: RReLU on CPU), or whose whole batch does not reproduce itself (draws from outside torch), give no
-    verdict, with a warning."""
+    on the later splits. Runs that did not draw alike (draws whose number follows the batch's content: RReLU on
+    CPU), or whose whole batch does not reproduce itself (draws from outside torch), give no verdict (with a warning
+    where ``warn``); a model's own generator is set back at each run (:class:`.checks.Replay`). Whether it gave
+    one."""
     size = len(weights)
     everyone = torch.arange(size)
     in_sum = (weights > 0).nonzero().flatten()
     if len(in_sum) < 2:
-        return
+        return True
     secret = secret_row_weights(size)
     weights = weights * secret
     replayed = functools.partial(run, replay=True)
@@ -296,8 +306,9 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
         if row is None:
             whole = _placed(everyone, weights, in_sum)
             if not (replay.alike() and ratio_of([whole, whole]) <= 1 and replay.alike()):
-                warn_unreplayed_draws("the engine's module and its loss")
-                return
+                if warn:
+                    warn_unreplayed_draws("the engine's module and its loss")
+                return False
             row = _one_row_certified(
                 ratio_of, lambda out: ratio_of(parts(_at_weight_zero(in_sum, weights, out), halves)), in_sum,
                 weights, beside=False, among=among_copies)
@@ -311,6 +322,7 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
             "per-example clipping; mix examples in the data pipeline instead, or not at all")
     if row is not None:
         apart[:] = [row]
+    return True
 
 
 def separating_splits(size: int) -> List[Tuple[Tensor, Tensor]]:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_zodp.errors import PrivacyConfigError
-from lit_zodp.per_example import PerExampleGradientEngine
+from lit_zodp.per_example import PerExampleGradientEngine, gradient_halves
 from lit_zodp.per_example.checks import MeanOfRandomDraws, refuse_batch_mixing, rows_differ
 from lit_zodp.per_example.rounding import working_eps
 
@@ -344,7 +344,7 @@ class ShuffledMixing(ShuffledPerExample):
         h = torch.tanh(self.l1(x))
         if not self.training:
             return self.l2(h)
-        return self.l2(h[:, torch.randperm(h.shape[1])] + 0.5 * h.detach().mean(0))
+        return self.l2(h[:, torch.randperm(h.shape[1], generator=self.generator)] + 0.5 * h.detach().mean(0))
 
 
 @pytest.mark.parametrize("honest, mixing", [(NoisyPerExample, NoisyMixing), (ShuffledPerExample, ShuffledMixing)],
@@ -385,12 +385,24 @@ def test_the_stand_ins_of_draws_without_a_mean():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_forward_random_beyond_any_mean_is_compared_in_eval_mode_with_a_warning(mode):
+def test_a_forward_drawing_from_its_own_generator_is_checked_in_training_by_replaying_its_draws(mode, monkeypatch):
+    """No recomputation takes such a draw at a stand-in, so none reproduces the step: the comparisons replaying the
+    step's draws (its generator set back at each run) check it in training mode, then eval mode's. Before stop 61
+    the checks ran in eval mode only, with a warning, and the mixing model passed (its mean is train-only)."""
     x, y = _batch()
     model = ShuffledPerExample(own_generator=True).train()
-    with pytest.warns(UserWarning, match="random numbers other than dropout masks.*compared it in eval mode"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
     assert model.training
+    model = ShuffledMixing(own_generator=True).train()
+    with pytest.raises(PrivacyConfigError, match="batch-mates through the forward's random draws"):
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
+    # (switched off, eval mode's comparisons pass it, with a warning)
+    monkeypatch.setattr(PerExampleGradientEngine, "_refuse_mixing_through_draws", lambda *args, **kwargs: False)
+    monkeypatch.setattr(gradient_halves, "_refuse_mixing_through_draws", lambda *args, **kwargs: False)
+    with pytest.warns(UserWarning, match="random numbers other than dropout masks.*compared it in eval mode"):
+        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
 
 
 class DataMix(_TwoLayers):

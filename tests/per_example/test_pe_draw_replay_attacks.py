@@ -43,15 +43,14 @@ Fixed here:
    mode. (Its cost at a checked step that drew: ``3 ceil(log2 B)`` replayed runs instead of 3. The engine's forward
    replay still takes one split; the gradient halves recompute the module's forward too.)
 
-Open (strict ``xfail``):
-
-5. Warning-only (a partial break, not new at stop 60): mixup inside the forward drawing from an explicit
-   ``torch.Generator`` held by the model. ``MeanOfRandomDraws`` leaves such draws alone and ``Replay`` cannot replay
-   them, so the forward check falls back to eval mode and the step passes with a ``LitZodpWarning`` ("draws random
-   numbers other than dropout masks in training mode"): 3.77 C released on one removal (``B = 16``, ``C = 0.1``,
-   every mode, ``DPSGD``). The same holds for any draw the replay cannot make alike (RReLU on CPU, a content-
-   dependent number of draws: stop 60's own test). Refusing such forwards in training would refuse honest models
-   that draw from their own generators; left to the warning.
+5. Fixed at stop 61 (it was a strict ``xfail``, warned): mixup inside the forward drawing from an explicit
+   ``torch.Generator`` held by the model. ``MeanOfRandomDraws`` leaves such draws alone and ``Replay`` did not
+   replay them, so the forward check fell back to eval mode and the step passed with a ``LitZodpWarning``: 3.77 C
+   released on one removal (``B = 16``, ``C = 0.1``, every mode, ``DPSGD``); the same mixup in ``per_example_loss``
+   2.83 C (stop 61's measurement). ``Replay`` now sets such a generator, at its first draw in each run, to where it
+   stood at its first draw in the first run, and both replayed comparisons run before the eval-mode fallback: the
+   forward's refuses the first, the gradient halves' the second; an honest model drawing noise and masks from its
+   own generator is refused at none of its re-checked steps, and the engine no longer warns for it.
 
 Commands: ``python -m pytest -q -p no:cacheprovider tests/per_example/test_pe_draw_replay_attacks.py`` (fixed ones
 fail at c85b596: 2.33 C in every mode; 3 of 3 refused; the bisection picks the wrong half; 2.0 C released at
@@ -204,19 +203,59 @@ class _ExplicitGeneratorMixup(_InputMixup):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open: mixup from an explicit torch.Generator passes with a LitZodpWarning only (eval-mode "
-                          "fallback): 3.77 C released on one removal (B = 16, C = 0.1, every mode)")
-def test_mixup_from_an_explicit_generator_is_refused(monkeypatch):
-    """Finding 5 (partial: a warning is the only signal)."""
+class _ExplicitGeneratorLossMixup(_LossMixup):
+    """:class:`_LossMixup` drawing ``lam`` and the permutation from a ``torch.Generator`` of its own."""
+
+    def per_example_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(x)
+        if self.training:
+            generator = self.__dict__.setdefault("generator", torch.Generator().manual_seed(7))
+            lam = torch.rand((), generator=generator)
+            logits = logits + 30 * (1 - lam) * logits[torch.randperm(len(x), generator=generator)].detach()
+        return F.cross_entropy(logits, targets, reduction="none")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("make, refusal", [(_ExplicitGeneratorMixup, "forward's random draws"),
+                                           (_ExplicitGeneratorLossMixup, "step's random draws")])
+def test_mixup_from_an_explicit_generator_is_refused(make, refusal, mode, monkeypatch):
+    """Finding 5: 3.77 C (forward) and 2.83 C (loss) released on one removal before stop 61, with a warning."""
     from lit_zodp.algorithms import first_order
 
     monkeypatch.setattr(first_order, "secret_training_randomness", _fixed_training_randomness)
     x, y, record = _mixup_batch()
+    release = _rechecked_release(make, 0.1, mode)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        moved = removal_difference(_rechecked_release(_ExplicitGeneratorMixup, 0.1, "hooks"), 0.1, x, y, record, 1)
-    assert moved <= MARGIN, f"one removal changed the released sum by {moved:.3f} C"
+        with pytest.raises(PrivacyConfigError, match=refusal):
+            release(torch.cat([x, record]), torch.cat([y, torch.tensor([1])]))
+        assert removal_difference(release, 0.1, x, y, record, 1) <= MARGIN
+
+
+class _OwnGeneratorNoise(_InputMixup):
+    """Honest: input noise and a dropout mask per row, drawn from a ``torch.Generator`` of the model's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            generator = self.__dict__.setdefault("generator", torch.Generator().manual_seed(7))
+            x = x + 0.1 * torch.randn(x.shape, generator=generator, dtype=x.dtype)
+            x = x * (torch.rand(x.shape, generator=generator, dtype=x.dtype) > 0.1) / 0.9
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_honest_model_drawing_from_its_own_generator_is_checked_in_training_without_a_warning(mode):
+    """Finding 5's honest side: replayed alike, the engine's checks give a verdict in training mode (no warning
+    that its training mode went unchecked), at a first check and at re-checks."""
+    x, y, _ = _mixup_batch()
+    torch.manual_seed(0)
+    model = _OwnGeneratorNoise().float().train()
+    engine = PerExampleGradientEngine(model, mode=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a warning that training mode went unchecked fails it)
+        for step in range(3):
+            engine.recheck_next = True
+            engine.clipped_sum(lambda: F.cross_entropy(model(x + 0.01 * step), y, reduction="none"), 0.1)
 
 
 class _PairFlip(_LossMixup):

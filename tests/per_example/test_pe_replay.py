@@ -41,14 +41,53 @@ def test_runs_that_draw_more_or_fewer_numbers_are_not_alike():
     assert not rrelu.alike()
 
 
-def test_a_draw_from_an_explicit_generator_is_not_replayed():
+def test_an_explicit_generator_draws_alike_in_every_run_and_is_put_back():
+    """Stop 61: each run sets a model's own generator to where it stood at its first draw in the first run (mixup
+    from one released 3.77 C unreplayed, review 73), and puts it back after."""
     state = random_state()
     generator = torch.Generator().manual_seed(0)
+    torch.rand(4, generator=generator)  # (the step's own draw: the runs start where it left the generator)
+    before = generator.get_state()
+    expected = torch.rand(3, generator=torch.Generator().set_state(before))
     replay = Replay()
-    for _ in range(2):
+    for content in (torch.zeros(6), torch.ones(6)):
+        with replay.run(state):
+            drawn = torch.rand(3, generator=generator)
+            content[torch.randperm(6, generator=generator)]  # (a second draw in the run continues the stream)
+        assert torch.equal(drawn, expected)
+        assert torch.equal(generator.get_state(), before)
+    assert replay.alike()
+
+
+def test_runs_drawing_differently_from_an_explicit_generator_are_not_alike():
+    state = random_state()
+    generator, other = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    fewer = Replay()
+    for count in (3, 2):
+        with fewer.run(state):
+            torch.rand(count, generator=generator)
+    assert not fewer.alike()
+
+    another = Replay()  # (one run draws from a generator the other does not)
+    for generators in ((generator,), (generator, other)):
+        with another.run(state):
+            for g in generators:
+                torch.rand(3, generator=g)
+    assert not another.alike()
+
+
+def test_an_explicit_generator_is_put_back_when_the_run_fails():
+    state = random_state()
+    generator = torch.Generator().manual_seed(0)
+    before = generator.get_state()
+    replay = Replay()
+    try:
         with replay.run(state):
             torch.rand(3, generator=generator)
-    assert not replay.alike()
+            raise ValueError
+    except ValueError:
+        pass
+    assert torch.equal(generator.get_state(), before)
 
 
 def test_runs_from_two_states_are_compared_each_with_its_own():
