@@ -651,7 +651,7 @@ class Replay:
     from one passed with a warning: 3.77 C released on one removal (review 73)."""
 
     def __init__(self) -> None:
-        self._ends: dict[int, list[tuple[RandomState, dict[int, Tensor]]]] = {}
+        self._ends: dict[int, list[tuple[RandomState, list[tuple[Tensor, Tensor]]]]] = {}
         self._explicit_starts: dict[int, tuple[torch.Generator, Tensor]] = {}
 
     @contextlib.contextmanager
@@ -668,7 +668,8 @@ class Replay:
         self._ends.setdefault(id(state), []).append((end, ends))
 
     def alike(self) -> bool:
-        """Whether the runs from each state so far ended at one generators' state, explicit ones included."""
+        """Whether the runs from each state so far ended at one generators' state, and drew from explicit generators
+        in the same order, each from and to the same states (a generator made in the forward is a new one per run)."""
         return all(_same_state(ends[0][0], end) and _same_explicit(ends[0][1], explicit)
                    for ends in self._ends.values() for end, explicit in ends)
 
@@ -678,15 +679,15 @@ def _same_state(a: RandomState, b: RandomState) -> bool:
             and all(i == j and torch.equal(x, y) for (i, x), (j, y) in zip(a.cuda, b.cuda)))
 
 
-def _same_explicit(a: dict[int, Tensor], b: dict[int, Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+def _same_explicit(a: list[tuple[Tensor, Tensor]], b: list[tuple[Tensor, Tensor]]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for pair, other in zip(a, b) for x, y in zip(pair, other))
 
 
 class _ReplayedGenerators(TorchDispatchMode):
     """Sets each explicit generator a run draws from, at its first draw in the run, to its state in ``starts``
     (``id -> (generator, state)``), taken at its first draw in the runs of one :class:`Replay` (the checks' own
-    secret generators are drawn outside the runs). :meth:`put_back` returns each one's end state and sets it back
-    to its start."""
+    secret generators are drawn outside the runs). :meth:`put_back` returns each one's start and end states, in the
+    order of their first draws, and sets it back to its start."""
 
     def __init__(self, starts: dict[int, tuple[torch.Generator, Tensor]]) -> None:
         super().__init__()
@@ -698,15 +699,14 @@ class _ReplayedGenerators(TorchDispatchMode):
             generator = _bound(func, args, kwargs).get("generator")
             if generator is not None and id(generator) not in self.drawn:
                 self.drawn[id(generator)] = generator
-                start = self.starts.setdefault(id(generator), (generator, generator.get_state()))[1]
-                generator.set_state(start)
+                generator.set_state(self.starts.setdefault(id(generator), (generator, generator.get_state()))[1])
         return func(*args, **kwargs)
 
-    def put_back(self) -> dict[int, Tensor]:
-        ends = {key: generator.get_state() for key, generator in self.drawn.items()}
+    def put_back(self) -> list[tuple[Tensor, Tensor]]:
+        drawn = [(self.starts[key][1], generator.get_state()) for key, generator in self.drawn.items()]
         for key, generator in self.drawn.items():
             generator.set_state(self.starts[key][1])
-        return ends
+        return drawn
 
 
 class StepDrew(Exception):

@@ -103,3 +103,17 @@ def test_runs_from_two_states_are_compared_each_with_its_own():
     with replay.run(second):
         torch.rand(8)
     assert not replay.alike()
+
+
+def test_a_generator_made_in_the_forward_is_compared_by_the_order_of_its_first_draw():
+    """A new generator per run (seeded in the forward) draws alike where each run seeds it alike, not where the seed
+    follows the content."""
+    state = random_state()
+    fixed, from_content = Replay(), Replay()
+    for content in (torch.zeros(3), torch.ones(3)):
+        with fixed.run(state):
+            torch.rand(3, generator=torch.Generator().manual_seed(7))
+        with from_content.run(state):
+            torch.rand(3, generator=torch.Generator().manual_seed(int(content.sum())))
+    assert fixed.alike()
+    assert not from_content.alike()
