@@ -1557,9 +1557,8 @@ class PerExampleGradientEngine:
         With ``losses_of`` the losses are recomputed; where they do not reproduce in training mode (a loss random
         beyond dropout), or the forward check fell back to eval mode, the comparison replaying the step's draws runs
         in its mode, then the check in eval mode, with a warning where that replay gave no verdict, as the forward
-        checks do. Returns the rest of
-        the check where a row's recomputation was not finite: to call with the step's clipped sum in the clipped
-        space (``None``: not in it)."""
+        checks do. Returns the rest of the check where a row's recomputation was not finite: to call with the step's
+        clipped sum in the clipped space (``None``: not in it)."""
         pending, self._gradient_check = self._gradient_check, None
         if pending is None:
             return None
