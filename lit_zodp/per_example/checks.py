@@ -856,8 +856,9 @@ def nothing_saved_for_backward():
 def warn_unreplayed_draws(what: str) -> None:
     """The runs replaying a step's draws did not draw alike (:meth:`Replay.alike`): said once per place."""
     warnings.warn(f"The forward of {what} draws random numbers in training mode that the batch-independence checks "
-                  "could not replay alike (draws whose number follows the batch's content, or draws from outside "
-                  "torch: NumPy), so mixing of examples through those draws (mixup inside the forward) went unchecked",
+                  "could not replay alike (draws whose number follows the batch's content, a torch.Generator the "
+                  "forward seeds anew, or draws from outside torch: NumPy), so mixing of examples through those draws "
+                  "(mixup inside the forward) went unchecked",
                   LitZodpWarning, stacklevel=3)
 
 
