@@ -644,11 +644,14 @@ class Replay:
     state draw the same numbers for each position, so a row that moves between them moved with its batch-mates'
     content. That holds where they drew alike (:meth:`alike`): each ended at the same generators' state (as many
     numbers drawn: not so where the draws' shapes follow the content, a forward trimming its batch to its longest
-    row), explicit generators included. A ``torch.Generator`` of the model's own is set, at its first draw in each
-    run, to where it stood at its first draw in the first run that drew from it, and put back there after
+    row), explicit generators included. A ``torch.Generator`` of the model's own is set, as each run begins, to where
+    it stood at its first draw in the first run that drew from it, and put back there after
     (:class:`_ReplayedGenerators`): the runs draw its numbers alike, though not the step's own (it has moved on since;
     the tape keeps only the default generators' states). Before stop 61 such draws were never replayed, and mixup
-    from one passed with a warning: 3.77 C released on one removal (review 73)."""
+    from one passed with a warning: 3.77 C released on one removal (review 73). Each run's state of it at its first
+    draw is compared, not set: at stop 61 it was set there, over whatever the forward had seeded it with, so a
+    forward reseeding its own generator from the batch's content (a feature mask shared by the batch) drew alike in
+    every run and passed with no warning, 2.17 C released on one removal (red-team review 74; a warning before)."""
 
     def __init__(self) -> None:
         self._ends: dict[int, list[tuple[RandomState, list[tuple[Tensor, Tensor]]]]] = {}
@@ -658,6 +661,8 @@ class Replay:
     def run(self, state: RandomState) -> Iterator[None]:
         """One replayed run: the generators at ``state`` inside (explicit ones at their replayed start), back where
         they were after."""
+        for generator, start in self._explicit_starts.values():
+            generator.set_state(start)
         explicit = _ReplayedGenerators(self._explicit_starts)
         try:
             with replayed_streams(state), explicit:
@@ -684,10 +689,12 @@ def _same_explicit(a: list[tuple[Tensor, Tensor]], b: list[tuple[Tensor, Tensor]
 
 
 class _ReplayedGenerators(TorchDispatchMode):
-    """Sets each explicit generator a run draws from, at its first draw in the run, to its state in ``starts``
-    (``id -> (generator, state)``), taken at its first draw in the runs of one :class:`Replay` (the checks' own
-    secret generators are drawn outside the runs). :meth:`put_back` returns each one's start and end states, in the
-    order of their first draws, and sets it back to its start."""
+    """Notes the state of each explicit generator a run draws from at its first draw in the run (those already in
+    ``starts``, ``id -> (generator, state)``, were set there as the run began: :meth:`Replay.run`), a new one's
+    becoming its start for the later runs of one :class:`Replay` (the checks' own secret generators are drawn outside
+    the runs). :meth:`put_back` returns each one's states at its first draw and at the end, in the order of their
+    first draws, and sets it back to its start. The state at the first draw is not set: a forward that reseeds its
+    generator (from the batch's content) must show it (red-team review 74)."""
 
     def __init__(self, starts: dict[int, tuple[torch.Generator, Tensor]]) -> None:
         super().__init__()
@@ -698,13 +705,14 @@ class _ReplayedGenerators(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded in func.tags:
             generator = _bound(func, args, kwargs).get("generator")
             if generator is not None and id(generator) not in self.drawn:
-                self.drawn[id(generator)] = generator
-                generator.set_state(self.starts.setdefault(id(generator), (generator, generator.get_state()))[1])
+                state = generator.get_state()
+                self.drawn[id(generator)] = (generator, state)
+                self.starts.setdefault(id(generator), (generator, state))
         return func(*args, **kwargs)
 
     def put_back(self) -> list[tuple[Tensor, Tensor]]:
-        drawn = [(self.starts[key][1], generator.get_state()) for key, generator in self.drawn.items()]
-        for key, generator in self.drawn.items():
+        drawn = [(first, generator.get_state()) for generator, first in self.drawn.values()]
+        for key, (generator, _) in self.drawn.items():
             generator.set_state(self.starts[key][1])
         return drawn
 
@@ -848,8 +856,9 @@ def nothing_saved_for_backward():
 def warn_unreplayed_draws(what: str) -> None:
     """The runs replaying a step's draws did not draw alike (:meth:`Replay.alike`): said once per place."""
     warnings.warn(f"The forward of {what} draws random numbers in training mode that the batch-independence checks "
-                  "could not replay alike (draws whose number follows the batch's content, or draws from outside "
-                  "torch: NumPy), so mixing of examples through those draws (mixup inside the forward) went unchecked",
+                  "could not replay alike (draws whose number follows the batch's content, a torch.Generator the "
+                  "forward seeds anew, or draws from outside torch: NumPy), so mixing of examples through those draws "
+                  "(mixup inside the forward) went unchecked",
                   LitZodpWarning, stacklevel=3)
 
 
