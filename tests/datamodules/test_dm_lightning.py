@@ -68,9 +68,12 @@ def test_a_data_module_pickled_after_a_fit_holds_no_sampling_stream(tmp_path):
         next(iter(pickle.loads(blob)._batch_sampler))
 
 
+@pytest.mark.slow  # (three fits, two of them 2-process spawns: ~50 s on 2 cores; run with -m slow)
 def test_ddp_two_processes_union_equals_single_process(tmp_path):
     """Two gloo processes: with no seed, rank 0's secret is broadcast (both ranks hold the same stream);
-    with a test seed, the union of the two ranks' batches is exactly the batch one process draws."""
+    with a test seed, the union of the two ranks' batches is exactly the batch one process draws. The default
+    suite checks both end to end (``tests/test_ddp.py``: two ranks' fits equal one process's, and with OS secrets
+    every rank samples the same batches)."""
     ddp = trainer(
         tmp_path,
         max_epochs=1,
