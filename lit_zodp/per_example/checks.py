@@ -7,7 +7,7 @@ import math
 import os
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -599,11 +599,17 @@ class MeanOfRandomDraws(TorchDispatchMode):
 
     ``replaced``: whether a draw was replaced (dropout with ``p > 0`` in training, any other draw from the default
     generators): the step drew where its recomputations do not, so its own values are no baseline for them.
+
+    ``own``: a model's own generators whose draws are taken so too, as the default generators' (those whose states
+    the step kept, :func:`own_generators`: the replays then draw as the step did). Before, a draw from one made every
+    recomputation differ, and the checks fell back to eval mode: review 20's honest record beside a dropout mask drawn
+    with ``rand(generator=g) > p`` was refused at 6 of 6 re-checked steps, none without it (red-team review 74).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, own: Sequence[torch.Generator] = ()) -> None:
         super().__init__()
         self.replaced = False
+        self.own = own
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -617,12 +623,13 @@ class MeanOfRandomDraws(TorchDispatchMode):
             return _bernoulli_mean(packet is torch.ops.aten.bernoulli_, _bound(func, args, kwargs))
         if packet in _MEANS:
             bound = _bound(func, args, kwargs)
-            if bound.get("generator") is None:
+            generator = bound.get("generator")
+            if generator is None or any(generator is g for g in self.own):
                 if packet is torch.ops.aten.rrelu_with_noise:
                     self.replaced |= bool(bound["training"])
                     return _rrelu_mean(bound) if bound["training"] else func(*args, **kwargs)
                 self.replaced = True
-                return _MEANS[packet](func(*args, **kwargs), bound)
+                return _MEANS[packet](_result_to_overwrite(func, args, kwargs, generator), bound)
         for k, argument in enumerate(func._schema.arguments):
             if argument.name == "dropout_p":
                 value = args[k] if k < len(args) else kwargs.get("dropout_p", argument.default_value)
@@ -644,33 +651,36 @@ class Replay:
     state draw the same numbers for each position, so a row that moves between them moved with its batch-mates'
     content. That holds where they drew alike (:meth:`alike`): each ended at the same generators' state (as many
     numbers drawn: not so where the draws' shapes follow the content, a forward trimming its batch to its longest
-    row), explicit generators included. A ``torch.Generator`` of the model's own is set, as each run begins, to where
-    it stood at its first draw in the first run that drew from it, and put back there after
-    (:class:`_ReplayedGenerators`): the runs draw its numbers alike, though not the step's own (it has moved on since;
-    the tape keeps only the default generators' states). Before stop 61 such draws were never replayed, and mixup
-    from one passed with a warning: 3.77 C released on one removal (review 73). Each run's state of it at its first
-    draw is compared, not set: at stop 61 it was set there, over whatever the forward had seeded it with, so a
-    forward reseeding its own generator from the batch's content (a feature mask shared by the batch) drew alike in
-    every run and passed with no warning, 2.17 C released on one removal (red-team review 74; a warning before)."""
+    row), explicit generators included.
 
-    def __init__(self) -> None:
+    A ``torch.Generator`` of the model's own is set, as each run begins, to its state in ``state.explicit`` (taken at
+    the step: the engine's tape takes the states of those in ``known``, which every replay adds the ones it sees to),
+    else to where it stood at its first draw in the first run that drew from it (the runs then draw alike, though not
+    as the step did); after each run it is put back where the replay found it (:class:`_ReplayedGenerators`). Before
+    stop 61 such draws were never replayed, and mixup from one passed with a warning: 3.77 C released on one removal
+    (review 73). Each run's state of it at its first draw is compared, not set: at stop 61 it was set there, over
+    whatever the forward had seeded it with, so a forward reseeding its own generator from the batch's content (a
+    feature mask shared by the batch) drew alike in every run and passed with no warning, 2.17 C released on one
+    removal (red-team review 74; a warning before)."""
+
+    def __init__(self, known: Optional[List[torch.Generator]] = None) -> None:
         self._ends: dict[int, list[tuple[RandomState, list[tuple[Tensor, Tensor]]]]] = {}
-        self._explicit_starts: dict[int, tuple[torch.Generator, Tensor]] = {}
+        self._explicit = _ExplicitStates(known)
 
     @contextlib.contextmanager
     def run(self, state: RandomState) -> Iterator[None]:
-        """One replayed run: the generators at ``state`` inside (explicit ones at their replayed start), back where
-        they were after."""
-        for generator, start in self._explicit_starts.values():
-            generator.set_state(start)
-        explicit = _ReplayedGenerators(self._explicit_starts)
+        """One replayed run: the generators at ``state`` inside (a model's own at the step's state or their replayed
+        start), back where they were after."""
+        self._explicit.begin(state.explicit)
+        explicit = _ReplayedGenerators(self._explicit)
         try:
             with replayed_streams(state), explicit:
                 yield
                 end = random_state(index for index, _ in state.cuda)
+                drawn = explicit.drawn_states()
         finally:
-            ends = explicit.put_back()
-        self._ends.setdefault(id(state), []).append((end, ends))
+            self._explicit.put_back()
+        self._ends.setdefault(id(state), []).append((end, drawn))
 
     def alike(self) -> bool:
         """Whether the runs from each state so far ended at one generators' state, and drew from explicit generators
@@ -688,17 +698,52 @@ def _same_explicit(a: list[tuple[Tensor, Tensor]], b: list[tuple[Tensor, Tensor]
     return len(a) == len(b) and all(torch.equal(x, y) for pair, other in zip(a, b) for x, y in zip(pair, other))
 
 
-class _ReplayedGenerators(TorchDispatchMode):
-    """Notes the state of each explicit generator a run draws from at its first draw in the run (those already in
-    ``starts``, ``id -> (generator, state)``, were set there as the run began: :meth:`Replay.run`), a new one's
-    becoming its start for the later runs of one :class:`Replay` (the checks' own secret generators are drawn outside
-    the runs). :meth:`put_back` returns each one's states at its first draw and at the end, in the order of their
-    first draws, and sets it back to its start. The state at the first draw is not set: a forward that reseeds its
-    generator (from the batch's content) must show it (red-team review 74)."""
+class _ExplicitStates:
+    """A :class:`Replay`'s explicit generators (``id ->`` the generator and a state): where each stood when the replay
+    first touched it (``found``: put back after every run), and where a run begins it where the step's state does
+    not hold it (``starts``: its state at its first draw in the first run that drew from it). Each is added to
+    ``known`` (the engine's: its tape takes their states at later steps). Held strongly: a draw shows a generator to
+    a dispatch mode as a wrapper of its own (not the model's object), the same one only while one is alive, so the
+    replay's keys by ``id`` and the tape's states hold only while these hold it."""
 
-    def __init__(self, starts: dict[int, tuple[torch.Generator, Tensor]]) -> None:
+    def __init__(self, known: Optional[List[torch.Generator]]) -> None:
+        self.found: dict[int, tuple[torch.Generator, Tensor]] = {}
+        self.starts: dict[int, tuple[torch.Generator, Tensor]] = {}
+        self.known = known
+
+    def begin(self, at_step: tuple) -> None:
+        """Each generator at its state in ``at_step`` (``(generator, state)`` pairs), the others at their starts."""
+        held = {id(generator) for generator, _ in at_step}
+        for generator, state in at_step:
+            self.found.setdefault(id(generator), (generator, generator.get_state()))
+            generator.set_state(state)
+        for key, (generator, start) in self.starts.items():
+            if key not in held:
+                generator.set_state(start)
+
+    def first_drawn(self, generator: torch.Generator, state: Tensor) -> None:
+        """A run's first draw from ``generator``, at ``state``: known once a second run draws from it (a generator
+        made in the forward is a new one in every run, and would pile up)."""
+        self.found.setdefault(id(generator), (generator, state))
+        if id(generator) in self.starts and self.known is not None and all(g is not generator for g in self.known):
+            self.known.append(generator)
+        self.starts.setdefault(id(generator), (generator, state))
+
+    def put_back(self) -> None:
+        for generator, state in self.found.values():
+            generator.set_state(state)
+
+
+class _ReplayedGenerators(TorchDispatchMode):
+    """Notes the state of each explicit generator a run draws from at its first draw in the run (set as the run began,
+    :meth:`_ExplicitStates.begin`, where the replay knew it; the checks' own secret generators are drawn outside the
+    runs). :meth:`drawn_states` gives each one's states at its first draw and now, in the order of their first draws.
+    The state at the first draw is not set: a forward that reseeds its generator (from the batch's content) must
+    show it (red-team review 74)."""
+
+    def __init__(self, states: _ExplicitStates) -> None:
         super().__init__()
-        self.starts, self.drawn = starts, {}
+        self.states, self.drawn = states, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -707,14 +752,11 @@ class _ReplayedGenerators(TorchDispatchMode):
             if generator is not None and id(generator) not in self.drawn:
                 state = generator.get_state()
                 self.drawn[id(generator)] = (generator, state)
-                self.starts.setdefault(id(generator), (generator, state))
+                self.states.first_drawn(generator, state)
         return func(*args, **kwargs)
 
-    def put_back(self) -> list[tuple[Tensor, Tensor]]:
-        drawn = [(first, generator.get_state()) for generator, first in self.drawn.values()]
-        for key, (generator, _) in self.drawn.items():
-            generator.set_state(self.starts[key][1])
-        return drawn
+    def drawn_states(self) -> list[tuple[Tensor, Tensor]]:
+        return [(first, generator.get_state()) for generator, first in self.drawn.values()]
 
 
 class StepDrew(Exception):
@@ -789,6 +831,18 @@ def _most_likely(probabilities: Tensor, count: int, replacement: bool) -> Tensor
     return probabilities.topk(count, -1).indices
 
 
+def _result_to_overwrite(func, args: tuple, kwargs: dict, generator: Optional[torch.Generator]) -> Tensor:
+    """The draw's result, to be overwritten by its mean: a model's own ``generator`` set back after (the default ones
+    are the check's secret streams), so a check leaves the model's stream where the step left it."""
+    if generator is None:
+        return func(*args, **kwargs)
+    state = generator.get_state()
+    try:
+        return func(*args, **kwargs)
+    finally:
+        generator.set_state(state)
+
+
 def _rrelu_mean(bound: dict) -> Tensor:
     """RReLU in training at the mean of its slopes: the negative part times ``(lower + upper) / 2``, written into
     ``noise`` too (its backward reads it)."""
@@ -817,17 +871,23 @@ def _bernoulli_mean(in_place: bool, bound: dict) -> Tensor:
 
 
 @contextlib.contextmanager
-def step_mode_recompute(devices: Optional[list] = None) -> Iterator[MeanOfRandomDraws]:
+def step_mode_recompute(devices: Optional[list] = None,
+                        own: Sequence[torch.Generator] = ()) -> Iterator[MeanOfRandomDraws]:
     """The context of a check's recomputation in the step's mode: Bernoulli draws at their mean, autograd on
     (a forward may differ with it; the caller detaches the outputs) but nothing kept for a backward
     (:func:`nothing_saved_for_backward`), fresh seeds, and the user's random streams restored after
-    (``devices``: the CUDA devices whose streams to keep; default all). Yields the draws' mode (whether it
-    :attr:`~MeanOfRandomDraws.replaced` one)."""
+    (``devices``: the CUDA devices whose streams to keep; default all; ``own``: a model's own generators whose draws
+    are taken at their mean too). Yields the draws' mode (whether it :attr:`~MeanOfRandomDraws.replaced` one)."""
     if devices is None:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with secret_streams(devices):  # two recomputations draw differently, so a forward random beyond dropout shows
-        with torch.enable_grad(), nothing_saved_for_backward(), MeanOfRandomDraws() as draws:
+        with torch.enable_grad(), nothing_saved_for_backward(), MeanOfRandomDraws(own) as draws:
             yield draws
+
+
+def own_generators(state: Optional[RandomState]) -> List[torch.Generator]:
+    """The model's own generators whose states the step kept (:attr:`RandomState.explicit`)."""
+    return [generator for generator, _ in state.explicit] if state is not None else []
 
 
 def _not_saved(tensor: Tensor) -> None:

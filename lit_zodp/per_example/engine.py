@@ -98,8 +98,8 @@ from lit_zodp.per_example.alignment import PROJECTIONS, CallKey, _disagreeing, _
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, Draws, ParameterWrites, RecheckProbability, Replay,
                                          StepDrew, beyond_tolerance, buffer_state, check_losses, check_mode,
                                          check_recheck_probability, check_transform, eval_mode, flat_rows,
-                                         halves_values, nothing_saved_for_backward, random_halves, refuse_batch_mixing,
-                                         refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
+                                         halves_values, nothing_saved_for_backward, own_generators, random_halves,
+                                         refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
                                          refuse_reentrant_checkpointing, rows_agree, rows_differ, step_mode_recompute,
                                          warn_unchecked_training_mode, warn_unreplayed_draws)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
@@ -643,6 +643,13 @@ class PerExampleGradientEngine:
         #: This step's calls of the module whose forward was checked, for the gradients' check once the clip factors
         #: are known (:mod:`.gradient_halves`), and whether that forward check fell back to eval mode.
         self._gradient_check: Optional[_PendingGradientCheck] = None
+        #: The model's own ``torch.Generator`` s the last check's replays saw it draw from: each step's tape takes
+        #: their states, so a later check replays their draws as the step drew them (:class:`.checks.Replay`).
+        self._own_generators: List[torch.Generator] = []
+
+    def __getstate__(self) -> dict:
+        """Without :attr:`_own_generators` (the original's: a copy finds its own)."""
+        return {key: value for key, value in self.__dict__.items() if key != "_own_generators"}
 
     def __setstate__(self, state: dict) -> None:
         """A copy (a callback's ``deepcopy`` of the module: an EMA or teacher model) or unpickled engine keys its maps by
@@ -655,6 +662,7 @@ class PerExampleGradientEngine:
         self._module_names = {id(m): name for name, m in self.module.named_modules()}
         self._checked, self._misaligned, self._uncovered_of = set(), {}, {}
         self._gradient_check = None
+        self._own_generators = []
 
     def _find_owners(self) -> List[List[Tuple[nn.Module, str]]]:
         """For each parameter, the ``(module, local name)`` pairs holding it directly."""
@@ -820,7 +828,8 @@ class PerExampleGradientEngine:
     # ------------------------------------------------------------------------- one batch
 
     def _tape(self) -> Tape:
-        return Tape(self.module, self._layers, self._recomputed, expand_shared=self._expand_shared)
+        return Tape(self.module, self._layers, self._recomputed, expand_shared=self._expand_shared,
+                    generators=self._own_generators)
 
     def _unexpanded_on_failure(self, run: Callable[[], Any]) -> Any:
         """``run()``; if its forward failed after a shared ``[1, T]`` embedding call was expanded to the batch, again
@@ -861,7 +870,7 @@ class PerExampleGradientEngine:
         buffers, parameters = buffer_state(self.module, modules), ParameterWrites(self.module, modules)
         versions = parameters.versions()
         # (the losses path's checks replay what `losses_of` draws before the module from here: review 72)
-        tape.loss_state = random_state(_cuda_indices(self.params))
+        tape.loss_state = random_state(_cuda_indices(self.params), self._own_generators)
         with uses, forward_autocast(self._device_type):
             losses = _forward(loss_fn, tape)
         refuse_buffer_writes(self.module, buffers)
@@ -938,6 +947,7 @@ class PerExampleGradientEngine:
             self._drop_outputs(tape)
             return known
         self._ran_checks = True
+        self._own_generators.clear()  # (this check's replays find them again: a forward's own are new ones each time)
         roots = [c for c in tape.module_calls if c.module is self.module]  # (before the outputs are dropped)
         self._gradient_check = _PendingGradientCheck(roots, self._refuse_forward_mixing(tape, len(losses)),
                                                      tape.loss_state, every_pair=known is None)
@@ -1092,7 +1102,7 @@ class PerExampleGradientEngine:
         does not reproduce itself, give no verdict (with a warning where ``warn``). Whether it gave one."""
         if call.random_state is None:
             return False
-        replay = Replay()
+        replay = Replay(self._own_generators)
         values_of = self._rows_of(call, leaves, size, full.device, rule_inputs, project, replay=replay)
         split = halves_values(values_of, random_halves(size), full, in_place=True)
         compared = dict(dtype=dtype, blocks=blocks)
@@ -1134,7 +1144,7 @@ class PerExampleGradientEngine:
             inputs = [x[padded.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
             args, kwargs = tree_unflatten(inputs, call.spec)
             recompute = (_replayed_forward(replay, call.random_state) if replay is not None
-                         else step_mode_recompute(devices))
+                         else step_mode_recompute(devices, own_generators(call.random_state)))
             with recompute as draws, forward_autocast(self._device_type), _inputs_seen(rule_inputs) as seen:
                 flat = tree_flatten(call.module(*args, **kwargs))[0]
             if drew is not None:
@@ -1588,14 +1598,14 @@ class PerExampleGradientEngine:
                                           device_type=self._device_type, keep_call_shape=self.keep_call_shape,
                                           devices=devices, without_autocast=without_autocast, losses_of=losses_of,
                                           released_unit=released_unit, loss_state=loss_state, every_pair=every_pair,
-                                          draws_verdict=draws_verdict)
+                                          draws_verdict=draws_verdict, known_generators=self._own_generators)
 
         if not in_eval:
             try:
                 return check()
             except PrivacyConfigError:
                 if losses_of is None or not self.module.training or self._losses_reproduce(
-                        losses_of, len(factors), devices, dtype, without_autocast):
+                        losses_of, len(factors), devices, dtype, without_autocast, loss_state):
                     raise
         # (first, in the step's mode, the comparison replaying its draws: mixup drawn from a model's own generator
         # passed in eval mode, 3.77 C released on one removal, review 73)
@@ -1625,13 +1635,14 @@ class PerExampleGradientEngine:
         return None if any(u is None for u in undone) else undone
 
     def _losses_reproduce(self, losses_of: LossesOf, size: int, devices: List[torch.device], dtype: torch.dtype,
-                          without_autocast: bool) -> bool:
+                          without_autocast: bool, loss_state: Optional[RandomState]) -> bool:
         """Whether the batch's losses recomputed twice as the gradient halves compute them agree: in the step's mode
         (:func:`.checks.step_mode_recompute`, as the module's loss halves probe theirs: autograd on, every draw with a
-        mean at it, fresh secret streams); a loss random beyond that differs between any two runs."""
+        mean at it, the model's own generators' too where ``loss_state`` holds them, fresh secret streams); a loss
+        random beyond that differs between any two runs."""
         rows = torch.arange(size)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(self._device_type)
-        with step_mode_recompute(devices), autocast:
+        with step_mode_recompute(devices, own_generators(loss_state)), autocast:
             first, second = losses_of(rows).detach(), losses_of(rows).detach()
         return rows_agree(first.double()[:, None], second.double()[:, None], dtype=dtype)
 

@@ -67,7 +67,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example.checks import (Draws, MeanOfRandomDraws, Replay, beyond_one_row, beyond_tolerance,
-                                         in_place_index, random_halves, rows_differ, secret_row, warn_unreplayed_draws)
+                                         in_place_index, own_generators, random_halves, rows_differ, secret_row,
+                                         warn_unreplayed_draws)
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
@@ -111,7 +112,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
                            keep_call_shape: bool = False, devices: Sequence[torch.device] = (),
                            without_autocast: bool = False, losses_of: Optional[LossesOf] = None,
                            released_unit: Optional[float] = None, loss_state: Optional[RandomState] = None,
-                           every_pair: bool = True, draws_verdict: Optional[List[bool]] = None
+                           every_pair: bool = True, draws_verdict: Optional[List[bool]] = None,
+                           known_generators: Optional[List[torch.Generator]] = None
                            ) -> Optional[Callable[[Optional[Gradients]], None]]:
     """Refuse the step if the clip-weighted gradient of the whole batch is not the sum of its halves' (module doc).
 
@@ -151,6 +153,8 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             is not compared with the step's own sum (the runs do not draw the step's numbers from such a generator),
             so then it gives no verdict (the caller warns): a backward moving the others only beside that row, in
             training only, passed with none at stop 61 (20.4 C released on one removal, red-team review 74).
+        known_generators: The model's own generators the replay adds those it sees the runs draw from to (the
+            engine's: its tape then takes their states at each step, :class:`.checks.Replay`).
 
     Raises:
         PrivacyConfigError: The sums differ beyond the tolerance, or nothing could be compared (:data:`UNCOMPARED`).
@@ -168,7 +172,7 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
         unit = tolerance_unit(working_eps(device_type, dtype))
     seen: Optional[List[Tensor]] = None  # (the losses path: each run's losses, for the row count's rule)
     drew = Draws()  # (whether a run replaced a random draw: the step drew its own)
-    replay = Replay()  # (the runs replaying the step's draws: whether they drew alike)
+    replay = Replay(known_generators)  # (the runs replaying the step's draws: whether they drew alike)
     if losses_of is not None:
         seen = []
         run = functools.partial(_loss_weighted_gradient, losses_of, params=params, devices=devices,
@@ -688,7 +692,7 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
                   x.detach() if isinstance(x, Tensor) else x for x in call.inputs]
         args, kwargs = tree_unflatten(inputs, call.spec)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
-        with _draws_of(call.random_state if replay else None, devices, drew, replayer), torch.enable_grad(), \
+        with _draws_of(call.random_state, replay, devices, drew, replayer), torch.enable_grad(), \
                 autocast:
             flat = tree_flatten(call.module(*args, **kwargs))[0]
         for j, grad in grads.items():
@@ -714,7 +718,7 @@ def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence
     one was replaced), or (``replay``) as the step drew them from ``state`` (:func:`_draws_of`)."""
     index, weights = part
     autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
-    with _draws_of(state if replay else None, devices, drew, replayer), torch.enable_grad(), autocast:
+    with _draws_of(state, replay, devices, drew, replayer), torch.enable_grad(), autocast:
         losses = losses_of(index)
     if not (isinstance(losses, Tensor) and losses.shape == (len(index),)):
         raise PrivacyConfigError(f"Expected `losses_of` to return one loss per row asked for ({len(index)}), but it "
@@ -729,16 +733,17 @@ def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence
 
 
 @contextlib.contextmanager
-def _draws_of(state: Optional[RandomState], devices: Sequence[torch.device], drew: Optional[Draws],
+def _draws_of(state: Optional[RandomState], replay: bool, devices: Sequence[torch.device], drew: Optional[Draws],
               replayer: Replay) -> Iterator[None]:
-    """A run's random draws: replayed from the step's generators' ``state`` (its masks again, in the step's shape;
-    ``replayer`` notes whether its runs drew alike), or, without one, each at its mean under fresh secret streams
-    (:class:`.checks.MeanOfRandomDraws`; ``drew`` notes whether one was replaced)."""
-    if state is not None:
+    """A run's random draws: (``replay``) replayed from the step's generators' ``state`` (its masks again, in the
+    step's shape; ``replayer`` notes whether its runs drew alike), or each at its mean under fresh secret streams
+    (:class:`.checks.MeanOfRandomDraws`, with the model's own generators whose states ``state`` holds; ``drew``
+    notes whether one was replaced)."""
+    if replay and state is not None:
         with replayer.run(state):
             yield
         return
-    with secret_streams(devices), MeanOfRandomDraws() as draws:
+    with secret_streams(devices), MeanOfRandomDraws(own_generators(state)) as draws:
         yield
     if drew is not None:
         drew.note(draws)

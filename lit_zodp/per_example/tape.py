@@ -129,11 +129,14 @@ class Tape:
         layers: Modules with a rule and trainable parameters.
         modules: Modules whose calls the fallback may recompute.
         expand_shared: expand shared ``[1, T]`` embedding indices to the batch (:meth:`_broadcast_embedding_hook`).
+        generators: The model's own ``torch.Generator`` s whose states each root call keeps too (the engine's: those
+            its checks saw the forward draw from).
     """
 
     def __init__(self, root: nn.Module, layers: Iterable[nn.Module], modules: Iterable[nn.Module],
-                 expand_shared: bool = True):
+                 expand_shared: bool = True, generators: Iterable[torch.Generator] = ()):
         self.root, self.layers, self.modules = root, list(layers), list(modules)
+        self.generators = generators
         self.recording = False
         self.expand_shared = expand_shared
         #: Whether a call's shared indices were expanded (the engine retries a failed forward without).
@@ -227,7 +230,7 @@ class Tape:
             leaves, spec = tree_flatten((args, kwargs))
             # (in eval mode too: a root whose ``training`` flag is off can still draw, ``randperm`` for a mixup, and
             # without a state the checks took every draw at its stand-in only: 2.90 C released, red-team review 73)
-            state = random_state(_cuda_indices(leaves))
+            state = random_state(_cuda_indices(leaves), self.generators)
             self._root_begun.append((state, (leaves, spec)))
 
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:

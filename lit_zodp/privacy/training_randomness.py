@@ -133,18 +133,22 @@ def secret_streams(cuda_devices: Iterable[Union[int, torch.device]] = ()) -> Ite
 class RandomState(NamedTuple):
     """torch's CPU generator state and the initialised CUDA devices' (``(index, state)``), taken at a private forward
     (:func:`random_state`): the checks replay a step's own dropout masks with it (:func:`replayed_streams`). Held in
-    memory for the step only (the engine's tape), never saved: inside a private step it is a secret state."""
+    memory for the step only (the engine's tape), never saved: inside a private step it is a secret state.
+    ``explicit``: ``(generator, state)`` of a model's own ``torch.Generator`` s that the checks have seen its
+    forward draw from (:class:`~lit_zodp.per_example.checks.Replay` sets them there)."""
 
     cpu: torch.Tensor
     cuda: tuple
+    explicit: tuple = ()
 
 
-def random_state(cuda_devices: Iterable[int] = ()) -> RandomState:
+def random_state(cuda_devices: Iterable[int] = (), generators: Iterable[torch.Generator] = ()) -> RandomState:
     """The generators' states now: the CPU's, and those of ``cuda_devices`` (indices) and of the current CUDA device
-    where CUDA is initialised (no other device's: reading one would create its context)."""
+    where CUDA is initialised (no other device's: reading one would create its context), and ``generators``'."""
     devices = set(cuda_devices) | ({torch.cuda.current_device()} if torch.cuda.is_initialized() else set())
     cuda = tuple((i, torch.cuda.default_generators[i].get_state()) for i in sorted(devices))
-    return RandomState(torch.random.default_generator.get_state(), cuda)
+    explicit = tuple((generator, generator.get_state()) for generator in list(generators))
+    return RandomState(torch.random.default_generator.get_state(), cuda, explicit)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,12 @@
 """``checks.Replay``: runs that replay a step's draws, and whether they drew alike (stop 60)."""
 
+import secrets
+
+import pytest
 import torch
 import torch.nn.functional as F
 
+from lit_zodp.errors import LitZodpWarning
 from lit_zodp.per_example.checks import Replay
 from lit_zodp.privacy.training_randomness import random_state
 
@@ -117,3 +121,59 @@ def test_a_generator_made_in_the_forward_is_compared_by_the_order_of_its_first_d
             torch.rand(3, generator=torch.Generator().manual_seed(int(content.sum())))
     assert fixed.alike()
     assert not from_content.alike()
+
+
+class _OwnNoise(torch.nn.Module):
+    """Input noise in training from a generator of the model's own (``fresh``: a new one made in every forward,
+    seeded by the OS, drawing one scale for the batch)."""
+
+    def __init__(self, fresh: bool = False):
+        super().__init__()
+        self.fc, self.fresh = torch.nn.Linear(4, 2), fresh
+        self.generator = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.fresh:
+            fresh = torch.Generator().manual_seed(secrets.randbits(63))
+            x = x * (1 + 0.1 * torch.rand((), generator=fresh, dtype=x.dtype))
+        elif self.training:
+            x = x + 0.1 * torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+        return self.fc(x)
+
+
+def _checked_steps(model, steps: int):
+    from lit_zodp.per_example import PerExampleGradientEngine
+
+    engine = PerExampleGradientEngine(model)
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 2
+    for _ in range(steps):
+        engine.recheck_next = True
+        engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 1.0)
+    return engine
+
+
+def test_the_engine_keeps_a_models_own_generator_and_its_checks_leave_its_stream_alone():
+    """Stop 61: found by the first check's replays, the generator's state is kept at each later step, so a re-check's
+    recomputations take its draws at their mean and its replays put it back: after a re-checked step it stands where
+    the step's own draw left it. Neither a copy nor a pickle of the engine holds it."""
+    import copy
+    import pickle
+
+    model = _OwnNoise()
+    engine = _checked_steps(model, 1)
+    assert engine._own_generators and torch.equal(engine._own_generators[0].get_state(), model.generator.get_state())
+    twin = torch.Generator().set_state(model.generator.get_state())
+    torch.randn(8, 4, generator=twin)  # (the step's own draw)
+    engine.recheck_next = True
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 2
+    engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 1.0)
+    assert torch.equal(model.generator.get_state(), twin.get_state())
+    assert "_own_generators" not in engine.__getstate__()
+    assert copy.deepcopy(engine)._own_generators == pickle.loads(pickle.dumps(engine))._own_generators == []
+
+
+def test_a_generator_made_in_every_forward_is_not_kept():
+    """Each replayed run makes a new one: none is drawn from in two runs, so none piles up in the engine (its runs
+    cannot draw alike: checked in eval mode, warned)."""
+    with pytest.warns(LitZodpWarning, match="compared it in eval mode"):
+        assert _checked_steps(_OwnNoise(fresh=True), 3)._own_generators == []
