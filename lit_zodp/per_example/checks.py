@@ -592,19 +592,19 @@ class MeanOfRandomDraws(TorchDispatchMode):
     ``(lower + upper) / 2``): before stop 57 they sent both halves checks to eval mode, where a scale active only
     in training passed (4.16 C released on one removal, red-team review 67). Since stop 58 draws without a mean take
     a fixed stand-in: ``randint``/``random_`` the middle of their range, ``randperm`` the identity, ``multinomial``
-    the most likely categories, ``cauchy_`` its median, ``poisson`` its rate. Draws with an explicit generator (a
-    model's own: the checks' secret ones are drawn outside the recomputations) are drawn from a fresh secret state
-    of it, the generator set back after (:func:`_drawn_secretly`), as the default generators' under
-    :func:`~lit_zodp.privacy.training_randomness.secret_streams`; those of a generator not in ``own`` are otherwise
-    left alone: the callers check that a recomputation reproduces, else replay the step's draws (:class:`Replay`,
-    which sets a model's own generator back at each run), then fall back to eval mode, with a warning where the
-    replay gave no verdict.
+    the most likely categories, ``cauchy_`` its median, ``poisson`` its rate. Draws with an explicit generator not in
+    ``own`` (a model's own the engine does not know, or the checks' secret ones: the module checks run inside this
+    mode, :meth:`~lit_zodp.algorithms.base.AlgorithmModule.run_independence_checks`, and taking ``random_halves``'
+    ``randperm`` at its stand-in would fix their split) are left alone: the callers check that a recomputation
+    reproduces, else replay the step's draws (:class:`Replay`, which sets a model's own generator back at each
+    run), then fall back to eval mode, with a warning where the replay gave no verdict.
 
     ``replaced``: whether a draw was replaced (dropout with ``p > 0`` in training, any other draw from the default
     generators): the step drew where its recomputations do not, so its own values are no baseline for them.
 
     ``own``: a model's own generators whose draws are taken so too, as the default generators' (those whose states
-    the step kept, :func:`own_generators`: the replays then draw as the step did). Before, a draw from one made every
+    the step kept, :func:`own_generators`: the replays then draw as the step did), each from a fresh secret state
+    of it, the generator set back after (:func:`_drawn_secretly`). Before, a draw from one made every
     recomputation differ, and the checks fell back to eval mode: review 20's honest record beside a dropout mask drawn
     with ``rand(generator=g) > p`` was refused at 6 of 6 re-checked steps, none without it (red-team review 74).
     """
@@ -618,7 +618,7 @@ class MeanOfRandomDraws(TorchDispatchMode):
         kwargs = dict(kwargs or {})
         if torch.Tag.nondeterministic_seeded in func.tags:
             generator = _bound(func, args, kwargs).get("generator")
-            if generator is not None:  # (a model's own: the checks' secret ones are drawn outside the runs)
+            if generator is not None and any(generator is g for g in self.own):
                 with _drawn_secretly(generator):
                     return self._dispatch(func, args, kwargs)
         return self._dispatch(func, args, kwargs)
@@ -850,14 +850,13 @@ def _most_likely(probabilities: Tensor, count: int, replacement: bool) -> Tensor
 
 @contextlib.contextmanager
 def _drawn_secretly(generator: torch.Generator) -> Iterator[None]:
-    """A recomputation's draw from a model's own ``generator``: from a fresh secret state, the generator set back
-    after, as :func:`~lit_zodp.privacy.training_randomness.secret_streams` does for torch's default generators. Its
-    stream is where the step left it, and the draw is one no model predicts. Before, draws the checks do not replace
-    (``binomial``, ``_standard_gamma``; any, from a generator the engine did not know yet: a structure's first check)
-    moved the model's stream by every recomputation's draws (2277 numbers at a first check of review 20's net with a
-    mask ``rand(generator=g) > 0.1``); and those whose stand-in keeps the draw (``random_()`` unbounded) were drawn
-    alike from the set-back stream in every recomputation, at other positions in a half than in the whole batch, so an
-    honest model drawing random bits so was refused at every re-check (red-team review 75)."""
+    """A recomputation's draw from a model's own ``generator`` (one the engine knows): from a fresh secret state, the
+    generator set back after, as :func:`~lit_zodp.privacy.training_randomness.secret_streams` does for torch's
+    default generators. Its stream is where the step left it, and the draw is one no model predicts. Before (set back
+    only around the draws given a mean), draws the checks do not replace (``binomial``, ``_standard_gamma``) moved
+    the model's stream at a re-check; and those whose stand-in keeps the draw (``random_()`` unbounded) were drawn
+    alike from the set-back stream in every recomputation, at other positions in a half than in the whole batch, so
+    an honest model drawing random bits so was refused at every re-check (red-team review 75)."""
     state = generator.get_state()
     try:
         if generator.device.type == "cpu":
