@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lit_zodp.errors import LitZodpWarning, raise_if_any
 from lit_zodp.per_example.rounding import model_convolutions, working_eps
 from lit_zodp.privacy.training_randomness import (RandomState, random_state, replayed_streams, secret_cpu_generator,
-                                                  secret_streams)
+                                                  secret_cpu_state, secret_cuda_state, secret_streams)
 
 #: Default ``recheck_probability`` (the engine's and every module's): one step in 100 re-runs the
 #: batch-independence check (one forward in two halves, two with ``keep_call_shape``; a model with dropout
@@ -592,16 +592,19 @@ class MeanOfRandomDraws(TorchDispatchMode):
     ``(lower + upper) / 2``): before stop 57 they sent both halves checks to eval mode, where a scale active only
     in training passed (4.16 C released on one removal, red-team review 67). Since stop 58 draws without a mean take
     a fixed stand-in: ``randint``/``random_`` the middle of their range, ``randperm`` the identity, ``multinomial``
-    the most likely categories, ``cauchy_`` its median, ``poisson`` its rate. Draws with an explicit generator (the
-    checks' own secret ones, a model's own) are left alone: the callers check that a recomputation reproduces, else
-    replay the step's draws (:class:`Replay`, which sets a model's own generator back at each run), then fall back
-    to eval mode, with a warning where the replay gave no verdict.
+    the most likely categories, ``cauchy_`` its median, ``poisson`` its rate. Draws with an explicit generator not in
+    ``own`` (a model's own the engine does not know, or the checks' secret ones: the module checks run inside this
+    mode, :meth:`~lit_zodp.algorithms.base.AlgorithmModule.run_independence_checks`, and taking ``random_halves``'
+    ``randperm`` at its stand-in would fix their split) are left alone: the callers check that a recomputation
+    reproduces, else replay the step's draws (:class:`Replay`, which sets a model's own generator back at each
+    run), then fall back to eval mode, with a warning where the replay gave no verdict.
 
     ``replaced``: whether a draw was replaced (dropout with ``p > 0`` in training, any other draw from the default
     generators): the step drew where its recomputations do not, so its own values are no baseline for them.
 
     ``own``: a model's own generators whose draws are taken so too, as the default generators' (those whose states
-    the step kept, :func:`own_generators`: the replays then draw as the step did). Before, a draw from one made every
+    the step kept, :func:`own_generators`: the replays then draw as the step did), each from a fresh secret state
+    of it, the generator set back after (:func:`_drawn_secretly`). Before, a draw from one made every
     recomputation differ, and the checks fell back to eval mode: review 20's honest record beside a dropout mask drawn
     with ``rand(generator=g) > p`` was refused at 6 of 6 re-checked steps, none without it (red-team review 74).
     """
@@ -613,6 +616,14 @@ class MeanOfRandomDraws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            generator = _bound(func, args, kwargs).get("generator")
+            if generator is not None and any(generator is g for g in self.own):
+                with _drawn_secretly(generator):
+                    return self._dispatch(func, args, kwargs)
+        return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func, args: tuple, kwargs: dict):
         packet = func.overloadpacket
         if packet is torch.ops.aten.native_dropout:
             bound = _bound(func, args, kwargs)
@@ -629,7 +640,7 @@ class MeanOfRandomDraws(TorchDispatchMode):
                     self.replaced |= bool(bound["training"])
                     return _rrelu_mean(bound) if bound["training"] else func(*args, **kwargs)
                 self.replaced = True
-                return _MEANS[packet](_result_to_overwrite(func, args, kwargs, generator), bound)
+                return _MEANS[packet](func(*args, **kwargs), bound)
         for k, argument in enumerate(func._schema.arguments):
             if argument.name == "dropout_p":
                 value = args[k] if k < len(args) else kwargs.get("dropout_p", argument.default_value)
@@ -698,6 +709,10 @@ def _same_explicit(a: list[tuple[Tensor, Tensor]], b: list[tuple[Tensor, Tensor]
     return len(a) == len(b) and all(torch.equal(x, y) for pair, other in zip(a, b) for x, y in zip(pair, other))
 
 
+#: How many of a model's own generators the engine keeps the states of at each step (the most recently seen).
+KEPT_GENERATORS = 8
+
+
 class _ExplicitStates:
     """A :class:`Replay`'s explicit generators (``id ->`` the generator and a state): where each stood when the replay
     first touched it (``found``: put back after every run), and where a run begins it where the step's state does
@@ -723,10 +738,12 @@ class _ExplicitStates:
 
     def first_drawn(self, generator: torch.Generator, state: Tensor) -> None:
         """A run's first draw from ``generator``, at ``state``: known once a second run draws from it (a generator
-        made in the forward is a new one in every run, and would pile up)."""
+        made in the forward is a new one in every run, and would pile up), the most recently seen last; the first of
+        more than :data:`KEPT_GENERATORS` dropped (a model making a new one at every step)."""
         self.found.setdefault(id(generator), (generator, state))
-        if id(generator) in self.starts and self.known is not None and all(g is not generator for g in self.known):
-            self.known.append(generator)
+        if id(generator) in self.starts and self.known is not None and (
+                not self.known or self.known[-1] is not generator):
+            self.known[:] = [g for g in self.known if g is not generator][-(KEPT_GENERATORS - 1):] + [generator]
         self.starts.setdefault(id(generator), (generator, state))
 
     def put_back(self) -> None:
@@ -831,14 +848,24 @@ def _most_likely(probabilities: Tensor, count: int, replacement: bool) -> Tensor
     return probabilities.topk(count, -1).indices
 
 
-def _result_to_overwrite(func, args: tuple, kwargs: dict, generator: Optional[torch.Generator]) -> Tensor:
-    """The draw's result, to be overwritten by its mean: a model's own ``generator`` set back after (the default ones
-    are the check's secret streams), so a check leaves the model's stream where the step left it."""
-    if generator is None:
-        return func(*args, **kwargs)
+@contextlib.contextmanager
+def _drawn_secretly(generator: torch.Generator) -> Iterator[None]:
+    """A recomputation's draw from a model's own ``generator`` (one the engine knows): from a fresh secret state, the
+    generator set back after, as :func:`~lit_zodp.privacy.training_randomness.secret_streams` does for torch's
+    default generators. Its stream is where the step left it, and the draw is one no model predicts. Before (set back
+    only around the draws given a mean), draws the checks do not replace (``binomial``, ``_standard_gamma``) moved
+    the model's stream at a re-check; and those whose stand-in keeps the draw (``random_()`` unbounded) were drawn
+    alike from the set-back stream in every recomputation, at other positions in a half than in the whole batch, so
+    an honest model drawing random bits so was refused at every re-check (red-team review 75)."""
     state = generator.get_state()
     try:
-        return func(*args, **kwargs)
+        if generator.device.type == "cpu":
+            generator.set_state(secret_cpu_state())
+        elif generator.device.type == "cuda":
+            generator.set_state(secret_cuda_state())
+        else:
+            generator.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        yield
     finally:
         generator.set_state(state)
 

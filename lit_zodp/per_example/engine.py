@@ -643,8 +643,12 @@ class PerExampleGradientEngine:
         #: This step's calls of the module whose forward was checked, for the gradients' check once the clip factors
         #: are known (:mod:`.gradient_halves`), and whether that forward check fell back to eval mode.
         self._gradient_check: Optional[_PendingGradientCheck] = None
-        #: The model's own ``torch.Generator`` s the last check's replays saw it draw from: each step's tape takes
-        #: their states, so a later check replays their draws as the step drew them (:class:`.checks.Replay`).
+        #: The model's own ``torch.Generator`` s the checks' replays saw it draw from (the last
+        #: :data:`.checks.KEPT_GENERATORS` seen): each step's tape takes their states, so a later check replays their
+        #: draws as the step drew them (:class:`.checks.Replay`). Kept from check to check: cleared at each, a
+        #: generator the model draws from at some steps only (two it alternates, or one beside default dropout at
+        #: others) was unknown at a re-check after one without it, and review 20's honest record was refused there,
+        #: none without it (red-team review 75).
         self._own_generators: List[torch.Generator] = []
 
     def __getstate__(self) -> dict:
@@ -947,7 +951,6 @@ class PerExampleGradientEngine:
             self._drop_outputs(tape)
             return known
         self._ran_checks = True
-        self._own_generators.clear()  # (this check's replays find them again: a forward's own are new ones each time)
         roots = [c for c in tape.module_calls if c.module is self.module]  # (before the outputs are dropped)
         self._gradient_check = _PendingGradientCheck(roots, self._refuse_forward_mixing(tape, len(losses)),
                                                      tape.loss_state, every_pair=known is None)
