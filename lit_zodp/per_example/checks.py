@@ -616,7 +616,7 @@ class MeanOfRandomDraws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if self.own and torch.Tag.nondeterministic_seeded in func.tags:  # (no binding of every draw without them)
             generator = _bound(func, args, kwargs).get("generator")
             if generator is not None and any(generator is g for g in self.own):
                 with _drawn_secretly(generator):

@@ -1082,8 +1082,9 @@ class PerExampleGradientEngine:
         except PrivacyConfigError:
             if rows_agree(again, values_of(torch.arange(size)), dtype=dtype, blocks=blocks):
                 raise  # the recomputation reproduces: mixing
-        # (draws from the model's own generator: no run takes them at a stand-in, and mixup drawn so passed in eval
-        # mode, 3.77 C released on one removal, review 73; the replay sets such a generator back at each run)
+        # (draws from a model's own generator the engine does not know yet: no run takes them at a stand-in, and
+        # mixup drawn so passed in eval mode, 3.77 C released on one removal, review 73; the replay sets such a
+        # generator back at each run)
         if not self._refuse_mixing_through_draws(call, sorted(outputs), size, full, rule_inputs, project, dtype,
                                                  blocks, warn=False):
             warn_unchecked_training_mode("the engine's module")
