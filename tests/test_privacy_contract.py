@@ -411,14 +411,28 @@ def test_a_collate_that_fails_or_skips_an_empty_poisson_batch_is_refused_before_
         assert module.privacy.ledger.total_count == 0
 
 
+#: Whose weights show only a discrete choice made from the noisy releases: PAZO-S's the winning candidate, the same
+#: in two runs with chance about 1/81 at k = 3 over 4 steps (CI met it once), so its released losses are compared.
+WEIGHTS_SHOW_A_CHOICE = {"PAZOS"}
+
+
 @pytest.mark.parametrize("name", PRIVATE_CASES)
-def test_the_noise_cannot_be_reproduced_from_the_run_seed(name):
-    """Same run seed, same data, same (test) sampling seed: only the secret noise differs."""
+def test_the_noise_cannot_be_reproduced_from_the_run_seed(name, monkeypatch):
+    """Same run seed, same data, same (test) sampling seed: only the secret noise differs (in the weights, or in
+    the scalar releases for :data:`WEIGHTS_SHOW_A_CHOICE`)."""
+    released, release = [], PrivacyComponent.release
+    monkeypatch.setattr(PrivacyComponent, "release",
+                        lambda self, *args, **kwargs: released.append(release(self, *args, **kwargs)) or released[-1])
+
     def run(**overrides):
+        released.clear()
         pl.seed_everything(0)
         module = build(name, **overrides)
         fit(module, poisson_loader(blobs(), 0.25, seed=5), 4)
-        return flat(module)
+        if class_name(name) not in WEIGHTS_SHOW_A_CHOICE:
+            return flat(module)
+        assert released, "a module in WEIGHTS_SHOW_A_CHOICE releases through PrivacyComponent.release"
+        return torch.cat([value.detach().flatten().double() for value in released])
 
     assert not torch.equal(run(), run())
     assert torch.equal(run(noise_multiplier=0.0), run(noise_multiplier=0.0))  # control: no noise, no difference
