@@ -117,6 +117,19 @@ def flat(module):
     return torch.cat([p.detach().flatten().double() for p in module.backbone.parameters()]).clone()
 
 
+def recorded_releases(monkeypatch) -> list:
+    """The values every :meth:`PrivacyComponent.release` returns from now on, in order (clear it between runs)."""
+    released, release = [], PrivacyComponent.release
+    monkeypatch.setattr(PrivacyComponent, "release",
+                        lambda self, *args, **kwargs: released.append(release(self, *args, **kwargs)) or released[-1])
+    return released
+
+
+def releases_of(released: list) -> torch.Tensor:
+    assert released, "a module in AUDITED_ELSEWHERE releases through PrivacyComponent.release"
+    return torch.cat([value.detach().double().reshape(-1) for value in released])
+
+
 class Trace(Callback):
     def __init__(self):
         self.before, self.after, self.sizes = [], [], []
@@ -411,28 +424,19 @@ def test_a_collate_that_fails_or_skips_an_empty_poisson_batch_is_refused_before_
         assert module.privacy.ledger.total_count == 0
 
 
-#: Whose weights show only a discrete choice made from the noisy releases: PAZO-S's the winning candidate, the same
-#: in two runs with chance about 1/81 at k = 3 over 4 steps (CI met it once), so its released losses are compared.
-WEIGHTS_SHOW_A_CHOICE = {"PAZOS"}
-
-
 @pytest.mark.parametrize("name", PRIVATE_CASES)
 def test_the_noise_cannot_be_reproduced_from_the_run_seed(name, monkeypatch):
-    """Same run seed, same data, same (test) sampling seed: only the secret noise differs (in the weights, or in
-    the scalar releases for :data:`WEIGHTS_SHOW_A_CHOICE`)."""
-    released, release = [], PrivacyComponent.release
-    monkeypatch.setattr(PrivacyComponent, "release",
-                        lambda self, *args, **kwargs: released.append(release(self, *args, **kwargs)) or released[-1])
+    """Same run seed, same data, same (test) sampling seed: only the secret noise differs. Where the weights show
+    less than the releases (:data:`AUDITED_ELSEWHERE`: PAZO-S's show which candidate won, the same in two runs with
+    chance about 1/81 at k = 3 over 4 steps; CI met it once), the releases themselves are compared."""
+    released = recorded_releases(monkeypatch)
 
     def run(**overrides):
         released.clear()
         pl.seed_everything(0)
         module = build(name, **overrides)
         fit(module, poisson_loader(blobs(), 0.25, seed=5), 4)
-        if class_name(name) not in WEIGHTS_SHOW_A_CHOICE:
-            return flat(module)
-        assert released, "a module in WEIGHTS_SHOW_A_CHOICE releases through PrivacyComponent.release"
-        return torch.cat([value.detach().flatten().double() for value in released])
+        return flat(module) if class_name(name) not in AUDITED_ELSEWHERE else releases_of(released)
 
     assert not torch.equal(run(), run())
     assert torch.equal(run(noise_multiplier=0.0), run(noise_multiplier=0.0))  # control: no noise, no difference
@@ -1174,20 +1178,12 @@ def test_checkpoints_hold_no_secret_and_two_continuations_draw_fresh_noise(name,
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert _secrets_in(saved) == []
     assert set(saved["privacy"]) == {"ledger", "plan"}
-    released, original = [], PrivacyComponent.release
-
-    def recorded(self, *args, **kwargs):
-        released[-1].append(original(self, *args, **kwargs))
-        return released[-1][-1]
-
-    monkeypatch.setattr(PrivacyComponent, "release", recorded)
-    continuations = []
+    released, continuations = recorded_releases(monkeypatch), []
     for _ in range(2):
         module = build(name)
-        released.append([])
+        released.clear()
         quiet_trainer(max_steps=5).fit(module, poisson_loader(blobs(), 0.25, seed=9), ckpt_path=tmp_path / "last.ckpt")
-        continuations.append(flat(module) if class_name(name) not in AUDITED_ELSEWHERE else torch.cat(
-            [value.detach().double().reshape(-1) for value in released[-1]]))
+        continuations.append(flat(module) if class_name(name) not in AUDITED_ELSEWHERE else releases_of(released))
     assert not torch.equal(*continuations)
 
 
