@@ -65,7 +65,7 @@ from torch import Tensor
 
 from lit_zodp.per_example.rounding import working_eps
 from lit_zodp.per_example.tape import Tape
-from lit_zodp.privacy.training_randomness import secret_cpu_generator
+from lit_zodp.privacy.training_randomness import checks_own_draws, secret_cpu_generator
 
 #: ``("layer" | "module", position in the tape's calls of that kind)``
 CallKey = Tuple[str, int]
@@ -73,8 +73,9 @@ CallKey = Tuple[str, int]
 
 def _random_weights(losses: Tensor, generator: torch.Generator) -> Tensor:
     """``w_i = +-(1 + U[0, 1))``: distinct, bounded away from 0 (no division blows up the tolerance)."""
-    magnitude = 1.0 + torch.rand(len(losses), generator=generator, dtype=torch.float64)
-    sign = torch.randint(0, 2, (len(losses),), generator=generator).to(torch.float64) * 2 - 1
+    with checks_own_draws():
+        magnitude = 1.0 + torch.rand(len(losses), generator=generator, dtype=torch.float64)
+        sign = torch.randint(0, 2, (len(losses),), generator=generator).to(torch.float64) * 2 - 1
     return (sign * magnitude).to(device=losses.device, dtype=losses.dtype)
 
 
@@ -132,8 +133,9 @@ class _RowSummaries:
             wide = torch.promote_types(grad.dtype, torch.float32)
             generator = torch.Generator(device=grad.device)
             generator.manual_seed((self.seed + 1_000_003 * positions + 7919 * features) % 2**63)
-            u = torch.randn(positions, PROJECTIONS, generator=generator, device=grad.device, dtype=wide)
-            v = torch.randn(features, PROJECTIONS, generator=generator, device=grad.device, dtype=wide)
+            with checks_own_draws():
+                u = torch.randn(positions, PROJECTIONS, generator=generator, device=grad.device, dtype=wide)
+                v = torch.randn(features, PROJECTIONS, generator=generator, device=grad.device, dtype=wide)
             eps = working_eps(grad.device.type, grad.dtype) ** 0.5
             self._drawn[found] = (u, v.to(_projection_dtype(grad.dtype)), eps)
         return self._drawn[found]
@@ -161,7 +163,8 @@ def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey]) 
     zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
     generator = secret_cpu_generator()
     weights = _random_weights(losses, generator)
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    with checks_own_draws():
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
     unit, weighted = _RowSummaries(keys, seed), _RowSummaries(keys, seed, norms=False)
     _backward_observed(torch.where(ok, losses, zero).sum(), tape, unit, edges)
     _backward_observed(torch.where(ok, weights * losses, zero).sum(), tape, weighted, edges)
@@ -190,7 +193,8 @@ def _rows_rechecked(failing: Tensor, whole: List, unit: dict, losses: Tensor, ok
         return rescued
     for r in rows:
         weights = _random_weights(losses, generator)
-        weights[r] = RECHECK_WEIGHT * (1 - 2 * int(torch.randint(0, 2, (1,), generator=generator)))
+        with checks_own_draws():
+            weights[r] = RECHECK_WEIGHT * (1 - 2 * int(torch.randint(0, 2, (1,), generator=generator)))
         _, seen, agree = _row_agreement(unit, again(weights), {entry[0] for entry in whole}, weights, ok, exact=True)
         if seen == whole and agree is not None:
             rescued[:, r] = failing[:, r] & agree[:, r]

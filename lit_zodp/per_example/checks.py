@@ -16,8 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_zodp.errors import LitZodpWarning, raise_if_any
 from lit_zodp.per_example.rounding import model_convolutions, working_eps
-from lit_zodp.privacy.training_randomness import (RandomState, random_state, replayed_streams, secret_cpu_generator,
-                                                  secret_cpu_state, secret_cuda_state, secret_streams)
+from lit_zodp.privacy.training_randomness import (RandomState, checks_own_draws, random_state, replayed_streams,
+                                                  secret_cpu_generator, secret_cpu_state, secret_cuda_state,
+                                                  secret_streams)
 
 #: Default ``recheck_probability`` (the engine's and every module's): one step in 100 re-runs the
 #: batch-independence check (one forward in two halves, two with ``keep_call_shape``; a model with dropout
@@ -396,15 +397,16 @@ def check_losses(losses: Any) -> None:
 def random_halves(size: int) -> tuple[Tensor, Tensor]:
     """Two random halves of ``range(size)``, from a generator seeded by the OS: the split neither depends
     on nor advances the user's seeded streams, and a model cannot predict it."""
-    generator = secret_cpu_generator()
-    order = torch.randperm(size, generator=generator)
+    with checks_own_draws():
+        order = torch.randperm(size, generator=secret_cpu_generator())
     return order[: size // 2], order[size // 2:]
 
 
 def secret_row(size: int) -> Tensor:
     """One position of ``range(size)`` (a 1-element index) from a generator seeded by the OS: a model cannot
     predict which."""
-    return torch.randint(size, (1,), generator=secret_cpu_generator())
+    with checks_own_draws():
+        return torch.randint(size, (1,), generator=secret_cpu_generator())
 
 
 def one_removed(size: int) -> Tensor:
@@ -592,35 +594,35 @@ class MeanOfRandomDraws(TorchDispatchMode):
     ``(lower + upper) / 2``): before stop 57 they sent both halves checks to eval mode, where a scale active only
     in training passed (4.16 C released on one removal, red-team review 67). Since stop 58 draws without a mean take
     a fixed stand-in: ``randint``/``random_`` the middle of their range, ``randperm`` the identity, ``multinomial``
-    the most likely categories, ``cauchy_`` its median, ``poisson`` its rate. Draws with an explicit generator not in
-    ``own`` (a model's own the engine does not know, or the checks' secret ones: the module checks run inside this
-    mode, :meth:`~lit_zodp.algorithms.base.AlgorithmModule.run_independence_checks`, and taking ``random_halves``'
-    ``randperm`` at its stand-in would fix their split) are left alone: the callers check that a recomputation
-    reproduces, else replay the step's draws (:class:`Replay`, which sets a model's own generator back at each
-    run), then fall back to eval mode, with a warning where the replay gave no verdict.
+    the most likely categories, ``cauchy_`` its median, ``poisson`` its rate. The draws a recomputation still makes
+    (``binomial``, ``_standard_gamma``) are made from fresh secret states: two recomputations differ there, and the
+    callers replay the step's draws (:class:`Replay`), then fall back to eval mode, with a warning where the replay
+    gave no verdict.
 
-    ``replaced``: whether a draw was replaced (dropout with ``p > 0`` in training, any other draw from the default
-    generators): the step drew where its recomputations do not, so its own values are no baseline for them.
+    A draw from an explicit generator (a model's own) is taken so too, from a fresh secret state of it, the
+    generator set back after (:func:`_drawn_secretly`): its stream stays where the step left it. Before stop 61 such
+    draws made every recomputation differ, and the checks fell back to eval mode: review 20's honest record beside a
+    dropout mask drawn with ``rand(generator=g) > p`` was refused at 6 of 6 re-checked steps, none without it
+    (red-team review 74). Until stop 62 only the generators whose states the engine's step kept were (the checks'
+    own secret ones were drawn inside this mode, and a split at its stand-in would be fixed): a structure's first
+    check drew from a model's own generator, moving its stream, and an honest model's input noise from one in its
+    loss was refused (red-team review 75). The checks draw outside every dispatch mode now
+    (:func:`~lit_zodp.privacy.training_randomness.checks_own_draws`).
 
-    ``own``: a model's own generators whose draws are taken so too, as the default generators' (those whose states
-    the step kept, :func:`own_generators`: the replays then draw as the step did), each from a fresh secret state
-    of it, the generator set back after (:func:`_drawn_secretly`). Before, a draw from one made every
-    recomputation differ, and the checks fell back to eval mode: review 20's honest record beside a dropout mask drawn
-    with ``rand(generator=g) > p`` was refused at 6 of 6 re-checked steps, none without it (red-team review 74).
+    ``replaced``: whether a draw was replaced (dropout with ``p > 0`` in training, any other draw): the step drew
+    where its recomputations do not, so its own values are no baseline for them.
     """
 
-    def __init__(self, own: Sequence[torch.Generator] = ()) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.replaced = False
-        self.own = own
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if self.own and torch.Tag.nondeterministic_seeded in func.tags:  # (no binding of every draw without them)
-            generator = _bound(func, args, kwargs).get("generator")
-            if generator is not None and any(generator is g for g in self.own):
-                with _drawn_secretly(generator):
-                    return self._dispatch(func, args, kwargs)
+        generator = _generator_of(args, kwargs)
+        if generator is not None:
+            with _drawn_secretly(generator):
+                return self._dispatch(func, args, kwargs)
         return self._dispatch(func, args, kwargs)
 
     def _dispatch(self, func, args: tuple, kwargs: dict):
@@ -634,13 +636,11 @@ class MeanOfRandomDraws(TorchDispatchMode):
             return _bernoulli_mean(packet is torch.ops.aten.bernoulli_, _bound(func, args, kwargs))
         if packet in _MEANS:
             bound = _bound(func, args, kwargs)
-            generator = bound.get("generator")
-            if generator is None or any(generator is g for g in self.own):
-                if packet is torch.ops.aten.rrelu_with_noise:
-                    self.replaced |= bool(bound["training"])
-                    return _rrelu_mean(bound) if bound["training"] else func(*args, **kwargs)
-                self.replaced = True
-                return _MEANS[packet](func(*args, **kwargs), bound)
+            if packet is torch.ops.aten.rrelu_with_noise:
+                self.replaced |= bool(bound["training"])
+                return _rrelu_mean(bound) if bound["training"] else func(*args, **kwargs)
+            self.replaced = True
+            return _MEANS[packet](func(*args, **kwargs), bound)
         for k, argument in enumerate(func._schema.arguments):
             if argument.name == "dropout_p":
                 value = args[k] if k < len(args) else kwargs.get("dropout_p", argument.default_value)
@@ -850,7 +850,7 @@ def _most_likely(probabilities: Tensor, count: int, replacement: bool) -> Tensor
 
 @contextlib.contextmanager
 def _drawn_secretly(generator: torch.Generator) -> Iterator[None]:
-    """A recomputation's draw from a model's own ``generator`` (one the engine knows): from a fresh secret state, the
+    """A recomputation's draw from a model's own ``generator``: from a fresh secret state, the
     generator set back after, as :func:`~lit_zodp.privacy.training_randomness.secret_streams` does for torch's
     default generators. Its stream is where the step left it, and the draw is one no model predicts. Before (set back
     only around the draws given a mean), draws the checks do not replace (``binomial``, ``_standard_gamma``) moved
@@ -879,6 +879,15 @@ def _rrelu_mean(bound: dict) -> Tensor:
     return x * noise
 
 
+def _generator_of(args: tuple, kwargs: dict) -> Optional[torch.Generator]:
+    """An op's explicit generator, if it has one (keyword-only in most schemas, positional in ``binomial``'s,
+    ``_standard_gamma``'s, ``poisson``'s and ``rrelu_with_noise``'s)."""
+    generator = kwargs.get("generator")
+    if generator is None:
+        generator = next((a for a in args if isinstance(a, torch.Generator)), None)
+    return generator
+
+
 def _bound(func, args: tuple, kwargs: dict) -> dict:
     """The op's arguments by name, with the schema's defaults (the dispatcher drops arguments at their default)."""
     return {a.name: args[k] if k < len(args) else kwargs.get(a.name, a.default_value)
@@ -898,23 +907,17 @@ def _bernoulli_mean(in_place: bool, bound: dict) -> Tensor:
 
 
 @contextlib.contextmanager
-def step_mode_recompute(devices: Optional[list] = None,
-                        own: Sequence[torch.Generator] = ()) -> Iterator[MeanOfRandomDraws]:
+def step_mode_recompute(devices: Optional[list] = None) -> Iterator[MeanOfRandomDraws]:
     """The context of a check's recomputation in the step's mode: Bernoulli draws at their mean, autograd on
     (a forward may differ with it; the caller detaches the outputs) but nothing kept for a backward
     (:func:`nothing_saved_for_backward`), fresh seeds, and the user's random streams restored after
-    (``devices``: the CUDA devices whose streams to keep; default all; ``own``: a model's own generators whose draws
-    are taken at their mean too). Yields the draws' mode (whether it :attr:`~MeanOfRandomDraws.replaced` one)."""
+    (``devices``: the CUDA devices whose streams to keep; default all; a model's own generators are set back too).
+    Yields the draws' mode (whether it :attr:`~MeanOfRandomDraws.replaced` one)."""
     if devices is None:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with secret_streams(devices):  # two recomputations draw differently, so a forward random beyond dropout shows
-        with torch.enable_grad(), nothing_saved_for_backward(), MeanOfRandomDraws(own) as draws:
+        with torch.enable_grad(), nothing_saved_for_backward(), MeanOfRandomDraws() as draws:
             yield draws
-
-
-def own_generators(state: Optional[RandomState]) -> List[torch.Generator]:
-    """The model's own generators whose states the step kept (:attr:`RandomState.explicit`)."""
-    return [generator for generator, _ in state.explicit] if state is not None else []
 
 
 def _not_saved(tensor: Tensor) -> None:

@@ -98,7 +98,7 @@ from lit_zodp.per_example.alignment import PROJECTIONS, CallKey, _disagreeing, _
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, Draws, ParameterWrites, RecheckProbability, Replay,
                                          StepDrew, beyond_tolerance, buffer_state, check_losses, check_mode,
                                          check_recheck_probability, check_transform, eval_mode, flat_rows,
-                                         halves_values, nothing_saved_for_backward, own_generators, random_halves,
+                                         halves_values, nothing_saved_for_backward, random_halves,
                                          refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
                                          refuse_reentrant_checkpointing, rows_agree, rows_differ, step_mode_recompute,
                                          warn_unchecked_training_mode, warn_unreplayed_draws)
@@ -115,7 +115,7 @@ from lit_zodp.per_example.tape import LayerCall, ModuleCall, Tape, _cuda_indices
 from lit_zodp.per_example.transforms import GradientTransform, Projection, as_transform
 from lit_zodp.per_example.uses import ParameterUses
 from lit_zodp.privacy.clipping import check_clip, clip_factors
-from lit_zodp.privacy.training_randomness import RandomState, random_state, secret_cpu_generator
+from lit_zodp.privacy.training_randomness import RandomState, checks_own_draws, random_state, secret_cpu_generator
 
 Transform = Union[GradientTransform, Callable[[str, Tensor, Tensor], Tensor]]
 
@@ -367,7 +367,8 @@ class _SecretProjections:
         flat = flat_rows(rows).to(self.device, torch.float64)
         width = flat.shape[1]
         if width not in self.drawn:
-            draw = torch.randn(width, PROJECTIONS, generator=self.generator, dtype=torch.float64)
+            with checks_own_draws():
+                draw = torch.randn(width, PROJECTIONS, generator=self.generator, dtype=torch.float64)
             self.drawn[width] = draw.to(self.device)
         return flat @ self.drawn[width]
 
@@ -1148,7 +1149,7 @@ class PerExampleGradientEngine:
             inputs = [x[padded.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
             args, kwargs = tree_unflatten(inputs, call.spec)
             recompute = (_replayed_forward(replay, call.random_state) if replay is not None
-                         else step_mode_recompute(devices, own_generators(call.random_state)))
+                         else step_mode_recompute(devices))
             with recompute as draws, forward_autocast(self._device_type), _inputs_seen(rule_inputs) as seen:
                 flat = tree_flatten(call.module(*args, **kwargs))[0]
             if drew is not None:
@@ -1646,7 +1647,7 @@ class PerExampleGradientEngine:
         random beyond that differs between any two runs."""
         rows = torch.arange(size)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(self._device_type)
-        with step_mode_recompute(devices, own_generators(loss_state)), autocast:
+        with step_mode_recompute(devices), autocast:
             first, second = losses_of(rows).detach(), losses_of(rows).detach()
         return rows_agree(first.double()[:, None], second.double()[:, None], dtype=dtype)
 

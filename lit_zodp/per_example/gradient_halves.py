@@ -67,12 +67,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example.checks import (Draws, MeanOfRandomDraws, Replay, beyond_one_row, beyond_tolerance,
-                                         in_place_index, own_generators, random_halves, rows_differ, secret_row,
+                                         in_place_index, random_halves, rows_differ, secret_row,
                                          warn_unreplayed_draws)
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
-from lit_zodp.privacy.training_randomness import RandomState, secret_cpu_generator, secret_streams
+from lit_zodp.privacy.training_randomness import RandomState, checks_own_draws, secret_cpu_generator, secret_streams
 
 Gradients = List[Optional[Tensor]]
 
@@ -341,7 +341,8 @@ def separating_splits(size: int) -> List[Tuple[Tensor, Tensor]]:
     bit, so the two lie in different halves of at least one split. One random split separates a given pair only
     half the time: a loss negating the logits of the row that ``randperm`` pairs with the record released 2.0 C on
     one removal at 4 of 8 re-checked steps (red-team review 73)."""
-    rank = torch.randperm(size, generator=secret_cpu_generator())
+    with checks_own_draws():
+        rank = torch.randperm(size, generator=secret_cpu_generator())
     splits = []
     for bit in range(max(1, (size - 1).bit_length())):
         ones = (rank >> bit) & 1 == 1
@@ -426,7 +427,8 @@ def _at_weight_zero(rows: Tensor, weights: Tensor, out: Tensor) -> Tensor:
 def secret_row_weights(size: int) -> Tensor:
     """``size`` weights in ``[1, 2)`` (float64) from a generator seeded by the OS: a model cannot predict them, so
     terms that cancel between rows under equal weights (the clip factors') do not cancel under these."""
-    return 1.0 + torch.rand(size, generator=secret_cpu_generator(), dtype=torch.float64)
+    with checks_own_draws():
+        return 1.0 + torch.rand(size, generator=secret_cpu_generator(), dtype=torch.float64)
 
 
 def _refuse_row_count(ratio_of: Callable[[List[Part]], float], rows: Tensor, weights: Tensor) -> Optional[int]:
@@ -738,13 +740,12 @@ def _draws_of(state: Optional[RandomState], replay: bool, devices: Sequence[torc
               replayer: Replay) -> Iterator[None]:
     """A run's random draws: (``replay``) replayed from the step's generators' ``state`` (its masks again, in the
     step's shape; ``replayer`` notes whether its runs drew alike), or each at its mean under fresh secret streams
-    (:class:`.checks.MeanOfRandomDraws`, with the model's own generators whose states ``state`` holds; ``drew``
-    notes whether one was replaced)."""
+    (:class:`.checks.MeanOfRandomDraws`, a model's own generators' too; ``drew`` notes whether one was replaced)."""
     if replay and state is not None:
         with replayer.run(state):
             yield
         return
-    with secret_streams(devices), MeanOfRandomDraws(own_generators(state)) as draws:
+    with secret_streams(devices), MeanOfRandomDraws() as draws:
         yield
     if drew is not None:
         drew.note(draws)

@@ -28,6 +28,7 @@ from typing import Iterable, Iterator, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lit_zodp.errors import PrivacyConfigError
 
@@ -78,6 +79,18 @@ def secret_cpu_generator() -> torch.Generator:
     generator = torch.Generator()
     generator.set_state(secret_cpu_state())
     return generator
+
+
+@contextlib.contextmanager
+def checks_own_draws() -> Iterator[None]:
+    """The independence checks' own draws (their splits, rows, weights and projections), made where no dispatch mode
+    sees them: a check's recomputation takes every draw it sees at its mean, a model's own generators' too
+    (:class:`~lit_zodp.per_example.checks.MeanOfRandomDraws`), and a split taken at its stand-in would be fixed. The
+    checks ran inside that mode (the module checks, and the backward hooks of a recomputation), so until stop 62 it
+    left every generator it did not know alone, a model's own among them: their draws moved the model's stream and
+    sent an honest check to eval mode (red-team review 75, findings 5 and 6)."""
+    with _disable_current_modes():
+        yield
 
 
 def secret_cuda_state() -> torch.Tensor:
@@ -189,6 +202,6 @@ def keyed_training_randomness(device: torch.device, seed: int) -> Iterator[None]
             generator.set_state(state)
 
 
-__all__ = ["CUDA_SECRET_BITS", "GeneratorLayoutError", "MT_WORDS", "keyed_training_randomness", "secret_cpu_generator",
-           "secret_cpu_state", "secret_cuda_state", "secret_streams", "secret_training_randomness", "RandomState",
-           "random_state", "replayed_streams"]
+__all__ = ["CUDA_SECRET_BITS", "GeneratorLayoutError", "MT_WORDS", "checks_own_draws", "keyed_training_randomness",
+           "secret_cpu_generator", "secret_cpu_state", "secret_cuda_state", "secret_streams", "secret_training_randomness",
+           "RandomState", "random_state", "replayed_streams"]

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_zodp.errors import PrivacyConfigError
-from lit_zodp.per_example import PerExampleGradientEngine, gradient_halves
+from lit_zodp.per_example import PerExampleGradientEngine
 from lit_zodp.per_example.checks import MeanOfRandomDraws, refuse_batch_mixing, rows_differ
 from lit_zodp.per_example.rounding import working_eps
+from lit_zodp.privacy.training_randomness import checks_own_draws
 
 MODES = ["hooks", "ghost", "bookkeeping"]
 B = 6
@@ -326,7 +327,7 @@ class NoisyMixing(NoisyPerExample):
 
 class ShuffledPerExample(_TwoLayers):
     """Per-example, but permutes its hidden units at random in training (a draw without a mean: ``randperm``; from
-    its own generator, ``own_generator``, which the checks leave alone)."""
+    its own generator, ``own_generator``)."""
 
     def __init__(self, own_generator: bool = False):
         super().__init__()
@@ -367,7 +368,8 @@ def test_a_random_forward_is_checked_in_training_mode(mode, honest, mixing):
 
 def test_the_stand_ins_of_draws_without_a_mean():
     """Each op's stand-in, called as a model would (default generators): reproducible, in range, of the draw's shape
-    and dtype; an explicit generator's draw is left as drawn."""
+    and dtype; an explicit generator's draw too, the generator left where it stood (until stop 62 it was drawn from,
+    unless the engine knew it); the checks' own draws (:func:`checks_own_draws`) are not seen."""
     probabilities = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]])
     with MeanOfRandomDraws():
         assert torch.equal(torch.randint(2, 9, (3,)), torch.full((3,), 5))
@@ -379,29 +381,33 @@ def test_the_stand_ins_of_draws_without_a_mean():
         assert torch.equal(torch.multinomial(probabilities, 3, replacement=True), torch.tensor([[1] * 3, [0] * 3]))
         assert torch.equal(torch.empty(2).cauchy_(1.5, 2.0), torch.full((2,), 1.5))
         assert torch.equal(torch.poisson(torch.tensor([2.0, 7.0])), torch.tensor([2.0, 7.0]))
-        drawn = torch.randperm(50, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(drawn, torch.randperm(50, generator=torch.Generator().manual_seed(1)))
-    assert not torch.equal(drawn, torch.arange(50))
+        generator = torch.Generator().manual_seed(1)
+        own = torch.randperm(50, generator=generator)
+        with checks_own_draws():
+            checks = torch.randperm(50, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(own, torch.arange(50))
+    assert torch.equal(generator.get_state(), torch.Generator().manual_seed(1).get_state())
+    assert torch.equal(checks, torch.randperm(50, generator=torch.Generator().manual_seed(1)))
+    assert not torch.equal(checks, torch.arange(50))
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_forward_drawing_from_its_own_generator_is_checked_in_training_by_replaying_its_draws(mode, monkeypatch):
-    """No recomputation takes such a draw at a stand-in, so none reproduces the step: the comparisons replaying the
-    step's draws (its generator set back at each run) check it in training mode, then eval mode's. Before stop 61
-    the checks ran in eval mode only, with a warning, and the mixing model passed (its mean is train-only)."""
+def test_a_forward_drawing_from_its_own_generator_is_checked_in_training_at_the_stand_ins(mode):
+    """Its recomputations take such a draw at its stand-in, as the default generators' (the generator left where the
+    step left it), so the checks compare in training mode at a structure's first batch, with no warning. Before
+    stop 61 they ran in eval mode only, with a warning, and the mixing model passed (its mean is train-only); at
+    stops 61-62 the replays of the step's draws refused it (the engine knew no generator at a first batch)."""
     x, y = _batch()
     model = ShuffledPerExample(own_generator=True).train()
+    twin = torch.Generator().set_state(model.generator.get_state())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
     assert model.training
+    torch.randperm(8, generator=twin)  # (the step's own draw: the checks drew none from the model's stream)
+    assert torch.equal(model.generator.get_state(), twin.get_state())
     model = ShuffledMixing(own_generator=True).train()
-    with pytest.raises(PrivacyConfigError, match="batch-mates through the forward's random draws"):
-        PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
-    # (switched off, eval mode's comparisons pass it, with a warning)
-    monkeypatch.setattr(PerExampleGradientEngine, "_refuse_mixing_through_draws", lambda *args, **kwargs: False)
-    monkeypatch.setattr(gradient_halves, "_refuse_mixing_through_draws", lambda *args, **kwargs: False)
-    with pytest.warns(UserWarning, match="random numbers other than dropout masks.*compared it in eval mode"):
+    with pytest.raises(PrivacyConfigError, match="batch-mates"):
         PerExampleGradientEngine(model, mode=mode).clipped_sum(_losses(model, x, y), 0.1)
 
 

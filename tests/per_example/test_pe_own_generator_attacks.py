@@ -39,6 +39,9 @@ Left (strict ``xfail``):
    needs the step to know the generator: the tape taking states of generators found on the module (their wrappers
    seen by a dispatch mode are other objects; see ``checks._ExplicitStates``), left to the lead.
 
+Fixed at stop 62, by the lead (the checks' own draws made outside every dispatch mode, ``checks_own_draws``, so that
+every draw a recomputation sees, from any generator, is taken at its mean or stand-in from a fresh secret state):
+
 5. The model's stream moved by a structure's first check (the engine knows no generator yet): its recomputations
    draw from it, 2277 numbers past the step's own at review 20's net with a mask ``rand(generator=g) > 0.1`` (every
    draw kind: ``randn``, ``normal_``, ``cauchy_``, ``random_``, ``binomial``, ``_standard_gamma``; f3dc744 and here).
@@ -48,6 +51,7 @@ Left (strict ``xfail``):
    6), but the module checks run inside that mode (``AlgorithmModule.run_independence_checks``) and draw their
    secret splits there (``random_halves``' ``randperm``: at its stand-in the split is fixed; the alignment's seeded
    projection pairs would change): it needs the checks' own generators told apart first, left to the lead.
+   Fixed at stop 62; review 74's gated backward beside own noise is refused since (its strict ``xfail`` removed).
 6. Honest, refused with or without any record (not a membership signal): input noise drawn in the loss from the
    model's own generator, whatever the training flag (as ``_noisy_inputs`` draws from the default one), with
    ``losses_of``: refused at a structure's first batch (the eval-mode fallback draws it too), f3dc744 and here.
@@ -171,21 +175,18 @@ def test_a_recheck_leaves_an_own_generators_stream_where_the_step_left_it(draw):
     _stream_left_alone(draw, "re-check")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open (f3dc744 and here): a structure's first check draws from a generator the engine does "
-                          "not know yet, moving the model's stream (2277 numbers at review 20's net)")
-@pytest.mark.parametrize("draw", ["randn", "binomial"])
+@pytest.mark.parametrize("draw", sorted(_DRAWS))
 def test_a_first_check_leaves_an_own_generators_stream_where_the_step_left_it(draw):
-    """Finding 5."""
+    """Finding 5: open at f3dc744 and until stop 62 (the checks drew from a generator the engine did not know yet,
+    moving the model's stream: 2277 numbers at review 20's net); every generator's draws are made from a fresh
+    secret state of it now, the checks' own outside the mode (``checks_own_draws``)."""
     _stream_left_alone(draw, "first")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open (f3dc744 and here): an honest model's input noise from its own generator in the loss, "
-                          "with losses_of, refused at a structure's first batch")
 def test_input_noise_from_an_own_generator_in_the_loss_is_not_refused():
     """Finding 6, the honest side of review 72's noise drawn in the loss before the module (here from the model's own
-    generator, whatever its training flag), the bare engine with ``losses_of``, a structure's first batch."""
+    generator, whatever its training flag), the bare engine with ``losses_of``, a structure's first batch: refused
+    at f3dc744 and until stop 62 (the noise taken at its mean since, as the default generator's)."""
     from tests.backbones.test_nfresnet_crafted import honest
 
     model = _nfresnet_for_noise()
