@@ -36,9 +36,9 @@ projection from a generator made in the forward) pass 3 of 3 checked steps with 
 at 85bb34b). Honest ``randn`` noise from the model's own generator drawn whatever the training flag in a 16-32-2 MLP
 (``B = 32``) is refused at a structure's first check at 85bb34b (every mode) and passes here (a test below). No check
 draw site outside ``checks_own_draws`` found (every ``rand*``/``randperm``/``Generator`` use in ``per_example``,
-``algorithms/base.py``, ``first_order.py``). Cost of a re-checked step of that MLP (own-generator noise, "hooks", 1 thread, medians of 15
-re-checked and 200 unchecked steps, interleaved runs): 21.5 / 22.6 ms here against 21.7 / 24.0 ms at 85bb34b;
-unchecked 1.91 / 2.03 ms against 1.96 / 2.06 ms (noise-level).
+``algorithms/base.py``, ``first_order.py``). Cost of a re-checked step of that MLP (own-generator noise, "hooks",
+1 thread, medians of 15 re-checked and 200 unchecked steps, interleaved runs): 21.5 / 22.6 ms here against 21.7 /
+24.0 ms at 85bb34b; unchecked 1.91 / 2.03 ms against 1.96 / 2.06 ms (noise-level).
 
 Commands: ``python -m pytest -q -p no:cacheprovider tests/per_example/test_pe_checks_own_draws_attacks.py`` (at
 85bb34b the xfails of finding 1 for the "own" and "fixed" generators and of finding 2 pass, so they fail as strict
