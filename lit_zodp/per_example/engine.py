@@ -1083,9 +1083,9 @@ class PerExampleGradientEngine:
         except PrivacyConfigError:
             if rows_agree(again, values_of(torch.arange(size)), dtype=dtype, blocks=blocks):
                 raise  # the recomputation reproduces: mixing
-        # (draws from a model's own generator the engine does not know yet: no run takes them at a stand-in, and
-        # mixup drawn so passed in eval mode, 3.77 C released on one removal, review 73; the replay sets such a
-        # generator back at each run)
+        # (draws no run takes at a mean or stand-in, ``binomial``, ``_standard_gamma``, made from fresh secret states:
+        # until stop 62 also a model's own generator's the engine did not know yet, and mixup drawn so passed in eval
+        # mode, 3.77 C released on one removal, review 73; the replay sets such a generator back at each run)
         if not self._refuse_mixing_through_draws(call, sorted(outputs), size, full, rule_inputs, project, dtype,
                                                  blocks, warn=False):
             warn_unchecked_training_mode("the engine's module")
@@ -1643,8 +1643,8 @@ class PerExampleGradientEngine:
                           without_autocast: bool, loss_state: Optional[RandomState]) -> bool:
         """Whether the batch's losses recomputed twice as the gradient halves compute them agree: in the step's mode
         (:func:`.checks.step_mode_recompute`, as the module's loss halves probe theirs: autograd on, every draw with a
-        mean at it, the model's own generators' too where ``loss_state`` holds them, fresh secret streams); a loss
-        random beyond that differs between any two runs."""
+        mean at it, any explicit generator's too, fresh secret streams; ``loss_state`` is not read since stop 62); a
+        loss random beyond that (``binomial``) differs between any two runs."""
         rows = torch.arange(size)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(self._device_type)
         with step_mode_recompute(devices), autocast:

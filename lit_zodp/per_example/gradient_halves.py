@@ -148,9 +148,9 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
             runs of the batch: :func:`_refuse_mixing_through_draws`).
         draws_verdict: Run only that replayed comparison, whatever the step drew, and append whether it gave a
             verdict. For a step whose other comparisons cannot run in training mode, before they run in eval mode:
-            draws from a model's own ``torch.Generator`` the engine does not know yet (:class:`.checks.Replay`),
-            which no run takes at a stand-in, make no two runs alike, and mixup drawn so passed in eval mode (3.77 C
-            released on one removal, review 73). A row it sets apart
+            draws no run takes at a mean or stand-in (``binomial``, ``_standard_gamma``; until stop 62 a model's own
+            ``torch.Generator`` 's the engine did not know yet, :class:`.checks.Replay`) make no two runs alike, and
+            mixup drawn so passed in eval mode (3.77 C released on one removal, review 73). A row it sets apart
             is not compared with the step's own sum (the runs do not draw the step's numbers from such a generator),
             so then it gives no verdict (the caller warns): a backward moving the others only beside that row, in
             training only, passed with none at stop 61 (20.4 C released on one removal, red-team review 74).
