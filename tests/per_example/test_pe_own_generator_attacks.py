@@ -37,7 +37,13 @@ Left (strict ``xfail``):
    eval-mode fallback: 0 of 4 refused, but review 71's gated backward beside such a generator then released 20.37 C
    on one removal with only a warning (refused at f3dc744), and review 74's "no state kept" tests failed. Fixing it
    needs the step to know the generator: the tape taking states of generators found on the module (their wrappers
-   seen by a dispatch mode are other objects; see ``checks._ExplicitStates``), left to the lead.
+   seen by a dispatch mode are other objects; see ``checks._ExplicitStates``), left to the lead. Tried and withdrawn
+   by the lead at stop 62: a mode around the step's forward noting each explicit generator's state at its first draw
+   (where the engine knew a generator of the model's) passed these tests (0 of 2 refused, bare and ``losses_of``),
+   but cost every step of such a model 0.48 ms on a 2-layer and 11.0 ms (+48%) on a 40-layer 32-wide MLP as a
+   dispatch mode, 0.22 and 4.0 ms (+18%) as a function mode (B = 32, 1 thread, medians of 5 x 100 steps), and
+   entering it only at steps drawn for a re-check would show the model which steps are checked (a mode is visible to
+   it); a scan of the module's attributes at each step finds no generator made inside the forward.
 
 Fixed at stop 62, by the lead (the checks' own draws made outside every dispatch mode, ``checks_own_draws``, so that
 every draw a recomputation sees, from any generator, is taken at its mean or stand-in from a fresh secret state):
