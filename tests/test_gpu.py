@@ -269,3 +269,12 @@ def test_o2nc_alg3_steps_on_cuda_and_the_tree_redraws_each_node_on_the_device():
     for p, (a, b) in enumerate(zip(*releases), start=1):
         assert a.is_cuda and torch.equal(a, b)
         assert float(a.std()) == pytest.approx(math.sqrt(bin(p).count("1")), rel=0.02)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
+def test_a_models_own_cuda_generator_is_checked_in_training_and_its_stream_is_left_alone(mode):
+    """Stop 62: every explicit generator's draws at their mean in a recomputation, from a fresh secret CUDA state
+    (``secret_cuda_state``) on CUDA, as the CPU test ``test_pe_checks_own_draws`` checks on the CPU."""
+    from tests.per_example.test_pe_checks_own_draws import own_generator_checks
+
+    own_generator_checks(mode, "cuda")

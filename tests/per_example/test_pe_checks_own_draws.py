@@ -9,12 +9,15 @@ fail if one of them is drawn where the mode sees it.
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from lit_zodp.per_example import alignment, checks, gradient_halves
+from lit_zodp.errors import LitZodpWarning, PrivacyConfigError
+from lit_zodp.per_example import PerExampleGradientEngine, alignment, checks, gradient_halves
 from lit_zodp.per_example.checks import MeanOfRandomDraws, step_mode_recompute
 from lit_zodp.per_example.engine import _SecretProjections
 
@@ -93,3 +96,56 @@ def test_the_scan_finds_a_draw_outside_the_context(tmp_path):
     path.write_text("def a(g):\n    return torch.rand(3, generator=g)\n\n"
                     "def b(g):\n    with checks_own_draws():\n        return torch.rand(3, generator=g)\n")
     assert _calls_with_a_generator_outside_the_context(path) == ["sites.py:2"]
+
+
+class _OwnGeneratorNet(torch.nn.Module):
+    """Input noise and a dropout-like mask drawn from a generator of the model's own on its device; ``mix``: a
+    train-only mixup of its rows drawn from it too."""
+
+    def __init__(self, device: str, mix: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.mix = torch.nn.Linear(8, 16), torch.nn.Linear(16, 2), mix
+        self.generator = torch.Generator(device=device).manual_seed(7)
+
+    def forward(self, x):
+        g = self.generator
+        if self.training:
+            x = x + 0.1 * torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
+            if self.mix:
+                lam = torch.rand((), generator=g, device=x.device) * 0.5 + 0.25
+                x = lam * x + (1 - lam) * x[torch.randperm(len(x), generator=g, device=x.device)]
+        h = torch.tanh(self.fc1(x))
+        if self.training:
+            h = h * (torch.rand(h.shape, generator=g, device=h.device, dtype=h.dtype) > 0.1) / 0.9
+        return self.fc2(h)
+
+
+def own_generator_checks(mode: str, device: str) -> None:
+    """Three checked steps of an honest model drawing from its own generator: no refusal, no warning, and after each
+    the generator stands where the step's own draws left it (the checks draw from fresh secret states of it and set
+    it back: :func:`~lit_zodp.per_example.checks._drawn_secretly`, a CUDA state on CUDA); the mixing twin refused."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)).to(device)
+    y = (torch.arange(16) % 2).to(device)
+    model = _OwnGeneratorNet(device).to(device).train()
+    engine = PerExampleGradientEngine(model, mode=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LitZodpWarning)
+        for step in range(3):
+            engine.recheck_next = True
+            twin = torch.Generator(device=device)
+            twin.set_state(model.generator.get_state())
+            torch.randn(x.shape, generator=twin, device=device)  # (the step's own draws)
+            torch.rand((16, 16), generator=twin, device=device)
+            engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 1.0)
+            assert torch.equal(model.generator.get_state(), twin.get_state()), f"the checks moved the stream ({step})"
+    mixing = _OwnGeneratorNet(device, mix=True).to(device).train()
+    with pytest.raises(PrivacyConfigError, match="batch-mates"):
+        PerExampleGradientEngine(mixing, mode=mode).clipped_sum(
+            lambda: F.cross_entropy(mixing(x), y, reduction="none"), 1.0)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
+def test_a_models_own_generator_is_checked_in_training_and_its_stream_is_left_alone(mode):
+    """At 85bb34b the first check drew from the generator (the engine did not know it yet), moving its stream."""
+    own_generator_checks(mode, "cpu")
