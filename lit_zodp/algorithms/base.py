@@ -504,7 +504,9 @@ class AlgorithmModule(pl.LightningModule):
         the backbone in its own (training) mode, autograd on, every Bernoulli draw (dropout) at its mean
         (:func:`~lit_zodp.per_example.checks.step_mode_recompute`). Before audit 8 they ran in eval mode
         without grad, so a loss or forward that mixed the batch only in training passed (62 C released on
-        one removal). A forward random in other ways is checked in eval mode, with a warning. Before
+        one removal). Every other draw takes its mean or a fixed stand-in too, a model's own generator's since stop 62
+        (until then such a forward was checked in eval mode, with a warning); one drawn anew in every recomputation
+        (``binomial``, NumPy) is checked in eval mode, with a warning. Before
         2026-11-25 first-order fits checked neither a decoder classifier given ``inputs_embeds``, which
         reads its logit at a padded column (0.05-0.11 in a logit, audit 5), nor a ``per_example_loss``
         mixing the batch after the model. Until 2026-11-28 a padding check still waiting for a batch with a
