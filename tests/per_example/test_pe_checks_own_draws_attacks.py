@@ -58,6 +58,7 @@ from lit_zodp.per_example import PerExampleGradientEngine
 from tests.per_example.test_pe_draw_replay_attacks import _mixup_batch
 from tests.per_example.test_pe_dropout_replay_attacks import MARGIN, MODES, _fixed_training_randomness, _InputMixup
 from tests.per_example.test_pe_gradient_halves_attacks import removal_difference
+from tests.per_example.test_pe_own_generator_attacks import rechecked_sum
 
 
 class _SizeGated(_InputMixup):
@@ -99,11 +100,7 @@ def _engine_release(make, mode: str, losses_of: bool, recheck: bool = False):
         if recheck:
             x0, y0, _ = _mixup_batch()
             engine.clipped_sum(lambda: F.cross_entropy(model(x0), y0, reduction="none"), 0.1)
-        torch.manual_seed(5)
-        engine.recheck_next = True
-        rows_of = (lambda rows: F.cross_entropy(model(xs[rows]), ys[rows], reduction="none")) if losses_of else None
-        clipped = engine.clipped_sum(lambda: F.cross_entropy(model(xs), ys, reduction="none"), 0.1, losses_of=rows_of)
-        return torch.cat([g.flatten() for g in clipped.grads])
+        return rechecked_sum(engine, model, xs, ys, losses_of)
 
     return released
 

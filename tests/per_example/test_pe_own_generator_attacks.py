@@ -326,6 +326,15 @@ class _ArmedOwnMixup(_InputMixup):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
+def rechecked_sum(engine, model, xs, ys, losses_of: bool) -> torch.Tensor:
+    """The flat clipped sum (``C = 0.1``) of a re-checked step on ``(xs, ys)``, the default stream seeded alike."""
+    torch.manual_seed(5)
+    engine.recheck_next = True
+    rows_of = (lambda rows: F.cross_entropy(model(xs[rows]), ys[rows], reduction="none")) if losses_of else None
+    clipped = engine.clipped_sum(lambda: F.cross_entropy(model(xs), ys, reduction="none"), 0.1, losses_of=rows_of)
+    return torch.cat([g.flatten() for g in clipped.grads])
+
+
 def _armed_release(kind: str, mode: str, losses_of: bool):
     """``(xs, ys) ->`` the flat clipped sum at a re-checked step after an honest first check (bare engine)."""
     def released(xs, ys):
@@ -337,11 +346,7 @@ def _armed_release(kind: str, mode: str, losses_of: bool):
         engine.clipped_sum(lambda: F.cross_entropy(model(x0), y0, reduction="none"), 0.1)
         assert engine._own_generators
         model.__dict__["armed"] = True
-        torch.manual_seed(5)
-        engine.recheck_next = True
-        rows_of = (lambda rows: F.cross_entropy(model(xs[rows]), ys[rows], reduction="none")) if losses_of else None
-        clipped = engine.clipped_sum(lambda: F.cross_entropy(model(xs), ys, reduction="none"), 0.1, losses_of=rows_of)
-        return torch.cat([g.flatten() for g in clipped.grads])
+        return rechecked_sum(engine, model, xs, ys, losses_of)
 
     return released
 
