@@ -850,13 +850,13 @@ def _most_likely(probabilities: Tensor, count: int, replacement: bool) -> Tensor
 
 @contextlib.contextmanager
 def _drawn_secretly(generator: torch.Generator) -> Iterator[None]:
-    """A recomputation's draw from a model's own ``generator``: from a fresh secret state, the
-    generator set back after, as :func:`~lit_zodp.privacy.training_randomness.secret_streams` does for torch's
-    default generators. Its stream is where the step left it, and the draw is one no model predicts. Before (set back
-    only around the draws given a mean), draws the checks do not replace (``binomial``, ``_standard_gamma``) moved
-    the model's stream at a re-check; and those whose stand-in keeps the draw (``random_()`` unbounded) were drawn
-    alike from the set-back stream in every recomputation, at other positions in a half than in the whole batch, so
-    an honest model drawing random bits so was refused at every re-check (red-team review 75)."""
+    """A recomputation's draw from a model's own ``generator``: from a fresh secret state, the generator set back
+    after, as :func:`~lit_zodp.privacy.training_randomness.secret_streams` does for torch's default generators. Its
+    stream is where the step left it, and the draw is one no model predicts. Before (set back only around the draws
+    given a mean), draws the checks do not replace (``binomial``, ``_standard_gamma``) moved the model's stream at a
+    re-check; and those whose stand-in keeps the draw (``random_()`` unbounded) were drawn alike from the set-back
+    stream in every recomputation, at other positions in a half than in the whole batch, so an honest model drawing
+    random bits so was refused at every re-check (red-team review 75)."""
     state = generator.get_state()
     try:
         if generator.device.type == "cpu":

@@ -1610,7 +1610,7 @@ class PerExampleGradientEngine:
                 return check()
             except PrivacyConfigError:
                 if losses_of is None or not self.module.training or self._losses_reproduce(
-                        losses_of, len(factors), devices, dtype, without_autocast, loss_state):
+                        losses_of, len(factors), devices, dtype, without_autocast):
                     raise
         # (first, in the step's mode, the comparison replaying its draws: mixup drawn from a model's own generator
         # passed in eval mode, 3.77 C released on one removal, review 73)
@@ -1640,11 +1640,11 @@ class PerExampleGradientEngine:
         return None if any(u is None for u in undone) else undone
 
     def _losses_reproduce(self, losses_of: LossesOf, size: int, devices: List[torch.device], dtype: torch.dtype,
-                          without_autocast: bool, loss_state: Optional[RandomState]) -> bool:
+                          without_autocast: bool) -> bool:
         """Whether the batch's losses recomputed twice as the gradient halves compute them agree: in the step's mode
         (:func:`.checks.step_mode_recompute`, as the module's loss halves probe theirs: autograd on, every draw with a
-        mean at it, any explicit generator's too, fresh secret streams; ``loss_state`` is not read since stop 62); a
-        loss random beyond that (``binomial``) differs between any two runs."""
+        mean at it, any explicit generator's too, fresh secret streams); a loss random beyond that (``binomial``)
+        differs between any two runs."""
         rows = torch.arange(size)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(self._device_type)
         with step_mode_recompute(devices), autocast:
