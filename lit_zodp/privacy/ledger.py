@@ -12,9 +12,10 @@ PRV: at the same sigma it reports a larger epsilon.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import numpy as np
 from prv_accountant import PRVAccountant
@@ -151,8 +152,18 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _build_accountant(mechanisms: Sequence[Mechanism], capacities: Sequence[int],
+#: How many discretised PRV accountants a process keeps (the most recently built; each holds a few MB of grids).
+ACCOUNTANTS_KEPT = 4
+
+
+@functools.lru_cache(maxsize=ACCOUNTANTS_KEPT)
+def _build_accountant(mechanisms: tuple[Mechanism, ...], capacities: tuple[int, ...],
                       eps_error: float, delta_error: float) -> PRVAccountant:
+    """The discretised accountant of ``mechanisms`` up to ``capacities`` compositions, shared by every ledger of the
+    process that asks for the same ones: it is a function of these public settings alone, and answering a query
+    changes nothing in it. So the plan's check of the full run at fit start reuses the one the calibration built at
+    the calibrated sigma, and a second fit or a resume of one configuration builds none (each build computes RDP
+    bounds over a grid of orders and discretises every mechanism: 0.1-1 s). A refusal is raised, not stored."""
     try:
         return PRVAccountant(prvs=[m.to_prv() for m in mechanisms], max_self_compositions=list(capacities),
                              eps_error=eps_error, delta_error=delta_error)
