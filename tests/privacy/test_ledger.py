@@ -54,6 +54,33 @@ def test_planned_composition_answers_the_spent_epsilon_exactly_and_once():
     assert after_300.upper < planned.upper
 
 
+def test_ledgers_share_a_built_accountant_only_for_the_same_public_settings(monkeypatch):
+    """Stop 63: every ledger of a process reuses the discretised accountant built for the same mechanisms,
+    capacities and errors; any other setting builds its own, answers do not depend on what other ledgers asked
+    before, and the process keeps at most ``ACCOUNTANTS_KEPT`` of them."""
+    from lit_zodp.privacy import ledger as ledger_module
+
+    builds = []
+    monkeypatch.setattr(ledger_module, "PRVAccountant", lambda **kw: builds.append(kw) or PRVAccountant(**kw))
+    ledger_module._build_accountant.cache_clear()
+
+    def epsilon(steps, delta=1e-5, eps_error=0.05, sigma=1.1):
+        ledger = PrivacyLedger(eps_error=eps_error)
+        ledger.record(SubsampledGaussian(sigma, 0.02), steps)
+        return ledger.epsilon(delta).upper
+
+    first = epsilon(300)
+    assert len(builds) == 1 and epsilon(300) == first and epsilon(500) > first and len(builds) == 1
+    for other in (dict(sigma=1.2), dict(delta=1e-6), dict(eps_error=0.1)):
+        epsilon(300, **other)
+    epsilon(600)  # beyond the first accountant's capacity of 512
+    assert len(builds) == 5 and ledger_module._build_accountant.cache_info().currsize == ledger_module.ACCOUNTANTS_KEPT
+    direct = PRVAccountant(prvs=[PoissonSubsampledGaussianMechanism(0.02, 1.1)], max_self_compositions=[512],
+                           eps_error=0.05, delta_error=1e-8).compute_epsilon(1e-5, [300])
+    assert first == pytest.approx(direct[2], rel=1e-12)
+    assert epsilon(300) == first  # rebuilt after its eviction: the same answer
+
+
 def test_a_changed_accountant_error_recomputes():
     """A restored ledger with another ``eps_error`` must not reuse the accountant (or bounds) built for the old one."""
     mechanism = SubsampledGaussian(1.1, 0.02)
