@@ -2,7 +2,8 @@
 
 ``accountant="prv"`` (default): prv-accountant; epsilon decisions use its UPPER bound (it returns
 lower, estimate, upper). The discretised accountant is cached and rebuilt with doubled capacity when
-counts outgrow it, so asking for epsilon every step stays cheap.
+counts outgrow it, so asking for epsilon every step stays cheap; the process keeps the last few built, shared by
+every ledger asking for the same mechanisms, capacities and errors (:func:`_build_accountant`).
 
 ``accountant="rdp"``: Renyi DP of the subsampled Gaussian (Mironov et al. 2019) converted to
 (epsilon, delta) as Opacus's ``RDPAccountant`` does, with its default orders: what the papers'
