@@ -830,8 +830,8 @@ class StepSizedDraws(TorchDispatchMode):
     holding the first row's) and gives the rows ``index`` of it. Replaying the step's generators' states, such a run
     draws the step's numbers for its rows and ends where the step did (:meth:`Replay.alone_alike`); the other draws
     (scalars, parameter-shaped) are made as they are. Where a draw cannot be put at the step's shape (an op or a count
-    of draws unlike the template's, an argument that does not broadcast, an ``out=``), it is made as it is, and the
-    run does not end where the step did."""
+    of draws unlike the template's, an argument that does not broadcast, an ``out=``, an op not in
+    :data:`_PURE_DRAWS`), it is made as it is, and the run does not end where the step did unless it drew nothing."""
 
     def __init__(self, template: list[tuple[Any, Optional[tuple[int, ...]]]], index: Tensor, size: int) -> None:
         super().__init__()
@@ -848,7 +848,7 @@ class StepSizedDraws(TorchDispatchMode):
         step = self.template[k] if k < len(self.template) and self.template[k][0] == func else None
         bound = _bound(func, args, kwargs)
         dims = _sliced_dims(_draw_shape(bound), step and step[1], len(self.index), self.size)
-        if not dims or "out" in kwargs:
+        if not dims or "out" in kwargs or func.overloadpacket not in _PURE_DRAWS:
             return func(*args, **kwargs)
         return self._at_step_shape(func, args, kwargs, step[1], dims)
 
@@ -874,7 +874,7 @@ class StepSizedDraws(TorchDispatchMode):
         first = func._schema.arguments[0] if func._schema.arguments else None
         if isinstance(own, Tensor) and first.alias_info is not None and first.alias_info.is_write:
             return own.copy_(self._rows(args[0], dims))  # (``bernoulli_``: drawn into a copy at the step's shape)
-        return tree_map_only(Tensor, lambda t: self._rows(t, dims) if tuple(t.shape) == shape else t, drawn)
+        return tree_map_only(Tensor, lambda t: self._rows(t, dims) if _batched_at(t, dims, self.size) else t, drawn)
 
     def _placed(self, rows: Tensor, dims: list[int]) -> Tensor:
         for d in dims:
@@ -885,6 +885,11 @@ class StepSizedDraws(TorchDispatchMode):
         for d in dims:
             drawn = drawn.index_select(d, self.index.to(drawn.device))
         return drawn
+
+
+def _batched_at(tensor: Tensor, dims: list[int], size: int) -> bool:
+    """Whether ``tensor`` has ``size`` entries in each of ``dims`` (a draw's output at the step's shape)."""
+    return tensor.dim() > max(dims) and all(tensor.shape[d] == size for d in dims)
 
 
 def _broadcasts(tensor: Tensor, shape: tuple[int, ...]) -> bool:
@@ -959,6 +964,15 @@ _MEANS = {
     torch.ops.aten.cauchy_: lambda out, b: out.fill_(b["median"]),
     torch.ops.aten.poisson: lambda out, b: out.copy_(b["self"]),
 }
+
+
+#: The ops :class:`StepSizedDraws` puts at the step's shape: draws whose every output is drawn (or a mask and the
+#: masked input), so the rows of each are the run's. Not the attention kernels taking a ``dropout_p`` (their other
+#: outputs, a ``logsumexp`` kept for the backward, would not be the run's: an honest ViT was refused) nor RReLU
+#: (it writes its ``noise`` argument); those are drawn as they are.
+_PURE_DRAWS = frozenset([*(op for op in _MEANS if op is not torch.ops.aten.rrelu_with_noise), torch.ops.aten.bernoulli,
+                         torch.ops.aten.bernoulli_, torch.ops.aten.native_dropout, torch.ops.aten.binomial,
+                         torch.ops.aten._standard_gamma])
 
 
 def _middle_of_range(out: Tensor, low, high) -> Tensor:
@@ -1077,15 +1091,6 @@ def warn_unreplayed_draws(what: str) -> None:
                   "could not replay alike (draws whose number follows the batch's content, a torch.Generator the "
                   "forward seeds anew, or draws from outside torch: NumPy), so mixing of examples through those draws "
                   "(mixup inside the forward) went unchecked",
-                  LitZodpWarning, stacklevel=3)
-
-
-def warn_unreplayed_alone(what: str) -> None:
-    """The runs of a batch's halves alone did not draw the step's numbers (:meth:`Replay.alone_alike`): said once per
-    place."""
-    warnings.warn(f"The forward of {what} draws random numbers in training mode that the batch-independence checks "
-                  "could not replay on a smaller batch (a number of draws that follows the batch's size, a draw of "
-                  "another shape), so a dependence on the batch's size behind those draws went unchecked",
                   LitZodpWarning, stacklevel=3)
 
 

@@ -68,7 +68,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example.checks import (Draws, MeanOfRandomDraws, Replay, beyond_one_row, beyond_tolerance,
                                          in_place_index, random_halves, rows_differ, secret_row, size_through_draws,
-                                         warn_unreplayed_alone, warn_unreplayed_draws)
+                                         warn_unreplayed_draws)
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
 from lit_zodp.per_example.tape import ModuleCall
@@ -336,12 +336,12 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
     if row is not None:
         apart[:] = [row]
     if alone:
-        _refuse_size_through_draws(replayed, weights, replay, in_sum, apart, measured=measured, warn=warn)
+        _refuse_size_through_draws(replayed, weights, replay, in_sum, apart, measured=measured)
     return True
 
 
 def _refuse_size_through_draws(replayed: Callable[..., Gradients], weights: Tensor, replay: Replay, in_sum: Tensor,
-                               apart: List[int], *, measured: Callable[..., float], warn: bool = True) -> None:
+                               apart: List[int], *, measured: Callable[..., float]) -> None:
     """After the replayed comparison in the batch's shape passed: the whole batch so (the rows in the sum, those set
     ``apart`` at weight 0) against each half of a random split run ALONE, replaying the step's draws, each at the
     step's size (:class:`.checks.StepSizedDraws`); where those runs drew the step's numbers
@@ -349,7 +349,8 @@ def _refuse_size_through_draws(replayed: Callable[..., Gradients], weights: Tens
     only with every draw at its mean, and the replays keep the batch's shape, so a forward or loss reading the batch's
     size behind a gate 1 at the step and 0 at its draw's mean (``randn((), generator=g) != 0``) passed all of them:
     2.76 C released on one removal through ``DPSGD``, no warning (red-team review 76, finding 1). Where the runs alone
-    did not draw the step's numbers, no verdict on the size (a warning where ``warn``)."""
+    did not draw the step's numbers, no verdict on the size and no warning (as the engine's,
+    :meth:`~.engine.PerExampleGradientEngine._refuse_size_through_draws`)."""
     everyone = torch.arange(len(weights))
     compared = _at_weight_zero(everyone, weights, torch.tensor(apart, dtype=torch.long)) if apart else weights
     whole = _placed(everyone, compared, in_sum)
@@ -359,11 +360,7 @@ def _refuse_size_through_draws(replayed: Callable[..., Gradients], weights: Tens
         return replayed(part, alone=part is not whole)
 
     ratio = measured(run, [whole, *halves])
-    if not replay.alone_alike():
-        if warn:
-            warn_unreplayed_alone("the engine's module and its loss")
-        return
-    if not ratio <= 1:
+    if replay.alone_alike() and not ratio <= 1:
         raise size_through_draws("per-example gradients", ratio)
 
 
