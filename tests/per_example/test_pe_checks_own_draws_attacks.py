@@ -8,8 +8,8 @@ mixup batch, ``B = 16``, ``C = 0.1``; bare engine with ``recheck_next``, with an
 
 Findings:
 
-1. Refused since 690c463 (was silent, new for explicit generators): a forward whose rows follow the batch's SIZE (inputs
-   scaled and shifted by ``B - 16``) behind a gate that is 1 at the step and 0 at its draw's mean
+1. Refused since 690c463 and 790e117 (was silent, new for explicit generators): a forward whose rows follow the batch's
+   SIZE (inputs scaled and shifted by ``B - 16``) behind a gate that is 1 at the step and 0 at its draw's mean
    (``randn((), generator=g) != 0``). Every mean-draw recomputation runs without the size dependence, and the replayed
    comparisons (``engine._refuse_mixing_through_draws``, the gradient halves' replays) compared halves in the batch's
    shape only, where the size does not change; so nothing saw it. 2.76 C released on one removal, no warning, every
@@ -20,21 +20,21 @@ Findings:
    85bb34b too (pre-existing: review 74's finding 5, a forward that tells a mean-draw recomputation by its draw). Set
    aside at review 76: drawing an explicit generator's numbers from a fresh secret state without taking their mean would
    refuse it but brings back review 75's finding 6 (an honest model's own-generator noise refused) and review 74's gated
-   backward; comparing a replay at another batch size needs draws that do not follow the shape. Closed at 690c463 by
-   "row-sliced replay": after the replayed halves in the batch's shape agree, each half also runs ALONE replaying the
-   step's draws, each draw made at the step's shape and its rows kept (``checks.StepSizedDraws``,
-   ``Replay.run(state, alone=(rows, B))``; the shapes come from the first run in the batch's shape, so ``B`` may sit in
-   any dimension), and where those runs end at the step's generators' states (``Replay.alone_alike``) two rows or more
-   that move are refused (engine, ``_refuse_size_through_draws``), or the clip-weighted identity must hold (gradient
-   halves, same name; there it also refuses the shift made in ``loss_fn`` before the module, seen only by
-   ``losses_of``). Not where ``keep_call_shape`` promises one shape. Every case above is refused now, and the gate
-   beside a dropout mask, a leading ``rand((B, 8))`` mask or a transposed ``rand((8, B))`` one (each 2.76-3.31 C with
-   the runs alone off). Still open (strict ``xfail``, silent): a draw whose size follows ``B`` but is not its rows
-   (``rand(3 B)``, or dropout on rows folded to ``[B T, H]`` as OPT's): the runs alone cannot put it at the step's size,
-   end elsewhere and give no verdict, 2.76 C released with no warning; a warning there (tried) met every honest OPT step
-   with dropout. Only pure draws are put at the step's shape (``checks._PURE_DRAWS``): with the attention kernels taking
-   a ``dropout_p`` too, their ``logsumexp`` stayed at the step's rows and an honest ViT with dropout was refused
-   (``test_pe_engine``). Cost of a re-checked step (a throwaway script,
+   backward; comparing a replay at another batch size needs draws that do not follow the shape. Closed at 690c463
+   (790e117: pure draws only, no warning) by "row-sliced replay": after the replayed halves in the batch's shape agree,
+   each half also runs ALONE replaying the step's draws, each draw made at the step's shape and its rows kept
+   (``checks.StepSizedDraws``, ``Replay.run(state, alone=(rows, B))``; the shapes come from the first run in the batch's
+   shape, so ``B`` may sit in any dimension), and where those runs end at the step's generators' states
+   (``Replay.alone_alike``) two rows or more that move are refused (engine, ``_refuse_size_through_draws``), or the
+   clip-weighted identity must hold (gradient halves, same name; there it also refuses the shift made in ``loss_fn``
+   before the module, seen only by ``losses_of``). Not where ``keep_call_shape`` promises one shape. Every case above is
+   refused now, and the gate beside a dropout mask, a leading ``rand((B, 8))`` mask or a transposed ``rand((8, B))`` one
+   (each 2.76-3.31 C with the runs alone off). Still open (strict ``xfail``, silent): a draw whose size follows ``B``
+   but is not its rows (``rand(3 B)``, or dropout on rows folded to ``[B T, H]`` as OPT's): the runs alone cannot put it
+   at the step's size, end elsewhere and give no verdict, 2.76 C released with no warning; a warning there (tried) met
+   every honest OPT step with dropout. Only pure draws are put at the step's shape (``checks._PURE_DRAWS``): with the
+   attention kernels taking a ``dropout_p`` too, their ``logsumexp`` stayed at the step's rows and an honest ViT with
+   dropout was refused (``test_pe_engine``). Cost of a re-checked step (a throwaway script,
    ``OMP_NUM_THREADS=1 PYTHONPATH=<tree> python cost.py``: a 16-32-2 MLP with ``nn.Dropout(0.1)``, ``B = 32``, "hooks",
    ``recheck_next`` on every 11th of 220 steps, medians of 19 re-checked and 200 unchecked; 13447c6 and 690c463 run in
    turn, 3 times each): 14.1-14.7 ms before, 18.0-19.1 ms after (+27%); with ``losses_of`` 14.7-15.6 against 16.7-24.1
