@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
-from lit_zodp.errors import LitZodpWarning, raise_if_any
+from lit_zodp.errors import LitZodpWarning, PrivacyConfigError, raise_if_any
 from lit_zodp.per_example.rounding import model_convolutions, working_eps
 from lit_zodp.privacy.training_randomness import (RandomState, checks_own_draws, random_state, replayed_streams,
                                                   secret_cpu_generator, secret_cpu_state, secret_cuda_state,
@@ -672,32 +673,54 @@ class Replay:
     (review 73). Each run's state of it at its first draw is compared, not set: at stop 61 it was set there, over
     whatever the forward had seeded it with, so a forward reseeding its own generator from the batch's content (a
     feature mask shared by the batch) drew alike in every run and passed with no warning, 2.17 C released on one
-    removal (red-team review 74; a warning before)."""
+    removal (red-team review 74; a warning before).
+
+    Runs in the batch's shape never change its size. A run of some rows ALONE (:meth:`run`'s ``alone``) draws each
+    number at the step's size and keeps its rows' (:class:`StepSizedDraws`, from the shapes the first run from that
+    state in the batch's shape drew), so where it ends as those runs did (:meth:`alone_alike`) it drew the step's
+    numbers for its rows, and a forward reading the batch's size behind a draw shows (red-team review 76, finding 1:
+    a gate 0 at its draw's mean hid it from every mean-draw recomputation, 2.76 C released on one removal)."""
 
     def __init__(self, known: Optional[List[torch.Generator]] = None) -> None:
         self._ends: dict[int, list[tuple[RandomState, list[tuple[Tensor, Tensor]]]]] = {}
+        self._alone_ends: dict[int, list[tuple[RandomState, list[tuple[Tensor, Tensor]]]]] = {}
+        self._shapes: dict[int, list[tuple[Any, Optional[tuple[int, ...]]]]] = {}
         self._explicit = _ExplicitStates(known)
 
     @contextlib.contextmanager
-    def run(self, state: RandomState) -> Iterator[None]:
+    def run(self, state: RandomState, alone: Optional[tuple[Tensor, int]] = None) -> Iterator[None]:
         """One replayed run: the generators at ``state`` inside (a model's own at the step's state or their replayed
-        start), back where they were after."""
+        start), back where they were after. ``alone``: ``(rows, B)``, a run of those rows of the step's batch of
+        ``B`` alone, each draw at the step's size (:class:`StepSizedDraws`: the shapes the first run from ``state``
+        in the batch's shape drew)."""
         self._explicit.begin(state.explicit)
         explicit = _ReplayedGenerators(self._explicit)
+        sized = (contextlib.nullcontext() if alone is None
+                 else StepSizedDraws(self._shapes.get(id(state), []), *alone))
         try:
-            with replayed_streams(state), explicit:
+            with replayed_streams(state), explicit, sized:
                 yield
                 end = random_state(index for index, _ in state.cuda)
                 drawn = explicit.drawn_states()
         finally:
             self._explicit.put_back()
-        self._ends.setdefault(id(state), []).append((end, drawn))
+        if alone is None:
+            self._shapes.setdefault(id(state), explicit.shapes)
+        (self._ends if alone is None else self._alone_ends).setdefault(id(state), []).append((end, drawn))
 
     def alike(self) -> bool:
         """Whether the runs from each state so far ended at one generators' state, and drew from explicit generators
         in the same order, each from and to the same states (a generator made in the forward is a new one per run)."""
         return all(_same_state(ends[0][0], end) and _same_explicit(ends[0][1], explicit)
                    for ends in self._ends.values() for end, explicit in ends)
+
+    def alone_alike(self) -> bool:
+        """Whether there were runs alone (:meth:`run`'s ``alone``) and each ended where the first run from its state
+        in the batch's shape did, from and to the same explicit generators' states: they drew the step's numbers."""
+        return bool(self._alone_ends) and all(
+            key in self._ends and _same_state(self._ends[key][0][0], end)
+            and _same_explicit(self._ends[key][0][1], explicit)
+            for key, ends in self._alone_ends.items() for end, explicit in ends)
 
 
 def _same_state(a: RandomState, b: RandomState) -> bool:
@@ -761,11 +784,14 @@ class _ReplayedGenerators(TorchDispatchMode):
     def __init__(self, states: _ExplicitStates) -> None:
         super().__init__()
         self.states, self.drawn = states, {}
+        self.shapes: list[tuple[Any, Optional[tuple[int, ...]]]] = []  # (each draw's op and shape, in order)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
-            generator = _bound(func, args, kwargs).get("generator")
+            bound = _bound(func, args, kwargs)
+            self.shapes.append((func, _draw_shape(bound)))
+            generator = bound.get("generator")
             if generator is not None and id(generator) not in self.drawn:
                 state = generator.get_state()
                 self.drawn[id(generator)] = (generator, state)
@@ -774,6 +800,113 @@ class _ReplayedGenerators(TorchDispatchMode):
 
     def drawn_states(self) -> list[tuple[Tensor, Tensor]]:
         return [(first, generator.get_state()) for generator, first in self.drawn.values()]
+
+
+def _draw_shape(bound: dict) -> Optional[tuple[int, ...]]:
+    """The shape a seeded op draws: its ``size`` (``rand``, ``randint``) or its first tensor's (``bernoulli_``,
+    ``native_dropout``, ``rand_like``); ``None``: neither (``randperm``)."""
+    size = bound.get("size")
+    if isinstance(size, (list, tuple)):
+        return tuple(int(n) for n in size)
+    first = next((value for value in bound.values() if isinstance(value, Tensor)), None)
+    return tuple(first.shape) if first is not None else None
+
+
+def _sliced_dims(shape: Optional[tuple[int, ...]], step: Optional[tuple[int, ...]], rows: int,
+                 size: int) -> list[int]:
+    """The dimensions where a run of ``rows`` rows draws ``shape`` and the step drew ``step`` with ``size`` there:
+    the batch's; ``[]`` where the shapes differ otherwise (or agree)."""
+    if shape is None or step is None or len(shape) != len(step):
+        return []
+    dims = [d for d, (mine, theirs) in enumerate(zip(shape, step)) if mine != theirs]
+    return dims if all(shape[d] == rows and step[d] == size for d in dims) else []
+
+
+class StepSizedDraws(TorchDispatchMode):
+    """Rows ``index`` of a batch of ``size`` run alone, each random draw at the step's shape: the ``k``-th seeded op
+    of the run, where it is the ``k``-th of ``template`` (the ops and shapes a run in the batch's shape drew,
+    :class:`_ReplayedGenerators`) and its shape differs from that one's only by the run's row count where the step
+    had ``size``, is drawn at the step's shape (its tensor arguments' rows placed at ``index``, the other positions
+    holding the first row's) and gives the rows ``index`` of it. Replaying the step's generators' states, such a run
+    draws the step's numbers for its rows and ends where the step did (:meth:`Replay.alone_alike`); the other draws
+    (scalars, parameter-shaped) are made as they are. Where a draw cannot be put at the step's shape (an op or a count
+    of draws unlike the template's, an argument that does not broadcast, an ``out=``, an op not in
+    :data:`_PURE_DRAWS`), it is made as it is, and the run does not end where the step did unless it drew nothing."""
+
+    def __init__(self, template: list[tuple[Any, Optional[tuple[int, ...]]]], index: Tensor, size: int) -> None:
+        super().__init__()
+        self.template, self.index, self.size = template, index, size
+        self.placement = torch.zeros(size, dtype=torch.long)
+        self.placement[index] = torch.arange(len(index))
+        self.drawn = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        k, self.drawn = self.drawn, self.drawn + 1
+        step = self.template[k] if k < len(self.template) and self.template[k][0] == func else None
+        bound = _bound(func, args, kwargs)
+        dims = _sliced_dims(_draw_shape(bound), step and step[1], len(self.index), self.size)
+        if not dims or "out" in kwargs or func.overloadpacket not in _PURE_DRAWS:
+            return func(*args, **kwargs)
+        return self._at_step_shape(func, args, kwargs, step[1], dims)
+
+    def _at_step_shape(self, func, args: tuple, kwargs: dict, shape: tuple[int, ...], dims: list[int]):
+        """``func`` drawn at ``shape``, its result's rows ``index`` along ``dims`` (written into its ``self`` for an
+        in-place draw); as it is where an argument cannot be put at that shape."""
+        own, args, kwargs = args[0] if args else None, list(args), dict(kwargs)
+        half = tuple(shape[d] if d not in dims else len(self.index) for d in range(len(shape)))
+        for k, argument in enumerate(func._schema.arguments):
+            held, value = (args, k) if k < len(args) else (kwargs, argument.name)
+            if held is kwargs and value not in kwargs:
+                continue
+            found = held[value]
+            if argument.name == "size":
+                held[value] = list(shape)
+            elif isinstance(found, Tensor) and tuple(found.shape) == half:
+                held[value] = self._placed(found, dims)
+            elif isinstance(found, Tensor) and not _broadcasts(found, shape):
+                return func(*args, **kwargs)
+            elif k and argument.alias_info is not None and argument.alias_info.is_write:
+                return func(*args, **kwargs)  # (an op writing an argument other than ``self``: rrelu's noise)
+        drawn = func(*args, **kwargs)
+        first = func._schema.arguments[0] if func._schema.arguments else None
+        if isinstance(own, Tensor) and first.alias_info is not None and first.alias_info.is_write:
+            return own.copy_(self._rows(args[0], dims))  # (``bernoulli_``: drawn into a copy at the step's shape)
+        return tree_map_only(Tensor, lambda t: self._rows(t, dims) if _batched_at(t, dims, self.size) else t, drawn)
+
+    def _placed(self, rows: Tensor, dims: list[int]) -> Tensor:
+        for d in dims:
+            rows = rows.index_select(d, self.placement.to(rows.device))
+        return rows
+
+    def _rows(self, drawn: Tensor, dims: list[int]) -> Tensor:
+        for d in dims:
+            drawn = drawn.index_select(d, self.index.to(drawn.device))
+        return drawn
+
+
+def _batched_at(tensor: Tensor, dims: list[int], size: int) -> bool:
+    """Whether ``tensor`` has ``size`` entries in each of ``dims`` (a draw's output at the step's shape)."""
+    return tensor.dim() > max(dims) and all(tensor.shape[d] == size for d in dims)
+
+
+def _broadcasts(tensor: Tensor, shape: tuple[int, ...]) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(tuple(tensor.shape), shape)) == tuple(shape)
+    except RuntimeError:
+        return False
+
+
+def size_through_draws(what: str, changed: float) -> PrivacyConfigError:
+    """The refusal of a step whose halves, run alone drawing the step's numbers (:class:`StepSizedDraws`), differ from
+    the step's rows: one line naming the batch's size and mixing (``changed``: :func:`beyond_one_row`'s ratio)."""
+    return PrivacyConfigError(
+        f"The {what} depend on the batch's size or on their batch-mates behind the forward's random draws (with the "
+        f"step's draws replayed, each half of the batch run alone changed two examples' values or more by "
+        f"{beyond_tolerance(changed)}): removing one example changes every batch-mate's contribution, which "
+        "per-example clipping cannot bound; compute each example's values from its own row, whatever the batch's size")
 
 
 class StepDrew(Exception):
@@ -831,6 +964,15 @@ _MEANS = {
     torch.ops.aten.cauchy_: lambda out, b: out.fill_(b["median"]),
     torch.ops.aten.poisson: lambda out, b: out.copy_(b["self"]),
 }
+
+
+#: The ops :class:`StepSizedDraws` puts at the step's shape: draws whose every output is drawn (or a mask and the
+#: masked input), so the rows of each are the run's. Not the attention kernels taking a ``dropout_p`` (their other
+#: outputs, a ``logsumexp`` kept for the backward, would not be the run's: an honest ViT was refused) nor RReLU
+#: (it writes its ``noise`` argument); those are drawn as they are.
+_PURE_DRAWS = frozenset([*(op for op in _MEANS if op is not torch.ops.aten.rrelu_with_noise), torch.ops.aten.bernoulli,
+                         torch.ops.aten.bernoulli_, torch.ops.aten.native_dropout, torch.ops.aten.binomial,
+                         torch.ops.aten._standard_gamma])
 
 
 def _middle_of_range(out: Tensor, low, high) -> Tensor:

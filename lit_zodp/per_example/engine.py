@@ -96,12 +96,12 @@ from lit_zodp.errors import PrivacyConfigError, raise_if_any
 from lit_zodp.per_example import conv as _conv  # noqa: F401  (registers the Conv rules)
 from lit_zodp.per_example.alignment import PROJECTIONS, CallKey, _disagreeing, _RowSummaries, misaligned_calls
 from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, Draws, ParameterWrites, RecheckProbability, Replay,
-                                         StepDrew, beyond_tolerance, buffer_state, check_losses, check_mode,
-                                         check_recheck_probability, check_transform, eval_mode, flat_rows,
-                                         halves_values, nothing_saved_for_backward, random_halves,
-                                         refuse_batch_mixing, refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
-                                         refuse_reentrant_checkpointing, rows_agree, rows_differ, step_mode_recompute,
-                                         warn_unchecked_training_mode, warn_unreplayed_draws)
+                                         StepDrew, beyond_one_row, beyond_tolerance, buffer_state, check_losses,
+                                         check_mode, check_recheck_probability, check_transform, eval_mode, flat_rows,
+                                         halves_values, nothing_saved_for_backward, random_halves, refuse_batch_mixing,
+                                         refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
+                                         refuse_reentrant_checkpointing, rows_agree, rows_differ, size_through_draws,
+                                         step_mode_recompute, warn_unchecked_training_mode, warn_unreplayed_draws)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.gradient_halves import LossesOf, refuse_gradient_mixing, tolerance_unit
 from lit_zodp.per_example.ghost import FLOAT64_UNIT, _gamma, at_least_float32, row_norm_sq
@@ -443,10 +443,12 @@ def _rows_seen(x: Optional[Tensor], index: Tensor, batch: int, full: Tensor, dev
 
 
 @contextlib.contextmanager
-def _replayed_forward(replay: Replay, state: RandomState) -> Iterator[None]:
-    """A check's forward replaying the step's draws from ``state``, with autograd on but nothing kept for a backward (as
+def _replayed_forward(replay: Replay, state: RandomState,
+                      alone: Optional[Tuple[Tensor, int]] = None) -> Iterator[None]:
+    """A check's forward replaying the step's draws from ``state`` (``alone``: rows run alone, each draw at the step's
+    size, :meth:`.checks.Replay.run`), with autograd on but nothing kept for a backward (as
     :func:`.checks.step_mode_recompute`); yields ``None`` (no draw replaced)."""
-    with replay.run(state), torch.enable_grad(), nothing_saved_for_backward():
+    with replay.run(state, alone), torch.enable_grad(), nothing_saved_for_backward():
         yield None
 
 
@@ -1109,13 +1111,16 @@ class PerExampleGradientEngine:
             return False
         replay = Replay(self._own_generators)
         values_of = self._rows_of(call, leaves, size, full.device, rule_inputs, project, replay=replay)
-        split = halves_values(values_of, random_halves(size), full, in_place=True)
+        halves = random_halves(size)
+        split = halves_values(values_of, halves, full, in_place=True)
         compared = dict(dtype=dtype, blocks=blocks)
+        replayed = dict(call=call, leaves=leaves, size=size, rule_inputs=rule_inputs, project=project, dtype=dtype,
+                        blocks=blocks, halves=halves, replay=replay)
         if replay.alike() and rows_agree(full, split, **compared):
-            return True
+            return self._refuse_size_through_draws(full, **replayed)
         whole = values_of(torch.arange(size))
         if replay.alike() and rows_agree(whole, split, **compared):
-            return True
+            return self._refuse_size_through_draws(whole, **replayed)
         if not (replay.alike() and rows_agree(whole, values_of(torch.arange(size)), **compared) and replay.alike()):
             if warn:
                 warn_unreplayed_draws("the engine's module")
@@ -1128,9 +1133,37 @@ class PerExampleGradientEngine:
             "permutation of the batch) breaks per-example clipping; mix examples in the data pipeline instead, "
             "before the privacy mechanism's sampling, or not at all")
 
+    def _refuse_size_through_draws(self, baseline: Tensor, *, call: ModuleCall, leaves: List[int], size: int,
+                                   rule_inputs: List[_Input], project: _SecretProjections, dtype: torch.dtype,
+                                   blocks: List[int], halves: Tuple[Tensor, Tensor], replay: Replay) -> bool:
+        """After the replayed halves in the batch's shape agreed with ``baseline`` (the step's rows, or the whole batch
+        replayed), each half run ALONE replaying the step's draws, each at the step's size
+        (:class:`.checks.StepSizedDraws`): where those runs drew the step's numbers
+        (:meth:`.checks.Replay.alone_alike`), two rows or more that move are refused (:func:`.checks.beyond_one_row`:
+        one may round with the shape). The other comparisons run a batch of another size only with every draw at its
+        mean, and the replays keep the batch's shape, so a forward reading the batch's size behind a gate 1 at the step
+        and 0 at its draw's mean (``randn((), generator=g) != 0``) passed all of them: 2.76 C released on one removal,
+        no warning (red-team review 76, finding 1). Not where :attr:`keep_call_shape` promises one shape (the size
+        never changes). Where the runs did not draw the step's numbers, no verdict on the size and no warning: a draw
+        that cannot be put at the step's shape (a number of draws that follows the size, OPT's dropout on ``[B T, H]``
+        rows folded from the batch) is met by honest models too (every OPT step warned), and a warning there would
+        be a new one for them. Returns ``True`` (the replay in the batch's shape gave its verdict)."""
+        if self.keep_call_shape:
+            return True
+        alone = self._rows_of(call, leaves, size, baseline.device, rule_inputs, project, replay=replay, alone=True)
+        ratio = rows_differ(baseline, halves_values(alone, halves, baseline), dtype=dtype, device=baseline.device,
+                            blocks=blocks)
+        if not replay.alone_alike():
+            return True
+        changed = beyond_one_row(ratio)
+        if changed > 1.0:
+            raise size_through_draws("outputs of the engine's module (or its layers' inputs)", changed)
+        return True
+
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int, device: torch.device,
                  rule_inputs: Sequence[_Input] = (), project: Optional[_SecretProjections] = None,
-                 drew: Optional[Draws] = None, replay: Optional[Replay] = None) -> Callable[[Tensor], Tensor]:
+                 drew: Optional[Draws] = None, replay: Optional[Replay] = None,
+                 alone: bool = False) -> Callable[[Tensor], Tensor]:
         """``index -> [n, ...]``: the call's batch-first outputs on those rows of its batched inputs
         alone, in the step's mode (:func:`.checks.step_mode_recompute`: grad on, Bernoulli draws at their mean,
         the user's random streams restored), in the forward's autocast, detached. With
@@ -1140,7 +1173,8 @@ class PerExampleGradientEngine:
         ``rule_inputs``' layers' inputs on those rows through ``project``, each call matched by its rank (NaN where
         the recomputation has no such call: a verdict of "finite in one only"). ``drew`` notes whether a
         recomputation replaced a random draw; with ``replay``, the runs replay the step's draws instead
-        (:meth:`_refuse_mixing_through_draws`)."""
+        (:meth:`_refuse_mixing_through_draws`), and with ``alone`` too each draw at the step's size
+        (:meth:`_refuse_size_through_draws`)."""
         devices = _cuda_devices([call])
 
         def values_of(index: Tensor) -> Tensor:
@@ -1148,8 +1182,8 @@ class PerExampleGradientEngine:
             padded = torch.cat([index, index[:1].expand(size - rows)]) if self.keep_call_shape else index
             inputs = [x[padded.to(x.device)] if is_batched(x, size) else x for x in call.inputs]
             args, kwargs = tree_unflatten(inputs, call.spec)
-            recompute = (_replayed_forward(replay, call.random_state) if replay is not None
-                         else step_mode_recompute(devices))
+            recompute = (_replayed_forward(replay, call.random_state, (index, size) if alone else None)
+                         if replay is not None else step_mode_recompute(devices))
             with recompute as draws, forward_autocast(self._device_type), _inputs_seen(rule_inputs) as seen:
                 flat = tree_flatten(call.module(*args, **kwargs))[0]
             if drew is not None:

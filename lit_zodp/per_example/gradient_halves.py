@@ -67,7 +67,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example.checks import (Draws, MeanOfRandomDraws, Replay, beyond_one_row, beyond_tolerance,
-                                         in_place_index, random_halves, rows_differ, secret_row,
+                                         in_place_index, random_halves, rows_differ, secret_row, size_through_draws,
                                          warn_unreplayed_draws)
 from lit_zodp.per_example.reference import is_batched
 from lit_zodp.per_example.rounding import forward_autocast, no_forward_autocast, working_eps
@@ -176,7 +176,7 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
     replay = Replay(known_generators)  # (the runs replaying the step's draws: whether they drew alike)
     if losses_of is not None:
         seen = []
-        run = functools.partial(_loss_weighted_gradient, losses_of, params=params, devices=devices,
+        run = functools.partial(_loss_weighted_gradient, losses_of, size=size, params=params, devices=devices,
                                 device_type=device_type, without_autocast=without_autocast, seen=seen, drew=drew,
                                 state=loss_state if loss_state is not None else next(
                                     (call.random_state for call, _ in calls), None), replayer=replay)
@@ -191,7 +191,7 @@ def refuse_gradient_mixing(calls: Sequence[ModuleCall], weights: Tensor, norms: 
     row_apart = functools.partial(_refuse_row_apart, run, weights, apart, project=project, unit=unit,
                                   shares=share_rows, drew=drew)
     through_draws = functools.partial(_refuse_mixing_through_draws, run, weights, replay, project=project, unit=unit,
-                                      shares=share_rows, apart=apart, every_pair=every_pair)
+                                      shares=share_rows, apart=apart, every_pair=every_pair, alone=not keep_call_shape)
     if draws_verdict is not None:
         # (a row set apart is not compared with the step's own sum here, so no verdict: review 71's backward on only
         # where the record's output gradient and another's are non-zero, on only in training, beside a draw from the
@@ -268,7 +268,8 @@ def _refuse_halves_apart(run: Callable[[Part], Gradients], weights: Tensor, rows
 
 def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor, replay: Replay, *,
                                  project: Callable[[int, Tensor], Tensor], unit: float, shares: Tensor,
-                                 apart: List[int], every_pair: bool = True, warn: bool = True) -> bool:
+                                 apart: List[int], every_pair: bool = True, warn: bool = True,
+                                 alone: bool = False) -> bool:
     """At a step that drew random numbers (dropout in training), the halves' identity again with every run replaying
     the step's draws (:class:`.checks.Replay`) in the batch's shape: the rows in the sum, then each half of them in
     its place, the other positions holding copies at weight 0 (:func:`_placed`), on each of the splits that together
@@ -284,8 +285,9 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
     the batch's shape), and is then set apart (:func:`_refuse_row_apart`; a second such row is refused), at weight 0
     on the later splits. Runs that did not draw alike (draws whose number follows the batch's content: RReLU on
     CPU), or whose whole batch does not reproduce itself (draws from outside torch), give no verdict (with a warning
-    where ``warn``); a model's own generator is set back at each run (:class:`.checks.Replay`). Whether it gave
-    one."""
+    where ``warn``); a model's own generator is set back at each run (:class:`.checks.Replay`). Where it gave one
+    and ``alone`` (no ``keep_call_shape``), the halves run alone too (:func:`_refuse_size_through_draws`). Whether it
+    gave one."""
     size = len(weights)
     everyone = torch.arange(size)
     in_sum = (weights > 0).nonzero().flatten()
@@ -294,7 +296,8 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
     secret = secret_row_weights(size)
     weights = weights * secret
     replayed = functools.partial(run, replay=True)
-    ratio_of = functools.partial(_ratio, replayed, project=project, unit=unit, shares=float((shares * secret).sum()))
+    measured = functools.partial(_ratio, project=project, unit=unit, shares=float((shares * secret).sum()))
+    ratio_of = functools.partial(measured, replayed)
 
     def parts(w: Tensor, halves: Tuple[Tensor, Tensor]) -> List[Part]:
         return [_placed(everyone, w, in_sum), *(_placed(everyone, w, in_sum[half]) for half in halves)]
@@ -332,7 +335,33 @@ def _refuse_mixing_through_draws(run: Callable[..., Gradients], weights: Tensor,
             "per-example clipping; mix examples in the data pipeline instead, or not at all")
     if row is not None:
         apart[:] = [row]
+    if alone:
+        _refuse_size_through_draws(replayed, weights, replay, in_sum, apart, measured=measured)
     return True
+
+
+def _refuse_size_through_draws(replayed: Callable[..., Gradients], weights: Tensor, replay: Replay, in_sum: Tensor,
+                               apart: List[int], *, measured: Callable[..., float]) -> None:
+    """After the replayed comparison in the batch's shape passed: the whole batch so (the rows in the sum, those set
+    ``apart`` at weight 0) against each half of a random split run ALONE, replaying the step's draws, each at the
+    step's size (:class:`.checks.StepSizedDraws`); where those runs drew the step's numbers
+    (:meth:`.checks.Replay.alone_alike`), the identity must hold. The other comparisons run a batch of another size
+    only with every draw at its mean, and the replays keep the batch's shape, so a forward or loss reading the batch's
+    size behind a gate 1 at the step and 0 at its draw's mean (``randn((), generator=g) != 0``) passed all of them:
+    2.76 C released on one removal through ``DPSGD``, no warning (red-team review 76, finding 1). Where the runs alone
+    did not draw the step's numbers, no verdict on the size and no warning (as the engine's,
+    :meth:`~.engine.PerExampleGradientEngine._refuse_size_through_draws`)."""
+    everyone = torch.arange(len(weights))
+    compared = _at_weight_zero(everyone, weights, torch.tensor(apart, dtype=torch.long)) if apart else weights
+    whole = _placed(everyone, compared, in_sum)
+    halves = [(in_sum[half], compared[in_sum[half]]) for half in random_halves(len(in_sum))]
+
+    def run(part: Part) -> Gradients:
+        return replayed(part, alone=part is not whole)
+
+    ratio = measured(run, [whole, *halves])
+    if replay.alone_alike() and not ratio <= 1:
+        raise size_through_draws("per-example gradients", ratio)
 
 
 def separating_splits(size: int) -> List[Tuple[Tensor, Tensor]]:
@@ -680,10 +709,10 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
                             params: Sequence[Tensor],
                             keep_call_shape: bool, devices: Sequence[torch.device], device_type: str,
                             without_autocast: bool = False, drew: Optional[Draws] = None,
-                            replay: bool = False, replayer: Replay) -> Gradients:
+                            replay: bool = False, replayer: Replay, alone: bool = False) -> Gradients:
     """``d/dtheta sum_calls sum_k w_k <dL_{r_k}/d out, out_k>``, the module run on the rows ``r`` of ``part`` alone
     (``w``: their weights), each draw at its mean (``drew`` notes whether one was replaced), or (``replay``) each
-    call's draws as the step drew them (:func:`_draws_of`)."""
+    call's draws as the step drew them (:func:`_draws_of`; ``alone``: each at the step's size)."""
     index, weights = part
     rows = len(index)
     padded = torch.cat([index, index[:1].expand(size - rows)]) if keep_call_shape else index
@@ -695,8 +724,8 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
                   x.detach() if isinstance(x, Tensor) else x for x in call.inputs]
         args, kwargs = tree_unflatten(inputs, call.spec)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
-        with _draws_of(call.random_state, replay, devices, drew, replayer), torch.enable_grad(), \
-                autocast:
+        with _draws_of(call.random_state, replay, devices, drew, replayer, (index, size) if alone else None), \
+                torch.enable_grad(), autocast:
             flat = tree_flatten(call.module(*args, **kwargs))[0]
         for j, grad in grads.items():
             out = flat[j] if j < len(flat) else None
@@ -712,16 +741,19 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
     return list(torch.autograd.grad(outputs, list(params), cotangents, allow_unused=True))
 
 
-def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence[Tensor],
+def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, size: int, params: Sequence[Tensor],
                             devices: Sequence[torch.device], device_type: str, without_autocast: bool,
                             seen: Optional[List[Tensor]] = None, drew: Optional[Draws] = None,
-                            state: Optional[RandomState] = None, replay: bool = False, replayer: Replay) -> Gradients:
+                            state: Optional[RandomState] = None, replay: bool = False, replayer: Replay,
+                            alone: bool = False) -> Gradients:
     """``d/dtheta sum_k w_k L_{r_k}``, the losses of the rows ``r`` of ``part`` recomputed alone by ``losses_of``
     (``w``: their weights); the losses appended to ``seen`` (detached). Each draw at its mean (``drew`` notes whether
-    one was replaced), or (``replay``) as the step drew them from ``state`` (:func:`_draws_of`)."""
+    one was replaced), or (``replay``) as the step drew them from ``state`` (:func:`_draws_of`; ``alone``: each at
+    the step's ``size``)."""
     index, weights = part
     autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
-    with _draws_of(state, replay, devices, drew, replayer), torch.enable_grad(), autocast:
+    with _draws_of(state, replay, devices, drew, replayer, (index, size) if alone else None), torch.enable_grad(), \
+            autocast:
         losses = losses_of(index)
     if not (isinstance(losses, Tensor) and losses.shape == (len(index),)):
         raise PrivacyConfigError(f"Expected `losses_of` to return one loss per row asked for ({len(index)}), but it "
@@ -737,12 +769,13 @@ def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, params: Sequence
 
 @contextlib.contextmanager
 def _draws_of(state: Optional[RandomState], replay: bool, devices: Sequence[torch.device], drew: Optional[Draws],
-              replayer: Replay) -> Iterator[None]:
+              replayer: Replay, alone: Optional[Tuple[Tensor, int]] = None) -> Iterator[None]:
     """A run's random draws: (``replay``) replayed from the step's generators' ``state`` (its masks again, in the
-    step's shape; ``replayer`` notes whether its runs drew alike), or each at its mean under fresh secret streams
+    step's shape; ``replayer`` notes whether its runs drew alike; ``alone``: ``(rows, B)`` run alone, each draw at the
+    step's size, :meth:`.checks.Replay.run`), or each at its mean under fresh secret streams
     (:class:`.checks.MeanOfRandomDraws`, a model's own generators' too; ``drew`` notes whether one was replaced)."""
     if replay and state is not None:
-        with replayer.run(state):
+        with replayer.run(state, alone):
             yield
         return
     with secret_streams(devices), MeanOfRandomDraws() as draws:

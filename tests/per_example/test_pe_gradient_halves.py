@@ -42,9 +42,10 @@ def test_an_honest_model_with_dropout_meets_the_identity_far_inside_the_toleranc
         x, y = torch.randn(size, 6, dtype=torch.float32), torch.randint(0, 3, (size,))
         PerExampleGradientEngine(model, mode=mode).clipped_sum(
             lambda: F.cross_entropy(model(x), y, reduction="none"), 0.5)
-    # (the halves at each size, the rows without one at B = 5 and 8, and the halves replaying the draws on each of
-    # the splits separating every pair of rows: 1, 3 and 3)
-    assert len(comparisons) == 12
+    # (the halves at each size, the rows without one at B = 5 and 8, the halves replaying the draws on each of
+    # the splits separating every pair of rows: 1, 3 and 3, and the halves alone drawing the step's numbers at each
+    # size: red-team review 76, finding 1)
+    assert len(comparisons) == 15
     for gap, scale in comparisons:
         assert scale > 0.1 and gap <= 1e-5 * scale  # float32: sqrt(eps) = 3.5e-4 would pass it
 
@@ -86,7 +87,8 @@ def test_only_checked_steps_run_it(comparisons):
 def test_with_dropout_the_first_check_replays_on_splits_separating_every_pair_and_a_recheck_on_one(comparisons):
     """B = 6 with dropout in training: a structure's first check compares the halves at the draws' means, the rows
     without one, then the replayed halves on ``ceil(log2 6) = 3`` separating splits; an OS-drawn re-check replays on
-    one random split (its cost: red-team review 73's splits made a checked MiniLM step 3.2x, one split 1.5x)."""
+    one random split (its cost: red-team review 73's splits made a checked MiniLM step 3.2x, one split 1.5x). Each
+    then runs the halves of one random split alone, drawing the step's numbers (red-team review 76, finding 1)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 2)).train()
     engine = PerExampleGradientEngine(model, recheck_probability=0.0)
@@ -96,12 +98,12 @@ def test_with_dropout_the_first_check_replays_on_splits_separating_every_pair_an
         engine.clipped_sum(lambda: F.cross_entropy(model(x), y, reduction="none"), 1.0)
 
     step()
-    assert len(comparisons) == 2 + 3
+    assert len(comparisons) == 2 + 3 + 1
     step()
-    assert len(comparisons) == 5
+    assert len(comparisons) == 6
     engine.recheck_next = True
     step()
-    assert len(comparisons) == 5 + 2 + 1
+    assert len(comparisons) == 6 + 2 + 1 + 1
     assert all(gap <= 1e-5 * scale for gap, scale in comparisons)
 
 
