@@ -38,6 +38,16 @@ Findings:
    ``_ReplayedGenerators``, ``StepSizedDraws``). Nothing draws, so the replays and the runs alone never run, and the
    mean-draw recomputations, differing from the step, are taken for a step that drew: 2.43 C released on one removal,
    no warning, every mode, bare and ``losses_of``, and through ``DPSGD``.
+6. Silent release (new evasion of the runs alone): a mask drawn into a preallocated buffer beside the gate
+   (``torch.rand((B, d), out=buf)``, ``torch.bernoulli(p, out=buf)``): ``StepSizedDraws`` makes every ``out=`` draw as
+   it is, at the half's size, so the runs alone end elsewhere and give no verdict: 2.61 C (``rand``) and 2.38 C
+   (``bernoulli``) released on one removal, no warning, every mode, bare and ``losses_of``.
+7. False refusal (pre-existing, not the runs alone: the same with them switched off; found while checking honest
+   models): dropout inside non-reentrant activation checkpointing (``checkpoint(block, use_reentrant=False)``, and
+   Hugging Face's ``gradient_checkpointing_enable()`` on a tiny BERT with dropout 0.1) is refused at every checked
+   step, a structure's first included, as "per-example gradients depend on their batch-mates" (gradient halves), every
+   mode, bare and ``losses_of``; without dropout it passes. The README says non-reentrant checkpointing gives the
+   plain clipped sums in every mode (its tests have no dropout).
 
 Also measured, not a test: RReLU beside the gate releases 2.33 C (float32 scratch) with the replay's warning that
 it could not replay alike (``rrelu_with_noise``: the runs in the batch's shape already draw unlike; warned, not
@@ -61,7 +71,7 @@ of 5, two runs each): 2 blocks 31-32 ms on against 23-25 ms off; 100 blocks (100
 517-626 ms (+25-40%, linear in the draws, nothing pathological).
 
 Commands: ``python -m pytest -q -p no:cacheprovider tests/per_example/test_pe_sliced_replay_attacks.py`` (about 15 s;
-``-m slow`` adds the honest ViT/BERT/OPT/100-layer cases, about 40 s more).
+``-m slow`` adds the honest ViT/BERT/OPT/100-layer cases and finding 7's BERT, about 25 s more).
 """
 
 from __future__ import annotations
@@ -128,6 +138,9 @@ BESIDE = {
     "gumbel": lambda x: x + 0.0 * F.gumbel_softmax(x, tau=1.0),
     "randperm_fixed": lambda x: x[:, torch.randperm(x.shape[1])],
     "odd_extra": lambda x: x + 0.0 * (torch.rand(()) if len(x) % 2 else 0.0),
+    "out_rand": lambda x: x * (torch.rand(len(x), 8, out=torch.empty(len(x), 8, dtype=x.dtype)) > 0.1) / 0.9,
+    "out_bernoulli": lambda x: x * torch.bernoulli(torch.full((len(x), 8), 0.9, dtype=x.dtype),
+                                                   out=torch.empty(len(x), 8, dtype=x.dtype)) / 0.9,
     "none": lambda x: x,
 }
 
@@ -151,9 +164,15 @@ def _shifted(beside: str, gate=_gate):
     return type(f"Shifted_{beside}", (_SizeShifted,), {"beside": beside, "gate": gate})
 
 
-def _removal_silent(make, mode: str, losses_of: bool) -> float:
-    moved, caught = _removal_warned(_engine_release(make, mode, losses_of))
-    return moved if not caught else 0.0  # (a warned release is not this file's silent one)
+def _removal_silent(make, mode: str, losses_of: bool, tries: int = 2) -> float:
+    """The largest silent removal difference over ``tries`` runs (each check's halves are secret random splits: an
+    attack released on most of them is released; a rare split that refuses it would make a strict ``xfail`` flaky,
+    about one file run in five with one try); a warned release counts 0 (it is not this file's silent one)."""
+    largest = 0.0
+    for _ in range(tries):
+        moved, caught = _removal_warned(_engine_release(make, mode, losses_of))
+        largest = max(largest, moved if not caught else 0.0)
+    return largest
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
@@ -185,6 +204,18 @@ def test_sample_dirichlet_as_a_pure_draw_would_refuse_finding_3(monkeypatch):
 @pytest.mark.parametrize("mode, losses_of", [("hooks", False), ("bookkeeping", True)])
 def test_size_dependence_beside_a_draw_the_runs_alone_cannot_size_is_refused(beside, mode, losses_of):
     """Finding 4 (also "ghost", and every mode with and without ``losses_of``, in a scratch run)."""
+    moved = _removal_silent(_shifted(beside), mode, losses_of)
+    assert moved <= MARGIN, f"{moved:.2f} C released on one removal, no warning"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="open (review 77, finding 6): a mask drawn into a preallocated buffer (out=) beside the size "
+                          "gate is drawn at the half's size (out= is never put at the step's shape): no verdict, "
+                          "2.38-2.61 C released, no warning")
+@pytest.mark.parametrize("beside", ["out_rand", "out_bernoulli"])
+@pytest.mark.parametrize("mode, losses_of", ENGINE_CASES)
+def test_size_dependence_beside_a_draw_into_a_buffer_is_refused(beside, mode, losses_of):
+    """Finding 6."""
     moved = _removal_silent(_shifted(beside), mode, losses_of)
     assert moved <= MARGIN, f"{moved:.2f} C released on one removal, no warning"
 
@@ -353,6 +384,40 @@ def test_the_runs_alone_are_what_refuses_findings_1_and_2(layout, monkeypatch):
     _three_honest_rechecks(_laid_out(layout), "hooks", True, *_batch(with_record=True))
 
 
+class _CheckpointedDropout(nn.Module):
+    """Honest: a residual block with dropout under non-reentrant activation checkpointing (8-32-2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.hidden, self.out = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 2)
+
+    def _block(self, h: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.tanh(self.hidden(h)), 0.1, self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        return self.out(h + checkpoint(self._block, h, use_reentrant=False))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="open (review 77, finding 7; pre-existing, not the runs alone): dropout inside non-reentrant "
+                          "activation checkpointing is refused at every checked step as mixing (gradient halves)")
+@pytest.mark.parametrize("mode, losses_of", ENGINE_CASES)
+def test_honest_dropout_under_activation_checkpointing_is_not_refused(mode, losses_of):
+    """Finding 7."""
+    torch.manual_seed(0)
+    _three_honest_rechecks(_CheckpointedDropout().train(), mode, losses_of, *_honest_batch(17, 8))
+
+
+def test_the_runs_alone_are_not_what_refuses_finding_7(monkeypatch):
+    """Control: with the runs alone switched off, finding 7 is refused the same (pre-existing)."""
+    _runs_alone_off(monkeypatch)
+    with pytest.raises(AssertionError, match="depend on their batch-mates"):
+        test_honest_dropout_under_activation_checkpointing_is_not_refused("hooks", False)
+
+
 class _Residual(nn.Module):
     """Honest residual MLP: ``depth`` blocks of LayerNorm, Linear, GELU, Dropout(0.1); ``stochastic_depth``: each block
     skipped for the whole batch with probability 0.3 (one draw per block per step)."""
@@ -442,3 +507,24 @@ def test_tiny_bert_and_opt_with_dropout_pass_the_runs_alone(family, mode, losses
     generator = torch.Generator().manual_seed(1)
     ids, y = torch.randint(1, 100, (17, 8), generator=generator), torch.randint(0, 2, (17,), generator=generator)
     _three_honest_rechecks(_Logits(model).train(), mode, losses_of, ids, y)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="open (review 77, finding 7; pre-existing): Hugging Face gradient checkpointing with dropout "
+                          "0.1 is refused at a structure's first check (README: non-reentrant checkpointing works)")
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_tiny_bert_with_gradient_checkpointing_and_dropout_is_not_refused(mode):
+    """Finding 7 on tiny BERT (``gradient_checkpointing_enable``, ``use_reentrant=False``); without dropout it
+    passes."""
+    transformers = pytest.importorskip("transformers")
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.1,
+                                     attention_probs_dropout_prob=0.1, num_labels=2)
+    model = transformers.BertForSequenceClassification(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    generator = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(1, 100, (17, 8), generator=generator), torch.randint(0, 2, (17,), generator=generator)
+    _three_honest_rechecks(_Logits(model).train(), mode, False, ids, y)
