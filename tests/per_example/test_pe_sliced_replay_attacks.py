@@ -70,8 +70,12 @@ re-checked "hooks" step (a throwaway script, LayerNorm + dropout residual MLP, w
 of 5, two runs each): 2 blocks 31-32 ms on against 23-25 ms off; 100 blocks (100 dropout draws) 716-768 ms against
 517-626 ms (+25-40%, linear in the draws, nothing pathological).
 
-Commands: ``python -m pytest -q -p no:cacheprovider tests/per_example/test_pe_sliced_replay_attacks.py`` (about 15 s;
-``-m slow`` adds the honest ViT/BERT/OPT/100-layer cases and finding 7's BERT, about 25 s more).
+``torch.nn.TransformerEncoderLayer(batch_first=True)`` with dropout is refused before and after (no layer rule covers
+its attention's ``out_proj``; with the runs alone their size refusal may come first): no change.
+
+Commands: ``python -m pytest -q -p no:cacheprovider tests/per_example/test_pe_sliced_replay_attacks.py`` (about 21 s,
+2 shared cores; ``-m slow`` adds the honest ViT/BERT/OPT/100-layer cases and finding 7's BERT, about 24 s). Findings
+1, 2 and 7's controls patch the runs alone away in the test (``_runs_alone_off``).
 """
 
 from __future__ import annotations
@@ -528,3 +532,31 @@ def test_tiny_bert_with_gradient_checkpointing_and_dropout_is_not_refused(mode):
     generator = torch.Generator().manual_seed(1)
     ids, y = torch.randint(1, 100, (17, 8), generator=generator), torch.randint(0, 2, (17,), generator=generator)
     _three_honest_rechecks(_Logits(model).train(), mode, False, ids, y)
+
+
+def test_review_20s_record_is_not_refused_by_the_runs_alone(monkeypatch):
+    """Checked, not broken: review 20's crafted record beside an NF-ResNet with dropout 0.1 (float32, "hooks") is
+    refused at none of 6 re-checked steps, as with the runs alone switched off, and the runs alone did run (the engine's
+    and the gradient halves' at every step): they add no membership signal there."""
+    from lit_zodp.per_example import engine as engine_module, gradient_halves
+    from tests.per_example.test_pe_dropout_replay_attacks import _nfresnet_with_dropout, _refusals
+
+    ran = []
+    engine_check = engine_module.PerExampleGradientEngine._refuse_size_through_draws
+    halves_check = gradient_halves._refuse_size_through_draws
+
+    def engine_spy(self, baseline, **kwargs):
+        ran.append("engine")
+        return engine_check(self, baseline, **kwargs)
+
+    def halves_spy(*args, **kwargs):
+        ran.append("halves")
+        return halves_check(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module.PerExampleGradientEngine, "_refuse_size_through_draws", engine_spy)
+    monkeypatch.setattr(gradient_halves, "_refuse_size_through_draws", halves_spy)
+    def losses(model, x, y):
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    refused, _ = _refusals(_nfresnet_with_dropout(0.1), losses, with_record=True, losses_of=False)
+    assert refused == 0 and ran.count("engine") >= 6 and ran.count("halves") >= 6, (refused, ran)
