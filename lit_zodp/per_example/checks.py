@@ -969,10 +969,12 @@ _MEANS = {
 #: The ops :class:`StepSizedDraws` puts at the step's shape: draws whose every output is drawn (or a mask and the
 #: masked input), so the rows of each are the run's. Not the attention kernels taking a ``dropout_p`` (their other
 #: outputs, a ``logsumexp`` kept for the backward, would not be the run's: an honest ViT was refused) nor RReLU
-#: (it writes its ``noise`` argument); those are drawn as they are.
+#: (it writes its ``noise`` argument); those are drawn as they are. ``_sample_dirichlet`` (Beta and Dirichlet
+#: samples) since review 77's finding 3: drawn at the half's size, a per-row Beta beside review 76's size gate left
+#: the runs alone unlike, no verdict (2.43 C released, no warning).
 _PURE_DRAWS = frozenset([*(op for op in _MEANS if op is not torch.ops.aten.rrelu_with_noise), torch.ops.aten.bernoulli,
                          torch.ops.aten.bernoulli_, torch.ops.aten.native_dropout, torch.ops.aten.binomial,
-                         torch.ops.aten._standard_gamma])
+                         torch.ops.aten._standard_gamma, torch.ops.aten._sample_dirichlet])
 
 
 def _middle_of_range(out: Tensor, low, high) -> Tensor:
