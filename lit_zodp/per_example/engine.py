@@ -442,6 +442,15 @@ def _rows_seen(x: Optional[Tensor], index: Tensor, batch: int, full: Tensor, dev
     return flat_rows(rows).to(device)
 
 
+def _values_follow_the_rows(alone: Callable[[Tensor], Tensor], halves: Tuple[Tensor, Tensor], split: Tensor,
+                            compared: dict) -> bool:
+    """Whether each half run ``alone`` gives its rows the values of ``split`` (the same runs in the halves' order)
+    with its rows in reverse order: each row kept its own numbers of the draws put at the step's shape (else no
+    verdict on the size: :meth:`PerExampleGradientEngine._refuse_size_through_draws`)."""
+    reversed_halves = tuple(half.flip(0) for half in halves)
+    return beyond_one_row(rows_differ(split, halves_values(alone, reversed_halves, split), **compared)) <= 1.0
+
+
 @contextlib.contextmanager
 def _replayed_forward(replay: Replay, state: RandomState,
                       alone: Optional[Tuple[Tensor, int]] = None) -> Iterator[None]:
@@ -1147,18 +1156,21 @@ class PerExampleGradientEngine:
         never changes). Where the runs did not draw the step's numbers, no verdict on the size and no warning: a draw
         that cannot be put at the step's shape (a number of draws that follows the size, OPT's dropout on ``[B T, H]``
         rows folded from the batch) is met by honest models too (every OPT step warned), and a warning there would
-        be a new one for them. Returns ``True`` (the replay in the batch's shape gave its verdict)."""
+        be a new one for them. Nor where the rows run alone give other values in reverse order: their draws did not
+        follow the rows (a mask with a fixed row count, a layout only a reshape ties to the rows: honest models so
+        were refused at every re-check, red-team review 77's findings 1 and 2). Returns ``True`` (the replay in the
+        batch's shape gave its verdict)."""
         if self.keep_call_shape:
             return True
         alone = self._rows_of(call, leaves, size, baseline.device, rule_inputs, project, replay=replay, alone=True)
-        ratio = rows_differ(baseline, halves_values(alone, halves, baseline), dtype=dtype, device=baseline.device,
-                            blocks=blocks)
-        if not replay.alone_alike():
+        split = halves_values(alone, halves, baseline)
+        compared = dict(dtype=dtype, device=baseline.device, blocks=blocks)
+        changed = beyond_one_row(rows_differ(baseline, split, **compared))
+        if not replay.alone_alike() or changed <= 1.0:
             return True
-        changed = beyond_one_row(ratio)
-        if changed > 1.0:
-            raise size_through_draws("outputs of the engine's module (or its layers' inputs)", changed)
-        return True
+        if not _values_follow_the_rows(alone, halves, split, compared):
+            return True
+        raise size_through_draws("outputs of the engine's module (or its layers' inputs)", changed)
 
     def _rows_of(self, call: ModuleCall, leaves: List[int], size: int, device: torch.device,
                  rule_inputs: Sequence[_Input] = (), project: Optional[_SecretProjections] = None,

@@ -18,11 +18,15 @@ Findings:
    (``rand(32, d)[:B] > p``), is refused at 3 of 3 re-checked steps, ``B = 16`` and ``17``, "hooks", "ghost" and
    "bookkeeping", bare and ``losses_of``, and through ``DPSGD``; off: 0 of 3. The draw's shape is the step's, so it
    is made as it is (as a parameter-shaped one) and the runs end alike, but each half's rows sit at ``0..n-1`` of it,
-   not at their places in the step: their masks differ, "two examples' values or more" move.
+   not at their places in the step: their masks differ, "two examples' values or more" move. Fixed at stop 63 (with
+   finding 2): before refusing, each half runs alone again with its rows in reverse order; where a row's values
+   change with its place the draws did not follow the rows: no verdict (``engine._values_follow_the_rows``,
+   ``gradient_halves._draws_follow_the_rows``). The price: such a draw beside the size gate now gives no verdict
+   either, 2.76 C released silently (``fixed_rows``, added to finding 4's class).
 2. False refusal (new; same kind): honest elementwise dropout on a layout whose last dimension is ``B`` by a reshape,
    not a transpose (``F.dropout(x.reshape(d, -1))``, or ``rand(d, B).reshape(B, d)``): ``StepSizedDraws`` keeps the
    half's columns of the step's mask, which are not its rows' entries; refused at 3 of 3 re-checked steps, both sizes,
-   every mode, bare and ``losses_of``; off: 0 of 3.
+   every mode, bare and ``losses_of``; off: 0 of 3. Fixed at stop 63 (finding 1's fix).
 3. Silent release (new evasion of the runs alone): a per-row Beta or Dirichlet draw beside review 76's size gate
    (``torch.distributions.Beta(a[B, 1], b).sample()``, a plausible per-example augmentation): ``aten._sample_dirichlet``
    is not in ``checks._PURE_DRAWS``, so the runs alone draw it at the half's size, end elsewhere and give no verdict:
@@ -122,6 +126,7 @@ BESIDE = {
     "randperm_B": lambda x: x + 0.0 * torch.randperm(len(x)).to(x.dtype).sum(),
     "rows_B_plus_1": lambda x: x + 0.0 * torch.rand(len(x) + 1, x.shape[1], dtype=x.dtype)[:len(x)],
     "flat": lambda x: F.dropout(x.reshape(-1), 0.1, True).reshape(x.shape),
+    "fixed_rows": lambda x: F.dropout(F.pad(x, (0, 0, 0, 32 - len(x))), 0.1, True)[:len(x)],
     "seq_first": lambda x: F.dropout(x.view(len(x), 2, 4).transpose(0, 1), 0.1, True).transpose(0, 1).reshape(x.shape),
     "bernoulli_view": lambda x: x * torch.ones(len(x), 16, dtype=x.dtype)[:, ::2].bernoulli_(0.9) / 0.9,
     "B_by_B": lambda x: x + 0.0 * torch.rand(len(x), len(x), dtype=x.dtype).sum(),
@@ -198,10 +203,10 @@ def test_an_honest_per_row_beta_draw_passes_and_finding_3_needs_the_pure_draw(mo
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open (review 77, finding 4; the rand(3 B)/folded class): randperm(B), a B + 1-row draw or "
-                          "dropout on flattened rows beside the size gate: no verdict, 2.43-2.58 C released, no "
-                          "warning")
-@pytest.mark.parametrize("beside", ["randperm_B", "rows_B_plus_1", "flat"])
+                   reason="open (review 77, finding 4; the rand(3 B)/folded class): randperm(B), a B + 1-row draw, "
+                          "dropout on flattened rows or on rows padded to 32 (stop 63) beside the size gate: no "
+                          "verdict, 2.43-2.76 C released, no warning")
+@pytest.mark.parametrize("beside", ["randperm_B", "rows_B_plus_1", "flat", "fixed_rows"])
 @pytest.mark.parametrize("mode, losses_of", [("hooks", False), ("bookkeeping", True)])
 def test_size_dependence_beside_a_draw_the_runs_alone_cannot_size_is_refused(beside, mode, losses_of):
     """Finding 4 (also "ghost", and every mode with and without ``losses_of``, in a scratch run)."""
@@ -340,30 +345,22 @@ def _runs_alone_off(monkeypatch) -> None:
     monkeypatch.setattr(gradient_halves, "_refuse_size_through_draws", lambda *_, **__: None)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open (review 77, finding 1): an honest fixed-row draw (dropout on the batch padded to 32 "
-                          "rows, a 32-row mask sliced) is refused at every re-checked step since the runs alone")
 @pytest.mark.parametrize("layout", ["padded_to_32", "mask_of_32_rows"])
 @pytest.mark.parametrize("mode, losses_of", ENGINE_CASES)
 def test_an_honest_fixed_row_draw_is_not_refused(layout, mode, losses_of):
-    """Finding 1 (``B = 16``; ``17`` the same)."""
+    """Finding 1, fixed at stop 63 (``B = 16``; ``17`` the same): the runs alone in reverse order differ, no verdict."""
     _three_honest_rechecks(_laid_out(layout), mode, losses_of, *_batch(with_record=False))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open (review 77, finding 2): honest dropout on a layout whose last dimension is B by a "
-                          "reshape is refused at every re-checked step since the runs alone")
 @pytest.mark.parametrize("layout", ["reshaped_dropout", "reshaped_mask"])
 @pytest.mark.parametrize("mode, losses_of", ENGINE_CASES)
 def test_honest_dropout_on_a_reshaped_layout_is_not_refused(layout, mode, losses_of):
-    """Finding 2 (``B = 17``; ``16`` the same)."""
+    """Finding 2, fixed at stop 63 (``B = 17``; ``16`` the same)."""
     _three_honest_rechecks(_laid_out(layout), mode, losses_of, *_batch(with_record=True))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open (review 77, finding 1): the same refusal through DPSGD")
 def test_dpsgd_does_not_refuse_an_honest_fixed_row_draw():
-    """Finding 1 through a re-checked ``DPSGD.private_gradient`` ("hooks")."""
+    """Finding 1 through a re-checked ``DPSGD.private_gradient`` ("hooks"), fixed at stop 63."""
     from lit_zodp.algorithms import DPSGD
 
     x, y = _batch(with_record=True)
@@ -383,6 +380,19 @@ def test_the_runs_alone_are_what_refuses_findings_1_and_2(layout, monkeypatch):
     no verdict)."""
     _runs_alone_off(monkeypatch)
     _three_honest_rechecks(_laid_out(layout), "hooks", True, *_batch(with_record=True))
+
+
+@pytest.mark.parametrize("layout", ["padded_to_32", "reshaped_dropout"])
+@pytest.mark.parametrize("losses_of", [False, True], ids=["bare", "losses_of"])
+def test_the_reversed_runs_alone_are_what_passes_findings_1_and_2(layout, losses_of, monkeypatch):
+    """Control of the fix: with the check of the rows' order taken for granted (engine and gradient halves), the
+    honest fixed-row and reshaped layouts are refused again."""
+    from lit_zodp.per_example import engine as engine_module, gradient_halves
+
+    monkeypatch.setattr(engine_module, "_values_follow_the_rows", lambda *_: True)
+    monkeypatch.setattr(gradient_halves, "_draws_follow_the_rows", lambda *_: True)
+    with pytest.raises(AssertionError, match="an honest model refused"):
+        _three_honest_rechecks(_laid_out(layout), "hooks", losses_of, *_batch(with_record=True))
 
 
 class _CheckpointedDropout(nn.Module):
