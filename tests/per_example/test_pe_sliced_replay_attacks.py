@@ -47,7 +47,15 @@ Findings:
    Hugging Face's ``gradient_checkpointing_enable()`` on a tiny BERT with dropout 0.1) is refused at every checked
    step, a structure's first included, as "per-example gradients depend on their batch-mates" (gradient halves), every
    mode, bare and ``losses_of``; without dropout it passes. The README says non-reentrant checkpointing gives the
-   plain clipped sums in every mode (its tests have no dropout).
+   plain clipped sums in every mode (its tests have no dropout). FIXED (f12ce2e): each gradient-halves run took its
+   backward outside its draws, where the checkpoint runs the block's forward again, so the recomputation drew real
+   masks where the forward took their mean (counted: 42 block runs under the checks' modes, none of the 36 in the
+   backwards); the backward runs inside them now (``gradient_halves._gradient``). Control: patched back outside,
+   refused again, runs alone on or off. Checked, not broken: mixing inside a checkpointed block with dropout (batch
+   mean, ``randperm`` mixup, a batch mean only in the checkpoint's recomputation) is refused at a re-check, every
+   mode, bare and ``losses_of``. Open (finding 5's class, strict ``xfail``): that mixing switched on only with no
+   dispatch mode on releases 1.84 C silently, as without the checkpoint at a53283f (before the fix a checkpointed one
+   was refused only because the halves' backward ran the block again outside their modes).
 
 Also measured, not a test: RReLU beside the gate releases 2.33 C (float32 scratch) with the replay's warning that
 it could not replay alike (``rrelu_with_noise``: the runs in the batch's shape already draw unlike; warned, not
@@ -75,7 +83,8 @@ its attention's ``out_proj``; with the runs alone their size refusal may come fi
 
 Commands: ``python -m pytest -q -p no:cacheprovider tests/per_example/test_pe_sliced_replay_attacks.py`` (about 21 s,
 2 shared cores; ``-m slow`` adds the honest ViT/BERT/OPT/100-layer cases and finding 7's BERT, about 24 s). Findings
-1, 2 and 7's controls patch the runs alone away in the test (``_runs_alone_off``).
+1 and 2's controls patch the runs alone away in the test (``_runs_alone_off``), 7's its fix (and the runs
+alone).
 """
 
 from __future__ import annotations
