@@ -11,8 +11,9 @@ and see nothing of a backward. Red-team review 65 left two breaks of them open, 
 
 Here, at the steps whose forward is checked, the engine's module runs again, forward and backward, on the whole batch
 and on two secret random halves of it, each without the other, every Bernoulli draw at its mean
-(:class:`.checks.MeanOfRandomDraws`). Each row's output gradient is weighted by the step's clip factor,
-``v_r = c_r dL_r / d out_r``. For a module whose examples are independent,
+(:class:`.checks.MeanOfRandomDraws`), in the backward too (:func:`_gradient`: activation checkpointing runs a block's
+forward again there). Each row's output gradient is weighted by the step's clip factor, ``v_r = c_r dL_r / d out_r``.
+For a module whose examples are independent,
 
     sum over the halves h of  d/dtheta sum_{r in h} <v_r, out_r(x_h)>   =   d/dtheta sum_r <v_r, out_r(x)>
 
@@ -725,32 +726,63 @@ def _clip_weighted_gradient(calls: Sequence[Tuple[ModuleCall, Dict[int, Tensor]]
                             replay: bool = False, replayer: Replay, alone: bool = False) -> Gradients:
     """``d/dtheta sum_calls sum_k w_k <dL_{r_k}/d out, out_k>``, the module run on the rows ``r`` of ``part`` alone
     (``w``: their weights), each draw at its mean (``drew`` notes whether one was replaced), or (``replay``) each
-    call's draws as the step drew them (:func:`_draws_of`; ``alone``: each at the step's size)."""
+    call's draws as the step drew them (:func:`_draws_of`; ``alone``: each at the step's size). Each call's backward
+    runs in its draws too (:func:`_gradient`), so one call's at a time (their inputs are detached: the sum is the
+    same)."""
     index, weights = part
     rows = len(index)
     padded = torch.cat([index, index[:1].expand(size - rows)]) if keep_call_shape else index
     row_weights = torch.cat([weights, weights.new_zeros(len(padded) - rows)])
-    outputs: List[Tensor] = []
-    cotangents: List[Tensor] = []
+    total: Optional[Gradients] = None
     for call, grads in calls:
         inputs = [x[padded.to(x.device)].detach() if is_batched(x, size) else
                   x.detach() if isinstance(x, Tensor) else x for x in call.inputs]
         args, kwargs = tree_unflatten(inputs, call.spec)
         autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
-        with _draws_of(call.random_state, replay, devices, drew, replayer, (index, size) if alone else None), \
-                torch.enable_grad(), autocast:
-            flat = tree_flatten(call.module(*args, **kwargs))[0]
-        for j, grad in grads.items():
-            out = flat[j] if j < len(flat) else None
-            batch_dim = _batch_dim(grad, size)
-            if batch_dim and isinstance(out, Tensor) and out.dim() == grad.dim():
-                out, grad = out.movedim(batch_dim, 0), grad.movedim(batch_dim, 0)
-            cotangent = _cotangent(out, grad, padded, row_weights)
-            if cotangent is not None:
-                outputs.append(out)
-                cotangents.append(cotangent)
-    if not outputs:
+        with _draws_of(call.random_state, replay, devices, drew, replayer, (index, size) if alone else None):
+            with torch.enable_grad(), autocast:
+                flat = tree_flatten(call.module(*args, **kwargs))[0]
+            outputs, cotangents = _weighted_outputs(flat, grads, size, padded, row_weights)
+            if outputs:
+                total = _added(total, _gradient(outputs, params, cotangents))
+    if total is None:
         raise PrivacyConfigError(UNCOMPARED)
+    return total
+
+
+def _weighted_outputs(flat: Sequence, grads: Dict[int, Tensor], size: int, padded: Tensor,
+                      row_weights: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
+    """A call's recomputed outputs ``flat`` that compare with the step's output gradients ``grads``, batch-first, and
+    their cotangents (:func:`_cotangent`)."""
+    outputs: List[Tensor] = []
+    cotangents: List[Tensor] = []
+    for j, grad in grads.items():
+        out = flat[j] if j < len(flat) else None
+        batch_dim = _batch_dim(grad, size)
+        if batch_dim and isinstance(out, Tensor) and out.dim() == grad.dim():
+            out, grad = out.movedim(batch_dim, 0), grad.movedim(batch_dim, 0)
+        cotangent = _cotangent(out, grad, padded, row_weights)
+        if cotangent is not None:
+            outputs.append(out)
+            cotangents.append(cotangent)
+    return outputs, cotangents
+
+
+def _added(total: Optional[Gradients], gradients: Gradients) -> Gradients:
+    """``total + gradients`` in place, parameter by parameter (``None``: no gradient; no ``total``: ``gradients``)."""
+    if total is None:
+        return gradients
+    return [g if t is None else t if g is None else t.add_(g) for t, g in zip(total, gradients)]
+
+
+def _gradient(outputs, params: Sequence[Tensor], cotangents=None) -> Gradients:
+    """A run's backward, called inside its draws' context (:func:`_draws_of`): a block under non-reentrant activation
+    checkpointing runs its forward again in the backward, and outside the context drew real dropout masks there where
+    the forward took each at its mean (or replayed the step's), so an honest model with dropout under checkpointing
+    (Hugging Face's ``gradient_checkpointing_enable``) was refused at every checked step, every mode (red-team review
+    77, finding 7). Inside, the recomputation draws as the forward did: at the means, or the step's numbers again
+    (torch's checkpoint restores the generators' states it saved in the forward, and sets them back after, so a
+    replay's end state and draws' shapes hold the same draws in every run)."""
     return list(torch.autograd.grad(outputs, list(params), cotangents, allow_unused=True))
 
 
@@ -762,22 +794,23 @@ def _loss_weighted_gradient(losses_of: LossesOf, part: Part, *, size: int, param
     """``d/dtheta sum_k w_k L_{r_k}``, the losses of the rows ``r`` of ``part`` recomputed alone by ``losses_of``
     (``w``: their weights); the losses appended to ``seen`` (detached). Each draw at its mean (``drew`` notes whether
     one was replaced), or (``replay``) as the step drew them from ``state`` (:func:`_draws_of`; ``alone``: each at
-    the step's ``size``)."""
+    the step's ``size``), the backward too (:func:`_gradient`)."""
     index, weights = part
     autocast = contextlib.nullcontext() if without_autocast else forward_autocast(device_type)
-    with _draws_of(state, replay, devices, drew, replayer, (index, size) if alone else None), torch.enable_grad(), \
-            autocast:
-        losses = losses_of(index)
-    if not (isinstance(losses, Tensor) and losses.shape == (len(index),)):
-        raise PrivacyConfigError(f"Expected `losses_of` to return one loss per row asked for ({len(index)}), but it "
-                                 f"returned {tuple(losses.shape) if isinstance(losses, Tensor) else type(losses)}")
-    if seen is not None:
-        seen.append(losses.detach())
-    weights = weights.to(losses.device)
-    total = torch.where(weights > 0, losses.double() * weights, 0.0).sum()
-    if not total.requires_grad:
-        return [None] * len(params)
-    return list(torch.autograd.grad(total, list(params), allow_unused=True))
+    with _draws_of(state, replay, devices, drew, replayer, (index, size) if alone else None):
+        with torch.enable_grad(), autocast:
+            losses = losses_of(index)
+        if not (isinstance(losses, Tensor) and losses.shape == (len(index),)):
+            returned = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses)
+            raise PrivacyConfigError(f"Expected `losses_of` to return one loss per row asked for ({len(index)}), but "
+                                     f"it returned {returned}")
+        if seen is not None:
+            seen.append(losses.detach())
+        weights = weights.to(losses.device)
+        total = torch.where(weights > 0, losses.double() * weights, 0.0).sum()
+        if not total.requires_grad:
+            return [None] * len(params)
+        return _gradient(total, params)
 
 
 @contextlib.contextmanager

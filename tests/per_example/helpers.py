@@ -96,13 +96,13 @@ def tiny_vit(seed=0):
                              depth=1, num_classes=3, embed_dim=24, num_heads=2).double()
 
 
-def tiny_bert(seed=0):
+def tiny_bert(seed=0, dropout=0.0):
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=32, max_position_embeddings=16,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     return transformers.BertForSequenceClassification(config).double()
 
 

@@ -51,7 +51,15 @@ Findings:
    Hugging Face's ``gradient_checkpointing_enable()`` on a tiny BERT with dropout 0.1) is refused at every checked
    step, a structure's first included, as "per-example gradients depend on their batch-mates" (gradient halves), every
    mode, bare and ``losses_of``; without dropout it passes. The README says non-reentrant checkpointing gives the
-   plain clipped sums in every mode (its tests have no dropout).
+   plain clipped sums in every mode (its tests have no dropout). FIXED (f12ce2e): each gradient-halves run took its
+   backward outside its draws, where the checkpoint runs the block's forward again, so the recomputation drew real
+   masks where the forward took their mean (counted: 42 block runs under the checks' modes, none of the 36 in the
+   backwards); the backward runs inside them now (``gradient_halves._gradient``). Control: patched back outside,
+   refused again, runs alone on or off. Checked, not broken: mixing inside a checkpointed block with dropout (batch
+   mean, ``randperm`` mixup, a batch mean only in the checkpoint's recomputation) is refused at a re-check, every
+   mode, bare and ``losses_of``. Open (finding 5's class, strict ``xfail``): that mixing switched on only with no
+   dispatch mode on releases 1.84 C silently, as without the checkpoint at a53283f (before the fix a checkpointed one
+   was refused only because the halves' backward ran the block again outside their modes).
 
 Also measured, not a test: RReLU beside the gate releases 2.33 C (float32 scratch) with the replay's warning that
 it could not replay alike (``rrelu_with_noise``: the runs in the batch's shape already draw unlike; warned, not
@@ -79,7 +87,8 @@ its attention's ``out_proj``; with the runs alone their size refusal may come fi
 
 Commands: ``python -m pytest -q -p no:cacheprovider tests/per_example/test_pe_sliced_replay_attacks.py`` (about 21 s,
 2 shared cores; ``-m slow`` adds the honest ViT/BERT/OPT/100-layer cases and finding 7's BERT, about 24 s). Findings
-1, 2 and 7's controls patch the runs alone away in the test (``_runs_alone_off``).
+1 and 2's controls patch the runs alone away in the test (``_runs_alone_off``), 7's its fix (and the runs
+alone).
 """
 
 from __future__ import annotations
@@ -412,21 +421,102 @@ class _CheckpointedDropout(nn.Module):
         return self.out(h + checkpoint(self._block, h, use_reentrant=False))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open (review 77, finding 7; pre-existing, not the runs alone): dropout inside non-reentrant "
-                          "activation checkpointing is refused at every checked step as mixing (gradient halves)")
 @pytest.mark.parametrize("mode, losses_of", ENGINE_CASES)
 def test_honest_dropout_under_activation_checkpointing_is_not_refused(mode, losses_of):
-    """Finding 7."""
+    """Finding 7 (fixed: each gradient-halves run's backward, where the checkpoint runs the block again, is in the
+    run's draws too, ``gradient_halves._gradient``)."""
     torch.manual_seed(0)
     _three_honest_rechecks(_CheckpointedDropout().train(), mode, losses_of, *_honest_batch(17, 8))
 
 
-def test_the_runs_alone_are_not_what_refuses_finding_7(monkeypatch):
-    """Control: with the runs alone switched off, finding 7 is refused the same (pre-existing)."""
-    _runs_alone_off(monkeypatch)
+def _backward_outside_the_draws(monkeypatch) -> None:
+    """Finding 7's fix switched off: each gradient-halves run's backward outside its draws' dispatch modes again."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from lit_zodp.per_example import gradient_halves
+
+    inside = gradient_halves._gradient
+
+    def outside(*args, **kwargs):
+        with _disable_current_modes():
+            return inside(*args, **kwargs)
+
+    monkeypatch.setattr(gradient_halves, "_gradient", outside)
+
+
+@pytest.mark.parametrize("runs_alone", ["on", "off"])
+def test_the_runs_alone_are_not_what_refuses_finding_7(runs_alone, monkeypatch):
+    """Control: with the fix switched off (:func:`_backward_outside_the_draws`), finding 7 is refused again, with the
+    runs alone on or off (pre-existing, not the runs alone)."""
+    _backward_outside_the_draws(monkeypatch)
+    if runs_alone == "off":
+        _runs_alone_off(monkeypatch)
     with pytest.raises(AssertionError, match="depend on their batch-mates"):
         test_honest_dropout_under_activation_checkpointing_is_not_refused("hooks", False)
+
+
+class _CheckpointedMixing(_CheckpointedDropout):
+    """Adversarial, once armed (after an honest first check): :class:`_CheckpointedDropout` whose checkpointed block
+    mixes the batch before its dropout: ``mean`` adds the batch's mean, ``mixup`` mixes each row with a ``randperm``
+    partner (``lam ~ Beta(2, 2)``), ``recomputed`` adds the batch's mean only where the checkpoint runs the block again
+    in the backward (no forward check sees it), ``ungated`` so where no dispatch mode is on (the step, not a check's
+    run: finding 5's open class)."""
+
+    kind = "mean"
+
+    def _block(self, h: torch.Tensor) -> torch.Tensor:
+        if self.__dict__.get("armed"):
+            in_backward = torch._C._current_graph_task_id() != -1
+            if self.kind == "mixup":
+                lam = torch.distributions.Beta(2.0, 2.0).sample()
+                h = lam * h + (1 - lam) * h[torch.randperm(len(h))]
+            elif (self.kind == "mean" or self.kind == "recomputed" and in_backward
+                  or self.kind == "ungated" and not _get_current_dispatch_mode_stack()):
+                h = h + 30 * h.mean(0)
+        return super()._block(h)
+
+
+def _armed_checkpointed_release(kind: str, mode: str, losses_of: bool):
+    """``(xs, ys) ->`` the flat clipped sum of a re-checked step of :class:`_CheckpointedMixing` armed after an honest
+    first check (bare engine; a structure's first check also compares the step's per-example sums with its batch
+    gradient, which the backward alone mixing fails there)."""
+    def released(xs, ys):
+        torch.manual_seed(0)
+        model = type(f"CheckpointedMixing_{kind}", (_CheckpointedMixing,), {"kind": kind})().float().train()
+        engine = PerExampleGradientEngine(model, mode=mode)
+        x0, y0, _ = _mixup_batch()
+        engine.clipped_sum(lambda: F.cross_entropy(model(x0), y0, reduction="none"), 0.1)
+        model.__dict__["armed"] = True
+        return rechecked_sum(engine, model, xs, ys, losses_of)
+
+    return released
+
+
+@pytest.mark.parametrize("kind", ["mean", "mixup", "recomputed"])
+@pytest.mark.parametrize("losses_of", [False, True], ids=["bare", "losses_of"])
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
+def test_mixing_inside_a_checkpointed_block_with_dropout_is_refused(mode, losses_of, kind):
+    """Checked, not broken by finding 7's fix: refused at a re-check on review 72's batch with the record (the forward
+    checks, the replay, the gradient halves), no release above ``C`` on one removal."""
+    x, y, record = _mixup_batch()
+    release = _armed_checkpointed_release(kind, mode, losses_of)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PrivacyConfigError, match="batch-mates"):
+            release(torch.cat([x, record]), torch.cat([y, torch.tensor([1])]))
+        moved = removal_difference(release, 0.1, x, y, record, 1)
+    assert moved <= MARGIN, f"{moved:.2f} C released on one removal"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="open (finding 5's class): mixing switched on only where no dispatch mode is on is released "
+                          "inside a checkpointed block as outside one (refused before finding 7's fix only because "
+                          "the gradient halves' backward ran the block again outside their modes)")
+@pytest.mark.parametrize("mode, losses_of", ENGINE_CASES)
+def test_mixing_off_under_any_dispatch_mode_inside_a_checkpointed_block_is_refused(mode, losses_of):
+    """1.84 C released on one removal, no warning, every mode (1.84 C without the checkpoint at a53283f too)."""
+    moved, caught = _removal_warned(_armed_checkpointed_release("ungated", mode, losses_of))
+    assert moved <= MARGIN or caught, f"{moved:.2f} C released on one removal, no warning"
 
 
 class _Residual(nn.Module):
@@ -521,13 +611,9 @@ def test_tiny_bert_and_opt_with_dropout_pass_the_runs_alone(family, mode, losses
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open (review 77, finding 7; pre-existing): Hugging Face gradient checkpointing with dropout "
-                          "0.1 is refused at a structure's first check (README: non-reentrant checkpointing works)")
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_tiny_bert_with_gradient_checkpointing_and_dropout_is_not_refused(mode):
-    """Finding 7 on tiny BERT (``gradient_checkpointing_enable``, ``use_reentrant=False``); without dropout it
-    passes."""
+    """Finding 7 on tiny BERT (``gradient_checkpointing_enable``, ``use_reentrant=False``; fixed, as the MLP's)."""
     transformers = pytest.importorskip("transformers")
 
     torch.manual_seed(0)
