@@ -854,9 +854,12 @@ class StepSizedDraws(TorchDispatchMode):
 
     def _at_step_shape(self, func, args: tuple, kwargs: dict, shape: tuple[int, ...], dims: list[int]):
         """``func`` drawn at ``shape``, its result's rows ``index`` along ``dims`` (written into its ``self`` for an
-        in-place draw); as it is where an argument cannot be put at that shape."""
+        in-place draw); as it is where an argument cannot be put at that shape. An argument with the run's rows along
+        ``dims`` is placed, whatever its other sizes (``normal(mean[B, d], std[B, 1])``: at stop 63 only one of the
+        half's exact shape was, and such a ``std`` made the fallback draw with ``mean`` already placed, so an honest
+        model's re-checked step failed with a shape error)."""
+        given = (args, kwargs)
         own, args, kwargs = args[0] if args else None, list(args), dict(kwargs)
-        half = tuple(shape[d] if d not in dims else len(self.index) for d in range(len(shape)))
         for k, argument in enumerate(func._schema.arguments):
             held, value = (args, k) if k < len(args) else (kwargs, argument.name)
             if held is kwargs and value not in kwargs:
@@ -864,17 +867,21 @@ class StepSizedDraws(TorchDispatchMode):
             found = held[value]
             if argument.name == "size":
                 held[value] = list(shape)
-            elif isinstance(found, Tensor) and tuple(found.shape) == half:
+            elif isinstance(found, Tensor) and self._holds_the_rows(found, dims, len(shape)):
                 held[value] = self._placed(found, dims)
-            elif isinstance(found, Tensor) and not _broadcasts(found, shape):
-                return func(*args, **kwargs)
-            elif k and argument.alias_info is not None and argument.alias_info.is_write:
-                return func(*args, **kwargs)  # (an op writing an argument other than ``self``: rrelu's noise)
+            if isinstance(held[value], Tensor) and not _broadcasts(held[value], shape):
+                return func(*given[0], **given[1])
+            if k and argument.alias_info is not None and argument.alias_info.is_write:
+                return func(*given[0], **given[1])  # (an op writing an argument other than ``self``: rrelu's noise)
         drawn = func(*args, **kwargs)
         first = func._schema.arguments[0] if func._schema.arguments else None
         if isinstance(own, Tensor) and first.alias_info is not None and first.alias_info.is_write:
             return own.copy_(self._rows(args[0], dims))  # (``bernoulli_``: drawn into a copy at the step's shape)
         return tree_map_only(Tensor, lambda t: self._rows(t, dims) if _batched_at(t, dims, self.size) else t, drawn)
+
+    def _holds_the_rows(self, tensor: Tensor, dims: list[int], ndim: int) -> bool:
+        """Whether ``tensor`` (of the draw's rank ``ndim``) has the run's row count along each of ``dims``."""
+        return tensor.dim() == ndim and all(tensor.shape[d] == len(self.index) for d in dims)
 
     def _placed(self, rows: Tensor, dims: list[int]) -> Tensor:
         for d in dims:

@@ -146,6 +146,7 @@ BESIDE = {
     "dropout1d": lambda x: F.dropout1d(x.view(len(x), 2, 4), 0.1, True).reshape(x.shape),
     "dropout2d": lambda x: F.dropout2d(x.view(len(x), 8, 1, 1), 0.1, True).reshape(x.shape),
     "normal_": lambda x: x + 0.01 * torch.empty_like(x).normal_(),
+    "normal_row_std": lambda x: x + 0.1 * torch.normal(torch.zeros_like(x), torch.ones(len(x), 1, dtype=x.dtype)),
     "exponential_": lambda x: x + 0.0 * torch.empty_like(x).exponential_(),
     "geometric_": lambda x: x + 0.0 * torch.empty_like(x).geometric_(0.5),
     "cauchy_": lambda x: x + 0.0 * torch.empty_like(x).cauchy_(),
@@ -267,12 +268,21 @@ def test_dpsgd_refuses_size_dependence_off_under_any_dispatch_mode(monkeypatch):
 @pytest.mark.parametrize("beside", [
     "seq_first", "bernoulli_view", "B_by_B", "sdpa", "multinomial", "alpha_dropout", "feature_alpha", "dropout1d",
     "dropout2d", "normal_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "randint_like",
-    "poisson", "gumbel", "randperm_fixed", "odd_extra"])
+    "poisson", "gumbel", "randperm_fixed", "odd_extra", "normal_row_std"])
 @pytest.mark.parametrize("losses_of", [False, True], ids=["bare", "losses_of"])
 def test_size_dependence_beside_a_sizeable_draw_is_refused(beside, losses_of):
     """Checked, not broken ("hooks"): the runs alone draw these at the step's size (or the other checks see them)."""
     moved, caught = _removal_warned(_engine_release(_shifted(beside), "hooks", losses_of))
     assert moved <= MARGIN, f"{moved:.2f} C released on one removal ({len(caught)} warnings)"
+
+
+@pytest.mark.parametrize("mode, losses_of", ENGINE_CASES)
+def test_honest_noise_with_a_per_row_scale_passes_the_runs_alone(mode, losses_of):
+    """Stop 63: ``normal(mean[B, d], std[B, 1])`` in training. Its ``std`` has the rows but not the half's whole shape;
+    it was not placed, and the fallback drew with ``mean`` already placed: the re-checked step failed with a shape
+    error (every mode). Now both are placed: three re-checks, no refusal, no warning."""
+    _three_honest_rechecks(_shifted("normal_row_std", gate=None)().float().train(), mode, losses_of,
+                           *_batch(with_record=True))
 
 
 class _FlaggedRowShifted(_InputMixup):
