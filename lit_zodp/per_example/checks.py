@@ -634,7 +634,11 @@ class MeanOfRandomDraws(TorchDispatchMode):
             return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
         if packet in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli):
             self.replaced = True
-            return _bernoulli_mean(packet is torch.ops.aten.bernoulli_, _bound(func, args, kwargs))
+            bound = _bound(func, args, kwargs)
+            mean, out = _bernoulli_mean(packet is torch.ops.aten.bernoulli_, bound), bound.get("out")
+            # (``bernoulli(p, out=buf)``: until stop 63 the mean was not written into ``buf``, so a recomputation read
+            # whatever ``buf`` held, an honest ``torch.empty`` buffer's leftover memory: refused at random, 1 in 10)
+            return out.copy_(mean) if isinstance(out, Tensor) else mean
         if packet in _MEANS:
             bound = _bound(func, args, kwargs)
             if packet is torch.ops.aten.rrelu_with_noise:

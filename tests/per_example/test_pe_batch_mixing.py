@@ -188,6 +188,26 @@ def test_mixing_only_in_training_or_under_grad_is_refused_with_dropout_on(mode, 
     assert model.training and model.drop.training
 
 
+@pytest.mark.parametrize("draw", ["bernoulli", "rand", "randn", "normal"])
+def test_a_draw_into_a_buffer_takes_its_mean_in_the_buffer(draw):
+    """Stop 63: ``bernoulli(p, out=buf)`` in a recomputation returned ``buf`` unwritten, so the forward read its old
+    content (an honest ``torch.empty`` buffer's leftover memory: refused at random, about 1 in 10 re-checked steps).
+    Every ``out=`` draw's mean or stand-in is written into the buffer, the same in every run."""
+    from lit_zodp.per_example.checks import MeanOfRandomDraws
+
+    p = torch.full((3, 4), 0.9)
+    draws = {"bernoulli": lambda buf: torch.bernoulli(p, out=buf),
+             "rand": lambda buf: torch.rand(3, 4, out=buf), "randn": lambda buf: torch.randn(3, 4, out=buf),
+             "normal": lambda buf: torch.normal(p, 1.0, out=buf)}
+    written = []
+    for stale in (7.0, -3.0):
+        buf = torch.full((3, 4), stale)
+        with MeanOfRandomDraws():
+            assert draws[draw](buf) is buf
+        written.append(buf)
+    assert torch.equal(written[0], written[1]) and not (written[0] == 7.0).any()
+
+
 def test_bernoulli_draws_at_their_mean_make_every_dropout_deterministic_and_equal_to_eval():
     """nn.Dropout, dropout inside nn.MultiheadAttention and TransformerEncoderLayer (nested calls), timm's
     DropPath (bernoulli_), alpha dropout and the attention kernel's dropout_p: two runs agree and equal eval
