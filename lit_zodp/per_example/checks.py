@@ -834,7 +834,7 @@ class StepSizedDraws(TorchDispatchMode):
     holding the first row's) and gives the rows ``index`` of it. Replaying the step's generators' states, such a run
     draws the step's numbers for its rows and ends where the step did (:meth:`Replay.alone_alike`); the other draws
     (scalars, parameter-shaped) are made as they are. Where a draw cannot be put at the step's shape (an op or a count
-    of draws unlike the template's, an argument that does not broadcast, an ``out=``, an op not in
+    of draws unlike the template's, an argument that does not broadcast, an op not in
     :data:`_PURE_DRAWS`), it is made as it is, and the run does not end where the step did unless it drew nothing."""
 
     def __init__(self, template: list[tuple[Any, Optional[tuple[int, ...]]]], index: Tensor, size: int) -> None:
@@ -859,9 +859,10 @@ class StepSizedDraws(TorchDispatchMode):
     def _at_step_shape(self, func, args: tuple, kwargs: dict, shape: tuple[int, ...], dims: list[int]):
         """``func`` drawn at ``shape``, its result's rows ``index`` along ``dims`` (written into its ``self`` for an
         in-place draw); as it is where an argument cannot be put at that shape. An argument with the run's rows along
-        ``dims`` is placed, whatever its other sizes (``normal(mean[B, d], std[B, 1])``: at stop 63 only one of the
+        ``dims`` is placed, whatever its other sizes (``normal(mean[B, d], std[B, 1])``: until stop 63 only one of the
         half's exact shape was, and such a ``std`` made the fallback draw with ``mean`` already placed, so an honest
-        model's re-checked step failed with a shape error)."""
+        model's re-checked step failed with a shape error). An ``out=`` buffer is drawn into at the step's shape and
+        gets the run's rows."""
         given = (args, kwargs)
         own, args, kwargs = args[0] if args else None, list(args), dict(kwargs)
         for k, argument in enumerate(func._schema.arguments):
