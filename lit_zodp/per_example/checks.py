@@ -893,14 +893,19 @@ class StepSizedDraws(TorchDispatchMode):
         return tensor.dim() == ndim and all(tensor.shape[d] == len(self.index) for d in dims)
 
     def _placed(self, rows: Tensor, dims: list[int]) -> Tensor:
-        for d in dims:
-            rows = rows.index_select(d, self.placement.to(rows.device))
-        return rows
+        """The run's ``rows`` at their places in a batch of the step's size (the others holding the first row's)."""
+        return _along(rows, dims, self.placement)
 
     def _rows(self, drawn: Tensor, dims: list[int]) -> Tensor:
-        for d in dims:
-            drawn = drawn.index_select(d, self.index.to(drawn.device))
-        return drawn
+        """The run's rows of a draw at the step's shape."""
+        return _along(drawn, dims, self.index)
+
+
+def _along(tensor: Tensor, dims: list[int], index: Tensor) -> Tensor:
+    """``tensor``'s entries ``index`` along each of ``dims``."""
+    for d in dims:
+        tensor = tensor.index_select(d, index.to(tensor.device))
+    return tensor
 
 
 def _batched_at(tensor: Tensor, dims: list[int], size: int) -> bool:
