@@ -104,7 +104,7 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, Draws, ParameterWr
                                          step_mode_recompute, warn_unchecked_training_mode, warn_unreplayed_draws)
 from lit_zodp.per_example.coverage import difference_norm, uncovered
 from lit_zodp.per_example.gradient_halves import LossesOf, refuse_gradient_mixing, tolerance_unit
-from lit_zodp.per_example.ghost import FLOAT64_UNIT, _gamma, at_least_float32, row_norm_sq
+from lit_zodp.per_example.ghost import DENSE_CHUNK, at_least_float32, float64_norm_sq
 from lit_zodp.per_example.reference import call_gradients, is_batched
 from lit_zodp.per_example import rounding
 from lit_zodp.per_example.rounding import (HALF_DTYPES, forward_autocast, has_convolutions, model_convolutions,
@@ -545,25 +545,6 @@ def _by_module(calls: list) -> Dict[int, list]:
 #: Non-zero positions up to which :meth:`PerExampleGradientEngine._bound_from_rows` bounds an example from its rows:
 #: ``gamma_n <= (n + 2) u`` needs ``n (n + 2) u <= 2`` (``u = 2^-23``, a TF32 matmul's accumulation: ``n <= 4094``).
 ROWS_BOUND_POSITIONS = 2048
-
-#: Elements of the float64 copy of one slice of materialised rows in :func:`_dense_sum` (32 MiB).
-DENSE_CHUNK = 1 << 22
-
-
-def _float64_norm_sq(grads: Tensor) -> Tensor:
-    """An upper bound of ``||G_i||^2`` per example of materialised rows ``[B, ...]`` of at least float32, tight: the
-    squares of float32 values are exact in float64 (none underflows), their float64 sum within ``gamma_d`` in any
-    order, then a square root and its square (``gamma_{d+4}`` in all), a slice of examples at a time
-    (:data:`DENSE_CHUNK`); float64 rows take :func:`~.ghost.row_norm_sq` (whose squares underflow below ``1e-154``).
-    A float64 ``vector_norm`` of float32 rows: 1.9 ms for ``[64, 16384]`` (1 thread), half of ``double().pow(2)``."""
-    flat = grads.flatten(1) if grads.dim() > 1 else grads.reshape(-1, 1)  # (a 0-dim parameter's rows are [B])
-    if flat.dtype == torch.float64 or len(flat) == 0:
-        return row_norm_sq(flat.double())
-    step, width = max(1, DENSE_CHUNK // max(1, flat.shape[1])), flat.shape[1]
-    norms = torch.cat([torch.linalg.vector_norm(flat[start:start + step], dim=1, dtype=torch.float64)
-                       for start in range(0, len(flat), step)])
-    return norms.pow(2) * (1 + _gamma(width + 4, FLOAT64_UNIT))
-
 
 def _dense_sum(factors: Tensor, grads: Tensor, ok: Optional[Tensor]) -> Tensor:
     """``sum_i f_i G_i`` of one parameter's materialised rows, accumulated in float64 and returned in at least
@@ -1443,7 +1424,7 @@ class PerExampleGradientEngine:
         their dtype, which the rule's float32 rounding does not cover); others keep the bound of the materialised
         rows.
 
-        And never below the materialised rows' own norm (:func:`_float64_norm_sq`, tight): the rule models their
+        And never below the materialised rows' own norm (:func:`~.ghost.float64_norm_sq`, tight): the rule models their
         rounding as relative, and a float32 ``bmm`` with bfloat16 operands (oneDNN, ``fp32_precision = "bf16"``)
         flushes a subnormal operand to zero, an absolute error it does not see: a record with ``v = -2^127`` on
         ``x = 2^-127`` cancelling another position released 30.9 C (review 63). Where the rule holds, as it does
@@ -1461,7 +1442,7 @@ class PerExampleGradientEngine:
         norms = sampler.norms_sq(first.layer, torch.cat([a for a, _ in rows], 1), g)
         within = (torch.linalg.vector_norm(g, ord=1, dim=-1) != 0).sum(1) <= ROWS_BOUND_POSITIONS  # (NaN rows count)
         for local, i in first.mine.items():
-            materialised = _float64_norm_sq(batch.dense[i])  # (not finite where the rows overflowed: factor 0)
+            materialised = float64_norm_sq(batch.dense[i])  # (not finite where the rows overflowed: factor 0)
             use = within & torch.isfinite(materialised)
             batch.dense_norm_sq[i] = torch.where(use, torch.maximum(norms[local].double(), materialised), materialised)
 

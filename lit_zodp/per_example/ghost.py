@@ -206,6 +206,27 @@ def row_norm_sq(rows: Tensor) -> Tensor:
     return total * (1 + _gamma(NORM_BLOCK + 2)) + width * SMALLEST_SQUARED ** 2
 
 
+#: Elements of the float64 copy of one slice of materialised rows (:func:`float64_norm_sq`; the engine's dense sums):
+#: 32 MiB.
+DENSE_CHUNK = 1 << 22
+
+
+def float64_norm_sq(grads: Tensor) -> Tensor:
+    """An upper bound of ``||G_i||^2`` per example of rows ``[B, ...]``, tight, in float64: the squares of float32,
+    bfloat16 and float16 values are exact in float64 (none under- or overflows, where a float32 sum of squares loses
+    every value below ``1e-19`` and overflows above ``1e19``), their float64 sum within ``gamma_d`` in any order, then a
+    square root and its square (``gamma_{d+4}`` in all), a slice of examples at a time (:data:`DENSE_CHUNK`); float64
+    rows take :func:`row_norm_sq` (whose squares underflow below ``1e-154``).
+    A float64 ``vector_norm`` of float32 rows: 1.9 ms for ``[64, 16384]`` (1 thread), half of ``double().pow(2)``."""
+    flat = grads.flatten(1) if grads.dim() > 1 else grads.reshape(-1, 1)  # (a 0-dim parameter's rows are [B])
+    if flat.dtype == torch.float64 or len(flat) == 0:
+        return row_norm_sq(flat.double())
+    step, width = max(1, DENSE_CHUNK // max(1, flat.shape[1])), flat.shape[1]
+    norms = torch.cat([torch.linalg.vector_norm(flat[start:start + step], dim=1, dtype=torch.float64)
+                       for start in range(0, len(flat), step)])
+    return norms.pow(2) * (1 + _gamma(width + 4, FLOAT64_UNIT))
+
+
 def summed_norm_sq(g: Tensor) -> Tensor:
     """``||sum_t g_t||^2`` per example of ``g [B, T, d]`` (a bias; a normalisation layer's terms), guarded as
     :func:`outer_norm_sq` with ``a_t = 1``, from float32 sums and :func:`row_norm_sq`'s bounds.

@@ -322,3 +322,76 @@ def test_old_style_weight_norm_is_recomputed_not_crashed(mode):
     sums, _ = flat_clipped_sum(per_example, engine.names, 0.1)
     for name, got in zip(engine.names, result.grads):
         assert_rel_close(got, sums[name], rtol=1e-9, name=name)
+
+
+@pytest.mark.parametrize("scale, part, disagree", [(1e20, 0.0, False), (1e20, 1e-2, True), (1e-25, 0.0, False),
+                                                   (1e-25, 1e-2, True)])
+def test_float32_rows_beyond_a_float32_sum_of_squares_keep_their_tolerance(scale, part, disagree):
+    """The tolerance is relative to ``||G_1[r]||``, taken in float64: a float32 sum of squares is ``inf`` above about
+    ``1e19`` (every gap passed: another example's part of 1e-2 of the row was credited to it) and 0 below about
+    ``1e-22`` (an honest row's own rounding refused). Rows of 1e20 and 1e-25, scaled by ``w`` and rounded to float32,
+    agree; with another example's part of 1e-2 on top they do not."""
+    torch.manual_seed(0)
+    first = scale * torch.randn(4, 5, 3, dtype=torch.float64)
+    w = torch.tensor([1.5, -1.2, 1.9, -1.1], dtype=torch.float64)
+    ok = torch.ones(4, dtype=torch.bool)
+    second = w[:, None, None] * first
+    second[1] += part * w[2] * first[1].norm() * torch.randn(5, 3, dtype=torch.float64) / 15 ** 0.5
+    assert _disagreeing_rows(first.float(), second.float(), w, ok, torch.float32) == (
+        {("layer", 0)} if disagree else set())
+
+
+class Underflowing(nn.Module):
+    """Per-example: the hidden layer's rows are scaled by ``2^-e`` (``e`` the input's last column) before the head, so
+    at ``e = 1060`` its output gradients are float64 subnormals, as an LSTM's early steps in float32 at length 290 are
+    (PAZO's IMDB model: its two hidden-to-gates weights went to the torch.func fallback at every step). ``mix`` adds
+    half of the next example's hidden row to each row: misaligned."""
+
+    def __init__(self, mix: bool = False):
+        super().__init__()
+        self.lin, self.head, self.mix = nn.Linear(4, 8), nn.Linear(8, 2), mix
+
+    def forward(self, x):  # [B, 5]
+        h = self.lin(x[:, :4])
+        if self.mix:
+            h = h + 0.5 * h.roll(1, 0)
+        return self.head(h * torch.exp2(-x[:, 4:]))
+
+
+def _underflowing_data(exponents):
+    x, y = _data(len(exponents), 1)
+    return torch.cat([x[:, 0], torch.tensor(exponents, dtype=torch.float64)[:, None]], 1), y
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype, exponent", [(torch.float32, 140), (torch.float64, 1060)], ids=["float32", "float64"])
+def test_rows_whose_gradients_underflow_keep_the_layer_rules(mode, dtype, exponent):
+    """Three rows at ``2^-140`` (float32) or ``2^-1060`` (float64) fail the first comparison by their own rounding (9
+    or 14 bits left). The two passes again, every loss times ``2^64`` or ``2^512``, lift them into the normal range,
+    where they agree: the layer rules stay (in float32 ``lin`` went to the fallback: its rows' float32 norms were 0),
+    and the clipped sum is the reference's."""
+    model, (x, y) = _model(Underflowing).to(dtype), _underflowing_data([0, exponent] * 3)
+    x = x.to(dtype)
+    engine = PerExampleGradientEngine(model, mode=mode)
+    result = engine.clipped_sum(lambda: _losses(model, x, y), 0.05)
+    assert engine.last_recomputed == {}
+    sums, norms = _expected(model, x, y, engine.names, 0.05)
+    rtol = 1e-9 if dtype == torch.float64 else 1e-5
+    assert_rel_close(result.norms.double(), norms.double(), rtol=max(rtol, 1e-6), name="norms")
+    for name, got in zip(engine.names, result.grads):
+        assert_rel_close(got.double(), sums[name].double(), rtol=rtol, name=name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixing_among_rows_whose_gradients_underflow_is_found_by_the_lifted_passes(monkeypatch, mode):
+    """Every row at ``2^-1060``, each also reached by the previous example's loss: every row fails the first comparison
+    (by rounding and by the mix), and the lifted passes still find the mix (``lin`` is recomputed). With the lifted
+    comparison blinded (every row agrees) the mixed rows are credited per example: the test can fail."""
+    model, (x, y) = _model(Underflowing, True), _underflowing_data([1060] * 6)
+    engine = PerExampleGradientEngine(model, mode=mode)
+    engine.clipped_sum(lambda: _losses(model, x, y), 0.05)
+    assert "lin.weight" in engine.last_recomputed
+    monkeypatch.setattr(alignment, "_rows_agreeing_lifted", lambda failing, *args: torch.ones_like(failing))
+    engine = PerExampleGradientEngine(model, mode=mode)
+    engine.clipped_sum(lambda: _losses(model, x, y), 0.05)
+    assert "lin.weight" not in engine.last_recomputed
