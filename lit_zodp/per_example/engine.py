@@ -1398,21 +1398,47 @@ class PerExampleGradientEngine:
                     batch.ghost.append(part)
                     batch.ghost_norm_sq.update(part.norms_sq())
                     continue
-                _add_dense(batch, part.grads())
                 dense.setdefault(id(call.module), []).append(part)
         for parts in dense.values():
-            self._bound_from_rows(plan, parts, batch)
+            rows = self._positions_of_calls(plan, parts)
+            if rows is None:
+                for part in parts:
+                    _add_dense(batch, part.grads())
+                continue
+            first = parts[0]
+            grads = first.sampler.grads(first.layer, *rows)
+            _add_dense(batch, {i: grads[local] for local, i in first.mine.items()})
+            self._bound_from_rows(parts, rows, batch)
 
-    def _bound_from_rows(self, plan: Dict[int, object], parts: List[_Part], batch: _Batch) -> None:
+    def _positions_of_calls(self, plan: Dict[int, object], parts: List[_Part]) -> Optional[Tuple[Tensor, Tensor]]:
+        """The rows of a layer's calls concatenated along the positions, ``a [B, T, ...]`` and ``g [B, T, out]``,
+        where the layer's rule takes its rows as positions (``Linear``, ``Embedding``), its parameters' calls are all
+        this layer's, untransformed, with rows of at least float32; else ``None``. Their per-example gradients are then
+        one product over all positions (an RNN's hidden-to-hidden ``Linear``, once per step: one ``bmm`` over its 290
+        steps, not 290 outer products added up), and their norm bounds one rule's (:meth:`_bound_from_rows`)."""
+        first = parts[0]
+        sampler = first.sampler
+        if (self.transform is not None or sampler.positions is None
+                or any(part.layer is not first.layer or part.mine != first.mine for part in parts)
+                or any(c.module is not first.layer for i in first.mine.values() for c in plan[i].calls)
+                or any(x.dtype in HALF_DTYPES for part in parts for x in (part.a, part.g))):
+            return None
+        rows = [sampler.positions(first.layer, at_least_float32(part.a), at_least_float32(part.g)) for part in parts]
+        return (rows[0] if len(rows) == 1 else
+                tuple(torch.cat([row[k] for row in rows], 1) for k in range(2)))
+
+    def _bound_from_rows(self, parts: List[_Part], rows: Tuple[Tensor, Tensor], batch: _Batch) -> None:
         """"ghost" and "bookkeeping": the norm bounds of a layer called several times (an RNN's hidden-to-hidden
-        ``Linear``, once per step) from its calls' rows concatenated along the positions, by the rule that bounds a
-        single call's, not from the materialised sum of the calls.
+        ``Linear``, once per step) from its calls' ``rows`` concatenated along the positions
+        (:meth:`_positions_of_calls`), by the rule that bounds a single call's, not from the materialised sum of the
+        calls.
 
         The number of calls is the batch's padded length: a one-token row padded to 2 gave the layer one call
         (implicit, its norm by the ghost rule) and padded to 3 two (materialised, the bound of the rows): the
         layer's bound moved by 4e-6 relative (the example's by 9e-8) with its batch-mates' lengths. A padding call's
         rows are zero, and the rule counts only non-zero positions (:func:`~.ghost.active_positions`), so the example's bound is the
-        same at every width. It bounds the materialised rows' norm: they are ``sum_c fl(G_{i,c})``, each element
+        same at every width. It bounds the materialised rows' norm: they are one product over the calls' positions
+        (:meth:`_positions_of_calls`; until stop 64 ``sum_c fl(G_{i,c})``), each element
         ``n`` non-zero products added in some order, within ``gamma_n sum_t |g_t| |a_t|`` of ``G_i`` (Higham, Lemma
         3.1 and Sec. 3.1), so of norm at most ``||G_i|| + gamma_n S_i``, which the rule's ``(n + 2) u S_i`` (with the
         operands' conversion) covers while ``n (n + 2) u <= 2`` (:func:`~.ghost.guarded_norm_sq`; one term:
@@ -1430,16 +1456,8 @@ class PerExampleGradientEngine:
         ``x = 2^-127`` cancelling another position released 30.9 C (review 63). Where the rule holds, as it does
         for IEEE and relative rounding, the maximum is the rule's bound, the same at every padded width."""
         first = parts[0]
-        sampler = first.sampler
-        if (self.transform is not None or sampler.positions is None
-                or any(part.layer is not first.layer or part.mine != first.mine for part in parts)
-                or any(c.module is not first.layer for i in first.mine.values() for c in plan[i].calls)
-                or any(x.dtype in HALF_DTYPES for part in parts for x in (part.a, part.g))):
-            return
-        rows = [sampler.positions(first.layer, at_least_float32(part.a), at_least_float32(part.g))
-                for part in parts]
-        g = torch.cat([g for _, g in rows], 1)
-        norms = sampler.norms_sq(first.layer, torch.cat([a for a, _ in rows], 1), g)
+        a, g = rows
+        norms = first.sampler.norms_sq(first.layer, a, g)
         within = (torch.linalg.vector_norm(g, ord=1, dim=-1) != 0).sum(1) <= ROWS_BOUND_POSITIONS  # (NaN rows count)
         for local, i in first.mine.items():
             materialised = float64_norm_sq(batch.dense[i])  # (not finite where the rows overflowed: factor 0)

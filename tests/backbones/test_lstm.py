@@ -14,7 +14,9 @@ from lit_zodp.backbones import LSTMClassifier
 from lit_zodp.errors import ConfigError
 from tests.conftest import quiet_trainer
 from tests.datamodules.imdb_files import write_amazon, write_imdb
-from tests.per_example.helpers import assert_grads_match, engine_per_example, loop_reference
+from lit_zodp.per_example import PerExampleGradientEngine, samplers
+from tests.per_example.helpers import (assert_grads_match, assert_rel_close, engine_per_example,
+                                       flat_clipped_sum, loop_reference)
 
 pytestmark = pytest.mark.filterwarnings("ignore:`(noise|sampling)_seed` is set", "ignore:.*Secure RNG.*",
                                         "ignore:.*Optimal order.*", "ignore:.*validation runs on the test set.*")
@@ -112,6 +114,33 @@ def test_per_example_gradients_equal_one_backward_per_example(mode):
         assert_grads_match(got, want, rtol=1e-9)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
+def test_clipped_sums_equal_the_reference_and_each_gate_layer_is_one_product(monkeypatch, mode):
+    """The clipped sum (the clip binding some examples) equals flat clipping of one backward per example, in float64.
+    In "ghost" and "bookkeeping" each hidden-to-gates ``Linear``'s per-example gradients are one product over all its
+    calls' positions (stop 64; before, one ``bmm`` per step, added up): ``outer_grads`` runs once per layer, with
+    every step's rows."""
+    products = []
+    original = samplers.outer_grads
+    monkeypatch.setattr(samplers, "outer_grads", lambda a, g: products.append(a.shape[1]) or original(a, g))
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, inputs, targets = tiny(dropout=0.0), padded_batch(), torch.tensor([0, 1, 1, 0, 1])
+        engine = PerExampleGradientEngine(model, mode=mode)
+        result = engine.clipped_sum(lambda: F.cross_entropy(model(inputs), targets, reduction="none"), 0.75)
+        want = loop_reference(model, lambda i, m, t: F.cross_entropy(model({"input_ids": i, "attention_mask": m}), t,
+                                                                     reduction="sum"),
+                              inputs["input_ids"], inputs["attention_mask"], targets)
+        sums, norms = flat_clipped_sum(want, engine.names, 0.75)
+        assert engine.last_recomputed == {} and bool((norms > 0.75).any() and (norms < 0.75).any())
+        for name, got in zip(engine.names, result.grads):
+            assert_rel_close(got, sums[name], rtol=1e-9, name=name)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if mode != "hooks":  # (each layer's hidden Linear runs at steps 1..L-1; its input Linear once, by its own rule)
+        assert products == [inputs["input_ids"].shape[1] - 1] * len(model.layers), products
 
 
 def test_bad_options_and_tensor_data_are_refused_in_one_line():
