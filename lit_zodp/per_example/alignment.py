@@ -47,19 +47,14 @@ first-pass value, with no absolute floor and nothing taken from other rows, so a
 nothing for its batch-mates. Other examples' weights are fresh, secret and continuous: parts of several examples
 cancel with probability 0, as in the first comparison.
 
-Rows whose values underflow are rounded in absolute, not relative, steps. An LSTM's gradient shrinks at each step
-back from its last token: at 290 tokens (PAZO's IMDB model, float32) about 1,300 of the hidden-to-gates rows of a batch
-of 64 lay among float32's subnormals, failed the first comparison by their own rounding (9 bits left), and sent both
-hidden-to-gates weights to the torch.func fallback at every step. Where a failing row's norm is below its dtype's
-``sqrt(tiny)``, both passes run again with every loss times a power of two ``2^S`` (:func:`_rows_agreeing_lifted`,
-two backwards; ``S`` takes the largest row to about its dtype's ``sqrt(max)``), which scales every gradient exactly
-where nothing under- or overflows, with the first comparison's weights and projections: the same comparison, in the
-normal range. A row agreeing there agrees. Another example's part ``c`` scales with the row, so it fails as it would
-in exact arithmetic (a lifted value that overflows is not finite: it fails too); a record with a large gradient makes
-``S`` smaller, lifting less, never widening a tolerance. The row norms and the gap are taken so that neither
-underflows nor overflows (:func:`_row_norms`, :func:`_root_mean_square`): a float32 sum of squares gave rows above
-``1e19`` a tolerance of ``inf``, through which another example's part of 1e-2 of the row passed, and float64 squares
-of subnormal gaps measured 0, through which half of another example's row passed.
+The row norms and the gap are taken so that neither underflows nor overflows (:func:`_row_norms`,
+:func:`_root_mean_square`; stop 64): a float32 sum of squares gave rows above ``1e19`` a tolerance of ``inf``, through
+which another example's part of 1e-2 of the row passed, and rows below ``1e-22`` one of 0; float64 squares of
+subnormal gaps measured 0, through which half of another example's row passed. Rows among the subnormals are rounded in
+absolute steps and fail by their own rounding (an LSTM's early steps at 290 tokens, in float32): their layer goes to
+the exact fallback. Running both passes again with every loss times a power of two compared rows that were not the
+ones credited: a record whose own part underflowed to 0 in the step's backward, leaving only a batch-mate's share,
+agreed there (1.95 C, red-team review 78), so that was withdrawn.
 
 Examples whose loss is not finite are left out of both sums (``where``), and their rows are not
 compared (their rows may be nan). A non-finite projection, a nan or a mismatch in another row reads as
@@ -101,9 +96,6 @@ ROW_RECHECKS = 8
 #: ``|w_r|`` in a row's recheck: a power of two, at least 2 from every other weight (``+-[1, 2)``).
 RECHECK_WEIGHT = 4.0
 
-#: The largest lift exponent (:func:`_lift`): ``2^1000`` is still a float64.
-MAX_LIFT = 1000
-
 #: Projection pairs ``(u_k, v_k)`` per row: the root mean square of ``K`` projections estimates the
 #: gap's norm without one Gaussian's tail (module docstring).
 PROJECTIONS = 8
@@ -127,7 +119,6 @@ class _RowSummaries:
     def __init__(self, keys: Dict[int, CallKey], seed: int, *, norms: bool = True):
         self.keys, self.seed, self.norms = keys, seed, norms
         self.values: Dict[Tuple[CallKey, int], Tuple[Tensor, Optional[Tensor], float]] = {}
-        self.dtypes: Dict[Tuple[CallKey, int], torch.dtype] = {}
         self._drawn: Dict[tuple, Tuple[Tensor, Tensor, float]] = {}
 
     def __call__(self, call: object, index: int, grad: Tensor) -> None:
@@ -139,7 +130,6 @@ class _RowSummaries:
         norm = _row_norms(rows) if self.norms else None
         projected = (torch.matmul(rows, v).to(u.dtype) * u).sum(1)  # [B, K]
         self.values[(key, index)] = (projected, norm, eps)
-        self.dtypes[(key, index)] = grad.dtype
 
     def _pairs(self, grad: Tensor) -> Tuple[Tensor, Tensor, float]:
         """``U [T, K]`` and ``V [D, K]`` for rows ``[T, D]`` of ``grad`` (``D`` its last dimension), drawn
@@ -203,48 +193,13 @@ def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey]) 
     failed, whole, agree = _row_agreement(unit.values, weighted.values, observed, weights, ok)
     if agree is not None and not agree.all():
 
-        def again(w: Tensor, scale: float = 1.0, norms: bool = False) -> _RowSummaries:
-            summaries = _RowSummaries(keys, seed, norms=norms)  # unit's pairs: the same seed
-            _backward_observed(torch.where(ok, w * losses, zero).sum() * scale, tape, summaries, edges)
-            return summaries
+        def again(w: Tensor) -> dict:
+            summaries = _RowSummaries(keys, seed, norms=False)  # unit's pairs: the same seed
+            _backward_observed(torch.where(ok, w * losses, zero).sum(), tape, summaries, edges)
+            return summaries.values
 
-        agree = agree | _rows_agreeing_lifted(~agree, whole, unit, weights, ok, again)
-        if not agree.all():
-            agree = agree | _rows_rechecked(~agree, whole, unit.values, losses, ok, generator,
-                                            lambda w: again(w).values)
+        agree = agree | _rows_rechecked(~agree, whole, unit.values, losses, ok, generator, again)
     return failed | _calls_failing(whole, agree)
-
-
-def _lift(failing: Tensor, whole: List, unit: _RowSummaries) -> Optional[float]:
-    """The power of two ``2^S`` that lifts the largest row of the unit pass to about the square root of its dtype's
-    largest value, where a failing row is below that dtype's ``sqrt(tiny)`` (its values underflow in the backward);
-    ``None`` where no row is that small or ``S < 1``."""
-    dtypes = [unit.dtypes[entry] for entry in whole]
-    norms = torch.stack([unit.values[entry][1] for entry in whole])  # [calls, B] float64
-    floors = torch.tensor([torch.finfo(d).tiny ** 0.5 for d in dtypes], dtype=norms.dtype, device=norms.device)
-    finite = norms.isfinite()
-    if not bool((failing & finite & (norms < floors[:, None])).any()):
-        return None
-    largest = float(norms.where(finite, 0.0).max())
-    ceiling = min(torch.finfo(d).max for d in dtypes) ** 0.5
-    exponent = min(math.floor(math.log2(ceiling / largest)) if largest > 0 else MAX_LIFT, MAX_LIFT)
-    return 2.0 ** exponent if exponent >= 1 else None
-
-
-def _rows_agreeing_lifted(failing: Tensor, whole: List, unit: _RowSummaries, weights: Tensor, ok: Tensor,
-                          again: Callable[..., _RowSummaries]) -> Tensor:
-    """``[len(whole), B]``: which rows agree when both passes run again with every loss times a power of two
-    (:func:`_lift`), which scales every gradient exactly where nothing under- or overflows (module docstring): two
-    backwards, where a failing row is at the dtype's underflow."""
-    lifted = torch.zeros_like(failing)
-    scale = _lift(failing, whole, unit)
-    if scale is None:
-        return lifted
-    ones = torch.ones_like(weights)
-    unit_lifted, weighted_lifted = again(ones, scale, norms=True), again(weights, scale)
-    _, seen, agree = _row_agreement(unit_lifted.values, weighted_lifted.values, {entry[0] for entry in whole},
-                                    weights, ok)
-    return agree if seen == whole and agree is not None else lifted
 
 
 def _rows_rechecked(failing: Tensor, whole: List, unit: dict, losses: Tensor, ok: Tensor,

@@ -102,7 +102,7 @@ from lit_zodp.per_example.checks import (RECHECK_PROBABILITY, Draws, ParameterWr
                                          refuse_batchnorm, refuse_buffer_writes, refuse_compiled,
                                          refuse_reentrant_checkpointing, rows_agree, rows_differ, size_through_draws,
                                          step_mode_recompute, warn_unchecked_training_mode, warn_unreplayed_draws)
-from lit_zodp.per_example.coverage import difference_norm, uncovered
+from lit_zodp.per_example.coverage import difference_norm, uncovered, wide_norm
 from lit_zodp.per_example.gradient_halves import LossesOf, refuse_gradient_mixing, tolerance_unit
 from lit_zodp.per_example.ghost import DENSE_CHUNK, at_least_float32, float64_norm_sq
 from lit_zodp.per_example.reference import call_gradients, is_batched
@@ -331,6 +331,28 @@ class _Batch:
     #: whole-gradient term of the final check's tolerance must still see them.
     covered_norm_sq: float | Tensor = 0.0
     second_pass: Optional[_SecondPass] = None
+    #: "hooks": the calls of layers called several times whose rows wait to be formed together (:class:`_HeldCalls`).
+    held: List["_HeldCalls"] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _HeldCalls:
+    """"hooks" mode: the parts of one layer's calls (an RNN's hidden-to-gates ``Linear``, once per step) held as their
+    output gradients arrive, until their rows (``a`` and ``g``, per example) reach the size of the layer's per-example
+    gradients (``budget`` elements) or the last call arrives; then formed as one product over their positions
+    (:meth:`PerExampleGradientEngine._form_held`). Held rows never outgrow the per-example gradients they add to."""
+
+    budget: int
+    remaining: int
+    parts: List[_Part] = field(default_factory=list)
+    size: int = 0
+
+    def add(self, parts: List[_Part]) -> bool:
+        """Hold one call's ``parts``; whether they are due to be formed."""
+        self.parts += parts
+        self.size += sum(x[0].numel() for part in parts for x in (part.a, part.g) if len(x))
+        self.remaining -= 1
+        return self.size >= self.budget or self.remaining == 0
 
 
 @dataclass(eq=False)
@@ -525,6 +547,14 @@ def _add_dense(batch: _Batch, grads: Dict[int, Tensor]) -> None:
     """Add per-example gradients ``[B, ...]`` by parameter index (a tied parameter's calls add up)."""
     for i, rows in grads.items():
         batch.dense[i] = rows if i not in batch.dense else batch.dense[i] + rows
+
+
+def _product_of_calls(parts: List[_Part], rows: Tuple[Tensor, Tensor]) -> Dict[int, Tensor]:
+    """Per-example gradients ``[B, ...]`` by parameter index of one layer's calls ``parts`` from their ``rows``
+    concatenated along the positions (:meth:`PerExampleGradientEngine._positions_of_calls`): one product."""
+    first = parts[0]
+    grads = first.sampler.grads(first.layer, *rows)
+    return {i: grads[local] for local, i in first.mine.items()}
 
 
 def _zero_rows(x: Tensor, ok: Optional[Tensor]) -> Tensor:
@@ -898,6 +928,8 @@ class PerExampleGradientEngine:
             batch_grads = self._checked_backward_streaming(losses, batch)
         else:
             batch_grads = self._backward(losses, tape, check=check, retain=mode == "ghost")
+        for held in batch.held:  # (calls whose output gradient never came, or came as the last)
+            self._form_held(plan, held, batch)
         tape.recording = False
         self._compute(plan, tape, size, ghost=mode == "bookkeeping", batch=batch)
         losses = losses.detach()
@@ -1246,9 +1278,10 @@ class PerExampleGradientEngine:
                 return
             full = self._projections[i].of_gradients(param.grad) if i in batch.projected else param.grad
             gap = difference_norm(total, full)
-            scale = batch.ghost_norm_sq[i].double().sqrt().sum() + full.norm().double()
+            norm = wide_norm(full)
+            scale = batch.ghost_norm_sq[i].double().sqrt().sum() + norm
             if bool(gap.double() <= eps * scale):
-                batch.covered_norm_sq = batch.covered_norm_sq + full.norm().double() ** 2
+                batch.covered_norm_sq = batch.covered_norm_sq + norm ** 2
                 param.grad = None  # covered: neither its sum nor its gradient is needed any more
             else:
                 batch.unit_diffs[i] = gap
@@ -1283,17 +1316,40 @@ class PerExampleGradientEngine:
         arrives and keeps neither that gradient nor its input, as Opacus' grad samplers do. Formed after the
         backward (until 2026-11-28), they were formed while every layer's input and output gradient was still
         held: ViT-tiny, batch 64, 1.5x the memory above the model of Opacus hooks."""
+        mine_of = {id(call): self._mine(call, plan) for call in tape.layer_calls}
+        calls = _by_module([call for call in tape.layer_calls if mine_of[id(call)]])
+        held: Dict[int, _HeldCalls] = {}
+        for module, group in calls.items():
+            if len(group) > 1:
+                budget = sum(self.params[i].numel() for i in mine_of[id(group[0])].values())
+                held[module] = _HeldCalls(budget, len(group))
+                batch.held.append(held[module])
         for call in tape.layer_calls:
-            mine = self._mine(call, plan)
-            if mine:
-                call.consume = self._dense_consumer(call, mine, batch)
+            if mine_of[id(call)]:
+                call.consume = self._dense_consumer(call, mine_of[id(call)], batch, plan, held.get(id(call.module)))
 
-    def _dense_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch):
+    def _dense_consumer(self, call: LayerCall, mine: Dict[str, int], batch: _Batch, plan: Dict[int, object],
+                        held: Optional[_HeldCalls]):
         def consume(grad: Tensor) -> None:
-            for part in self._parts(call, mine, batch, grad):
-                _add_dense(batch, part.grads())
+            parts = self._parts(call, mine, batch, grad)
             call.activation = None
+            if held is None:
+                for part in parts:
+                    _add_dense(batch, part.grads())
+            elif held.add(parts):
+                self._form_held(plan, held, batch)
         return consume
+
+    def _form_held(self, plan: Dict[int, object], held: _HeldCalls, batch: _Batch) -> None:
+        """Add the held calls' per-example gradients to ``batch.dense``: one product over their positions where the
+        layer's rule takes positions (:meth:`_positions_of_calls`), else call by call; the held rows are let go."""
+        parts, held.parts, held.size = held.parts, [], 0
+        rows = self._positions_of_calls(plan, parts) if parts else None
+        if rows is None:
+            for part in parts:
+                _add_dense(batch, part.grads())
+            return
+        _add_dense(batch, _product_of_calls(parts, rows))
 
     def _unseen_uses(self, plan: Dict[int, object], uses: ParameterUses) -> List[int]:
         """Parameters used outside every call of the source that forms their per-example gradients."""
@@ -1405,9 +1461,7 @@ class PerExampleGradientEngine:
                 for part in parts:
                     _add_dense(batch, part.grads())
                 continue
-            first = parts[0]
-            grads = first.sampler.grads(first.layer, *rows)
-            _add_dense(batch, {i: grads[local] for local, i in first.mine.items()})
+            _add_dense(batch, _product_of_calls(parts, rows))
             self._bound_from_rows(parts, rows, batch)
 
     def _positions_of_calls(self, plan: Dict[int, object], parts: List[_Part]) -> Optional[Tuple[Tensor, Tensor]]:

@@ -119,12 +119,13 @@ def test_per_example_gradients_equal_one_backward_per_example(mode):
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "bookkeeping"])
 def test_clipped_sums_equal_the_reference_and_each_gate_layer_is_one_product(monkeypatch, mode):
     """The clipped sum (the clip binding some examples) equals flat clipping of one backward per example, in float64.
-    In "ghost" and "bookkeeping" each hidden-to-gates ``Linear``'s per-example gradients are one product over all its
-    calls' positions (stop 64; before, one ``bmm`` per step, added up): ``outer_grads`` runs once per layer, with
-    every step's rows."""
-    products = []
+    Each hidden-to-gates ``Linear``'s per-example gradients are products over its calls' positions (stop 64; before,
+    one ``bmm`` per step, added up): in "ghost" and "bookkeeping" one per layer, with every step's rows; in "hooks",
+    where they are formed during the backward, one per chunk of calls whose rows reach the weight's size."""
+    products = []  # (positions, in, out) of each product
     original = samplers.outer_grads
-    monkeypatch.setattr(samplers, "outer_grads", lambda a, g: products.append(a.shape[1]) or original(a, g))
+    monkeypatch.setattr(samplers, "outer_grads",
+                        lambda a, g: products.append((a.shape[1], a.shape[2], g.shape[2])) or original(a, g))
     torch.set_default_dtype(torch.float64)
     try:
         model, inputs, targets = tiny(dropout=0.0), padded_batch(), torch.tensor([0, 1, 1, 0, 1])
@@ -139,8 +140,13 @@ def test_clipped_sums_equal_the_reference_and_each_gate_layer_is_one_product(mon
             assert_rel_close(got, sums[name], rtol=1e-9, name=name)
     finally:
         torch.set_default_dtype(torch.float32)
-    if mode != "hooks":  # (each layer's hidden Linear runs at steps 1..L-1; its input Linear once, by its own rule)
-        assert products == [inputs["input_ids"].shape[1] - 1] * len(model.layers), products
+    steps = inputs["input_ids"].shape[1] - 1  # (each layer's hidden Linear runs at steps 1..L-1)
+    hidden = [positions for positions, inputs_, outputs in products  # (not the second layer's input Linear)
+              if (inputs_, outputs) == (5, 20) and positions != steps + 1]
+    if mode == "hooks":  # chunks of 4 calls: 4 x (5 + 20) row elements, the size of the 20 x 5 weight's gradient
+        assert hidden == [4, steps - 4] * len(model.layers), products
+    else:  # one product per layer (the input Linear and the head by their own rules, implicit)
+        assert products == [(steps, 5, 20)] * len(model.layers), products
 
 
 def test_bad_options_and_tensor_data_are_refused_in_one_line():

@@ -344,8 +344,8 @@ def test_float32_rows_beyond_a_float32_sum_of_squares_keep_their_tolerance(scale
 class Underflowing(nn.Module):
     """Per-example: the hidden layer's rows are scaled by ``2^-e`` (``e`` the input's last column) before the head, so
     at ``e = 1060`` its output gradients are float64 subnormals, as an LSTM's early steps in float32 at length 290 are
-    (PAZO's IMDB model: its two hidden-to-gates weights went to the torch.func fallback at every step). ``mix`` adds
-    half of the next example's hidden row to each row: misaligned."""
+    (PAZO's IMDB model: its two hidden-to-gates weights go to the torch.func fallback). ``mix`` adds half of the next
+    example's hidden row to each row: misaligned."""
 
     def __init__(self, mix: bool = False):
         super().__init__()
@@ -365,16 +365,15 @@ def _underflowing_data(exponents):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype, exponent", [(torch.float32, 140), (torch.float64, 1060)], ids=["float32", "float64"])
-def test_rows_whose_gradients_underflow_keep_the_layer_rules(mode, dtype, exponent):
-    """Three rows at ``2^-140`` (float32) or ``2^-1060`` (float64) fail the first comparison by their own rounding (9
-    or 14 bits left). The two passes again, every loss times ``2^64`` or ``2^512``, lift them into the normal range,
-    where they agree: the layer rules stay (in float32 ``lin`` went to the fallback: its rows' float32 norms were 0),
-    and the clipped sum is the reference's."""
+def test_rows_whose_gradients_underflow_go_to_the_exact_fallback(mode, dtype, exponent):
+    """Three rows at ``2^-140`` (float32) or ``2^-1060`` (float64) fail the comparison by their own rounding (9 or 14
+    bits left): ``lin`` goes to the exact fallback, and the clipped sum is the reference's. (Comparing them again in
+    passes lifted by a power of two credited rows that were not the ones compared: red-team review 78, withdrawn.)"""
     model, (x, y) = _model(Underflowing).to(dtype), _underflowing_data([0, exponent] * 3)
     x = x.to(dtype)
     engine = PerExampleGradientEngine(model, mode=mode)
     result = engine.clipped_sum(lambda: _losses(model, x, y), 0.05)
-    assert engine.last_recomputed == {}
+    assert set(engine.last_recomputed) == {"lin.weight", "lin.bias"}
     sums, norms = _expected(model, x, y, engine.names, 0.05)
     rtol = 1e-9 if dtype == torch.float64 else 1e-5
     assert_rel_close(result.norms.double(), norms.double(), rtol=max(rtol, 1e-6), name="norms")
@@ -383,15 +382,15 @@ def test_rows_whose_gradients_underflow_keep_the_layer_rules(mode, dtype, expone
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_mixing_among_rows_whose_gradients_underflow_is_found_by_the_lifted_passes(monkeypatch, mode):
-    """Every row at ``2^-1060``, each also reached by the previous example's loss: every row fails the first comparison
-    (by rounding and by the mix), and the lifted passes still find the mix (``lin`` is recomputed). With the lifted
-    comparison blinded (every row agrees) the mixed rows are credited per example: the test can fail."""
+def test_mixing_among_rows_whose_gradients_underflow_is_found(monkeypatch, mode):
+    """Every row at ``2^-1060`` (float64 subnormals), each also reached by the previous example's loss: the gaps are
+    subnormal too, and their float64 squares are 0. Scaled before squaring (:func:`alignment._root_mean_square`) they
+    fail, and ``lin`` is recomputed; with the plain root mean square the mixed rows were credited per example."""
     model, (x, y) = _model(Underflowing, True), _underflowing_data([1060] * 6)
     engine = PerExampleGradientEngine(model, mode=mode)
     engine.clipped_sum(lambda: _losses(model, x, y), 0.05)
     assert "lin.weight" in engine.last_recomputed
-    monkeypatch.setattr(alignment, "_rows_agreeing_lifted", lambda failing, *args: torch.ones_like(failing))
+    monkeypatch.setattr(alignment, "_root_mean_square", lambda diff: diff.pow(2).mean(-1).sqrt())
     engine = PerExampleGradientEngine(model, mode=mode)
     engine.clipped_sum(lambda: _losses(model, x, y), 0.05)
     assert "lin.weight" not in engine.last_recomputed
