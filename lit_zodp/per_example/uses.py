@@ -19,7 +19,6 @@ differ from every batch checked before, so a use the mode cannot see is still ca
 
 from __future__ import annotations
 
-from itertools import chain
 from typing import Any, Dict, FrozenSet, Iterable, List, Sequence, Set
 
 import torch
@@ -53,7 +52,9 @@ class ParameterUses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        used = [i for value in chain(args, kwargs.values()) for i in self._tracked(value)]
+        used = self._tracked_in(args)
+        if kwargs:
+            used += self._tracked_in(kwargs.values())
         grad_enabled = torch.is_grad_enabled()
         out = func(*args, **kwargs)
         # metadata (.shape, .dtype, .size()) and .data are not uses; with grad disabled every tensor
@@ -64,9 +65,17 @@ class ParameterUses(TorchFunctionMode):
                 self.uses.setdefault(i, set()).add(enclosing)
         return out
 
-    def _tracked(self, value: Any) -> List[int]:
-        items = value if isinstance(value, (list, tuple)) else (value,)
-        return [self._index[id(item)] for item in items if id(item) in self._index]
+    def _tracked_in(self, values: Iterable[Any]) -> List[int]:
+        """Indices of the tracked parameters among ``values``, directly or in a list or tuple argument. It runs on every
+        torch call of the recorded forward (5,953 in PAZO's IMDB LSTM at 128 tokens, batch 64), so a loop without
+        intermediate lists: the mode added 7.7 ms to that 41 ms forward, 17 ms with a list per argument (stop 64)."""
+        index, used = self._index, []
+        for value in values:
+            if isinstance(value, (list, tuple)):
+                used.extend(index[id(item)] for item in value if id(item) in index)
+            elif id(value) in index:
+                used.append(index[id(value)])
+        return used
 
     def signature(self) -> FrozenSet:
         """The use pattern, to tell whether a batch's structure was seen (and checked) before."""

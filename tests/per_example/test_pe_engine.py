@@ -419,7 +419,7 @@ def test_the_numeric_check_catches_a_use_the_use_tracker_misses(monkeypatch, mod
     (in "ghost" mode compared as each gradient arrives), and the result is the reference's."""
     from lit_zodp.per_example import uses
 
-    monkeypatch.setattr(uses.ParameterUses, "_tracked", lambda self, value: [])
+    monkeypatch.setattr(uses.ParameterUses, "_tracked_in", lambda self, values: [])
     model = _SometimesFunctional().double()
     model.functional = True
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
