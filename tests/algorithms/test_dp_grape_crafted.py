@@ -219,11 +219,12 @@ def test_every_insertion_index_of_a_clipped_cancelling_record_in_a_batch_of_512(
     their dense sums were accumulated in float64 (review 55), 0.999998 C after. Open since cc01332 (found at stop 57,
     bisected): ``64 x 64``, rank 4, in "ghost" and "bookkeeping" gives 1.0000016 C at ``T = 5``, ratio 128 (the
     ghost norms' new T = 1 bound moved the honest factors by 2.4e-6; the record's guard ``(T + 2) u S_i`` is at the
-    edge of those modes' float32 sums)."""
+    edge of those modes' float32 sums). The edge follows the host's float32 kernels: on an AMD EPYC (stop 64) the same
+    case measured 0.9999926 C, at b936fd1 and at eabc8e1 alike, so the mark is not strict."""
     if (d_in, d_out, rank) == (64, 64, 4) and mode in ("ghost", "bookkeeping"):
         request.applymarker(pytest.mark.xfail(
-            strict=True, reason="open (cc01332, found at stop 57): 1.0000016 C, the cancelling record's guard at the "
-                                "edge of float32 sums"))
+            strict=False, reason="open (cc01332, found at stop 57): 1.0000016 C on some hosts (0.9999926 C on an AMD "
+                                 "EPYC), the cancelling record's guard at the edge of float32 sums"))
     worst = 0.0
     for positions in (2, 5):
         model = Pooled(d_in, d_out)
