@@ -100,11 +100,13 @@ def test_config_runs_on_fabricated_files(path, cifar_root, tmp_path, monkeypatch
         labels = Counter(int(dm.pool_dataset[i][1]) for i in dm.public_indices)
         assert sum(labels.values()) == len(dm.public_indices) > 0 and labels[0] >= labels[9]
         assert not set(dm.public_indices) & set(dm.private_indices)
-    else:  # half MNLI, half SNLI (the fabricated SNLI pairs start with "Public:"), no public example private
+    else:  # MNLI, SNLI or half of each (the fabricated SNLI pairs start with "Public:"), no public example private
         from datamodules.prompt_text import record_key
 
         keys = [record_key(dm.spec, r) for r in dm._load_public()[0].records]
-        assert sum(key[0].startswith("Public:") for key in keys) == len(keys) // 2 > 0
+        setting = path.stem.split("_public-")[1].rsplit("_eps", 1)[0]
+        snli = {"mnli": 0, "snli": len(keys), "half-half": len(keys) // 2}[setting]
+        assert sum(key[0].startswith("Public:") for key in keys) == snli and len(keys) > 0
         pool = [record_key(dm.spec, r) for r in dm.pool_dataset.records]
         assert not {pool[i] for i in dm.private_indices} & set(keys)
 
