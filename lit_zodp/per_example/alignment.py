@@ -158,8 +158,14 @@ def _row_norms(rows: Tensor) -> Tensor:
     flat = rows.flatten(1)
     if flat.dtype != torch.float64 or flat.shape[1] == 0:
         return float64_norm_sq(flat).sqrt()
-    largest = flat.abs().amax(1)
-    return largest * torch.linalg.vector_norm(flat / torch.where(largest > 0, largest, 1.0)[:, None], dim=1)
+    return _scaled_norm(flat)
+
+
+def _scaled_norm(x: Tensor) -> Tensor:
+    """The norm over the last dimension, taken of ``x`` divided by its largest magnitude and multiplied back: float64
+    squares of values below ``1e-154`` are 0 (and of subnormal ones always)."""
+    largest = x.abs().amax(-1)
+    return largest * torch.linalg.vector_norm(x / torch.where(largest > 0, largest, 1.0)[..., None], dim=-1)
 
 
 def _backward_observed(total: Tensor, tape: Tape, summaries: _RowSummaries, edges: List) -> None:
@@ -238,8 +244,7 @@ def _disagreeing(unit: dict, weighted: dict, calls: Iterable[CallKey], weights: 
 def _root_mean_square(diff: Tensor) -> Tensor:
     """The root mean square over the last dimension, scaled by its largest value: float64 squares of subnormal float64
     differences are 0 (a gap of ``1e-322`` measured 0 and passed a tolerance of 0)."""
-    largest = diff.abs().amax(-1)
-    return largest * (diff / torch.where(largest > 0, largest, 1.0)[..., None]).pow(2).mean(-1).sqrt()
+    return _scaled_norm(diff) / math.sqrt(diff.shape[-1])
 
 
 def _row_agreement(unit: dict, weighted: dict, calls: Iterable[CallKey], weights: Tensor,

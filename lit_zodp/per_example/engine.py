@@ -549,14 +549,6 @@ def _add_dense(batch: _Batch, grads: Dict[int, Tensor]) -> None:
         batch.dense[i] = rows if i not in batch.dense else batch.dense[i] + rows
 
 
-def _product_of_calls(parts: List[_Part], rows: Tuple[Tensor, Tensor]) -> Dict[int, Tensor]:
-    """Per-example gradients ``[B, ...]`` by parameter index of one layer's calls ``parts`` from their ``rows``
-    concatenated along the positions (:meth:`PerExampleGradientEngine._positions_of_calls`): one product."""
-    first = parts[0]
-    grads = first.sampler.grads(first.layer, *rows)
-    return {i: grads[local] for local, i in first.mine.items()}
-
-
 def _zero_rows(x: Tensor, ok: Optional[Tensor]) -> Tensor:
     """Rows of non-finite examples (``ok`` false; ``None``: none) set to 0 with ``where``, since
     multiplying by a zero factor would keep ``0 * nan = nan``."""
@@ -1342,14 +1334,24 @@ class PerExampleGradientEngine:
 
     def _form_held(self, plan: Dict[int, object], held: _HeldCalls, batch: _Batch) -> None:
         """Add the held calls' per-example gradients to ``batch.dense``: one product over their positions where the
-        layer's rule takes positions (:meth:`_positions_of_calls`), else call by call; the held rows are let go."""
+        layer's rule takes positions (:meth:`_add_calls`), else call by call; the held rows are let go."""
         parts, held.parts, held.size = held.parts, [], 0
-        rows = self._positions_of_calls(plan, parts) if parts else None
+        if parts:
+            self._add_calls(plan, parts, batch)
+
+    def _add_calls(self, plan: Dict[int, object], parts: List[_Part],
+                   batch: _Batch) -> Optional[Tuple[Tensor, Tensor]]:
+        """Add one layer's calls ``parts`` to ``batch.dense``: one product over their positions where
+        :meth:`_positions_of_calls` gives them (returned, for :meth:`_bound_from_rows`), else call by call."""
+        rows = self._positions_of_calls(plan, parts)
         if rows is None:
             for part in parts:
                 _add_dense(batch, part.grads())
-            return
-        _add_dense(batch, _product_of_calls(parts, rows))
+            return None
+        first = parts[0]
+        grads = first.sampler.grads(first.layer, *rows)
+        _add_dense(batch, {i: grads[local] for local, i in first.mine.items()})
+        return rows
 
     def _unseen_uses(self, plan: Dict[int, object], uses: ParameterUses) -> List[int]:
         """Parameters used outside every call of the source that forms their per-example gradients."""
@@ -1456,13 +1458,9 @@ class PerExampleGradientEngine:
                     continue
                 dense.setdefault(id(call.module), []).append(part)
         for parts in dense.values():
-            rows = self._positions_of_calls(plan, parts)
-            if rows is None:
-                for part in parts:
-                    _add_dense(batch, part.grads())
-                continue
-            _add_dense(batch, _product_of_calls(parts, rows))
-            self._bound_from_rows(parts, rows, batch)
+            rows = self._add_calls(plan, parts, batch)
+            if rows is not None:
+                self._bound_from_rows(parts, rows, batch)
 
     def _positions_of_calls(self, plan: Dict[int, object], parts: List[_Part]) -> Optional[Tuple[Tensor, Tensor]]:
         """The rows of a layer's calls concatenated along the positions, ``a [B, T, ...]`` and ``g [B, T, out]``,
