@@ -29,6 +29,22 @@ passes one row with probability 0.019 (``chi2_8 < 2``) instead of 0.38 (``|N| < 
 Cost: two backwards, on a batch whose call structure (with which calls are aligned by shape) is new
 to the engine (and one per rechecked row, below).
 
+**Layers with a rule are compared through what their rule credits** (stop 65; the engine without a transform:
+``by_rules``). A row's norm is not the scale of what is credited from it: a Linear credits ``sum_t g_{r,t}
+a_{r,t}^T``, so a position with zero input and a large gradient widened the tolerance at the row's other positions
+(2.26 C, red-team review 78, finding 4), and a layer called twice, on ``x`` and ``-x``, credits the sum of two rows
+whose own parts cancel, leaving a batch-mate's part that each row held within tolerance (2.2 C, stop 65). So for a
+rule layer each pass takes, per trainable parameter, ``v_k^T G_r u_k`` for ``K =`` :data:`CREDITED_PROJECTIONS` secret
+Gaussian pairs, with ``G_r`` the per-example gradient the rule forms from the call's input and output gradient
+(:meth:`.samplers.Sampler.project`: from the rows for Linear and Embedding, materialised a few rows at a time
+otherwise), summed over every call that credits the parameter (a tied weight's calls through other layers included).
+The gap and the tolerance are those above with ``||G_1[r]||`` estimated by the root mean square of the first pass's
+projections (``E[(v^T G u)^2] = ||G||_F^2``): a batch-mate's part passes only below about ``2 sqrt(eps)`` of the
+example's credited gradient, whatever the row's norm, and the clipped sum moves by at most twice that share of ``C``
+when it is removed. A parameter that fails sends every call crediting it to the fallback. What this leaves open: the
+vmap fallback's module calls and layers under a transform (DP-GRAPE's projections, DOPE-SGD's recentring) are still
+compared row by row, and an unchecked step is not compared at all (review 78, finding 2).
+
 A row whose exact gradient is 0 but whose computed one is its own rounding noise is not ``w_r`` times
 its first-pass value: rounding is not linear in ``w_r``. A one-token sequence under a causal mask has a
 softmax of one entry, whose score gradient is exactly 0; the fused (SDPA) backward forms it as
@@ -51,8 +67,9 @@ The row norms and the gap are taken so that neither underflows nor overflows (:f
 :func:`_root_mean_square`; stop 64): a float32 sum of squares gave rows above ``1e19`` a tolerance of ``inf``, through
 which another example's part of 1e-2 of the row passed, and rows below ``1e-22`` one of 0; float64 squares of
 subnormal gaps measured 0, through which half of another example's row passed. Rows among the subnormals are rounded in
-absolute steps and fail by their own rounding (an LSTM's early steps at 290 tokens, in float32): their layer goes to
-the exact fallback. Running both passes again with every loss times a power of two compared rows that were not the
+absolute steps and fail by their own rounding; compared through what is credited, an LSTM's early steps at 290 tokens
+in float32 are a negligible part of the hidden layers' sums over their calls and keep the rules (they went to the
+exact fallback until stop 65), while a parameter whose credited gradient is itself subnormal still goes there. Running both passes again with every loss times a power of two compared rows that were not the
 ones credited: a record whose own part underflowed to 0 in the step's backward, leaving only a batch-mate's share,
 agreed there (1.95 C, red-team review 78), so that was withdrawn.
 
@@ -74,7 +91,8 @@ from torch import Tensor
 
 from lit_zodp.per_example.ghost import float64_norm_sq
 from lit_zodp.per_example.rounding import working_eps
-from lit_zodp.per_example.tape import Tape
+from lit_zodp.per_example.samplers import Sampler, sampler_for
+from lit_zodp.per_example.tape import LayerCall, Tape
 from lit_zodp.privacy.training_randomness import checks_own_draws, secret_cpu_generator
 
 #: ``("layer" | "module", position in the tape's calls of that kind)``
@@ -100,6 +118,10 @@ RECHECK_WEIGHT = 4.0
 #: gap's norm without one Gaussian's tail (module docstring).
 PROJECTIONS = 8
 
+#: Random directions per parameter in the comparison of what the rules credit: the tolerance's norm is estimated from
+#: them too (module docstring).
+CREDITED_PROJECTIONS = 16
+
 
 def _projection_dtype(dtype: torch.dtype) -> torch.dtype:
     """The gradient's own dtype, so a bfloat16 gradient is not copied to float32: ``G[r] V`` is
@@ -116,20 +138,47 @@ class _RowSummaries:
     :func:`_disagreeing` needs no other norm, which saves a read of every gradient). The hooks run
     between backward kernels: a few operations each, compared after the pass."""
 
-    def __init__(self, keys: Dict[int, CallKey], seed: int, *, norms: bool = True):
-        self.keys, self.seed, self.norms = keys, seed, norms
+    def __init__(self, keys: Dict[int, CallKey], seed: int, *, norms: bool = True,
+                 credited: Optional["_Credited"] = None):
+        self.keys, self.seed, self.norms, self.credited = keys, seed, norms, credited
         self.values: Dict[Tuple[CallKey, int], Tuple[Tensor, Optional[Tensor], float]] = {}
         self._drawn: Dict[tuple, Tuple[Tensor, Tensor, float]] = {}
+        #: Per parameter of the credited calls: the sum over its calls of ``v_k^T G_i u_k``, and ``sqrt(eps)``.
+        self._credited_sums: Dict[CallKey, Tuple[Tensor, float]] = {}
+        #: The credited calls whose output gradient arrived.
+        self.credited_seen: Set[CallKey] = set()
 
     def __call__(self, call: object, index: int, grad: Tensor) -> None:
         key = self.keys.get(id(call))
         if key is None or grad.dim() == 0:
+            return
+        if self.credited is not None and id(call) in self.credited.samplers:
+            self._credit(call, key, grad)
             return
         u, v, eps = self._pairs(grad)
         rows = (grad if grad.dtype == v.dtype else grad.to(v.dtype)).reshape(grad.shape[0], u.shape[0], v.shape[0])
         norm = _row_norms(rows) if self.norms else None
         projected = (torch.matmul(rows, v).to(u.dtype) * u).sum(1)  # [B, K]
         self.values[(key, index)] = (projected, norm, eps)
+
+    def _credit(self, call: LayerCall, key: CallKey, grad: Tensor) -> None:
+        """Add the call's per-example gradients, projected on each parameter's directions, to the parameter's sums
+        (:class:`_Credited`)."""
+        credited = self.credited
+        sampler = credited.samplers[id(call)]
+        dtypes = [t.dtype for t in (grad, call.activation) if t.is_floating_point()]
+        eps = working_eps(grad.device.type, *dtypes) ** 0.5
+        for name, projected in sampler.project(call.module, call.activation, grad, credited.directions).items():
+            param = credited.params[id(getattr(call.module, name))]
+            total, known = self._credited_sums.get(param, (None, 0.0))
+            self._credited_sums[param] = (projected if total is None else total + projected, max(known, eps))
+        self.credited_seen.add(key)
+
+    def finish(self) -> None:
+        """After the pass: each credited parameter's summaries, with the root mean square of its projections as the
+        norm (an estimate of ``||G_i||``; module docstring)."""
+        for param, (total, eps) in self._credited_sums.items():
+            self.values[(param, 0)] = (total, _root_mean_square(total) if self.norms else None, eps)
 
     def _pairs(self, grad: Tensor) -> Tuple[Tensor, Tensor, float]:
         """``U [T, K]`` and ``V [D, K]`` for rows ``[T, D]`` of ``grad`` (``D`` its last dimension), drawn
@@ -174,10 +223,54 @@ def _backward_observed(total: Tensor, tape: Tape, summaries: _RowSummaries, edge
         torch.autograd.backward(total, inputs=edges, retain_graph=True)
     finally:
         tape.observer = None
+    summaries.finish()
 
 
-def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey]) -> Set[CallKey]:
-    """The ``candidates`` (calls aligned by shape) whose output rows are reached by other examples' losses.
+class _Credited:
+    """The shape-aligned calls of layers with a rule, compared through what their rule credits (module docstring):
+    ``samplers`` (call id -> its rule), ``params`` (parameter id -> its key ``("param", k)``), ``members`` (a
+    parameter's key -> the calls crediting it) and ``directions`` (:data:`.samplers.Directions`, drawn from the
+    secret ``seed`` per parameter: the same in every pass)."""
+
+    def __init__(self, tape: Tape, candidates: Iterable[CallKey], seed: int):
+        self.seed = seed
+        self.samplers: Dict[int, Sampler] = {}
+        self.params: Dict[int, CallKey] = {}
+        self.members: Dict[CallKey, Set[CallKey]] = {}
+        self._drawn: Dict[tuple, Tuple[Tensor, Optional[Tensor]]] = {}
+        for kind, position in candidates:
+            call = tape.layer_calls[position] if kind == "layer" else None
+            sampler = sampler_for(call.module) if call is not None else None
+            if sampler is None:
+                continue
+            self.samplers[id(call)] = sampler
+            for param in call.module.parameters(recurse=False):
+                key = self.params.setdefault(id(param), ("param", len(self.params)))
+                self.members.setdefault(key, set()).add((kind, position))
+
+    def directions(self, param: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Optional[Tensor]]:
+        found = (id(param), dtype)
+        if found not in self._drawn:
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed((self.seed + 1_000_003 * self.params[id(param)][1]) % 2**63)
+            first = param.shape[0] if param.dim() >= 2 else param.numel()
+            with checks_own_draws():
+                v = torch.randn(first, CREDITED_PROJECTIONS, generator=generator, device=param.device, dtype=dtype)
+                u = (torch.randn(param.numel() // max(first, 1), CREDITED_PROJECTIONS, generator=generator,
+                                 device=param.device, dtype=dtype) if param.dim() >= 2 else None)
+            self._drawn[found] = (v, u)
+        return self._drawn[found]
+
+    def calls_of(self, keys: Iterable[CallKey]) -> Set[CallKey]:
+        """``keys`` with each parameter's key replaced by the calls crediting it."""
+        return {call for key in keys for call in (self.members[key] if key in self.members else (key,))}
+
+
+def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey], *,
+                     by_rules: bool = False) -> Set[CallKey]:
+    """The ``candidates`` (calls aligned by shape) whose output rows are reached by other examples' losses; with
+    ``by_rules``, the calls of layers with a rule compared through the per-example gradients their rules form (module
+    docstring; the engine without a transform).
 
     Leaves the graph retained and the tape's recordings untouched.
     """
@@ -192,7 +285,8 @@ def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey]) 
     weights = _random_weights(losses, generator)
     with checks_own_draws():
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    unit, weighted = _RowSummaries(keys, seed), _RowSummaries(keys, seed, norms=False)
+    credited = _Credited(tape, keys.values(), seed) if by_rules else None
+    unit, weighted = (_RowSummaries(keys, seed, norms=norms, credited=credited) for norms in (True, False))
     _backward_observed(torch.where(ok, losses, zero).sum(), tape, unit, edges)
     _backward_observed(torch.where(ok, weights * losses, zero).sum(), tape, weighted, edges)
     observed = {key for key, _ in unit.values} | {key for key, _ in weighted.values}
@@ -200,12 +294,15 @@ def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey]) 
     if agree is not None and not agree.all():
 
         def again(w: Tensor) -> dict:
-            summaries = _RowSummaries(keys, seed, norms=False)  # unit's pairs: the same seed
+            summaries = _RowSummaries(keys, seed, norms=False, credited=credited)  # unit's pairs: the same seed
             _backward_observed(torch.where(ok, w * losses, zero).sum(), tape, summaries, edges)
             return summaries.values
 
         agree = agree | _rows_rechecked(~agree, whole, unit.values, losses, ok, generator, again)
-    return failed | _calls_failing(whole, agree)
+    failing = failed | _calls_failing(whole, agree)
+    if credited is None:
+        return failing
+    return credited.calls_of(failing) | (unit.credited_seen ^ weighted.credited_seen)
 
 
 def _rows_rechecked(failing: Tensor, whole: List, unit: dict, losses: Tensor, ok: Tensor,
@@ -257,16 +354,17 @@ def _row_agreement(unit: dict, weighted: dict, calls: Iterable[CallKey], weights
     calls = set(calls)
     entries = [entry for entry in set(unit) | set(weighted) if entry[0] in calls]
     whole = sorted(entry for entry in entries if entry in unit and entry in weighted
-                   and unit[entry][0].shape == weighted[entry][0].shape == (*weights.shape, PROJECTIONS))
+                   and unit[entry][0].shape == weighted[entry][0].shape
+                   and unit[entry][0].shape in ((*weights.shape, PROJECTIONS), (*weights.shape, CREDITED_PROJECTIONS)))
     failed = {entry[0] for entry in set(entries) - set(whole)}
     if not whole:
         return failed, whole, None
-    p1, n1, pw = (torch.stack([values[entry][i].to(weights.device) for entry in whole]).double()
-                  for values, i in ((unit, 0), (unit, 1), (weighted, 0)))
+    w = weights.to(device=weights.device, dtype=torch.float64)
+    gap = torch.stack([_root_mean_square(weighted[entry][0].to(weights.device).double()
+                                         - w[:, None] * unit[entry][0].to(weights.device).double()) for entry in whole])
+    n1 = torch.stack([unit[entry][1].to(weights.device) for entry in whole]).double()
     eps = torch.tensor([unit[entry][2] for entry in whole], dtype=torch.float64, device=weights.device)
     if exact:  # (a recheck at a power-of-two weight: the row's own part scales exactly; ``eps``, not its root)
         eps = eps.square()
-    w = weights.to(device=weights.device, dtype=torch.float64)
-    gap = _root_mean_square(pw - w[:, None] * p1)
     agree = (gap <= 2 * eps[:, None] * w.abs() * n1) & gap.isfinite() & n1.isfinite() | ~ok.to(weights.device)
     return failed, whole, agree

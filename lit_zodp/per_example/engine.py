@@ -973,7 +973,8 @@ class PerExampleGradientEngine:
                                                      tape.loss_state, every_pair=known is None)
         misaligned = known
         if misaligned is None:
-            misaligned = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, len(losses))))
+            misaligned = frozenset(misaligned_calls(tape, losses, self._shape_aligned(tape, len(losses)),
+                                                    by_rules=self.transform is None))
         self._refuse_folded_mixing(tape, roots, len(losses), misaligned)
         if known is None and _comparable(losses):
             self._misaligned[structure] = misaligned

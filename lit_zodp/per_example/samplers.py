@@ -33,6 +33,11 @@ from lit_zodp.per_example.ghost import (embedding_norm_sq, gram_norm_sq, outer_n
                                         summed_norm_sq)
 
 LayerRule = Callable[[nn.Module, Tensor, Tensor], Dict[str, Tensor]]
+#: ``directions(param, dtype) -> (v [S_0, K], u [S_1 * ... * S_n, K])`` for a parameter of shape ``S`` (``u`` is
+#: ``None`` for a parameter of at most one dimension, ``v [numel, K]``): ``K`` secret random directions
+#: ``v_k u_k^T`` in the parameter's space (:meth:`Sampler.project`).
+Directions = Callable[[Tensor, torch.dtype], Tuple[Tensor, Optional[Tensor]]]
+ProjectedRule = Callable[[nn.Module, Tensor, Tensor, Directions], Dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,23 @@ class Sampler:
     #: A call's rows as positions ``[B, T, ...]`` (``a``) and ``[B, T, out]`` (``g``), in the form ``norms`` takes:
     #: the rows of several calls concatenated along ``T`` are one call's, whose gradient is the calls' sum.
     positions: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None
+    projected: Optional[ProjectedRule] = None
+
+    def project(self, layer: nn.Module, a: Tensor, g: Tensor, directions: Directions) -> Dict[str, Tensor]:
+        """``v_k^T G_i u_k`` per example and direction, ``[B, K]`` in float64, of the per-example gradients ``G_i``
+        this rule forms from ``(a, g)`` (what the alignment check compares, :mod:`.alignment`); without a
+        ``projected`` rule, from ``grads`` materialised a few rows at a time."""
+        if self.projected is not None:
+            return self.projected(layer, a, g, directions)
+        params = sum(p.numel() for p in layer.parameters(recurse=False)) or 1
+        chunk = max(1, max(g.numel(), MATERIALISED_ELEMENTS) // params)
+        parts: Dict[str, list] = {}
+        for start in range(0, len(g), chunk):
+            rows = slice(start, start + chunk)
+            for name, grads in self.grads(layer, a[rows], g[rows]).items():
+                parts.setdefault(name, []).append(projected_rows(grads, *directions(getattr(layer, name),
+                                                                                    _wide(grads.dtype))))
+        return {name: torch.cat(chunks) for name, chunks in parts.items()}
 
     def sum_over_examples(self, layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
         """``sum_i G_i``; without a ``summed`` rule, materialise and reduce."""
@@ -73,13 +95,14 @@ def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
                      supports: Optional[Callable[[nn.Module], bool]] = None,
                      weight_rows: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None,
                      parameters: Optional[Iterable[str]] = None,
-                     positions: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None):
+                     positions: Optional[Callable[[nn.Module, Tensor, Tensor], Tuple[Tensor, Tensor]]] = None,
+                     projected: Optional[ProjectedRule] = None):
     """Decorator registering ``fn(layer, a, g) -> {name: [B, *shape]}`` for ``layer_types``.
 
     ``register_sampler(nn.Linear)(fn)`` replaces any earlier rule for ``nn.Linear``. ``parameters``:
     the direct parameter names the rule forms; a layer holding others (the old-style
     ``torch.nn.utils.weight_norm``'s ``weight_g``/``weight_v`` on a Linear) gets no rule (``None``: any).
-    ``positions``: see :attr:`Sampler.positions`.
+    ``positions``: see :attr:`Sampler.positions`; ``projected``: see :meth:`Sampler.project`.
     """
     raise_if_any([None if layer_types else "Expected at least one layer type in `register_sampler`"]
                  + [None if isinstance(t, type) and issubclass(t, nn.Module)
@@ -89,7 +112,8 @@ def register_sampler(*layer_types: type, norms: Optional[LayerRule] = None,
     def decorator(fn: LayerRule) -> LayerRule:
         for layer_type in layer_types:
             _SAMPLERS[layer_type] = Sampler(fn, norms, summed, supports, weight_rows,
-                                            None if parameters is None else frozenset(parameters), positions)
+                                            None if parameters is None else frozenset(parameters), positions,
+                                            projected)
         return fn
 
     return decorator
@@ -114,6 +138,30 @@ def _holds_only(layer: nn.Module, names: Optional[FrozenSet[str]]) -> bool:
 
 
 # --------------------------------------------------------------------------------------- helpers
+
+#: Per-example gradient elements :meth:`Sampler.project` materialises at once (at least a call's output gradient's).
+MATERIALISED_ELEMENTS = 2 ** 22
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def scaled_rows(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """``x [B, ...]`` in at least float32 with each row divided by its largest magnitude (a zero row by 1), and those
+    magnitudes in float64: products of the scaled rows neither under- nor overflow where the row's values do not."""
+    wide = x.to(_wide(x.dtype))
+    if wide.dim() < 2 or wide[0].numel() == 0:
+        return wide, torch.zeros(len(x), dtype=torch.float64, device=x.device)
+    scale = wide.abs().flatten(1).amax(1)
+    return wide / torch.where(scale > 0, scale, 1.0).view(-1, *[1] * (wide.dim() - 1)), scale.double()
+
+
+def projected_rows(grads: Tensor, v: Tensor, u: Optional[Tensor]) -> Tensor:
+    """``v_k^T G_i u_k`` ``[B, K]`` (float64) of materialised per-example gradients ``G [B, *S]`` (:data:`Directions`)."""
+    rows, scale = scaled_rows(grads.reshape(len(grads), v.shape[0], -1))
+    projected = rows[..., 0] @ v if u is None else ((rows @ u) * v).sum(1)
+    return projected.double() * scale[:, None]
 
 
 def _row_norm_sq(per_example: Tensor) -> Tensor:
@@ -201,8 +249,23 @@ def _linear_rows(layer: nn.Linear, a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor
     return _as_sequences(a, g)
 
 
+def _linear_projected(layer: nn.Linear, a: Tensor, g: Tensor, directions: Directions) -> Dict[str, Tensor]:
+    """``v^T G_i u = sum_t (g_{i,t} . v)(a_{i,t} . u)`` and ``sum_t g_{i,t} . v`` for the bias, no ``[B, out, in]``."""
+    a, g = _as_sequences(a, g)
+    g, g_scale = scaled_rows(g)
+    out = {}
+    if _trainable(layer, "weight"):
+        v, u = directions(layer.weight, g.dtype)
+        a, a_scale = scaled_rows(a)
+        out["weight"] = ((a @ u) * (g @ v)).sum(1).double() * (a_scale * g_scale)[:, None]
+    if _trainable(layer, "bias"):
+        v, _ = directions(layer.bias, g.dtype)
+        out["bias"] = (g.sum(1) @ v).double() * g_scale[:, None]
+    return out
+
+
 register_sampler(nn.Linear, parameters=WEIGHT_AND_BIAS, norms=_linear_norms, summed=_linear_summed,
-                 weight_rows=_linear_rows, positions=_linear_rows)(_linear_grads)
+                 weight_rows=_linear_rows, positions=_linear_rows, projected=_linear_projected)(_linear_grads)
 
 
 # --------------------------------------------------------------------------------------- Embedding
@@ -251,8 +314,22 @@ def _embedding_summed(layer: nn.Embedding, idx: Tensor, g: Tensor) -> Dict[str, 
     return {"weight": total}
 
 
+def _embedding_projected(layer: nn.Embedding, idx: Tensor, g: Tensor, directions: Directions) -> Dict[str, Tensor]:
+    """``v^T G_i u = sum_t v[x_{i,t}] (g_{i,t} . u)`` over positions not at ``padding_idx``, no ``[B, V, D]``."""
+    if not _trainable(layer, "weight"):
+        return {}
+    idx, g = _embedding_rows(layer, idx, g)
+    g, scale = scaled_rows(g)
+    v, u = directions(layer.weight, g.dtype)
+    picked = v[idx]
+    if layer.padding_idx is not None:
+        picked = picked * (idx != layer.padding_idx).unsqueeze(-1)
+    return {"weight": (picked * (g @ u)).sum(1).double() * scale[:, None]}
+
+
 register_sampler(nn.Embedding, parameters=WEIGHT_AND_BIAS, norms=_embedding_norms, summed=_embedding_summed,
-                 supports=_embedding_supported, positions=_embedding_rows)(_embedding_grads)
+                 supports=_embedding_supported, positions=_embedding_rows,
+                 projected=_embedding_projected)(_embedding_grads)
 
 
 # ----------------------------------------------------------------------------------- Normalisation

@@ -4,8 +4,9 @@ e6c6fde compared rows failing by their own underflow again in passes where every
 see the rows as exact arithmetic has them, while the engine credits the rows of the step's own backward, at scale 1.
 Where a row's own part underflows to 0 at scale 1 (and only there), the two are different rows: the lifted comparison
 found example ``r``'s own part dominant and agreed, while the credited row held only another example's part (finding 1,
-1.95 C). The lifted comparison was withdrawn; the float64 norms and gap stay. Findings 2 and 4 predate it (open);
-finding 3 (the coverage check's float32 norms) is fixed.
+1.95 C). The lifted comparison was withdrawn; the float64 norms and gap stay. Findings 2 and 4 predate it: 2 is open,
+4 is closed since stop 65 (rule layers compared through what their rules credit); finding 3 (the coverage check's
+float32 norms) is fixed.
 """
 
 import pytest
@@ -153,9 +154,8 @@ class DeadPosition(nn.Module):
         return self.head(first * torch.exp2(x[:, 0, 4:]) + h[:, 1] * torch.exp2(x[:, 1, 4:]))
 
 
-@pytest.mark.xfail(strict=True, reason="open (review 78, finding 4, predates e6c6fde): a row's tolerance is relative "
-                                       "to its whole norm, which a position no parameter is credited sets")
-def test_a_dead_position_does_not_widen_its_rows_tolerance(monkeypatch):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dead_position_does_not_widen_its_rows_tolerance(monkeypatch, mode):
     """The record's second position has zero features (a padding vector) and an output gradient ``2^60`` times the
     others': no parameter of ``lin`` is credited with it (its activation is 0), yet it sets ``||G_1[r]||``, so the
     tolerance ``2 sqrt(eps) |w_r| ||G_1[r]||`` admits any part of another example at the first position, which the
@@ -163,7 +163,9 @@ def test_a_dead_position_does_not_widen_its_rows_tolerance(monkeypatch):
     2.26 C released on one removal (hooks, gradient halves patched off; the same on b936fd1: not from e6c6fde). The
     gradient halves refused 28 of 40 checked steps (12 passed silently); unchecked steps run no check. Safe
     behaviour: the step refused, or at most C released. (Finding 1 in another form: the comparison's scale, a whole
-    row's norm, is not the scale of what is credited from that row, ``a_r^T G[r]``.)"""
+    row's norm, is not the scale of what is credited from that row, ``a_r^T G[r]``.) Closed in stop 65: a rule
+    layer's calls are compared through the per-example gradients the rule credits (:mod:`.alignment`), where the dead
+    position contributes nothing; ``lin`` goes to the fallback, and the step is refused (every mode)."""
     monkeypatch.setattr(engine_module, "refuse_gradient_mixing", lambda *args, **kwargs: None)
     torch.manual_seed(0)
     model = DeadPosition().float()
@@ -174,6 +176,6 @@ def test_a_dead_position_does_not_widen_its_rows_tolerance(monkeypatch):
     x[RECORD, 0, :4] = 1e6 * torch.tensor([1.0, -1.0, 1.0, 1.0], dtype=torch.float32)
     x[RECORD, 0, 4], x[RECORD, 1, :4], x[RECORD, 1, 4] = -30.0, 0.0, 60.0
     try:
-        assert _sensitivity(model, x, y, "hooks", 1e-3) <= 1 + 1e-6
+        assert _sensitivity(model, x, y, mode, 1e-3) <= 1 + 1e-6
     except PrivacyConfigError:
         pass  # refused: safe
