@@ -34,14 +34,15 @@ to the engine (and one per rechecked row, below).
 a_{r,t}^T``, so a position with zero input and a large gradient widened the tolerance at the row's other positions
 (2.26 C, red-team review 78, finding 4), and a layer called twice, on ``x`` and ``-x``, credits the sum of two rows
 whose own parts cancel, leaving a batch-mate's part that each row held within tolerance (2.2 C, stop 65). So for a
-rule layer each pass takes, per trainable parameter, ``v_k^T G_r u_k`` for ``K =`` :data:`CREDITED_PROJECTIONS` secret
-Gaussian pairs, with ``G_r`` the per-example gradient the rule forms from the call's input and output gradient
-(:meth:`.samplers.Sampler.project`: from the rows for Linear and Embedding, materialised a few rows at a time
-otherwise), summed over every call that credits the parameter (a tied weight's calls through other layers included).
-The gap and the tolerance are those above with ``||G_1[r]||`` estimated by the root mean square of the first pass's
-projections (``E[(v^T G u)^2] = ||G||_F^2``): a batch-mate's part passes only below about ``2 sqrt(eps)`` of the
-example's credited gradient, whatever the row's norm, and the clipped sum moves by at most twice that share of ``C``
-when it is removed. A parameter that fails sends every call crediting it to the fallback. What this leaves open: the
+rule layer each pass takes ``sum_p v_{p,k}^T G_{p,r} u_{p,k}`` over its trainable parameters ``p``, for ``K =``
+:data:`CREDITED_PROJECTIONS` secret Gaussian pairs per parameter, with ``G_{p,r}`` the per-example gradient the rule
+forms from the call's input and output gradient (:meth:`.samplers.Sampler.project`: from the rows for Linear and
+Embedding, materialised a few rows at a time otherwise), summed over every call of the layer (layers sharing a
+parameter, a tied weight, are one group: :class:`_Credited`). The gap and the tolerance are those above with
+``||G_1[r]||`` estimated by the root mean square of the first pass's projections (``E[(v^T G u)^2] = ||G||_F^2``): a
+batch-mate's part passes only below about ``2 sqrt(eps)`` of the example's credited gradient of the layer, hence of
+its whole gradient, whatever the row's norm, and the clipped sum moves by at most about twice that share of ``C`` when
+it is removed. A group that fails sends every call crediting it to the fallback. What this leaves open: the
 vmap fallback's module calls and layers under a transform (DP-GRAPE's projections, DOPE-SGD's recentring) are still
 compared row by row, and an unchecked step is not compared at all (review 78, finding 2).
 
@@ -143,7 +144,8 @@ class _RowSummaries:
         self.keys, self.seed, self.norms, self.credited = keys, seed, norms, credited
         self.values: Dict[Tuple[CallKey, int], Tuple[Tensor, Optional[Tensor], float]] = {}
         self._drawn: Dict[tuple, Tuple[Tensor, Tensor, float]] = {}
-        #: Per parameter of the credited calls: the sum over its calls of ``v_k^T G_i u_k``, and ``sqrt(eps)``.
+        #: Per group of the credited calls' parameters (:class:`_Credited`): the sum over its calls and parameters of
+        #: ``v_k^T G_i u_k``, and ``sqrt(eps)``.
         self._credited_sums: Dict[CallKey, Tuple[Tensor, float]] = {}
         #: The credited calls whose output gradient arrived.
         self.credited_seen: Set[CallKey] = set()
@@ -169,16 +171,16 @@ class _RowSummaries:
         dtypes = [t.dtype for t in (grad, call.activation) if t.is_floating_point()]
         eps = working_eps(grad.device.type, *dtypes) ** 0.5
         for name, projected in sampler.project(call.module, call.activation, grad, credited.directions).items():
-            param = credited.params[id(getattr(call.module, name))]
-            total, known = self._credited_sums.get(param, (None, 0.0))
-            self._credited_sums[param] = (projected if total is None else total + projected, max(known, eps))
+            group = credited.groups[id(getattr(call.module, name))]
+            total, known = self._credited_sums.get(group, (None, 0.0))
+            self._credited_sums[group] = (projected if total is None else total + projected, max(known, eps))
         self.credited_seen.add(key)
 
     def finish(self) -> None:
-        """After the pass: each credited parameter's summaries, with the root mean square of its projections as the
+        """After the pass: each credited group's summaries, with the root mean square of its projections as the
         norm (an estimate of ``||G_i||``; module docstring)."""
-        for param, (total, eps) in self._credited_sums.items():
-            self.values[(param, 0)] = (total, _root_mean_square(total) if self.norms else None, eps)
+        for group, (total, eps) in self._credited_sums.items():
+            self.values[(group, 0)] = (total, _root_mean_square(total) if self.norms else None, eps)
 
     def _pairs(self, grad: Tensor) -> Tuple[Tensor, Tensor, float]:
         """``U [T, K]`` and ``V [D, K]`` for rows ``[T, D]`` of ``grad`` (``D`` its last dimension), drawn
@@ -228,31 +230,51 @@ def _backward_observed(total: Tensor, tape: Tape, summaries: _RowSummaries, edge
 
 class _Credited:
     """The shape-aligned calls of layers with a rule, compared through what their rule credits (module docstring):
-    ``samplers`` (call id -> its rule), ``params`` (parameter id -> its key ``("param", k)``), ``members`` (a
-    parameter's key -> the calls crediting it) and ``directions`` (:data:`.samplers.Directions`, drawn from the
-    secret ``seed`` per parameter: the same in every pass)."""
+    ``samplers`` (call id -> its rule), ``groups`` (parameter id -> its group's key ``("rule", k)``: a layer's
+    parameters, layers sharing a parameter joined), ``members`` (a group's key -> the calls crediting it) and
+    ``directions`` (:data:`.samplers.Directions`, drawn from the secret ``seed`` per parameter: the same in every
+    pass). A group's projections are its parameters' added up: those of its concatenated per-example gradient on a
+    concatenated direction. Why a layer and not a parameter: an exactly-zero per-example gradient is compared in its
+    rounding noise, which does not scale with the weight (an attention key's bias, to which the softmax is blind: every
+    MiniLM key bias failed in bfloat16), while a batch-mate's share of a layer's gradient is one of the whole clipped
+    gradient too."""
 
     def __init__(self, tape: Tape, candidates: Iterable[CallKey], seed: int):
         self.seed = seed
         self.samplers: Dict[int, Sampler] = {}
-        self.params: Dict[int, CallKey] = {}
+        self.groups: Dict[int, CallKey] = {}
         self.members: Dict[CallKey, Set[CallKey]] = {}
+        self._index: Dict[int, int] = {}
         self._drawn: Dict[tuple, Tuple[Tensor, Optional[Tensor]]] = {}
+        layers: Dict[int, Tuple[List[int], Set[CallKey]]] = {}
         for kind, position in candidates:
             call = tape.layer_calls[position] if kind == "layer" else None
             sampler = sampler_for(call.module) if call is not None else None
             if sampler is None:
                 continue
             self.samplers[id(call)] = sampler
-            for param in call.module.parameters(recurse=False):
-                key = self.params.setdefault(id(param), ("param", len(self.params)))
-                self.members.setdefault(key, set()).add((kind, position))
+            params = [id(p) for p in call.module.parameters(recurse=False)]
+            layers.setdefault(id(call.module), (params, set()))[1].add((kind, position))
+            for param in params:
+                self._index.setdefault(param, len(self._index))
+        self._join(layers.values())
+
+    def _join(self, layers: Iterable[Tuple[List[int], Set[CallKey]]]) -> None:
+        """Groups: each layer's parameters, and layers sharing one joined (a tied weight)."""
+        for params, calls in layers:
+            key = ("rule", len(self.members))
+            merged = {self.groups[p] for p in params if p in self.groups}
+            self.members[key] = set(calls).union(*(self.members.pop(old) for old in merged))
+            for param, group in list(self.groups.items()):
+                if group in merged:
+                    self.groups[param] = key
+            self.groups.update(dict.fromkeys(params, key))
 
     def directions(self, param: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Optional[Tensor]]:
         found = (id(param), dtype)
         if found not in self._drawn:
             generator = torch.Generator(device=param.device)
-            generator.manual_seed((self.seed + 1_000_003 * self.params[id(param)][1]) % 2**63)
+            generator.manual_seed((self.seed + 1_000_003 * self._index[id(param)]) % 2**63)
             first = param.shape[0] if param.dim() >= 2 else param.numel()
             with checks_own_draws():
                 v = torch.randn(first, CREDITED_PROJECTIONS, generator=generator, device=param.device, dtype=dtype)
@@ -262,7 +284,7 @@ class _Credited:
         return self._drawn[found]
 
     def calls_of(self, keys: Iterable[CallKey]) -> Set[CallKey]:
-        """``keys`` with each parameter's key replaced by the calls crediting it."""
+        """``keys`` with each group's key replaced by the calls crediting it."""
         return {call for key in keys for call in (self.members[key] if key in self.members else (key,))}
 
 
