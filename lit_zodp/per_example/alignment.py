@@ -66,13 +66,14 @@ cancel with probability 0, as in the first comparison.
 
 The row norms and the gap are taken so that neither underflows nor overflows (:func:`_row_norms`,
 :func:`_root_mean_square`; stop 64): a float32 sum of squares gave rows above ``1e19`` a tolerance of ``inf``, through
-which another example's part of 1e-2 of the row passed, and rows below ``1e-22`` one of 0; float64 squares of
-subnormal gaps measured 0, through which half of another example's row passed. Rows among the subnormals are rounded in
-absolute steps and fail by their own rounding; compared through what is credited, an LSTM's early steps at 290 tokens
-in float32 are a negligible part of the hidden layers' sums over their calls and keep the rules (they went to the
-exact fallback until stop 65), while a parameter whose credited gradient is itself subnormal still goes there. Running both passes again with every loss times a power of two compared rows that were not the
-ones credited: a record whose own part underflowed to 0 in the step's backward, leaving only a batch-mate's share,
-agreed there (1.95 C, red-team review 78), so that was withdrawn.
+which another example's part of 1e-2 of the row passed, and rows below ``1e-22`` one of 0; float64 squares of subnormal
+gaps measured 0, through which half of another example's row passed. Rows among the subnormals are rounded in absolute
+steps and fail by their own rounding; compared through what is credited, an LSTM's early steps at 290 tokens in float32
+are a negligible part of the hidden layers' sums over their calls and keep the rules (they went to the exact fallback
+until stop 65), while a layer whose credited gradient is itself subnormal still goes there. Running both passes again
+with every loss times a power of two compared rows that were not the ones credited: a record whose own part underflowed
+to 0 in the step's backward, leaving only a batch-mate's share, agreed there (1.95 C, red-team review 78), so that was
+withdrawn.
 
 Examples whose loss is not finite are left out of both sums (``where``), and their rows are not
 compared (their rows may be nan). A non-finite projection, a nan or a mismatch in another row reads as
@@ -94,6 +95,7 @@ from lit_zodp.per_example.ghost import float64_norm_sq
 from lit_zodp.per_example.rounding import working_eps
 from lit_zodp.per_example.samplers import Sampler, sampler_for
 from lit_zodp.per_example.tape import LayerCall, Tape
+from lit_zodp.per_example.transforms import Projection
 from lit_zodp.privacy.training_randomness import checks_own_draws, secret_cpu_generator
 
 #: ``("layer" | "module", position in the tape's calls of that kind)``
@@ -239,8 +241,9 @@ class _Credited:
     MiniLM key bias failed in bfloat16), while a batch-mate's share of a layer's gradient is one of the whole clipped
     gradient too."""
 
-    def __init__(self, tape: Tape, candidates: Iterable[CallKey], seed: int):
-        self.seed = seed
+    def __init__(self, tape: Tape, candidates: Iterable[CallKey], seed: int,
+                 projections: Dict[int, Optional[Projection]]):
+        self.seed, self.projections = seed, projections
         self.samplers: Dict[int, Sampler] = {}
         self.groups: Dict[int, CallKey] = {}
         self.members: Dict[CallKey, Set[CallKey]] = {}
@@ -252,8 +255,10 @@ class _Credited:
             sampler = sampler_for(call.module) if call is not None else None
             if sampler is None:
                 continue
+            params = [id(p) for p in call.module.parameters(recurse=False) if p.requires_grad]
+            if not all(p in projections for p in params):
+                continue  # (a generic rewrite: compared row by row)
             self.samplers[id(call)] = sampler
-            params = [id(p) for p in call.module.parameters(recurse=False)]
             layers.setdefault(id(call.module), (params, set()))[1].add((kind, position))
             for param in params:
                 self._index.setdefault(param, len(self._index))
@@ -271,15 +276,27 @@ class _Credited:
             self.groups.update(dict.fromkeys(params, key))
 
     def directions(self, param: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Optional[Tensor]]:
+        """``v [S_0, K]`` and ``u [S_1 * ..., K]`` (``None`` for a vector): Gaussian, or for a projected weight
+        ``R = P^T G`` (``G P``) ``v = P v'`` (``u = P u'``) with ``v'`` (``u'``) Gaussian in the projection's ``r``
+        dimensions, so ``v^T G u = v'^T R u'`` (``E[(v'^T R u')^2] = ||R||^2``): what is credited is the projection."""
         found = (id(param), dtype)
         if found not in self._drawn:
             generator = torch.Generator(device=param.device)
             generator.manual_seed((self.seed + 1_000_003 * self._index[id(param)]) % 2**63)
+            projection = self.projections.get(id(param))
             first = param.shape[0] if param.dim() >= 2 else param.numel()
+            rest = param.numel() // max(first, 1)
+            rows, columns = first, rest
+            if projection is not None:
+                rows, columns = (projection.matrix.shape[1], rest) if projection.side == "left" else (
+                    first, projection.matrix.shape[1])
             with checks_own_draws():
-                v = torch.randn(first, CREDITED_PROJECTIONS, generator=generator, device=param.device, dtype=dtype)
-                u = (torch.randn(param.numel() // max(first, 1), CREDITED_PROJECTIONS, generator=generator,
-                                 device=param.device, dtype=dtype) if param.dim() >= 2 else None)
+                v = torch.randn(rows, CREDITED_PROJECTIONS, generator=generator, device=param.device, dtype=dtype)
+                u = (torch.randn(columns, CREDITED_PROJECTIONS, generator=generator, device=param.device, dtype=dtype)
+                     if param.dim() >= 2 else None)
+            if projection is not None:
+                matrix = projection.matrix.to(device=param.device, dtype=dtype)
+                v, u = (matrix @ v, u) if projection.side == "left" else (v, matrix @ u)
             self._drawn[found] = (v, u)
         return self._drawn[found]
 
@@ -289,10 +306,11 @@ class _Credited:
 
 
 def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey], *,
-                     by_rules: bool = False) -> Set[CallKey]:
-    """The ``candidates`` (calls aligned by shape) whose output rows are reached by other examples' losses; with
-    ``by_rules``, the calls of layers with a rule compared through the per-example gradients their rules form (module
-    docstring; the engine without a transform).
+                     credited: Optional[Dict[int, Optional[Projection]]] = None) -> Set[CallKey]:
+    """The ``candidates`` (calls aligned by shape) whose output rows are reached by other examples' losses. With
+    ``credited`` (parameter id -> ``None`` or the projection of its per-example gradients), the calls of layers with a
+    rule whose trainable parameters are all there are compared through the per-example gradients credited (module
+    docstring); the other calls row by row.
 
     Leaves the graph retained and the tape's recordings untouched.
     """
@@ -307,7 +325,7 @@ def misaligned_calls(tape: Tape, losses: Tensor, candidates: Iterable[CallKey], 
     weights = _random_weights(losses, generator)
     with checks_own_draws():
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    credited = _Credited(tape, keys.values(), seed) if by_rules else None
+    credited = _Credited(tape, keys.values(), seed, credited) if credited is not None else None
     unit, weighted = (_RowSummaries(keys, seed, norms=norms, credited=credited) for norms in (True, False))
     _backward_observed(torch.where(ok, losses, zero).sum(), tape, unit, edges)
     _backward_observed(torch.where(ok, weights * losses, zero).sum(), tape, weighted, edges)

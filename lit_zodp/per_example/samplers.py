@@ -68,7 +68,7 @@ class Sampler:
             rows = slice(start, start + chunk)
             for name, grads in self.grads(layer, a[rows], g[rows]).items():
                 parts.setdefault(name, []).append(projected_rows(grads, *directions(getattr(layer, name),
-                                                                                    _wide(grads.dtype))))
+                                                                                    torch.float64)))
         return {name: torch.cat(chunks) for name, chunks in parts.items()}
 
     def sum_over_examples(self, layer: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
@@ -143,25 +143,35 @@ def _holds_only(layer: nn.Module, names: Optional[FrozenSet[str]]) -> bool:
 MATERIALISED_ELEMENTS = 2 ** 22
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 def scaled_rows(x: Tensor) -> Tuple[Tensor, Tensor]:
-    """``x [B, ...]`` in at least float32 with each row divided by its largest magnitude (a zero row by 1), and those
-    magnitudes in float64: products of the scaled rows neither under- nor overflow where the row's values do not."""
-    wide = x.to(_wide(x.dtype))
+    """``x [B, ...]`` in float64 with each row divided by its largest magnitude (a zero row by 1), and those
+    magnitudes: a float64 row's projections neither under- nor overflow where its values do not."""
+    wide = x.double()
     if wide.dim() < 2 or wide[0].numel() == 0:
         return wide, torch.zeros(len(x), dtype=torch.float64, device=x.device)
     scale = wide.abs().flatten(1).amax(1)
-    return wide / torch.where(scale > 0, scale, 1.0).view(-1, *[1] * (wide.dim() - 1)), scale.double()
+    return wide / torch.where(scale > 0, scale, 1.0).view(-1, *[1] * (wide.dim() - 1)), scale
+
+
+def wide_positions(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """Rows ``x [B, T, d]`` in float64 and a scale per position ``[B, T]`` that multiplies them back: 1 for ``x`` of at
+    most float32, whose products float64 holds exactly; each position's largest magnitude for float64 ``x``. Scaled
+    per position, not per row, so that products of two rows' positions are as small as the credited values are: each
+    row scaled by its own largest value (41aae33) made a live position's product ``1e-57`` of the scales, 0 in
+    float32, while a dead position set the scale (red-team review 79, finding 1: 2.26 C)."""
+    wide = x.double()
+    if x.dtype != torch.float64 or x.shape[-1] == 0:
+        return wide, torch.ones(x.shape[:-1], dtype=torch.float64, device=x.device)
+    scale = wide.abs().amax(-1)
+    return wide / torch.where(scale > 0, scale, 1.0)[..., None], scale
 
 
 def projected_rows(grads: Tensor, v: Tensor, u: Optional[Tensor]) -> Tensor:
-    """``v_k^T G_i u_k`` ``[B, K]`` (float64) of materialised per-example gradients ``G [B, *S]`` (:data:`Directions`)."""
+    """``v_k^T G_i u_k`` ``[B, K]`` (float64) of materialised per-example gradients ``G [B, *S]``
+    (:data:`Directions`)."""
     rows, scale = scaled_rows(grads.reshape(len(grads), v.shape[0], -1))
     projected = rows[..., 0] @ v if u is None else ((rows @ u) * v).sum(1)
-    return projected.double() * scale[:, None]
+    return projected * scale[:, None]
 
 
 def _row_norm_sq(per_example: Tensor) -> Tensor:
@@ -250,17 +260,18 @@ def _linear_rows(layer: nn.Linear, a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor
 
 
 def _linear_projected(layer: nn.Linear, a: Tensor, g: Tensor, directions: Directions) -> Dict[str, Tensor]:
-    """``v^T G_i u = sum_t (g_{i,t} . v)(a_{i,t} . u)`` and ``sum_t g_{i,t} . v`` for the bias, no ``[B, out, in]``."""
+    """``v^T G_i u = sum_t (g_{i,t} . v)(a_{i,t} . u)`` and ``sum_t g_{i,t} . v`` for the bias, no ``[B, out, in]``
+    (float64: :func:`wide_positions`)."""
     a, g = _as_sequences(a, g)
-    g, g_scale = scaled_rows(g)
+    g, g_scale = wide_positions(g)
     out = {}
     if _trainable(layer, "weight"):
-        v, u = directions(layer.weight, g.dtype)
-        a, a_scale = scaled_rows(a)
-        out["weight"] = ((a @ u) * (g @ v)).sum(1).double() * (a_scale * g_scale)[:, None]
+        v, u = directions(layer.weight, torch.float64)
+        a, a_scale = wide_positions(a)
+        out["weight"] = ((a @ u) * (g @ v) * (a_scale * g_scale)[..., None]).sum(1)
     if _trainable(layer, "bias"):
-        v, _ = directions(layer.bias, g.dtype)
-        out["bias"] = (g.sum(1) @ v).double() * g_scale[:, None]
+        v, _ = directions(layer.bias, torch.float64)
+        out["bias"] = ((g @ v) * g_scale[..., None]).sum(1)
     return out
 
 
@@ -315,16 +326,17 @@ def _embedding_summed(layer: nn.Embedding, idx: Tensor, g: Tensor) -> Dict[str, 
 
 
 def _embedding_projected(layer: nn.Embedding, idx: Tensor, g: Tensor, directions: Directions) -> Dict[str, Tensor]:
-    """``v^T G_i u = sum_t v[x_{i,t}] (g_{i,t} . u)`` over positions not at ``padding_idx``, no ``[B, V, D]``."""
+    """``v^T G_i u = sum_t v[x_{i,t}] (g_{i,t} . u)`` over positions not at ``padding_idx``, no ``[B, V, D]``
+    (float64: :func:`wide_positions`)."""
     if not _trainable(layer, "weight"):
         return {}
     idx, g = _embedding_rows(layer, idx, g)
-    g, scale = scaled_rows(g)
-    v, u = directions(layer.weight, g.dtype)
+    g, scale = wide_positions(g)
+    v, u = directions(layer.weight, torch.float64)
     picked = v[idx]
     if layer.padding_idx is not None:
         picked = picked * (idx != layer.padding_idx).unsqueeze(-1)
-    return {"weight": (picked * (g @ u)).sum(1).double() * scale[:, None]}
+    return {"weight": (picked * (g @ u) * scale[..., None]).sum(1)}
 
 
 register_sampler(nn.Embedding, parameters=WEIGHT_AND_BIAS, norms=_embedding_norms, summed=_embedding_summed,

@@ -104,6 +104,10 @@ class GradientTransform:
         """Whether :meth:`apply` is overridden (then per-example gradients must be materialised)."""
         return type(self).apply is not GradientTransform.apply
 
+    def rewrites_param(self, name: str, param: Tensor) -> bool:
+        """Whether :meth:`apply` may change ``name``'s per-example gradients (default: whenever it is overridden)."""
+        return self.rewrites
+
     def unapply_sum(self, name: str, param: Tensor, summed: Tensor, weight: float) -> Optional[Tensor]:
         """``sum_i w_i g_i`` from ``sum_i w_i apply(g_i)`` and ``weight = sum_i w_i``, where :meth:`apply` is affine
         (``None``: unknown). The gradient halves' retry compares a step's sum before the rewrite
@@ -131,6 +135,9 @@ class Recentring(GradientTransform):
     def apply(self, name: str, param: Tensor, grads: Tensor) -> Tensor:
         center = self.centers.get(name)
         return grads if center is None else grads - center.to(grads.dtype)
+
+    def rewrites_param(self, name: str, param: Tensor) -> bool:
+        return name in self.centers
 
     def unapply_sum(self, name: str, param: Tensor, summed: Tensor, weight: float) -> Optional[Tensor]:
         """``sum_i w_i (g_i - c) + (sum_i w_i) c``."""

@@ -85,14 +85,14 @@ def test_each_rules_projections_are_those_of_its_per_example_gradients(monkeypat
 @pytest.mark.parametrize("scale", [1e-30, 1e25])
 def test_float32_rows_far_from_one_are_projected_without_under_or_overflow(scale):
     """Float32 rows at ``1e-30`` (products of ``1e-60``: 0 in float32) or ``1e25`` (``inf``) project as the float64
-    reference does, each row divided by its largest value first (:func:`.samplers.scaled_rows`)."""
+    reference does: rows are projected in float64 (:func:`.samplers.wide_positions`, :func:`.samplers.scaled_rows`)."""
     layer, a, g = _layer_case("linear")
     layer = layer.float()
     got = sampler_for(layer).project(layer, (a * scale).float(), (g * scale).float(), _directions)["weight"]
     want = _by_materialising(layer.double(), (a.float() * scale).double(), (g.float() * scale).double())["weight"]
     assert_rel_close(got, want, rtol=1e-5, name="weight")
     grads = torch.randn(2, 4, 3, dtype=torch.float32) * scale
-    v, u = _directions(torch.empty(4, 3), torch.float32)
+    v, u = _directions(torch.empty(4, 3), torch.float64)
     assert_rel_close(projected_rows(grads, v, u), torch.einsum("bij,ik,jk->bk", grads.double(), v.double(), u.double()),
                      rtol=1e-5, name="rows")
 
@@ -247,3 +247,54 @@ def test_a_parameter_whose_exact_gradient_is_zero_is_compared_with_its_layer(mod
     sums, _ = flat_clipped_sum(want, engine.names, 0.1)
     got = torch.cat([g.double().flatten() for g in result.grads])  # (k.bias's sum is noise: compared in the whole)
     assert_rel_close(got, torch.cat([sums[name].double().flatten() for name in engine.names]), rtol=1e-5, name="sum")
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_projected_weights_directions_project_what_is_credited(side):
+    """DP-GRAPE credits ``P^T G_i`` (left) or ``G_i P`` (right): the check's directions for such a weight are mapped
+    through ``P`` (``v = P v'``, ``u = P u'``), so its projections of the unprojected rows are ``v'^T R_i u'`` of the
+    projected gradients ``R_i`` (the float64 reference from the rule's materialised gradients)."""
+    from lit_zodp.per_example.alignment import _Credited
+    from lit_zodp.per_example.tape import Tape
+    from lit_zodp.per_example.transforms import Projection
+
+    layer, a, g = _layer_case("linear")
+    matrix = torch.randn(4 if side == "left" else 6, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    projection = Projection(matrix, side)
+    credited = _Credited(Tape(layer, [], []), [], seed=3, projections={id(layer.weight): projection})
+    credited._index[id(layer.weight)] = 0  # (a parameter of a candidate call gets its index in __init__)
+    v, u = credited.directions(layer.weight, torch.float64)
+    got = sampler_for(layer).project(layer, a, g, lambda param, dtype: (v, u))["weight"]
+    projected = projection.of_gradients(sampler_for(layer).grads(layer, a, g)["weight"])  # [B, r, in] or [B, out, r]
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(3)
+    rows, columns = projected.shape[1:]
+    v_small = torch.randn(rows, 16, generator=generator, dtype=torch.float64)
+    u_small = torch.randn(columns, 16, generator=generator, dtype=torch.float64)
+    assert_rel_close(got, torch.einsum("bij,ik,jk->bk", projected, v_small, u_small), rtol=1e-10, name=side)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dead_position_under_a_projection_of_its_own_layer_is_refused(monkeypatch, mode):
+    """Review 78's dead-position record with DP-GRAPE projecting ``lin.weight`` itself (left, ``r = 2``): compared
+    through the projection it is credited, the record's step is refused (every mode); row by row (the control) it
+    released more than 2 C."""
+    from lit_zodp.per_example.transforms import Projection, Projections
+
+    def sensitivity():
+        model, x, y = _dead_position_batch()
+        matrix = torch.randn(8, 2, generator=torch.Generator().manual_seed(6), dtype=torch.float32)
+
+        def clipped(rows):
+            engine = PerExampleGradientEngine(model, mode=mode, transform=Projections({"lin.weight": Projection(matrix)}))
+            return engine.clipped_sum(lambda: F.cross_entropy(model(x[rows]), y[rows], reduction="none"), 1e-3)
+
+        full = clipped(list(range(6)))
+        return max(float(torch.cat([(a - b).flatten() for a, b in zip(
+            full.grads, clipped([i for i in range(6) if i != j]).grads)]).double().norm()) / 1e-3 for j in range(6))
+
+    _no_gradient_halves(monkeypatch)
+    with pytest.raises(PrivacyConfigError):
+        sensitivity()
+    _row_by_row(monkeypatch)
+    assert sensitivity() > 1.5
