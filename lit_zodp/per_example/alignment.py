@@ -29,22 +29,26 @@ passes one row with probability 0.019 (``chi2_8 < 2``) instead of 0.38 (``|N| < 
 Cost: two backwards, on a batch whose call structure (with which calls are aligned by shape) is new
 to the engine (and one per rechecked row, below).
 
-**Layers with a rule are compared through what their rule credits** (stop 65; the engine without a transform:
-``by_rules``). A row's norm is not the scale of what is credited from it: a Linear credits ``sum_t g_{r,t}
-a_{r,t}^T``, so a position with zero input and a large gradient widened the tolerance at the row's other positions
-(2.26 C, red-team review 78, finding 4), and a layer called twice, on ``x`` and ``-x``, credits the sum of two rows
-whose own parts cancel, leaving a batch-mate's part that each row held within tolerance (2.2 C, stop 65). So for a
+**Layers with a rule are compared through what their rule credits** (stop 65; ``credited``: layers whose trainable
+parameters are untransformed or projected). A row's norm is not the scale of what is credited from it: a Linear credits
+``sum_t g_{r,t} a_{r,t}^T``, so a position with zero input and a large gradient widened the tolerance at the row's other
+positions (2.26 C, red-team review 78, finding 4), and a layer called twice, on ``x`` and ``-x``, credits the sum of two
+rows whose own parts cancel, leaving a batch-mate's part that each row held within tolerance (2.2 C, stop 65). So for a
 rule layer each pass takes ``sum_p v_{p,k}^T G_{p,r} u_{p,k}`` over its trainable parameters ``p``, for ``K =``
 :data:`CREDITED_PROJECTIONS` secret Gaussian pairs per parameter, with ``G_{p,r}`` the per-example gradient the rule
 forms from the call's input and output gradient (:meth:`.samplers.Sampler.project`: from the rows for Linear and
 Embedding, materialised a few rows at a time otherwise), summed over every call of the layer (layers sharing a
 parameter, a tied weight, are one group: :class:`_Credited`). The gap and the tolerance are those above with
 ``||G_1[r]||`` estimated by the root mean square of the first pass's projections (``E[(v^T G u)^2] = ||G||_F^2``): a
-batch-mate's part passes only below about ``2 sqrt(eps)`` of the example's credited gradient of the layer, hence of
-its whole gradient, whatever the row's norm, and the clipped sum moves by at most about twice that share of ``C`` when
-it is removed. A group that fails sends every call crediting it to the fallback. What this leaves open: the
-vmap fallback's module calls and layers under a transform (DP-GRAPE's projections, DOPE-SGD's recentring) are still
-compared row by row, and an unchecked step is not compared at all (review 78, finding 2).
+batch-mate's part passes only below about ``2 sqrt(eps)`` of the example's credited gradient of the layer, hence of its
+whole gradient, whatever the row's norm, and the clipped sum moves by at most about twice that share of ``C`` when it is
+removed. A group that fails sends every call crediting it to the fallback. A projected weight (DP-GRAPE, GEP) is
+compared through its projection: its directions are mapped by ``P`` (:meth:`_Credited.directions`). The rows are
+projected in float64 (:func:`.samplers.wide_positions`): scaled per row in float32, a dead position set one factor's
+scale and a live position's product underflowed to 0 in both passes (2.26 C, red-team review 79, finding 1). What this
+leaves open: the vmap fallback's module calls (review 79, finding 3, 2.27 C) and layers with a parameter under a generic
+rewrite (DOPE-SGD's recentring by a centre, ``g_i - c``, not linear in the rows) are still compared row by row, and an
+unchecked step is not compared at all (review 78, finding 2).
 
 A row whose exact gradient is 0 but whose computed one is its own rounding noise is not ``w_r`` times
 its first-pass value: rounding is not linear in ``w_r``. A one-token sequence under a causal mask has a
