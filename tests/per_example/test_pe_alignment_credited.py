@@ -18,7 +18,7 @@ from lit_zodp.per_example import PerExampleGradientEngine, samplers
 from lit_zodp.per_example import engine as engine_module
 from lit_zodp.per_example.samplers import projected_rows, sampler_for
 from tests.per_example.helpers import assert_rel_close, flat_clipped_sum, loop_reference
-from tests.per_example.test_pe_alignment_float_range_attacks import RECORD, DeadPosition, _sensitivity
+from tests.per_example.test_pe_alignment_float_range_attacks import RECORD, _sensitivity, dead_position_batch
 
 MODES = ["hooks", "ghost", "bookkeeping"]
 K = 5
@@ -109,24 +109,12 @@ def _no_gradient_halves(monkeypatch):
     monkeypatch.setattr(engine_module, "refuse_gradient_mixing", lambda *args, **kwargs: None)
 
 
-def _dead_position_batch():
-    torch.manual_seed(0)
-    model = DeadPosition().float()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 2, 5, generator=g, dtype=torch.float32)
-    x[:, :, 4] = 0
-    y = torch.randint(0, 2, (6,), generator=g)
-    x[RECORD, 0, :4] = 1e6 * torch.tensor([1.0, -1.0, 1.0, 1.0], dtype=torch.float32)
-    x[RECORD, 0, 4], x[RECORD, 1, :4], x[RECORD, 1, 4] = -30.0, 0.0, 60.0
-    return model, x, y
-
-
 def test_the_dead_position_record_needed_the_new_comparison(monkeypatch):
     """Control for review 78's finding 4 (``test_a_dead_position_does_not_widen_its_rows_tolerance``, every mode):
     compared row by row, the record's step is credited and releases more than 2 C on one removal."""
     _no_gradient_halves(monkeypatch)
     _row_by_row(monkeypatch)
-    model, x, y = _dead_position_batch()
+    model, x, y = dead_position_batch()
     assert _sensitivity(model, x, y, "hooks", 1e-3) > 2
 
 
@@ -282,16 +270,9 @@ def test_a_dead_position_under_a_projection_of_its_own_layer_is_refused(monkeypa
     from lit_zodp.per_example.transforms import Projection, Projections
 
     def sensitivity():
-        model, x, y = _dead_position_batch()
+        model, x, y = dead_position_batch()
         matrix = torch.randn(8, 2, generator=torch.Generator().manual_seed(6), dtype=torch.float32)
-
-        def clipped(rows):
-            engine = PerExampleGradientEngine(model, mode=mode, transform=Projections({"lin.weight": Projection(matrix)}))
-            return engine.clipped_sum(lambda: F.cross_entropy(model(x[rows]), y[rows], reduction="none"), 1e-3)
-
-        full = clipped(list(range(6)))
-        return max(float(torch.cat([(a - b).flatten() for a, b in zip(
-            full.grads, clipped([i for i in range(6) if i != j]).grads)]).double().norm()) / 1e-3 for j in range(6))
+        return _sensitivity(model, x, y, mode, 1e-3, transform=lambda: Projections({"lin.weight": Projection(matrix)}))
 
     _no_gradient_halves(monkeypatch)
     with pytest.raises(PrivacyConfigError):

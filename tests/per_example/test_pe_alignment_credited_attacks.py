@@ -73,8 +73,8 @@ from lit_zodp.errors import PrivacyConfigError
 from lit_zodp.per_example import PerExampleGradientEngine, samplers
 from lit_zodp.per_example import engine as engine_module
 from lit_zodp.per_example.transforms import Projection, Projections, Recentring
-from tests.per_example.test_pe_alignment_credited import _cancelling_batch, _dead_position_batch
-from tests.per_example.test_pe_alignment_float_range_attacks import RECORD, _losses, _sensitivity
+from tests.per_example.test_pe_alignment_credited import _cancelling_batch
+from tests.per_example.test_pe_alignment_float_range_attacks import RECORD, _sensitivity, dead_position_batch
 
 MODES = ["hooks", "ghost", "bookkeeping"]
 
@@ -177,27 +177,12 @@ def test_the_underflowing_records_projection_is_its_credited_gradients():
     assert float(credited[RECORD].double().norm()) > 100
 
 
-def _sensitivity_with(model, x, y, mode, clip, transform):
-    """:func:`_sensitivity` with an engine holding ``transform()`` (a fresh one per batch)."""
-    def clipped(rows):
-        engine = PerExampleGradientEngine(model, mode=mode, transform=transform())
-        return engine.clipped_sum(lambda: _losses(model, x[rows], y[rows]), clip)
-
-    full = clipped(list(range(len(x))))
-    worst = 0.0
-    for j in range(len(x)):
-        less = clipped([i for i in range(len(x)) if i != j])
-        gap = torch.cat([(a - b).flatten() for a, b in zip(full.grads, less.grads)]).double().norm()
-        worst = max(worst, float(gap) / clip)
-    return worst
-
-
 TRANSFORMS = {
     "empty_projections": lambda: Projections({}),
     "grape_projects_head_only": lambda: Projections(
         {"head.weight": Projection(torch.randn(2, 1, generator=torch.Generator().manual_seed(6)))}),
 }
-BATCHES = {"dead_position": _dead_position_batch, "cancelling_calls": _cancelling_batch}
+BATCHES = {"dead_position": dead_position_batch, "cancelling_calls": _cancelling_batch}
 
 
 @pytest.mark.parametrize("transform", sorted(TRANSFORMS))
@@ -205,7 +190,7 @@ BATCHES = {"dead_position": _dead_position_batch, "cancelling_calls": _cancellin
 @pytest.mark.parametrize("mode", MODES)
 def test_a_transform_elsewhere_keeps_the_credited_comparison(monkeypatch, mode, batch, transform):
     """Measured at 41aae33 (gradient halves patched off), identical for both transforms and every mode: the dead
-    position (``test_pe_alignment_credited._dead_position_batch``) 2.2792 C ("hooks" 2.279229, "ghost" and
+    position (``test_pe_alignment_float_range_attacks.dead_position_batch``) 2.2792 C ("hooks" 2.279229, "ghost" and
     "bookkeeping" 2.279226), the cancelling calls (``_cancelling_batch``) 2.2160 C ("hooks" 2.215986, "ghost" and
     "bookkeeping" 2.215986); ``Recentring({})`` ("hooks") the same. Neither transform touches ``lin``: without a
     transform the same batches are refused (``test_pe_alignment_credited``). Un-patched ("hooks", ``Projections({})``),
@@ -214,7 +199,7 @@ def test_a_transform_elsewhere_keeps_the_credited_comparison(monkeypatch, mode, 
     _no_gradient_halves(monkeypatch)
     model, x, y = BATCHES[batch]()
     try:
-        assert _sensitivity_with(model, x, y, mode, 1e-3, TRANSFORMS[transform]) <= 1 + 1e-6
+        assert _sensitivity(model, x, y, mode, 1e-3, transform=TRANSFORMS[transform]) <= 1 + 1e-6
     except PrivacyConfigError:
         pass  # refused: safe
 
@@ -222,9 +207,9 @@ def test_a_transform_elsewhere_keeps_the_credited_comparison(monkeypatch, mode, 
 def test_an_empty_recentring_keeps_the_credited_comparison(monkeypatch):
     """"hooks" (a generic rewrite needs materialised gradients): the dead position, 2.2792 C at 41aae33."""
     _no_gradient_halves(monkeypatch)
-    model, x, y = _dead_position_batch()
+    model, x, y = dead_position_batch()
     try:
-        assert _sensitivity_with(model, x, y, "hooks", 1e-3, lambda: Recentring({})) <= 1 + 1e-6
+        assert _sensitivity(model, x, y, "hooks", 1e-3, transform=lambda: Recentring({})) <= 1 + 1e-6
     except PrivacyConfigError:
         pass  # refused: safe
 
@@ -359,21 +344,6 @@ def _overflowing_label_batch(mix):
     return model, x, y
 
 
-def _regression_sensitivity(model, x, y, mode, clip):
-    """:func:`_sensitivity` with squared errors, the record's removal included (a fresh engine per batch)."""
-    def clipped(rows):
-        engine = PerExampleGradientEngine(model, mode=mode)
-        return engine.clipped_sum(lambda: _squared_errors(model, x[rows], y[rows]), clip)
-
-    full = clipped(list(range(len(x))))
-    worst = 0.0
-    for j in range(len(x)):
-        less = clipped([i for i in range(len(x)) if i != j])
-        gap = torch.cat([(a - b).flatten() for a, b in zip(full.grads, less.grads)]).double().norm()
-        worst = max(worst, float(gap) / clip)
-    return worst
-
-
 @pytest.mark.parametrize("mix", ["roll", "mean"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_record_with_a_non_finite_loss_does_not_reach_its_batch_mates(mode, mix):
@@ -384,7 +354,7 @@ def test_a_record_with_a_non_finite_loss_does_not_reach_its_batch_mates(mode, mi
     or at most C released; since stop 65 every backward is of ``where(ok, losses, 0)`` and at most C is released."""
     model, x, y = _overflowing_label_batch(mix)
     try:
-        assert _regression_sensitivity(model, x, y, mode, 1e-3) <= 1 + 1e-6
+        assert _sensitivity(model, x, y, mode, 1e-3, losses=_squared_errors) <= 1 + 1e-6
     except PrivacyConfigError:
         pass  # refused: safe
 
